@@ -1,0 +1,29 @@
+# `make demo` and `make test` bootstrap .venv on a fresh machine, then run.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench venv clean
+
+venv: $(STAMP)
+
+# torch==2.13.0 is installed first and alone so pip takes the local CPU build, not a multi-GB CUDA one.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m fastweights demo --out runs/demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -x -q --timeout=600 tests
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/train_throughput.py
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,3 @@
+from fastweights.cli import main
+
+raise SystemExit(main())
