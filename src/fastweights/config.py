@@ -33,8 +33,6 @@ class ModelConfig:
     mlp_hidden: int = 0  # SwiGLU hidden width; 0 -> 8/3 * d_model rounded up to a multiple of 32
     mixer: str = "attention"  # default mixer of every layer
     layer_mixers: list[str] = field(default_factory=list)  # per-layer override, e.g. ["attention", "fwp"]
-    window: int = 0  # sliding-window size for attention mixers; 0 = full causal attention
-    rope_base: float = 10000.0
     tie_embeddings: bool = True
     dropout: float = 0.0
     head: str = "linear"  # output head: "linear" or a registered head such as "fwl"

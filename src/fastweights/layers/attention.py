@@ -1,0 +1,87 @@
+"""Causal softmax self-attention with rotary positions, full or sliding-window, and a KV-cache state.
+
+    q_t, k_t, v_t = RoPE(W_q x_t, t), RoPE(W_k x_t, t), W_v x_t
+    o_t = sum_{s in S(t)} softmax_s(q_t . k_s / sqrt(d)) v_s,   S(t) = {s <= t}           (full)
+                                                            S(t) = {t - W < s <= t}    (sliding window W)
+
+State (the "fast weights" of softmax attention are its KV cache):
+    {"k": [B, H, L, D], "v": [B, H, L, D], "pos": int}
+where pos is the absolute position of the next token and L the cached length (at most W - 1 with a
+window, so memory stays constant when streaming).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastweights.layers.common import RotaryEmbedding
+from fastweights.models.registry import register_mixer
+
+
+@dataclass
+class AttentionOptions:
+    window: int = 0  # sliding-window size (keys per query, itself included); 0 = full causal attention
+    head_dim: int = 0  # 0 -> d_model // n_heads
+    rope_base: float = 10000.0
+
+
+@register_mixer("attention", AttentionOptions)
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, options: AttentionOptions | None = None):
+        super().__init__()
+        options = options or AttentionOptions()
+        self.n_heads = n_heads
+        self.head_dim = options.head_dim or d_model // n_heads
+        if options.window < 0:
+            raise ValueError("window must be >= 0")
+        self.window = options.window
+        inner = n_heads * self.head_dim
+        self.qkv = nn.Linear(d_model, 3 * inner, bias=False)
+        self.out = nn.Linear(inner, d_model, bias=False)
+        self.out.is_residual_proj = True
+        self.rope = RotaryEmbedding(self.head_dim, options.rope_base)
+
+    def forward(self, x: torch.Tensor, state: dict | None = None):
+        B, T, _ = x.shape
+        H, D = self.n_heads, self.head_dim
+        pos = state["pos"] if state is not None else 0
+        qkv = self.qkv(x).view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)  # [3, B, H, T, D]
+        q, k, v = self.rope(qkv[0], pos), self.rope(qkv[1], pos), qkv[2]
+
+        if state is not None and state["k"].shape[2] > 0:
+            k = torch.cat([state["k"], k], dim=2)  # [B, H, L + T, D]
+            v = torch.cat([state["v"], v], dim=2)
+        L = k.shape[2] - T  # cached keys in front of this call's keys
+
+        if L == 0 and self.window == 0:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            # query i sits at absolute position pos + i, key j at pos - L + j
+            qpos = torch.arange(T, device=x.device)[:, None] + L
+            kpos = torch.arange(L + T, device=x.device)[None, :]
+            allowed = kpos <= qpos
+            if self.window:
+                allowed &= kpos > qpos - self.window
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        o = o.transpose(1, 2).reshape(B, T, H * D)  # [B, H, T, D] -> [B, T, H*D]
+
+        keep = self.window - 1 if self.window else k.shape[2]
+        new_state = {
+            "k": k[:, :, k.shape[2] - keep :] if keep > 0 else k[:, :, :0],
+            "v": v[:, :, v.shape[2] - keep :] if keep > 0 else v[:, :, :0],
+            "pos": pos + T,
+        }
+        return self.out(o), new_state
+
+    @staticmethod
+    def trim_state(state: dict, keep: int) -> dict:
+        """Keep only the last ``keep`` cached keys/values (bounded context when streaming)."""
+        if state["k"].shape[2] <= keep:
+            return state
+        return {"k": state["k"][:, :, -keep:] if keep else state["k"][:, :, :0],
+                "v": state["v"][:, :, -keep:] if keep else state["v"][:, :, :0],
+                "pos": state["pos"]}

@@ -1,0 +1,77 @@
+"""Building blocks shared by the model and the mechanisms: RMSNorm, SwiGLU MLP, rotary embeddings."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * g  (Zhang & Sennrich 2019), computed in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
+
+
+def swiglu_hidden(d_model: int, hidden: int = 0) -> int:
+    """Default SwiGLU width: 8/3 d (same parameter count as a 4d GELU MLP), rounded up to 32."""
+    if hidden:
+        return hidden
+    return 32 * ((8 * d_model // 3 + 31) // 32)
+
+
+class SwiGLU(nn.Module):
+    """MLP(x) = W_down (silu(W_gate x) * (W_up x))  (Shazeer 2020). Gate and up share one matmul."""
+
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.hidden = hidden
+        self.gate_up = nn.Linear(d_model, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, d_model, bias=False)
+        self.down.is_residual_proj = True  # scaled init, see LanguageModel._init_weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # [B, T, 2F] -> 2 x [B, T, F]
+        return self.down(F.silu(gate) * up)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (Su et al. 2021) for absolute positions [start, start + T).
+
+    Applied to the two halves of each head (the GPT-NeoX / Llama layout). cos/sin tables are
+    cached and grown on demand, so streaming calls at any offset cost nothing extra.
+    """
+
+    def __init__(self, head_dim: int, base: float = 10000.0):
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._cos: torch.Tensor | None = None
+        self._sin: torch.Tensor | None = None
+
+    def _tables(self, end: int, device, dtype):
+        if self._cos is None or self._cos.shape[0] < end or self._cos.device != device:
+            n = max(end, 2 * (self._cos.shape[0] if self._cos is not None else 0), 256)
+            t = torch.arange(n, device=device, dtype=torch.float32)
+            freqs = torch.outer(t, self.inv_freq.to(device))  # [n, D/2]
+            emb = torch.cat([freqs, freqs], dim=-1)  # [n, D]
+            self._cos, self._sin = emb.cos(), emb.sin()
+        return self._cos, self._sin
+
+    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """x: [B, H, T, D] -> same shape, rotated for positions start..start+T-1."""
+        T = x.shape[-2]
+        cos, sin = self._tables(start + T, x.device, x.dtype)
+        cos = cos[start : start + T].to(x.dtype)  # [T, D]
+        sin = sin[start : start + T].to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        rotated = torch.cat([-x2, x1], dim=-1)
+        return x * cos + rotated * sin

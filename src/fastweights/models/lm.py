@@ -1,0 +1,215 @@
+"""The decoder-only language model every mechanism plugs into.
+
+    tokens -> embedding -> N x Block -> RMSNorm -> head -> logits
+
+    Block(x) = x + memory(norm(x))       (optional, memories placed "before_mixer", e.g. FwPKM)
+             = x + mixer(norm(x))        (softmax attention, fast weight programmer, RNN, ...)
+             = x + mlp(norm(x))          (SwiGLU, or a memory placed "replace_mlp", e.g. PKM)
+
+Every part follows the explicit-state protocol ``y, state = part(x, state)``; the model's state
+is ``{"layers": [{"mixer": ..., "memory": ...}, ...], "head": ...}`` so that
+
+    model(tokens[:, :t]) then model(tokens[:, t:], state)  ==  model(tokens)
+
+Blocks take their parts as modules (built from the config by name through the registry), so a
+hybrid is one config line: ``layer_mixers = ["attention", "fwp", "attention", "fwp"]``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastweights.config import ModelConfig, from_dict
+from fastweights.errors import UserError
+from fastweights.layers.common import RMSNorm, SwiGLU, swiglu_hidden
+from fastweights.models import registry
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [B, T, V]
+    loss: torch.Tensor | None  # mean next-token cross-entropy (nats) when targets are given
+    state: dict  # pass back in to continue the sequence
+    aux_loss: torch.Tensor | None = None  # sum of auxiliary training losses of the parts (e.g. addressing loss)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block; its parts are injected."""
+
+    def __init__(self, d_model: int, mixer: nn.Module, mlp: nn.Module, memory: nn.Module | None = None):
+        super().__init__()
+        self.mixer_norm = RMSNorm(d_model)
+        self.mixer = mixer
+        self.mlp_norm = RMSNorm(d_model)
+        self.mlp = mlp
+        self.memory = memory
+        self.memory_placement = getattr(memory, "placement", None)
+        if memory is not None and self.memory_placement not in ("before_mixer", "replace_mlp"):
+            raise ValueError(f"memory {type(memory).__name__} must set placement to before_mixer or replace_mlp")
+        self.memory_norm = RMSNorm(d_model) if self.memory_placement == "before_mixer" else None
+
+    def forward(self, x: torch.Tensor, state: dict | None = None):
+        state = state or {}
+        new_state = {}
+        if self.memory_placement == "before_mixer":
+            y, new_state["memory"] = self.memory(self.memory_norm(x), state.get("memory"))
+            x = x + y
+        y, new_state["mixer"] = self.mixer(self.mixer_norm(x), state.get("mixer"))
+        x = x + y
+        if self.memory_placement == "replace_mlp":
+            y, new_state["memory"] = self.memory(self.mlp_norm(x), state.get("memory"))
+        else:
+            y = self.mlp(self.mlp_norm(x))
+        return x + y, new_state
+
+
+class LinearHead(nn.Module):
+    """logits = h W^T; W may be the (tied) token embedding."""
+
+    def __init__(self, d_model: int, vocab_size: int, tied_weight: nn.Parameter | None = None):
+        super().__init__()
+        if tied_weight is None:
+            self.weight = nn.Parameter(torch.empty(vocab_size, d_model))
+        else:
+            self.tied = [tied_weight]  # a list, so the tensor is not registered twice
+        self.is_tied = tied_weight is not None
+
+    def forward(self, h: torch.Tensor, tokens: torch.Tensor | None = None, state=None):
+        w = self.tied[0] if self.is_tied else self.weight
+        return F.linear(h, w), None
+
+
+def _layer_state(state: dict | None, i: int):
+    return state["layers"][i] if state is not None else None
+
+
+class LanguageModel(nn.Module):
+    """Decoder-only LM assembled from a :class:`ModelConfig`.
+
+    ``forward(tokens [B, T], state=None, targets=None) -> ModelOutput(logits [B, T, V], loss, state)``
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        if config.vocab_size <= 0:
+            raise UserError("model.vocab_size must be set (it is filled from the tokenizer by the trainer)")
+        if config.layer_mixers and len(config.layer_mixers) != config.n_layers:
+            raise UserError(
+                f"model.layer_mixers has {len(config.layer_mixers)} entries but model.n_layers = {config.n_layers}"
+            )
+        bad = [i for i in config.memory_layers if not 0 <= i < config.n_layers]
+        if bad:
+            raise UserError(f"model.memory_layers {bad} out of range for {config.n_layers} layers")
+        if config.memory_layers and not config.memory:
+            raise UserError("model.memory_layers is set but model.memory names no memory")
+        self.config = config
+        d = config.d_model
+        self.embed = nn.Embedding(config.vocab_size, d)
+        self.drop = nn.Dropout(config.dropout)
+        blocks = []
+        for i in range(config.n_layers):
+            mixer = self._build(registry.MIXERS, "mixer", config.mixer_of(i), d_model=d, n_heads=config.n_heads)
+            memory = None
+            if i in config.memory_layers:
+                memory = self._build(registry.MEMORIES, "memory", config.memory, d_model=d)
+            mlp = SwiGLU(d, swiglu_hidden(d, config.mlp_hidden))
+            if memory is not None and getattr(memory, "placement", None) == "replace_mlp":
+                mlp = nn.Identity()
+            blocks.append(Block(d, mixer, mlp, memory))
+        self.blocks = nn.ModuleList(blocks)
+        self.norm = RMSNorm(d)
+        tied = self.embed.weight if config.tie_embeddings else None
+        if config.head == "linear":
+            self.head = LinearHead(d, config.vocab_size, tied)
+        else:
+            self.head = self._build(registry.HEADS, "head", config.head, d_model=d, vocab_size=config.vocab_size)
+        self.apply(self._init_weights)
+        if not config.tie_embeddings and config.head == "linear":
+            nn.init.normal_(self.head.weight, std=config.init_std)
+
+    def _build(self, table, kind, name, **kwargs):
+        entry = registry.lookup(table, kind, name)
+        options = registry.build_options(entry, self.config.options.get(name))
+        return entry.cls(**kwargs, options=options) if options is not None else entry.cls(**kwargs)
+
+    def _init_weights(self, module: nn.Module):
+        std = self.config.init_std
+        if isinstance(module, nn.Linear):
+            if getattr(module, "is_residual_proj", False):
+                std = std / math.sqrt(2 * self.config.n_layers)  # GPT-2: keep the residual stream's variance flat
+            nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=std)
+
+    def num_parameters(self, exclude_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.embed.weight.numel() if exclude_embedding else n
+
+    def forward(self, tokens: torch.Tensor, state: dict | None = None, targets: torch.Tensor | None = None) -> ModelOutput:
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens.shape)}")
+        x = self.drop(self.embed(tokens))  # [B, T, C]
+        layer_states = []
+        for i, block in enumerate(self.blocks):
+            x, s = block(x, _layer_state(state, i))
+            layer_states.append(s)
+        h = self.norm(x)
+        logits, head_state = self.head(h, tokens, state["head"] if state is not None else None)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+        aux = [m.aux_loss for m in self.modules() if m is not self and getattr(m, "aux_loss", None) is not None]
+        aux_loss = torch.stack(aux).sum() if aux else None
+        return ModelOutput(logits, loss, {"layers": layer_states, "head": head_state}, aux_loss)
+
+    def trim_state(self, state: dict, keep: int) -> dict:
+        """Bound the context of parts whose state grows with the sequence (a KV cache) to ``keep`` tokens.
+
+        Parts with a constant-size state (fast weight matrices, RNN states) are left as they are, so
+        streaming evaluation carries them over the whole document.
+        """
+        layers = []
+        for block, s in zip(self.blocks, state["layers"]):
+            s = dict(s)
+            if hasattr(block.mixer, "trim_state"):
+                s["mixer"] = block.mixer.trim_state(s["mixer"], keep)
+            layers.append(s)
+        return {**state, "layers": layers}
+
+    # ------------------------------------------------------------------ save / load
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write ``config.json`` and ``model.safetensors`` into ``directory`` (created if needed)."""
+        from fastweights.checkpoint import save_model
+
+        save_model(self, Path(directory))
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, map_location: str = "cpu") -> "LanguageModel":
+        from fastweights.checkpoint import load_model
+
+        return load_model(Path(directory), map_location=map_location)
+
+
+def model_config_from_json(path: Path) -> ModelConfig:
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read model config {path}: {e}") from None
+    return from_dict(ModelConfig, d.get("model", d), prefix="model")
+
+
+def detach_state(state):
+    """Cut the autograd graph of a state (truncated BPTT across segments); non-tensors pass through."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, state)

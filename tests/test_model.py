@@ -1,0 +1,103 @@
+"""LanguageModel and the attention mixer: state carry, causality, overfitting, save/load."""
+
+import pytest
+import torch
+
+from fastweights.config import ModelConfig
+from fastweights.layers.attention import AttentionOptions, CausalSelfAttention
+from fastweights.models.lm import LanguageModel
+
+
+def tiny_config(**kw):
+    base = dict(vocab_size=37, d_model=32, n_layers=2, n_heads=4)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_attention_pieces_equal_one_call(window):
+    torch.manual_seed(0)
+    attn = CausalSelfAttention(32, 4, AttentionOptions(window=window)).double()
+    x = torch.randn(2, 23, 32, dtype=torch.float64)
+    y_full, _ = attn(x)
+    ys, state = [], None
+    for a, b in [(0, 1), (1, 8), (8, 9), (9, 23)]:
+        y, state = attn(x[:, a:b], state)
+        ys.append(y)
+    torch.testing.assert_close(torch.cat(ys, 1), y_full, rtol=1e-10, atol=1e-10)
+    if window:
+        assert state["k"].shape[2] == window - 1  # the cache stays bounded
+
+
+def test_sliding_window_matches_masked_reference():
+    torch.manual_seed(0)
+    W = 4
+    attn = CausalSelfAttention(16, 2, AttentionOptions(window=W)).double()
+    x = torch.randn(1, 12, 16, dtype=torch.float64)
+    y, _ = attn(x)
+    # reference: position t computed from its own window in isolation (RoPE is relative, so the
+    # absolute offset does not matter): o_t = attn(x[t-W+1 : t+1])[-1]
+    for t in range(12):
+        lo = max(0, t - W + 1)
+        ref, _ = attn(x[:, lo : t + 1], {"k": x.new_zeros(1, 2, 0, 8), "v": x.new_zeros(1, 2, 0, 8), "pos": lo})
+        torch.testing.assert_close(y[:, t], ref[:, -1], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("window", [0, 6])
+def test_model_pieces_equal_one_call(window):
+    torch.manual_seed(0)
+    cfg = tiny_config(options={"attention": {"window": window}})
+    model = LanguageModel(cfg).double().eval()
+    tokens = torch.randint(0, 37, (2, 20))
+    full = model(tokens).logits
+    out1 = model(tokens[:, :7])
+    out2 = model(tokens[:, 7:13], out1.state)
+    out3 = model(tokens[:, 13:], out2.state)
+    pieces = torch.cat([out1.logits, out2.logits, out3.logits], 1)
+    torch.testing.assert_close(pieces, full, rtol=1e-9, atol=1e-9)
+
+
+def test_causality():
+    torch.manual_seed(0)
+    model = LanguageModel(tiny_config()).double().eval()
+    tokens = torch.randint(0, 37, (1, 16))
+    t = 9
+    perturbed = tokens.clone()
+    perturbed[:, t:] = torch.randint(0, 37, (1, 16 - t))
+    a, b = model(tokens).logits, model(perturbed).logits
+    torch.testing.assert_close(a[:, :t], b[:, :t], rtol=0, atol=1e-12)
+    assert not torch.allclose(a[:, t:], b[:, t:])
+
+
+def test_tiny_model_overfits_one_batch():
+    torch.manual_seed(0)
+    model = LanguageModel(tiny_config())
+    x = torch.randint(0, 37, (4, 24))
+    y = torch.roll(x, -1, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(150):
+        loss = model(x, targets=y).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.1, loss.item()
+
+
+def test_save_load_round_trip(tmp_path):
+    torch.manual_seed(0)
+    model = LanguageModel(tiny_config(tie_embeddings=False)).eval()
+    model.save_pretrained(tmp_path)
+    loaded = LanguageModel.from_pretrained(tmp_path).eval()
+    tokens = torch.randint(0, 37, (2, 11))
+    assert torch.equal(model(tokens).logits, loaded(tokens).logits)
+
+
+def test_hybrid_layer_mixers_and_bad_config():
+    from fastweights.errors import UserError
+
+    with pytest.raises(UserError, match="layer_mixers"):
+        LanguageModel(tiny_config(layer_mixers=["attention"]))
+    with pytest.raises(UserError, match="unknown mixer"):
+        LanguageModel(tiny_config(mixer="nope"))
+    with pytest.raises(UserError, match="unknown config key"):
+        LanguageModel(tiny_config(options={"attention": {"windw": 3}}))
