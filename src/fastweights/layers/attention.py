@@ -50,7 +50,8 @@ class CausalSelfAttention(nn.Module):
         H, D = self.n_heads, self.head_dim
         pos = state["pos"] if state is not None else 0
         qkv = self.qkv(x).view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)  # [3, B, H, T, D]
-        q, k, v = self.rope(qkv[0], pos), self.rope(qkv[1], pos), qkv[2]
+        qk = self.rope(qkv[:2], pos)  # rotate q and k in one call
+        q, k, v = qk[0], qk[1], qkv[2]
 
         if state is not None and state["k"].shape[2] > 0:
             k = torch.cat([state["k"], k], dim=2)  # [B, H, L + T, D]

@@ -1,0 +1,51 @@
+"""Helpers shared by the benchmark scripts: machine description and JSON output with the command."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def write_result(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    record = {"command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), **payload}
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {path}")
+    return path
+
+
+def timeit(fn, warmup: int = 3, repeat: int = 10) -> float:
+    """Median seconds per call of ``fn`` (synchronising CUDA around each call)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    times.sort()
+    return times[len(times) // 2]

@@ -1,0 +1,211 @@
+"""Command line: ``fastweights train | eval | generate | demo | task ... | <mechanism commands>``.
+
+Entry points stay thin: each subcommand parses its flags and calls the library. Bad input
+(a missing path, an unknown preset, a corrupt checkpoint) prints one line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import sys
+from pathlib import Path
+
+from fastweights.errors import UserError
+
+# Modules that add their own subcommands with register_cli(subparsers), and task modules that add
+# `fastweights task NAME` with register_task(task_subparsers). Missing modules are skipped.
+COMMAND_MODULES = ["fastweights.adapt.cli", "fastweights.memory_stats", "fastweights.analysis"]
+TASK_MODULES = ["fastweights.tasks.assoc", "fastweights.tasks.ba_retrieval"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit status 2 (argparse's default prints the usage too)
+        raise UserError(f"{self.prog}: {message}")
+
+
+def _import_optional(name: str):
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and name.startswith(e.name):
+            return None
+        raise
+
+
+# ----------------------------------------------------------------------------- train
+
+
+def _run_config(args):
+    from fastweights.config import apply_overrides, from_dict, load_preset, RunConfig
+
+    if args.resume and args.preset is None:
+        from fastweights.checkpoint import read_run_config
+
+        d = read_run_config(Path(args.out)).to_dict()
+    else:
+        d = load_preset(args.preset or "shakespeare-char")
+    if args.data:
+        d.setdefault("data", {})["corpus"] = args.data
+    apply_overrides(d, args.set or [])
+    return from_dict(RunConfig, d)
+
+
+def cmd_train(args) -> int:
+    from fastweights.train import train
+
+    cfg = _run_config(args)
+    summary = train(cfg, Path(args.out), resume=args.resume, progress=not args.quiet)
+    print(json.dumps(summary, indent=2) if args.json else
+          f"done: {summary['steps']} steps, val {summary['val_bits_per_token']:.4f} bits/token -> {args.out}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- eval
+
+
+def _eval_texts(args, cfg):
+    """Documents to score: --data (file/dir/corpus name, all of it) or the checkpoint's test split."""
+    from fastweights.data import load_corpus, split_corpus
+
+    if args.data:
+        return [d.text for d in load_corpus(args.data, text_field=cfg.data.text_field)]
+    docs = load_corpus(cfg.data.corpus, text_field=cfg.data.text_field)
+    return [d.text for d in split_corpus(docs, cfg.data.split, cfg.data.val_fraction, cfg.data.test_fraction)[args.split]]
+
+
+def cmd_eval(args) -> int:
+    from fastweights.checkpoint import load_checkpoint
+    from fastweights.evaluate import evaluate_documents
+    from fastweights.train import resolve_device
+
+    model, tokenizer, cfg = load_checkpoint(Path(args.checkpoint), map_location=str(resolve_device(args.device)))
+    texts = _eval_texts(args, cfg)
+    seq_len = args.seq_len or cfg.train.seq_len
+    result = evaluate_documents(model, tokenizer, texts, seq_len, args.stride, progress=not args.quiet)
+    if result.tokens == 0:
+        raise UserError("nothing to score: the evaluation text has fewer than two tokens")
+    metrics = result.metrics(tokenizer.name)
+    metrics.update(checkpoint=str(args.checkpoint), data=args.data or f"{cfg.data.corpus}:{args.split}")
+    if args.json:
+        print(json.dumps(metrics, indent=2))
+    else:
+        key = "bits_per_char" if tokenizer.name in ("char",) else ("bits_per_byte" if tokenizer.name == "byte" else "perplexity")
+        print(f"{metrics['data']}: {key} {metrics[key]:.4f} ({metrics['tokens']} tokens, loss {metrics['loss_nats']:.4f} nats)")
+    return 0
+
+
+# ----------------------------------------------------------------------------- generate
+
+
+def cmd_generate(args) -> int:
+    from fastweights.checkpoint import load_checkpoint
+    from fastweights.generate import generate_tokens
+    from fastweights.train import resolve_device
+
+    model, tokenizer, cfg = load_checkpoint(Path(args.checkpoint), map_location=str(resolve_device(args.device)))
+    prompt = tokenizer.encode(args.prompt)
+    prompt = [int(t) for t in prompt]
+    if not prompt:
+        raise UserError("--prompt must not be empty")
+    if args.max_tokens < 0:
+        raise UserError("--max-tokens must be >= 0")
+    out = sys.stdout
+    out.write(args.prompt)
+    ids: list[int] = []
+    shown = ""
+    for tok in generate_tokens(model, prompt, args.max_tokens, args.temperature, args.top_k, args.seed,
+                               context=cfg.train.seq_len):
+        ids.append(tok)
+        text = tokenizer.decode(ids)  # decode the whole continuation: multi-token characters stay intact
+        if not text.endswith("\ufffd"):
+            out.write(text[len(shown):])
+            out.flush()
+            shown = text
+    out.write(tokenizer.decode(ids)[len(shown):] + "\n")
+    return 0
+
+
+# ----------------------------------------------------------------------------- demo
+
+
+def cmd_demo(args) -> int:
+    from fastweights.demo import run_demo
+
+    return run_demo(Path(args.out), minutes=args.minutes)
+
+
+# ----------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="fastweights", description="Language models whose weights change with the text they read.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    t = sub.add_parser("train", help="train a model from a preset")
+    t.add_argument("--preset", help="preset name (configs/NAME.toml) or path to a .toml file; default shakespeare-char")
+    t.add_argument("--data", help="corpus: a registered name, a text file, a directory or a .jsonl file")
+    t.add_argument("--out", default="runs/latest", help="output directory (checkpoint, metrics, plots)")
+    t.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config field")
+    t.add_argument("--resume", action="store_true", help="continue the run saved in --out")
+    t.add_argument("--json", action="store_true", help="print the summary as JSON")
+    t.add_argument("--quiet", action="store_true", help="no progress line")
+    t.set_defaults(func=cmd_train)
+
+    e = sub.add_parser("eval", help="score text with a checkpoint (bits per char/byte or perplexity)")
+    e.add_argument("--checkpoint", required=True)
+    e.add_argument("--data", help="text to score (file, directory, corpus name); default: the checkpoint's test split")
+    e.add_argument("--split", default="test", choices=["train", "val", "test"])
+    e.add_argument("--seq-len", type=int, default=0, help="context length (default: the training seq_len)")
+    e.add_argument("--stride", type=int, default=None, help="tokens scored per call (default seq_len // 2)")
+    e.add_argument("--device", default="auto")
+    e.add_argument("--json", action="store_true")
+    e.add_argument("--quiet", action="store_true")
+    e.set_defaults(func=cmd_eval)
+
+    g = sub.add_parser("generate", help="sample text from a checkpoint")
+    g.add_argument("--checkpoint", required=True)
+    g.add_argument("--prompt", default="\n")
+    g.add_argument("--max-tokens", type=int, default=200)
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="auto")
+    g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("demo", help="train a char-level Shakespeare model on the CPU, evaluate it, sample")
+    d.add_argument("--out", default="runs/demo")
+    d.add_argument("--minutes", type=float, default=5.0, help="training time budget")
+    d.set_defaults(func=cmd_demo)
+
+    task = sub.add_parser("task", help="synthetic tasks from the papers")
+    task_sub = task.add_subparsers(dest="task", required=True, parser_class=_Parser)
+    for name in TASK_MODULES:
+        mod = _import_optional(name)
+        if mod is not None:
+            mod.register_task(task_sub)
+    for name in COMMAND_MODULES:
+        mod = _import_optional(name)
+        if mod is not None:
+            mod.register_cli(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return int(args.func(args) or 0)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

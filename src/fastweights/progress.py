@@ -1,0 +1,58 @@
+"""A dependency-free progress line for long work: count, rate, ETA and free-form fields, on stderr."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def _fmt_time(s: float) -> str:
+    s = max(0, int(s))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60:02d}:{s % 60:02d}"
+
+
+class Progress:
+    """``Progress(total, unit)``; call ``update(n, **fields)``; ``close()`` ends the line.
+
+    Redraws at most every ``min_interval`` seconds; on a non-terminal (CI logs) it prints a plain
+    line every ``log_interval`` seconds instead of carriage-return redraws.
+    """
+
+    def __init__(self, total: float | None, unit: str = "it", desc: str = "", enabled: bool = True,
+                 min_interval: float = 0.2, log_interval: float = 10.0, stream=None):
+        self.total, self.unit, self.desc, self.enabled = total, unit, desc, enabled
+        self.stream = stream or sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.interval = min_interval if self.tty else log_interval
+        self.n = 0.0
+        self.start = self.last = time.perf_counter()
+        self.fields: dict = {}
+
+    def update(self, n: float = 1, **fields) -> None:
+        self.n += n
+        self.fields.update(fields)
+        now = time.perf_counter()
+        if self.enabled and now - self.last >= self.interval:
+            self.last = now
+            self._draw(now)
+
+    def _draw(self, now: float, final: bool = False) -> None:
+        elapsed = now - self.start
+        rate = self.n / elapsed if elapsed > 0 else 0.0
+        parts = [self.desc] if self.desc else []
+        parts.append(f"{self.n:,.0f}/{self.total:,.0f} {self.unit}" if self.total else f"{self.n:,.0f} {self.unit}")
+        parts.append(f"{rate:,.0f} {self.unit}/s")
+        parts += [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in self.fields.items()]
+        parts.append(f"elapsed {_fmt_time(elapsed)}")
+        if self.total and rate > 0 and not final:
+            parts.append(f"ETA {_fmt_time((self.total - self.n) / rate)}")
+        line = " | ".join(parts)
+        self.stream.write(("\r\x1b[2K" + line) if self.tty else line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._draw(time.perf_counter(), final=True)
+            if self.tty:
+                self.stream.write("\n")
+            self.stream.flush()
