@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,21 +80,25 @@ class Data:
 
 def prepare_data(cfg: RunConfig, out_dir: Path, tokenizer=None, progress: bool = True) -> Data:
     """Load the corpus, split it, build (or reuse) the tokenizer and encode the splits to memory maps."""
-    from fastweights.data import build_tokenizer, cached_stream, load_corpus, split_corpus
+    from fastweights.data import build_tokenizer, cached_stream, load_corpus, split_corpus, text_pieces
 
-    docs = load_corpus(cfg.data.corpus, text_field=cfg.data.text_field)
+    # only the char tokenizer needs valid UTF-8; byte/BPE tokenizers keep invalid bytes exactly
+    docs = load_corpus(cfg.data.corpus, text_field=cfg.data.text_field, encoding_check=cfg.data.tokenizer == "char")
     splits = split_corpus(docs, cfg.data.split, cfg.data.val_fraction, cfg.data.test_fraction)
     if tokenizer is None:
-        train_text = "".join(d.text for d in splits["train"]) if cfg.data.tokenizer == "char" else None
+        train_text = text_pieces(splits["train"]) if cfg.data.tokenizer == "char" else None
         tokenizer = build_tokenizer(cfg.data.tokenizer, train_text=train_text)
     cache = out_dir / "data"
-    streams = {name: cached_stream(splits[name], tokenizer, cache, name) for name in ("train", "val", "test")}
+    sep = getattr(tokenizer, "eot_id", None)  # GPT-2's <|endoftext|> between documents
+    streams = {name: cached_stream(splits[name], tokenizer, cache, name, doc_separator=sep, progress=progress)
+               for name in ("train", "val", "test")}
     need = cfg.train.seq_len + 1
-    if len(streams["train"]) < need:
-        raise UserError(
-            f"corpus {cfg.data.corpus!r}: training split has {len(streams['train'])} tokens, fewer than one "
-            f"training sequence ({need}); use a larger corpus or a smaller train.seq_len"
-        )
+    for name in ("train", "val"):
+        if len(streams[name]) < need:
+            raise UserError(
+                f"corpus {cfg.data.corpus!r}: the {name} split has {len(streams[name])} tokens, fewer than one "
+                f"training sequence ({need}); use a larger corpus or a smaller train.seq_len"
+            )
     return Data(tokenizer, streams["train"], streams["val"], streams["test"])
 
 
@@ -152,7 +157,13 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
         if saved.model != _with_vocab(cfg.model, saved.model.vocab_size):
             raise UserError(f"--resume: the model config differs from the one saved in {out_dir}")
         tokenizer = load_tokenizer(out_dir)
-    data = prepare_data(cfg, out_dir, tokenizer, progress)
+    fresh_dir = not out_dir.exists()
+    try:
+        data = prepare_data(cfg, out_dir, tokenizer, progress)
+    except UserError:
+        if fresh_dir and out_dir.exists():  # leave nothing half-made behind
+            shutil.rmtree(out_dir)
+        raise
     cfg.model.vocab_size = data.tokenizer.vocab_size
 
     model = LanguageModel(cfg.model).to(device)

@@ -1,0 +1,43 @@
+"""Data: corpora, splits, tokenizers and memory-mapped token streams.
+
+Typical use (what training does)::
+
+    docs = load_corpus("tinyshakespeare")              # or a file, a directory, a .jsonl, "hf:..."
+    splits = split_corpus(docs, "span", 0.05, 0.05)    # contiguous 90/5/5, held-out text at the end
+    tok = build_tokenizer("char", train_text=text_pieces(splits["train"]))
+    train = cached_stream(splits["train"], tok, "runs/x/data", "train")
+    x, y = train.get_batch(32, 128, torch.Generator().manual_seed(0))   # [32, 128] int64 each
+
+Each module's docstring gives the details: ``corpus`` (loaders, lazy big files, splits),
+``tokenizers`` (byte, char, GPT-2 BPE, fingerprints), ``streams`` (file format, streaming encode).
+"""
+
+from fastweights.data.corpus import (
+    CORPORA,
+    AnyDocument,
+    Document,
+    FileDocument,
+    content_digest,
+    load_corpus,
+    split_corpus,
+    text_pieces,
+    to_utf8,
+)
+from fastweights.data.streams import TokenStream, cached_stream, encode_to_file
+from fastweights.data.tokenizers import (
+    TOKENIZER_KINDS,
+    ByteTokenizer,
+    CharTokenizer,
+    GPT2Tokenizer,
+    Tokenizer,
+    build_tokenizer,
+    check_fingerprint,
+    load_tokenizer,
+)
+
+__all__ = [
+    "CORPORA", "AnyDocument", "Document", "FileDocument", "content_digest", "load_corpus", "split_corpus",
+    "text_pieces", "to_utf8", "TokenStream", "cached_stream", "encode_to_file", "TOKENIZER_KINDS",
+    "ByteTokenizer", "CharTokenizer", "GPT2Tokenizer", "Tokenizer", "build_tokenizer", "check_fingerprint",
+    "load_tokenizer",
+]

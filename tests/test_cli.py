@@ -1,0 +1,127 @@
+"""The command line end to end on the `tiny` preset, its error handling, and exact resume."""
+
+import json
+import math
+
+import pytest
+
+from fastweights.cli import main
+
+TINY = ["--preset", "tiny", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    assert main(["train", *TINY, "--out", str(out)]) == 0
+    return out
+
+
+def test_train_writes_checkpoint_and_plot(trained):
+    for name in ["model.safetensors", "config.json", "tokenizer.json", "trainer_state.pt", "metrics.jsonl",
+                 "loss_curve.png", "summary.json"]:
+        assert (trained / name).is_file(), name
+    summary = json.loads((trained / "summary.json").read_text())
+    assert summary["steps"] == 20 and math.isfinite(summary["val_loss"])
+    assert summary["val_loss"] < math.log(66)  # learned something beyond uniform over the vocabulary
+
+
+def test_eval_json(trained, capsys):
+    assert main(["eval", "--checkpoint", str(trained), "--json", "--quiet"]) == 0
+    m = json.loads(capsys.readouterr().out)
+    assert m["tokens"] > 1000 and 0 < m["bits_per_char"] < math.log2(66) + 0.5
+
+
+def test_eval_on_a_file(trained, tmp_path, capsys):
+    f = tmp_path / "doc.txt"
+    f.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n")
+    assert main(["eval", "--checkpoint", str(trained), "--data", str(f), "--json", "--quiet"]) == 0
+    m = json.loads(capsys.readouterr().out)
+    assert m["tokens"] == len(f.read_text()) - 1
+
+
+def test_generate_streams_text(trained, capsys):
+    assert main(["generate", "--checkpoint", str(trained), "--prompt", "ROMEO:", "--max-tokens", "25"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ROMEO:") and len(out.rstrip("\n")) == len("ROMEO:") + 25
+
+
+def test_generate_is_deterministic_by_seed(trained, capsys):
+    args = ["generate", "--checkpoint", str(trained), "--prompt", "A", "--max-tokens", "20", "--seed", "3"]
+    main(args)
+    a = capsys.readouterr().out
+    main(args)
+    assert capsys.readouterr().out == a
+
+
+def test_resume_continues_to_the_same_loss(tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    common = [*TINY, "--set", "train.max_steps=12", "--set", "train.eval_every=0", "--set", "train.save_every=6"]
+    assert main(["train", *common, "--out", str(straight)]) == 0
+    # stop after 6 steps (same schedule: max_steps stays 12 in the config), then resume
+    assert main(["train", *common, "--out", str(resumed), "--set", "train.max_minutes=1e-9"]) == 0
+    first = json.loads((resumed / "summary.json").read_text())
+    assert first["stopped_by_time_budget"] and first["steps"] == 0
+    assert main(["train", *common, "--out", str(resumed), "--set", "train.max_minutes=0", "--set",
+                 "train.max_steps=6"]) == 0
+    assert main(["train", "--resume", "--quiet", "--out", str(resumed), "--set", "train.max_steps=12"]) == 0
+    a = json.loads((straight / "summary.json").read_text())
+    b = json.loads((resumed / "summary.json").read_text())
+    assert b["steps"] == 12
+    assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6)
+    assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "--preset", "no-such-preset"], "unknown preset"),
+        (["train", *TINY, "--set", "train.lr=fast"], "train.lr"),
+        (["train", *TINY, "--set", "train.nope=1"], "unknown config key train.nope"),
+        (["train", *TINY, "--set", "oops"], "section.key=value"),
+        (["train", *TINY, "--data", "/no/such/corpus.txt"], "/no/such/corpus.txt"),
+        (["eval", "--checkpoint", "/no/such/checkpoint"], "does not exist"),
+        (["eval"], "--checkpoint"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(argv, message, tmp_path, capsys):
+    out = tmp_path / "out"
+    if argv[0] == "train":
+        argv = [*argv, "--out", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and message in err and "\n" not in err
+    assert not out.exists()  # no partial files
+
+
+def test_corpus_errors(tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    short = tmp_path / "short.txt"
+    short.write_text("tiny corpus " * 5)
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"hello \xff\xfe world" * 50)
+    for path, msg in [(empty, ""), (short, "fewer than one training sequence"), (bad, "UTF-8")]:
+        out = tmp_path / f"out-{path.stem}"
+        assert main(["train", *TINY, "--data", str(path), "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error:") and msg in err and "\n" not in err, err
+        assert not out.exists()
+
+
+def test_checkpoint_errors(trained, tmp_path, capsys):
+    import shutil
+
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(trained, corrupt)
+    (corrupt / "model.safetensors").write_bytes(b"not a safetensors file")
+    assert main(["eval", "--checkpoint", str(corrupt), "--quiet"]) == 2
+    assert "corrupt" in capsys.readouterr().err
+
+    mismatch = tmp_path / "mismatch"
+    shutil.copytree(trained, mismatch)
+    from fastweights.data import build_tokenizer
+
+    build_tokenizer("byte").save(mismatch)  # 256 symbols, the model has 66
+    assert main(["eval", "--checkpoint", str(mismatch), "--quiet"]) == 2
+    assert "tokenizer" in capsys.readouterr().err
