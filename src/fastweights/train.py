@@ -45,11 +45,16 @@ def autocast(device: torch.device):
     return torch.autocast("cpu", enabled=False)
 
 
-def lr_at(step: int, cfg) -> float:
-    """Linear warmup to cfg.lr, then cosine decay to cfg.lr * min_lr_ratio at max_steps."""
+def lr_at(step: int, cfg, time_fraction: float = 0.0) -> float:
+    """Linear warmup to cfg.lr, then cosine decay to cfg.lr * min_lr_ratio.
+
+    The decay ends at max_steps, or when the time budget runs out if that comes first
+    (``time_fraction`` = elapsed / budget), so a time-budgeted run still anneals.
+    """
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    progress = min(1.0, max(progress, time_fraction))
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -210,10 +215,11 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
     last_loss = float("nan")
     stopped_by_budget = False
     while step < tc.max_steps:
-        if elapsed_before + time.perf_counter() - t0 >= budget:
+        elapsed = elapsed_before + time.perf_counter() - t0
+        if elapsed >= budget:
             stopped_by_budget = True
             break
-        lr = lr_at(step, tc)
+        lr = lr_at(step, tc, elapsed / budget)
         for g in optimizer.param_groups:
             g["lr"] = lr * g["lr_scale"]
         t_step = time.perf_counter()
@@ -239,6 +245,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
         if step % tc.log_every == 0 or step == 1:
             log.write(json.dumps({"step": step, "loss": last_loss, "lr": lr, "tokens_per_s": tok_s,
                                   "elapsed": elapsed_before + time.perf_counter() - t0}) + "\n")
+            log.flush()
         if tc.eval_every and step % tc.eval_every == 0 and step < tc.max_steps:
             validate()
             save()
