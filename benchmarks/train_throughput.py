@@ -96,6 +96,8 @@ def main():
            "parameters": {"ours": sum(p.numel() for p in ours.parameters()), "nanogpt": sum(p.numel() for p in base.parameters())},
            "tokens_per_s": {k: tokens / s for k, s in sec.items()},
            "ratio_ours_over_nanogpt": sec["nanogpt"] / sec["ours"], "target_ratio": 0.9}
+    res["headline"] = [{"what": f"LM training tokens/s, ours / nanoGPT-shape ({a.device}, d={a.d_model}, L={a.layers})",
+                        "value": round(res["ratio_ours_over_nanogpt"], 3), "target": ">= 0.9"}]
     print(res)
     write_result("train_throughput", res)
 
