@@ -33,9 +33,11 @@ def _state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
 
 
-def save_model(model, directory: Path, run_config: RunConfig | None = None, tokenizer=None) -> None:
+def save_model(model, directory: Path, run_config: RunConfig | None = None, tokenizer=None,
+               state_dict: dict[str, torch.Tensor] | None = None) -> None:
     config = run_config.to_dict() if run_config is not None else {"model": _asdict(model.config)}
-    atomic_write(directory / "model.safetensors", lambda p: save_file(_state_dict(model), str(p)))
+    tensors = {k: v.contiguous() for k, v in state_dict.items()} if state_dict is not None else _state_dict(model)
+    atomic_write(directory / "model.safetensors", lambda p: save_file(tensors, str(p)))
     if tokenizer is not None:
         tokenizer.save(directory)
     atomic_write(directory / "config.json", lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))

@@ -49,6 +49,8 @@ def _run_config(args):
         d = load_preset(args.preset or "shakespeare-char")
     if args.data:
         d.setdefault("data", {})["corpus"] = args.data
+    if getattr(args, "log", None):
+        d.setdefault("train", {})["log"] = args.log
     apply_overrides(d, args.set or [])
     return from_dict(RunConfig, d)
 
@@ -57,7 +59,9 @@ def cmd_train(args) -> int:
     from fastweights.train import train
 
     cfg = _run_config(args)
-    summary = train(cfg, Path(args.out), resume=args.resume, progress=not args.quiet)
+    summary = train(cfg, Path(args.out), resume=args.resume, progress=not args.quiet, fsdp=args.fsdp)
+    if summary.get("processes", 1) > 1 and int(__import__("os").environ.get("RANK", "0")) != 0:
+        return 0
     print(json.dumps(summary, indent=2) if args.json else
           f"done: {summary['steps']} steps, val {summary['val_bits_per_token']:.4f} bits/token -> {args.out}")
     return 0
@@ -150,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", default="runs/latest", help="output directory (checkpoint, metrics, plots)")
     t.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config field")
     t.add_argument("--resume", action="store_true", help="continue the run saved in --out")
+    t.add_argument("--fsdp", action="store_true", help="under torchrun: shard with FSDP2 (fully_shard per block) instead of DDP")
+    t.add_argument("--log", choices=["jsonl", "tensorboard"], help="also log to TensorBoard (metrics.jsonl is always written)")
     t.add_argument("--json", action="store_true", help="print the summary as JSON")
     t.add_argument("--quiet", action="store_true", help="no progress line")
     t.set_defaults(func=cmd_train)

@@ -77,6 +77,7 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     compile: bool = False
     threads: int = 0  # torch intra-op threads; 0 = leave torch's default
+    log: str = "jsonl"  # jsonl (always written) | tensorboard (also writes TensorBoard events)
 
 
 @dataclass

@@ -9,6 +9,7 @@ and every mechanism's own work happens inside the model.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -139,13 +140,106 @@ def _set_rng_state(s: dict, gen: torch.Generator) -> None:
     np.random.set_state(s["numpy"])
 
 
-def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = True) -> dict:
-    """Train ``cfg`` into ``out_dir``; returns a summary dict (also written as ``summary.json``)."""
+@dataclass
+class Dist:
+    """Where this process sits in a ``torchrun`` launch (rank 0 of 1 without one)."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device_name: str) -> tuple[Dist, torch.device]:
+    """Join the process group that ``torchrun`` describes in the environment (gloo on CPU, nccl on CUDA)."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Dist(), resolve_device(device_name)
+    import torch.distributed as td
+
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(device_name)
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if not td.is_initialized():
+        td.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return Dist(rank, world, local_rank), device
+
+
+def _barrier(dist: Dist) -> None:
+    if dist.world > 1:
+        torch.distributed.barrier()
+
+
+def _all_mean(value: float, dist: Dist, device) -> float:
+    if dist.world == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t)
+    return t.item() / dist.world
+
+
+def _any(flag: bool, dist: Dist, device) -> bool:
+    """True on every rank if ``flag`` is true on rank 0 (ranks agree on when a time budget ends)."""
+    if dist.world == 1:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    torch.distributed.broadcast(t, src=0)
+    return bool(t.item())
+
+
+def _wrap(model, dist: Dist, device, fsdp: bool):
+    """DDP, or FSDP2 (``fully_shard`` per block, then the root) with ``fsdp``; the plain model on one process."""
+    if dist.world == 1:
+        return model
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def _full_state(model, optimizer):
+    """Unsharded model and optimizer state dicts on the CPU (same format for 1 process, DDP and FSDP)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _load_full_state(model, optimizer, model_sd, optim_sd) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                   options=StateDictOptions(full_state_dict=True))
+
+
+def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = True, fsdp: bool = False) -> dict:
+    """Train ``cfg`` into ``out_dir``; returns a summary dict (also written as ``summary.json``).
+
+    Under ``torchrun --nproc_per_node N`` every process joins one data-parallel job: ``train.batch_size``
+    is the global batch of one micro-step, each rank takes its slice of the same rows a single process
+    would draw, gradients synchronise only on the last micro-step of an accumulation, and rank 0 logs
+    and writes checkpoints. A run can be resumed on a different number of processes.
+    """
     out_dir = Path(out_dir)
     tc = cfg.train
     if tc.threads:
         torch.set_num_threads(tc.threads)
-    device = resolve_device(tc.device)
+    dist, device = init_distributed(tc.device)
+    if tc.batch_size % dist.world:
+        raise UserError(f"train.batch_size={tc.batch_size} is not divisible by the {dist.world} processes")
+    progress = progress and dist.main
     torch.manual_seed(tc.seed)
     random.seed(tc.seed)
     np.random.seed(tc.seed)
@@ -164,59 +258,79 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
         tokenizer = load_tokenizer(out_dir)
     fresh_dir = not out_dir.exists()
     try:
-        data = prepare_data(cfg, out_dir, tokenizer, progress)
+        if dist.main:  # rank 0 encodes the corpus once; the others then read the cached token files
+            data = prepare_data(cfg, out_dir, tokenizer, progress)
+        _barrier(dist)
+        if not dist.main:
+            data = prepare_data(cfg, out_dir, tokenizer, progress=False)
     except UserError:
-        if fresh_dir and out_dir.exists():  # leave nothing half-made behind
+        if fresh_dir and out_dir.exists() and dist.main:  # leave nothing half-made behind
             shutil.rmtree(out_dir)
         raise
     cfg.model.vocab_size = data.tokenizer.vocab_size
 
     model = LanguageModel(cfg.model).to(device)
+    wrapped = _wrap(model, dist, device, fsdp)
     optimizer = make_optimizer(model, tc)
     gen = torch.Generator().manual_seed(tc.seed)
     step, elapsed_before, history = 0, 0.0, []
     if resume:
-        from fastweights.checkpoint import load_model
-
-        model.load_state_dict(load_model(out_dir, map_location=str(device)).state_dict())
         ts = torch.load(state_path, map_location="cpu", weights_only=False)
-        optimizer.load_state_dict(ts["optimizer"])
+        from safetensors.torch import load_file
+
+        _load_full_state(model, optimizer, load_file(str(out_dir / "model.safetensors")), ts["optimizer"])
         _set_rng_state(ts["rng"], gen)
         step, elapsed_before, history = ts["step"], ts["elapsed"], ts["history"]
-    fwd = torch.compile(model) if tc.compile else model
+    fwd = torch.compile(wrapped) if tc.compile else wrapped
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+    log = None
     log_path = out_dir / "metrics.jsonl"
-    if not resume and log_path.exists():
-        log_path.unlink()
-    log = log_path.open("a")
+    if dist.main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if not resume and log_path.exists():
+            log_path.unlink()
+        log = log_path.open("a")
+    tb = _tensorboard(out_dir) if dist.main and getattr(tc, "log", "jsonl") == "tensorboard" else None
 
-    def save(final: bool = False):
-        save_model(model, out_dir, cfg, data.tokenizer)
-        ts = {"step": step, "optimizer": optimizer.state_dict(), "rng": _rng_state(gen),
-              "elapsed": elapsed_before + (time.perf_counter() - t0), "history": history}
-        atomic_write(state_path, lambda p: torch.save(ts, p))
+    def write_log(rec: dict) -> None:
+        if log is not None:
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+        if tb is not None:
+            for k, v in rec.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    tb.add_scalar(k, v, rec["step"])
 
-    def validate():
-        val = estimate_loss(model, data.val, tc.seq_len, tc.eval_tokens, tc.batch_size, device)
+    def save() -> None:
+        model_sd, optim_sd = _full_state(model, optimizer)  # collective under FSDP: every rank calls it
+        if dist.main:
+            save_model(model, out_dir, cfg, data.tokenizer, state_dict=model_sd)
+            ts = {"step": step, "optimizer": optim_sd, "rng": _rng_state(gen),
+                  "elapsed": elapsed_before + (time.perf_counter() - t0), "history": history, "world_size": dist.world}
+            atomic_write(state_path, lambda p: torch.save(ts, p))
+        _barrier(dist)
+
+    def validate() -> float:
+        # every rank scores the same windows (cheap next to training, and FSDP needs all ranks in forward)
+        val = estimate_loss(wrapped, data.val, tc.seq_len, tc.eval_tokens, tc.batch_size, device)
         rec = {"step": step, "val_loss": val, "val_bits": val / math.log(2),
                "elapsed": elapsed_before + time.perf_counter() - t0}
         history.append(rec)
-        log.write(json.dumps(rec) + "\n")
-        log.flush()
+        write_log(rec)
         return val
 
+    micro = tc.batch_size // dist.world  # rows of the global micro-batch on this rank
     tokens_per_step = tc.batch_size * tc.seq_len * tc.grad_accum
     budget = tc.max_minutes * 60 if tc.max_minutes > 0 else math.inf
     bar = Progress(tc.max_steps, "steps", desc="train", enabled=progress)
     bar.n = step
     t0 = time.perf_counter()
-    model.train()
+    wrapped.train()
     last_loss = float("nan")
     stopped_by_budget = False
     while step < tc.max_steps:
         elapsed = elapsed_before + time.perf_counter() - t0
-        if elapsed >= budget:
+        if _any(elapsed >= budget, dist, device):
             stopped_by_budget = True
             break
         lr = lr_at(step, tc, elapsed / budget)
@@ -224,28 +338,32 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
             g["lr"] = lr * g["lr_scale"]
         t_step = time.perf_counter()
         loss_sum = 0.0
-        for _ in range(tc.grad_accum):
-            x, y = data.train.get_batch(tc.batch_size, tc.seq_len, gen)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with autocast(device):
+        for i in range(tc.grad_accum):
+            x, y = data.train.get_batch(tc.batch_size, tc.seq_len, gen)  # the global batch, same on every rank
+            x = x[dist.rank * micro : (dist.rank + 1) * micro].to(device, non_blocking=True)
+            y = y[dist.rank * micro : (dist.rank + 1) * micro].to(device, non_blocking=True)
+            sync = i == tc.grad_accum - 1
+            ctx = wrapped.no_sync() if (not sync and hasattr(wrapped, "no_sync")) else contextlib.nullcontext()
+            if fsdp and dist.world > 1:
+                wrapped.set_requires_gradient_sync(sync)
+            with ctx, autocast(device):
                 out = fwd(x, targets=y)
                 loss = out.loss if out.aux_loss is None else out.loss + out.aux_loss
-            (loss / tc.grad_accum).backward()
+                (loss / tc.grad_accum).backward()
             loss_sum += out.loss.item()
         if tc.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        last_loss = loss_sum / tc.grad_accum
+        last_loss = _all_mean(loss_sum / tc.grad_accum, dist, device)
         if not math.isfinite(last_loss):
             raise RuntimeError(f"training diverged at step {step} (loss {last_loss}); lower train.lr")
         tok_s = tokens_per_step / (time.perf_counter() - t_step)
         bar.update(1, loss=last_loss, lr=lr, **{"tok/s": f"{tok_s:,.0f}"})
         if step % tc.log_every == 0 or step == 1:
-            log.write(json.dumps({"step": step, "loss": last_loss, "lr": lr, "tokens_per_s": tok_s,
-                                  "elapsed": elapsed_before + time.perf_counter() - t0}) + "\n")
-            log.flush()
+            write_log({"step": step, "loss": last_loss, "lr": lr, "tokens_per_s": tok_s,
+                       "elapsed": elapsed_before + time.perf_counter() - t0})
         if tc.eval_every and step % tc.eval_every == 0 and step < tc.max_steps:
             validate()
             save()
@@ -253,14 +371,26 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
             save()
     bar.close()
     val = validate()
-    save(final=True)
-    log.close()
+    save()
     summary = {"steps": step, "train_loss": last_loss, "val_loss": val, "val_bits_per_token": val / math.log(2),
                "elapsed_s": elapsed_before + time.perf_counter() - t0, "stopped_by_time_budget": stopped_by_budget,
-               "parameters": model.num_parameters(), "tokenizer": data.tokenizer.name, "device": str(device)}
-    atomic_write(out_dir / "summary.json", lambda p: p.write_text(json.dumps(summary, indent=2) + "\n"))
-    plot_loss_curve(log_path, out_dir / "loss_curve.png")
+               "parameters": model.num_parameters(), "tokenizer": data.tokenizer.name, "device": str(device),
+               "processes": dist.world}
+    if dist.main:
+        log.close()
+        if tb is not None:
+            tb.close()
+        atomic_write(out_dir / "summary.json", lambda p: p.write_text(json.dumps(summary, indent=2) + "\n"))
+        plot_loss_curve(log_path, out_dir / "loss_curve.png")
     return summary
+
+
+def _tensorboard(out_dir: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise UserError("train.log = 'tensorboard' needs the tensorboard package (pip install tensorboard)") from None
+    return SummaryWriter(str(out_dir / "tensorboard"))
 
 
 def _with_vocab(model_cfg, vocab_size):

@@ -71,18 +71,18 @@ class Block(nn.Module):
 
 
 class LinearHead(nn.Module):
-    """logits = h W^T; W may be the (tied) token embedding."""
+    """logits = h W^T; W may be the (tied) token embedding's weight."""
 
-    def __init__(self, d_model: int, vocab_size: int, tied_weight: nn.Parameter | None = None):
+    def __init__(self, d_model: int, vocab_size: int, tied_to: nn.Embedding | None = None):
         super().__init__()
-        if tied_weight is None:
+        if tied_to is None:
             self.weight = nn.Parameter(torch.empty(vocab_size, d_model))
-        else:
-            self.tied = [tied_weight]  # a list, so the tensor is not registered twice
-        self.is_tied = tied_weight is not None
+        # a list, so the embedding is not registered twice; its weight is read at call time because
+        # wrappers such as FSDP replace parameters after construction
+        self.tied_to = [tied_to] if tied_to is not None else None
 
     def forward(self, h: torch.Tensor, tokens: torch.Tensor | None = None, state=None):
-        w = self.tied[0] if self.is_tied else self.weight
+        w = self.tied_to[0].weight if self.tied_to is not None else self.weight
         return F.linear(h, w), None
 
 
@@ -125,7 +125,7 @@ class LanguageModel(nn.Module):
             blocks.append(Block(d, mixer, mlp, memory))
         self.blocks = nn.ModuleList(blocks)
         self.norm = RMSNorm(d)
-        tied = self.embed.weight if config.tie_embeddings else None
+        tied = self.embed if config.tie_embeddings else None
         if config.head == "linear":
             self.head = LinearHead(d, config.vocab_size, tied)
         else:
