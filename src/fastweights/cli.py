@@ -17,7 +17,7 @@ from fastweights.errors import UserError
 
 # Modules that add their own subcommands with register_cli(subparsers), and task modules that add
 # `fastweights task NAME` with register_task(task_subparsers). Missing modules are skipped.
-COMMAND_MODULES = ["fastweights.adapt.cli", "fastweights.memory_stats", "fastweights.analysis"]
+COMMAND_MODULES = ["fastweights.adapt.cli", "fastweights.memory_stats", "fastweights.analysis", "fastweights.hf_export"]
 TASK_MODULES = ["fastweights.tasks.assoc", "fastweights.tasks.ba_retrieval"]
 
 
@@ -67,6 +67,22 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_prepare(args) -> int:
+    from fastweights.config import RunConfig, apply_overrides, from_dict
+    from fastweights.train import prepare_corpus
+
+    d = {"data": {"corpus": args.data, "tokenizer": args.tokenizer}}
+    apply_overrides(d, args.set or [])
+    cfg = from_dict(RunConfig, d)
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not (out / "prepared.json").exists():
+        raise UserError(f"--out {out} exists and is not a prepared-data directory")
+    info = prepare_corpus(cfg, out, progress=not args.quiet)
+    print(json.dumps(info, indent=2) if args.json else
+          f"prepared {sum(info['tokens'].values()):,} {info['tokenizer']} tokens in {out}; train with --data {out}")
+    return 0
+
+
 # ----------------------------------------------------------------------------- eval
 
 
@@ -80,15 +96,35 @@ def _eval_texts(args, cfg):
     return [d.text for d in split_corpus(docs, cfg.data.split, cfg.data.val_fraction, cfg.data.test_fraction)[args.split]]
 
 
+def _eval_prepared(model, tokenizer, cfg, args, seq_len):
+    """Score a split of a `fastweights prepare` directory straight from its memory map."""
+    import numpy as np
+    import torch
+
+    from fastweights.evaluate import score_tokens
+    from fastweights.progress import Progress
+    from fastweights.train import prepare_data
+
+    stream = getattr(prepare_data(cfg, Path(cfg.data.corpus), tokenizer, progress=False), args.split)
+    bar = Progress(len(stream) - 1, "tok", desc="eval", enabled=not args.quiet)
+    result, _ = score_tokens(model, torch.from_numpy(np.asarray(stream.tokens, dtype=np.int64)), seq_len,
+                             args.stride, progress=bar)
+    bar.close()
+    return result
+
+
 def cmd_eval(args) -> int:
     from fastweights.checkpoint import load_checkpoint
     from fastweights.evaluate import evaluate_documents
     from fastweights.train import resolve_device
 
     model, tokenizer, cfg = load_checkpoint(Path(args.checkpoint), map_location=str(resolve_device(args.device)))
-    texts = _eval_texts(args, cfg)
     seq_len = args.seq_len or cfg.train.seq_len
-    result = evaluate_documents(model, tokenizer, texts, seq_len, args.stride, progress=not args.quiet)
+    if not args.data and (Path(cfg.data.corpus) / "prepared.json").is_file():
+        result = _eval_prepared(model, tokenizer, cfg, args, seq_len)
+    else:
+        texts = _eval_texts(args, cfg)
+        result = evaluate_documents(model, tokenizer, texts, seq_len, args.stride, progress=not args.quiet)
     if result.tokens == 0:
         raise UserError("nothing to score: the evaluation text has fewer than two tokens")
     metrics = result.metrics(tokenizer.name)
@@ -159,6 +195,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true", help="print the summary as JSON")
     t.add_argument("--quiet", action="store_true", help="no progress line")
     t.set_defaults(func=cmd_train)
+
+    pr = sub.add_parser("prepare", help="tokenise a corpus once into memory-mapped train/val/test files")
+    pr.add_argument("--data", required=True, help="corpus: registered name, text file, directory or .jsonl")
+    pr.add_argument("--tokenizer", default="gpt2", choices=["char", "byte", "gpt2"])
+    pr.add_argument("--out", required=True, help="directory for the token files (then train with --data DIR)")
+    pr.add_argument("--set", action="append", metavar="data.KEY=VALUE", help="override a data field (split, fractions)")
+    pr.add_argument("--json", action="store_true")
+    pr.add_argument("--quiet", action="store_true")
+    pr.set_defaults(func=cmd_prepare)
 
     e = sub.add_parser("eval", help="score text with a checkpoint (bits per char/byte or perplexity)")
     e.add_argument("--checkpoint", required=True)

@@ -84,8 +84,56 @@ class Data:
     test: object
 
 
+PREPARED = "prepared.json"
+
+
+def prepare_corpus(cfg: RunConfig, out_dir: Path, progress: bool = True) -> dict:
+    """``fastweights prepare``: tokenise a corpus of any size once into memory-mapped split files.
+
+    Writes ``{train,val,test}-*.bin`` (+ sidecars), ``tokenizer.json`` and ``prepared.json`` into
+    ``out_dir``; ``--data out_dir`` then trains from the memory maps without re-reading the text.
+    """
+    data = _encode_corpus(cfg, Path(out_dir), None, progress, cache=Path(out_dir))
+    data.tokenizer.save(out_dir)
+    info = {"corpus": cfg.data.corpus, "tokenizer": data.tokenizer.name, "vocab_size": data.tokenizer.vocab_size,
+            "split": cfg.data.split, "files": {k: getattr(data, k).path.name for k in ("train", "val", "test")},
+            "tokens": {k: len(getattr(data, k)) for k in ("train", "val", "test")}}
+    atomic_write(Path(out_dir) / PREPARED, lambda p: p.write_text(json.dumps(info, indent=2) + "\n"))
+    return info
+
+
+def _open_prepared(directory: Path, tokenizer=None) -> Data:
+    from fastweights.data import TokenStream, load_tokenizer
+
+    info = json.loads((directory / PREPARED).read_text())
+    saved = load_tokenizer(directory)
+    if tokenizer is not None and tokenizer.fingerprint() != saved.fingerprint():
+        raise UserError(f"prepared data {directory} was tokenised with a different tokenizer than the checkpoint")
+    streams = {k: TokenStream.open(directory / f, saved) for k, f in info["files"].items()}
+    return Data(saved, streams["train"], streams["val"], streams["test"])
+
+
 def prepare_data(cfg: RunConfig, out_dir: Path, tokenizer=None, progress: bool = True) -> Data:
-    """Load the corpus, split it, build (or reuse) the tokenizer and encode the splits to memory maps."""
+    """Load the corpus, split it, build (or reuse) the tokenizer and encode the splits to memory maps.
+
+    A directory written by ``fastweights prepare`` is opened directly (nothing is re-encoded).
+    """
+    corpus = Path(cfg.data.corpus)
+    if (corpus / PREPARED).is_file():
+        data = _open_prepared(corpus, tokenizer)
+    else:
+        data = _encode_corpus(cfg, out_dir, tokenizer, progress, cache=out_dir / "data")
+    need = cfg.train.seq_len + 1
+    for name in ("train", "val"):
+        if len(getattr(data, name)) < need:
+            raise UserError(
+                f"corpus {cfg.data.corpus!r}: the {name} split has {len(getattr(data, name))} tokens, fewer than one "
+                f"training sequence ({need}); use a larger corpus or a smaller train.seq_len"
+            )
+    return data
+
+
+def _encode_corpus(cfg: RunConfig, out_dir: Path, tokenizer, progress: bool, cache: Path) -> Data:
     from fastweights.data import build_tokenizer, cached_stream, load_corpus, split_corpus, text_pieces
 
     # only the char tokenizer needs valid UTF-8; byte/BPE tokenizers keep invalid bytes exactly
@@ -94,17 +142,9 @@ def prepare_data(cfg: RunConfig, out_dir: Path, tokenizer=None, progress: bool =
     if tokenizer is None:
         train_text = text_pieces(splits["train"]) if cfg.data.tokenizer == "char" else None
         tokenizer = build_tokenizer(cfg.data.tokenizer, train_text=train_text)
-    cache = out_dir / "data"
     sep = getattr(tokenizer, "eot_id", None)  # GPT-2's <|endoftext|> between documents
     streams = {name: cached_stream(splits[name], tokenizer, cache, name, doc_separator=sep, progress=progress)
                for name in ("train", "val", "test")}
-    need = cfg.train.seq_len + 1
-    for name in ("train", "val"):
-        if len(streams[name]) < need:
-            raise UserError(
-                f"corpus {cfg.data.corpus!r}: the {name} split has {len(streams[name])} tokens, fewer than one "
-                f"training sequence ({need}); use a larger corpus or a smaller train.seq_len"
-            )
     return Data(tokenizer, streams["train"], streams["val"], streams["test"])
 
 
@@ -268,6 +308,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
             shutil.rmtree(out_dir)
         raise
     cfg.model.vocab_size = data.tokenizer.vocab_size
+    cfg.data.tokenizer = data.tokenizer.name  # a prepared corpus brings its own tokenizer
 
     model = LanguageModel(cfg.model).to(device)
     wrapped = _wrap(model, dist, device, fsdp)

@@ -1,0 +1,144 @@
+"""``fastweights export-hf CHECKPOINT DIR``: a checkpoint as a Hugging Face model directory.
+
+    fastweights export-hf runs/demo hf/demo
+
+writes ``config.json`` + ``generation_config.json`` + ``model.safetensors`` (through
+``FastWeightsForCausalLM.save_pretrained``; ``attention_context`` = the training ``seq_len``, so
+``generate()`` bounds attention layers' context as ``fastweights generate`` does) and ``tokenizer.json`` + ``tokenizer_config.json`` (in
+the format of the Hugging Face ``tokenizers`` library), so that, offline,
+
+    import fastweights.models.hf  # registers model_type "fastweights"
+    model = AutoModelForCausalLM.from_pretrained("hf/demo")
+    tok = AutoTokenizer.from_pretrained("hf/demo")
+
+give the same logits and the same token ids as the checkpoint and its tokenizer.
+
+Tokenizers, each expressed in ``tokenizers`` so that its ids are ours:
+
+- ``char``: a WordLevel model over the characters (id i = character i), every character split off
+  on its own by the pre-tokenizer, the unknown symbol ``<unk>`` at the last id (it decodes to
+  U+FFFD, as ours). Lone surrogates in the vocabulary (from undecodable bytes) cannot be held by
+  ``tokenizers``; they become named placeholders ``<U+DC80>`` that no text maps to.
+- ``byte``: a byte-level model (GPT-2's byte-to-character table) with the 256 bytes as ids 0..255 and
+  no merges, and no pre-tokenizer split; decoding replaces invalid UTF-8 with U+FFFD, as ours.
+- ``gpt2``: ByteLevel BPE with our vocab and merges and the GPT-2 split pattern. ``<|endoftext|>``
+  is the EOS/BOS token (so ``generate`` stops there), but text that contains the string
+  ``<|endoftext|>`` is encoded as ordinary characters, as ours does (``split_special_tokens``).
+
+The HF tokenizers add no BOS/EOS tokens when encoding, like ours.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastweights.errors import UserError
+
+UNK_TOKEN = "<unk>"
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+def _require_hf():
+    try:
+        import tokenizers  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise UserError(f"export-hf needs the optional package 'transformers' ({e}): pip install 'fastweights[hf]'") \
+            from None
+
+
+def _char_symbol(c: str) -> str:
+    """The vocabulary string of character ``c``; lone surrogates cannot be Rust strings."""
+    return f"<U+{ord(c):04X}>" if 0xD800 <= ord(c) <= 0xDFFF else c
+
+
+def hf_tokenizer(tokenizer):
+    """Our tokenizer (char, byte or gpt2) as a ``transformers`` fast tokenizer with the same ids.
+
+    Returns a ``PreTrainedTokenizerFast``; ``save_pretrained(directory)`` writes ``tokenizer.json``
+    and ``tokenizer_config.json``.
+    """
+    _require_hf()
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from fastweights.data.tokenizers import bytes_to_unicode
+
+    special: dict = {}
+    if tokenizer.name == "char":
+        vocab = {_char_symbol(c): i for i, c in enumerate(tokenizer.chars)}
+        vocab[UNK_TOKEN] = tokenizer.unk_id
+        tk = Tokenizer(models.WordLevel(vocab, unk_token=UNK_TOKEN))
+        # every code point is its own pre-token ([\s\S] matches any single character, newlines included)
+        tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+        # Fuse: tokens are joined without spaces; the unknown symbol reads back as U+FFFD like ours
+        tk.decoder = decoders.Sequence([decoders.Replace(UNK_TOKEN, _REPLACEMENT_CHAR), decoders.Fuse()])
+        special = {"unk_token": UNK_TOKEN}
+    elif tokenizer.name == "byte":
+        byte_symbol = bytes_to_unicode()
+        tk = Tokenizer(models.BPE({byte_symbol[b]: b for b in range(256)}, []))  # no merges: one id per byte
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tk.decoder = decoders.ByteLevel()
+    elif tokenizer.name == "gpt2":
+        merges = sorted(tokenizer.bpe_ranks, key=tokenizer.bpe_ranks.get)  # [(left, right)] in rank order
+        tk = Tokenizer(models.BPE(dict(tokenizer.encoder), merges))
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT2_PATTERN
+        tk.decoder = decoders.ByteLevel()
+        if tokenizer.eot_id is not None:
+            tk.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
+            special = {"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}
+    else:
+        raise UserError(f"export-hf: tokenizer kind {tokenizer.name!r} has no Hugging Face form")
+    # split_special_tokens: a special token's text inside the input is ordinary text, as in our encode
+    return PreTrainedTokenizerFast(tokenizer_object=tk, split_special_tokens=True,
+                                   clean_up_tokenization_spaces=False, **special)
+
+
+def special_token_ids(tokenizer) -> dict:
+    """``bos_token_id`` / ``eos_token_id`` for the model config (GPT-2's end of text; none for char/byte)."""
+    eot = getattr(tokenizer, "eot_id", None)
+    return {"bos_token_id": eot, "eos_token_id": eot} if eot is not None else {}
+
+
+def export_hf(checkpoint: str | Path, directory: str | Path, force: bool = False) -> list[str]:
+    """Write checkpoint ``checkpoint`` as a Hugging Face model directory ``directory``.
+
+    Refuses a non-empty ``directory`` unless ``force`` (and always refuses the checkpoint itself,
+    whose own ``config.json`` / ``tokenizer.json`` would be overwritten). Returns the file names written.
+    """
+    _require_hf()
+    from fastweights.checkpoint import load_checkpoint
+    from fastweights.models.hf import FastWeightsForCausalLM
+
+    checkpoint, directory = Path(checkpoint), Path(directory)
+    if directory.exists() and checkpoint.exists() and directory.resolve() == checkpoint.resolve():
+        raise UserError("export-hf: DIR must differ from the checkpoint directory")
+    if directory.exists() and not directory.is_dir():
+        raise UserError(f"export-hf: {directory} exists and is not a directory")
+    if directory.is_dir() and any(directory.iterdir()) and not force:
+        raise UserError(f"export-hf: {directory} is not empty (use --force to write into it)")
+    model, tokenizer, run_config = load_checkpoint(checkpoint)
+    hf_tok = hf_tokenizer(tokenizer)  # before writing anything: an unsupported tokenizer fails here
+    # attention layers see the training context when generating, as in `fastweights generate`
+    hf_model = FastWeightsForCausalLM.from_language_model(
+        model.eval(), attention_context=run_config.train.seq_len, **special_token_ids(tokenizer))
+    directory.mkdir(parents=True, exist_ok=True)
+    hf_model.save_pretrained(directory)
+    hf_tok.save_pretrained(directory)
+    return sorted(p.name for p in directory.iterdir())
+
+
+def cmd_export_hf(args) -> int:
+    files = export_hf(args.checkpoint, args.dir, force=args.force)
+    print(f"exported {args.checkpoint} -> {args.dir} ({', '.join(files)})")
+    return 0
+
+
+def register_cli(sub) -> None:
+    """Add ``fastweights export-hf CHECKPOINT DIR``."""
+    p = sub.add_parser("export-hf", help="write a checkpoint as a Hugging Face model directory "
+                                         "(AutoModelForCausalLM / AutoTokenizer, after `import fastweights.models.hf`)")
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint directory")
+    p.add_argument("dir", metavar="DIR", help="output directory (created; must be empty unless --force)")
+    p.add_argument("--force", action="store_true", help="write into a non-empty DIR")
+    p.set_defaults(func=cmd_export_hf)

@@ -1,0 +1,290 @@
+"""fastweights models as Hugging Face causal LMs: config and weights round-trip for every registered
+mixer, head and memory; generate() with the fast-weight state as cache equals fastweights'
+greedy generation; export-hf gives a directory that AutoModelForCausalLM / AutoTokenizer load."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from fastweights.checkpoint import save_model  # noqa: E402
+from fastweights.config import ModelConfig, RunConfig  # noqa: E402
+from fastweights.data.tokenizers import build_tokenizer  # noqa: E402
+from fastweights.generate import generate_tokens  # noqa: E402
+from fastweights.models import registry  # noqa: E402
+from fastweights.models.hf import FastWeightsCache, FastWeightsConfig, FastWeightsForCausalLM  # noqa: E402
+from fastweights.models.lm import LanguageModel  # noqa: E402
+
+VOCAB = 13
+# Options that make the memories / heads tiny (their defaults are the papers' sizes). A component
+# registered later without an entry here is built with its defaults, and test_components_are_tiny
+# says when those are too large to test.
+TINY_OPTIONS = {
+    "pkm": dict(n_subkeys=4, d_key=8, d_value=8, heads=1, topk=2),
+    "fwpkm": dict(n_subkeys=4, d_key=8, d_value=8, heads=1, topk=2, chunk_size=4),
+    "fwmlp": dict(d_key=8, d_value=8, hidden=16, chunk_size=4),
+    "fwl": dict(segment_len=4, chunk_size=8),
+}
+MAX_ELEMENTS = 100_000  # parameters + buffers of one test model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny tensors: one thread is fastest, and spares a CPU shared with other jobs
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _components():
+    registry.load_providers()
+    cases = [("mixer", n) for n in sorted(registry.MIXERS)]
+    cases += [("head", n) for n in sorted(registry.HEADS)]
+    cases += [("memory", n) for n in sorted(registry.MEMORIES)]
+    return cases
+
+
+COMPONENTS = _components()
+
+
+def tiny_config(kind: str, name: str, **overrides) -> ModelConfig:
+    fields = {"mixer": {"mixer": name}, "head": {"head": name}, "memory": {"memory": name, "memory_layers": [0]}}[kind]
+    options = {name: TINY_OPTIONS[name]} if name in TINY_OPTIONS else {}
+    # init_std 0.3: logits far from uniform, so greedy decoding does not repeat one token
+    base = dict(vocab_size=VOCAB, d_model=16, n_layers=1, n_heads=2, init_std=0.3, options=options)
+    return ModelConfig(**{**base, **fields, **overrides})
+
+
+def tiny_model(kind: str, name: str, seed: int = 0, **overrides) -> LanguageModel:
+    torch.manual_seed(seed)
+    return LanguageModel(tiny_config(kind, name, **overrides)).eval()
+
+
+@pytest.mark.parametrize("kind,name", COMPONENTS)
+def test_components_are_tiny(kind, name):
+    lm = tiny_model(kind, name)
+    n = sum(p.numel() for p in lm.parameters()) + sum(b.numel() for b in lm.buffers())
+    assert n <= MAX_ELEMENTS, f"{kind} {name!r} has {n} elements at tiny dims: add it to TINY_OPTIONS"
+
+
+def test_config_round_trip(tmp_path):
+    mc = ModelConfig(vocab_size=VOCAB, d_model=24, n_layers=3, n_heads=3, layer_mixers=["attention", "fwp", "gdn"],
+                     memory="fwpkm", memory_layers=[1], head="fwl", tie_embeddings=False, dropout=0.1,
+                     options={"fwp": {"rule": "sum", "feature_map": "elu1"}, "fwpkm": {"n_subkeys": 4}})
+    cfg = FastWeightsConfig.from_model_config(mc, eos_token_id=3)
+    assert cfg.to_model_config() == mc
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads) == (24, 3, 3)
+    cfg.save_pretrained(tmp_path)
+    loaded = AutoConfig.from_pretrained(tmp_path)
+    assert isinstance(loaded, FastWeightsConfig)
+    assert loaded.to_model_config() == mc and loaded.eos_token_id == 3
+    # the defaults are ModelConfig's
+    assert FastWeightsConfig().to_model_config() == ModelConfig()
+
+
+@pytest.mark.parametrize("kind,name", COMPONENTS)
+def test_save_load_identical_logits_and_cache(kind, name, tmp_path):
+    lm = tiny_model(kind, name)
+    hf = FastWeightsForCausalLM.from_language_model(lm)
+    x = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = lm(x).logits
+        assert torch.equal(hf(x).logits, ref)
+        hf.save_pretrained(tmp_path)
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+        assert type(loaded) is FastWeightsForCausalLM
+        assert loaded.model.config == lm.config
+        out = loaded(x)
+        assert torch.equal(out.logits, ref)
+        # the returned cache continues the sequence: pieces == one call (chunked vs stepwise paths: close)
+        first = loaded(x[:, :6])
+        assert isinstance(first.past_key_values, FastWeightsCache)
+        assert first.past_key_values.get_seq_length() == 6
+        second = loaded(x[:, 6:], past_key_values=first.past_key_values)
+        assert second.past_key_values.get_seq_length() == 10
+        torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind,name", COMPONENTS)
+def test_greedy_generate_equals_generate_tokens(kind, name):
+    lm = tiny_model(kind, name, seed=2)
+    hf = FastWeightsForCausalLM.from_language_model(lm)
+    prompt = [1, 5, 2, 7, 7, 3]
+    ours = list(generate_tokens(lm, prompt, 12, temperature=0))
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, return_dict_in_generate=True,
+                      output_logits=True)
+    assert out.sequences[0, :len(prompt)].tolist() == prompt
+    assert out.sequences[0, len(prompt):].tolist() == ours
+    # every step's logits are those of the model reading prompt, then one token at a time with its state
+    # (a greedy sequence alone can repeat one token whatever the state)
+    with torch.no_grad():
+        step = lm(torch.tensor([prompt]))
+        expected = [step.logits[0, -1]]
+        for t in ours[:-1]:
+            step = lm(torch.tensor([[t]]), step.state)
+            expected.append(step.logits[0, -1])
+    assert torch.equal(torch.stack([s[0] for s in out.logits]), torch.stack(expected))
+
+
+def test_generate_continues_from_returned_cache():
+    lm = tiny_model("mixer", "fwp", seed=3, n_layers=2, layer_mixers=["fwp", "attention"])
+    hf = FastWeightsForCausalLM.from_language_model(lm)
+    prompt = torch.tensor([[4, 1, 9, 2]])
+    whole = hf.generate(prompt, max_new_tokens=10, do_sample=False)
+    first = hf.generate(prompt, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    cache = first.past_key_values
+    assert isinstance(cache, FastWeightsCache) and cache.get_seq_length() == 4 + 3  # last token not read yet
+    rest = hf.generate(first.sequences, past_key_values=cache, max_new_tokens=6, do_sample=False)
+    assert torch.equal(rest, whole)
+
+
+def test_batched_sampling_runs_and_respects_prompt():
+    lm = tiny_model("mixer", "gdn", seed=4)
+    hf = FastWeightsForCausalLM.from_language_model(lm)
+    prompt = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    torch.manual_seed(0)
+    out = hf.generate(prompt, max_new_tokens=5, do_sample=True, top_k=4, num_return_sequences=2)
+    assert out.shape == (4, 8)
+    assert torch.equal(out[:, :3], prompt.repeat_interleave(2, 0))
+
+
+def test_beam_search_reorders_state():
+    # reference: beam search that recomputes the whole prefix at every step (no cache)
+    # every kind of per-sequence state: fast weight matrix, KV cache, FWL head, FwMLP writing every 4 tokens
+    fwmlp = {**TINY_OPTIONS["fwmlp"], "persistence": "per_sequence"}
+    lm = tiny_model("mixer", "fwp", seed=5, n_layers=2, layer_mixers=["fwp", "attention"], head="fwl",
+                    memory="fwmlp", memory_layers=[1], options={"fwl": TINY_OPTIONS["fwl"], "fwmlp": fwmlp})
+    hf = FastWeightsForCausalLM.from_language_model(lm)
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    kw = dict(max_new_tokens=6, num_beams=3, do_sample=False, num_return_sequences=3)
+    cached = hf.generate(prompt, **kw)
+    recomputed = hf.generate(prompt, use_cache=False, **kw)
+    assert torch.equal(cached, recomputed)
+
+
+def test_beam_search_refuses_shared_memory():
+    lm = tiny_model("memory", "fwpkm", seed=6)  # persistence "stream": one memory for the batch
+    hf = FastWeightsForCausalLM.from_language_model(lm)
+    with pytest.raises(ValueError, match="shared across the batch"):
+        hf.generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=3, num_beams=2, do_sample=False)
+
+
+def test_forward_loss_padding_and_cache_checks():
+    lm = tiny_model("memory", "fwmlp", seed=7)
+    hf = FastWeightsForCausalLM.from_language_model(lm)
+    x = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(2))
+    labels = x.clone()
+    labels[0, 4] = -100
+    out = hf(x, labels=labels, use_cache=False)
+    assert out.past_key_values is None
+    ref = lm(x[:, :-1], targets=labels[:, 1:])
+    expected = ref.loss if ref.aux_loss is None else ref.loss + ref.aux_loss
+    torch.testing.assert_close(out.loss, expected)
+    out.loss.backward()  # trainable through the HF interface
+    assert hf.model.embed.weight.grad is not None
+    assert hf(x, logits_to_keep=1).logits.shape == (2, 1, VOCAB)
+    with pytest.raises(ValueError, match="padding"):
+        hf(x, attention_mask=torch.tensor([[0] + [1] * 8, [1] * 9]))
+    with torch.no_grad():
+        cache = hf(x[:1]).past_key_values
+        with pytest.raises(ValueError, match="1 sequences"):
+            hf(x, past_key_values=cache)
+        assert not cache.is_croppable
+        with pytest.raises(NotImplementedError):
+            cache.crop(1)
+        branch = copy.deepcopy(cache)  # branching from one prefix: the model updates the given cache in place
+        a = hf(x[:1, :2], past_key_values=cache)
+        b = hf(x[:1, :2], past_key_values=branch)
+        assert a.past_key_values is cache and cache.get_seq_length() == 11
+        assert torch.equal(a.logits, b.logits)
+
+
+# ----------------------------------------------------------------------------- export-hf
+
+TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\nAll: Speak, speak.\n"
+
+
+SEQ_LEN = 8  # short training context: generation below runs past it, so the bounded KV cache matters
+
+
+def _checkpoint(tmp_path, tokenizer_kind: str, seed: int):
+    tok = build_tokenizer(tokenizer_kind, TEXT)
+    cfg = RunConfig(model=ModelConfig(vocab_size=tok.vocab_size, d_model=16, n_layers=2, n_heads=2, init_std=0.3,
+                                      layer_mixers=["attention", "fwp"]))
+    cfg.data.tokenizer = tokenizer_kind
+    cfg.train.seq_len = SEQ_LEN
+    torch.manual_seed(seed)
+    lm = LanguageModel(cfg.model).eval()
+    ck = tmp_path / "ckpt"
+    save_model(lm, ck, cfg, tok)
+    return ck, lm, tok
+
+
+def _cli(argv, monkeypatch):
+    from fastweights import cli
+
+    if "fastweights.hf_export" not in cli.COMMAND_MODULES:  # until the lead wires the module in
+        monkeypatch.setattr(cli, "COMMAND_MODULES", [*cli.COMMAND_MODULES, "fastweights.hf_export"])
+    return cli.main(argv)
+
+
+@pytest.mark.parametrize("tokenizer_kind", ["char", "byte", "gpt2"])
+def test_export_hf_round_trip(tokenizer_kind, tmp_path, monkeypatch, capsys):
+    ck, lm, tok = _checkpoint(tmp_path, tokenizer_kind, seed=8)
+    out = tmp_path / "hf"
+    assert _cli(["export-hf", str(ck), str(out)], monkeypatch) == 0
+    assert "exported" in capsys.readouterr().out
+    for f in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]:
+        assert (out / f).is_file(), f
+    assert json.loads((out / "config.json").read_text())["model_type"] == "fastweights"
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    hf_tok = AutoTokenizer.from_pretrained(out)
+    # text: same ids as ours, including unseen characters (char: the unknown id), and the same decoding
+    probe = "Before we speak, Zounds! ☃ naïve <|endoftext|>\n\tend"
+    ids = hf_tok(probe)["input_ids"]
+    assert ids == tok.encode(probe).tolist()
+    assert hf_tok.decode(ids) == tok.decode(ids)
+    # logits
+    x = torch.tensor([tok.encode(TEXT[:40]).tolist()])
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, lm(x).logits)
+    # greedy generation through the tokenizers equals `fastweights generate --temperature 0`, whose
+    # attention layers keep the training context (SEQ_LEN) as the exported model's do
+    assert model.config.attention_context == SEQ_LEN
+    prompt, n_new = "All: ", 3 * SEQ_LEN
+    enc = hf_tok(prompt, return_tensors="pt")
+    new = model.generate(**enc, max_new_tokens=n_new, do_sample=False)[0, enc["input_ids"].shape[1]:].tolist()
+    ours = list(generate_tokens(lm, tok.encode(prompt).tolist(), n_new, temperature=0, context=SEQ_LEN))
+    unbounded = list(generate_tokens(lm, tok.encode(prompt).tolist(), n_new, temperature=0))
+    if tokenizer_kind == "gpt2":  # generate() stops at <|endoftext|>; ours runs on
+        eot = tok.eot_id
+        assert model.generation_config.eos_token_id == eot == hf_tok.eos_token_id
+        if eot in ours:
+            ours, unbounded = ours[: ours.index(eot) + 1], unbounded[: ours.index(eot) + 1]
+    assert new == ours
+    assert new != unbounded or len(new) < SEQ_LEN  # the bound changed the continuation: it was exercised
+    if len(new) == n_new:
+        assert _cli(["generate", "--checkpoint", str(ck), "--prompt", prompt, "--max-tokens", str(n_new),
+                     "--temperature", "0", "--device", "cpu"], monkeypatch) == 0
+        assert capsys.readouterr().out == prompt + hf_tok.decode(new) + "\n"
+
+
+def test_export_hf_refuses_non_empty_dir_and_checkpoint(tmp_path, monkeypatch, capsys):
+    ck, _, _ = _checkpoint(tmp_path, "char", seed=9)
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    assert _cli(["export-hf", str(ck), str(out)], monkeypatch) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert _cli(["export-hf", str(ck), str(ck)], monkeypatch) == 2
+    assert "differ" in capsys.readouterr().err
+    assert _cli(["export-hf", str(tmp_path / "missing"), str(tmp_path / "o")], monkeypatch) == 2
+    assert _cli(["export-hf", str(ck), str(out), "--force"], monkeypatch) == 0
+    assert (out / "keep.txt").is_file() and (out / "model.safetensors").is_file()
