@@ -1,0 +1,72 @@
+"""Peak memory of `fastweights prepare` on a ~100 MB text file, and of training from the result.
+
+    python benchmarks/prepare_memory.py [--mb 100] [--tokenizer gpt2]
+
+Each step runs in its own process; its peak resident set size comes from getrusage. Writes
+benchmarks/results/prepare_memory.json. The point: memory stays bounded (far below the corpus
+size times the 8 bytes an int64 token list would take) because text is encoded piece by piece
+into a memory-mapped file, and training samples windows from the memory map.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import resources
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_result  # noqa: E402
+
+
+def run(cmd: list[str]) -> tuple[float, float]:
+    """(seconds, peak RSS in MB) of a child process."""
+    t = time.perf_counter()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    if peak <= before:
+        raise RuntimeError("peak RSS of the child did not exceed an earlier child's; run steps in order of size")
+    return time.perf_counter() - t, peak / 1024
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=int, default=100)
+    ap.add_argument("--tokenizer", default="gpt2")
+    a = ap.parse_args()
+    text = gzip.decompress((resources.files("fastweights") / "data/assets/tinyshakespeare.txt.gz").read_bytes())
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        corpus = tmp / "big.txt"
+        with corpus.open("wb") as f:
+            for _ in range(a.mb * 2**20 // len(text) + 1):
+                f.write(text)
+        size_mb = corpus.stat().st_size / 2**20
+        py = sys.executable
+        base_s, base_mb = run([py, "-c", "import fastweights.train, torch"])
+        prep_s, prep_mb = run([py, "-m", "fastweights", "prepare", "--data", str(corpus), "--tokenizer", a.tokenizer,
+                               "--out", str(tmp / "prepared"), "--quiet"])
+        train_s, train_mb = run([py, "-m", "fastweights", "train", "--preset", "tiny", "--data", str(tmp / "prepared"),
+                                 "--out", str(tmp / "run"), "--quiet", "--set", "train.max_steps=5"])
+        n_tokens = sum(f.stat().st_size for f in (tmp / "prepared").glob("*.bin"))
+    res = {"corpus_mb": size_mb, "tokenizer": a.tokenizer, "token_file_mb": n_tokens / 2**20,
+           "peak_rss_mb": {"import_only": base_mb, "prepare": prep_mb, "train_5_steps_from_memmap": train_mb},
+           "seconds": {"prepare": prep_s, "train_5_steps": train_s},
+           "note": "peak RSS of separate child processes; import_only is the floor of Python + torch"}
+    res["headline"] = [
+        {"what": f"`fastweights prepare` on {size_mb:.0f} MB of text ({a.tokenizer}): peak RSS", "value": round(prep_mb),
+         "unit": "MB", "target": "bounded (<< corpus x 8 B/token)"},
+        {"what": f"training from the {size_mb:.0f} MB prepared corpus: peak RSS", "value": round(train_mb), "unit": "MB"},
+    ]
+    print(res)
+    write_result("prepare_memory", res)
+
+
+if __name__ == "__main__":
+    main()
