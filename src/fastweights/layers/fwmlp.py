@@ -1,0 +1,336 @@
+"""Fast-weight MLP (FwMLP): the dense baseline of Zhao & Jones 2026 (arXiv 2601.00671, App. C).
+
+FwPKM with its product-key memory replaced by a SwiGLU MLP whose three matrices and biases are fast
+weights (the paper's 512 -> 2304 -> 512).  Inputs, gate and output are FwPKM's (eqs 8-10, 12)::
+
+    v_hat_t = W_d (u_t * silu(a_t)) + b_d,   u_t = W_u q_t + b_u,   a_t = W_g q_t + b_g
+
+After each chunk of C tokens, with lookahead L (query t paired with the value of token t + L)::
+
+    L_mem = mean_{t, features} (v_hat_t - v_{t+L})^2        (mean over pairs and features, no 1/2)
+    W <- W - eta * clip(dL_mem/dW)                           (eta = 0.1; plain SGD on all six tensors)
+
+No per-row aggregation, no addressing loss and no gate weighting (App. C).  The released class clips
+gradients to +-1 by default, but the released FwMLP configs turn the clip off; here
+``grad_clip = 0`` (off) is the default and any positive value clips elementwise.
+
+The gradient is written out by hand (backpropagation through the SwiGLU, cached activations), so
+the update is an ordinary differentiable expression: training backpropagates through every inner
+update without nested autograd.  Chunking, the boundary carry, persistence modes and the state
+protocol are those of :class:`fastweights.layers.fwpkm.FwPKM`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastweights.errors import UserError
+from fastweights.layers.fwpkm import PERSISTENCE, FastMemoryIO, fast_dtype, state_pytree
+from fastweights.models.registry import register_memory
+
+PARAM_NAMES = ("w_up", "b_up", "w_gate", "b_gate", "w_down", "b_down")
+
+
+@dataclass
+class FwMLPOptions:
+    """Options of :class:`FwMLP` (defaults: the paper's FwMLP baseline).
+
+    ``d_key`` fast-MLP input width (the query), ``d_value`` its output, ``hidden`` its hidden width,
+    ``chunk_size`` C, ``lr`` eta, ``grad_clip`` (0 = off), ``lookahead``, ``boundary``
+    "carry"/"drop", ``value_norm``, ``gating``, ``gate_weighted_loss`` (off in the paper),
+    ``gate_form``, ``persistence``, ``second_order``, ``frozen``: as for FwPKM.
+    """
+
+    d_key: int = 512
+    d_value: int = 512
+    hidden: int = 2304
+    chunk_size: int = 512
+    lr: float = 0.1
+    grad_clip: float = 0.0
+    lookahead: int = 1
+    boundary: str = "carry"
+    value_norm: bool = True
+    gating: bool = True
+    gate_weighted_loss: bool = False
+    gate_form: str = "linear"
+    persistence: str = "stream"
+    second_order: bool = True
+    frozen: bool = False
+    norm_eps: float = 1e-6
+
+
+@state_pytree
+@dataclass
+class _Acts:
+    """Cached activations of R tokens: x [B, R, d_in], u/a [B, R, hidden], y [B, R, d_out]."""
+
+    x: torch.Tensor
+    u: torch.Tensor
+    a: torch.Tensor
+    y: torch.Tensor
+
+    def fields(self):
+        return (self.x, self.u, self.a, self.y)
+
+    @staticmethod
+    def cat(p: "_Acts | None", q: "_Acts") -> "_Acts":
+        if p is None:
+            return q
+        return _Acts(*(torch.cat([s, t], 1) for s, t in zip(p.fields(), q.fields())))
+
+
+@state_pytree
+@dataclass
+class FwMLPState:
+    """Fast MLP weights (dict of the six tensors, each with a leading axis Bk = 1 shared or B per
+    sequence) and the queue of tokens not yet written (as :class:`FwPKMState`)."""
+
+    weights: dict[str, torch.Tensor]
+    batch: int
+    per_sequence: bool
+    pending_v: torch.Tensor
+    pending_g: torch.Tensor
+    pending_x: torch.Tensor
+    n_stale: int = 0
+    acts: _Acts | None = None
+    n_read: int = 0
+    position: int = 0
+    writes: int = 0
+
+    def detach(self) -> "FwMLPState":
+        """The same state cut from the autograd graph."""
+        acts = None if self.acts is None else _Acts(*(t.detach() for t in self.acts.fields()))
+        return replace(self, weights={k: w.detach() for k, w in self.weights.items()},
+                       pending_v=self.pending_v.detach(), pending_g=self.pending_g.detach(),
+                       pending_x=self.pending_x.detach(), acts=acts)
+
+
+def swiglu_forward(weights: dict[str, torch.Tensor], x: torch.Tensor) -> _Acts:
+    """Fast SwiGLU on x ``[B, R, d_in]`` with weights of leading axis 1 or B -> cached activations."""
+    u = torch.matmul(x, weights["w_up"].transpose(-1, -2)) + weights["b_up"].unsqueeze(-2)  # [B, R, hidden]
+    a = torch.matmul(x, weights["w_gate"].transpose(-1, -2)) + weights["b_gate"].unsqueeze(-2)
+    h = u * F.silu(a)
+    y = torch.matmul(h, weights["w_down"].transpose(-1, -2)) + weights["b_down"].unsqueeze(-2)  # [B, R, d_out]
+    return _Acts(x, u, a, y)
+
+
+@register_memory("fwmlp", FwMLPOptions)
+class FwMLP(nn.Module):
+    """Fast-weight SwiGLU MLP, inserted before a block's mixer; same protocol as FwPKM.
+
+    ``y, state = layer(x, state=None)``; ``aux_loss`` is always None; ``last_stats`` holds the last
+    write's mean memorisation loss and the mean gate.
+    """
+
+    placement = "before_mixer"
+
+    def __init__(self, d_model: int, options: FwMLPOptions | None = None):
+        super().__init__()
+        o = options or FwMLPOptions()
+        _validate(o)
+        self.options = o
+        self.io = FastMemoryIO(d_model, o.d_key, o.d_value, value_norm=o.value_norm, gating=o.gating,
+                               gate_form=o.gate_form, norm_eps=o.norm_eps)
+        shapes = {"w_up": (o.hidden, o.d_key), "b_up": (o.hidden,), "w_gate": (o.hidden, o.d_key),
+                  "b_gate": (o.hidden,), "w_down": (o.d_value, o.hidden), "b_down": (o.d_value,)}
+        for name in PARAM_NAMES:
+            self.register_buffer(name, torch.empty(shapes[name]))
+        self.reset_memory()
+        self.frozen = o.frozen
+        self.aux_loss: torch.Tensor | None = None
+        self.last_stats: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def reset_memory(self) -> None:
+        """Initial fast weights of the released code: W ~ N(0, fan_in^-1/2), biases 0."""
+        o = self.options
+        self.w_up.normal_(0.0, 1.0 / math.sqrt(o.d_key))
+        self.w_gate.normal_(0.0, 1.0 / math.sqrt(o.d_key))
+        self.w_down.normal_(0.0, 1.0 / math.sqrt(o.hidden))
+        for name in ("b_up", "b_gate", "b_down"):
+            getattr(self, name).zero_()
+
+    def init_state(self, batch: int, device: torch.device | None = None,
+                   dtype: torch.dtype | None = None) -> FwMLPState:
+        """A fresh state for ``batch`` sequences from the layer's current fast weights."""
+        device = device or self.w_up.device
+        dtype = dtype or fast_dtype(self.w_up)
+        per_seq = self.options.persistence == "per_sequence"
+        weights = {}
+        for name in PARAM_NAMES:
+            w = getattr(self, name).to(device=device, dtype=dtype).unsqueeze(0)
+            weights[name] = w.expand(batch, *w.shape[1:]) if per_seq else w
+        o = self.options
+        f = dict(device=device, dtype=dtype)
+        return FwMLPState(weights=weights, batch=batch, per_sequence=per_seq,
+                          pending_v=torch.zeros(batch, 0, o.d_value, **f), pending_g=torch.zeros(batch, 0, **f),
+                          pending_x=torch.zeros(batch, 0, o.d_key, **f))
+
+    def forward(self, x: torch.Tensor, state: FwMLPState | None = None) -> tuple[torch.Tensor, FwMLPState]:
+        """x ``[B, T, d_model]`` -> (y ``[B, T, d_model]``, state)."""
+        q, v, g = self.io.inputs(x)
+        g_loss = g if (self.options.gating and self.options.gate_weighted_loss) else torch.ones_like(g)
+        v_hat, state = self.memory(q, v, g_loss, state)
+        y = self.io.output(v_hat, v, g)
+        self.aux_loss = None
+        self.last_stats["gate_mean"] = g.detach().float().mean()
+        if self.options.persistence == "official":
+            state = self._persist(state)
+        return y, state
+
+    def memory(self, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+               state: FwMLPState | None = None) -> tuple[torch.Tensor, FwMLPState]:
+        """Fast core: q ``[B, T, d_key]``, v ``[B, T, d_value]``, g ``[B, T]`` -> (v_hat ``[B, T, d_value]``, state)."""
+        B, T = q.shape[:2]
+        dtype = fast_dtype(q)
+        st = state if state is not None else self.init_state(B, q.device, dtype)
+        if st.batch != B:
+            raise UserError(f"FwMLP state is for batch size {st.batch}, got input of batch size {B}")
+        C = self.options.chunk_size
+        outs = []
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            q, v, g = q.to(dtype), v.to(dtype), g.to(dtype)
+            t = 0
+            while t < T:
+                take = T - t if self.frozen else min(T - t, C - st.n_read)
+                sl = slice(t, t + take)
+                acts = swiglu_forward(st.weights, q[:, sl])
+                outs.append(acts.y)
+                if self.frozen:
+                    st = replace(st, position=st.position + take)
+                else:
+                    st = replace(st, pending_x=torch.cat([st.pending_x, q[:, sl]], 1),
+                                 pending_v=torch.cat([st.pending_v, v[:, sl]], 1),
+                                 pending_g=torch.cat([st.pending_g, g[:, sl]], 1),
+                                 acts=_Acts.cat(st.acts, acts), n_read=st.n_read + take,
+                                 position=st.position + take)
+                    if st.n_read == C:
+                        st = self._write(st)
+                t += take
+        v_hat = torch.cat(outs, dim=1) if outs else q.new_zeros(B, 0, self.options.d_value)
+        return v_hat, st
+
+    def _write(self, st: FwMLPState) -> FwMLPState:
+        o = self.options
+        L = o.lookahead
+        acts = st.acts
+        if st.n_stale:
+            stale = swiglu_forward(st.weights, st.pending_x[:, : st.n_stale])
+            acts = _Acts.cat(stale, acts) if acts is not None else stale
+        P = st.pending_x.shape[1]
+        n_pairs = P - L
+        weights = st.weights
+        if n_pairs > 0:
+            with torch.set_grad_enabled(torch.is_grad_enabled() and o.second_order):
+                head = _Acts(*(t[:, :n_pairs] for t in acts.fields()))
+                err = head.y - st.pending_v[:, L: L + n_pairs]  # [B, P', d_out]
+                gate = st.pending_g[:, :n_pairs].unsqueeze(-1)
+                count = n_pairs * (1 if st.per_sequence else st.batch) * o.d_value
+                self.last_stats["mem_loss"] = (gate * err.pow(2)).mean().detach()
+                dy = 2.0 * gate * err / count  # d/dy of mean_{pairs, features} g (y - v)^2
+                grads = fast_mlp_grads(st.weights, head, dy, st.per_sequence)
+                if o.grad_clip > 0:
+                    grads = {k: g.clamp(-o.grad_clip, o.grad_clip) for k, g in grads.items()}
+                weights = {k: st.weights[k] - o.lr * grads[k] for k in PARAM_NAMES}
+        carry = L if (o.boundary == "carry" and L > 0) else 0
+        return replace(st, weights=weights, pending_x=st.pending_x[:, P - carry:],
+                       pending_v=st.pending_v[:, P - carry:], pending_g=st.pending_g[:, P - carry:],
+                       n_stale=carry, acts=None, n_read=0, writes=st.writes + 1)
+
+    @torch.no_grad()
+    def _persist(self, st: FwMLPState) -> FwMLPState:
+        """``persistence="official"``: write the final fast weights back into the module."""
+        for name in PARAM_NAMES:
+            # a fresh tensor: the old one may be saved for this forward's backward
+            self._buffers[name] = st.weights[name][0].detach().to(getattr(self, name).dtype).clone()
+        return replace(st, weights={k: getattr(self, k).unsqueeze(0).to(st.weights[k].dtype) for k in PARAM_NAMES})
+
+
+def fast_mlp_grads(weights: dict[str, torch.Tensor], acts: _Acts, dy: torch.Tensor,
+                   per_sequence: bool) -> dict[str, torch.Tensor]:
+    """dL/dW of the fast SwiGLU by hand, given dL/dy ``[B, R, d_out]`` and cached activations.
+
+    Returns each gradient with a leading axis B (per sequence) or 1 (one shared MLP: the batch
+    is summed).  Plain differentiable ops, so training can backpropagate through the update.
+    """
+    sig = torch.sigmoid(acts.a)
+    silu = acts.a * sig
+    h = acts.u * silu  # [B, R, hidden]
+    dh = torch.matmul(dy, weights["w_down"])  # [B, R, hidden]
+    du = dh * silu
+    da = dh * acts.u * sig * (1.0 + acts.a * (1.0 - sig))  # silu'(a) = s (1 + a (1 - s))
+
+    def outer(grad_out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:  # [B, R, o] x [B, R, i] -> [Bk, o, i]
+        if per_sequence:
+            return torch.matmul(grad_out.transpose(1, 2), inp)
+        return torch.matmul(grad_out.flatten(0, 1).t(), inp.flatten(0, 1)).unsqueeze(0)
+
+    def bias(grad_out: torch.Tensor) -> torch.Tensor:  # [B, R, o] -> [Bk, o]
+        return grad_out.sum(1) if per_sequence else grad_out.sum((0, 1)).unsqueeze(0)
+
+    return {"w_up": outer(du, acts.x), "b_up": bias(du), "w_gate": outer(da, acts.x), "b_gate": bias(da),
+            "w_down": outer(dy, h), "b_down": bias(dy)}
+
+
+def _validate(o: FwMLPOptions) -> None:
+    checks = [
+        (o.d_key >= 1 and o.hidden >= 1, "d_key and hidden must be >= 1"),
+        (o.d_value >= 2, f"d_value must be >= 2, got {o.d_value}"),
+        (o.lookahead >= 0, f"lookahead must be >= 0, got {o.lookahead}"),
+        (o.chunk_size > o.lookahead, f"chunk_size ({o.chunk_size}) must exceed lookahead ({o.lookahead})"),
+        (o.boundary in ("carry", "drop"), f"boundary must be 'carry' or 'drop', got {o.boundary!r}"),
+        (o.persistence in PERSISTENCE, f"persistence must be one of {', '.join(PERSISTENCE)}, got {o.persistence!r}"),
+        (o.grad_clip >= 0, f"grad_clip must be >= 0, got {o.grad_clip}"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise UserError("fwmlp: " + msg)
+
+
+def fwmlp_memory_reference(q: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                           weights: dict[str, torch.Tensor], options: FwMLPOptions):
+    """Slow reference of :meth:`FwMLP.memory` (one shared MLP, fresh state), from the equations.
+
+    Token-by-token reads; after every C tokens the loss of the queued pairs is differentiated by
+    autograd (``create_graph`` when grad is enabled).  ``weights`` are unbatched ``[out, in]``/``[out]``.
+    Returns ``(v_hat [B, T, d_v], final weights)``.
+    """
+    o = options
+    B, T, _ = q.shape
+    L, C = o.lookahead, o.chunk_size
+    W = {k: w.clone() for k, w in weights.items()}
+    create = torch.is_grad_enabled()
+
+    def mlp(W, x):  # x [d_in] -> [d_out]
+        return W["w_down"] @ ((W["w_up"] @ x + W["b_up"]) * F.silu(W["w_gate"] @ x + W["b_gate"])) + W["b_down"]
+
+    outs, pending, n_read = [], [], 0
+    for t in range(T):
+        outs.append(torch.stack([mlp(W, q[b, t]) for b in range(B)]))
+        if o.frozen:
+            continue
+        pending.append(t)
+        n_read += 1
+        if n_read < C:
+            continue
+        pairs = pending[: len(pending) - L]
+        if pairs:
+            with torch.enable_grad():
+                Wg = {k: (w if w.requires_grad else w.detach().requires_grad_()) for k, w in W.items()}
+                losses = [g[b, tq] * (mlp(Wg, q[b, tq]) - v[b, pending[j + L]]).pow(2).mean()
+                          for b in range(B) for j, tq in enumerate(pairs)]
+                loss = torch.stack(losses).mean()
+                grads = torch.autograd.grad(loss, [Wg[k] for k in PARAM_NAMES], create_graph=create)
+            if o.grad_clip > 0:
+                grads = [gr.clamp(-o.grad_clip, o.grad_clip) for gr in grads]
+            W = {k: W[k] - o.lr * gr for k, gr in zip(PARAM_NAMES, grads)}
+        keep = L if (o.boundary == "carry" and L > 0) else 0
+        pending = pending[len(pending) - keep:]
+        n_read = 0
+    v_hat = torch.stack(outs, 1) if outs else q.new_zeros(B, 0, W["b_down"].shape[0])
+    return v_hat, W

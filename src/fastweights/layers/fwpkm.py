@@ -1,0 +1,709 @@
+"""Fast-weight Product Key Memory (FwPKM), Zhao & Jones 2026, arXiv 2601.00671.
+
+A product-key memory (Lample et al. 2019) whose keys and values are *fast* weights: they are
+rewritten while the model reads, after every chunk of C tokens, so a chunk only ever reads memory
+written by earlier chunks.  Per token h_t (the residual stream entering the layer)::
+
+    (8)  q_t = Linear^q(RMSNorm^q(h_t))                    in R^{H d_k}
+    (9)  v_t = Linear^v(RMSNorm^v(h_t)),  v_t <- (v_t - mean(v_t)) / (std(v_t) + 1e-6)
+    (10) g_t = sigmoid(Linear^g(RMSNorm^g(h_t)))            one scalar per token
+    (11) v_hat_t = sum_{(i,j) in I_t} s'_ij V[i n + j]     (product-key top-k, IDW scores, eq 20)
+    (12) o_t = g_t v_hat_t + (1 - g_t) v_t,   y_t = Linear^o(RMSNorm^o(o_t))
+
+After each chunk, with lookahead L (= 1) pairing query t with the value of token t + L::
+
+    (19) L_mem = sum_t 1/2 g_t ||v_{t+L} - v_hat_t||^2        (sum over tokens and features)
+    (14) grad_r = (1 / N_r) dL_mem/dV_r                        (N_r = reads of row r by those queries)
+    (15) V_r <- V_r - eta * scale * grad_r                      (scale = k H "rewrite" or 1 "literal")
+    (16) p_bar^m = mean_t s'^m_t   (top-k-masked softmax over all n sub-keys of half m)
+    (17) L_addr = -H(p_bar^1) - H(p_bar^2)
+    (18) K^m <- K^m - eta_K w_addr dL_addr/dK^m
+
+"rewrite" is the scale the released code applies (derived in the project spec, section 4): with
+near-uniform weights s' ~ 1/(kH) a unit step moves v_hat onto its target.
+
+Project semantics (see ``../shared/reference/fwpkm.md`` sections 4-7 for the paper's):
+
+* Chunks are counted along the stream: a write happens exactly when C tokens have been read since
+  the last one, whatever the call boundaries are, so streaming calls of any length equal one call.
+* ``boundary="carry"`` (default): the last L queries of a chunk have no target yet; they stay queued
+  and are written with the next chunk (re-read with the tables of that moment), so no pair is lost
+  at a chunk boundary -- what the released inference queue does.  ``"drop"`` discards them, as the
+  released training forward does.
+* The addressing loss averages over the queries written in this chunk (the pairs' query side).
+* The value write touches only the rows read, and each write is kept as a sparse row delta on top
+  of the initial table (never a dense copy of the N x d_v table, never a dense gradient of it);
+  reads gather the base rows and add the hits of each delta.  Past ``max_parts`` writes the deltas
+  are merged into one; under ``torch.no_grad`` deltas grown large are folded into a private dense
+  copy of the table.
+* Training backpropagates through every inner update (second order): the write is a plain
+  differentiable expression (gather, index_add), and the key gradient is written out analytically.
+* Fast weights live in fp32 and their arithmetic runs with autocast disabled.
+
+State and reset (``persistence``):
+
+* ``"stream"`` (default): one memory shared by the batch; ``state=None`` starts from the initial
+  tables, so a caller resets per document by passing ``state=None`` at its start, or never by
+  carrying the returned state.
+* ``"official"``: as the released code, the final tables are also written back into the module
+  after every forward, and ``state=None`` starts from them: memory persists across batches and is
+  never reset (call :meth:`FwPKM.reset_memory` to reset it).
+* ``"per_sequence"``: every sequence of the batch has its own tables (TTT/LaCT style).
+
+The initial tables are buffers (not Parameters): the outer optimiser never sees them, as in the
+released code, which drops them from AdamW.  The layer sets ``aux_loss = None``: the addressing
+loss is not an outer loss, it only drives the inner key update (18).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from fastweights.errors import UserError
+from fastweights.models.registry import register_memory
+from fastweights.ops.pkm import (
+    gather_rows,
+    marginal_entropy_topk_grad,
+    pkm_aggregated_grad,
+    pkm_search,
+    sparse_parts_add,
+    sparse_parts_merge,
+    subkey_grad_topk,
+)
+
+PERSISTENCE = ("stream", "official", "per_sequence")
+
+
+def state_pytree(cls):
+    """Register a state dataclass as a pytree node (every field a child), so generic state
+    utilities such as ``tree_map(detach, state)`` reach the tensors inside it."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    pytree.register_pytree_node(
+        cls,
+        lambda s: ([getattr(s, n) for n in names], names),
+        lambda children, ctx: cls(**dict(zip(ctx, children))),
+        serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
+    )
+    return cls
+
+
+class OffsetRMSNorm(nn.Module):
+    """RMSNorm with scale (1 + w), w initialised to zero (as in the paper's Qwen3-Next backbone).
+
+    Normalises in fp32 and returns the input dtype.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(fast_dtype(x))
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.to(xf.dtype))).to(x.dtype)
+
+
+def fast_dtype(x: torch.Tensor) -> torch.dtype:
+    """Fast-weight arithmetic dtype: fp32, or fp64 when the inputs are fp64 (exactness tests)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def zscore(v: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """(v - mean) / (std + eps) over the last axis; std is unbiased, as ``torch.std`` in the code."""
+    return (v - v.mean(-1, keepdim=True)) / (v.std(-1, keepdim=True) + eps)
+
+
+class FastMemoryIO(nn.Module):
+    """The slow part shared by FwPKM and FwMLP: q/v/gate projections (eqs 8-10) and output (eq 12).
+
+    ``gate_form="linear"``: Linear(d, 1); ``"mean8"``: Linear(d, 8) then the mean of the 8 outputs,
+    as the released code (a workaround for a compiler limitation).
+    """
+
+    def __init__(self, d_model: int, d_query: int, d_value: int, *, value_norm: bool, gating: bool,
+                 gate_form: str, norm_eps: float):
+        super().__init__()
+        if gate_form not in ("linear", "mean8"):
+            raise UserError(f"gate_form must be 'linear' or 'mean8', got {gate_form!r}")
+        self.value_norm = value_norm
+        self.gating = gating
+        self.q_norm = OffsetRMSNorm(d_model, norm_eps)
+        self.q_proj = nn.Linear(d_model, d_query)
+        self.v_norm = OffsetRMSNorm(d_model, norm_eps)
+        self.v_proj = nn.Linear(d_model, d_value)
+        self.g_norm = OffsetRMSNorm(d_model, norm_eps)
+        self.g_proj = nn.Linear(d_model, 1 if gate_form == "linear" else 8)
+        self.out_norm = OffsetRMSNorm(d_value, norm_eps)
+        self.out_proj = nn.Linear(d_value, d_model)
+
+    def inputs(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h ``[B, T, d]`` -> q ``[B, T, d_query]``, v ``[B, T, d_value]``, g ``[B, T]`` in (0, 1)."""
+        q = self.q_proj(self.q_norm(h))
+        v = self.v_proj(self.v_norm(h))
+        if self.value_norm:
+            v = zscore(v.to(fast_dtype(v)))
+        g_logits = self.g_proj(self.g_norm(h))
+        g = torch.sigmoid(g_logits.to(fast_dtype(g_logits)).mean(-1))  # [B, T]
+        return q, v, g
+
+    def output(self, v_hat: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """Gated residual (eq 12) and output projection; without gating o = v_hat + v (the code's ablation)."""
+        if self.gating:
+            gu = g.unsqueeze(-1)
+            o = gu * v_hat + (1.0 - gu) * v.to(v_hat.dtype)
+        else:
+            o = v_hat + v.to(v_hat.dtype)
+        return self.out_proj(self.out_norm(o))
+
+
+@dataclass
+class FwPKMOptions:
+    """Options of :class:`FwPKM` (defaults: the paper's App. C configuration).
+
+    Sizes: ``n_subkeys`` n (N = n^2 slots), ``d_key`` d_k (per head, split in two halves),
+    ``d_value`` d_v, ``heads`` H, ``topk`` k, ``chunk_size`` C.
+    Update: ``lr`` eta for values; ``update_scale`` "rewrite" (k H / N_r, the released code) or
+    "literal" (1 / N_r, eq 14); ``key_update`` "addressing" (eqs 16-18), "mse" (keys follow the
+    MSE gradient, mean-reduced as in the code: the paper's "w/o addr loss" ablation) or "none";
+    ``key_lr`` and ``addressing_weight`` scale the key step.
+    Ablations: ``lookahead`` (0 = target v_t), ``score`` "idw"/"dot", ``value_norm``, ``gating``,
+    ``gate_weighted_loss``; ``boundary`` "carry"/"drop" (module docstring); ``gate_form``.
+    State: ``persistence`` "stream"/"official"/"per_sequence"; ``second_order`` False detaches the
+    inner updates (gradients then flow only through the current chunk's reads); ``frozen`` True
+    never writes (the paper's frozen-memory check, D.2).
+    """
+
+    n_subkeys: int = 512
+    d_key: int = 512
+    d_value: int = 512
+    heads: int = 1
+    topk: int = 8
+    chunk_size: int = 512
+    score: str = "idw"
+    idw_eps: float = 1e-3
+    lr: float = 1.0
+    update_scale: str = "rewrite"
+    key_update: str = "addressing"
+    key_lr: float = 1.0
+    addressing_weight: float = 1.0
+    lookahead: int = 1
+    boundary: str = "carry"
+    value_norm: bool = True
+    gating: bool = True
+    gate_weighted_loss: bool = True
+    gate_form: str = "linear"
+    persistence: str = "stream"
+    second_order: bool = True
+    frozen: bool = False
+    norm_eps: float = 1e-6
+
+
+@state_pytree
+@dataclass
+class _Reads:
+    """Reads of a run of tokens.  local [B, R, m] slot ids in [0, N); gid [B, R, m] table row ids
+    (b N + r per sequence, else r); w [B, R, m]; v_hat [B, R, d_v]; top1/idx1 and top2/idx2
+    [B, R, H, k]: each half's top-k sub-key scores and ids."""
+
+    local: torch.Tensor
+    gid: torch.Tensor
+    w: torch.Tensor
+    v_hat: torch.Tensor
+    top1: torch.Tensor
+    idx1: torch.Tensor
+    top2: torch.Tensor
+    idx2: torch.Tensor
+
+    @staticmethod
+    def cat(a: "_Reads | None", b: "_Reads") -> "_Reads":
+        if a is None:
+            return b
+        return _Reads(*(torch.cat([x, y], dim=1) for x, y in zip(a.fields(), b.fields())))
+
+    def fields(self) -> tuple[torch.Tensor, ...]:
+        return (self.local, self.gid, self.w, self.v_hat, self.top1, self.idx1, self.top2, self.idx2)
+
+    def head(self, n: int) -> "_Reads":
+        return _Reads(*(x[:, :n] for x in self.fields()))
+
+
+@state_pytree
+@dataclass
+class FwPKMState:
+    """Fast weights and the queue of tokens not yet written.
+
+    keys1, keys2: ``[Bk, H, n, d_k/2]`` fp32 (Bk = 1 shared, = B per sequence).
+    base: value table the deltas apply to: ``[N, d_v]`` (the layer's initial table until the first
+    fold) or ``[B N, d_v]`` once a per-sequence memory is folded.  parts: the writes since, each a
+    sparse row delta ``(rows [U] sorted ids, delta [U, d_v] fp32)``; the value table is
+    ``base + sum_p scatter(rows_p, delta_p)``.
+    pending_*: queued tokens (q ``[B, P, H, d_k]``, v ``[B, P, d_v]``, g ``[B, P]``, positions ``[P]``);
+    the first ``n_stale`` were read before the last write, the rest have cached ``reads``.
+    n_read: tokens read since the last write; position: tokens seen so far; writes: writes so far.
+    """
+
+    keys1: torch.Tensor
+    keys2: torch.Tensor
+    base: torch.Tensor
+    parts: tuple  # ((rows [U], delta [U, d_v]), ...)
+    batch: int
+    per_sequence: bool
+    rows_total: int  # distinct row ids: N (shared) or B N (per sequence)
+    pending_q: torch.Tensor
+    pending_v: torch.Tensor
+    pending_g: torch.Tensor
+    pending_pos: torch.Tensor
+    n_stale: int = 0
+    reads: _Reads | None = None
+    n_read: int = 0
+    position: int = 0
+    writes: int = 0
+
+    def detach(self) -> "FwPKMState":
+        """The same state cut from the autograd graph (for truncated backpropagation across calls)."""
+        rd = None if self.reads is None else _Reads(*(x.detach() for x in self.reads.fields()))
+        return replace(
+            self,
+            keys1=self.keys1.detach(), keys2=self.keys2.detach(), base=self.base.detach(),
+            parts=tuple((r, d.detach()) for r, d in self.parts),
+            pending_q=self.pending_q.detach(), pending_v=self.pending_v.detach(),
+            pending_g=self.pending_g.detach(), reads=rd,
+        )
+
+    @property
+    def delta_rows(self) -> int:
+        """Rows held in the sparse deltas (a row written by several writes counts once per write)."""
+        return sum(r.numel() for r, _ in self.parts)
+
+    def dense_values(self) -> torch.Tensor:
+        """The full value table(s): ``[N, d_v]`` shared or ``[B, N, d_v]`` per sequence (for tests/analysis)."""
+        n_slots = self.rows_total // (self.batch if self.per_sequence else 1)
+        base = self.base.to(self.keys1.dtype)
+        if self.per_sequence and base.shape[0] == n_slots:
+            full = base.repeat(self.batch, 1)
+        else:
+            full = base.clone()
+        for rows, delta in self.parts:
+            full = full.index_add(0, rows, delta)
+        return full.view(self.batch, n_slots, -1) if self.per_sequence else full
+
+
+@register_memory("fwpkm", FwPKMOptions)
+class FwPKM(nn.Module):
+    """Fast-weight product key memory, a residual sub-block inserted before a block's token mixer.
+
+    ``y, state = layer(x, state=None)``: x ``[B, T, d_model]``, y ``[B, T, d_model]`` to be added to
+    the residual stream.  The paper feeds the raw residual stream; the layer has its own RMSNorms
+    for q, v and g, so an outer pre-norm only changes the scale those norms see.  ``state`` is a
+    :class:`FwPKMState` (None = fresh, see ``persistence``).
+
+    Attributes the model may read after a forward: ``aux_loss`` (always None: FwPKM adds no outer
+    loss), ``last_stats`` (detached tensors: mean memorisation loss and addressing loss of the last
+    write, mean gate).  Analysis hooks: set ``record_reads = True`` to append every read
+    (stream positions, slot ids ``[B, t, H k]``, weights) to ``read_log`` and the gates
+    ``[B, t]`` to ``gate_log``; set ``tracer`` to an object with
+    ``record_write(rows, weights, query_pos, target_pos, per_sequence, n_slots)`` (see
+    :class:`fastweights.memory_stats.SlotTracer`) to log what each write stored.
+    """
+
+    placement = "before_mixer"
+
+    def __init__(self, d_model: int, options: FwPKMOptions | None = None):
+        super().__init__()
+        o = options or FwPKMOptions()
+        self.options = o
+        _validate(o)
+        self.n = o.n_subkeys
+        self.n_slots = o.n_subkeys**2
+        self.heads, self.k, self.d_key, self.d_value = o.heads, o.topk, o.d_key, o.d_value
+        self.io = FastMemoryIO(d_model, o.heads * o.d_key, o.d_value, value_norm=o.value_norm,
+                               gating=o.gating, gate_form=o.gate_form, norm_eps=o.norm_eps)
+        half = o.d_key // 2
+        # Initial fast tables (code reset_parameters): keys U(+-1/sqrt(d_k)), values N(0, d_v^-1/2).
+        self.register_buffer("keys1", torch.empty(o.heads, o.n_subkeys, half))
+        self.register_buffer("keys2", torch.empty(o.heads, o.n_subkeys, half))
+        self.register_buffer("values", torch.empty(self.n_slots, o.d_value))
+        self.reset_memory()
+        self.frozen = o.frozen
+        self.aux_loss: torch.Tensor | None = None
+        self.last_stats: dict[str, torch.Tensor] = {}
+        self.record_reads = False
+        self.read_log: list[dict[str, torch.Tensor]] = []
+        self.gate_log: list[torch.Tensor] = []
+        self.tracer: Any = None
+        self.fold_threshold: int | None = None  # delta rows before a no-grad fold; None = automatic
+        self.max_parts = 16  # sparse deltas kept before they are merged into one
+
+    @torch.no_grad()
+    def reset_memory(self) -> None:
+        """Re-draw the initial fast tables (the explicit reset of ``persistence="official"``)."""
+        bound = 1.0 / math.sqrt(self.d_key)
+        self.keys1.uniform_(-bound, bound)
+        self.keys2.uniform_(-bound, bound)
+        self.values.normal_(0.0, self.d_value**-0.5)
+
+    # ------------------------------------------------------------------ state
+
+    def init_state(self, batch: int, device: torch.device | None = None,
+                   dtype: torch.dtype | None = None) -> FwPKMState:
+        """A fresh state for ``batch`` sequences, starting from the layer's current tables.
+
+        ``dtype`` of the fast arithmetic: fp32 by default (fp64 when the tables are fp64).
+        """
+        device = device or self.values.device
+        dtype = dtype or fast_dtype(self.values)
+        per_seq = self.options.persistence == "per_sequence"
+        k1 = self.keys1.to(device=device, dtype=dtype).unsqueeze(0)  # [1, H, n, dh]
+        k2 = self.keys2.to(device=device, dtype=dtype).unsqueeze(0)
+        if per_seq:
+            k1, k2 = k1.expand(batch, -1, -1, -1), k2.expand(batch, -1, -1, -1)  # [B, H, n, dh] views
+        f32 = dict(device=device, dtype=dtype)
+        return FwPKMState(
+            keys1=k1, keys2=k2, base=self.values.to(device),
+            parts=(),
+            batch=batch, per_sequence=per_seq, rows_total=self.n_slots * (batch if per_seq else 1),
+            pending_q=torch.zeros(batch, 0, self.heads, self.d_key, **f32),
+            pending_v=torch.zeros(batch, 0, self.d_value, **f32),
+            pending_g=torch.zeros(batch, 0, **f32),
+            pending_pos=torch.zeros(0, dtype=torch.long, device=device),
+        )
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, x: torch.Tensor, state: FwPKMState | None = None) -> tuple[torch.Tensor, FwPKMState]:
+        """x ``[B, T, d_model]`` -> (y ``[B, T, d_model]``, state)."""
+        B, T, _ = x.shape
+        q, v, g = self.io.inputs(x)
+        q = q.view(B, T, self.heads, self.d_key)  # [B, T, H, d_k]
+        g_loss = g if (self.options.gating and self.options.gate_weighted_loss) else torch.ones_like(g)
+        v_hat, state = self.memory(q, v, g_loss, state)
+        y = self.io.output(v_hat, v, g)
+        self.aux_loss = None
+        self.last_stats["gate_mean"] = g.detach().float().mean()
+        if self.record_reads:
+            self.gate_log.append(g.detach().cpu())
+        if self.options.persistence == "official":
+            state = self._persist(state)
+        return y, state
+
+    def memory(
+        self, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, state: FwPKMState | None = None
+    ) -> tuple[torch.Tensor, FwPKMState]:
+        """The fast-weight core: read every token, write after every C tokens.
+
+        Args:
+            q: ``[B, T, H, d_k]`` queries; v: ``[B, T, d_v]`` value targets; g: ``[B, T]`` loss weights.
+            state: :class:`FwPKMState` or None (fresh).
+        Returns:
+            v_hat ``[B, T, d_v]`` fp32 (token t reads the tables as written before its chunk), state.
+        """
+        B, T = q.shape[:2]
+        dtype = fast_dtype(q)
+        st = state if state is not None else self.init_state(B, q.device, dtype)
+        if st.batch != B:
+            raise UserError(f"FwPKM state is for batch size {st.batch}, got input of batch size {B}")
+        C = self.options.chunk_size
+        outs = []
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            q, v, g = q.to(dtype), v.to(dtype), g.to(dtype)
+            t = 0
+            while t < T:
+                take = T - t if self.frozen else min(T - t, C - st.n_read)
+                sl = slice(t, t + take)
+                reads = self._read(q[:, sl], st)
+                outs.append(reads.v_hat)
+                positions = torch.arange(st.position, st.position + take, device=q.device)
+                if self.record_reads:
+                    self.read_log.append({"position": positions.cpu(), "indices": reads.local.detach().cpu(),
+                                          "weights": reads.w.detach().cpu()})
+                if self.frozen:
+                    st = replace(st, position=st.position + take)
+                else:
+                    st = replace(
+                        st,
+                        pending_q=torch.cat([st.pending_q, q[:, sl]], 1),
+                        pending_v=torch.cat([st.pending_v, v[:, sl]], 1),
+                        pending_g=torch.cat([st.pending_g, g[:, sl]], 1),
+                        pending_pos=torch.cat([st.pending_pos, positions]),
+                        reads=_Reads.cat(st.reads, reads),
+                        n_read=st.n_read + take,
+                        position=st.position + take,
+                    )
+                    if st.n_read == C:
+                        st = self._write(st)
+                t += take
+        v_hat = torch.cat(outs, dim=1) if outs else q.new_zeros(B, 0, self.d_value)
+        return v_hat, st
+
+    # ------------------------------------------------------------------ read
+
+    def _table_rows(self, st: FwPKMState, local: torch.Tensor, gid: torch.Tensor) -> torch.Tensor:
+        """Current value rows ``[..., d_v]`` (fp32) for slot ids: base rows plus the sparse deltas."""
+        base_ids = local if st.base.shape[0] == self.n_slots else gid
+        rows = gather_rows(st.base, base_ids.reshape(-1)).to(st.keys1.dtype)  # [R*m, d_v]
+        rows = sparse_parts_add(rows, gid.reshape(-1), st.parts)
+        return rows.view(*gid.shape, self.d_value)
+
+    def _read(self, q: torch.Tensor, st: FwPKMState) -> _Reads:
+        """Product-key retrieval (eqs 6, 7, 11) of q ``[B, R, H, d_k]`` from the state's tables."""
+        B, R = q.shape[:2]
+        o = self.options
+        res = pkm_search(q, st.keys1, st.keys2, self.k, o.score, o.idw_eps)
+        m = self.heads * self.k
+        # one softmax over all H*k selected slots (heads share V; the code's score normalisation)
+        w = torch.softmax(res.scores.reshape(B, R, m), dim=-1)  # [B, R, m]
+        local = res.indices.reshape(B, R, m)  # [B, R, m]
+        gid = local
+        if st.per_sequence:
+            gid = local + (torch.arange(B, device=q.device) * self.n_slots).view(B, 1, 1)
+        rows = self._table_rows(st, local, gid)  # [B, R, m, d_v]
+        v_hat = torch.matmul(w.unsqueeze(-2), rows).squeeze(-2)  # [B, R, d_v]
+        return _Reads(local, gid, w, v_hat, res.sub_top1, res.sub_indices1, res.sub_top2, res.sub_indices2)
+
+    # ------------------------------------------------------------------ write
+
+    def _write(self, st: FwPKMState) -> FwPKMState:
+        """Apply eqs 14-15 and 16-18 for the queued tokens; keep the last L queued if carrying."""
+        o = self.options
+        L = o.lookahead
+        reads = st.reads
+        if st.n_stale:
+            # queries left from the previous chunk: their loss is evaluated at the current tables
+            stale = self._read(st.pending_q[:, : st.n_stale], st)
+            reads = _Reads.cat(stale, reads) if reads is not None else stale
+        P = st.pending_q.shape[1]
+        n_pairs = P - L
+        keys1, keys2, parts = st.keys1, st.keys2, st.parts
+        if n_pairs > 0:
+            with torch.set_grad_enabled(torch.is_grad_enabled() and o.second_order):
+                keys1, keys2, parts = self._update(st, reads.head(n_pairs), n_pairs)
+                if len(parts) > self.max_parts:
+                    parts = (sparse_parts_merge(parts),)  # bound the per-read cost of many deltas
+        carry = L if (o.boundary == "carry" and L > 0) else 0
+        new = replace(
+            st, keys1=keys1, keys2=keys2, parts=parts,
+            pending_q=st.pending_q[:, P - carry:], pending_v=st.pending_v[:, P - carry:],
+            pending_g=st.pending_g[:, P - carry:], pending_pos=st.pending_pos[P - carry:],
+            n_stale=carry, reads=None, n_read=0, writes=st.writes + 1,
+        )
+        return self._maybe_fold(new)
+
+    def _update(self, st: FwPKMState, rd: _Reads, n_pairs: int):
+        o = self.options
+        L = o.lookahead
+        target = st.pending_v[:, L: L + n_pairs]  # [B, P', d_v]: value of token t + L
+        gate = st.pending_g[:, :n_pairs]  # [B, P']
+        err = rd.v_hat - target  # [B, P', d_v]
+        resid = gate.unsqueeze(-1) * err  # dL_mem/dv_hat for L_mem = sum 1/2 g ||v_hat - v||^2
+        self.last_stats["mem_loss"] = (0.5 * (gate.unsqueeze(-1) * err.pow(2)).sum(-1)).mean().detach()
+        urows, grad, _ = pkm_aggregated_grad(rd.gid, rd.w, resid, average=True)  # eq 14
+        scale = self.k * self.heads if o.update_scale == "rewrite" else 1.0
+        parts = st.parts + ((urows, -o.lr * scale * grad),)  # eq 15, as a sparse row delta
+        if self.tracer is not None:
+            qpos = st.pending_pos[:n_pairs]
+            self.tracer.record_write(rd.gid.detach(), rd.w.detach(), qpos, qpos + L,
+                                     per_sequence=st.per_sequence, n_slots=self.n_slots)
+
+        keys1, keys2 = st.keys1, st.keys2
+        if o.key_update != "none":
+            half = self.d_key // 2
+            q = st.pending_q[:, :n_pairs]  # [B, P', H, d_k]
+            if o.key_update == "addressing":  # eqs 16-18
+                g1, loss1 = marginal_entropy_topk_grad(rd.top1, rd.idx1, self.n, st.per_sequence)
+                g2, loss2 = marginal_entropy_topk_grad(rd.top2, rd.idx2, self.n, st.per_sequence)
+                g1, g2 = o.addressing_weight * g1, o.addressing_weight * g2
+                self.last_stats["addr_loss"] = (loss1 + loss2).detach()
+            else:
+                g1, g2 = self._mse_subscore_grads(st, rd, resid, n_pairs)
+            d1 = subkey_grad_topk(g1, rd.idx1, rd.top1, q[..., :half], keys1, o.score, st.per_sequence)
+            d2 = subkey_grad_topk(g2, rd.idx2, rd.top2, q[..., half:], keys2, o.score, st.per_sequence)
+            if not st.per_sequence:
+                d1, d2 = d1.unsqueeze(0), d2.unsqueeze(0)  # [1, H, n, dh]
+            keys1 = keys1 - o.key_lr * d1
+            keys2 = keys2 - o.key_lr * d2
+        return keys1, keys2, parts
+
+    def _mse_subscore_grads(self, st: FwPKMState, rd: _Reads, resid: torch.Tensor, n_pairs: int):
+        """dL/ds^m on each half's top-k sub-keys ``[B, P', H, k]`` of the memorisation loss,
+        mean-reduced over pairs and features as in the code."""
+        B = st.batch
+        count = n_pairs * (1 if st.per_sequence else B) * self.d_value
+        dl_dvhat = resid / count  # [B, P', d_v]
+        rows = self._table_rows(st, rd.local, rd.gid)  # [B, P', m, d_v]
+        dl_dw = torch.matmul(rows, dl_dvhat.unsqueeze(-1)).squeeze(-1)  # [B, P', m]
+        dl_ds = rd.w * (dl_dw - (rd.w * dl_dw).sum(-1, keepdim=True))  # softmax backward, [B, P', m]
+        shape = (B, n_pairs, self.heads, self.k)
+        dl_ds = dl_ds.view(shape)
+        local = rd.local.view(shape)  # slot i*n + j: s_ij = s^1_i + s^2_j
+        # position of each slot's i (j) among the half's top-k: [B, P', H, k slots, k sub-keys]
+        in1 = ((local // self.n).unsqueeze(-1) == rd.idx1.unsqueeze(-2)).to(dl_ds.dtype)
+        in2 = ((local % self.n).unsqueeze(-1) == rd.idx2.unsqueeze(-2)).to(dl_ds.dtype)
+        g1 = (dl_ds.unsqueeze(-1) * in1).sum(-2)  # [B, P', H, k]
+        g2 = (dl_ds.unsqueeze(-1) * in2).sum(-2)
+        return g1, g2
+
+    def _maybe_fold(self, st: FwPKMState) -> FwPKMState:
+        """Without autograd, fold deltas grown large into a private dense copy of the table.
+
+        Deltas cost a search per read and O(M d_v) per merge (every ``max_parts`` writes) for M
+        delta rows; a fold costs O(N d_v) once.  Folding when M exceeds sqrt(2 N R) (R = rows one
+        write can add) balances the two, so a long no-grad stream costs O(sqrt(N R) d_v) per write
+        at most, amortised.  ``fold_threshold`` overrides the bound.
+        """
+        if torch.is_grad_enabled() and any(d.requires_grad for _, d in st.parts):
+            return st
+        per_write = st.batch * self.options.chunk_size * self.heads * self.k
+        threshold = self.fold_threshold
+        if threshold is None:
+            threshold = max(per_write, int(math.sqrt(2.0 * st.rows_total * per_write)))
+        if st.delta_rows <= threshold:
+            return st
+        with torch.no_grad():
+            base = st.base.to(st.keys1.dtype)
+            if st.per_sequence and base.shape[0] == self.n_slots:
+                base = base.repeat(st.batch, 1)  # [B N, d_v]: each sequence gets its own copy
+            else:
+                base = base.clone()
+            for rows, delta in st.parts:
+                base.index_add_(0, rows, delta)
+        return replace(st, base=base, parts=())
+
+    @torch.no_grad()
+    def _persist(self, st: FwPKMState) -> FwPKMState:
+        """``persistence="official"``: write the final tables back into the module."""
+        # keys: new tensors, because the old ones may be saved for this forward's backward
+        self._buffers["keys1"] = st.keys1[0].detach().to(self.keys1.dtype).clone()
+        self._buffers["keys2"] = st.keys2[0].detach().to(self.keys2.dtype).clone()
+        if st.base is not self.values:
+            self.values.copy_(st.base.to(self.values.dtype))
+        # values are only ever gathered (index_select saves no copy of them), so update in place
+        for rows, delta in st.parts:
+            self.values.index_add_(0, rows, delta.detach().to(self.values.dtype))
+        return replace(st, keys1=self.keys1.unsqueeze(0).to(st.keys1.dtype),
+                       keys2=self.keys2.unsqueeze(0).to(st.keys2.dtype), base=self.values, parts=())
+
+
+def _validate(o: FwPKMOptions) -> None:
+    checks = [
+        (o.n_subkeys >= 1, f"n_subkeys must be >= 1, got {o.n_subkeys}"),
+        (o.d_key >= 2 and o.d_key % 2 == 0, f"d_key must be even and >= 2, got {o.d_key}"),
+        (o.d_value >= 2, f"d_value must be >= 2 (z-scoring needs 2 features), got {o.d_value}"),
+        (o.heads >= 1, f"heads must be >= 1, got {o.heads}"),
+        (1 <= o.topk <= o.n_subkeys, f"topk must be in [1, n_subkeys={o.n_subkeys}], got {o.topk}"),
+        (o.lookahead >= 0, f"lookahead must be >= 0, got {o.lookahead}"),
+        (o.chunk_size > o.lookahead, f"chunk_size ({o.chunk_size}) must exceed lookahead ({o.lookahead})"),
+        (o.score in ("idw", "dot"), f"score must be 'idw' or 'dot', got {o.score!r}"),
+        (o.update_scale in ("rewrite", "literal"),
+         f"update_scale must be 'rewrite' or 'literal', got {o.update_scale!r}"),
+        (o.key_update in ("addressing", "mse", "none"),
+         f"key_update must be addressing/mse/none, got {o.key_update!r}"),
+        (o.boundary in ("carry", "drop"), f"boundary must be 'carry' or 'drop', got {o.boundary!r}"),
+        (o.persistence in PERSISTENCE, f"persistence must be one of {', '.join(PERSISTENCE)}, got {o.persistence!r}"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise UserError("fwpkm: " + msg)
+
+
+# ---------------------------------------------------------------------------- reference
+
+
+def fwpkm_memory_reference(
+    q: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    keys1: torch.Tensor,
+    keys2: torch.Tensor,
+    values: torch.Tensor,
+    options: FwPKMOptions,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Slow reference of :meth:`FwPKM.memory` for one shared memory, written straight from the equations.
+
+    Dense tables, every token scored against all N slots one at a time, the value gradient of eq 19 by
+    autograd through the full ``[N, d_v]`` table, eq 14's counts by ``bincount``, and the key
+    gradient by autograd of eq 17 over all sub-keys.  Twice differentiable (``create_graph`` when
+    grad is enabled).  Args as :meth:`FwPKM.memory` plus the initial tables (keys ``[H, n, dh]``,
+    values ``[N, d_v]``).  Returns ``(v_hat [B, T, d_v], keys1, keys2, values)`` after the stream.
+    """
+    o = options
+    B, T, H, d_k = q.shape
+    n, half, k, C, L = keys1.shape[1], d_k // 2, o.topk, o.chunk_size, o.lookahead
+    N = n * n
+    K1, K2, V = keys1.clone(), keys2.clone(), values.clone()
+    create = torch.is_grad_enabled()
+
+    def half_scores(qh, K):  # qh [H, dh], K [H, n, dh] -> [H, n]
+        if o.score == "dot":
+            return (qh.unsqueeze(1) * K).sum(-1)
+        return -torch.log(o.idw_eps + (qh.unsqueeze(1) - K).pow(2).sum(-1))
+
+    def retrieve(qt, K1, K2, V):  # one token's query [H, d_k] -> v_hat [d_v], slot ids [H k], sub-scores
+        s1, s2 = half_scores(qt[:, :half], K1), half_scores(qt[:, half:], K2)  # [H, n]
+        all_scores = (s1.unsqueeze(-1) + s2.unsqueeze(-2)).reshape(H, N)  # slot i*n + j
+        top, idx = all_scores.topk(k, dim=-1)  # [H, k]
+        w = torch.softmax(top.reshape(H * k), dim=0)
+        return (w.unsqueeze(-1) * V[idx.reshape(-1)]).sum(0), idx.reshape(-1), s1, s2
+
+    out_list = []
+    pending: list[int] = []  # token positions queued for the next write
+    n_read = 0
+    for t in range(T):
+        out_list.append(torch.stack([retrieve(q[b, t], K1, K2, V)[0] for b in range(B)]))
+        if o.frozen:
+            continue
+        pending.append(t)
+        n_read += 1
+        if n_read < C:
+            continue
+        pairs = pending[: len(pending) - L]
+        if pairs:
+            with torch.enable_grad():
+                Vg = V if V.requires_grad else V.detach().requires_grad_()
+                K1g = K1 if K1.requires_grad else K1.detach().requires_grad_()
+                K2g = K2 if K2.requires_grad else K2.detach().requires_grad_()
+                mem_loss = 0.0
+                reads = []
+                p1, p2 = [], []
+                for b in range(B):
+                    for j, tq in enumerate(pairs):
+                        vh, idx, s1, s2 = retrieve(q[b, tq], K1g, K2g, Vg)
+                        target = v[b, pending[j + L]]
+                        mem_loss = mem_loss + 0.5 * g[b, tq] * (target - vh).pow(2).sum()  # eq 19
+                        reads.append(idx)
+                        p1.append(_masked_softmax_reference(s1, k))
+                        p2.append(_masked_softmax_reference(s2, k))
+                (gV,) = torch.autograd.grad(mem_loss, Vg, create_graph=create)
+                counts = torch.bincount(torch.cat(reads), minlength=N).to(V.dtype).clamp_min(1.0)
+                scale = k * H if o.update_scale == "rewrite" else 1.0
+                V_new = V - o.lr * scale * gV / counts.unsqueeze(-1)  # eqs 14-15
+                if o.key_update == "addressing":
+                    addr = 0.0
+                    for probs in (torch.stack(p1), torch.stack(p2)):  # [rows, H, n]
+                        p_bar = probs.mean(0)  # eq 16, per head
+                        addr = addr + (p_bar * torch.log(p_bar + 1e-8)).sum()  # eq 17: -H summed over heads
+                    gK1, gK2 = torch.autograd.grad(o.addressing_weight * addr, (K1g, K2g), create_graph=create)
+                elif o.key_update == "mse":
+                    mean_loss = mem_loss / (len(reads) * V.shape[1])
+                    gK1, gK2 = torch.autograd.grad(mean_loss, (K1g, K2g), create_graph=create)
+                else:
+                    gK1, gK2 = torch.zeros_like(K1), torch.zeros_like(K2)
+                K1, K2, V = K1 - o.key_lr * gK1, K2 - o.key_lr * gK2, V_new
+        keep = L if (o.boundary == "carry" and L > 0) else 0
+        pending = pending[len(pending) - keep:]
+        n_read = 0
+    outs = torch.stack(out_list, dim=1) if out_list else V.new_zeros(B, 0, V.shape[1])
+    return outs, K1, K2, V
+
+
+def _masked_softmax_reference(s: torch.Tensor, k: int) -> torch.Tensor:
+    """Softmax over the entries >= the k-th largest of each row, zero elsewhere."""
+    kth = s.detach().sort(dim=-1, descending=True).values[..., k - 1: k]
+    return torch.softmax(torch.where(s >= kth, s, torch.full_like(s, float("-inf"))), dim=-1)

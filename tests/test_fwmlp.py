@@ -1,0 +1,164 @@
+"""FwMLP: chunked fast SwiGLU update vs an autograd reference, second order, streaming, causality."""
+
+import pytest
+import torch
+
+from fastweights.errors import UserError
+from fastweights.layers.fwmlp import (PARAM_NAMES, FwMLP, FwMLPOptions, fast_mlp_grads, fwmlp_memory_reference,
+                                      swiglu_forward)
+from fastweights.models.registry import MEMORIES, lookup
+
+F64 = torch.float64
+D = 10
+
+
+def make(seed=0, dtype=F64, **kw):
+    base = dict(d_key=4, d_value=5, hidden=7, chunk_size=5, lr=0.5)
+    base.update(kw)
+    torch.manual_seed(seed)
+    return FwMLP(D, FwMLPOptions(**base)).to(dtype)
+
+
+def core_inputs(B, T, o, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, T, o.d_key, generator=g, dtype=F64), torch.randn(B, T, o.d_value, generator=g, dtype=F64),
+            torch.rand(B, T, generator=g, dtype=F64))
+
+
+def initial(layer):
+    return {k: getattr(layer, k) for k in PARAM_NAMES}
+
+
+VARIANTS = {"default": {}, "gate_weighted": dict(gate_weighted_loss=True), "clip": dict(grad_clip=0.05),
+            "drop": dict(boundary="drop"), "no_lookahead": dict(lookahead=0)}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_chunked_update_and_gradients_match_reference(name):
+    layer = make(**VARIANTS[name])
+    o = layer.options
+    q, v, g = core_inputs(2, 13, o)
+    for t in (q, v, g):
+        t.requires_grad_()
+    v_hat, st = layer.memory(q, v, g)
+    ref, W = fwmlp_memory_reference(q, v, g, initial(layer), o)
+    torch.testing.assert_close(v_hat, ref, rtol=1e-12, atol=1e-12)
+    for k in PARAM_NAMES:
+        torch.testing.assert_close(st.weights[k][0], W[k], rtol=1e-12, atol=1e-12)
+    assert st.writes == 2 and (W["w_down"] - layer.w_down).abs().max() > 1e-4
+    up = torch.randn_like(v_hat)
+    fast = torch.autograd.grad((v_hat * up).sum(), (q, v, g))
+    slow = torch.autograd.grad((ref * up).sum(), (q, v, g))
+    for a, b in zip(fast, slow):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_hand_written_backprop_equals_autograd():
+    layer = make()
+    st = layer.init_state(3, dtype=F64)
+    W = {k: w.detach().clone().requires_grad_() for k, w in st.weights.items()}
+    x = torch.randn(3, 4, 4, dtype=F64)
+    acts = swiglu_forward(W, x)
+    dy = torch.randn_like(acts.y)
+    auto = torch.autograd.grad((acts.y * dy).sum(), [W[k] for k in PARAM_NAMES])
+    manual = fast_mlp_grads(W, acts, dy, per_sequence=False)
+    for k, a in zip(PARAM_NAMES, auto):
+        torch.testing.assert_close(manual[k], a, rtol=1e-12, atol=1e-12)
+
+
+def test_per_sequence_equals_reference_on_each_row():
+    layer = make(persistence="per_sequence")
+    o = layer.options
+    q, v, g = core_inputs(3, 11, o)
+    v_hat, st = layer.memory(q, v, g)
+    for b in range(3):
+        ref, W = fwmlp_memory_reference(q[b:b + 1], v[b:b + 1], g[b:b + 1], initial(layer), o)
+        torch.testing.assert_close(v_hat[b:b + 1], ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(st.weights["w_up"][b], W["w_up"], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("persistence", ["stream", "per_sequence", "official"])
+def test_streaming_uneven_calls_equal_one_call(persistence):
+    x = torch.randn(2, 19, D, dtype=F64)
+    y_full, st_full = make(persistence=persistence)(x)
+    layer = make(persistence=persistence)
+    outs, st, t = [], None, 0
+    for n in (4, 1, 6, 3, 5):
+        y, st = layer(x[:, t:t + n], st)
+        outs.append(y)
+        t += n
+    torch.testing.assert_close(torch.cat(outs, 1), y_full, rtol=1e-11, atol=1e-12)
+    torch.testing.assert_close(st.weights["w_down"], st_full.weights["w_down"], rtol=1e-11, atol=1e-12)
+    assert st.writes == st_full.writes == 3
+
+
+@pytest.mark.parametrize("pos", [3, 5, 9])
+def test_causality(pos):
+    layer = make()
+    x = torch.randn(1, 14, D, dtype=F64)
+    y0, _ = layer(x)
+    x2 = x.clone()
+    x2[:, pos:] += torch.randn_like(x2[:, pos:])
+    y1, _ = layer(x2)
+    torch.testing.assert_close(y1[:, :pos], y0[:, :pos], rtol=0, atol=1e-13)
+
+
+def test_official_persistence_and_fast_weights_are_buffers():
+    layer = make(persistence="official", dtype=torch.float32)
+    x = torch.randn(1, 11, D)
+    y1, _ = layer(x)
+    y2, _ = layer(x)  # memory kept in the module across calls
+    assert not torch.allclose(y1, y2)
+    assert not {n for n, _ in layer.named_parameters()} & set(PARAM_NAMES)
+    y2.square().sum().backward()
+    assert layer.io.q_proj.weight.grad.abs().sum() > 0
+    layer.reset_memory()
+    assert layer.b_up.abs().sum() == 0
+
+
+def test_short_stream_and_frozen_never_write():
+    layer = make()
+    _, st = layer(torch.randn(1, 4, D, dtype=F64))
+    assert st.writes == 0
+    layer.frozen = True
+    _, st = layer(torch.randn(1, 12, D, dtype=F64))
+    assert st.writes == 0 and torch.equal(st.weights["w_up"][0], layer.w_up)
+
+
+def test_bf16_autocast_keeps_fast_weights_fp32():
+    layer = make(dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, st = layer(torch.randn(1, 7, D))
+    assert all(w.dtype == torch.float32 for w in st.weights.values())
+
+
+def test_registry_and_user_errors():
+    entry = lookup(MEMORIES, "memory", "fwmlp")
+    assert entry.cls is FwMLP and FwMLP.placement == "before_mixer"
+    for bad in (dict(chunk_size=1), dict(persistence="x"), dict(grad_clip=-1.0), dict(boundary="both")):
+        with pytest.raises(UserError):
+            make(**bad)
+    layer = make()
+    with pytest.raises(UserError):
+        layer(torch.randn(2, 3, D, dtype=F64), layer(torch.randn(1, 3, D, dtype=F64))[1])
+
+
+def test_in_a_model_streams_and_trains():
+    from fastweights.config import ModelConfig
+    from fastweights.models.lm import LanguageModel, detach_state
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=17, d_model=12, n_layers=2, n_heads=2, memory="fwmlp", memory_layers=[0],
+                      options={"fwmlp": dict(d_key=6, d_value=6, hidden=8, chunk_size=4)})
+    model = LanguageModel(cfg).double()
+    tokens = torch.randint(0, 17, (2, 15))
+    full = model(tokens).logits
+    state, outs = None, []
+    for a, b in [(0, 5), (5, 6), (6, 15)]:
+        out = model(tokens[:, a:b], state)
+        outs.append(out.logits)
+        state = detach_state(out.state)
+    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-10, atol=1e-10)
+    assert not state["layers"][0]["memory"].weights["w_up"].requires_grad
+    model(tokens, targets=tokens).loss.backward()
+    assert model.blocks[0].memory.io.v_proj.weight.grad.abs().sum() > 0
