@@ -1,0 +1,130 @@
+"""Gated DeltaNet sequence mixer ("gdn").
+
+S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta Rule",
+ICLR 2025 (arXiv 2412.06464); layer layout as flash-linear-attention's ``fla/layers/gated_deltanet.py``.
+Per head, with the state S in R^{K x V} ([B, H, K, V]):
+
+    q, k, v   = SiLU(ShortConv(W_q x)), SiLU(ShortConv(W_k x)), SiLU(ShortConv(W_v x))
+                (causal depthwise convolution of width conv_size; without it, SiLU(W x))
+    q, k      <- q / |q|_2, k / |k|_2                  (L2 normalisation keeps the recurrence stable)
+    beta_t    = sigmoid(w_b^T x_t)
+    g_t       = -exp(A_log) * softplus(w_a^T x_t + dt_bias)      (log decay, a_t = exp(g_t) in (0, 1])
+    S_t       = a_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,     o_t = S_t^T q_t / sqrt(K)
+    y         = W_o [RMSNorm(o_t) * SiLU(W_g x_t)]   (per-head RMSNorm; with use_gate=False, RMSNorm only)
+
+The recurrence is :func:`fastweights.ops.delta_rule.delta_rule` with ``log_decay=g`` (chunkwise WY form,
+or flash-linear-attention on CUDA).
+
+State (dict): "S" [B, H, K, V] fp32 fast weight, and with the short convolution "conv"
+[B, conv_size - 1, 2 H K + H V], the last inputs of the convolution, so that one call equals several.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fastweights.errors import UserError
+from fastweights.layers.fwp import gdn_log_decay, init_gdn_gate
+from fastweights.models.registry import register_mixer
+from fastweights.ops.delta_rule import delta_rule
+from fastweights.ops.linear_attention import compute_dtype
+
+
+@dataclass
+class GDNOptions:
+    """Options of the "gdn" mixer (``[model.options.gdn]``)."""
+
+    head_dim: int = 0  # key/query dim per head K; 0 -> d_model // n_heads
+    expand_v: float = 1.0  # value dim per head V = head_dim * expand_v (fla's default is 2 at 256-dim heads)
+    use_short_conv: bool = True
+    conv_size: int = 4
+    use_gate: bool = True  # output gate SiLU(W_g x) after the RMSNorm
+    norm_eps: float = 1e-5
+    chunk_size: int = 32  # 32 measured fastest on CPU (T = 128..2048); fla ignores it
+    backend: str = "auto"  # auto | torch | fla
+
+
+@register_mixer("gdn", GDNOptions)
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet mixer: ``x [B, T, d_model] -> (y [B, T, d_model], state)``."""
+
+    def __init__(self, d_model: int, n_heads: int, options: GDNOptions | None = None):
+        super().__init__()
+        opt = options or GDNOptions()
+        head_k = opt.head_dim or d_model // n_heads
+        head_v = int(round(head_k * opt.expand_v))
+        if head_k < 1 or head_v < 1 or abs(head_k * opt.expand_v - head_v) > 1e-6:
+            raise UserError(f"gdn: head_dim={head_k} with expand_v={opt.expand_v} must give positive integer dims")
+        if opt.use_short_conv and opt.conv_size < 1:
+            raise UserError("gdn: conv_size must be >= 1")
+        self.options = opt
+        self.n_heads = n_heads
+        self.head_k, self.head_v = head_k, head_v
+        self.key_dim, self.value_dim = n_heads * head_k, n_heads * head_v
+        self.qkv_dim = 2 * self.key_dim + self.value_dim
+        self.qkv = nn.Linear(d_model, self.qkv_dim, bias=False)  # q, k, v projections, concatenated
+        self.a_proj = nn.Linear(d_model, n_heads, bias=False)
+        self.b_proj = nn.Linear(d_model, n_heads, bias=False)
+        a_log, dt_bias = init_gdn_gate(n_heads)
+        self.A_log = nn.Parameter(a_log)
+        self.dt_bias = nn.Parameter(dt_bias)
+        if opt.use_short_conv:
+            # Depthwise causal convolution over q, k and v together (identical to three separate ones).
+            self.conv_weight = nn.Parameter(torch.empty(self.qkv_dim, 1, opt.conv_size))
+            nn.init.kaiming_uniform_(self.conv_weight, a=5**0.5)  # nn.Conv1d's default init
+        if opt.use_gate:
+            self.g_proj = nn.Linear(d_model, self.value_dim, bias=False)
+        self.norm_weight = nn.Parameter(torch.ones(head_v))
+        self.out = nn.Linear(self.value_dim, d_model, bias=False)
+        self.out.is_residual_proj = True  # scaled init in LanguageModel, like the attention output
+
+    def initial_state(self, batch_size: int, device=None) -> dict:
+        """A fresh state: zero fast weight and (with the short convolution) zero convolution inputs."""
+        dtype = torch.float64 if self.out.weight.dtype == torch.float64 else torch.float32
+        state = {"S": torch.zeros(batch_size, self.n_heads, self.head_k, self.head_v, device=device, dtype=dtype)}
+        if self.options.use_short_conv:
+            width = self.options.conv_size - 1
+            state["conv"] = torch.zeros(batch_size, width, self.qkv_dim, device=device, dtype=dtype)
+        return state
+
+    def _short_conv(self, x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal depthwise conv of ``x [B, T, D]`` continuing from ``cache [B, W-1, D]``; returns (y, new cache)."""
+        width = self.options.conv_size
+        ext = torch.cat([cache.to(x.dtype), x], dim=1)  # [B, W-1+T, D]
+        y = F.conv1d(ext.transpose(1, 2), self.conv_weight.to(x.dtype), groups=self.qkv_dim)  # [B, D, T]
+        new_cache = ext[:, ext.shape[1] - (width - 1) :]  # last W-1 inputs, [B, W-1, D]
+        return y.transpose(1, 2), new_cache
+
+    def forward(self, x: torch.Tensor, state: dict | None = None) -> tuple[torch.Tensor, dict]:
+        """``x [B, T, d_model]``, ``state`` None (fresh) or the dict returned by the previous call."""
+        opt = self.options
+        b, t, _ = x.shape
+        h = self.n_heads
+        if state is None:
+            state = self.initial_state(b, device=x.device)
+        qkv = self.qkv(x)  # [B, T, 2HK + HV]
+        new_state = {}
+        if opt.use_short_conv:
+            qkv, new_state["conv"] = self._short_conv(qkv, state["conv"])
+        qkv = F.silu(qkv)
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(b, t, h, self.head_k)  # [B, T, H, K]
+        k = k.reshape(b, t, h, self.head_k)  # [B, T, H, K]
+        v = v.reshape(b, t, h, self.head_v)  # [B, T, H, V]
+        beta = torch.sigmoid(self.b_proj(x).to(compute_dtype(x)))  # [B, T, H]
+        log_decay = gdn_log_decay(self.a_proj(x), self.A_log, self.dt_bias)  # [B, T, H]
+        # q and k are L2-normalised inside the op (in fp32, or inside fla's kernel on CUDA).
+        o, new_state["S"] = delta_rule(
+            q, k, v, beta, initial_state=state["S"], output_final_state=True, log_decay=log_decay,
+            chunk_size=opt.chunk_size, backend=opt.backend, qk_l2norm=True,
+        )
+        o = o.to(compute_dtype(x))  # norm and gate in fp32 (fp64 stays)
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + opt.norm_eps) * self.norm_weight  # per-head RMSNorm
+        if opt.use_gate:
+            o = o * F.silu(self.g_proj(x).to(o.dtype).view(b, t, h, self.head_v))
+        y = self.out(o.to(x.dtype).reshape(b, t, self.value_dim))  # [B, T, H*V] -> [B, T, d_model]
+        return y, new_state

@@ -1,0 +1,142 @@
+"""The "fwp" (fast weight programmer) and "gdn" (Gated DeltaNet) mixers on the state protocol."""
+
+import pytest
+import torch
+
+from fastweights.errors import UserError
+from fastweights.layers.fwp import FastWeightProgrammer, FWPOptions
+from fastweights.layers.gdn import GatedDeltaNet, GDNOptions
+from fastweights.models.registry import MIXERS, build_options, lookup
+
+D_MODEL, HEADS = 16, 2
+
+FWP_CONFIGS = [
+    {"rule": "sum", "feature_map": "elu1"},
+    {"rule": "sum", "feature_map": "dpfp", "nu": 2, "normalize": True},
+    {"rule": "gated", "feature_map": "favor", "n_features": 6},
+    {"rule": "delta", "feature_map": "dpfp"},
+    {"rule": "delta", "feature_map": "identity", "sum_norm": False, "l2_norm": True},
+    {"rule": "gated_delta", "feature_map": "elu1"},
+]
+
+
+def build(name, raw, dtype=torch.float64):
+    torch.manual_seed(0)
+    entry = lookup(MIXERS, "mixer", name)
+    layer = entry.cls(d_model=D_MODEL, n_heads=HEADS, options=build_options(entry, raw))
+    return layer.to(dtype)
+
+
+def run_pieces(layer, x, cuts):
+    state, outs = None, []
+    for lo, hi in zip((0, *cuts), (*cuts, x.shape[1])):
+        y, state = layer(x[:, lo:hi], state)
+        outs.append(y)
+    return torch.cat(outs, 1), state
+
+
+@pytest.mark.parametrize("raw", FWP_CONFIGS, ids=lambda r: f"{r['rule']}-{r['feature_map']}")
+def test_fwp_one_call_equals_pieces(raw):
+    layer = build("fwp", {**raw, "chunk_size": 8})
+    assert isinstance(layer, FastWeightProgrammer)
+    x = torch.randn(2, 29, D_MODEL, dtype=torch.float64)
+    y, state = layer(x)
+    y2, state2 = run_pieces(layer, x, (1, 5, 19))
+    assert y.shape == x.shape
+    torch.testing.assert_close(y2, y, rtol=1e-10, atol=1e-12)
+    for key in state:
+        torch.testing.assert_close(state2[key], state[key], rtol=1e-10, atol=1e-12)
+    assert state["S"].shape == (2, HEADS, layer.d_dot, layer.head_dim)
+
+
+@pytest.mark.parametrize("raw", [{}, {"use_short_conv": False, "use_gate": False, "expand_v": 2.0}],
+                         ids=["conv-gate", "plain"])
+def test_gdn_one_call_equals_pieces(raw):
+    layer = build("gdn", {**raw, "chunk_size": 8})
+    assert isinstance(layer, GatedDeltaNet)
+    x = torch.randn(2, 23, D_MODEL, dtype=torch.float64)
+    y, state = layer(x)
+    y2, state2 = run_pieces(layer, x, (1, 2, 3, 11))  # pieces shorter than the conv width too
+    torch.testing.assert_close(y2, y, rtol=1e-10, atol=1e-12)
+    for key in state:
+        torch.testing.assert_close(state2[key], state[key], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name,raw", [("fwp", FWP_CONFIGS[3]), ("fwp", FWP_CONFIGS[1]), ("gdn", {})])
+def test_causal(name, raw):
+    layer = build(name, raw)
+    x = torch.randn(1, 30, D_MODEL, dtype=torch.float64)
+    y, _ = layer(x)
+    x2 = x.clone()
+    x2[:, 17:] += torch.randn_like(x2[:, 17:])
+    y2, _ = layer(x2)
+    torch.testing.assert_close(y2[:, :17], y[:, :17], rtol=0, atol=1e-13)
+    assert not torch.allclose(y2[:, 17:], y[:, 17:])
+
+
+@pytest.mark.parametrize("name,raw", [("fwp", c) for c in FWP_CONFIGS] + [("gdn", {})])
+def test_gradients_reach_every_parameter(name, raw):
+    layer = build(name, raw, dtype=torch.float32)
+    x = torch.randn(2, 12, D_MODEL, requires_grad=True)
+    y, state = layer(x)
+    (y.pow(2).mean() + state["S"].pow(2).mean()).backward()
+    for pname, p in layer.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), pname
+        assert p.grad.abs().sum() > 0, pname
+    assert torch.isfinite(x.grad).all()
+
+
+def test_favor_matrix_is_a_buffer_redrawn_only_in_training():
+    layer = build("fwp", {"rule": "delta", "feature_map": "favor", "n_features": 8, "redraw": True},
+                  dtype=torch.float32)
+    assert "omega" in layer.state_dict()
+    before = layer.omega.clone()
+    layer.eval()
+    layer(torch.randn(1, 5, D_MODEL))
+    assert torch.equal(layer.omega, before)
+    layer.train()
+    layer(torch.randn(1, 5, D_MODEL))
+    assert not torch.equal(layer.omega, before)
+    fixed = build("fwp", {"rule": "delta", "feature_map": "favor", "n_features": 8}, dtype=torch.float32)
+    kept = fixed.omega.clone()
+    fixed(torch.randn(1, 5, D_MODEL))
+    assert torch.equal(fixed.omega, kept)
+
+
+def test_sum_rule_has_no_beta_and_delta_does():
+    sum_layer = build("fwp", {"rule": "sum"})
+    delta_layer = build("fwp", {"rule": "delta"})
+    gated_delta = build("fwp", {"rule": "gated_delta"})
+    h, d = HEADS, D_MODEL // HEADS
+    assert sum_layer.qkv.out_features == h * 3 * d
+    assert delta_layer.qkv.out_features == h * (3 * d + 1)
+    assert gated_delta.qkv.out_features == h * (3 * d + 2)
+    assert delta_layer.d_dot == 2 * d  # default DPFP nu = 1
+
+
+def test_long_sequences_stay_finite_fp32():
+    x = torch.randn(1, 4096, D_MODEL) * 20
+    for name, raw in (("fwp", {}), ("fwp", {"rule": "gated_delta", "feature_map": "elu1"}),
+                      ("fwp", {"rule": "sum", "normalize": True}), ("gdn", {})):
+        layer = build(name, raw, dtype=torch.float32)
+        with torch.no_grad():
+            y, state = layer(x)
+        assert torch.isfinite(y).all() and torch.isfinite(state["S"]).all(), (name, raw)
+
+
+def test_default_options_and_bad_options():
+    opts = FWPOptions()
+    assert (opts.rule, opts.feature_map, opts.nu, opts.sum_norm) == ("delta", "dpfp", 1, True)
+    assert GDNOptions().use_short_conv
+    entry = lookup(MIXERS, "mixer", "fwp")
+    with pytest.raises(UserError):
+        build_options(entry, {"rulez": "sum"})
+    with pytest.raises(UserError):
+        build_options(entry, {"nu": "two"})
+    for bad in ({"rule": "hebb"}, {"feature_map": "softmax"}, {"feature_map": "identity"},
+                {"rule": "delta", "sum_norm": False}, {"rule": "delta", "normalize": True},
+                {"sum_norm": True, "l2_norm": True}):
+        with pytest.raises(UserError):
+            FastWeightProgrammer(d_model=D_MODEL, n_heads=HEADS, options=FWPOptions(**bad))
+    with pytest.raises(UserError):
+        GatedDeltaNet(d_model=D_MODEL, n_heads=HEADS, options=GDNOptions(expand_v=0.3))
