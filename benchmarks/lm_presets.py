@@ -1,0 +1,66 @@
+"""Char-level Shakespeare with each mechanism as the mixer, at (about) equal parameter count and equal
+wall-clock budget: validation and test bits per character side by side.
+
+    python benchmarks/lm_presets.py --minutes 5 --parallel 2 \
+        shakespeare-char shakespeare-char-fwp-delta-dpfp shakespeare-char-fwp-sum-dpfp ...
+
+Each preset trains in its own process with one torch thread (``--parallel`` of them at a time, so on
+a 2-core machine two runs share the machine evenly), then its checkpoint is scored on the test split
+with the state carried. Writes benchmarks/results/lm_presets.json (and a sample per model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_result  # noqa: E402
+
+
+def run_preset(preset: str, minutes: float, out_root: Path, extra: list[str]) -> dict:
+    out = out_root / preset
+    py = sys.executable
+    subprocess.run([py, "-m", "fastweights", "train", "--preset", preset, "--out", str(out), "--quiet",
+                    "--set", f"train.max_minutes={minutes}", "--set", "train.max_steps=100000",
+                    "--set", "train.threads=1", *extra], check=True, stdout=subprocess.DEVNULL)
+    summary = json.loads((out / "summary.json").read_text())
+    ev = subprocess.run([py, "-m", "fastweights", "eval", "--checkpoint", str(out), "--json", "--quiet"],
+                        check=True, capture_output=True, text=True)
+    test = json.loads(ev.stdout)
+    sample = subprocess.run([py, "-m", "fastweights", "generate", "--checkpoint", str(out), "--prompt", "ROMEO:",
+                             "--max-tokens", "200", "--seed", "0"], check=True, capture_output=True, text=True).stdout
+    return {"preset": preset, "parameters": summary["parameters"], "steps": summary["steps"],
+            "train_seconds": summary["elapsed_s"], "val_bits_per_char": summary["val_bits_per_token"],
+            "test_bits_per_char": test["bits_per_char"], "sample": sample}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("presets", nargs="+")
+    ap.add_argument("--minutes", type=float, default=5.0)
+    ap.add_argument("--parallel", type=int, default=2)
+    ap.add_argument("--out", default="runs/lm_presets")
+    ap.add_argument("--name", default="lm_presets")
+    ap.add_argument("--set", action="append", default=[], help="extra override for every run")
+    a = ap.parse_args()
+    extra = [x for s in a.set for x in ("--set", s)]
+    with ThreadPoolExecutor(a.parallel) as pool:
+        rows = list(pool.map(lambda p: run_preset(p, a.minutes, Path(a.out), extra), a.presets))
+    for r in rows:
+        print(f"{r['preset']:40s} {r['parameters']:>9,} params {r['steps']:>6} steps  "
+              f"val {r['val_bits_per_char']:.3f}  test {r['test_bits_per_char']:.3f} bits/char")
+    res = {"minutes_per_run": a.minutes, "threads_per_run": 1, "runs_in_parallel": a.parallel, "results": rows,
+           "headline": [{"what": f"Shakespeare char, {r['preset']} ({r['parameters']:,} params, {a.minutes:g} min, "
+                                 f"{r['steps']} steps): test bits/char", "value": round(r["test_bits_per_char"], 3),
+                         "unit": "bits/char"} for r in rows]}
+    write_result(a.name, res)
+
+
+if __name__ == "__main__":
+    main()
