@@ -17,7 +17,8 @@ from fastweights.errors import UserError
 
 # Modules that add their own subcommands with register_cli(subparsers), and task modules that add
 # `fastweights task NAME` with register_task(task_subparsers). Missing modules are skipped.
-COMMAND_MODULES = ["fastweights.adapt.cli", "fastweights.memory_stats", "fastweights.analysis", "fastweights.hf_export"]
+COMMAND_MODULES = ["fastweights.adapt.cli", "fastweights.memory_stats", "fastweights.analysis", "fastweights.hf_export",
+                   "fastweights.longctx_cli"]
 TASK_MODULES = ["fastweights.tasks.assoc", "fastweights.tasks.ba_retrieval"]
 
 
@@ -118,6 +119,10 @@ def cmd_eval(args) -> int:
     from fastweights.evaluate import evaluate_documents
     from fastweights.train import resolve_device
 
+    if args.stream:
+        from fastweights.longctx_cli import run_stream_eval
+
+        return run_stream_eval(args)
     model, tokenizer, cfg = load_checkpoint(Path(args.checkpoint), map_location=str(resolve_device(args.device)))
     seq_len = args.seq_len or cfg.train.seq_len
     if not args.data and (Path(cfg.data.corpus) / "prepared.json").is_file():
@@ -212,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seq-len", type=int, default=0, help="context length (default: the training seq_len)")
     e.add_argument("--stride", type=int, default=None, help="tokens scored per call (default seq_len // 2)")
     e.add_argument("--device", default="auto")
+    e.add_argument("--stream", action="store_true",
+                   help="per-position loss curves along long documents, carry vs reset vs frozen fast weights "
+                        "(same as `fastweights stream-eval`; see its --help for the extra options)")
     e.add_argument("--json", action="store_true")
     e.add_argument("--quiet", action="store_true")
     e.set_defaults(func=cmd_eval)

@@ -69,8 +69,8 @@ class SwiGLU(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (Su et al. 2021) for absolute positions [start, start + T).
 
-    Applied to the two halves of each head (the GPT-NeoX / Llama layout). cos/sin tables are
-    cached and grown on demand, so streaming calls at any offset cost nothing extra.
+    Applied to the two halves of each head (the GPT-NeoX / Llama layout). The angles are computed
+    for each call's positions only, so streaming a million tokens keeps no table that grows.
     """
 
     def __init__(self, head_dim: int, base: float = 10000.0):
@@ -79,23 +79,14 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self._cos: torch.Tensor | None = None
-        self._sin: torch.Tensor | None = None
-
-    def _tables(self, end: int, device, dtype):
-        if self._cos is None or self._cos.shape[0] < end or self._cos.device != device:
-            n = max(end, 2 * (self._cos.shape[0] if self._cos is not None else 0), 256)
-            t = torch.arange(n, device=device, dtype=torch.float32)
-            freqs = torch.outer(t, self.inv_freq.to(device))  # [n, D/2]
-            emb = torch.cat([freqs, freqs], dim=-1)  # [n, D]
-            self._cos, self._sin = emb.cos(), emb.sin()
-        return self._cos, self._sin
 
     def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """x: [..., T, D] -> same shape, rotated for positions start..start+T-1."""
         T = x.shape[-2]
-        cos, sin = self._tables(start + T, x.device, x.dtype)
-        return _Rotate.apply(x, cos[start : start + T].to(x.dtype), sin[start : start + T].to(x.dtype))
+        t = torch.arange(start, start + T, device=x.device, dtype=torch.float32)
+        freqs = torch.outer(t, self.inv_freq)  # [T, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [T, D]
+        return _Rotate.apply(x, emb.cos().to(x.dtype), emb.sin().to(x.dtype))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

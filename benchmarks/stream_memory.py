@@ -1,0 +1,104 @@
+"""Streaming evaluation in constant memory: peak RSS of `stream_eval` over 100K and 1M tokens, same run.
+
+Two small models with an FwPKM memory (random initialisation: this measures memory and speed, not
+quality), one with softmax-attention mixers (RoPE, KV cache bounded to ``seq_len - stride`` tokens) and
+one with delta-rule fast weight programmer mixers, stream the documents of ``--data`` (default: the
+shared long documents when present, else the bundled tinyshakespeare, repeated) in ``carry`` mode:
+state carried across documents, per-position curves kept as bin sums. Each (model, length) runs in
+its own process, so each peak RSS is that run's own; the 100K-token run is the baseline of the ratios.
+The size of the attention layers' RoPE cos/sin caches after the stream is reported too (they grow
+with the absolute position). A progress line goes to stderr every 10 s; the script counts those lines.
+
+    python benchmarks/stream_memory.py [--tokens 100000,1000000] [--threads 1]
+
+Writes benchmarks/results/stream_memory.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_result  # noqa: E402
+
+SHARED = Path("/work/shared/data/long_docs")
+FWPKM = dict(d_model=64, n_layers=2, n_heads=4, memory="fwpkm", memory_layers=[1],
+             options={"fwpkm": dict(n_subkeys=64, d_key=64, d_value=64, topk=8, chunk_size=256)})
+MODELS = {"attention+fwpkm": dict(FWPKM, mixer="attention"),
+          "fwp_delta+fwpkm": dict(FWPKM, mixer="fwp", options={**FWPKM["options"], "fwp": {"rule": "delta"}})}
+SEQ_LEN = 256
+
+
+def child(name: str, tokens: int, data: str, threads: int) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    from fastweights.config import ModelConfig
+    from fastweights.data import CharTokenizer, load_corpus
+    from fastweights.longctx import current_rss_mb, encode_documents, peak_rss_mb, stream_eval
+    from fastweights.models.lm import LanguageModel
+
+    docs = load_corpus(data)
+    while sum(d.n_chars for d in docs) < tokens + len(docs):  # a short corpus is read again
+        docs = docs + docs
+    tok = CharTokenizer.from_text(d.text for d in docs[:20])
+    torch.manual_seed(0)
+    model = LanguageModel(ModelConfig(vocab_size=tok.vocab_size, **MODELS[name])).eval()
+    rss_loaded = current_rss_mb()
+    res = stream_eval(model, encode_documents(docs, tok), "carry", SEQ_LEN, bin_width=1024, max_tokens=tokens,
+                      progress=True)
+    rope = [m for m in model.modules() if type(m).__name__ == "RotaryEmbedding" and m._cos is not None]
+    rope_mb = sum(m._cos.numel() * m._cos.element_size() + m._sin.numel() * m._sin.element_size() for m in rope) / 2**20
+    return {"tokens": res.tokens, "rope_tables_mb": rope_mb, "documents": len(res.documents), "elapsed_s": res.elapsed_s,
+            "tokens_per_s": res.tokens / res.elapsed_s, "loss_nats": res.loss,
+            "rss_mb_after_model_load": rss_loaded, "rss_mb_during_stream_max": res.rss_mb["max_sampled"],
+            "peak_rss_mb": peak_rss_mb(), "curve_bins": len(res.curve.to_dict()["position"])}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", default="100000,1000000")
+    p.add_argument("--data", default=str(SHARED) if SHARED.is_dir() else "tinyshakespeare")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--model", default="", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(args.model, args.child, args.data, args.threads)))
+        return
+    sizes = sorted(int(x) for x in args.tokens.split(","))
+    runs: dict[str, dict] = {}
+    for name in MODELS:
+        runs[name] = {}
+        for n in sizes:
+            proc = subprocess.run([sys.executable, __file__, "--child", str(n), "--model", name, "--data", args.data,
+                                   "--threads", str(args.threads)], capture_output=True, text=True, check=True)
+            rec = json.loads(proc.stdout.strip().splitlines()[-1])
+            rec["progress_lines"] = sum(1 for line in proc.stderr.splitlines() if line.startswith("stream carry"))
+            rec["progress_last_line"] = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
+            runs[name][str(n)] = rec
+            print(f"{name:>16} {n:>9,} tokens: {rec['tokens_per_s']:,.0f} tok/s, peak RSS {rec['peak_rss_mb']:.0f} MiB "
+                  f"(after model load {rec['rss_mb_after_model_load']:.0f} MiB), RoPE tables {rec['rope_tables_mb']:.0f} MiB, "
+                  f"{rec['progress_lines']} progress lines")
+    ratios = {}
+    for name, r in runs.items():
+        base, big = r[str(sizes[0])], r[str(sizes[-1])]
+        ratios[name] = {"tokens": big["tokens"] / base["tokens"], "peak_rss": big["peak_rss_mb"] / base["peak_rss_mb"],
+                        "peak_rss_minus_rope_tables": (big["peak_rss_mb"] - big["rope_tables_mb"])
+                        / (base["peak_rss_mb"] - base["rope_tables_mb"])}
+    write_result("stream_memory", {
+        "note": ("machine shared with other engineers: timings are noisy; the RSS ratios are what matter. "
+                 "RoPE tables: fastweights.layers.common.RotaryEmbedding caches cos/sin from position 0 up to the "
+                 "largest position seen (doubling), so a softmax-attention stream grows by those tables"),
+        "models": {k: {**v, "seq_len": SEQ_LEN, "stride": SEQ_LEN // 2} for k, v in MODELS.items()},
+        "init": "random (seed 0)", "tokenizer": "char", "data": args.data, "mode": "carry", "threads": args.threads,
+        "runs": runs, "ratios_largest_over_smallest": ratios,
+    })
+
+
+if __name__ == "__main__":
+    main()
