@@ -19,6 +19,38 @@ RESULTS = ROOT / "benchmarks" / "results"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 
 
+# Rows for result files that carry no ``headline`` list: (file stem, what, dotted path, unit, target).
+EXTRACT = [
+    ("bench_delta_rule", "delta rule fwd+bwd, chunked (C=64) vs per-step loop, CPU, B=1 T=2048 H=4 D=64 (median)",
+     "speed/delta/speedup_fwd_bwd/C64_wall_median", "x", ">= 20x"),
+    ("bench_delta_rule", "gated delta rule fwd+bwd, chunked (C=64) vs per-step loop, CPU (median)",
+     "speed/gated_delta/speedup_fwd_bwd/C64_wall_median", "x", ">= 20x"),
+    ("bench_delta_rule", "delta rule peak memory per token, chunked (D=64)",
+     "memory/peak_rss_bytes_per_token_D64/chunked", "bytes", "grows with T*D"),
+    ("bench_delta_rule", "delta rule peak memory per token, per-step loop (D=64)",
+     "memory/peak_rss_bytes_per_token_D64/per_step", "bytes", ""),
+    ("assoc_capacity", "assoc. retrieval setting 1: first S where sum rule / ELU+1 (d_dot=64) loss > 0.01",
+     "acceptance/setting1_sum_elu1_fails_before_S100/first_S_with_loss_above_0.01", "keys", "< 100"),
+    ("assoc_capacity", "assoc. retrieval setting 1: DPFP nu=1 final loss at S=60",
+     "acceptance/setting1_sum_dpfp1_solves_S60/final_loss", "", "near 0"),
+    ("assoc_capacity", "assoc. retrieval setting 2, S=60: sum-rule loss / delta-rule loss",
+     "acceptance/setting2_delta_below_sum_at_S60/ratio_sum_over_delta", "x", "> 1"),
+    ("bench_fwpkm_layer", "FwPKM layer (paper config, B=1 T=4096) fwd+bwd time / SwiGLU of same width, CPU (interleaved median)",
+     "ratios/interleaved_b1_fwpkm_over_swiglu", "x", ""),
+    ("bench_fwpkm_layer", "FwPKM layer fwd+bwd peak RSS above setup, CPU, B=1 T=4096",
+     "results/fwpkm_b1/peak_rss_over_setup_bytes", "bytes", "< 4 GiB"),
+    ("stream_memory", "streaming 1M vs 100K tokens, delta-rule + FwPKM model: peak RSS ratio",
+     "ratios_largest_over_smallest/fwp_delta+fwpkm/peak_rss", "x", "~1 (constant)"),
+]
+
+
+def _get(rec: dict, key_path: str):
+    node = rec
+    for part in key_path.split("/"):
+        node = node[part]
+    return node
+
+
 def _fmt(v) -> str:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return str(v)
@@ -31,7 +63,9 @@ def table() -> str:
     rows = ["| result | value | target | source (command in the JSON) |", "|---|---|---|---|"]
     for path in sorted(RESULTS.glob("*.json")):
         rec = json.loads(path.read_text())
-        for h in rec.get("headline", []):
+        heads = rec.get("headline") or [{"what": what, "value": _get(rec, key), "unit": unit, "target": target}
+                                         for stem, what, key, unit, target in EXTRACT if stem == path.stem]
+        for h in heads:
             value = _fmt(h["value"]) + (f" {h['unit']}" if h.get("unit") else "")
             rows.append(f"| {h['what']} | {value} | {h.get('target', '')} | `{path.relative_to(ROOT)}` |")
     return "\n".join(rows)
