@@ -39,6 +39,14 @@ EXTRACT = [
      "ratios/interleaved_b1_fwpkm_over_swiglu", "x", ""),
     ("bench_fwpkm_layer", "FwPKM layer fwd+bwd peak RSS above setup, CPU, B=1 T=4096",
      "results/fwpkm_b1/peak_rss_over_setup_bytes", "bytes", "< 4 GiB"),
+    ("bench_fast_rnn", "fast-weights RNN training step vs plain loop with explicit A, CPU, T=128 H=128 B=32 (wall median)",
+     "training_step/speedup/plain_loop|ours_auto (wall median)", "x", ">= 2x"),
+    ("ba_retrieval_seeds", "Ba et al. retrieval R=20 K=4: fast-weights RNN test error, mean of 3 seeds (45k steps)",
+     "summary/fast-rnn/test_error_mean", "", "<= 0.05 (paper 0.018)"),
+    ("ba_retrieval_seeds", "Ba et al. retrieval R=20 K=4: fast-weights RNN worst seed test error", "summary/fast-rnn/test_error_max",
+     "", "<= 0.05"),
+    ("ba_retrieval_seeds", "Ba et al. retrieval R=20 K=4: LSTM test error, mean of 3 seeds (45k steps)",
+     "summary/lstm/test_error_mean", "", "> 0.30 (paper 0.608)"),
     ("stream_memory", "streaming 1M vs 100K tokens, delta-rule + FwPKM model: peak RSS ratio",
      "ratios_largest_over_smallest/fwp_delta+fwpkm/peak_rss", "x", "~1 (constant)"),
 ]
@@ -47,7 +55,7 @@ EXTRACT = [
 def _get(rec: dict, key_path: str):
     node = rec
     for part in key_path.split("/"):
-        node = node[part]
+        node = node[part.replace("|", "/")]  # "|" stands for a "/" inside a key
     return node
 
 

@@ -1,0 +1,451 @@
+"""Fast-weights RNN of Ba, Hinton, Mnih, Leibo & Ionescu, "Using Fast Weights to Attend to the Recent
+Past" (NIPS 2016, arXiv 1610.06258).
+
+A ReLU RNN whose hidden state also reads a per-sequence fast weight matrix A, a decaying Hebbian
+memory of its own recent hidden states. Tokens x_1..x_T, h_0 = 0, A_0 = 0; for t = 1..T::
+
+    b_t       = W h_{t-1} + C x_t                          boundary term (slow weights W, C)
+    h_t^(0)   = f( LN(b_t) )                               preliminary (LN only if ln_preliminary)
+    h_t^(s+1) = f( LN(b_t + A_{t-1} h_t^(s)) ),  s = 0..S-1 inner loop: same A_{t-1}, same b_t
+    h_t       = h_t^(S)
+    A_t       = lam A_{t-1} + eta h_t h_t^T                 write after the inner loop
+
+f = ReLU; LN = layer normalisation of each example over its H units (learned gain and bias,
+eps 1e-5). Defaults lam = 0.95, eta = 0.5, S = 1, W initialised to 0.05 I.
+
+Write order (project decision): the read at step t sees only the completed states h_1..h_{t-1};
+h_t is written after its own inner loop. At t = 1 the fast term is 0; at t = 2 it is
+eta (h_1^T h_2^(s)) h_1. (Public implementations write the preliminary state before reading, or
+lag by one step; both are different models.)
+
+Two read forms of the same model:
+
+* ``matrix``: the explicit A [B, H, H] updated every step; O(H^2) per step and an A per step kept
+  for backward. :func:`fast_rnn_reference` is this form, written straight from the equations; it
+  is also the reference the fast form is tested against.
+* ``attention``: unrolling A gives decayed, unnormalised dot-product attention over the past states,
+  ``A_{t-1} q = lam^n A_0 q + eta sum_{i=1..n} lam^(n-i) (g_i^T q) g_i`` where g_1..g_n are the
+  states written so far (a carried history followed by this call's h_1..h_{t-1}) and A_0 is the
+  matrix that summarises everything older. :func:`fast_rnn_attention` never materialises A; its
+  hand-written backward pass keeps O(B T H) activations (and read weights, O(B T min(T, H)))
+  instead of one A per step, O(B T H^2). The history is folded into A (:func:`fold_history`)
+  once it holds ``hidden`` states, so the read stays O(H^2).
+
+Time cannot be parallelised (h_t depends non-linearly on h_{t-1}); only the batch and the read
+vectorise. Fast-weight arithmetic runs in fp32 (fp64 if the inputs are fp64), autocast disabled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+from fastweights.errors import UserError
+from fastweights.models.registry import register_mixer
+
+READ_MODES = ("auto", "matrix", "attention")
+
+
+# ----------------------------------------------------------------------------- functional forms
+
+
+def fast_rnn_reference(
+    u: Tensor,
+    W: Tensor,
+    h0: Tensor | None = None,
+    A0: Tensor | None = None,
+    *,
+    lam: float,
+    eta: float,
+    inner_steps: int = 1,
+    ln_weight: Tensor | None = None,
+    ln_bias: Tensor | None = None,
+    ln_preliminary: bool = True,
+    eps: float = 1e-5,
+) -> tuple[Tensor, Tensor]:
+    """Per-step loop with the explicit fast matrix A, straight from the equations (matrix read).
+
+    Args:
+        u: input term C x_t (+ bias) for every step, [B, T, H].
+        W: slow recurrent weights [H, H]; the boundary term is ``b_t = W h_{t-1} + u_t``.
+        h0: hidden state before the first step [B, H]; None = zeros.
+        A0: fast matrix before the first step [B, H, H]; None = zeros.
+        lam, eta: decay and fast learning rate of ``A_t = lam A_{t-1} + eta h_t h_t^T``.
+        inner_steps: S, the number of fast-weight reads per step (0 = plain (LN-)RNN).
+        ln_weight, ln_bias: LayerNorm gain and bias [H]; None = no LayerNorm anywhere.
+        ln_preliminary: apply LN to the preliminary vector h^(0) too.
+        eps: LayerNorm epsilon.
+
+    Returns:
+        hs [B, T, H] (the states h_1..h_T) and A_T [B, H, H].
+    """
+    B, T, H = u.shape
+    h = u.new_zeros(B, H) if h0 is None else h0
+    A = u.new_zeros(B, H, H) if A0 is None else A0
+
+    def ln(z: Tensor) -> Tensor:
+        return z if ln_weight is None else F.layer_norm(z, (H,), ln_weight, ln_bias, eps)
+
+    outs = []
+    for t in range(T):
+        b = h @ W.T + u[:, t]
+        hs = torch.relu(ln(b) if ln_preliminary else b)
+        for _ in range(inner_steps):
+            read = (hs.unsqueeze(1) @ A.transpose(1, 2)).squeeze(1)  # A h^(s), as the row h^T A^T (faster on CPU)
+            hs = torch.relu(ln(b + read))
+        h = hs
+        A = lam * A + eta * h.unsqueeze(-1) * h.unsqueeze(-2)  # write after the inner loop
+        outs.append(h)
+    return torch.stack(outs, 1), A
+
+
+def fold_history(A: Tensor | None, history: Tensor | None, lam: float, eta: float) -> Tensor | None:
+    """Fold stored states g_1..g_n [B, n, H] into the fast matrix: ``lam^n A + eta sum_i lam^(n-i) g_i g_i^T``.
+
+    ``A`` [B, H, H] may be None (zero); returns None when both are None/empty.
+    """
+    if history is None or history.shape[1] == 0:
+        return A
+    n = history.shape[1]
+    exponents = torch.arange(n - 1, -1, -1, device=history.device, dtype=history.dtype)
+    weights = eta * torch.pow(torch.as_tensor(lam, dtype=history.dtype), exponents)  # [n]
+    # sum_i w_i g_i g_i^T as one batched matmul: [B, H, n] @ [B, n, H]
+    folded = torch.bmm((history * weights[:, None]).transpose(1, 2), history)
+    return folded if A is None else folded + (lam**n) * A
+
+
+class _AttentionReadRNN(torch.autograd.Function):
+    """The fast-weights RNN with the attention-form read and a hand-written backward pass.
+
+    Forward and backward are per-step loops of a few fused ops each (addmm, native LayerNorm, two
+    bmm for the read); the gradients of W, the LN parameters and A_0 are summed over all steps
+    with a single batched op at the end. Past states are kept in one buffer G [B, L + T, H].
+    """
+
+    @staticmethod
+    def forward(ctx, u, W, ln_weight, ln_bias, h0, A0, history, lam, eta, inner_steps, ln_preliminary, eps):
+        B, T, H = u.shape
+        L = 0 if history is None else history.shape[1]
+        N = L + T
+        S = inner_steps
+        use_ln = ln_weight is not None
+        prelim_ln = use_ln and ln_preliminary
+        # rev[N - n + i] = eta lam^(n-1-i): the weight of stored state i in the read after n writes
+        rev = eta * torch.pow(
+            torch.as_tensor(lam, dtype=u.dtype), torch.arange(N - 1, -1, -1, dtype=u.dtype)
+        ).to(u.device)
+        G = u.new_empty(B, N, H)  # all states written so far: carried history, then this call's h_t
+        if L:
+            G[:, :L] = history
+        u_steps = u.transpose(0, 1).contiguous()  # [T, B, H] so that each step's slice is contiguous
+        # per stage s (0 = preliminary) and step t: LN input, LN mean/rstd, post-ReLU state, read weights
+        Z = [[None] * T for _ in range(S + 1)]
+        MU = [[None] * T for _ in range(S + 1)]
+        RS = [[None] * T for _ in range(S + 1)]
+        HS = [[None] * T for _ in range(S + 1)]
+        WS = [[None] * T for _ in range(S + 1)]
+        h = h0
+        W_t = W.t()
+        for t in range(T):
+            n = L + t  # states written before this step
+            b = torch.addmm(u_steps[t], h, W_t)  # W h_{t-1} + C x_t, [B, H]
+            z = b
+            for s in range(S + 1):
+                if s > 0:  # read the fast memory with the previous inner state q
+                    q = HS[s - 1][t]
+                    z = b
+                    if n:
+                        Gp = G[:, :n]  # [B, n, H]
+                        # row-vector products (q^T G^T, ws^T G): far faster on CPU than G q as a column
+                        ws = torch.bmm(q.unsqueeze(1), Gp.transpose(1, 2)).mul_(rev[N - n :])  # [B, 1, n]
+                        z = torch.baddbmm(b.unsqueeze(1), ws, Gp).squeeze(1)  # b + sum_i ws_i g_i
+                        WS[s][t] = ws
+                    if A0 is not None:  # (A0 q)^T = q^T A0^T
+                        z = torch.baddbmm(z.unsqueeze(1), q.unsqueeze(1), A0.transpose(1, 2), alpha=lam**n).squeeze(1)
+                if (s > 0 and use_ln) or (s == 0 and prelim_ln):
+                    a, MU[s][t], RS[s][t] = torch.native_layer_norm(z, (H,), ln_weight, ln_bias, eps)
+                else:
+                    a = z
+                Z[s][t] = z
+                if s == S:
+                    HS[s][t] = torch.clamp_min(a, 0, out=G[:, n])  # h_t goes straight into the buffer
+                else:
+                    HS[s][t] = torch.relu(a)
+            h = HS[S][t]
+        ctx.save_for_backward(u, W, ln_weight, ln_bias, h0, A0)
+        ctx.G, ctx.rev, ctx.Z, ctx.MU, ctx.RS, ctx.HS, ctx.WS = G, rev, Z, MU, RS, HS, WS
+        ctx.config = (L, lam, S, use_ln, prelim_ln, eps)
+        return G[:, L:].clone()
+
+    @staticmethod
+    @once_differentiable  # the hand-written backward is not itself differentiable
+    def backward(ctx, d_out):
+        u, W, ln_weight, ln_bias, h0, A0 = ctx.saved_tensors
+        G, rev, Z, MU, RS, HS, WS = ctx.G, ctx.rev, ctx.Z, ctx.MU, ctx.RS, ctx.HS, ctx.WS
+        L, lam, S, use_ln, prelim_ln, eps = ctx.config
+        B, T, H = u.shape
+        N = L + T
+        need = ctx.needs_input_grad
+        ln_mask = [True, bool(need[2]), bool(need[3])]
+        d_lnw = torch.zeros_like(ln_weight) if use_ln else None
+        d_lnb = torch.zeros_like(ln_bias) if use_ln else None
+        # dG[:, i]: gradient reaching stored state i from the output and from every later read
+        dG = torch.cat([u.new_zeros(B, L, H), d_out], 1) if L else d_out.clone()
+        dB = [None] * T  # dL/db_t
+        a0_terms = []  # (lam^n dL/dr, q) for the A_0 gradient
+        db_next = None
+        for t in range(T - 1, -1, -1):
+            n = L + t
+            dh = dG[:, n]
+            if db_next is not None:  # b_{t+1} = W h_t + u_{t+1}
+                dh = torch.addmm(dh, db_next, W)
+            db = None
+            for s in range(S, -1, -1):
+                if dh is None:  # this stage's state reached the output only through a read of empty memory
+                    break
+                da = torch.ops.aten.threshold_backward(dh, HS[s][t], 0)  # through the ReLU
+                if (s > 0 and use_ln) or (s == 0 and prelim_ln):
+                    dz, dw, dbias = torch.ops.aten.native_layer_norm_backward(
+                        da, Z[s][t], (H,), MU[s][t], RS[s][t], ln_weight, ln_bias, ln_mask
+                    )
+                    if dw is not None:
+                        d_lnw += dw
+                    if dbias is not None:
+                        d_lnb += dbias
+                else:
+                    dz = da
+                db = dz if db is None else db + dz
+                if s == 0:
+                    break
+                # z = b + sum_i ws_i g_i (+ lam^n A0 q), ws_i = eta lam^(n-1-i) g_i^T q: back to q and to g_i
+                q = HS[s - 1][t]
+                dh = None
+                if n:
+                    Gp = G[:, :n]  # [B, n, H]
+                    wr = torch.bmm(dz.unsqueeze(1), Gp.transpose(1, 2)).mul_(rev[N - n :])  # [B, 1, n]
+                    dh = torch.bmm(wr, Gp).squeeze(1)
+                    # dG_i += ws_i dz + wr_i q
+                    dG[:, :n].addcmul_(WS[s][t].transpose(1, 2), dz.unsqueeze(1)).addcmul_(
+                        wr.transpose(1, 2), q.unsqueeze(1)
+                    )
+                if A0 is not None:  # (A0^T dz)^T = dz^T A0
+                    dq = torch.bmm(dz.unsqueeze(1), A0).squeeze(1) * lam**n
+                    dh = dq if dh is None else dh + dq
+                    a0_terms.append((dz * lam**n, q))
+            dB[t] = db
+            db_next = db
+        dB = torch.stack(dB, 1)  # [B, T, H]
+        d_u = dB if need[0] else None
+        d_W = d_h0 = d_A0 = d_hist = None
+        if need[1]:
+            h_prev = torch.cat([h0.unsqueeze(1), G[:, L : N - 1]], 1)  # h_{t-1} for every step, [B, T, H]
+            d_W = dB.reshape(-1, H).t() @ h_prev.reshape(-1, H)
+        if need[4]:
+            d_h0 = dB[:, 0] @ W
+        if A0 is not None and need[5]:
+            if a0_terms:
+                dr, q = (torch.stack(x, 1) for x in zip(*a0_terms))  # [B, K, H]
+                d_A0 = torch.bmm(dr.transpose(1, 2), q)  # sum_k dr_k q_k^T
+            else:
+                d_A0 = torch.zeros_like(A0)
+        if L and need[6]:
+            d_hist = dG[:, :L]
+        return d_u, d_W, d_lnw, d_lnb, d_h0, d_A0, d_hist, None, None, None, None, None
+
+
+def fast_rnn_attention(
+    u: Tensor,
+    W: Tensor,
+    h0: Tensor | None = None,
+    A0: Tensor | None = None,
+    history: Tensor | None = None,
+    *,
+    lam: float,
+    eta: float,
+    inner_steps: int = 1,
+    ln_weight: Tensor | None = None,
+    ln_bias: Tensor | None = None,
+    ln_preliminary: bool = True,
+    eps: float = 1e-5,
+) -> Tensor:
+    """The fast-weights RNN with the attention-form read (A never materialised); same model as
+    :func:`fast_rnn_reference`.
+
+    Args:
+        u, W, h0, lam, eta, inner_steps, ln_weight, ln_bias, ln_preliminary, eps: as in
+            :func:`fast_rnn_reference`.
+        A0: fast matrix [B, H, H] summarising everything older than ``history``; None = zeros.
+        history: states written before this call and not folded into A0, oldest first,
+            [B, L, H]; None = none. The memory before step t is
+            ``fold_history(A0, cat(history, h_1..h_{t-1}))``.
+
+    Returns:
+        hs [B, T, H]. The memory after the call is ``fold_history(A0, cat(history, hs))``.
+    """
+    B, T, H = u.shape
+    if h0 is None:
+        h0 = u.new_zeros(B, H)
+    if history is not None and history.shape[1] == 0:
+        history = None
+    if ln_weight is not None and ln_bias is None:
+        ln_bias = torch.zeros_like(ln_weight)
+    return _AttentionReadRNN.apply(
+        u, W, ln_weight, ln_bias, h0, A0, history, float(lam), float(eta), int(inner_steps), ln_preliminary, eps
+    )
+
+
+# ----------------------------------------------------------------------------- module
+
+
+class FastRNNState(NamedTuple):
+    """State of :class:`FastWeightRNN` between calls.
+
+    h: last hidden state [B, H]. A: fast matrix [B, H, H] summarising every written state older
+    than ``history`` (None = zero). history: the most recent written states not yet folded into A,
+    oldest first, [B, L, H] (None = none). The matrix read keeps history None; the attention read
+    keeps up to ``hidden`` states there and folds them into A when full.
+    """
+
+    h: Tensor
+    A: Tensor | None
+    history: Tensor | None
+
+
+class FastWeightRNN(nn.Module):
+    """Fast-weights RNN layer on the state protocol: ``hs, state = rnn(x, state=None)``.
+
+    Args:
+        input_size: features of x.
+        hidden: H, the number of hidden units.
+        lam, eta: fast-weight decay and learning rate (0.95, 0.5).
+        inner_steps: S >= 1 inner-loop reads per step (1).
+        layer_norm: LayerNorm before every ReLU (True).
+        ln_preliminary: LayerNorm on the preliminary vector h^(0) as well (True).
+        fast_weights: False gives the plain (LN-)RNN h_t = f(LN(W h_{t-1} + C x_t)) (True).
+        read_mode: "matrix", "attention", or "auto": the matrix for single-step calls without
+            autograd (token-by-token generation), attention otherwise; the choices measured faster
+            in benchmarks/bench_fast_rnn.py (training at T/H from 1/4 to 16, generation at T = 1).
+        eps: LayerNorm epsilon (1e-5).
+
+    forward(x [B, T, input_size], state: FastRNNState | None) -> (hs [B, T, H], FastRNNState).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden: int,
+        lam: float = 0.95,
+        eta: float = 0.5,
+        inner_steps: int = 1,
+        layer_norm: bool = True,
+        ln_preliminary: bool = True,
+        fast_weights: bool = True,
+        read_mode: str = "auto",
+        eps: float = 1e-5,
+    ):
+        super().__init__()
+        if hidden < 1:
+            raise UserError(f"fast_rnn: hidden must be >= 1, got {hidden}")
+        if not 0.0 <= lam <= 1.0:
+            raise UserError(f"fast_rnn: lam must be in [0, 1], got {lam}")
+        if eta < 0:
+            raise UserError(f"fast_rnn: eta must be >= 0, got {eta}")
+        if inner_steps < 1:
+            raise UserError(f"fast_rnn: inner_steps must be >= 1, got {inner_steps}")
+        if read_mode not in READ_MODES:
+            raise UserError(f"fast_rnn: read_mode must be one of {', '.join(READ_MODES)}, got {read_mode!r}")
+        self.hidden, self.lam, self.eta, self.inner_steps = hidden, lam, eta, inner_steps
+        self.ln_preliminary, self.fast_weights, self.read_mode, self.eps = ln_preliminary, fast_weights, read_mode, eps
+        self.in_proj = nn.Linear(input_size, hidden)  # C (and its bias)
+        self.W = nn.Parameter(0.05 * torch.eye(hidden))  # slow recurrent weights, 0.05 I as in the paper
+        self.ln = nn.LayerNorm(hidden, eps=eps) if layer_norm else None
+
+    def resolve_read_mode(self, T: int, grad: bool | None = None) -> str:
+        """The read form used for a call of T steps (``grad``: autograd on; default: as now)."""
+        if self.read_mode != "auto":
+            return self.read_mode
+        grad = torch.is_grad_enabled() if grad is None else grad
+        return "matrix" if T == 1 and not grad else "attention"
+
+    def forward(self, x: Tensor, state: FastRNNState | None = None) -> tuple[Tensor, FastRNNState]:
+        B, T, _ = x.shape
+        u = self.in_proj(x)  # C x_t + c for every step at once, [B, T, H]
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            dtype = torch.float64 if u.dtype == torch.float64 else torch.float32  # fp32 accumulation under autocast
+            u, W = u.to(dtype), self.W.to(dtype)
+            ln_w = None if self.ln is None else self.ln.weight.to(dtype)
+            ln_b = None if self.ln is None else self.ln.bias.to(dtype)
+            h, A, hist = (None, None, None) if state is None else state
+            common = dict(ln_weight=ln_w, ln_bias=ln_b, eps=self.eps)
+            if not self.fast_weights:  # plain (LN-)RNN: no reads, no memory
+                hs = fast_rnn_attention(u, W, h, lam=0.0, eta=0.0, inner_steps=0, ln_preliminary=True, **common)
+                return hs, FastRNNState(hs[:, -1], None, None)
+            fast = dict(lam=self.lam, eta=self.eta, inner_steps=self.inner_steps, ln_preliminary=self.ln_preliminary)
+            if self.resolve_read_mode(T) == "matrix":
+                A = fold_history(A, hist, self.lam, self.eta)
+                hs, A = fast_rnn_reference(u, W, h, A, **fast, **common)
+                return hs, FastRNNState(hs[:, -1], A, None)
+            # attention read in pieces, folding the history into A whenever it holds `hidden` states
+            window = self.hidden
+            pieces, start = [], 0
+            while start < T:
+                stored = 0 if hist is None else hist.shape[1]
+                if stored >= window:
+                    A, hist, stored = fold_history(A, hist, self.lam, self.eta), None, 0
+                length = min(T - start, window - stored)
+                piece = fast_rnn_attention(u[:, start : start + length], W, h, A, hist, **fast, **common)
+                hist = piece if hist is None else torch.cat([hist, piece], 1)
+                h = piece[:, -1]
+                pieces.append(piece)
+                start += length
+            hs = pieces[0] if len(pieces) == 1 else torch.cat(pieces, 1)
+            return hs, FastRNNState(h, A, hist)
+
+
+@dataclass
+class FastRNNOptions:
+    """Options of the ``fast_rnn`` mixer (TOML table ``[model.options.fast_rnn]``)."""
+
+    hidden: int = 0  # hidden units H; 0 = d_model
+    lam: float = 0.95  # fast-weight decay lambda
+    eta: float = 0.5  # fast-weight learning rate eta
+    inner_steps: int = 1  # S inner-loop reads per step
+    layer_norm: bool = True  # LayerNorm before every ReLU
+    ln_preliminary: bool = True  # LayerNorm on the preliminary vector h^(0)
+    fast_weights: bool = True  # False = the plain LN-RNN ablation
+    read_mode: str = "auto"  # auto | matrix | attention
+
+
+@register_mixer("fast_rnn", FastRNNOptions)
+class FastRNNMixer(nn.Module):
+    """The fast-weights RNN as a sequence mixer: x [B, T, d_model] -> C -> RNN (H units) -> y [B, T, d_model].
+
+    ``n_heads`` is accepted for the mixer interface and unused: the model has one hidden vector.
+    Parameters: C (d_model x H + H), W (H x H), LN (2H), output projection (H x d_model).
+    """
+
+    def __init__(self, d_model: int, n_heads: int, options: FastRNNOptions | None = None):
+        super().__init__()
+        o = options or FastRNNOptions()
+        self.rnn = FastWeightRNN(
+            d_model,
+            o.hidden or d_model,
+            lam=o.lam,
+            eta=o.eta,
+            inner_steps=o.inner_steps,
+            layer_norm=o.layer_norm,
+            ln_preliminary=o.ln_preliminary,
+            fast_weights=o.fast_weights,
+            read_mode=o.read_mode,
+        )
+        self.out_proj = nn.Linear(self.rnn.hidden, d_model, bias=False)
+        self.out_proj.is_residual_proj = True  # scaled init in LanguageModel, like the attention output
+
+    def forward(self, x: Tensor, state: FastRNNState | None = None) -> tuple[Tensor, FastRNNState]:
+        hs, state = self.rnn(x, state)
+        return self.out_proj(hs.to(x.dtype)), state

@@ -1,0 +1,78 @@
+"""LSTM (Hochreiter & Schmidhuber 1997) on the state protocol, the recurrent baseline of the fast-weights RNN.
+
+    i_t, f_t, o_t = sigmoid(W_k x_t + U_k h_{t-1} + b_k)  for k = i, f, o    (input, forget, output gates)
+    g_t = tanh(W_g x_t + U_g h_{t-1} + b_g)
+    c_t = f_t * c_{t-1} + i_t * g_t
+    h_t = o_t * tanh(c_t)
+
+The recurrence is PyTorch's ``nn.LSTM`` (cuDNN on CUDA, its C++ kernel on CPU); this
+file only adapts it to ``y, state = layer(x, state=None)`` with a batch-first state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from torch import Tensor, nn
+
+from fastweights.errors import UserError
+from fastweights.models.registry import register_mixer
+
+
+class LSTMState(NamedTuple):
+    """Hidden and cell state after the last step, each [B, H]."""
+
+    h: Tensor
+    c: Tensor
+
+
+class LSTMLayer(nn.Module):
+    """One LSTM layer: ``hs, state = lstm(x, state=None)``.
+
+    Args:
+        input_size: features of x.
+        hidden: H, the number of hidden units.
+
+    forward(x [B, T, input_size], state: LSTMState | None) -> (hs [B, T, H], LSTMState).
+    """
+
+    def __init__(self, input_size: int, hidden: int):
+        super().__init__()
+        if hidden < 1:
+            raise UserError(f"lstm: hidden must be >= 1, got {hidden}")
+        self.hidden = hidden
+        self.lstm = nn.LSTM(input_size, hidden, batch_first=True)
+
+    def forward(self, x: Tensor, state: LSTMState | None = None) -> tuple[Tensor, LSTMState]:
+        # nn.LSTM keeps its state as [num_layers, B, H]; ours is batch-first [B, H]
+        hx = None if state is None else (state.h.unsqueeze(0).contiguous(), state.c.unsqueeze(0).contiguous())
+        hs, (h, c) = self.lstm(x, hx)
+        return hs, LSTMState(h.squeeze(0), c.squeeze(0))
+
+
+@dataclass
+class LSTMOptions:
+    """Options of the ``lstm`` mixer (TOML table ``[model.options.lstm]``)."""
+
+    hidden: int = 0  # hidden units H; 0 = d_model
+
+
+@register_mixer("lstm", LSTMOptions)
+class LSTMMixer(nn.Module):
+    """An LSTM as a sequence mixer: x [B, T, d_model] -> LSTM (H units) -> y [B, T, d_model].
+
+    ``n_heads`` is accepted for the mixer interface and unused. Parameters: LSTM
+    4H (d_model + H + 2), output projection H x d_model.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, options: LSTMOptions | None = None):
+        super().__init__()
+        o = options or LSTMOptions()
+        self.rnn = LSTMLayer(d_model, o.hidden or d_model)
+        self.out_proj = nn.Linear(self.rnn.hidden, d_model, bias=False)
+        self.out_proj.is_residual_proj = True  # scaled init in LanguageModel, like the attention output
+
+    def forward(self, x: Tensor, state: LSTMState | None = None) -> tuple[Tensor, LSTMState]:
+        hs, state = self.rnn(x, state)
+        return self.out_proj(hs), state

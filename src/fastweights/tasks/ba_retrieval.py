@@ -1,0 +1,384 @@
+"""Associative retrieval task of Ba et al. 2016 ("Using Fast Weights to Attend to the Recent Past",
+arXiv 1610.06258, section 4.1), its small task network, training loop and CLI.
+
+A sequence lists K key-value pairs, then ``??``, then one of the keys; the answer is that key's value::
+
+    c9k8j3f1??c -> 9        j0a5s5z2??a -> 5
+
+* keys: K distinct lowercase letters (drawn without replacement); values: digits 0-9 (may repeat);
+  the query key is drawn uniformly from the K keys.
+* vocabulary: 26 letters + 10 digits + ``?`` = 37 tokens; length T = 2K + 3 (11 for K = 4).
+* loss and metric: cross-entropy and error on the final step only (a 37-way output, or a 10-way
+  digit head with ``digit_head``).
+* splits: 100,000 train / 10,000 validation / 20,000 test from one seeded generator; validation and
+  test contain no sequence of an earlier split (nor repeats of their own).
+
+Task network (paper): a learned 100-d embedding, one recurrent layer of R units, the final hidden
+state through a 100-unit ReLU layer, then the softmax. Recurrent layers: the fast-weights RNN
+(:class:`~fastweights.layers.fast_rnn.FastWeightRNN`), an LSTM, or an IRNN (ReLU RNN with identity
+recurrent weights and zero biases, Le et al. 2015). The paper's table (R = 20): fast weights 1.81%
+test error, LSTM 60.81%, IRNN 62.11% (unverified against the PDF).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fastweights.errors import UserError
+from fastweights.layers.fast_rnn import FastWeightRNN
+from fastweights.layers.lstm import LSTMLayer
+
+VOCAB = "abcdefghijklmnopqrstuvwxyz0123456789?"  # token id = index
+NUM_LETTERS = 26
+DIGIT0 = 26  # token id of "0"
+QUERY_MARK = 36  # token id of "?"
+SPLIT_SIZES = {"train": 100_000, "val": 10_000, "test": 20_000}
+MODELS = ("fast-rnn", "lstm", "irnn")
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def generate(n: int, num_keys: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Draw ``n`` retrieval sequences.
+
+    Returns tokens int64 [n, 2K+3] and targets int64 [n] (the token id of the queried value).
+    """
+    if not 1 <= num_keys <= NUM_LETTERS:
+        raise UserError(f"ba-retrieval: keys must be in 1..{NUM_LETTERS}, got {num_keys}")
+    K = num_keys
+    keys = np.argsort(rng.random((n, NUM_LETTERS)), axis=1)[:, :K]  # K distinct letters per row, [n, K]
+    values = rng.integers(0, 10, size=(n, K))  # digits, repeats allowed
+    query = rng.integers(0, K, size=n)  # which pair is asked for
+    tokens = np.empty((n, 2 * K + 3), dtype=np.int64)
+    tokens[:, 0 : 2 * K : 2] = keys
+    tokens[:, 1 : 2 * K : 2] = DIGIT0 + values
+    tokens[:, 2 * K] = tokens[:, 2 * K + 1] = QUERY_MARK
+    rows = np.arange(n)
+    tokens[:, 2 * K + 2] = keys[rows, query]
+    return tokens, DIGIT0 + values[rows, query]
+
+
+def make_splits(
+    seed: int = 0, num_keys: int = 4, sizes: dict[str, int] | None = None
+) -> dict[str, tuple[Tensor, Tensor]]:
+    """Seeded train/val/test splits (default 100k/10k/20k); val and test share no sequence with
+    any earlier split and hold no repeats. Returns {split: (tokens [n, 2K+3], targets [n])}."""
+    sizes = dict(SPLIT_SIZES if sizes is None else sizes)
+    if not 1 <= num_keys <= NUM_LETTERS:
+        raise UserError(f"ba-retrieval: keys must be in 1..{NUM_LETTERS}, got {num_keys}")
+    distinct = math.perm(NUM_LETTERS, num_keys) * 10**num_keys * num_keys  # key orders x values x query
+    held_out = sum(sizes.values()) - next(iter(sizes.values()), 0)
+    if held_out > distinct // 2:
+        raise UserError(
+            f"ba-retrieval: {held_out} held-out sequences requested but only {distinct} distinct ones exist with {num_keys} keys"
+        )
+    rng = np.random.default_rng(seed)
+    seen: set[bytes] = set()
+    out = {}
+    for i, (name, n) in enumerate(sizes.items()):
+        if i == 0:  # the training split may repeat a sequence, as independent draws do
+            x, y = generate(n, num_keys, rng)
+            seen.update(row.tobytes() for row in x)
+            out[name] = (torch.from_numpy(x), torch.from_numpy(y))
+            continue
+        xs, ys, have, tries = [], [], 0, 0
+        while have < n:
+            tries += 1
+            if tries > 1000:  # the training split already covers nearly every sequence
+                raise UserError(f"ba-retrieval: cannot draw {n} new distinct sequences with {num_keys} keys")
+            x, y = generate(n - have, num_keys, rng)
+            keep = []
+            for j, row in enumerate(x):
+                key = row.tobytes()
+                if key not in seen:
+                    seen.add(key)
+                    keep.append(j)
+            xs.append(x[keep])
+            ys.append(y[keep])
+            have += len(keep)
+        out[name] = (torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys)))
+    return out
+
+
+def decode(tokens) -> str:
+    """Token ids -> text, e.g. ``c9k8j3f1??c``."""
+    return "".join(VOCAB[int(t)] for t in tokens)
+
+
+# ----------------------------------------------------------------------------- model
+
+
+class IRNN(nn.Module):
+    """ReLU RNN with identity recurrent weights and zero biases (Le, Jaitly & Hinton 2015) on the state protocol."""
+
+    def __init__(self, input_size: int, hidden: int):
+        super().__init__()
+        self.hidden = hidden
+        self.rnn = nn.RNN(input_size, hidden, nonlinearity="relu", batch_first=True)
+        with torch.no_grad():
+            self.rnn.weight_hh_l0.copy_(torch.eye(hidden))
+            self.rnn.bias_hh_l0.zero_()
+            self.rnn.bias_ih_l0.zero_()
+
+    def forward(self, x: Tensor, state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        hs, h = self.rnn(x, None if state is None else state.unsqueeze(0).contiguous())
+        return hs, h.squeeze(0)
+
+
+class RetrievalNet(nn.Module):
+    """The paper's task network: embedding (100) -> recurrent layer (R) -> ReLU layer (100) -> logits.
+
+    Args:
+        model: "fast-rnn", "lstm" or "irnn".
+        hidden: R, the recurrent units.
+        digit_head: 10-way output over the digits instead of the 37-token vocabulary.
+        embed, mlp: widths of the embedding and of the ReLU layer (100, 100).
+        fast_rnn: extra keyword arguments of :class:`FastWeightRNN` (lam, eta, inner_steps, ...).
+
+    forward(tokens [B, T]) -> logits [B, 37] (or [B, 10]) for the final step.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        hidden: int,
+        digit_head: bool = False,
+        embed: int = 100,
+        mlp: int = 100,
+        fast_rnn: dict | None = None,
+    ):
+        super().__init__()
+        if model not in MODELS:
+            raise UserError(f"ba-retrieval: unknown model {model!r}; choose one of {', '.join(MODELS)}")
+        if hidden < 1:
+            raise UserError(f"ba-retrieval: hidden must be >= 1, got {hidden}")
+        self.embed = nn.Embedding(len(VOCAB), embed)
+        if model == "fast-rnn":
+            self.rnn = FastWeightRNN(embed, hidden, **(fast_rnn or {}))
+        elif model == "lstm":
+            self.rnn = LSTMLayer(embed, hidden)
+        else:
+            self.rnn = IRNN(embed, hidden)
+        self.hidden_layer = nn.Linear(hidden, mlp)
+        self.out = nn.Linear(mlp, 10 if digit_head else len(VOCAB))
+        self.digit_head = digit_head
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        hs, _ = self.rnn(self.embed(tokens))
+        return self.out(torch.relu(self.hidden_layer(hs[:, -1])))
+
+    def target_ids(self, targets: Tensor) -> Tensor:
+        """Targets (token ids) in this network's output space."""
+        return targets - DIGIT0 if self.digit_head else targets
+
+
+@torch.no_grad()
+def error_rate(net: RetrievalNet, tokens: Tensor, targets: Tensor, batch: int = 2500) -> float:
+    """Fraction of sequences whose arg-max answer is wrong."""
+    was_training = net.training
+    net.eval()
+    wrong = 0
+    for i in range(0, len(tokens), batch):
+        pred = net(tokens[i : i + batch]).argmax(-1)
+        wrong += int((pred != net.target_ids(targets[i : i + batch])).sum())
+    net.train(was_training)
+    return wrong / len(tokens)
+
+
+def train_retrieval(
+    net: RetrievalNet,
+    splits: dict[str, tuple[Tensor, Tensor]],
+    *,
+    steps: int = 45_000,
+    max_minutes: float = 0.0,
+    batch_size: int = 128,
+    lr: float = 1e-3,
+    decay_fraction: float = 0.2,
+    grad_clip: float = 5.0,
+    eval_every: int = 500,
+    target_val_error: float = 0.01,
+    seed: int = 0,
+    log=None,
+) -> dict:
+    """Adam on the final-step cross-entropy; keeps the parameters with the best validation error.
+
+    The learning rate is ``lr``, then decays linearly to 0 over the last ``decay_fraction`` of
+    ``steps`` (0 = constant; 1 = linear decay over the whole run).
+
+    Stops after ``steps`` updates, after ``max_minutes`` of training (0 = no limit), or as soon as
+    the validation error is at most ``target_val_error`` (checked every ``eval_every`` steps).
+    Returns a dict with the budget used, the best validation error, the test error at those
+    parameters, and the validation curve.
+    """
+    torch.manual_seed(seed)
+    x_train, y_train = splits["train"]
+    y_train = net.target_ids(y_train)
+    opt = torch.optim.Adam(net.parameters(), lr=lr)
+    decay_steps = int(round(decay_fraction * steps))
+    decay_start = steps - decay_steps
+    sched = None
+    if decay_steps > 0:
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda i: 1.0 if i < decay_start else max(0.0, (steps - i) / decay_steps)
+        )
+    order = torch.randperm(len(x_train))
+    cursor, step, seen = 0, 0, 0
+    best = (math.inf, 0, None)  # (val error, step, state_dict)
+    curve = []
+    start = time.perf_counter()
+    running = None
+    while step < steps:
+        if cursor + batch_size > len(order):  # a new epoch in a new order
+            order, cursor = torch.randperm(len(x_train)), 0
+        idx = order[cursor : cursor + batch_size]
+        cursor += batch_size
+        loss = F.cross_entropy(net(x_train[idx]), y_train[idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if grad_clip > 0:
+            nn.utils.clip_grad_norm_(net.parameters(), grad_clip)
+        opt.step()
+        if sched is not None:
+            sched.step()
+        step += 1
+        seen += len(idx)
+        running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
+        out_of_time = max_minutes > 0 and time.perf_counter() - start > 60 * max_minutes
+        if step % eval_every == 0 or step == steps or out_of_time:
+            val_err = error_rate(net, *splits["val"])
+            elapsed = time.perf_counter() - start
+            curve.append({"step": step, "seconds": round(elapsed, 2), "train_loss": round(running, 5), "val_error": val_err})
+            if log:
+                eta = elapsed / step * (steps - step)
+                log(f"step {step:6d}/{steps}  {elapsed:7.1f}s  {step / elapsed:6.1f} steps/s  ETA {eta:6.0f}s  "
+                    f"loss {running:.4f}  val error {100 * val_err:6.2f}%")
+            if val_err < best[0]:
+                best = (val_err, step, {k: v.detach().clone() for k, v in net.state_dict().items()})
+            if val_err <= target_val_error or out_of_time:
+                break
+    train_seconds = time.perf_counter() - start
+    if best[2] is not None:
+        net.load_state_dict(best[2])
+    return {
+        "steps": step,
+        "examples_seen": seen,
+        "train_seconds": round(train_seconds, 2),
+        "best_step": best[1],
+        "val_error": best[0],
+        "test_error": error_rate(net, *splits["test"]),
+        "curve": curve,
+    }
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def register_task(task_subparsers) -> None:
+    """Add ``ba-retrieval`` to the ``fastweights task`` subcommands."""
+    p = task_subparsers.add_parser(
+        "ba-retrieval",
+        help="associative retrieval of Ba et al. 2016 (e.g. c9k8j3f1??c -> 9)",
+        description="Train the paper's task network on associative retrieval and report the test error.",
+    )
+    p.add_argument("--model", default="fast-rnn", choices=MODELS, help="recurrent layer (default fast-rnn)")
+    p.add_argument("--hidden", type=int, default=20, help="recurrent units R (default 20)")
+    p.add_argument("--keys", type=int, default=4, help="key-value pairs K per sequence (default 4)")
+    p.add_argument("--steps", type=int, default=45_000, help="maximum Adam updates (default 45000)")
+    p.add_argument("--max-minutes", type=float, default=0.0, help="wall-clock limit of training; 0 = none")
+    p.add_argument("--target-val-error", type=float, default=0.01,
+                   help="stop once the validation error is at most this fraction (default 0.01)")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
+    p.add_argument("--decay-fraction", type=float, default=0.2,
+                   help="decay the learning rate linearly to 0 over this final fraction of --steps (default 0.2)")
+    p.add_argument("--grad-clip", type=float, default=5.0, help="gradient-norm clip; 0 = off (default 5)")
+    p.add_argument("--eval-every", type=int, default=500, help="steps between validation passes (default 500)")
+    p.add_argument("--seed", type=int, default=0, help="initialisation and batch-order seed")
+    p.add_argument("--data-seed", type=int, default=1234, help="seed of the generated splits")
+    p.add_argument("--train-size", type=int, default=SPLIT_SIZES["train"])
+    p.add_argument("--val-size", type=int, default=SPLIT_SIZES["val"])
+    p.add_argument("--test-size", type=int, default=SPLIT_SIZES["test"])
+    p.add_argument("--digit-head", action="store_true", help="10-way digit output instead of the 37-token vocabulary")
+    p.add_argument("--lam", type=float, default=0.95, help="fast-rnn: decay lambda (default 0.95)")
+    p.add_argument("--eta", type=float, default=0.5, help="fast-rnn: fast learning rate eta (default 0.5)")
+    p.add_argument("--inner-steps", type=int, default=1, help="fast-rnn: inner-loop steps S (default 1)")
+    p.add_argument("--no-layer-norm", action="store_true", help="fast-rnn: ablate LayerNorm")
+    p.add_argument("--no-fast-weights", action="store_true", help="fast-rnn: ablate the fast weights (LN-RNN)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON result to this file")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``fastweights task ba-retrieval``; returns the exit status."""
+    for name in ("hidden", "keys", "steps", "batch_size", "eval_every", "train_size", "val_size", "test_size"):
+        if getattr(args, name) < 1:
+            raise UserError(f"ba-retrieval: --{name.replace('_', '-')} must be >= 1")
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    sizes = {"train": args.train_size, "val": args.val_size, "test": args.test_size}
+    splits = make_splits(args.data_seed, args.keys, sizes)
+    torch.manual_seed(args.seed)
+    fast = dict(
+        lam=args.lam,
+        eta=args.eta,
+        inner_steps=args.inner_steps,
+        layer_norm=not args.no_layer_norm,
+        fast_weights=not args.no_fast_weights,
+    )
+    net = RetrievalNet(args.model, args.hidden, digit_head=args.digit_head, fast_rnn=fast if args.model == "fast-rnn" else None)
+    log = None if args.json else (lambda line: print(line, flush=True))
+    if log:
+        log(f"{args.model} R={args.hidden} K={args.keys}: {sum(p.numel() for p in net.parameters())} parameters; "
+            f"example {decode(splits['train'][0][0])} -> {VOCAB[int(splits['train'][1][0])]}")
+    result = train_retrieval(
+        net,
+        splits,
+        steps=args.steps,
+        max_minutes=args.max_minutes,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        decay_fraction=args.decay_fraction,
+        grad_clip=args.grad_clip,
+        eval_every=args.eval_every,
+        target_val_error=args.target_val_error,
+        seed=args.seed,
+        log=log,
+    )
+    report = {
+        "task": "ba-retrieval",
+        "model": args.model,
+        "hidden": args.hidden,
+        "keys": args.keys,
+        "seed": args.seed,
+        "data_seed": args.data_seed,
+        "split_sizes": sizes,
+        "parameters": sum(p.numel() for p in net.parameters()),
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "threads": torch.get_num_threads(),
+        **({"fast_rnn": fast} if args.model == "fast-rnn" else {}),
+        **result,
+        "test_accuracy": 1.0 - result["test_error"],
+    }
+    report["options"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"test error {100 * result['test_error']:.2f}% (best val error {100 * result['val_error']:.2f}% at step "
+              f"{result['best_step']}; {result['steps']} steps, {result['train_seconds']:.0f}s)")
+    return 0

@@ -1,0 +1,127 @@
+"""Associative retrieval task (Ba et al. 2016, section 4.1): generator, splits, network, training, CLI."""
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fastweights.errors import UserError
+from fastweights.tasks.ba_retrieval import (
+    DIGIT0,
+    QUERY_MARK,
+    VOCAB,
+    RetrievalNet,
+    decode,
+    error_rate,
+    generate,
+    make_splits,
+    register_task,
+    train_retrieval,
+)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # tiny recurrent steps: extra intra-op threads only add contention (and the CLI sets the count)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def splits():
+    return make_splits(seed=7, num_keys=4)
+
+
+@pytest.mark.parametrize("num_keys", [1, 4, 6])
+def test_generated_sequences_follow_the_rules(num_keys):
+    tokens, targets = generate(2000, num_keys, np.random.default_rng(0))
+    K = num_keys
+    assert len(VOCAB) == 37 and tokens.shape == (2000, 2 * K + 3)
+    keys, values, query = tokens[:, 0 : 2 * K : 2], tokens[:, 1 : 2 * K : 2], tokens[:, -1]
+    assert ((keys >= 0) & (keys < 26)).all() and ((values >= DIGIT0) & (values < DIGIT0 + 10)).all()
+    assert (tokens[:, 2 * K] == QUERY_MARK).all() and (tokens[:, 2 * K + 1] == QUERY_MARK).all()
+    for row_keys in keys:
+        assert len(set(row_keys.tolist())) == K  # keys drawn without replacement
+    slot = (keys == query[:, None]).argmax(1)
+    assert (keys == query[:, None]).any(1).all()  # the query is one of the keys
+    assert (values[np.arange(2000), slot] == targets).all()  # the target is the queried key's value
+    if K > 1:
+        assert any(len(set(v.tolist())) < K for v in values)  # values may repeat
+
+
+def test_decode_shows_the_paper_format():
+    tokens, target = generate(1, 4, np.random.default_rng(3))
+    text = decode(tokens[0])
+    assert len(text) == 11 and text[8:10] == "??" and text[-1] in text[0:8:2]
+    assert VOCAB[int(target[0])] == text[text.index(text[-1]) + 1]
+
+
+def test_splits_sizes_seed_and_no_overlap(splits):
+    assert {k: len(v[0]) for k, v in splits.items()} == {"train": 100_000, "val": 10_000, "test": 20_000}
+    rows = {k: {r.tobytes() for r in v[0].numpy()} for k, v in splits.items()}
+    assert len(rows["val"]) == 10_000 and len(rows["test"]) == 20_000
+    assert not rows["train"] & rows["val"] and not rows["train"] & rows["test"] and not rows["val"] & rows["test"]
+    again = make_splits(seed=7, num_keys=4, sizes={"train": 100, "val": 10, "test": 20})
+    small = make_splits(seed=7, num_keys=4, sizes={"train": 100, "val": 10, "test": 20})
+    assert all(torch.equal(again[k][0], small[k][0]) for k in again)
+    other = make_splits(seed=8, num_keys=4, sizes={"train": 100, "val": 10, "test": 20})
+    assert not torch.equal(other["train"][0], small["train"][0])
+
+
+def test_impossible_split_sizes_raise_user_error():
+    with pytest.raises(UserError):
+        make_splits(seed=0, num_keys=1, sizes={"train": 100, "val": 200, "test": 200})
+
+
+@pytest.mark.parametrize("model", ["fast-rnn", "lstm", "irnn"])
+def test_network_shapes(model):
+    net = RetrievalNet(model, 20)
+    tokens, _ = generate(5, 4, np.random.default_rng(0))
+    assert net(torch.from_numpy(tokens)).shape == (5, 37)
+    assert RetrievalNet(model, 20, digit_head=True)(torch.from_numpy(tokens)).shape == (5, 10)
+
+
+def test_irnn_starts_from_identity():
+    net = RetrievalNet("irnn", 6)
+    assert torch.equal(net.rnn.rnn.weight_hh_l0, torch.eye(6))
+    assert not net.rnn.rnn.bias_ih_l0.any() and not net.rnn.rnn.bias_hh_l0.any()
+
+
+def test_training_learns_two_keys():
+    torch.manual_seed(0)
+    data = make_splits(seed=0, num_keys=2, sizes={"train": 2000, "val": 500, "test": 500})
+    net = RetrievalNet("fast-rnn", 20)
+    before = error_rate(net, *data["val"])
+    result = train_retrieval(net, data, steps=100, eval_every=50, batch_size=64, lr=3e-3)
+    assert before > 0.75  # about chance (90% wrong over 37 outputs)
+    assert result["val_error"] < 0.7 and result["steps"] == 100 and len(result["curve"]) == 2
+    assert result["test_error"] == pytest.approx(error_rate(net, *data["test"]))
+
+
+def _cli(argv):
+    parser = argparse.ArgumentParser()
+    register_task(parser.add_subparsers())
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_cli_json(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    argv = ["ba-retrieval", "--model", "lstm", "--hidden", "8", "--steps", "20", "--eval-every", "10",
+            "--train-size", "500", "--val-size", "100", "--test-size", "100", "--json", "--out", str(out)]
+    assert _cli(argv) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads(out.read_text())
+    assert printed["model"] == "lstm" and printed["hidden"] == 8 and printed["steps"] == 20
+    assert 0.0 <= printed["test_error"] <= 1.0 and printed["test_accuracy"] == pytest.approx(1 - printed["test_error"])
+
+
+def test_cli_rejects_bad_input():
+    with pytest.raises(UserError):
+        _cli(["ba-retrieval", "--hidden", "0"])
+    with pytest.raises(SystemExit):  # argparse: unknown model
+        _cli(["ba-retrieval", "--model", "gru"])

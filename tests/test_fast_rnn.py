@@ -1,0 +1,280 @@
+"""Fast-weights RNN (Ba et al. 2016): the two read forms, the write order, LayerNorm, state carry, gradients."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastweights.errors import UserError
+from fastweights.layers.fast_rnn import (
+    FastRNNMixer,
+    FastRNNOptions,
+    FastRNNState,
+    FastWeightRNN,
+    fast_rnn_attention,
+    fast_rnn_reference,
+    fold_history,
+)
+from fastweights.models.registry import MIXERS, build_options, lookup
+
+
+def _inputs(dtype, B=3, T=6, H=5, L=4, carry=True, ln=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randn(B, T, H, generator=g, dtype=dtype, requires_grad=True)
+    W = (0.3 * torch.randn(H, H, generator=g, dtype=dtype)).requires_grad_()
+    ln_w = (1 + 0.1 * torch.randn(H, generator=g, dtype=dtype)).requires_grad_() if ln else None
+    ln_b = (0.1 * torch.randn(H, generator=g, dtype=dtype)).requires_grad_() if ln else None
+    h0 = torch.rand(B, H, generator=g, dtype=dtype, requires_grad=True)
+    A0 = hist = None
+    if carry:
+        A0 = torch.randn(B, H, H, generator=g, dtype=dtype)
+        A0 = (0.1 * (A0 + A0.transpose(1, 2))).requires_grad_()
+        hist = torch.rand(B, L, H, generator=g, dtype=dtype, requires_grad=True)
+    return u, W, ln_w, ln_b, h0, A0, hist
+
+
+def _both_forms(u, W, ln_w, ln_b, h0, A0, hist, **kw):
+    """(outputs, input grads) of the attention form and of the explicit-A reference, same loss."""
+    inputs = [x for x in (u, W, ln_w, ln_b, h0, A0, hist) if x is not None]
+    y_att = fast_rnn_attention(u, W, h0, A0, hist, ln_weight=ln_w, ln_bias=ln_b, **kw)
+    y_ref, A_ref = fast_rnn_reference(
+        u, W, h0, fold_history(A0, hist, kw["lam"], kw["eta"]), ln_weight=ln_w, ln_bias=ln_b, **kw
+    )
+    probe = torch.randn(y_att.shape, generator=torch.Generator().manual_seed(1), dtype=u.dtype)
+    g_att = torch.autograd.grad((y_att * probe).sum(), inputs)
+    g_ref = torch.autograd.grad((y_ref * probe).sum(), inputs)
+    return y_att, y_ref, g_att, g_ref, A_ref
+
+
+@pytest.mark.parametrize("inner_steps", [1, 2])
+@pytest.mark.parametrize("ln_preliminary", [True, False])
+@pytest.mark.parametrize("carry", [False, True])
+def test_read_forms_agree_fp64(inner_steps, ln_preliminary, carry):
+    args = _inputs(torch.float64, carry=carry)
+    kw = dict(lam=0.9, eta=0.5, inner_steps=inner_steps, ln_preliminary=ln_preliminary)
+    y_att, y_ref, g_att, g_ref, A_ref = _both_forms(*args, **kw)
+    torch.testing.assert_close(y_att, y_ref, rtol=0, atol=1e-10)
+    for a, r in zip(g_att, g_ref):
+        torch.testing.assert_close(a, r, rtol=0, atol=1e-10)
+    # the memory after the call, rebuilt from the attention form's outputs, equals the explicit A_T
+    A0, hist = args[5], args[6]
+    written = y_att if hist is None else torch.cat([hist, y_att], 1)
+    torch.testing.assert_close(fold_history(A0, written, 0.9, 0.5), A_ref, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("inner_steps", [1, 2])
+def test_read_forms_agree_fp32(inner_steps):
+    args = _inputs(torch.float32, B=4, T=12, H=16, L=3)
+    y_att, y_ref, g_att, g_ref, _ = _both_forms(*args, lam=0.95, eta=0.5, inner_steps=inner_steps)
+    torch.testing.assert_close(y_att, y_ref, rtol=0, atol=1e-5)
+    for a, r in zip(g_att, g_ref):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
+
+
+def test_read_forms_agree_without_layer_norm():
+    u, W, _, _, h0, A0, hist = _inputs(torch.float64, ln=False)
+    with torch.no_grad():  # small inputs: without LN the Hebbian feedback grows fast
+        u.mul_(0.3), h0.mul_(0.3), hist.mul_(0.3), A0.mul_(0.3)
+    y_att, y_ref, g_att, g_ref, _ = _both_forms(u, W, None, None, h0, A0, hist, lam=0.9, eta=0.5, inner_steps=2)
+    torch.testing.assert_close(y_att, y_ref, rtol=1e-10, atol=1e-10)
+    for a, r in zip(g_att, g_ref):
+        torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("form", ["attention", "matrix"])
+def test_write_order_hand_example(form):
+    # No LN, W = 0, S = 1, lam = 0.9, eta = 0.5, u_1 = [1, 2], u_2 = [3, -1]:
+    #   t=1: memory empty      -> h_1 = relu(u_1) = [1, 2]
+    #   t=2: h^(0) = relu(u_2) = [3, 0]; read = eta (h_1 . h^(0)) h_1 = 0.5 * 3 * [1, 2] = [1.5, 3]
+    #        h_2 = relu(u_2 + read) = [4.5, 2]
+    #   A_2 = lam eta h_1 h_1^T + eta h_2 h_2^T
+    # Writing h^(0) of step 2 before reading ("early") or lagging the write by one step ("late")
+    # gives h_2 = [7.5, 0] or [3, 0] instead.
+    u = torch.tensor([[[1.0, 2.0], [3.0, -1.0]]], dtype=torch.float64)
+    W = torch.zeros(2, 2, dtype=torch.float64)
+    kw = dict(lam=0.9, eta=0.5, inner_steps=1)
+    if form == "attention":
+        hs = fast_rnn_attention(u, W, **kw)
+        A = fold_history(None, hs, 0.9, 0.5)
+    else:
+        hs, A = fast_rnn_reference(u, W, **kw)
+    torch.testing.assert_close(hs[0], torch.tensor([[1.0, 2.0], [4.5, 2.0]], dtype=torch.float64))
+    h1, h2 = torch.tensor([1.0, 2.0]), torch.tensor([4.5, 2.0])
+    expected_A = 0.9 * 0.5 * torch.outer(h1, h1) + 0.5 * torch.outer(h2, h2)
+    torch.testing.assert_close(A[0], expected_A.double())
+
+
+def test_zero_fast_weights_is_the_ln_rnn_and_inner_steps_are_idempotent():
+    torch.manual_seed(0)
+    x = torch.randn(2, 7, 6)
+    plain = FastWeightRNN(6, 8, fast_weights=False)
+    outs = []
+    for S in (1, 3):
+        rnn = FastWeightRNN(6, 8, lam=0.0, eta=0.0, inner_steps=S, read_mode="attention")
+        rnn.load_state_dict(plain.state_dict())
+        outs.append(rnn(x)[0])
+    with torch.no_grad():  # the LN-RNN written out: h_t = relu(LN(W h_{t-1} + C x_t))
+        h, expected = torch.zeros(2, 8), []
+        for t in range(7):
+            h = torch.relu(plain.ln(h @ plain.W.T + plain.in_proj(x[:, t])))
+            expected.append(h)
+    expected = torch.stack(expected, 1)
+    torch.testing.assert_close(plain(x)[0], expected)
+    for y in outs:
+        torch.testing.assert_close(y, expected)
+
+
+@pytest.mark.parametrize("form", ["attention", "matrix"])
+def test_layer_norm_is_per_example(form):
+    torch.manual_seed(0)
+    rnn = FastWeightRNN(5, 6, read_mode=form)
+    x = torch.randn(4, 5, 5)
+    y = rnn(x)[0]
+    x2 = x.clone()
+    x2[1:] = 100 * torch.randn(3, 5, 5)  # change every other batch row
+    torch.testing.assert_close(rnn(x2)[0][0], y[0])
+    perm = torch.tensor([2, 0, 3, 1])
+    torch.testing.assert_close(rnn(x[perm])[0], y[perm])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(read_mode="attention"),
+        dict(read_mode="matrix"),
+        dict(read_mode="attention", inner_steps=2, ln_preliminary=False),
+        dict(fast_weights=False),
+    ],
+)
+def test_state_carry_equals_one_call(options):
+    torch.manual_seed(0)
+    rnn = FastWeightRNN(4, 5, **options).double()  # hidden 5 < T: the attention form folds its history
+    x = torch.randn(2, 13, 4, dtype=torch.float64)
+    y_full, s_full = rnn(x)
+    state, pieces = None, []
+    for a, b in [(0, 1), (1, 4), (4, 11), (11, 13)]:
+        y, state = rnn(x[:, a:b], state)
+        pieces.append(y)
+    torch.testing.assert_close(torch.cat(pieces, 1), y_full, rtol=0, atol=1e-10)
+    torch.testing.assert_close(state.h, s_full.h, rtol=0, atol=1e-10)
+    if options.get("fast_weights", True):
+        A_full = fold_history(s_full.A, s_full.history, rnn.lam, rnn.eta)
+        A_carry = fold_history(state.A, state.history, rnn.lam, rnn.eta)
+        torch.testing.assert_close(A_carry, A_full, rtol=0, atol=1e-10)
+
+
+def test_states_of_the_two_modes_are_interchangeable():
+    torch.manual_seed(0)
+    att = FastWeightRNN(4, 6, read_mode="attention").double()
+    mat = FastWeightRNN(4, 6, read_mode="matrix").double()
+    mat.load_state_dict(att.state_dict())
+    x = torch.randn(3, 9, 4, dtype=torch.float64)
+    y_full = mat(x)[0]
+    y1, s = att(x[:, :4])
+    y2, s = mat(x[:, 4:7], s)
+    y3, _ = att(x[:, 7:], s)
+    torch.testing.assert_close(torch.cat([y1, y2, y3], 1), y_full, rtol=0, atol=1e-10)
+
+
+def test_fresh_state_resets_memory():
+    torch.manual_seed(0)
+    rnn = FastWeightRNN(3, 4)
+    x = torch.randn(2, 5, 3)
+    y_first, state = rnn(x)
+    y_continued, _ = rnn(x, state)
+    y_fresh, _ = rnn(x)
+    torch.testing.assert_close(y_fresh, y_first)
+    assert not torch.allclose(y_continued, y_first)
+
+
+def test_gradcheck_through_the_fast_weights():
+    # H = 4, T = 5 in fp64, carried A_0 and history, two inner steps: every input's gradient
+    u, W, ln_w, ln_b, h0, A0, hist = _inputs(torch.float64, B=2, T=5, H=4, L=2)
+
+    def f(u, W, ln_w, ln_b, h0, A0, hist):
+        return fast_rnn_attention(
+            u, W, h0, A0, hist, lam=0.9, eta=0.5, inner_steps=2, ln_weight=ln_w, ln_bias=ln_b
+        )
+
+    assert torch.autograd.gradcheck(f, (u, W, ln_w, ln_b, h0, A0, hist))
+
+
+def test_gradient_reaches_slow_weights_through_A():
+    # with a fast term, dL/dW and dL/dC differ from the LN-RNN's: the gradient flows through A
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 3)
+    fast = FastWeightRNN(3, 4)
+    plain = FastWeightRNN(3, 4, fast_weights=False)
+    plain.load_state_dict(fast.state_dict())
+    for rnn in (fast, plain):
+        rnn(x)[0][:, -1].sum().backward()
+    assert not torch.allclose(fast.W.grad, plain.W.grad)
+    assert not torch.allclose(fast.in_proj.weight.grad, plain.in_proj.weight.grad)
+
+
+def test_bf16_autocast_keeps_fast_weights_in_fp32():
+    torch.manual_seed(0)
+    mixer = FastRNNMixer(8, 2, FastRNNOptions(hidden=6))
+    x = torch.randn(2, 5, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, state = mixer(x)
+        _, state = mixer(x, state)
+    assert y.shape == (2, 5, 8)
+    assert state.h.dtype == torch.float32 and state.history.dtype == torch.float32
+
+
+def test_mixer_from_registry():
+    entry = lookup(MIXERS, "mixer", "fast_rnn")
+    options = build_options(entry, {"hidden": 12, "inner_steps": 2, "read_mode": "matrix"})
+    mixer = entry.cls(d_model=8, n_heads=2, options=options)
+    x = torch.randn(3, 4, 8)
+    y, state = mixer(x)
+    assert y.shape == x.shape
+    assert isinstance(state, FastRNNState) and state.A.shape == (3, 12, 12)
+    n_params = sum(p.numel() for p in mixer.parameters())
+    assert n_params == 8 * 12 + 12 + 12 * 12 + 2 * 12 + 12 * 8
+    with pytest.raises(UserError):
+        build_options(entry, {"hiddden": 3})
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(hidden=0), dict(lam=1.5), dict(eta=-1.0), dict(inner_steps=0), dict(read_mode="fast")]
+)
+def test_bad_options_raise_user_error(kwargs):
+    args = dict(input_size=3, hidden=4) | kwargs
+    with pytest.raises(UserError):
+        FastWeightRNN(**args)
+
+
+def test_auto_read_mode():
+    rnn = FastWeightRNN(3, 8)
+    assert rnn.resolve_read_mode(64, grad=True) == rnn.resolve_read_mode(64, grad=False) == "attention"
+    assert rnn.resolve_read_mode(1, grad=True) == "attention"
+    assert rnn.resolve_read_mode(1, grad=False) == "matrix"  # generation: one token per call
+    assert FastWeightRNN(3, 8, read_mode="matrix").resolve_read_mode(16, grad=True) == "matrix"
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 3)
+    with torch.no_grad():
+        y_full, _ = rnn(x)
+        state, ys = None, []
+        for t in range(5):  # token by token: auto switches to the matrix read and back
+            y, state = rnn(x[:, t : t + 1], state)
+            ys.append(y)
+        assert state.history is None and state.A.shape == (2, 8, 8)
+    torch.testing.assert_close(torch.cat(ys, 1), y_full, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("read_mode", ["attention", "matrix"])
+def test_language_model_state_carry(read_mode):
+    from fastweights.config import ModelConfig
+    from fastweights.models.lm import LanguageModel, detach_state
+
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=11, d_model=16, n_layers=2, n_heads=2, mixer="fast_rnn",
+                         options={"fast_rnn": {"hidden": 6, "read_mode": read_mode}})
+    model = LanguageModel(config).double()
+    tokens = torch.randint(0, 11, (2, 15))
+    full = model(tokens).logits
+    out1 = model(tokens[:, :7])
+    out2 = model(tokens[:, 7:], detach_state(out1.state))
+    torch.testing.assert_close(torch.cat([out1.logits, out2.logits], 1), full, rtol=0, atol=1e-10)
+    torch.testing.assert_close(model.blocks[0].mixer.rnn.W, 0.05 * torch.eye(6, dtype=torch.float64))  # LM init keeps it

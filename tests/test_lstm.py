@@ -1,0 +1,77 @@
+"""LSTM layer and mixer on the state protocol."""
+
+import pytest
+import torch
+
+from fastweights.errors import UserError
+from fastweights.layers.lstm import LSTMLayer, LSTMMixer, LSTMOptions, LSTMState
+from fastweights.models.registry import MIXERS, build_options, lookup
+
+
+def test_state_carry_equals_one_call():
+    torch.manual_seed(0)
+    lstm = LSTMLayer(4, 6).double()
+    x = torch.randn(3, 10, 4, dtype=torch.float64)
+    y_full, s_full = lstm(x)
+    state, pieces = None, []
+    for a, b in [(0, 1), (1, 6), (6, 10)]:
+        y, state = lstm(x[:, a:b], state)
+        pieces.append(y)
+    torch.testing.assert_close(torch.cat(pieces, 1), y_full, rtol=0, atol=1e-12)
+    torch.testing.assert_close(state.h, s_full.h, rtol=0, atol=1e-12)
+    torch.testing.assert_close(state.c, s_full.c, rtol=0, atol=1e-12)
+
+
+def test_matches_the_lstm_equations():
+    torch.manual_seed(0)
+    layer = LSTMLayer(3, 5).double()
+    x = torch.randn(2, 4, 3, dtype=torch.float64)
+    m = layer.lstm
+    h = c = torch.zeros(2, 5, dtype=torch.float64)
+    hs = []
+    for t in range(4):  # gates in PyTorch's order i, f, g, o
+        i, f, g, o = (x[:, t] @ m.weight_ih_l0.T + m.bias_ih_l0 + h @ m.weight_hh_l0.T + m.bias_hh_l0).chunk(4, -1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.sigmoid(o) * torch.tanh(c)
+        hs.append(h)
+    y, state = layer(x)
+    torch.testing.assert_close(y, torch.stack(hs, 1))
+    assert isinstance(state, LSTMState) and state.h.shape == (2, 5) and state.c.shape == (2, 5)
+
+
+def test_mixer_from_registry():
+    entry = lookup(MIXERS, "mixer", "lstm")
+    mixer = entry.cls(d_model=8, n_heads=2, options=build_options(entry, {"hidden": 12}))
+    x = torch.randn(2, 5, 8)
+    y, state = mixer(x)
+    assert y.shape == x.shape and state.h.shape == (2, 12)
+    assert sum(p.numel() for p in mixer.parameters()) == 4 * 12 * (8 + 12 + 2) + 12 * 8
+    assert LSTMMixer(8, 2, LSTMOptions()).rnn.hidden == 8  # hidden 0 = d_model
+
+
+def test_batch_rows_are_independent():
+    torch.manual_seed(0)
+    lstm = LSTMLayer(3, 4)
+    x = torch.randn(3, 6, 3)
+    x2 = x.clone()
+    x2[1:] = torch.randn(2, 6, 3)
+    torch.testing.assert_close(lstm(x2)[0][0], lstm(x)[0][0])
+
+
+def test_bad_hidden_raises_user_error():
+    with pytest.raises(UserError):
+        LSTMLayer(3, 0)
+
+
+def test_language_model_state_carry():
+    from fastweights.config import ModelConfig
+    from fastweights.models.lm import LanguageModel, detach_state
+
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=11, d_model=16, n_layers=2, n_heads=2, mixer="lstm", options={"lstm": {"hidden": 10}})
+    model = LanguageModel(config).double()
+    tokens = torch.randint(0, 11, (2, 12))
+    full = model(tokens).logits
+    out1 = model(tokens[:, :5])
+    out2 = model(tokens[:, 5:], detach_state(out1.state))
+    torch.testing.assert_close(torch.cat([out1.logits, out2.logits], 1), full, rtol=0, atol=1e-10)
