@@ -1,0 +1,141 @@
+"""Scoring throughput of backbone + Fast Weight Layer head over the same backbone with its plain linear
+head, measured in the same run (Clark et al. 2022 report 1340 / 1575 = 0.85 for Transformer-XL on a V100).
+
+    python benchmarks/bench_fwl.py [--threads 1] [--batch 16] [--seq-len 128] [--hidden 0 64 32]
+
+The backbone is the ``shakespeare-char`` preset and the FWL model the ``shakespeare-char-fwl`` preset
+(same backbone, ``head = "fwl"``); ``--hidden`` adds FWL variants with another block width s (0 = the
+preset's). Three measurements per model, interleaved so that load on a shared machine hits all alike:
+
+- ``window``: ``model(tokens)`` on ``[batch, seq_len]`` windows in eval mode without autograd (how the
+  trainer scores validation text) -- the target metric, ratio >= 0.85;
+- ``stream``: :func:`fastweights.evaluate.score_tokens` over one long random document, ``seq_len``
+  context and ``seq_len // 2`` stride, the state carried (how ``fastweights eval`` scores a document);
+- ``train``: forward + backward (second-order through the FWL) + AdamW step on ``[batch, seq_len]``.
+
+Writes benchmarks/results/bench_fwl.json (or ``--name``). Random weights: speed does not depend on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import timeit, write_result  # noqa: E402
+
+from fastweights.config import make_config  # noqa: E402
+from fastweights.evaluate import score_tokens  # noqa: E402
+from fastweights.models.lm import LanguageModel  # noqa: E402
+
+
+def build(preset: str, overrides: list[str], vocab: int, device) -> LanguageModel:
+    cfg = make_config(preset, overrides)
+    cfg.model.vocab_size = vocab
+    torch.manual_seed(0)
+    return LanguageModel(cfg.model).to(device)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (the machine is shared)")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--stream-tokens", type=int, default=2048, help="length of the streamed document")
+    ap.add_argument("--vocab", type=int, default=65)
+    ap.add_argument("--hidden", type=int, nargs="*", default=[0], help="FWL block widths s (0 = the preset's)")
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds; ratios are per round, then the median")
+    ap.add_argument("--repeat", type=int, default=4, help="timed calls per round")
+    ap.add_argument("--no-train", action="store_true", help="skip the training-step measurement")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--name", default="bench_fwl")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    dev = torch.device(a.device)
+
+    models = {"backbone (linear head)": build("shakespeare-char", [], a.vocab, dev)}
+    for s in a.hidden:
+        sets = [f"model.options.fwl.hidden={s}"] if s else []
+        label = "backbone + fwl" + (f" (hidden={s})" if s else " (preset)")
+        models[label] = build("shakespeare-char-fwl", sets, a.vocab, dev)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, a.vocab, (a.batch, a.seq_len), generator=gen).to(dev)
+    y = torch.randint(0, a.vocab, (a.batch, a.seq_len), generator=gen).to(dev)
+    doc = torch.randint(0, a.vocab, (a.stream_tokens,), generator=gen)
+
+    def window(m):
+        def f():
+            with torch.no_grad():
+                m(x)
+        return f
+
+    def stream(m):
+        return lambda: score_tokens(m, doc, a.seq_len)
+
+    def train_step(m, opt):
+        def f():
+            out = m(x, targets=y)
+            opt.zero_grad(set_to_none=True)
+            out.loss.backward()
+            opt.step()
+        return f
+
+    kinds = {"window": (window, a.batch * a.seq_len), "stream": (stream, a.stream_tokens - 1)}
+    fns = {}
+    for label, m in models.items():
+        m.eval()
+        fns[("window", label)] = window(m)
+        fns[("stream", label)] = stream(m)
+    if not a.no_train:
+        kinds["train"] = (None, a.batch * a.seq_len)
+        for label, m in models.items():
+            fns[("train", label)] = train_step(m, torch.optim.AdamW(m.parameters(), 1e-4))
+
+    times = {k: [] for k in fns}
+    for _ in range(a.rounds):
+        for key, f in fns.items():
+            models[key[1]].train(key[0] == "train")
+            repeat = a.repeat if key[0] != "stream" else max(1, a.repeat // 2)
+            times[key].append(timeit(f, warmup=1, repeat=repeat))
+
+    def median(v):
+        v = sorted(v)
+        return v[len(v) // 2] if len(v) % 2 else 0.5 * (v[len(v) // 2 - 1] + v[len(v) // 2])
+
+    base = "backbone (linear head)"
+    results = {}
+    for kind, (_, tokens) in kinds.items():
+        tps = {label: tokens / median(times[(kind, label)]) for label in models}
+        # the ratio of each round's two measurements, taken minutes apart at most, then the median over
+        # rounds: robust to the load of a shared machine drifting during the run
+        per_round = {label: [tb / tf for tb, tf in zip(times[(kind, base)], times[(kind, label)])]
+                     for label in models if label != base}
+        results[kind] = {"tokens_per_s": tps,
+                         "ratio_over_backbone": {label: median(r) for label, r in per_round.items()},
+                         "ratio_per_round": per_round}
+    params = {label: m.num_parameters() for label, m in models.items()}
+    head_opts = {label: dict(vars(m.head.options)) for label, m in models.items() if label != base}
+    res = {
+        "what": "scoring throughput, backbone + FWL head over backbone alone (same run, interleaved rounds)",
+        "note": "CPU timings on a machine shared with other engineers; compare ratios from the same run only",
+        "config": vars(a),
+        "parameters": params,
+        "fwl_options": head_opts,
+        "results": results,
+        "target": {"metric": "results.window.ratio_over_backbone['backbone + fwl (preset)']", "at_least": 0.85,
+                   "paper": "Transformer-XL + FWL 1340 tok/s vs 1575 tok/s on a V100 (Table 1): 0.85"},
+    }
+    key = "backbone + fwl (preset)"
+    if key in results["window"]["ratio_over_backbone"]:
+        res["target"]["measured"] = results["window"]["ratio_over_backbone"][key]
+    for kind in results:
+        print(kind, {k: round(v, 3) for k, v in results[kind]["ratio_over_backbone"].items()},
+              {k: round(v) for k, v in results[kind]["tokens_per_s"].items()})
+    write_result(a.name, res)
+
+
+if __name__ == "__main__":
+    main()
