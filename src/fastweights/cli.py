@@ -125,6 +125,15 @@ def cmd_eval(args) -> int:
         return run_stream_eval(args)
     model, tokenizer, cfg = load_checkpoint(Path(args.checkpoint), map_location=str(resolve_device(args.device)))
     seq_len = args.seq_len or cfg.train.seq_len
+    if getattr(args, "dynamic", None):
+        from fastweights.adapt.cli import run_eval_dynamic
+
+        res = run_eval_dynamic(args, model, tokenizer, cfg, _eval_texts(args, cfg))
+        key = next(k for k in ("bits_per_char", "bits_per_byte", "perplexity") if k in res["static"])
+        print(json.dumps(res, indent=2) if args.json else
+              f"static {res['static'][key]:.4f}  dynamic ({args.dynamic}) {res['dynamic'][key]:.4f} {key} "
+              f"({100 * res['relative_improvement']:.1f}% lower)")
+        return 0
     if not args.data and (Path(cfg.data.corpus) / "prepared.json").is_file():
         result = _eval_prepared(model, tokenizer, cfg, args, seq_len)
     else:
@@ -222,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(same as `fastweights stream-eval`; see its --help for the extra options)")
     e.add_argument("--json", action="store_true")
     e.add_argument("--quiet", action="store_true")
+    adapt_cli = _import_optional("fastweights.adapt.cli")
+    if adapt_cli is not None:
+        adapt_cli.add_dynamic_arguments(e)  # --dynamic RULE [--lr --decay --segment-len ...]
     e.set_defaults(func=cmd_eval)
 
     g = sub.add_parser("generate", help="sample text from a checkpoint")
