@@ -1,0 +1,590 @@
+"""Command line for dynamic evaluation: ``fastweights dynamic-eval | tune-dynamic | collect-grad-stats |
+timescale | dynamic-generate``.
+
+    fastweights collect-grad-stats --checkpoint runs/demo            # MS_g on the training split
+    fastweights tune-dynamic --checkpoint runs/demo                   # lr x decay on validation text
+    fastweights dynamic-eval --checkpoint runs/demo --data play.txt   # static and dynamic side by side
+    fastweights dynamic-eval --hf gpt2-dir --data doc.txt --rule sgd --lr 1e-4
+    fastweights timescale --checkpoint runs/demo --data spanish.txt --out runs/timescale
+
+Each model source is either ``--checkpoint DIR`` (ours) or ``--hf NAME_OR_PATH`` (a ``transformers``
+causal LM: a directory, a ``.gguf`` file, a hub name, or ``smollm2-135m``). With a checkpoint,
+gradient statistics and tuned settings live next to it (``grad_stats.safetensors``,
+``dynamic_tuned.json``) and are used by default; missing statistics are collected from the
+checkpoint's training split on first use.
+
+``run_eval_dynamic(args, model, tokenizer, cfg, texts)`` is the function behind ``dynamic-eval``
+(and behind ``fastweights eval --dynamic RULE``); see its docstring for the attributes it reads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from fastweights.errors import UserError
+
+DEFAULT_STATS_BATCHES = 500
+
+
+# ----------------------------------------------------------------------------- shared arguments
+
+
+def _model_args(p, data_help: str) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="checkpoint directory of a fastweights model")
+    src.add_argument("--hf", metavar="NAME_OR_PATH",
+                     help="Hugging Face causal LM: a directory, a .gguf file, a hub name, or smollm2-135m")
+    p.add_argument("--data", help=data_help)
+    p.add_argument("--max-chars", type=int, default=0, help="use only the first N characters of the text (0: all)")
+    p.add_argument("--bos", action="store_true",
+                   help="prepend the tokenizer's BOS token so the first token is scored too (Hugging Face models)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+
+
+def _rule_args(p, with_lr: bool = True, rule_flag: str = "--rule", with_context: bool = True) -> None:
+    from fastweights.adapt.dynamic import DEFAULT_EPS, RULES
+
+    if rule_flag == "--rule":
+        p.add_argument("--rule", default="rms-global-prior", help=f"update rule: {', '.join(RULES)}")
+    else:
+        p.add_argument(rule_flag, metavar="RULE", default=None,
+                       help=f"also evaluate dynamically with this update rule ({', '.join(RULES)})")
+    if with_lr:
+        p.add_argument("--lr", type=float, default=None, help="learning rate eta (default: tuned file, else 5e-5)")
+        p.add_argument("--decay", type=float, default=None, help="prior decay lambda (default: tuned file, else 0.002)")
+    p.add_argument("--eps", type=float, default=DEFAULT_EPS, help="epsilon of the RMS rules")
+    p.add_argument("--segment-len", type=int, default=0,
+                   help="predictions per update (default 20 for char/byte models, 128 for subword models)")
+    if with_context:
+        p.add_argument("--context", "--seq-len", dest="seq_len", type=int, default=0,
+                       help="attention context in tokens (default: the training seq_len / half the HF model's positions)")
+    p.add_argument("--stats", help="gradient statistics file (default: grad_stats*.safetensors in the checkpoint)")
+    p.add_argument("--params", help="adapt only parameters matching these globs, comma-separated (e.g. 'blocks.3.*')")
+    p.add_argument("--exclude-params", help="do not adapt parameters matching these globs (e.g. 'embed.*')")
+    p.add_argument("--sparse-units", type=int, default=0,
+                   help="sparse dynamic evaluation: adapt an HxH matrix on the first H units of one block's output")
+    p.add_argument("--sparse-layer", type=int, default=None, help="block for sparse adaptation (default: the middle one)")
+
+
+def add_dynamic_arguments(parser) -> None:
+    """Add ``--dynamic RULE`` and the dynamic-evaluation options to another command's parser.
+
+    For ``fastweights eval``: it already has ``--seq-len`` (the context), so that flag is not added.
+    The parsed namespace then suits :func:`run_eval_dynamic` (``args.dynamic`` None: not asked for).
+    """
+    _rule_args(parser, rule_flag="--dynamic", with_context=False)
+    parser.add_argument("--reset", default="per_document", choices=["per_document", "never"],
+                        help="dynamic evaluation: start each document from the trained weights, or carry the adaptation")
+
+
+def register_cli(sub) -> None:
+    d = sub.add_parser("dynamic-eval", help="score text statically and with dynamic evaluation, side by side")
+    _model_args(d, "text to score (file, directory, corpus name); default: the checkpoint's test split")
+    d.add_argument("--split", default="test", choices=["train", "val", "test"])
+    _rule_args(d)
+    d.add_argument("--reset", default="per_document", choices=["per_document", "never"],
+                   help="start every document from the trained weights, or carry the adaptation across documents")
+    d.add_argument("--batch-docs", type=int, default=1,
+                   help="evaluate this many documents at once, each with its own adapted weights")
+    d.add_argument("--cache", action="store_true", help="also report the neural cache baseline (Grave et al. 2017)")
+    d.add_argument("--cache-window", type=int, default=500)
+    d.add_argument("--cache-flatness", type=float, default=1.0)
+    d.add_argument("--cache-mix", type=float, default=0.1)
+    d.add_argument("--cache-similarity", default="dot", choices=["dot", "cosine"])
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=cmd_dynamic_eval)
+
+    t = sub.add_parser("tune-dynamic", help="grid-search the dynamic-evaluation lr and decay on validation text")
+    _model_args(t, "validation text (default: the checkpoint's validation split)")
+    _rule_args(t, with_lr=False)
+    t.add_argument("--lrs", help="comma-separated learning rates: search this grid (default: automatic search)")
+    t.add_argument("--decays", help="comma-separated decays (with --lrs: the grid's decays)")
+    t.add_argument("--official-grid", action="store_true",
+                   help="dynamiceval.py's grid (6 lrs x 4 decays, scaled by segment/5) instead of the search")
+    t.add_argument("--tune-chars", type=int, default=20000,
+                   help="characters of validation text to tune on (a small subset suffices; 0: all)")
+    t.add_argument("--save", help="where to write the result (default: dynamic_tuned.json in the checkpoint)")
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(func=cmd_tune_dynamic)
+
+    c = sub.add_parser("collect-grad-stats", help="mean squared gradients on training text, for the RMS rules")
+    _model_args(c, "TRAINING text (default: the checkpoint's training split; required with --hf)")
+    c.add_argument("--batch-size", type=int, default=100, help="parallel streams per batch (dynamiceval.py: 100)")
+    c.add_argument("--seq-len", type=int, default=0, help="targets per stream per batch (default: the segment length)")
+    c.add_argument("--context", type=int, default=0, help="attention context in tokens (default as dynamic-eval)")
+    c.add_argument("--max-batches", type=int, default=DEFAULT_STATS_BATCHES, help="0: the whole text")
+    c.add_argument("--params")
+    c.add_argument("--exclude-params")
+    c.add_argument("--sparse-units", type=int, default=0)
+    c.add_argument("--sparse-layer", type=int, default=None)
+    c.add_argument("--out", help="output file (default: next to the checkpoint)")
+    c.set_defaults(func=cmd_collect_grad_stats)
+
+    s = sub.add_parser("timescale", help="loss against position, static vs dynamic (the paper's Figure 2): PNG + JSON")
+    _model_args(s, "text to analyse (default: the checkpoint's test split)")
+    _rule_args(s)
+    s.add_argument("--doc-len", type=int, default=10000, help="tokens per sequence (the paper: 10,000 characters)")
+    s.add_argument("--max-docs", type=int, default=20, help="sequences to average over")
+    s.add_argument("--window", type=int, default=100, help="positions averaged per point")
+    s.add_argument("--out", default="runs/timescale", help="output prefix: writes PREFIX.png and PREFIX.json")
+    s.set_defaults(func=cmd_timescale)
+
+    g = sub.add_parser("dynamic-generate", help="sample while adapting: read a text, then generate and update")
+    _model_args(g, "text to read (and adapt on) before sampling")
+    _rule_args(g)
+    g.add_argument("--prompt", default="", help="text appended after --data as the prompt")
+    g.add_argument("--max-tokens", type=int, default=300)
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--static-too", action="store_true", help="also sample from the static model for comparison")
+    g.set_defaults(func=cmd_dynamic_generate)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_model_and_tokenizer(args):
+    """(model, tokenizer, run_config or None, checkpoint dir or None) from --checkpoint or --hf."""
+    from fastweights.train import resolve_device
+
+    device = str(resolve_device(getattr(args, "device", "auto")))
+    if getattr(args, "hf", None):
+        from fastweights.adapt.hf import load_hf_model
+
+        model, tok = load_hf_model(args.hf, device=device)
+        return model, tok, None, None
+    from fastweights.checkpoint import load_checkpoint
+
+    model, tok, cfg = load_checkpoint(Path(args.checkpoint), map_location=device)
+    return model, tok, cfg, Path(args.checkpoint)
+
+
+def load_texts(args, cfg, split: str, max_chars: int = 0) -> list[str]:
+    """--data (all of it) or the checkpoint corpus' ``split``; the first ``max_chars`` characters."""
+    from fastweights.data import load_corpus, split_corpus
+
+    if getattr(args, "data", None):
+        docs = load_corpus(args.data, text_field=cfg.data.text_field if cfg else "text")
+        texts = [d.text for d in docs]
+    elif cfg is not None:
+        docs = load_corpus(cfg.data.corpus, text_field=cfg.data.text_field)
+        texts = [d.text for d in split_corpus(docs, cfg.data.split, cfg.data.val_fraction, cfg.data.test_fraction)[split]]
+    else:
+        raise UserError("--data is required with --hf")
+    if max_chars and max_chars > 0:
+        out, left = [], max_chars
+        for t in texts:
+            if left <= 0:
+                break
+            out.append(t[:left])
+            left -= len(out[-1])
+        texts = out
+    texts = [t for t in texts if t]
+    if not texts:
+        raise UserError("the text to score is empty")
+    return texts
+
+
+def encode_texts(tokenizer, texts: list[str], bos: bool = False) -> tuple[list[torch.Tensor], int]:
+    """Token tensors and the number of scored characters (the first token is context unless ``bos``)."""
+    docs, chars = [], 0
+    bos_id = getattr(tokenizer, "bos_id", None)
+    if bos and bos_id is None:
+        raise UserError("--bos: this tokenizer has no BOS token")
+    for t in texts:
+        ids = torch.as_tensor(tokenizer.encode(t), dtype=torch.long)
+        if bos:
+            ids = torch.cat([torch.tensor([bos_id]), ids])
+            chars += len(t)
+        elif len(ids) >= 2:
+            chars += len(t) - len(tokenizer.decode(ids[:1].tolist()))
+        if len(ids) >= 2:
+            docs.append(ids)
+    if not docs:
+        raise UserError("nothing to score: every document has fewer than two tokens")
+    return docs, chars
+
+
+def default_segment_len(tokenizer) -> int:
+    from fastweights.adapt.dynamic import DEFAULT_SEGMENT_LEN
+
+    # the paper's character-level segment; Transformer/GPT-2 dynamic evaluation used 128-token segments
+    return DEFAULT_SEGMENT_LEN if getattr(tokenizer, "name", "") in ("char", "byte") else 128
+
+
+def default_context(model, cfg) -> int | None:
+    if cfg is not None:
+        return cfg.train.seq_len
+    return getattr(model, "default_context", None)
+
+
+def _stats_path(args, ckpt: Path | None, sparse: tuple | None) -> Path | None:
+    if getattr(args, "stats", None):
+        return Path(args.stats)
+    if ckpt is None:
+        return None
+    if sparse:
+        return ckpt / f"grad_stats_sparse_l{sparse[0]}_u{sparse[1]}.safetensors"
+    from fastweights.adapt.dynamic import GRAD_STATS_FILE
+
+    return ckpt / GRAD_STATS_FILE
+
+
+def _sparse_spec(args, model) -> tuple | None:
+    units = getattr(args, "sparse_units", 0) or 0
+    if units <= 0:
+        return None
+    from fastweights.adapt.sparse import decoder_layers
+
+    n = len(decoder_layers(model))
+    layer = getattr(args, "sparse_layer", None)
+    layer = n // 2 if layer is None else layer
+    if not -n <= layer < n:
+        raise UserError(f"--sparse-layer {layer} out of range for {n} blocks")
+    return layer % n, units
+
+
+def _collect_stats(model, tokenizer, cfg, args, segment_len, context, sparse, path: Path | None, progress: bool):
+    """Collect MS_g on the checkpoint's (or --data's) training text and save it to ``path``."""
+    from fastweights.adapt.dynamic import collect_grad_stats
+    from fastweights.adapt.sparse import collect_sparse_grad_stats
+
+    texts = load_texts(SimpleNamespace(data=getattr(args, "train_data", None)), cfg, "train")
+    ids = torch.cat([torch.as_tensor(tokenizer.encode(t), dtype=torch.long) for t in texts])
+    batch_size = getattr(args, "batch_size", 100)
+    max_batches = getattr(args, "max_batches", DEFAULT_STATS_BATCHES) or None
+    seq_len = getattr(args, "stats_seq_len", 0) or segment_len
+    if sparse:
+        stats = collect_sparse_grad_stats(model, ids, sparse[0], sparse[1], batch_size, seq_len, max_batches, context,
+                                          progress=progress)
+    else:
+        stats = collect_grad_stats(model, ids, batch_size, seq_len, max_batches, context,
+                                   include=getattr(args, "params", None), exclude=getattr(args, "exclude_params", None),
+                                   progress=progress)
+    if path is not None:
+        stats.save(path)
+    return stats
+
+
+def build_evaluator(args, model, tokenizer, cfg, ckpt: Path | None, lr: float | None = None,
+                    decay: float | None = None, progress: bool = False):
+    """A DynamicEvaluator (or SparseDynamicEvaluator) from parsed arguments; returns (evaluator, info)."""
+    from fastweights.adapt.dynamic import (DEFAULT_DECAY, DEFAULT_EPS, DEFAULT_LR, DynamicEvaluator, GradStats,
+                                           canonical_rule)
+    from fastweights.adapt.sparse import SparseDynamicEvaluator
+    from fastweights.adapt.tune import TUNED_FILE, load_tuned
+
+    rule = canonical_rule(getattr(args, "dynamic", None) or getattr(args, "rule", None) or "rms-global-prior")
+    segment_len = getattr(args, "segment_len", 0) or default_segment_len(tokenizer)
+    context = getattr(args, "seq_len", 0) or default_context(model, cfg)
+    sparse = _sparse_spec(args, model)
+    info = {"lr_source": "command line"}
+    lr = lr if lr is not None else getattr(args, "lr", None)
+    decay = decay if decay is not None else getattr(args, "decay", None)
+    if lr is None or decay is None:
+        tuned_path = getattr(args, "tuned", None) or (ckpt / TUNED_FILE if ckpt else None)
+        tuned = load_tuned(tuned_path) if tuned_path else None
+        usable = (tuned is not None and tuned.get("rule") == rule
+                  and tuned["settings"].get("segment_len") == segment_len
+                  and tuned["settings"].get("sparse_units") == (sparse[1] if sparse else None))
+        if usable:
+            lr = tuned["best"]["lr"] if lr is None else lr
+            decay = tuned["best"]["decay"] if decay is None else decay
+            info["lr_source"] = "tuned file"
+        else:
+            lr = DEFAULT_LR if lr is None else lr
+            decay = DEFAULT_DECAY if decay is None else decay
+            info["lr_source"] = "defaults of dynamiceval.py (untuned: run tune-dynamic)"
+    stats = None
+    if rule.startswith("rms"):
+        path = _stats_path(args, ckpt, sparse)
+        if path is not None and path.is_file():
+            stats = GradStats.load(path)
+        elif getattr(args, "stats", None):
+            raise UserError(f"gradient statistics {args.stats} not found")
+        elif cfg is not None:
+            print(f"collecting gradient statistics on the training split -> {path}", file=sys.stderr)
+            stats = _collect_stats(model, tokenizer, cfg, args, segment_len, context, sparse, path, progress)
+        else:
+            raise UserError(f"rule {rule} needs gradient statistics: run `fastweights collect-grad-stats --hf ... "
+                            "--data TRAINING_TEXT --out FILE` and pass --stats FILE, or use --rule sgd")
+    eps = getattr(args, "eps", None)
+    kw = dict(rule=rule, lr=lr, decay=decay, eps=DEFAULT_EPS if eps is None else eps, segment_len=segment_len,
+              context=context, grad_stats=stats)
+    if sparse:
+        ev = SparseDynamicEvaluator(model, layer=sparse[0], units=sparse[1], **kw)
+    else:
+        ev = DynamicEvaluator(model, include=getattr(args, "params", None),
+                              exclude=getattr(args, "exclude_params", None), **kw)
+    return ev, info
+
+
+def _metrics(result, tokenizer, chars: int) -> dict:
+    result.chars = chars
+    m = result.metrics(getattr(tokenizer, "name", ""))
+    return m
+
+
+def _headline_key(tokenizer) -> str:
+    name = getattr(tokenizer, "name", "")
+    return "bits_per_char" if name == "char" else ("bits_per_byte" if name == "byte" else "perplexity")
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def run_eval_dynamic(args, model, tokenizer, cfg, texts: list[str]) -> dict:
+    """Static and dynamic evaluation of ``texts`` under one protocol; returns a JSON-ready dict.
+
+    Reads these attributes of ``args`` (all optional; missing ones take the defaults shown):
+        dynamic or rule ("rms-global-prior"), lr / decay (None: ``dynamic_tuned.json`` in the
+        checkpoint when it matches the rule and segment length, else 5e-5 / 0.002), eps (2e-5),
+        segment_len (0: 20 for char/byte tokenizers, else 128), seq_len (0: ``cfg.train.seq_len``,
+        or the HF adapter's default context), stats (None: ``<checkpoint>/grad_stats.safetensors``,
+        collected from the training split when missing), checkpoint (dir, for those defaults),
+        params / exclude_params (globs), sparse_units / sparse_layer (0: full dynamic evaluation),
+        reset ("per_document"), batch_docs (1), bos (False), quiet (False),
+        cache / cache_window / cache_flatness / cache_mix / cache_similarity (neural cache baseline).
+    ``cfg`` is the checkpoint's RunConfig (None for Hugging Face models). Static and dynamic use the
+    same segments (stride = segment_len) and context, so ``args.stride`` is not used.
+
+    Returns {"static": metrics, "dynamic": metrics, ["cache": metrics], "relative_improvement",
+    "settings": the evaluator's metadata, "documents", "reset"}; metrics as ``EvalResult.metrics``.
+    """
+    from fastweights.progress import Progress
+
+    progress = not getattr(args, "quiet", False)
+    ckpt = Path(args.checkpoint) if getattr(args, "checkpoint", None) else None
+    ev, info = build_evaluator(args, model, tokenizer, cfg, ckpt, progress=progress)
+    docs, chars = encode_texts(tokenizer, texts, getattr(args, "bos", False))
+    total = sum(d.numel() - 1 for d in docs)
+    from fastweights.evaluate import EvalResult
+
+    bar = Progress(total, "tok", desc="static", enabled=progress)
+    static = EvalResult(0.0, 0)
+    for d in docs:
+        r = ev.static(d, keep_token_losses=False, progress=bar)
+        static.nll += r.nll
+        static.tokens += r.tokens
+    bar.close()
+    reset = getattr(args, "reset", "per_document") or "per_document"
+    batch_docs = max(1, getattr(args, "batch_docs", 1) or 1)
+    if batch_docs > 1 and reset != "per_document":
+        raise UserError("--batch-docs needs --reset per_document (each document has its own weights)")
+    bar = Progress(total, "tok", desc="dynamic", enabled=progress)
+    if batch_docs > 1:
+        dynamic = EvalResult(0.0, 0)
+        for i in range(0, len(docs), batch_docs):
+            for r in ev.evaluate_batch(docs[i : i + batch_docs], progress=bar):
+                dynamic.nll += r.nll
+                dynamic.tokens += r.tokens
+    else:
+        dynamic = EvalResult(0.0, 0)
+        state_values = None
+        for d in docs:
+            from fastweights.adapt.dynamic import DynamicState
+
+            start = DynamicState(state_values, None, d[:0]) if state_values is not None else None
+            r, st = ev.evaluate(d, start, keep_token_losses=False, progress=bar)
+            dynamic.nll += r.nll
+            dynamic.tokens += r.tokens
+            if reset == "never":
+                state_values = st.values
+    bar.close()
+    out = {"static": _metrics(static, tokenizer, chars), "dynamic": _metrics(dynamic, tokenizer, chars)}
+    if getattr(args, "cache", False):
+        from fastweights.adapt.cache import NeuralCache
+
+        cache = NeuralCache(model, window=getattr(args, "cache_window", 500), flatness=getattr(args, "cache_flatness", 1.0),
+                            mix=getattr(args, "cache_mix", 0.1), similarity=getattr(args, "cache_similarity", "dot"),
+                            segment_len=ev.segment_len, context=ev.context)
+        r = cache.evaluate_documents(docs, progress=progress)
+        out["cache"] = _metrics(r, tokenizer, chars) | {"settings": cache.metadata()}
+    out["relative_improvement"] = 1 - dynamic.loss / static.loss if static.loss > 0 else 0.0
+    out["settings"] = ev.metadata() | info
+    out["documents"] = len(docs)
+    out["reset"] = reset
+    return out
+
+
+def cmd_dynamic_eval(args) -> int:
+    model, tok, cfg, _ = load_model_and_tokenizer(args)
+    texts = load_texts(args, cfg, args.split, args.max_chars)
+    res = run_eval_dynamic(args, model, tok, cfg, texts)
+    res["data"] = args.data or f"{cfg.data.corpus}:{args.split}"
+    res["model"] = args.checkpoint or f"hf:{args.hf}"
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    key = _headline_key(tok)
+    s = res["settings"]
+    print(f"{res['data']}: {res['static']['tokens']} tokens, {res['documents']} document(s); rule {s['rule']}, "
+          f"lr {s['lr']:.3g}, decay {s['decay']:.3g}, segment {s['segment_len']}, context {s['context']} "
+          f"({s['lr_source']})")
+    print(f"  static : {key} {res['static'][key]:.4f}  (loss {res['static']['loss_nats']:.4f} nats/token)")
+    print(f"  dynamic: {key} {res['dynamic'][key]:.4f}  (loss {res['dynamic']['loss_nats']:.4f} nats/token, "
+          f"{100 * res['relative_improvement']:.2f}% lower)")
+    if "cache" in res:
+        print(f"  cache  : {key} {res['cache'][key]:.4f}  (loss {res['cache']['loss_nats']:.4f} nats/token)")
+    return 0
+
+
+def _floats(text: str | None, what: str) -> list[float] | None:
+    if not text:
+        return None
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{what}: expected comma-separated numbers, got {text!r}") from None
+    if not vals:
+        raise UserError(f"{what}: empty list")
+    return vals
+
+
+def cmd_tune_dynamic(args) -> int:
+    from fastweights.adapt.tune import TUNED_FILE, format_table, official_grid, save_tuned, tune_dynamic
+
+    model, tok, cfg, ckpt = load_model_and_tokenizer(args)
+    texts = load_texts(args, cfg, "val", args.tune_chars)
+    docs, _ = encode_texts(tok, texts, args.bos)
+    first, _ = build_evaluator(args, model, tok, cfg, ckpt, lr=0.0, decay=0.0, progress=not args.quiet)
+    lrs, decays = _floats(args.lrs, "--lrs"), _floats(args.decays, "--decays")
+    if args.official_grid:
+        lrs, decays = official_grid(first.segment_len)
+
+    def make(lr, decay):
+        return type(first)(**_rebuild_kwargs(first, lr, decay))
+
+    res = tune_dynamic(make, docs, lrs, decays, progress=not args.quiet)
+    path = args.save or (ckpt / TUNED_FILE if ckpt else None)
+    if path:
+        save_tuned(res, path)
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        print(format_table(res))
+        if path:
+            print(f"saved to {path} (dynamic-eval uses it by default)")
+    return 0
+
+
+def _rebuild_kwargs(ev, lr: float, decay: float) -> dict:
+    """Constructor arguments for an evaluator like ``ev`` with another lr and decay."""
+    from fastweights.adapt.sparse import SparseDynamicEvaluator
+
+    kw = dict(model=ev.model, rule=ev.rule, lr=lr, decay=decay, eps=ev.update_rule.eps, segment_len=ev.segment_len,
+              context=ev.context, grad_stats=ev.grad_stats)
+    if isinstance(ev, SparseDynamicEvaluator):
+        kw.update(layer=ev.adaptation.layer, units=ev.adaptation.index.tolist())
+    else:
+        names = set(ev.names)
+        kw["include"] = lambda name, p: name in names
+    return kw
+
+
+def cmd_collect_grad_stats(args) -> int:
+    model, tok, cfg, ckpt = load_model_and_tokenizer(args)
+    if args.hf and not args.data:
+        raise UserError("--data (training text) is required with --hf")
+    if args.batch_size < 1:
+        raise UserError("--batch-size must be >= 1")
+    segment_len = args.seq_len or default_segment_len(tok)
+    context = args.context or default_context(model, cfg)
+    sparse = _sparse_spec(args, model)
+    out = Path(args.out) if args.out else _stats_path(SimpleNamespace(stats=None), ckpt, sparse)
+    if out is None:
+        raise UserError("--out is required with --hf")
+    ns = SimpleNamespace(train_data=args.data, batch_size=args.batch_size, max_batches=args.max_batches,
+                         stats_seq_len=segment_len, params=args.params, exclude_params=args.exclude_params)
+    stats = _collect_stats(model, tok, cfg, ns, segment_len, context, sparse, out, not args.quiet)
+    print(f"gradient statistics of {len(stats.ms)} tensors over {stats.batches} batches of "
+          f"{stats.batch_size} x {stats.seq_len} tokens -> {out}")
+    return 0
+
+
+def cmd_timescale(args) -> int:
+    from fastweights.adapt.dynamic import plot_timescale, timescale_analysis
+    from fastweights.checkpoint import atomic_write
+
+    if args.doc_len < 2 or args.max_docs < 1 or args.window < 1:
+        raise UserError("--doc-len must be >= 2, --max-docs and --window >= 1")
+    model, tok, cfg, ckpt = load_model_and_tokenizer(args)
+    texts = load_texts(args, cfg, "test", args.max_chars)
+    ids = torch.cat([torch.as_tensor(tok.encode(t), dtype=torch.long) for t in texts])
+    n = min(args.max_docs, ids.numel() // args.doc_len)
+    if n == 0:
+        raise UserError(f"the text has {ids.numel()} tokens, fewer than one sequence of --doc-len {args.doc_len}")
+    docs = [ids[i * args.doc_len : (i + 1) * args.doc_len] for i in range(n)]  # consecutive sequences
+    ev, info = build_evaluator(args, model, tok, cfg, ckpt, progress=not args.quiet)
+    res = timescale_analysis(ev, docs, args.window, progress=not args.quiet)
+    res["settings"] = ev.metadata() | info
+    res["data"] = args.data or f"{cfg.data.corpus}:test"
+    res["unit"] = "bits per token" + (" (= per character)" if tok.name == "char" else "")
+    prefix = Path(args.out)
+    png = plot_timescale(res, prefix.with_suffix(".png"), title=f"{res['data']}: {n} sequences of {args.doc_len} tokens")
+    res["png"] = str(png)
+    atomic_write(prefix.with_suffix(".json"), lambda p: p.write_text(json.dumps(res, indent=2) + "\n"))
+    print(f"static {res['static_mean_bits']:.4f}, dynamic {res['dynamic_mean_bits']:.4f} bits/token over {n} "
+          f"sequences of {args.doc_len}; wrote {png} and {prefix.with_suffix('.json')}")
+    return 0
+
+
+def cmd_dynamic_generate(args) -> int:
+    from fastweights.generate import generate_tokens
+
+    model, tok, cfg, ckpt = load_model_and_tokenizer(args)
+    text = ("".join(load_texts(args, cfg, "test", args.max_chars)) if args.data else "") + args.prompt
+    if not text:
+        raise UserError("give --data and/or --prompt to read before sampling")
+    ids = torch.as_tensor(tok.encode(text), dtype=torch.long)
+    ev, _ = build_evaluator(args, model, tok, cfg, ckpt, progress=not args.quiet)
+    out, _ = ev.generate(ids, args.max_tokens, args.temperature, args.top_k, args.seed)
+    print("== dynamic (adapted on the text, still updating while sampling)")
+    print(tok.decode(out))
+    if args.static_too:
+        ctx = ev.context or (ids.numel() + args.max_tokens + 1)
+        static = list(generate_tokens(model, ids[-(ctx - 1):].tolist(), args.max_tokens, args.temperature, args.top_k,
+                                      args.seed, context=ctx))
+        print("== static")
+        print(tok.decode(static))
+    return 0
+
+
+def demo_dynamic(checkpoint: str | Path, tune_chars: int = 5000, test_chars: int = 20000, stats_batches: int = 100,
+                 verbose: bool = True) -> dict:
+    """Static vs dynamic evaluation of a freshly trained checkpoint, for ``make demo``.
+
+    Collects MS_g on the checkpoint's training split (``stats_batches`` batches of 100 x 20),
+    searches lr and decay on the first ``tune_chars`` characters of its validation split (saved as
+    ``dynamic_tuned.json``), then scores the first ``test_chars`` characters of its test split both
+    ways. Returns the dict of :func:`run_eval_dynamic` plus the search result; prints two lines
+    when ``verbose``.
+    """
+    from fastweights.adapt.tune import TUNED_FILE, save_tuned, tune_dynamic
+    from fastweights.checkpoint import load_checkpoint
+
+    ckpt = Path(checkpoint)
+    model, tok, cfg = load_checkpoint(ckpt)
+    args = SimpleNamespace(checkpoint=str(ckpt), rule="rms-global-prior", quiet=True, max_batches=stats_batches)
+    first, _ = build_evaluator(args, model, tok, cfg, ckpt, lr=0.0, decay=0.0)
+    docs, _ = encode_texts(tok, load_texts(SimpleNamespace(data=None), cfg, "val", tune_chars))
+    search = tune_dynamic(lambda lr, decay: type(first)(**_rebuild_kwargs(first, lr, decay)), docs)
+    save_tuned(search, ckpt / TUNED_FILE)
+    res = run_eval_dynamic(args, model, tok, cfg, load_texts(SimpleNamespace(data=None), cfg, "test", test_chars))
+    res["search"] = search
+    if verbose:
+        key = _headline_key(tok)
+        b = search["best"]
+        print(f"   dynamic evaluation (rms-global-prior, lr {b['lr']:.3g}, decay {b['decay']:.3g}, tuned on "
+              f"{search['tokens']:,} validation characters)")
+        print(f"   test ({res['static']['tokens']:,} characters): static {res['static'][key]:.3f}, dynamic "
+              f"{res['dynamic'][key]:.3f} {key.replace('_', ' ')} ({100 * res['relative_improvement']:.1f}% lower)")
+    return res

