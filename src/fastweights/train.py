@@ -411,7 +411,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
         elif tc.save_every and step % tc.save_every == 0:
             save()
     bar.close()
-    val = validate()
+    val = history[-1]["val_loss"] if history and history[-1]["step"] == step else validate()
     save()
     summary = {"steps": step, "train_loss": last_loss, "val_loss": val, "val_bits_per_token": val / math.log(2),
                "elapsed_s": elapsed_before + time.perf_counter() - t0, "stopped_by_time_budget": stopped_by_budget,
