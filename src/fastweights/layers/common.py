@@ -28,11 +28,17 @@ class _RMSNorm(torch.autograd.Function):
     dx = r (g w - x r^2 mean(g w x)),   dw = sum over rows of g x r
     """
 
+    generate_vmap_rule = True  # works under torch.func.vmap (batched dynamic evaluation)
+
     @staticmethod
-    def forward(ctx, x, weight, eps):
+    def forward(x, weight, eps):
         r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
-        ctx.save_for_backward(x, weight, r)
         return x * r * weight
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, eps = inputs
+        ctx.save_for_backward(x, weight, torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
     @staticmethod
     def backward(ctx, g):
@@ -101,10 +107,16 @@ class _Rotate(torch.autograd.Function):
     which cost ~10% of a small Transformer's training step on the CPU.
     """
 
+    generate_vmap_rule = True  # works under torch.func.vmap (batched dynamic evaluation)
+
     @staticmethod
-    def forward(ctx, x, cos, sin):
-        ctx.save_for_backward(cos, sin)
+    def forward(x, cos, sin):
         return x * cos + _rotate_half(x) * sin
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, cos, sin = inputs
+        ctx.save_for_backward(cos, sin)
 
     @staticmethod
     def backward(ctx, g):
