@@ -19,6 +19,7 @@ shared machine hit all of them alike. Writes benchmarks/results/bench_dynamic_ev
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import sys
 import time
@@ -117,7 +118,8 @@ def main() -> int:
                    "context": context, "stream_tokens": n, "docs": args.docs, "doc_tokens": args.doc_tokens,
                    "repeat": args.repeat, "sparse_units": args.sparse_units, "sparse_layer": layer,
                    "rule": "rms-global-prior",
-                   "rmsnorm_function": f"{common._RMSNorm.__module__}.{common._RMSNorm.__qualname__}"},
+                   "functorch_ready_model": bool(getattr(common._RMSNorm, "generate_vmap_rule", False)),
+                   "layers_common_source": inspect.getsourcefile(common._RMSNorm)},
         "seconds_median": t, "seconds_all": runs,
         "tokens_per_s": tps,
         "ratio_dynamic_over_static": tps["dynamic_full"] / tps["static"],

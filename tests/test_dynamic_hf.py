@@ -153,8 +153,6 @@ def test_smollm2_without_the_optional_package_is_a_clear_user_error():
 def test_cli_with_a_transformers_model(tmp_path, capsys):
     import json
 
-    from transformers import GPT2Config, GPT2LMHeadModel, GPT2Tokenizer
-
     from fastweights.cli import main
 
     test_load_hf_model_from_a_local_directory(tmp_path)  # writes tmp_path / "m"

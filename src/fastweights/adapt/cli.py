@@ -20,7 +20,6 @@ checkpoint's training split on first use.
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -286,23 +285,23 @@ def build_evaluator(args, model, tokenizer, cfg, ckpt: Path | None, lr: float | 
     segment_len = getattr(args, "segment_len", 0) or default_segment_len(tokenizer)
     context = getattr(args, "seq_len", 0) or default_context(model, cfg)
     sparse = _sparse_spec(args, model)
-    info = {"lr_source": "command line"}
     lr = lr if lr is not None else getattr(args, "lr", None)
     decay = decay if decay is not None else getattr(args, "decay", None)
+    sources = {"lr": "command line" if lr is not None else None, "decay": "command line" if decay is not None else None}
     if lr is None or decay is None:
         tuned_path = getattr(args, "tuned", None) or (ckpt / TUNED_FILE if ckpt else None)
         tuned = load_tuned(tuned_path) if tuned_path else None
         usable = (tuned is not None and tuned.get("rule") == rule
                   and tuned["settings"].get("segment_len") == segment_len
                   and tuned["settings"].get("sparse_units") == (sparse[1] if sparse else None))
-        if usable:
-            lr = tuned["best"]["lr"] if lr is None else lr
-            decay = tuned["best"]["decay"] if decay is None else decay
-            info["lr_source"] = "tuned file"
-        else:
-            lr = DEFAULT_LR if lr is None else lr
-            decay = DEFAULT_DECAY if decay is None else decay
-            info["lr_source"] = "defaults of dynamiceval.py (untuned: run tune-dynamic)"
+        fallback = {"lr": tuned["best"]["lr"], "decay": tuned["best"]["decay"]} if usable else \
+            {"lr": DEFAULT_LR, "decay": DEFAULT_DECAY}
+        where = "tuned file" if usable else "default of dynamiceval.py (untuned: run tune-dynamic)"
+        if lr is None:
+            lr, sources["lr"] = fallback["lr"], where
+        if decay is None:
+            decay, sources["decay"] = fallback["decay"], where
+    info = {"lr_source": sources["lr"], "decay_source": sources["decay"]}
     stats = None
     if rule.startswith("rms"):
         path = _stats_path(args, ckpt, sparse)
@@ -383,7 +382,13 @@ def run_eval_dynamic(args, model, tokenizer, cfg, texts: list[str]) -> dict:
     if batch_docs > 1:
         dynamic = EvalResult(0.0, 0)
         for i in range(0, len(docs), batch_docs):
-            for r in ev.evaluate_batch(docs[i : i + batch_docs], progress=bar):
+            try:
+                batch = ev.evaluate_batch(docs[i : i + batch_docs], progress=bar)
+            except RuntimeError as e:
+                if "functorch" not in str(e):
+                    raise
+                raise UserError(f"--batch-docs: {str(e).splitlines()[0]}") from None
+            for r in batch:
                 dynamic.nll += r.nll
                 dynamic.tokens += r.tokens
     else:
@@ -428,7 +433,7 @@ def cmd_dynamic_eval(args) -> int:
     s = res["settings"]
     print(f"{res['data']}: {res['static']['tokens']} tokens, {res['documents']} document(s); rule {s['rule']}, "
           f"lr {s['lr']:.3g}, decay {s['decay']:.3g}, segment {s['segment_len']}, context {s['context']} "
-          f"({s['lr_source']})")
+          f"(lr: {s['lr_source']}; decay: {s['decay_source']})")
     print(f"  static : {key} {res['static'][key]:.4f}  (loss {res['static']['loss_nats']:.4f} nats/token)")
     print(f"  dynamic: {key} {res['dynamic'][key]:.4f}  (loss {res['dynamic']['loss_nats']:.4f} nats/token, "
           f"{100 * res['relative_improvement']:.2f}% lower)")

@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fastweights.errors import UserError
 from fastweights.evaluate import EvalResult, score_tokens

@@ -17,7 +17,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype in (torch.float32, torch.float64):
-            return _RMSNorm.apply(x, self.weight, self.eps)
+            return _RMSNorm.apply(x, self.weight, self.eps)[0]
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
 
 
@@ -33,15 +33,17 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(x, weight, eps):
         r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
-        return x * r * weight
+        return x * r * weight, r  # r is returned only so that setup_context can save it
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, eps = inputs
-        ctx.save_for_backward(x, weight, torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+        x, weight, _ = inputs
+        _, r = output
+        ctx.mark_non_differentiable(r)
+        ctx.save_for_backward(x, weight, r)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, g, _g_r):
         x, weight, r = ctx.saved_tensors
         gw = g * weight
         xr = x * r

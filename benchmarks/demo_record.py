@@ -1,0 +1,41 @@
+"""Record a `make demo` run (its runs/demo/demo.json) as a benchmark result with the command that made it.
+
+    /usr/bin/time make demo && python benchmarks/demo_record.py --wall-seconds 349
+
+Writes benchmarks/results/demo.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_result  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--run", default="runs/demo")
+    ap.add_argument("--wall-seconds", type=float, required=True, help="measured wall time of the whole demo command")
+    a = ap.parse_args()
+    demo = json.loads((Path(a.run) / "demo.json").read_text())
+    res = {"demo_command": ".venv/bin/python -m fastweights demo --out runs/demo  (what `make demo` runs)",
+           "demo": demo, "demo_wall_seconds": a.wall_seconds,
+           "headline": [
+               {"what": "`make demo`: validation bits/char after the 5-minute CPU training budget",
+                "value": round(demo["val_bits_per_char"], 3), "unit": "bits/char", "target": "<= 2.3"},
+               {"what": "`make demo`: test split bits/char (streamed, state carried)",
+                "value": round(demo["test_bits_per_char"], 3), "unit": "bits/char"},
+               {"what": "`make demo`: dynamic evaluation (rms-global-prior) relative reduction on test text",
+                "value": round(demo["dynamic_eval"]["relative_improvement"], 3), "target": ""},
+               {"what": "`make demo`: whole command wall time (environment already made)",
+                "value": round(a.wall_seconds), "unit": "s", "target": "<= 480"},
+           ]}
+    write_result("demo", res)
+
+
+if __name__ == "__main__":
+    main()
