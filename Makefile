@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/python -m fastweights demo --out runs/demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -x -q --timeout=600 tests
+	$(BIN)/python -m pytest --timeout=600 --durations=10 tests
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/train_throughput.py
