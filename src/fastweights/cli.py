@@ -88,13 +88,10 @@ def cmd_prepare(args) -> int:
 
 
 def _eval_texts(args, cfg):
-    """Documents to score: --data (file/dir/corpus name, all of it) or the checkpoint's test split."""
-    from fastweights.data import load_corpus, split_corpus
+    """Documents to score: --data (file/dir/corpus name, all of it) or the checkpoint's --split."""
+    from fastweights.adapt.cli import load_texts
 
-    if args.data:
-        return [d.text for d in load_corpus(args.data, text_field=cfg.data.text_field)]
-    docs = load_corpus(cfg.data.corpus, text_field=cfg.data.text_field)
-    return [d.text for d in split_corpus(docs, cfg.data.split, cfg.data.val_fraction, cfg.data.test_fraction)[args.split]]
+    return load_texts(args, cfg, args.split)
 
 
 def _eval_prepared(model, tokenizer, cfg, args, seq_len):

@@ -131,6 +131,9 @@ class LanguageModel(nn.Module):
         else:
             self.head = self._build(registry.HEADS, "head", config.head, d_model=d, vocab_size=config.vocab_size)
         self.apply(self._init_weights)
+        # parts that report an auxiliary training loss (they declare ``aux_loss`` in __init__); found
+        # once here rather than by walking every module on each forward call
+        self._aux_parts = [m for m in self.modules() if m is not self and hasattr(m, "aux_loss")]
         if not config.tie_embeddings and config.head == "linear":
             nn.init.normal_(self.head.weight, std=config.init_std)
 
@@ -167,7 +170,7 @@ class LanguageModel(nn.Module):
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
-        aux = [m.aux_loss for m in self.modules() if m is not self and getattr(m, "aux_loss", None) is not None]
+        aux = [m.aux_loss for m in self._aux_parts if m.aux_loss is not None]
         aux_loss = torch.stack(aux).sum() if aux else None
         return ModelOutput(logits, loss, {"layers": layer_states, "head": head_state}, aux_loss)
 
