@@ -23,11 +23,11 @@ def test_rope_matches_rotation_and_gradcheck():
     rope = RotaryEmbedding(D)
     x = torch.randn(2, 3, 6, D, dtype=torch.float64, requires_grad=True)
     y = rope(x, start=4)
-    # reference: rotate the pair (x_i, x_{i + D/2}) by angle pos * base^(-2i/D)
+    # reference: rotate the pair (x_2i, x_2i+1) by angle pos * base^(-2i/D)
     pos = torch.arange(4, 10, dtype=torch.float64)[:, None]
     ang = pos * (1.0 / 10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))  # [T, D/2]
-    x1, x2 = x[..., : D // 2], x[..., D // 2 :]
-    ref = torch.cat([x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin()], -1)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    ref = torch.stack([x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin()], -1).flatten(-2)
     torch.testing.assert_close(y, ref, rtol=1e-6, atol=1e-6)  # tables are fp32
     assert torch.autograd.gradcheck(lambda a: rope(a, 4), (x,))
     # rotations preserve norms and relative positions: <R_s q, R_t k> depends on t - s only

@@ -52,58 +52,6 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture
-def functorch_ready(monkeypatch):
-    """Batched evaluation vmaps the model; autograd.Functions need ``setup_context`` for that.
-
-    If ``fastweights.layers.common`` still defines its RMSNorm/RoPE Functions in the old style
-    (forward(ctx, ...)), substitute functorch-ready versions with the same forward and backward.
-    """
-    import fastweights.layers.common as common
-
-    if getattr(common._RMSNorm, "generate_vmap_rule", False):
-        return
-
-    class RMSNormFn(torch.autograd.Function):
-        generate_vmap_rule = True
-
-        @staticmethod
-        def forward(x, weight, eps):
-            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            x, weight, eps = inputs
-            ctx.save_for_backward(x, weight, torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-        @staticmethod
-        def backward(ctx, g):
-            x, weight, r = ctx.saved_tensors
-            gw, xr = g * weight, x * r
-            dx = r * (gw - xr * (gw * xr).mean(-1, keepdim=True))
-            return dx, (g * xr).reshape(-1, x.shape[-1]).sum(0), None
-
-    class RotateFn(torch.autograd.Function):
-        generate_vmap_rule = True
-
-        @staticmethod
-        def forward(x, cos, sin):
-            return x * cos + common._rotate_half(x) * sin
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            ctx.save_for_backward(inputs[1], inputs[2])
-
-        @staticmethod
-        def backward(ctx, g):
-            cos, sin = ctx.saved_tensors
-            gs1, gs2 = (g * sin).chunk(2, dim=-1)
-            return g * cos + torch.cat([gs2, -gs1], dim=-1), None, None
-
-    monkeypatch.setattr(common, "_RMSNorm", RMSNormFn)
-    monkeypatch.setattr(common, "_Rotate", RotateFn)
-
-
 # ----------------------------------------------------------------------------- exactness
 
 
@@ -277,7 +225,7 @@ def test_reset_per_document_and_never():
 
 
 @pytest.mark.parametrize("rule", ["sgd-global-prior", "rms-global-prior"])
-def test_batched_documents_equal_sequential(functorch_ready, rule):
+def test_batched_documents_equal_sequential(rule):
     model = tiny_model(torch.float64)  # tied embedding: the head's weight must follow the delta too
     docs = [tokens(n, seed=n) for n in (40, 23, 57)]
     ev = DynamicEvaluator(model, rule=rule, lr=0.2 if rule.startswith("sgd") else 3e-3, decay=0.05, segment_len=7,
@@ -363,7 +311,7 @@ def test_sparse_hook_transforms_the_chosen_units():
     torch.testing.assert_close(captured_after["h"], expected)
 
 
-def test_sparse_lr_zero_static_and_batched(functorch_ready):
+def test_sparse_lr_zero_static_and_batched():
     model = tiny_model(torch.float64)
     x = tokens(50)
     stats = collect_sparse_grad_stats(model, tokens(300, seed=5), layer=0, units=6, batch_size=4, seq_len=7, context=21)

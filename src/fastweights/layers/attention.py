@@ -50,8 +50,10 @@ class CausalSelfAttention(nn.Module):
         H, D = self.n_heads, self.head_dim
         pos = state["pos"] if state is not None else 0
         qkv = self.qkv(x).view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)  # [3, B, H, T, D]
-        qk = self.rope(qkv[:2], pos)  # rotate q and k in one call
-        q, k, v = qk[0], qk[1], qkv[2]
+        # unbind rather than indexing: its backward is one stack, where each index's backward
+        # zero-fills a tensor the size of qkv (~8% of a CPU training step)
+        q, k, v = qkv.unbind(0)
+        q, k = self.rope(q, pos), self.rope(k, pos)
 
         if state is not None and state["k"].shape[2] > 0:
             k = torch.cat([state["k"], k], dim=2)  # [B, H, L + T, D]
