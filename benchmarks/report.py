@@ -1,7 +1,11 @@
-"""Regenerate the README results table from benchmarks/results/*.json, so no number is typed by hand.
+"""Regenerate the results tables of the README and docs/*.md from benchmarks/results/*.json, so no
+number is typed by hand.
 
-    python benchmarks/report.py            # rewrite the table between the README's results markers
-    python benchmarks/report.py --check    # exit 1 if the README is out of date (used by the tests)
+    python benchmarks/report.py            # rewrite every table between results markers
+    python benchmarks/report.py --check    # exit 1 if any page is out of date (used by the tests)
+
+The README's table (``<!-- results:start -->`` ... ``<!-- results:end -->``) lists every result file;
+a docs page lists only the files it names: ``<!-- results:start fwl_quality bench_fwl -->``.
 
 A result file contributes rows through its ``headline`` list:
 ``{"what": "...", "value": 1.23, "unit": "bits/char", "target": ">= 0.9"}`` (unit and target optional).
@@ -16,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-START, END = "<!-- results:start -->", "<!-- results:end -->"
+START, END = "<!-- results:start", "<!-- results:end -->"
 
 
 # Rows for result files that carry no ``headline`` list: (file stem, what, dotted path, unit, target).
@@ -76,9 +80,14 @@ def _fmt(v) -> str:
     return f"{v:.3g}" if abs(v) < 10 else f"{v:,.1f}"
 
 
-def table() -> str:
+def table(stems: list[str] | None = None) -> str:
+    """Rows from every result file, or from the named ones (file stems) in that order."""
     rows = ["| result | value | target | source (command in the JSON) |", "|---|---|---|---|"]
-    for path in sorted(RESULTS.glob("*.json")):
+    if stems:
+        missing = [s for s in stems if not (RESULTS / f"{s}.json").exists()]
+        if missing:
+            raise SystemExit(f"no result file benchmarks/results/{missing[0]}.json")
+    for path in [RESULTS / f"{s}.json" for s in stems] if stems else sorted(RESULTS.glob("*.json")):
         rec = json.loads(path.read_text())
         heads = rec.get("headline") or [{"what": what, "value": _get(rec, key), "unit": unit, "target": target}
                                          for stem, what, key, unit, target in EXTRACT if stem == path.stem]
@@ -88,28 +97,46 @@ def table() -> str:
     return "\n".join(rows)
 
 
-def render(readme: str) -> str:
-    if START not in readme or END not in readme:
-        raise SystemExit(f"README has no {START} ... {END} markers")
-    head, rest = readme.split(START, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{START}\n{table()}\n{END}{tail}"
+def render(page: str, name: str) -> str:
+    """Rewrite each ``<!-- results:start [stems] -->`` ... ``<!-- results:end -->`` block of a page."""
+    if START not in page:
+        raise SystemExit(f"{name} has no {START} ... {END} markers")
+    out, rest = page.split(START, 1)
+    while True:
+        opening, rest = rest.split("-->", 1)
+        if END not in rest:
+            raise SystemExit(f"{name}: {START}{opening}--> has no {END}")
+        _, rest = rest.split(END, 1)
+        out += f"{START}{opening}-->\n{table(opening.split())}\n{END}"
+        if START not in rest:
+            return out + rest
+        between, rest = rest.split(START, 1)
+        out += between
+
+
+def pages() -> list[Path]:
+    return [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true")
     args = ap.parse_args()
-    readme_path = ROOT / "README.md"
-    old = readme_path.read_text()
-    new = render(old)
-    if args.check:
+    stale = []
+    for path in pages():
+        old = path.read_text()
+        if path.name != "README.md" and START not in old:
+            continue  # a docs page without a results table
+        new = render(old, str(path.relative_to(ROOT)))
         if new != old:
-            print("README results table is out of date: run python benchmarks/report.py", file=sys.stderr)
-            return 1
-        return 0
-    readme_path.write_text(new)
-    print(f"updated {readme_path}")
+            stale.append(path)
+            if not args.check:
+                path.write_text(new)
+                print(f"updated {path.relative_to(ROOT)}")
+    if args.check and stale:
+        names = ", ".join(str(p.relative_to(ROOT)) for p in stale)
+        print(f"results tables out of date in {names}: run python benchmarks/report.py", file=sys.stderr)
+        return 1
     return 0
 
 
