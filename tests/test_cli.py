@@ -125,3 +125,40 @@ def test_checkpoint_errors(trained, tmp_path, capsys):
     build_tokenizer("byte").save(mismatch)  # 256 symbols, the model has 66
     assert main(["eval", "--checkpoint", str(mismatch), "--quiet"]) == 2
     assert "tokenizer" in capsys.readouterr().err
+
+
+def test_tensorboard_log_has_the_jsonl_scalars(tmp_path):
+    pytest.importorskip("tensorboard")  # in the [dev] extra, so CI runs this
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "tb"
+    assert main(["train", *TINY, "--out", str(out), "--log", "tensorboard", "--set", "train.max_steps=4",
+                 "--set", "train.eval_every=2", "--set", "train.log_every=1"]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"loss", "val_loss"} <= tags, tags
+    for tag in ("loss", "val_loss"):
+        logged = [(r["step"], r[tag]) for r in records if tag in r]
+        written = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert [s for s, _ in written] == [s for s, _ in logged]
+        assert [v for _, v in written] == pytest.approx([v for _, v in logged], rel=1e-6)
+
+
+def test_tensorboard_missing_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_tensorboard(name, *args, **kwargs):
+        if name.startswith("torch.utils.tensorboard") or name.startswith("tensorboard"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_tensorboard)
+    out = tmp_path / "tb"
+    assert main(["train", *TINY, "--out", str(out), "--log", "tensorboard"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "pip install tensorboard" in err and "\n" not in err
+    assert not out.exists()

@@ -274,6 +274,9 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
     """
     out_dir = Path(out_dir)
     tc = cfg.train
+    if tc.log not in ("jsonl", "tensorboard"):
+        raise UserError(f"train.log must be jsonl or tensorboard, got {tc.log!r}")
+    summary_writer = _tensorboard_writer_class() if tc.log == "tensorboard" else None  # refuse before writing files
     if tc.threads:
         torch.set_num_threads(tc.threads)
     dist, device = init_distributed(tc.device)
@@ -324,6 +327,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
         step, elapsed_before, history = ts["step"], ts["elapsed"], ts["history"]
     fwd = torch.compile(wrapped) if tc.compile else wrapped
 
+    tb = summary_writer(str(out_dir / "tensorboard")) if dist.main and summary_writer is not None else None
     log = None
     log_path = out_dir / "metrics.jsonl"
     if dist.main:
@@ -331,7 +335,6 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
         if not resume and log_path.exists():
             log_path.unlink()
         log = log_path.open("a")
-    tb = _tensorboard(out_dir) if dist.main and getattr(tc, "log", "jsonl") == "tensorboard" else None
 
     def write_log(rec: dict) -> None:
         if log is not None:
@@ -426,12 +429,12 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
     return summary
 
 
-def _tensorboard(out_dir: Path):
+def _tensorboard_writer_class():
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise UserError("train.log = 'tensorboard' needs the tensorboard package (pip install tensorboard)") from None
-    return SummaryWriter(str(out_dir / "tensorboard"))
+    return SummaryWriter
 
 
 def _with_vocab(model_cfg, vocab_size):
