@@ -4,9 +4,9 @@ wall-clock budget: validation and test bits per character side by side.
     python benchmarks/lm_presets.py --minutes 5 --parallel 2 \
         shakespeare-char shakespeare-char-fwp-delta-dpfp shakespeare-char-fwp-sum-dpfp ...
 
-Each preset trains in its own process with one torch thread (``--parallel`` of them at a time, so on
-a 2-core machine two runs share the machine evenly), then its checkpoint is scored on the test split
-with the state carried. Writes benchmarks/results/lm_presets.json (and a sample per model).
+Each preset trains in its own process with one torch thread (``--parallel`` of them at a time) for
+``--minutes`` of its own CPU time (``train.budget_clock = "cpu"``), so runs get equal compute even when
+other jobs load the machine; then its checkpoint is scored on the test split with the state carried. Writes benchmarks/results/lm_presets.json (and a sample per model).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -26,15 +27,17 @@ from common import write_result  # noqa: E402
 def run_preset(preset: str, minutes: float, out_root: Path, extra: list[str]) -> dict:
     out = out_root / preset
     py = sys.executable
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # evaluation and sampling on one thread too, like training
     subprocess.run([py, "-m", "fastweights", "train", "--preset", preset, "--out", str(out), "--quiet",
                     "--set", f"train.max_minutes={minutes}", "--set", "train.max_steps=100000",
-                    "--set", "train.threads=1", *extra], check=True, stdout=subprocess.DEVNULL)
+                    "--set", "train.threads=1", "--set", "train.budget_clock=cpu", *extra], check=True, stdout=subprocess.DEVNULL, env=env)
     summary = json.loads((out / "summary.json").read_text())
     ev = subprocess.run([py, "-m", "fastweights", "eval", "--checkpoint", str(out), "--json", "--quiet"],
-                        check=True, capture_output=True, text=True)
+                        check=True, capture_output=True, text=True, env=env)
     test = json.loads(ev.stdout)
     sample = subprocess.run([py, "-m", "fastweights", "generate", "--checkpoint", str(out), "--prompt", "ROMEO:",
-                             "--max-tokens", "200", "--seed", "0"], check=True, capture_output=True, text=True).stdout
+                             "--max-tokens", "200", "--seed", "0"], check=True, capture_output=True, text=True,
+                            env=env).stdout
     return {"preset": preset, "parameters": summary["parameters"], "steps": summary["steps"],
             "train_seconds": summary["elapsed_s"], "val_bits_per_char": summary["val_bits_per_token"],
             "test_bits_per_char": test["bits_per_char"], "sample": sample}
@@ -57,7 +60,7 @@ def main():
               f"val {r['val_bits_per_char']:.3f}  test {r['test_bits_per_char']:.3f} bits/char")
     res = {"minutes_per_run": a.minutes, "threads_per_run": 1, "runs_in_parallel": a.parallel, "results": rows,
            "headline": [row for r in rows for row in (
-               {"what": f"Shakespeare char, {r['preset']} ({r['parameters']:,} params, {a.minutes:g} min on one core, "
+               {"what": f"Shakespeare char, {r['preset']} ({r['parameters']:,} params, {a.minutes:g} CPU-min, "
                         f"{r['steps']} steps): validation bits/char", "value": round(r["val_bits_per_char"], 3),
                 "unit": "bits/char"},
                {"what": f"  same model: test bits/char (whole test split streamed, state carried)",

@@ -79,6 +79,8 @@ def test_resume_continues_to_the_same_loss(tmp_path):
         (["train", *TINY, "--set", "train.lr=fast"], "train.lr"),
         (["train", *TINY, "--set", "train.nope=1"], "unknown config key train.nope"),
         (["train", *TINY, "--set", "oops"], "section.key=value"),
+        (["train", *TINY, "--set", "train.budget_clock=sundial"], "train.budget_clock"),
+        (["train", *TINY, "--set", "train.log=paper"], "train.log"),
         (["train", *TINY, "--data", "/no/such/corpus.txt"], "/no/such/corpus.txt"),
         (["eval", "--checkpoint", "/no/such/checkpoint"], "does not exist"),
         (["eval"], "--checkpoint"),
@@ -162,3 +164,14 @@ def test_tensorboard_missing_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.strip()
     assert "pip install tensorboard" in err and "\n" not in err
     assert not out.exists()
+
+
+def test_cpu_clock_budget_counts_this_process_only(tmp_path):
+    out = tmp_path / "cpu"
+    # 0.1 CPU-seconds of budget: it stops early, and the elapsed time it reports is CPU time
+    assert main(["train", *TINY, "--out", str(out), "--set", "train.budget_clock=cpu",
+                 "--set", "train.max_minutes=0.0017", "--set", "train.max_steps=100000",
+                 "--set", "train.eval_every=0"]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["stopped_by_time_budget"] and s["budget_clock"] == "cpu"
+    assert 0 < s["steps"] < 100000 and s["elapsed_s"] >= 0.1

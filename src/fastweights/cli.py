@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser("prepare", help="tokenise a corpus once into memory-mapped train/val/test files")
     pr.add_argument("--data", required=True, help="corpus: registered name, text file, directory or .jsonl")
-    pr.add_argument("--tokenizer", default="gpt2", choices=["char", "byte", "gpt2"])
+    pr.add_argument("--tokenizer", default="gpt2", choices=["char", "byte", "word", "gpt2"])
     pr.add_argument("--out", required=True, help="directory for the token files (then train with --data DIR)")
     pr.add_argument("--set", action="append", metavar="data.KEY=VALUE", help="override a data field (split, fractions)")
     pr.add_argument("--json", action="store_true")

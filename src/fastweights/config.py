@@ -61,7 +61,8 @@ class TrainConfig:
     batch_size: int = 32
     grad_accum: int = 1
     max_steps: int = 1000
-    max_minutes: float = 0.0  # wall-clock budget; 0 = none
+    max_minutes: float = 0.0  # time budget; 0 = none
+    budget_clock: str = "wall"  # wall | cpu (this process's CPU time: fair for 1-thread runs on a shared machine)
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50

@@ -134,13 +134,14 @@ def prepare_data(cfg: RunConfig, out_dir: Path, tokenizer=None, progress: bool =
 
 
 def _encode_corpus(cfg: RunConfig, out_dir: Path, tokenizer, progress: bool, cache: Path) -> Data:
-    from fastweights.data import build_tokenizer, cached_stream, load_corpus, split_corpus, text_pieces
+    from fastweights.data import TRAINED_KINDS, build_tokenizer, cached_stream, load_corpus, split_corpus, text_pieces
 
-    # only the char tokenizer needs valid UTF-8; byte/BPE tokenizers keep invalid bytes exactly
-    docs = load_corpus(cfg.data.corpus, text_field=cfg.data.text_field, encoding_check=cfg.data.tokenizer == "char")
+    # only the char and word tokenizers need valid UTF-8; byte/BPE tokenizers keep invalid bytes exactly
+    trained = cfg.data.tokenizer in TRAINED_KINDS  # vocabulary built from the training split
+    docs = load_corpus(cfg.data.corpus, text_field=cfg.data.text_field, encoding_check=trained)
     splits = split_corpus(docs, cfg.data.split, cfg.data.val_fraction, cfg.data.test_fraction)
     if tokenizer is None:
-        train_text = text_pieces(splits["train"]) if cfg.data.tokenizer == "char" else None
+        train_text = text_pieces(splits["train"]) if trained else None
         tokenizer = build_tokenizer(cfg.data.tokenizer, train_text=train_text)
     sep = getattr(tokenizer, "eot_id", None)  # GPT-2's <|endoftext|> between documents
     streams = {name: cached_stream(splits[name], tokenizer, cache, name, doc_separator=sep, progress=progress)
@@ -276,6 +277,11 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
     tc = cfg.train
     if tc.log not in ("jsonl", "tensorboard"):
         raise UserError(f"train.log must be jsonl or tensorboard, got {tc.log!r}")
+    if tc.budget_clock not in ("wall", "cpu"):
+        raise UserError(f"train.budget_clock must be wall or cpu, got {tc.budget_clock!r}")
+    # what max_minutes (and the elapsed times logged) count: wall-clock seconds, or this process's CPU
+    # seconds, which stay fair when one-thread runs share a busy machine
+    clock = time.process_time if tc.budget_clock == "cpu" else time.perf_counter
     summary_writer = _tensorboard_writer_class() if tc.log == "tensorboard" else None  # refuse before writing files
     if tc.threads:
         torch.set_num_threads(tc.threads)
@@ -350,7 +356,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
         if dist.main:
             save_model(model, out_dir, cfg, data.tokenizer, state_dict=model_sd)
             ts = {"step": step, "optimizer": optim_sd, "rng": _rng_state(gen),
-                  "elapsed": elapsed_before + (time.perf_counter() - t0), "history": history, "world_size": dist.world}
+                  "elapsed": elapsed_before + (clock() - t0), "history": history, "world_size": dist.world}
             atomic_write(state_path, lambda p: torch.save(ts, p))
         _barrier(dist)
 
@@ -358,7 +364,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
         # every rank scores the same windows (cheap next to training, and FSDP needs all ranks in forward)
         val = estimate_loss(wrapped, data.val, tc.seq_len, tc.eval_tokens, tc.batch_size, device)
         rec = {"step": step, "val_loss": val, "val_bits": val / math.log(2),
-               "elapsed": elapsed_before + time.perf_counter() - t0}
+               "elapsed": elapsed_before + clock() - t0}
         history.append(rec)
         write_log(rec)
         return val
@@ -368,12 +374,12 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
     budget = tc.max_minutes * 60 if tc.max_minutes > 0 else math.inf
     bar = Progress(tc.max_steps, "steps", desc="train", enabled=progress)
     bar.n = step
-    t0 = time.perf_counter()
+    t0 = clock()
     wrapped.train()
     last_loss = float("nan")
     stopped_by_budget = False
     while step < tc.max_steps:
-        elapsed = elapsed_before + time.perf_counter() - t0
+        elapsed = elapsed_before + clock() - t0
         if _any(elapsed >= budget, dist, device):
             stopped_by_budget = True
             break
@@ -407,7 +413,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
         bar.update(1, loss=last_loss, lr=lr, **{"tok/s": f"{tok_s:,.0f}"})
         if step % tc.log_every == 0 or step == 1:
             write_log({"step": step, "loss": last_loss, "lr": lr, "tokens_per_s": tok_s,
-                       "elapsed": elapsed_before + time.perf_counter() - t0})
+                       "elapsed": elapsed_before + clock() - t0})
         if tc.eval_every and step % tc.eval_every == 0 and step < tc.max_steps:
             validate()
             save()
@@ -417,9 +423,9 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
     val = history[-1]["val_loss"] if history and history[-1]["step"] == step else validate()
     save()
     summary = {"steps": step, "train_loss": last_loss, "val_loss": val, "val_bits_per_token": val / math.log(2),
-               "elapsed_s": elapsed_before + time.perf_counter() - t0, "stopped_by_time_budget": stopped_by_budget,
+               "elapsed_s": elapsed_before + clock() - t0, "stopped_by_time_budget": stopped_by_budget,
                "parameters": model.num_parameters(), "tokenizer": data.tokenizer.name, "device": str(device),
-               "processes": dist.world}
+               "processes": dist.world, "budget_clock": tc.budget_clock}
     if dist.main:
         log.close()
         if tb is not None:

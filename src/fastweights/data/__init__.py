@@ -9,7 +9,7 @@ Typical use (what training does)::
     x, y = train.get_batch(32, 128, torch.Generator().manual_seed(0))   # [32, 128] int64 each
 
 Each module's docstring gives the details: ``corpus`` (loaders, lazy big files, splits),
-``tokenizers`` (byte, char, GPT-2 BPE, fingerprints), ``streams`` (file format, streaming encode).
+``tokenizers`` (byte, char, word, GPT-2 BPE, fingerprints), ``streams`` (file format, streaming encode).
 """
 
 from fastweights.data.corpus import (
@@ -26,10 +26,12 @@ from fastweights.data.corpus import (
 from fastweights.data.streams import TokenStream, cached_stream, encode_to_file
 from fastweights.data.tokenizers import (
     TOKENIZER_KINDS,
+    TRAINED_KINDS,
     ByteTokenizer,
     CharTokenizer,
     GPT2Tokenizer,
     Tokenizer,
+    WordTokenizer,
     build_tokenizer,
     check_fingerprint,
     load_tokenizer,
@@ -38,6 +40,6 @@ from fastweights.data.tokenizers import (
 __all__ = [
     "CORPORA", "AnyDocument", "Document", "FileDocument", "content_digest", "load_corpus", "split_corpus",
     "text_pieces", "to_utf8", "TokenStream", "cached_stream", "encode_to_file", "TOKENIZER_KINDS",
-    "ByteTokenizer", "CharTokenizer", "GPT2Tokenizer", "Tokenizer", "build_tokenizer", "check_fingerprint",
+    "TRAINED_KINDS", "ByteTokenizer", "CharTokenizer", "WordTokenizer", "GPT2Tokenizer", "Tokenizer", "build_tokenizer", "check_fingerprint",
     "load_tokenizer",
 ]

@@ -1,6 +1,7 @@
-"""Tokenizers: byte-level (UTF-8), char-level (vocabulary from training text), and GPT-2 byte-level BPE.
+"""Tokenizers: byte-level (UTF-8), char-level and word-level (vocabularies from training text), and
+GPT-2 byte-level BPE.
 
-All three follow the ``Tokenizer`` protocol: ``encode(text) -> np.ndarray[int64]``,
+All four follow the ``Tokenizer`` protocol: ``encode(text) -> np.ndarray[int64]``,
 ``decode(ids) -> str``, ``save(directory)`` (writes ``tokenizer.json``), ``fingerprint()``.
 
 - ``ByteTokenizer``: the 256 byte values of the UTF-8 encoding; decoding uses ``errors="replace"``.
@@ -15,6 +16,12 @@ All three follow the ``Tokenizer`` protocol: ``encode(text) -> np.ndarray[int64]
   by the byte<->unicode table, and merges are applied lowest rank first (Sennrich et al. 2016). The
   special ``<|endoftext|>`` (id 50256) is never produced from text: ``encode`` treats its characters as
   ordinary text; use ``eot_id`` as a document separator.
+- ``WordTokenizer``: whitespace-separated words (the Penn Treebank convention of Mikolov et al.
+  2010): every newline is an end-of-sentence token ``<eos>`` (id 0), every other run of whitespace
+  only separates words; ``<unk>`` (id 1) stands for words outside the vocabulary, then the words
+  of the training text by descending count (ties in code-point order). A literal ``<unk>`` or
+  ``<eos>`` in the text is that special token. ``decode`` joins words with one space and turns
+  ``<eos>`` into a newline, so normalised text (single spaces, none at line ends) round-trips.
 
 Mismatch detection: ``fingerprint()`` is ``"<name>:<vocab_size>:<16 hex of SHA-256 of the
 vocabulary>"``. ``tokenizer.json`` records it, ``load_tokenizer`` recomputes it and refuses a file that
@@ -47,7 +54,7 @@ _FORMAT_VERSION = 1
 
 @runtime_checkable
 class Tokenizer(Protocol):
-    name: str  # "byte" | "char" | "gpt2"
+    name: str  # "byte" | "char" | "word" | "gpt2"
     vocab_size: int
 
     def encode(self, text: str) -> np.ndarray: ...  # [N] int64
@@ -190,6 +197,81 @@ class CharTokenizer(_Base):
 def _code_points(text: str) -> np.ndarray:
     """[len(text)] uint32 code points ("surrogatepass" keeps lone surrogates as themselves)."""
     return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
+
+
+# --------------------------------------------------------------------------------------------
+# Words
+
+EOS = "<eos>"
+UNK = "<unk>"
+# a word (a run of non-whitespace) or a newline; any other whitespace only separates words. A text
+# cut where a non-space meets whitespace (``corpus.safe_pieces``) encodes piece by piece exactly.
+_WORD_PATTERN = regex.compile(r"\S+|\n")
+
+
+class WordTokenizer(_Base):
+    """Whitespace-split words with a fixed vocabulary, an end-of-sentence and an unknown symbol.
+
+    ``WordTokenizer(words)``: ``words`` are the ids in order: ``words[0] == "<eos>"``,
+    ``words[1] == "<unk>"``, then distinct non-empty strings without whitespace (what ``from_text``
+    builds). ``encode`` maps each newline to ``eos_id`` (0) and each word to its id, or to
+    ``unk_id`` (1) when it is not in the vocabulary.
+    """
+
+    name = "word"
+
+    def __init__(self, words: Iterable[str]):
+        words = list(words)
+        if words[:2] != [EOS, UNK]:
+            raise ValueError(f"a word vocabulary starts with {EOS!r}, {UNK!r}")
+        if len(words) < 3:
+            raise UserError("the word tokenizer needs a non-empty vocabulary (its training text has no words)")
+        for w in words:
+            if not isinstance(w, str) or not w or regex.search(r"\s", w):
+                raise ValueError(f"word vocabulary entries must be non-empty strings without whitespace, got {w!r}")
+        if len(set(words)) != len(words):
+            raise ValueError("word vocabulary entries must be distinct")
+        self.words: list[str] = words
+        self.eos_id, self.unk_id = 0, 1
+        self.vocab_size = len(words)
+        self._ids = {w: i for i, w in enumerate(words)}
+        self._ids["\n"] = self.eos_id
+
+    @classmethod
+    def from_text(cls, text: str | Iterable[str]) -> "WordTokenizer":
+        """Vocabulary = the distinct words of ``text`` (a string or an iterable of pieces cut at
+        safe boundaries, e.g. ``corpus.text_pieces``), most frequent first, ties in code-point order."""
+        from collections import Counter
+
+        pieces = [text] if isinstance(text, str) else text
+        counts: Counter = Counter()
+        for piece in pieces:
+            counts.update(_WORD_PATTERN.findall(piece))
+        for special in ("\n", EOS, UNK):
+            counts.pop(special, None)
+        ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+        return cls([EOS, UNK, *(w for w, _ in ranked)])
+
+    def encode(self, text: str) -> np.ndarray:
+        get, unk = self._ids.get, self.unk_id
+        return np.array([get(w, unk) for w in _WORD_PATTERN.findall(text)], dtype=np.int64)
+
+    def decode(self, ids) -> str:
+        words, out, line_start = self.words, [], True
+        for i in _ids_array(ids, self.vocab_size).tolist():
+            if i == self.eos_id:
+                out.append("\n")
+                line_start = True
+            else:
+                out.append(words[i] if line_start else " " + words[i])
+                line_start = False
+        return "".join(out)
+
+    def _content_digest(self) -> str:
+        return _digest({"kind": "word", "words": self.words, "eos": "newline"})
+
+    def _payload(self, directory: Path) -> dict:
+        return {"words": self.words, "eos_id": self.eos_id, "unk_id": self.unk_id}
 
 
 # --------------------------------------------------------------------------------------------
@@ -372,14 +454,17 @@ class GPT2Tokenizer(_Base):
 
 # --------------------------------------------------------------------------------------------
 
-TOKENIZER_KINDS = ("char", "byte", "gpt2")
+TOKENIZER_KINDS = ("char", "byte", "word", "gpt2")
+# kinds whose vocabulary is built from the training text (``build_tokenizer`` needs ``train_text``)
+TRAINED_KINDS = ("char", "word")
 
 
 def build_tokenizer(kind: str, train_text: str | Iterable[str] | None = None) -> Tokenizer:
-    """A new tokenizer of ``kind`` ("char", "byte" or "gpt2").
+    """A new tokenizer of ``kind`` ("char", "byte", "word" or "gpt2").
 
     ``train_text`` (a string or an iterable of pieces, e.g. ``corpus.text_pieces(train_docs)``) is
-    needed for "char" only and builds its vocabulary; the others ignore it.
+    needed for "char" and "word" (:data:`TRAINED_KINDS`) and builds their vocabulary; the others
+    ignore it.
     """
     if kind == "byte":
         return ByteTokenizer()
@@ -389,6 +474,10 @@ def build_tokenizer(kind: str, train_text: str | Iterable[str] | None = None) ->
         if train_text is None:
             raise UserError("the char tokenizer needs training text to build its vocabulary")
         return CharTokenizer.from_text(train_text)
+    if kind == "word":
+        if train_text is None:
+            raise UserError("the word tokenizer needs training text to build its vocabulary")
+        return WordTokenizer.from_text(train_text)
     raise UserError(f"unknown tokenizer {kind!r}; choose one of {', '.join(TOKENIZER_KINDS)}")
 
 
@@ -416,6 +505,10 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
             tok = CharTokenizer(chr(c) for c in meta["code_points"])
             if meta.get("unk_id") != tok.unk_id:
                 raise ValueError(f"unk_id {meta.get('unk_id')!r} does not follow the vocabulary ({tok.unk_id})")
+        elif kind == "word":
+            tok = WordTokenizer(meta["words"])
+            if (meta.get("eos_id"), meta.get("unk_id")) != (tok.eos_id, tok.unk_id):
+                raise ValueError(f"eos_id/unk_id {meta.get('eos_id')!r}/{meta.get('unk_id')!r} are not 0/1")
         elif kind == "gpt2":
             files = meta["files"]
             if files == "bundled":
@@ -443,6 +536,7 @@ def check_fingerprint(tokenizer: Tokenizer, expected: str, what: str) -> None:
 
 
 __all__ = [
-    "Tokenizer", "ByteTokenizer", "CharTokenizer", "GPT2Tokenizer", "build_tokenizer", "load_tokenizer",
-    "check_fingerprint", "bytes_to_unicode", "GPT2_PATTERN", "TOKENIZER_KINDS", "TOKENIZER_FILE",
+    "Tokenizer", "ByteTokenizer", "CharTokenizer", "WordTokenizer", "GPT2Tokenizer", "build_tokenizer",
+    "load_tokenizer", "check_fingerprint", "bytes_to_unicode", "GPT2_PATTERN", "TOKENIZER_KINDS", "TRAINED_KINDS",
+    "TOKENIZER_FILE",
 ]
