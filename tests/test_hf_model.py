@@ -4,6 +4,7 @@ greedy generation; export-hf gives a directory that AutoModelForCausalLM / AutoT
 
 import copy
 import json
+import os
 
 import pytest
 import torch
@@ -229,8 +230,6 @@ def _checkpoint(tmp_path, tokenizer_kind: str, seed: int):
 def _cli(argv, monkeypatch):
     from fastweights import cli
 
-    if "fastweights.hf_export" not in cli.COMMAND_MODULES:  # until the lead wires the module in
-        monkeypatch.setattr(cli, "COMMAND_MODULES", [*cli.COMMAND_MODULES, "fastweights.hf_export"])
     return cli.main(argv)
 
 
@@ -288,3 +287,23 @@ def test_export_hf_refuses_non_empty_dir_and_checkpoint(tmp_path, monkeypatch, c
     assert _cli(["export-hf", str(tmp_path / "missing"), str(tmp_path / "o")], monkeypatch) == 2
     assert _cli(["export-hf", str(ck), str(out), "--force"], monkeypatch) == 0
     assert (out / "keep.txt").is_file() and (out / "model.safetensors").is_file()
+
+
+def test_exported_directory_loads_for_dynamic_evaluation_in_a_fresh_process(tmp_path, monkeypatch):
+    """`fastweights dynamic-eval --hf DIR` on an export-hf directory: the loader registers our model type."""
+    import subprocess
+    import sys
+
+    ck, lm, tok = _checkpoint(tmp_path, "char", seed=10)
+    out = tmp_path / "hf"
+    assert _cli(["export-hf", str(ck), str(out)], monkeypatch) == 0
+    text = TEXT * 3
+    code = ("import sys; from fastweights.cli import main; "
+            "sys.exit(main(['dynamic-eval', '--hf', sys.argv[1], '--data', sys.argv[2], '--json', '--quiet', "
+            "'--rule', 'sgd', '--lr', '0.01', '--segment-len', '4', '--context', '8']))")
+    (tmp_path / "doc.txt").write_text(text)
+    r = subprocess.run([sys.executable, "-c", code, str(out), str(tmp_path / "doc.txt")], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout)
+    assert got["static"]["tokens"] == got["dynamic"]["tokens"] == len(tok.encode(text)) - 1

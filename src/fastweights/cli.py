@@ -225,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--device", default="auto")
     e.add_argument("--stream", action="store_true",
                    help="per-position loss curves along long documents, carry vs reset vs frozen fast weights "
-                        "(same as `fastweights stream-eval`; see its --help for the extra options)")
+                        "with this command's defaults (`fastweights stream-eval` has the options for modes, bins and plots)")
     e.add_argument("--json", action="store_true")
     e.add_argument("--quiet", action="store_true")
     adapt_cli = _import_optional("fastweights.adapt.cli")

@@ -177,6 +177,8 @@ def load_hf_model(name_or_path: str, device: str | torch.device = "cpu", dtype: 
     require("transformers", "pip install 'fastweights[hf]' (or pip install transformers)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import fastweights.models.hf  # noqa: F401  (registers our model type, so export-hf directories load)
+
     kwargs: dict = {}
     name = str(name_or_path)
     if name.lower() in SMOLLM2_ALIASES:
@@ -203,4 +205,8 @@ def load_hf_model(name_or_path: str, device: str | torch.device = "cpu", dtype: 
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"cannot load Hugging Face model {name!r}: {first}") from None
     model = model.to(device).eval()
+    if isinstance(model, fastweights.models.hf.FastWeightsForCausalLM):
+        # a directory written by `fastweights export-hf`: adapt the LanguageModel inside natively (its
+        # state is the fast weights, not a KV cache of past keys/values)
+        return model.model, HFTokenizer(tok, name=f"hf:{name}")
     return HFCausalLM(model), HFTokenizer(tok, name=f"hf:{name}")
