@@ -6,8 +6,8 @@ one with delta-rule fast weight programmer mixers, stream the documents of ``--d
 shared long documents when present, else the bundled tinyshakespeare, repeated) in ``carry`` mode:
 state carried across documents, per-position curves kept as bin sums. Each (model, length) runs in
 its own process, so each peak RSS is that run's own; the 100K-token run is the baseline of the ratios.
-The size of the attention layers' RoPE cos/sin caches after the stream is reported too (they grow
-with the absolute position). A progress line goes to stderr every 10 s; the script counts those lines.
+(RoPE angles are computed per call for that call's positions, so no table grows with the stream.)
+A progress line goes to stderr every 10 s; the script counts those lines.
 
     python benchmarks/stream_memory.py [--tokens 100000,1000000] [--threads 1]
 
@@ -51,9 +51,7 @@ def child(name: str, tokens: int, data: str, threads: int) -> dict:
     rss_loaded = current_rss_mb()
     res = stream_eval(model, encode_documents(docs, tok), "carry", SEQ_LEN, bin_width=1024, max_tokens=tokens,
                       progress=True)
-    rope = [m for m in model.modules() if type(m).__name__ == "RotaryEmbedding" and m._cos is not None]
-    rope_mb = sum(m._cos.numel() * m._cos.element_size() + m._sin.numel() * m._sin.element_size() for m in rope) / 2**20
-    return {"tokens": res.tokens, "rope_tables_mb": rope_mb, "documents": len(res.documents), "elapsed_s": res.elapsed_s,
+    return {"tokens": res.tokens, "documents": len(res.documents), "elapsed_s": res.elapsed_s,
             "tokens_per_s": res.tokens / res.elapsed_s, "loss_nats": res.loss,
             "rss_mb_after_model_load": rss_loaded, "rss_mb_during_stream_max": res.rss_mb["max_sampled"],
             "peak_rss_mb": peak_rss_mb(), "curve_bins": len(res.curve.to_dict()["position"])}
@@ -82,18 +80,14 @@ def main() -> None:
             rec["progress_last_line"] = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
             runs[name][str(n)] = rec
             print(f"{name:>16} {n:>9,} tokens: {rec['tokens_per_s']:,.0f} tok/s, peak RSS {rec['peak_rss_mb']:.0f} MiB "
-                  f"(after model load {rec['rss_mb_after_model_load']:.0f} MiB), RoPE tables {rec['rope_tables_mb']:.0f} MiB, "
+                  f"(after model load {rec['rss_mb_after_model_load']:.0f} MiB), "
                   f"{rec['progress_lines']} progress lines")
     ratios = {}
     for name, r in runs.items():
         base, big = r[str(sizes[0])], r[str(sizes[-1])]
-        ratios[name] = {"tokens": big["tokens"] / base["tokens"], "peak_rss": big["peak_rss_mb"] / base["peak_rss_mb"],
-                        "peak_rss_minus_rope_tables": (big["peak_rss_mb"] - big["rope_tables_mb"])
-                        / (base["peak_rss_mb"] - base["rope_tables_mb"])}
+        ratios[name] = {"tokens": big["tokens"] / base["tokens"], "peak_rss": big["peak_rss_mb"] / base["peak_rss_mb"]}
     write_result("stream_memory", {
-        "note": ("machine shared with other engineers: timings are noisy; the RSS ratios are what matter. "
-                 "RoPE tables: fastweights.layers.common.RotaryEmbedding caches cos/sin from position 0 up to the "
-                 "largest position seen (doubling), so a softmax-attention stream grows by those tables"),
+        "note": "machine shared with other engineers: timings are noisy; the RSS ratios are what matter",
         "models": {k: {**v, "seq_len": SEQ_LEN, "stride": SEQ_LEN // 2} for k, v in MODELS.items()},
         "init": "random (seed 0)", "tokenizer": "char", "data": args.data, "mode": "carry", "threads": args.threads,
         "runs": runs, "ratios_largest_over_smallest": ratios,
