@@ -205,8 +205,8 @@ def test_load_tokenizer_errors(tmp_path):
 
 
 def test_build_tokenizer_errors():
-    with pytest.raises(UserError, match="unknown tokenizer 'word'"):
-        build_tokenizer("word")
+    with pytest.raises(UserError, match="unknown tokenizer 'wordpiece'"):
+        build_tokenizer("wordpiece")
     with pytest.raises(UserError, match="needs training text"):
         build_tokenizer("char")
     with pytest.raises(UserError, match="empty"):

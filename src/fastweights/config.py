@@ -48,7 +48,7 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     corpus: str = "tinyshakespeare"  # registered corpus name, a file, or a directory
-    tokenizer: str = "char"  # char | byte | gpt2
+    tokenizer: str = "char"  # char | byte | word | gpt2
     split: str = "span"  # span (contiguous 90/5/5 of the stream) | document
     val_fraction: float = 0.05
     test_fraction: float = 0.05

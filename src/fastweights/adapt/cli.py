@@ -215,8 +215,10 @@ def encode_texts(tokenizer, texts: list[str], bos: bool = False) -> tuple[list[t
 def default_segment_len(tokenizer) -> int:
     from fastweights.adapt.dynamic import DEFAULT_SEGMENT_LEN
 
-    # the paper's character-level segment; Transformer/GPT-2 dynamic evaluation used 128-token segments
-    return DEFAULT_SEGMENT_LEN if getattr(tokenizer, "name", "") in ("char", "byte") else 128
+    # the paper's segments: 20 characters, 5 words (Krause et al. 2018); subword (GPT-2) models: 128 tokens,
+    # as Transformer dynamic evaluation used
+    name = getattr(tokenizer, "name", "")
+    return DEFAULT_SEGMENT_LEN if name in ("char", "byte") else 5 if name == "word" else 128
 
 
 def default_context(model, cfg) -> int | None:
