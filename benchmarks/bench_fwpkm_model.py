@@ -17,6 +17,7 @@ machine hits both alike.  Writes benchmarks/results/bench_fwpkm_model.json.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -79,8 +80,9 @@ def main():
     y = torch.randint(0, a.vocab, (a.batch, a.seq_len))
     fns = {k: step_fn(m, x, y) for k, m in models.items()}
     times = {k: [] for k in fns}
-    ratios = []
+    ratios, loads = [], []
     for r in range(a.rounds):
+        loads.append(round(os.getloadavg()[0], 2))  # 1-min load average at the start of each round
         for k, f in fns.items():
             times[k].append(timeit(f, warmup=1, repeat=a.repeat))
         ratios.append(times["backbone"][-1] / times["fwpkm"][-1])  # = tok/s(FwPKM) / tok/s(backbone)
@@ -94,8 +96,9 @@ def main():
            "seconds_per_step_median": sec, "seconds_per_step_per_round": times,
            "tokens_per_s": {k: tokens / s for k, s in sec.items()}, "ratio_per_round": ratios,
            "ratio_fwpkm_over_backbone": ratio, "target_ratio": 0.8, "paper_ratio_h100": 0.35,
-           "note": "CPU, timed on a shared 2-core machine (another job on the other core); interleaved rounds, "
-                   "median of per-round ratios"}
+           "load_average_1m_per_round": loads,
+           "note": "CPU, timed on a shared 2-core machine with other jobs running (see load_average_1m_per_round); "
+                   "interleaved rounds, median of per-round ratios"}
     res["headline"] = [
         {"what": f"LM training tokens/s, FwPKM at layers {a.memory_layers[0]},{a.memory_layers[1]} / same backbone "
                  f"without (CPU, {a.threads} thread, d={a.d_model}, L={a.layers}, T={a.seq_len}, B={a.batch})",
