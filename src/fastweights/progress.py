@@ -15,12 +15,14 @@ class Progress:
     """``Progress(total, unit)``; call ``update(n, **fields)``; ``close()`` ends the line.
 
     Redraws at most every ``min_interval`` seconds; on a non-terminal (CI logs) it prints a plain
-    line every ``log_interval`` seconds instead of carriage-return redraws.
+    line every ``log_interval`` seconds instead of carriage-return redraws. ``time_limit`` (seconds):
+    the work stops by then whatever the count (a training time budget), so the ETA never exceeds it.
     """
 
     def __init__(self, total: float | None, unit: str = "it", desc: str = "", enabled: bool = True,
-                 min_interval: float = 0.2, log_interval: float = 10.0, stream=None):
+                 min_interval: float = 0.2, log_interval: float = 10.0, stream=None, time_limit: float | None = None):
         self.total, self.unit, self.desc, self.enabled = total, unit, desc, enabled
+        self.time_limit = time_limit
         self.stream = stream or sys.stderr
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.interval = min_interval if self.tty else log_interval
@@ -45,7 +47,10 @@ class Progress:
         parts += [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in self.fields.items()]
         parts.append(f"elapsed {_fmt_time(elapsed)}")
         if self.total and rate > 0 and not final:
-            parts.append(f"ETA {_fmt_time((self.total - self.n) / rate)}")
+            eta = (self.total - self.n) / rate
+            if self.time_limit is not None:
+                eta = max(0.0, min(eta, self.time_limit - elapsed))
+            parts.append(f"ETA {_fmt_time(eta)}")
         line = " | ".join(parts)
         self.stream.write(("\r\x1b[2K" + line) if self.tty else line + "\n")
         self.stream.flush()
