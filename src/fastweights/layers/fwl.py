@@ -318,7 +318,7 @@ def _vector_block(v: Tensor, base: Tensor | None, carry: Tensor | None, pieces: 
     padded = F.pad(v, (0, 0, front, back)) if front or back else v  # aligned calls need no padding
     grid = padded.view(b, len(pieces), seg, d)  # [B, P, L, D]
     cs = grid.cumsum(2)
-    excl = F.pad(cs[:, :, :-1], (0, 0, 1, 0))  # exclusive prefix within each piece
+    excl = cs - grid  # exclusive prefix within each piece (inclusive minus self: no shifted copy)
     totals = cs[:, :, -1]  # [B, P, D], each piece's sum (the padding adds zeros)
     carried = []
     for p in range(len(pieces)):
@@ -332,7 +332,7 @@ def _vector_block(v: Tensor, base: Tensor | None, carry: Tensor | None, pieces: 
             carry = base
         carried.append(torch.zeros_like(totals[:, 0]) if carry is None else carry)
         carry = totals[:, p] if carry is None else carry + totals[:, p]
-    excl = excl + torch.stack(carried, 1).unsqueeze(2)  # [B, P, L, D]
+    excl += torch.stack(carried, 1).unsqueeze(2)  # [B, P, L, D]
     return excl.reshape(b, len(pieces) * seg, d)[:, front : front + n]  # [B, N, D]
 
 
