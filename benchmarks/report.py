@@ -138,7 +138,7 @@ def main() -> int:
     stale = []
     for path in pages():
         old = path.read_text()
-        if path.name != "README.md" and START not in old:
+        if path != ROOT / "README.md" and START not in old:
             continue  # a docs page without a results table
         new = render(old, str(path.relative_to(ROOT)))
         if new != old:
