@@ -433,9 +433,11 @@ def cmd_dynamic_eval(args) -> int:
         return 0
     key = _headline_key(tok)
     s = res["settings"]
+    has_prior = "prior" in s["rule"]  # sgd and rms have no decay towards the trained weights
+    decay = f"decay {s['decay']:.3g}, " if has_prior else ""
+    sources = f"lr: {s['lr_source']}" + (f"; decay: {s['decay_source']}" if has_prior else "")
     print(f"{res['data']}: {res['static']['tokens']} tokens, {res['documents']} document(s); rule {s['rule']}, "
-          f"lr {s['lr']:.3g}, decay {s['decay']:.3g}, segment {s['segment_len']}, context {s['context']} "
-          f"(lr: {s['lr_source']}; decay: {s['decay_source']})")
+          f"lr {s['lr']:.3g}, {decay}segment {s['segment_len']}, context {s['context']} ({sources})")
     print(f"  static : {key} {res['static'][key]:.4f}  (loss {res['static']['loss_nats']:.4f} nats/token)")
     print(f"  dynamic: {key} {res['dynamic'][key]:.4f}  (loss {res['dynamic']['loss_nats']:.4f} nats/token, "
           f"{100 * res['relative_improvement']:.2f}% lower)")
