@@ -60,6 +60,7 @@ class TrainConfig:
     seq_len: int = 128
     batch_size: int = 32
     grad_accum: int = 1
+    carry_state: bool = False  # truncated BPTT: rows read contiguous lanes, the model state carried (detached)
     max_steps: int = 1000
     max_minutes: float = 0.0  # time budget; 0 = none
     budget_clock: str = "wall"  # wall | cpu (this process's CPU time: fair for 1-thread runs on a shared machine)

@@ -24,7 +24,7 @@ import torch
 from fastweights.checkpoint import atomic_write, save_model
 from fastweights.config import RunConfig
 from fastweights.errors import UserError
-from fastweights.models.lm import LanguageModel
+from fastweights.models.lm import LanguageModel, detach_state
 from fastweights.progress import Progress
 
 
@@ -277,6 +277,8 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
     tc = cfg.train
     if tc.log not in ("jsonl", "tensorboard"):
         raise UserError(f"train.log must be jsonl or tensorboard, got {tc.log!r}")
+    if tc.carry_state and tc.grad_accum != 1:
+        raise UserError("train.carry_state needs train.grad_accum = 1 (one contiguous window per lane per step)")
     if tc.budget_clock not in ("wall", "cpu"):
         raise UserError(f"train.budget_clock must be wall or cpu, got {tc.budget_clock!r}")
     # what max_minutes (and the elapsed times logged) count: wall-clock seconds, or this process's CPU
@@ -324,6 +326,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
     optimizer = make_optimizer(model, tc)
     gen = torch.Generator().manual_seed(tc.seed)
     step, elapsed_before, history = 0, 0.0, []
+    carried = None  # train.carry_state: the model state after the previous step's windows, detached
     if resume:
         ts = torch.load(state_path, map_location="cpu", weights_only=False)
         from safetensors.torch import load_file
@@ -331,6 +334,12 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
         _load_full_state(model, optimizer, load_file(str(out_dir / "model.safetensors")), ts["optimizer"])
         _set_rng_state(ts["rng"], gen)
         step, elapsed_before, history = ts["step"], ts["elapsed"], ts["history"]
+        # the lanes' carried state (one process only; with several, each rank held its own slice's)
+        carried = ts.get("carried_state") if ts.get("world_size") == dist.world == 1 else None
+        if carried is not None:
+            from torch.utils._pytree import tree_map
+
+            carried = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, carried)
     fwd = torch.compile(wrapped) if tc.compile else wrapped
 
     tb = summary_writer(str(out_dir / "tensorboard")) if dist.main and summary_writer is not None else None
@@ -356,7 +365,8 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
         if dist.main:
             save_model(model, out_dir, cfg, data.tokenizer, state_dict=model_sd)
             ts = {"step": step, "optimizer": optim_sd, "rng": _rng_state(gen),
-                  "elapsed": elapsed_before + (clock() - t0), "history": history, "world_size": dist.world}
+                  "elapsed": elapsed_before + (clock() - t0), "history": history, "world_size": dist.world,
+                  "carried_state": carried if dist.world == 1 else None}
             atomic_write(state_path, lambda p: torch.save(ts, p))
         _barrier(dist)
 
@@ -390,7 +400,12 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
         t_step = time.perf_counter()
         loss_sum = 0.0
         for i in range(tc.grad_accum):
-            x, y = data.train.get_batch(tc.batch_size, tc.seq_len, gen)  # the global batch, same on every rank
+            if tc.carry_state:  # truncated BPTT: row i continues its lane where the last step stopped
+                x, y, restart = data.train.get_lane_batch(tc.batch_size, tc.seq_len, step)
+                if restart:
+                    carried = None
+            else:
+                x, y = data.train.get_batch(tc.batch_size, tc.seq_len, gen)  # the global batch, same on every rank
             x = x[dist.rank * micro : (dist.rank + 1) * micro].to(device, non_blocking=True)
             y = y[dist.rank * micro : (dist.rank + 1) * micro].to(device, non_blocking=True)
             sync = i == tc.grad_accum - 1
@@ -398,10 +413,12 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
             if fsdp and dist.world > 1:
                 wrapped.set_requires_gradient_sync(sync)
             with ctx, autocast(device):
-                out = fwd(x, targets=y)
+                out = fwd(x, state=carried, targets=y) if tc.carry_state else fwd(x, targets=y)
                 loss = out.loss if out.aux_loss is None else out.loss + out.aux_loss
                 (loss / tc.grad_accum).backward()
             loss_sum += out.loss.item()
+            if tc.carry_state:  # bounded (a KV cache keeps seq_len tokens) and cut from this step's graph
+                carried = model.trim_state(detach_state(out.state), tc.seq_len)
         if tc.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
         optimizer.step()

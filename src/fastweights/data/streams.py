@@ -131,6 +131,27 @@ class TokenStream:
         windows = torch.from_numpy(np.asarray(self.tokens[index], dtype=np.int64))  # [B, T + 1]
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
+    def get_lane_batch(self, batch_size: int, seq_len: int, step: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Contiguous windows for truncated BPTT: x [B, T], y [B, T] and whether the lanes restart.
+
+        The stream is cut into ``batch_size`` equal lanes; at ``step`` row i reads window
+        ``step mod W`` of lane i (W = windows per lane), so row i of one step continues exactly where
+        row i of the step before ended, and every lane restarts at its beginning after W steps (then
+        ``restart`` is True and a carried state must be dropped).
+        """
+        if batch_size < 1 or seq_len < 1:
+            raise ValueError(f"batch_size and seq_len must be positive, got {batch_size}, {seq_len}")
+        lane = (len(self) - 1) // batch_size
+        windows = lane // seq_len
+        if windows < 1:
+            raise UserError(f"train.carry_state: {len(self):,} tokens cut into {batch_size} lanes leave less "
+                            f"than one window of seq_len {seq_len} per lane")
+        k = step % windows
+        starts = np.arange(batch_size) * lane + k * seq_len
+        index = starts[:, None] + np.arange(seq_len + 1)  # [B, T + 1]
+        rows = torch.from_numpy(np.asarray(self.tokens[index], dtype=np.int64))
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous(), k == 0
+
     def iter_chunks(self, seq_len: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Contiguous, non-overlapping (x [1, T], y [1, T]) int64 pairs in stream order: every token
         after the first is a target exactly once; the last chunk may be shorter. For streaming
