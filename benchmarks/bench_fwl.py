@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import timeit, write_result  # noqa: E402
+from common import bench_clock, timeit, write_result  # noqa: E402
 
 from fastweights.config import make_config  # noqa: E402
 from fastweights.evaluate import score_tokens  # noqa: E402
@@ -95,8 +94,7 @@ def main():
         for label, m in models.items():
             fns[("train", label)] = train_step(m, torch.optim.AdamW(m.parameters(), 1e-4))
 
-    # one CPU thread: time the process's CPU seconds, so other jobs on the machine do not count
-    clock = time.process_time if a.threads == 1 and dev.type == "cpu" else time.perf_counter
+    clock, clock_name = bench_clock(dev)
     times = {k: [] for k in fns}
     for _ in range(a.rounds):
         for key, f in fns.items():
@@ -124,7 +122,7 @@ def main():
     res = {
         "what": "scoring throughput, backbone + FWL head over backbone alone (same run, interleaved rounds)",
         "note": "CPU timings on a machine shared with other engineers; compare ratios from the same run only",
-        "clock": "process CPU time" if clock is time.process_time else "wall",
+        "clock": clock_name,
         "config": vars(a),
         "parameters": params,
         "fwl_options": head_opts,

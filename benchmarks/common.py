@@ -34,6 +34,14 @@ def write_result(name: str, payload: dict) -> Path:
     return path
 
 
+def bench_clock(device) -> tuple:
+    """(clock, name) for timing on ``device``: with one CPU thread, this process's CPU seconds (other
+    jobs taking turns on the core do not count); otherwise wall seconds."""
+    if torch.device(device).type == "cpu" and torch.get_num_threads() == 1:
+        return time.process_time, "process CPU time"
+    return time.perf_counter, "wall"
+
+
 def timeit(fn, warmup: int = 3, repeat: int = 10, clock=time.perf_counter) -> float:
     """Median seconds per call of ``fn`` (synchronising CUDA around each call).
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -63,7 +62,7 @@ def main():
                {"what": f"Shakespeare char, {r['preset']} ({r['parameters']:,} params, {a.minutes:g} CPU-min, "
                         f"{r['steps']} steps): validation bits/char", "value": round(r["val_bits_per_char"], 3),
                 "unit": "bits/char"},
-               {"what": f"  same model: test bits/char (whole test split streamed, state carried)",
+               {"what": "  same model: test bits/char (whole test split streamed, state carried)",
                 "value": round(r["test_bits_per_char"], 3), "unit": "bits/char"})]}
     write_result(a.name, res)
 

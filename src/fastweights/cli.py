@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -192,6 +191,8 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from fastweights.data.tokenizers import TOKENIZER_KINDS
+
     p = _Parser(prog="fastweights", description="Language models whose weights change with the text they read.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -209,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser("prepare", help="tokenise a corpus once into memory-mapped train/val/test files")
     pr.add_argument("--data", required=True, help="corpus: registered name, text file, directory or .jsonl")
-    pr.add_argument("--tokenizer", default="gpt2", choices=["char", "byte", "word", "gpt2"])
+    pr.add_argument("--tokenizer", default="gpt2", choices=list(TOKENIZER_KINDS))
     pr.add_argument("--out", required=True, help="directory for the token files (then train with --data DIR)")
     pr.add_argument("--set", action="append", metavar="data.KEY=VALUE", help="override a data field (split, fractions)")
     pr.add_argument("--json", action="store_true")

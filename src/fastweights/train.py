@@ -413,7 +413,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
             if fsdp and dist.world > 1:
                 wrapped.set_requires_gradient_sync(sync)
             with ctx, autocast(device):
-                out = fwd(x, state=carried, targets=y) if tc.carry_state else fwd(x, targets=y)
+                out = fwd(x, state=carried, targets=y)  # carried stays None without carry_state
                 loss = out.loss if out.aux_loss is None else out.loss + out.aux_loss
                 (loss / tc.grad_accum).backward()
             loss_sum += out.loss.item()

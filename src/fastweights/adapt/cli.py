@@ -433,7 +433,9 @@ def cmd_dynamic_eval(args) -> int:
         return 0
     key = _headline_key(tok)
     s = res["settings"]
-    has_prior = "prior" in s["rule"]  # sgd and rms have no decay towards the trained weights
+    from fastweights.adapt.dynamic import PRIOR_RULES
+
+    has_prior = s["rule"] in PRIOR_RULES  # sgd and rms have no decay towards the trained weights
     decay = f"decay {s['decay']:.3g}, " if has_prior else ""
     sources = f"lr: {s['lr_source']}" + (f"; decay: {s['decay_source']}" if has_prior else "")
     print(f"{res['data']}: {res['static']['tokens']} tokens, {res['documents']} document(s); rule {s['rule']}, "

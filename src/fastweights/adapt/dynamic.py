@@ -68,6 +68,7 @@ from fastweights.evaluate import EvalResult, score_tokens
 from fastweights.progress import Progress
 
 RULES = ("sgd", "sgd-global-prior", "rms", "rms-prior", "rms-global-prior")
+PRIOR_RULES = ("sgd-global-prior", "rms-prior", "rms-global-prior")  # the rules that decay towards theta_g
 RULE_ALIASES = {"sgd_prior": "sgd-global-prior", "rms_prior": "rms-prior", "rms_rmsprior": "rms-global-prior",
                 "sgd-prior": "sgd-global-prior", "rms-rms-prior": "rms-global-prior"}
 DEFAULT_LR = 5e-5  # dynamiceval.py --lr
@@ -419,7 +420,7 @@ class DynamicEvaluator:
 
     def _stats_for(self, stats: GradStats | None) -> list[torch.Tensor]:
         if stats is None:
-            raise UserError(f"rule needs gradient statistics: pass grad_stats (see `fastweights collect-grad-stats`)")
+            raise UserError("rule needs gradient statistics: pass grad_stats (see `fastweights collect-grad-stats`)")
         missing = [n for n in self.names if n not in stats.ms]
         if missing:
             raise UserError(f"the gradient statistics lack {len(missing)} adapted parameter(s), e.g. {missing[0]!r}; "

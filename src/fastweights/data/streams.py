@@ -127,6 +127,10 @@ class TokenStream:
             raise ValueError(f"batch_size and seq_len must be positive, got {batch_size}, {seq_len}")
         self._need(seq_len + 1, f"one sequence of seq_len {seq_len} plus its target")
         starts = torch.randint(0, len(self) - seq_len, (batch_size,), generator=generator).numpy()
+        return self._windows(starts, seq_len)
+
+    def _windows(self, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T], y [B, T] int64 for the windows starting at ``starts`` [B]."""
         index = starts[:, None] + np.arange(seq_len + 1)  # [B, T + 1] positions; memmap reads just these
         windows = torch.from_numpy(np.asarray(self.tokens[index], dtype=np.int64))  # [B, T + 1]
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
@@ -147,10 +151,8 @@ class TokenStream:
             raise UserError(f"train.carry_state: {len(self):,} tokens cut into {batch_size} lanes leave less "
                             f"than one window of seq_len {seq_len} per lane")
         k = step % windows
-        starts = np.arange(batch_size) * lane + k * seq_len
-        index = starts[:, None] + np.arange(seq_len + 1)  # [B, T + 1]
-        rows = torch.from_numpy(np.asarray(self.tokens[index], dtype=np.int64))
-        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous(), k == 0
+        x, y = self._windows(np.arange(batch_size) * lane + k * seq_len, seq_len)
+        return x, y, k == 0
 
     def iter_chunks(self, seq_len: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Contiguous, non-overlapping (x [1, T], y [1, T]) int64 pairs in stream order: every token

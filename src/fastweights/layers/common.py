@@ -96,9 +96,9 @@ class RotaryEmbedding(nn.Module):
         """x: [..., T, D] -> same shape, rotated for positions start..start+T-1."""
         T, D = x.shape[-2], x.shape[-1]
         t = torch.arange(start, start + T, device=x.device, dtype=torch.float32)
-        angles = torch.outer(t, self.inv_freq)  # [T, D/2]
         compute = torch.float64 if x.dtype == torch.float64 else torch.float32  # no complex bf16
-        rotation = torch.polar(torch.ones_like(angles), angles).to(torch.complex128 if compute == torch.float64 else torch.complex64)
+        angles = torch.outer(t, self.inv_freq).to(compute)  # [T, D/2]
+        rotation = torch.polar(torch.ones_like(angles), angles)  # complex64 / complex128
         xc = x.to(compute)
         if xc.stride(-1) != 1 or any(s % 2 for s in xc.stride()[:-1]):
             xc = xc.contiguous()
