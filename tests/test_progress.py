@@ -1,6 +1,7 @@
 """The progress line: count, rate, fields, and an ETA bounded by a time budget."""
 
 import io
+import time
 
 from fastweights.progress import Progress
 
@@ -33,3 +34,17 @@ def test_fields_and_final_line_have_no_eta():
     bar.stream, bar.tty = out, False
     bar._draw(bar.start + 1.0, final=True)
     assert "loss 1.25" in out.getvalue() and "ETA" not in out.getvalue()
+
+
+def test_cpu_clock_counts_cpu_seconds_for_the_budget():
+    # train.budget_clock = "cpu": the budget is CPU seconds, so elapsed and ETA must be CPU seconds too
+    fake = iter([100.0, 160.0])  # start, then 60 CPU seconds later
+    bar = Progress(5000, "steps", desc="train", time_limit=120.0, clock=lambda: next(fake), min_interval=0)
+    bar.n = 30
+    out = io.StringIO()
+    bar.stream, bar.tty = out, False
+    bar._draw(bar.clock())
+    line = out.getvalue().strip()
+    assert "elapsed 01:00" in line and line.endswith("ETA 01:00")
+    bar = Progress(10, clock=time.process_time)
+    assert bar.clock_label == "cpu"

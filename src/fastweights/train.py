@@ -383,7 +383,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
     tokens_per_step = tc.batch_size * tc.seq_len * tc.grad_accum
     budget = tc.max_minutes * 60 if tc.max_minutes > 0 else math.inf
     bar = Progress(tc.max_steps, "steps", desc="train", enabled=progress,
-                   time_limit=budget - elapsed_before if math.isfinite(budget) else None)
+                   time_limit=budget - elapsed_before if math.isfinite(budget) else None, clock=clock)
     bar.n = step
     t0 = clock()
     wrapped.train()
