@@ -20,12 +20,49 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, write_result  # noqa: E402
+
+
+def answer_digit_accuracy(ckpt: Path, chars: int = 40_000) -> dict:
+    """Did the model learn the skill it was trained for? Greedy next-character accuracy on the answer
+    digits of the questions in the held-out (test) span of its own training corpus, against the same
+    accuracy on the needles' digits, which nothing earlier predicts (chance level)."""
+    import fastweights.tasks.niah  # noqa: F401  (registers the NIAH corpora)
+    from fastweights.checkpoint import load_checkpoint
+    from fastweights.data import load_corpus, split_corpus
+
+    torch.set_num_threads(1)
+    model, tok, cfg = load_checkpoint(ckpt)
+    model.eval()
+    docs = load_corpus(cfg.data.corpus)
+    text = "".join(d.text for d in split_corpus(docs, cfg.data.split, cfg.data.val_fraction,
+                                                   cfg.data.test_fraction)["test"])[:chars]
+    text = text[text.index("\n\n") + 2:]  # start at a record boundary
+    ids = torch.tensor(tok.encode(text))[None]  # char tokenizer: one token per character
+    preds, state = [], None
+    with torch.no_grad():
+        for s in range(0, ids.shape[1], cfg.train.seq_len):
+            out = model(ids[:, s : s + cfg.train.seq_len], state)
+            state = model.trim_state(out.state, cfg.train.seq_len)
+            preds.append(out.logits.argmax(-1)[0])
+    pred = torch.cat(preds)
+    hits = {"question": [0, 0], "needle": [0, 0]}
+    for m in re.finditer(r"The secret number for (ID-[0-9a-f]{4}) is (\d{6})\.", text):
+        kind = "needle" if text.find(m.group(1)) == m.start(1) else "question"
+        for j in range(m.start(2), m.end(2)):
+            hits[kind][0] += int(pred[j - 1]) == tok.encode(text[j])[0]
+            hits[kind][1] += 1
+    return {"question_answer_digits": float(hits["question"][0] / hits["question"][1]),
+            "needle_digits_chance": float(hits["needle"][0] / hits["needle"][1]),
+            "questions": int(hits["question"][1] // 6), "chars": len(text)}
 
 
 def main() -> int:
@@ -57,12 +94,15 @@ def main() -> int:
                              capture_output=True, text=True).stdout
         doc = json.loads(out)
         train = json.loads((ckpt / "summary.json").read_text())
+        in_distribution = answer_digit_accuracy(ckpt)
+        print(label, "in-distribution answer digits:", in_distribution, flush=True)
         by_iters = doc["summary"]["by_iters"]
         results[label] = {
             "checkpoint": str(ckpt),
             "command": " ".join(cmd),
             "training": {k: train.get(k) for k in ("steps", "val_bits_per_token", "elapsed_s", "budget_clock",
                                                      "parameters", "stopped_by_time_budget")},
+            "training_text_answer_digit_accuracy": in_distribution,
             "exact_by_reads_and_length": {n: {L: v["exact"] for L, v in by_iters[n]["by_length"].items()}
                                           for n in by_iters},
             "digits_by_reads_and_length": {n: {L: v["digits"] for L, v in by_iters[n]["by_length"].items()}
@@ -82,6 +122,11 @@ def main() -> int:
     }
     headline = []
     for label, r in results.items():
+        acc = r["training_text_answer_digit_accuracy"]
+        headline.append({"what": f"NIAH training skill, {label}, {r['training']['steps']} steps: answer-digit accuracy on "
+                                 "held-out training-format text (chance: needle digits)",
+                         "value": f"{acc['question_answer_digits']:.3f} (chance {acc['needle_digits_chance']:.3f})",
+                         "target": "well above chance"})
         for n, by_len in r["exact_by_reads_and_length"].items():
             cells = ", ".join(f"{int(L) // 1024}K {v:.2f}" if int(L) % 1024 == 0 else f"{L} {v:.2f}"
                               for L, v in by_len.items())

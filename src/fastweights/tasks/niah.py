@@ -527,13 +527,17 @@ def training_text(haystack: Haystack, n_chars: int, seed: int = 0, sample_chars:
 
 
 def _register_corpus() -> None:
-    """``niah-tinyshakespeare``: 6M characters of :func:`training_text` on the bundled Shakespeare."""
+    """``niah-tinyshakespeare``: 6M characters of :func:`training_text` on the bundled Shakespeare;
+    ``niah-dense-tinyshakespeare``: the same with shorter windows (50-400 characters) and 3-8 needles
+    each, about twice as many answer digits per character."""
     from fastweights.data.corpus import CORPORA, Document
 
-    def load():
-        return [Document("niah-tinyshakespeare", training_text(Haystack.load("tinyshakespeare"), 6_000_000, seed=0))]
+    def loader(name, **kw):
+        return lambda: [Document(name, training_text(Haystack.load("tinyshakespeare"), 6_000_000, seed=0, **kw))]
 
-    CORPORA.setdefault("niah-tinyshakespeare", load)
+    CORPORA.setdefault("niah-tinyshakespeare", loader("niah-tinyshakespeare"))
+    CORPORA.setdefault("niah-dense-tinyshakespeare",
+                       loader("niah-dense-tinyshakespeare", sample_chars=(50, 400), needles=(3, 8)))
 
 
 _register_corpus()
