@@ -35,9 +35,9 @@ def answer_digit_accuracy(ckpt: Path, chars: int = 40_000) -> dict:
     """Did the model learn the skill it was trained for? Greedy next-character accuracy on the answer
     digits of the questions in the held-out (test) span of its own training corpus, against the same
     accuracy on the needles' digits, which nothing earlier predicts (chance level)."""
-    import fastweights.tasks.niah  # noqa: F401  (registers the NIAH corpora)
     from fastweights.checkpoint import load_checkpoint
     from fastweights.data import load_corpus, split_corpus
+    from fastweights.tasks.niah import KEY_HEX, NEEDLE_TEMPLATE, VALUE_DIGITS  # (importing registers the corpora)
 
     torch.set_num_threads(1)
     model, tok, cfg = load_checkpoint(ckpt)
@@ -46,23 +46,26 @@ def answer_digit_accuracy(ckpt: Path, chars: int = 40_000) -> dict:
     text = "".join(d.text for d in split_corpus(docs, cfg.data.split, cfg.data.val_fraction,
                                                    cfg.data.test_fraction)["test"])[:chars]
     text = text[text.index("\n\n") + 2:]  # start at a record boundary
-    ids = torch.tensor(tok.encode(text))[None]  # char tokenizer: one token per character
+    ids = torch.tensor(tok.encode(text))  # [N]
+    if ids.numel() != len(text):
+        raise SystemExit(f"error: {ckpt} does not use a character tokenizer (the answer digits need one token each)")
     preds, state = [], None
     with torch.no_grad():
-        for s in range(0, ids.shape[1], cfg.train.seq_len):
-            out = model(ids[:, s : s + cfg.train.seq_len], state)
+        for s in range(0, ids.numel(), cfg.train.seq_len):
+            out = model(ids[None, s : s + cfg.train.seq_len], state)
             state = model.trim_state(out.state, cfg.train.seq_len)
             preds.append(out.logits.argmax(-1)[0])
-    pred = torch.cat(preds)
+    hit = torch.cat(preds)[:-1] == ids[1:]  # hit[j - 1]: was character j predicted from those before it?
+    needle = re.escape(NEEDLE_TEMPLATE).replace(r"\{key\}", f"(ID-[0-9a-f]{{{KEY_HEX}}})").replace(
+        r"\{value\}", f"(\\d{{{VALUE_DIGITS}}})")
     hits = {"question": [0, 0], "needle": [0, 0]}
-    for m in re.finditer(r"The secret number for (ID-[0-9a-f]{4}) is (\d{6})\.", text):
+    for m in re.finditer(needle, text):  # a key's first occurrence is its needle, later ones are questions
         kind = "needle" if text.find(m.group(1)) == m.start(1) else "question"
-        for j in range(m.start(2), m.end(2)):
-            hits[kind][0] += int(pred[j - 1]) == tok.encode(text[j])[0]
-            hits[kind][1] += 1
+        hits[kind][0] += int(hit[m.start(2) - 1 : m.end(2) - 1].sum())
+        hits[kind][1] += m.end(2) - m.start(2)
     return {"question_answer_digits": float(hits["question"][0] / hits["question"][1]),
             "needle_digits_chance": float(hits["needle"][0] / hits["needle"][1]),
-            "questions": int(hits["question"][1] // 6), "chars": len(text)}
+            "questions": hits["question"][1] // VALUE_DIGITS, "chars": len(text)}
 
 
 def main() -> int:

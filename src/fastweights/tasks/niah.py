@@ -529,7 +529,7 @@ def training_text(haystack: Haystack, n_chars: int, seed: int = 0, sample_chars:
 def _register_corpus() -> None:
     """``niah-tinyshakespeare``: 6M characters of :func:`training_text` on the bundled Shakespeare;
     ``niah-dense-tinyshakespeare``: the same with shorter windows (50-400 characters) and 3-8 needles
-    each, about twice as many answer digits per character."""
+    each, more questions (answer digits) per character."""
     from fastweights.data.corpus import CORPORA, Document
 
     def loader(name, **kw):
