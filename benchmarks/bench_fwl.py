@@ -16,6 +16,10 @@ machine hits all alike:
   context and ``seq_len // 2`` stride, the state carried (how ``fastweights eval`` scores a document);
 - ``train``: forward + backward (second-order through the FWL) + AdamW step on ``[batch, seq_len]``.
 
+It also counts the matrix-multiply FLOPs of one window call of each model (``torch.utils.flop_counter``;
+elementwise ops are not counted): ``flop_ratio`` = backbone FLOPs / model FLOPs is the window ratio a
+perfectly efficient head would reach, the ceiling for the measured one.
+
 Writes benchmarks/results/bench_fwl.json (or ``--name``). Random weights: speed does not depend on them.
 """
 
@@ -26,6 +30,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_clock, timeit, write_result  # noqa: E402
@@ -122,6 +127,15 @@ def main():
         results[kind] = {"tokens_per_s": tps,
                          "ratio_over_backbone": {label: median(r) for label, r in per_round.items()},
                          "ratio_per_round": per_round}
+    flops = {}
+    for label, m in models.items():
+        m.eval()
+        counter = FlopCounterMode(display=False)
+        with counter:
+            window(m)()
+        flops[label] = counter.get_total_flops() / (a.batch * a.seq_len)
+    results["window"]["matmul_flops_per_token"] = flops
+    results["window"]["flop_ratio"] = {label: flops[base] / f for label, f in flops.items() if label != base}
     params = {label: m.num_parameters() for label, m in models.items()}
     head_opts = {label: dict(vars(m.head.options)) for label, m in models.items() if label != base}
     res = {
@@ -138,6 +152,7 @@ def main():
     key = "backbone + fwl (preset)"
     if key in results["window"]["ratio_over_backbone"]:
         res["target"]["measured"] = results["window"]["ratio_over_backbone"][key]
+    print("flop ratio (ceiling)", {k: round(v, 3) for k, v in results["window"]["flop_ratio"].items()})
     for kind in results:
         print(kind, {k: round(v, 3) for k, v in results[kind]["ratio_over_backbone"].items()},
               {k: round(v) for k, v in results[kind]["tokens_per_s"].items()})

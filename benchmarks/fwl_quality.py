@@ -11,7 +11,10 @@ Variants (each trained with ``fastweights.train.train`` from its preset, ``train
 - ``fwl``: ``configs/shakespeare-char-fwl.toml`` (same backbone, ``head = "fwl"``, second-order training);
 - ``tto``: the FWL preset with ``test_time_only = true``: the same head trained with the slow loss (the
   same extra slow capacity, no meta-learning), then one global step size tuned on the validation split
-  (the paper's Table 2 "test-time only" ablation). Its step-0 row is the slow head alone.
+  (the paper's Table 2 "test-time only" ablation). Its step-0 row is the slow head alone;
+- ``fwl-carry``: the FWL preset trained with ``train.carry_state = true`` (each batch row continues its
+  lane of the text, the state carried and detached): the running update and its segment decays then
+  train across windows, as they are used when a long text is streamed.
 
 Metrics per variant: ``val_bits_window`` (the trainer's validation loss: independent windows of
 ``seq_len`` tokens, ``train.eval_tokens`` of them) and ``test_bits_stream`` (the test split scored as
@@ -49,6 +52,7 @@ VARIANTS = {
     "base": ("shakespeare-char", []),
     "fwl": ("shakespeare-char-fwl", []),
     "tto": ("shakespeare-char-fwl", ["model.options.fwl.test_time_only=true"]),
+    "fwl-carry": ("shakespeare-char-fwl", ["train.carry_state=true"]),
 }
 TTO_GRID = [0.0, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3]
 

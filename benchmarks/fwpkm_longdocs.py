@@ -8,6 +8,9 @@ seed and number of steps): a character-level Transformer with 64-character slidi
     fwpkm-addressing    FwPKM at layers 1 and 3, keys updated by the addressing loss (eqs 16-18; the paper's default)
     fwpkm-mse           keys follow the gradient of the memorisation MSE instead (the paper's "w/o addr loss")
     fwpkm-none          keys never move (no key update at all; only the values are written)
+    fwpkm-per-seq       as fwpkm-addressing, but every sequence of a batch has its own memory
+                        (persistence "per_sequence"); scoring streams one document at a time, so training
+                        then fills the memory the way scoring does
 
 trained on the State of the Union addresses of /work/shared/data/long_docs with a *document* split: the
 held-out (test) addresses are whole documents that no training batch ever contains.
@@ -16,12 +19,16 @@ Evaluation streams every held-out document from a fresh state with the state car
 document (as ``fastweights eval``: calls of seq_len / 2 tokens, memory writes every chunk), so the memory
 can carry what it read earlier in the address.  FwPKM models are scored with writes (normal) and
 frozen (``FwPKM.frozen``: reads the initial tables, never writes; App. D.2); to save compute only
-the main model (fwpkm-addressing) gets the frozen pass.  Addressing statistics
+the main models (fwpkm-addressing, fwpkm-per-seq) get the frozen pass.  Addressing statistics
 (collision, coverage, KLD; ``fastweights.memory_stats``) come from the slots read during the normal
 held-out pass, per window of N / (H k) tokens (so a window makes about N reads, as the paper's
 32K-token windows with N = 512^2 and top-8), averaged over windows, documents and the two FwPKM layers.
 
     OMP_NUM_THREADS=1 python benchmarks/fwpkm_longdocs.py [--steps 350] [--variants swa,fwpkm-addressing,...]
+        [--set SECTION.KEY=VALUE ...] [--runs DIR] [--name NAME]
+
+``--train-only`` with disjoint ``--variants`` lets several processes train at once; a last call without
+it then scores the saved checkpoints.
 
 A run whose checkpoint already exists under --runs with the same configuration is reused (the JSON says
 which were trained in this invocation).  Writes benchmarks/results/fwpkm_longdocs.json.
@@ -56,14 +63,17 @@ VARIANTS = {
     "fwpkm-addressing": ("longdocs-fwpkm", ['model.options.fwpkm.key_update="addressing"']),
     "fwpkm-mse": ("longdocs-fwpkm", ['model.options.fwpkm.key_update="mse"']),
     "fwpkm-none": ("longdocs-fwpkm", ['model.options.fwpkm.key_update="none"']),
+    "fwpkm-per-seq": ("longdocs-fwpkm", ['model.options.fwpkm.key_update="addressing"',
+                                         'model.options.fwpkm.persistence="per_sequence"']),
 }
+MAIN = ("fwpkm-addressing", "fwpkm-per-seq")  # the models that also get the frozen (D.2) pass
 EARLY = 2048  # characters: per-document positions before / after this are reported separately
 
 
 def run_config(name: str, a) -> tuple:
     preset, overrides = VARIANTS[name]
     overrides = list(overrides) + [f"train.max_steps={a.steps}", f"train.max_minutes={a.max_minutes}",
-                                   f"train.threads={a.threads}", f'data.corpus="{a.data}"', "train.device=\"cpu\""]
+                                   f"train.threads={a.threads}", f'data.corpus="{a.data}"', "train.device=\"cpu\"", *a.set]
     return make_config(str(ROOT / "configs" / f"{preset}.toml"), overrides), preset, overrides
 
 
@@ -149,6 +159,9 @@ def main():
                     help="time cap per training run (0 = none; a cap also shortens the lr schedule by wall-clock, so models then differ by machine load)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--train-only", action="store_true", help="train the missing runs, write no result")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override applied to every variant (e.g. train.carry_state=true)")
+    ap.add_argument("--name", default="fwpkm_longdocs", help="results file benchmarks/results/NAME.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     names = [v.strip() for v in a.variants.split(",") if v.strip()]
@@ -196,7 +209,7 @@ def main():
         if mems:
             entry["addressing"] = addressing(reads, mems)
             entry["addressing_window_x8"] = addressing(reads, mems, 8)
-            if n == "fwpkm-addressing":  # the D.2 check on the main FwPKM model only (compute budget)
+            if n in MAIN:  # the D.2 check on the main FwPKM models only (compute budget)
                 frozen, _ = score_documents(model, tok, test, cfg.train.seq_len, frozen=True, record=False)
                 entry["frozen"] = frozen
         results[n] = entry
@@ -206,25 +219,29 @@ def main():
 
     headline = []
     base = results.get("swa")
-    fw = results.get("fwpkm-addressing")
     if base:
         headline.append({"what": "held-out bits/char, baseline (SWA-64, no memory)",
                          "value": round(base["normal"]["bits_per_char"], 4), "unit": "bits/char"})
-    if fw:
-        headline.append({"what": "held-out bits/char, FwPKM@1,3 (addressing loss)",
-                         "value": round(fw["normal"]["bits_per_char"], 4), "unit": "bits/char",
-                         "target": "< baseline"})
+    results_summary = {}
+    for n in MAIN:
+        fw = results.get(n)
+        if not fw:
+            continue
+        label = "FwPKM@1,3 (addressing loss)" + (", memory per sequence" if n == "fwpkm-per-seq" else "")
+        headline.append({"what": f"held-out bits/char, {label}", "value": round(fw["normal"]["bits_per_char"], 4),
+                         "unit": "bits/char", "target": "< baseline"})
         headline.append({"what": "held-out bits/char, same FwPKM model with fast weights frozen (D.2)",
                          "value": round(fw["frozen"]["bits_per_char"], 4), "unit": "bits/char",
                          "target": "> FwPKM (most of the gain removed)"})
-    if base and fw:
+        if not base:
+            continue
         gain = base["normal"]["bits_per_char"] - fw["normal"]["bits_per_char"]
         lost = fw["frozen"]["bits_per_char"] - fw["normal"]["bits_per_char"]
-        results_summary = {"gain_bits_per_char": gain, "freezing_costs_bits_per_char": lost,
-                           "share_of_gain_removed_by_freezing": lost / gain if gain > 0 else None,
-                           "perplexity_per_char": {"swa": base["normal"]["perplexity_per_char"],
-                                                   "fwpkm": fw["normal"]["perplexity_per_char"],
-                                                   "fwpkm_frozen": fw["frozen"]["perplexity_per_char"]}}
+        results_summary[n] = {"gain_bits_per_char": gain, "freezing_costs_bits_per_char": lost,
+                              "share_of_gain_removed_by_freezing": lost / gain if gain > 0 else None,
+                              "perplexity_per_char": {"swa": base["normal"]["perplexity_per_char"],
+                                                      "fwpkm": fw["normal"]["perplexity_per_char"],
+                                                      "fwpkm_frozen": fw["frozen"]["perplexity_per_char"]}}
         headline.append({"what": "FwPKM gain over baseline (bits/char; > 0 = FwPKM better)",
                          "value": round(gain, 4), "unit": "bits/char", "target": "> 0"})
         headline.append({"what": "bits/char change when its fast weights are frozen (> 0 = the writes help)",
@@ -232,8 +249,6 @@ def main():
         if gain > 0:
             headline.append({"what": "share of that gain removed by freezing the fast weights",
                              "value": round(lost / gain, 3), "target": "most (> 0.5)"})
-    else:
-        results_summary = {}
     for n in ("fwpkm-addressing", "fwpkm-mse", "fwpkm-none"):
         if n in results:
             s = results[n]["addressing"]["mean_over_layers"]
@@ -262,7 +277,7 @@ def main():
                            "are wall-clock under that load, not speed measurements (see bench_fwpkm_model.json)"},
         "runs": runs, "results": results, "summary": results_summary, "headline": headline,
     }
-    write_result("fwpkm_longdocs", payload)
+    write_result(a.name, payload)
 
 
 if __name__ == "__main__":
