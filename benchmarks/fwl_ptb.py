@@ -42,7 +42,10 @@ from fastweights.config import make_config  # noqa: E402
 from fastweights.data.streams import TokenStream  # noqa: E402
 from fastweights.evaluate import score_tokens  # noqa: E402
 
-VARIANTS = {"base": [], "fwl": ['model.head="fwl"']}
+# segment_len 16: four segments per 64-word window, so the segment decays train (gamma first enters in the
+# third segment); at the default 32 they never move and the running update drifts over a long stream
+# (fwl_ptb.json was made with --set model.options.fwl.segment_len=32)
+VARIANTS = {"base": [], "fwl": ['model.head="fwl"', "model.options.fwl.segment_len=16"]}
 
 
 def run_variant(job: dict) -> dict:

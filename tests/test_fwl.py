@@ -3,6 +3,7 @@ generation (streaming) form, the segment recurrence, second-order gradients, and
 head. Every test names its inner-loss normaliser Z."""
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -448,3 +449,19 @@ def test_masked_block_equals_chunked_op_with_gradients(stopgrad):
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
     assert any(gr.abs() > 0 for gr in g1[-len(decays):])  # the decays are trained
+
+
+@pytest.mark.parametrize("t, trained", [(6, False), (7, True)])
+def test_segment_decays_train_only_from_the_third_segment(t, trained):
+    # Delta_2 = gamma Delta_1 + S_1 is the first place gamma enters: windows of fewer than three segments
+    # leave the decays without gradient, and training warns about it
+    model = fwl_model(segment_len=3)
+    model.train()
+    tokens = torch.randint(0, 11, (2, t + 1), generator=torch.Generator().manual_seed(4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = model(tokens[:, :-1], targets=tokens[:, 1:])
+    out.loss.backward()
+    grads = [r.grad for r in model.head.decay_logits.values()]
+    assert any(g is not None and g.abs().max() > 0 for g in grads) == trained
+    assert any("segment decays get no gradient" in str(w.message) for w in caught) == (not trained)

@@ -81,6 +81,7 @@ All fast-weight arithmetic runs in fp32 (fp64 for fp64 inputs) with autocast off
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple
 
@@ -692,6 +693,12 @@ class FastWeightLayer(nn.Module):
             # trained with the slow loss L_t; the slow head is position-wise, so no state is needed
             return self.slow_forward(h), None
         bsz, t = tokens.shape
+        if self.training and state is None and 3 <= t <= 2 * o.segment_len and torch.is_grad_enabled():
+            # gamma first multiplies a delta in the third segment (Delta_2 = gamma Delta_1 + S_1), so a shorter
+            # window never trains it, and a long stream then carries a running update it never saw
+            warnings.warn(f"fwl: training windows of {t} tokens hold fewer than 3 segments of segment_len "
+                          f"{o.segment_len}, so the segment decays get no gradient; set "
+                          f"model.options.fwl.segment_len <= {t // 3}", stacklevel=2)
         with no_autocast(h.device):
             cd = torch.float64 if h.dtype == torch.float64 else torch.float32
             h = h.to(cd)
