@@ -4,7 +4,7 @@ measured in the same run (forward + backward through the inner updates + AdamW s
 Default backbone: the one of configs/longdocs-fwpkm.toml (benchmarks/fwpkm_longdocs.py): character-level,
 d_model 128, 4 layers, 64-token sliding-window attention, sequences of 512 tokens at batch 8; FwPKM at
 layers 1 and 3 with 64^2 slots, d_k = d_v = 64, 1 head, top-8, chunk 64 (8 writes per sequence, as the
-paper's 4096 / 512).  The paper reports about 0.35 of the baseline's training throughput on an H100
+paper's 4096 / 512), one memory per sequence (``--persistence stream``: one shared by the batch).  The paper reports about 0.35 of the baseline's training throughput on an H100
 (Table 3 samples/s, its backbone); the target here is 0.8 on a CPU.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_fwpkm_model.py [--threads 1 --rounds 15 --repeat 3]
@@ -34,7 +34,8 @@ def build(a, with_memory: bool) -> LanguageModel:
     options = {"attention": {"window": a.window}} if a.window else {}
     if with_memory:
         options["fwpkm"] = {"n_subkeys": a.n_subkeys, "d_key": a.d_key, "d_value": a.d_value, "heads": a.mem_heads,
-                            "topk": a.topk, "chunk_size": a.chunk_size, "key_update": a.key_update}
+                            "topk": a.topk, "chunk_size": a.chunk_size, "key_update": a.key_update,
+                            "persistence": a.persistence}
     cfg = ModelConfig(vocab_size=a.vocab, d_model=a.d_model, n_layers=a.layers, n_heads=a.heads, mixer="attention",
                       memory="fwpkm" if with_memory else "", memory_layers=list(a.memory_layers) if with_memory else [],
                       options=options)
@@ -69,6 +70,8 @@ def main():
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--chunk-size", type=int, default=64)
     ap.add_argument("--key-update", default="addressing")
+    ap.add_argument("--persistence", default="per_sequence", choices=["per_sequence", "stream"],
+                    help="one memory per sequence (the preset) or one shared by the batch (the paper's training)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=3, help="timed steps per model per round (median)")
     ap.add_argument("--rounds", type=int, default=15)
