@@ -81,6 +81,12 @@ EXTRACT = [
      "differences_bits/fwl - base/val_bits_window", "bits/char", "< 0 (FWL better)"),
     ("fwl_quality_equal_steps", "FWL vs linear head, same backbone, 200 steps each: val bits/char difference (fwl - base)",
      "differences_bits/fwl - base/val_bits_window", "bits/char", "< 0 (FWL better)"),
+    ("adapt_test_dynamic", "continual adaptation (Shakespeare, Tolstoy, State of the Union, Spanish; 20K chars each), "
+     "Shakespeare char model + dynamic evaluation: Spanish NLL change after its own stage", "delta/4/3", "nats/char", ""),
+    ("adapt_test_dynamic", "  same: Shakespeare NLL change after the last stage (forgetting)", "delta/4/0", "nats/char", ""),
+    ("adapt_test_fwpkm", "same protocol, FwPKM long-docs model, its memory only (no slow-weight update): Spanish NLL change "
+     "after its own stage", "delta/4/3", "nats/char", ""),
+    ("adapt_test_fwpkm", "  same: Shakespeare NLL change after the last stage (forgetting)", "delta/4/0", "nats/char", ""),
     ("fwl_quality_1000", "FWL vs linear head, same backbone, 1000 steps each: val bits/char difference (fwl - base)",
      "differences_bits/fwl - base/val_bits_window", "bits/char", "< 0 (FWL better)"),
     ("fwl_quality_1000", "  same: test split streamed with state carried, bits/char difference (fwl - base)",
@@ -102,7 +108,7 @@ EXTRACT = [
 def _get(rec: dict, key_path: str):
     node = rec
     for part in key_path.split("/"):
-        node = node[part.replace("|", "/")]  # "|" stands for a "/" inside a key
+        node = node[int(part)] if isinstance(node, list) else node[part.replace("|", "/")]  # "|": a "/" in a key
     return node
 
 
