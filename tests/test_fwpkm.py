@@ -502,3 +502,22 @@ def test_memory_stats_cli_and_trace(tmp_path, capsys):
     assert main(["memory-stats", "--checkpoint", str(tmp_path / "missing"), "--text", "abc"]) == 2
     assert main(["memory-stats", "--checkpoint", str(tmp_path / "ck"), "--text", text, "--window", "0"]) == 2
 
+
+
+@pytest.mark.parametrize("gate_form", ["linear", "mean8"])
+def test_fused_inputs_equal_separate_norms_and_projections(gate_form):
+    # inputs() folds the three RMS-norm gains into one matmul; it must equal proj(norm(h)) for each
+    torch.manual_seed(0)
+    mem = FwPKM(d_model=12, options=FwPKMOptions(n_subkeys=4, d_key=8, d_value=6, topk=2, chunk_size=4,
+                                                 gate_form=gate_form)).double()
+    io = mem.io
+    with torch.no_grad():
+        for norm in (io.q_norm, io.v_norm, io.g_norm):
+            norm.weight.normal_()
+    h = torch.randn(2, 5, 12, dtype=torch.float64)
+    q, v, g = io.inputs(h)
+    v_ref = io.v_proj(io.v_norm(h))
+    v_ref = (v_ref - v_ref.mean(-1, keepdim=True)) / (v_ref.std(-1, keepdim=True) + io.v_norm.eps)
+    torch.testing.assert_close(q, io.q_proj(io.q_norm(h)), rtol=0, atol=1e-12)
+    torch.testing.assert_close(v, v_ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(g, torch.sigmoid(io.g_proj(io.g_norm(h)).mean(-1)), rtol=0, atol=1e-12)
