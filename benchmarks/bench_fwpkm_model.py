@@ -4,8 +4,9 @@ measured in the same run (forward + backward through the inner updates + AdamW s
 Default backbone: the one of configs/longdocs-fwpkm.toml (benchmarks/fwpkm_longdocs.py): character-level,
 d_model 128, 4 layers, 64-token sliding-window attention, sequences of 512 tokens at batch 8; FwPKM at
 layers 1 and 3 with 64^2 slots, d_k = d_v = 64, 1 head, top-8, chunk 64 (8 writes per sequence, as the
-paper's 4096 / 512), one memory per sequence (``--persistence stream``: one shared by the batch).  The paper reports about 0.35 of the baseline's training throughput on an H100
-(Table 3 samples/s, its backbone); the target here is 0.8 on a CPU.
+paper's 4096 / 512), one memory per sequence (``--persistence stream``: one shared by the batch).
+The paper reports about 0.35 of the baseline's training throughput on an H100 (Table 3 samples/s, its
+backbone); the target here is 0.8 on a CPU.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_fwpkm_model.py [--threads 1 --rounds 15 --repeat 3]
 

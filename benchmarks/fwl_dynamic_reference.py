@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
 
 from fastweights.adapt.cli import demo_dynamic, load_texts  # noqa: E402
-from fastweights.checkpoint import load_checkpoint  # noqa: E402
+from fastweights.checkpoint import load_checkpoint, read_run_config  # noqa: E402
 from fastweights.evaluate import evaluate_documents  # noqa: E402
 
 
@@ -47,8 +47,9 @@ def main() -> int:
         if not (Path(path) / "config.json").is_file():
             print(f"error: {path} is not a checkpoint directory (no config.json)", file=sys.stderr)
             return 2
-    _, _, base_cfg = load_checkpoint(Path(a.base))
+    base_cfg = read_run_config(Path(a.base))
     texts = load_texts(SimpleNamespace(data=None), base_cfg, "test")
+    corpus = Path(str(base_cfg.data.corpus)).name
 
     stream = {}
     for label, path in (("base", a.base), ("fwl", a.fwl)):
@@ -65,7 +66,7 @@ def main() -> int:
     dyn_cpu = round(time.process_time() - t, 1)
     static_bits, dynamic_bits = dyn["static"]["bits_per_char"], dyn["dynamic"]["bits_per_char"]
     headline = [
-        {"what": "Shakespeare char test split (all of it), streamed with state carried: base (linear head)",
+        {"what": f"{corpus} test split (all of it), streamed with state carried: base (linear head)",
          "value": round(stream["base"]["bits_per_char"], 4), "unit": "bits/char"},
         {"what": "  same: base + FWL head (same backbone and steps)", "value": round(stream["fwl"]["bits_per_char"], 4),
          "unit": "bits/char", "target": "< base"},

@@ -7,7 +7,7 @@ import torch
 from torch.func import functional_call
 
 from fastweights.errors import UserError
-from fastweights.layers.fwpkm import FwPKM, FwPKMOptions, fwpkm_memory_reference
+from fastweights.layers.fwpkm import FwPKM, FwPKMOptions, fwpkm_memory_reference, zscore
 from fastweights.models.registry import MEMORIES, build_options, lookup
 
 F64 = torch.float64
@@ -516,8 +516,7 @@ def test_fused_inputs_equal_separate_norms_and_projections(gate_form):
             norm.weight.normal_()
     h = torch.randn(2, 5, 12, dtype=torch.float64)
     q, v, g = io.inputs(h)
-    v_ref = io.v_proj(io.v_norm(h))
-    v_ref = (v_ref - v_ref.mean(-1, keepdim=True)) / (v_ref.std(-1, keepdim=True) + io.v_norm.eps)
+    v_ref = zscore(io.v_proj(io.v_norm(h)))
     torch.testing.assert_close(q, io.q_proj(io.q_norm(h)), rtol=0, atol=1e-12)
     torch.testing.assert_close(v, v_ref, rtol=0, atol=1e-12)
     torch.testing.assert_close(g, torch.sigmoid(io.g_proj(io.g_norm(h)).mean(-1)), rtol=0, atol=1e-12)

@@ -106,10 +106,14 @@ class OffsetRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """x / rms(x) in fp32 (fp64 for fp64), before the gain."""
         xf = x.to(fast_dtype(x))
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.to(xf.dtype))).to(x.dtype)
+        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.normalize(x)
+        return (y * (1.0 + self.weight.to(y.dtype))).to(x.dtype)
 
 
 def fast_dtype(x: torch.Tensor) -> torch.dtype:
@@ -150,13 +154,11 @@ class FastMemoryIO(nn.Module):
 
         Equal to ``q_proj(q_norm(h))``, ``v_proj(v_norm(h))``, ``g_proj(g_norm(h))``, computed as one
         normalisation and one matmul: the three norms differ only in their gains (1 + w), and a gain
-        on the input of a projection is a column scaling of its weight. (A quarter of the layer's
-        training time went to the three separate norms and projections.)
+        on the input of a projection is a column scaling of its weight. The three norms share one eps.
         """
         norms = (self.q_norm, self.v_norm, self.g_norm)
         projs = (self.q_proj, self.v_proj, self.g_proj)
-        hf = h.to(fast_dtype(h))
-        xhat = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.q_norm.eps)).to(h.dtype)  # [B, T, d]
+        xhat = self.q_norm.normalize(h).to(h.dtype)  # [B, T, d]
         weight = torch.cat([p.weight * (1.0 + n.weight).to(p.weight.dtype) for n, p in zip(norms, projs)])
         bias = torch.cat([p.bias for p in projs])
         q, v, g_logits = F.linear(xhat, weight, bias).split([p.out_features for p in projs], -1)
