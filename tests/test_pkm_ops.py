@@ -61,6 +61,12 @@ def test_true_topk_lies_in_product_of_half_topk_sets(score):
     in1 = (i.unsqueeze(-1) == res.sub_indices1.unsqueeze(-2)).any(-1)
     in2 = (j.unsqueeze(-1) == res.sub_indices2.unsqueeze(-2)).any(-1)
     assert bool(in1.all()) and bool(in2.all())
+    # and the ranks (a, b) of i and j within the sorted half top-k sets obey (a + 1)(b + 1) <= k,
+    # the candidate bound the search uses
+    a = (i.unsqueeze(-1) == res.sub_indices1.unsqueeze(-2)).float().argmax(-1)
+    b = (j.unsqueeze(-1) == res.sub_indices2.unsqueeze(-2)).float().argmax(-1)
+    assert bool(((a + 1) * (b + 1) <= k).all())
+    assert bool(((a + 1) * (b + 1) > k // 2).any())  # the bound is reached, not vacuous
 
 
 def test_idw_weights_are_normalised_inverse_distance_products():
@@ -128,7 +134,11 @@ def test_aggregated_write_is_twice_differentiable():
     assert torch.autograd.gradgradcheck(lambda w, e: pkm_aggregated_grad(idx, w, e)[1], (w, e))
 
 
-def test_sparse_parts_add_and_merge_match_dense():
+@pytest.mark.parametrize("lookup", ["search", "map"])
+def test_sparse_parts_add_and_merge_match_dense(lookup):
+    """Both ways of finding a part's rows (binary search; the row -> position map used when the id
+    range is small) give the dense sum, and the same gradients."""
+    n_ids = None if lookup == "search" else 30
     g = torch.Generator().manual_seed(4)
     n_rows, d = 30, 3
     dense = torch.zeros(n_rows, d, dtype=F64)
@@ -140,14 +150,14 @@ def test_sparse_parts_add_and_merge_match_dense():
         parts.append((rows, delta))
         ids = torch.randint(0, n_rows, (17,), generator=g)
         base = torch.randn(17, d, generator=g, dtype=F64)
-        torch.testing.assert_close(sparse_parts_add(base, ids, parts), base + dense[ids], rtol=0, atol=1e-14)
+        torch.testing.assert_close(sparse_parts_add(base, ids, parts, n_ids), base + dense[ids], rtol=0, atol=1e-14)
     merged_rows, merged = sparse_parts_merge(parts)
     assert torch.equal(merged_rows, torch.unique(torch.cat([r for r, _ in parts])))
     torch.testing.assert_close(merged, dense[merged_rows], rtol=0, atol=1e-14)
     assert merged_rows.numel() < n_rows  # only touched rows are stored
     ids = torch.arange(n_rows)
     assert torch.autograd.gradcheck(lambda *ds: sparse_parts_add(torch.zeros(n_rows, d, dtype=F64), ids,
-                                                                 [(r, x) for (r, _), x in zip(parts, ds)]),
+                                                                 [(r, x) for (r, _), x in zip(parts, ds)], n_ids),
                                     tuple(p[1] for p in parts))
 
 

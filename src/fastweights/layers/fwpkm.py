@@ -76,6 +76,7 @@ from fastweights.ops.pkm import (
     pkm_search,
     sparse_parts_add,
     sparse_parts_merge,
+    split_halves,
     subkey_grad_topk,
 )
 
@@ -109,7 +110,8 @@ class OffsetRMSNorm(nn.Module):
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """x / rms(x) in fp32 (fp64 for fp64), before the gain."""
         xf = x.to(fast_dtype(x))
-        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        # (x * x).sum / d rather than x.pow(2).mean: the same value, half the CPU backward time
+        return xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) / xf.shape[-1] + self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.normalize(x)
@@ -122,8 +124,12 @@ def fast_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def zscore(v: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """(v - mean) / (std + eps) over the last axis; std is unbiased, as ``torch.std`` in the code."""
-    return (v - v.mean(-1, keepdim=True)) / (v.std(-1, keepdim=True) + eps)
+    """(v - mean) / (std + eps) over the last axis; std is unbiased, as ``torch.std`` in the code.
+
+    Written out rather than calling ``torch.std`` (whose CPU kernel is ~20x slower at these widths),
+    with sums rather than means (mean's backward is the slower one)."""
+    c = v - v.sum(-1, keepdim=True) / v.shape[-1]
+    return c / ((c * c).sum(-1, keepdim=True).div(v.shape[-1] - 1).sqrt() + eps)
 
 
 class FastMemoryIO(nn.Module):
@@ -223,17 +229,15 @@ class FwPKMOptions:
 @dataclass
 class _Reads:
     """Reads of a run of tokens.  local [B, R, m] slot ids in [0, N); gid [B, R, m] table row ids
-    (b N + r per sequence, else r); w [B, R, m]; v_hat [B, R, d_v]; top1/idx1 and top2/idx2
-    [B, R, H, k]: each half's top-k sub-key scores and ids."""
+    (b N + r per sequence, else r); w [B, R, m]; v_hat [B, R, d_v]; top/idx [B, R, 2H, k]: each
+    half's top-k sub-key scores and ids (half m of head h at m H + h, as ``ProductKeySearch``)."""
 
     local: torch.Tensor
     gid: torch.Tensor
     w: torch.Tensor
     v_hat: torch.Tensor
-    top1: torch.Tensor
-    idx1: torch.Tensor
-    top2: torch.Tensor
-    idx2: torch.Tensor
+    top: torch.Tensor
+    idx: torch.Tensor
 
     @staticmethod
     def cat(a: "_Reads | None", b: "_Reads") -> "_Reads":
@@ -242,10 +246,13 @@ class _Reads:
         return _Reads(*(torch.cat([x, y], dim=1) for x, y in zip(a.fields(), b.fields())))
 
     def fields(self) -> tuple[torch.Tensor, ...]:
-        return (self.local, self.gid, self.w, self.v_hat, self.top1, self.idx1, self.top2, self.idx2)
+        return (self.local, self.gid, self.w, self.v_hat, self.top, self.idx)
 
     def head(self, n: int) -> "_Reads":
         return _Reads(*(x[:, :n] for x in self.fields()))
+
+    def tail(self, n: int) -> "_Reads":
+        return _Reads(*(x[:, n:] for x in self.fields()))
 
 
 @state_pytree
@@ -259,7 +266,8 @@ class FwPKMState:
     sparse row delta ``(rows [U] sorted ids, delta [U, d_v] fp32)``; the value table is
     ``base + sum_p scatter(rows_p, delta_p)``.
     pending_*: queued tokens (q ``[B, P, H, d_k]``, v ``[B, P, d_v]``, g ``[B, P]``, positions ``[P]``);
-    the first ``n_stale`` were read before the last write, the rest have cached ``reads``.
+    the first ``n_stale`` were read before the last write and are re-read (with the tables of the
+    next write) together with the next tokens read; ``reads`` holds the reads of the others.
     n_read: tokens read since the last write; position: tokens seen so far; writes: writes so far.
     """
 
@@ -424,35 +432,43 @@ class FwPKM(nn.Module):
         if st.batch != B:
             raise UserError(f"FwPKM state is for batch size {st.batch}, got input of batch size {B}")
         C = self.options.chunk_size
+        takes, n_read = [], st.n_read  # the pieces: up to each chunk end (a write), then the rest
+        while sum(takes) < T:
+            takes.append(T - sum(takes) if self.frozen else min(T - sum(takes), C - n_read))
+            n_read = (n_read + takes[-1]) % C
         outs = []
         with torch.autocast(device_type=q.device.type, enabled=False):
-            q, v, g = q.to(dtype), v.to(dtype), g.to(dtype)
-            t = 0
-            while t < T:
-                take = T - t if self.frozen else min(T - t, C - st.n_read)
-                sl = slice(t, t + take)
-                reads = self._read(q[:, sl], st)
-                outs.append(reads.v_hat)
+            # split once (not slice per piece): autograd then joins the pieces' gradients in one cat
+            pieces = zip(*(x.to(dtype).split(takes, dim=1) for x in (q, v, g)))
+            for (qc, vc, gc), take in zip(pieces, takes):
                 positions = torch.arange(st.position, st.position + take, device=q.device)
-                if self.record_reads:
-                    self.read_log.append({"position": positions.cpu(), "indices": reads.local.detach().cpu(),
-                                          "weights": reads.w.detach().cpu()})
                 if self.frozen:
+                    reads = self._read(qc, st)
                     st = replace(st, position=st.position + take)
                 else:
+                    # queries left from before the last write are re-read now, with the tables this
+                    # piece reads (the ones the next write updates), in the same search
+                    s0 = st.n_stale
+                    q_read = torch.cat([st.pending_q[:, :s0], qc], 1) if s0 else qc
+                    both = self._read(q_read, st)
+                    reads = both.tail(s0)
                     st = replace(
                         st,
-                        pending_q=torch.cat([st.pending_q, q[:, sl]], 1),
-                        pending_v=torch.cat([st.pending_v, v[:, sl]], 1),
-                        pending_g=torch.cat([st.pending_g, g[:, sl]], 1),
+                        pending_q=q_read if s0 == st.pending_q.shape[1] else torch.cat([st.pending_q, qc], 1),
+                        pending_v=torch.cat([st.pending_v, vc], 1),
+                        pending_g=torch.cat([st.pending_g, gc], 1),
                         pending_pos=torch.cat([st.pending_pos, positions]),
-                        reads=_Reads.cat(st.reads, reads),
+                        reads=_Reads.cat(st.reads, both),
+                        n_stale=0,
                         n_read=st.n_read + take,
                         position=st.position + take,
                     )
-                    if st.n_read == C:
-                        st = self._write(st)
-                t += take
+                outs.append(reads.v_hat)
+                if self.record_reads:
+                    self.read_log.append({"position": positions.cpu(), "indices": reads.local.detach().cpu(),
+                                          "weights": reads.w.detach().cpu()})
+                if not self.frozen and st.n_read == C:
+                    st = self._write(st)
         v_hat = torch.cat(outs, dim=1) if outs else q.new_zeros(B, 0, self.d_value)
         return v_hat, st
 
@@ -462,7 +478,7 @@ class FwPKM(nn.Module):
         """Current value rows ``[..., d_v]`` (fp32) for slot ids: base rows plus the sparse deltas."""
         base_ids = local if st.base.shape[0] == self.n_slots else gid
         rows = gather_rows(st.base, base_ids.reshape(-1)).to(st.keys1.dtype)  # [R*m, d_v]
-        rows = sparse_parts_add(rows, gid.reshape(-1), st.parts)
+        rows = sparse_parts_add(rows, gid.reshape(-1), st.parts, st.rows_total)
         return rows.view(*gid.shape, self.d_value)
 
     def _read(self, q: torch.Tensor, st: FwPKMState) -> _Reads:
@@ -479,7 +495,7 @@ class FwPKM(nn.Module):
             gid = local + (torch.arange(B, device=q.device) * self.n_slots).view(B, 1, 1)
         rows = self._table_rows(st, local, gid)  # [B, R, m, d_v]
         v_hat = torch.matmul(w.unsqueeze(-2), rows).squeeze(-2)  # [B, R, d_v]
-        return _Reads(local, gid, w, v_hat, res.sub_top1, res.sub_indices1, res.sub_top2, res.sub_indices2)
+        return _Reads(local, gid, w, v_hat, res.sub_top, res.sub_indices)
 
     # ------------------------------------------------------------------ write
 
@@ -487,11 +503,7 @@ class FwPKM(nn.Module):
         """Apply eqs 14-15 and 16-18 for the queued tokens; keep the last L queued if carrying."""
         o = self.options
         L = o.lookahead
-        reads = st.reads
-        if st.n_stale:
-            # queries left from the previous chunk: their loss is evaluated at the current tables
-            stale = self._read(st.pending_q[:, : st.n_stale], st)
-            reads = _Reads.cat(stale, reads) if reads is not None else stale
+        reads = st.reads  # every queued token was read with the current tables (memory() re-reads stale ones)
         P = st.pending_q.shape[1]
         n_pairs = P - L
         keys1, keys2, parts = st.keys1, st.keys2, st.parts
@@ -516,7 +528,8 @@ class FwPKM(nn.Module):
         gate = st.pending_g[:, :n_pairs]  # [B, P']
         err = rd.v_hat - target  # [B, P', d_v]
         resid = gate.unsqueeze(-1) * err  # dL_mem/dv_hat for L_mem = sum 1/2 g ||v_hat - v||^2
-        self.last_stats["mem_loss"] = (0.5 * (gate.unsqueeze(-1) * err.pow(2)).sum(-1)).mean().detach()
+        with torch.no_grad():
+            self.last_stats["mem_loss"] = (0.5 * (gate.unsqueeze(-1) * err * err).sum(-1)).mean()
         urows, grad, _ = pkm_aggregated_grad(rd.gid, rd.w, resid, average=True)  # eq 14
         scale = self.k * self.heads if o.update_scale == "rewrite" else 1.0
         parts = st.parts + ((urows, -o.lr * scale * grad),)  # eq 15, as a sparse row delta
@@ -527,25 +540,23 @@ class FwPKM(nn.Module):
 
         keys1, keys2 = st.keys1, st.keys2
         if o.key_update != "none":
-            half = self.d_key // 2
-            q = st.pending_q[:, :n_pairs]  # [B, P', H, d_k]
-            if o.key_update == "addressing":  # eqs 16-18
-                g1, loss1 = marginal_entropy_topk_grad(rd.top1, rd.idx1, self.n, st.per_sequence)
-                g2, loss2 = marginal_entropy_topk_grad(rd.top2, rd.idx2, self.n, st.per_sequence)
-                g1, g2 = o.addressing_weight * g1, o.addressing_weight * g2
-                self.last_stats["addr_loss"] = (loss1 + loss2).detach()
+            q = split_halves(st.pending_q[:, :n_pairs])  # [B, P', 2H, d_k/2]
+            if o.key_update == "addressing":  # eqs 16-18, both halves as 2H heads (the loss sums them)
+                gs, loss = marginal_entropy_topk_grad(rd.top, rd.idx, self.n, st.per_sequence)
+                gs = o.addressing_weight * gs
+                self.last_stats["addr_loss"] = loss.detach()
             else:
-                g1, g2 = self._mse_subscore_grads(st, rd, resid, n_pairs)
-            d1 = subkey_grad_topk(g1, rd.idx1, rd.top1, q[..., :half], keys1, o.score, st.per_sequence)
-            d2 = subkey_grad_topk(g2, rd.idx2, rd.top2, q[..., half:], keys2, o.score, st.per_sequence)
+                gs = self._mse_subscore_grads(st, rd, resid, n_pairs)
+            keys = torch.cat([keys1, keys2], dim=-3)  # [Bk, 2H, n, d_k/2]
+            d = subkey_grad_topk(gs, rd.idx, rd.top, q, keys, o.score, st.per_sequence)
             if not st.per_sequence:
-                d1, d2 = d1.unsqueeze(0), d2.unsqueeze(0)  # [1, H, n, dh]
-            keys1 = keys1 - o.key_lr * d1
-            keys2 = keys2 - o.key_lr * d2
+                d = d.unsqueeze(0)  # [1, 2H, n, d_k/2]
+            keys = keys - o.key_lr * d
+            keys1, keys2 = keys[:, : self.heads], keys[:, self.heads :]
         return keys1, keys2, parts
 
     def _mse_subscore_grads(self, st: FwPKMState, rd: _Reads, resid: torch.Tensor, n_pairs: int):
-        """dL/ds^m on each half's top-k sub-keys ``[B, P', H, k]`` of the memorisation loss,
+        """dL/ds^m on each half's top-k sub-keys ``[B, P', 2H, k]`` of the memorisation loss,
         mean-reduced over pairs and features as in the code."""
         B = st.batch
         count = n_pairs * (1 if st.per_sequence else B) * self.d_value
@@ -556,12 +567,13 @@ class FwPKM(nn.Module):
         shape = (B, n_pairs, self.heads, self.k)
         dl_ds = dl_ds.view(shape)
         local = rd.local.view(shape)  # slot i*n + j: s_ij = s^1_i + s^2_j
+        idx1, idx2 = rd.idx[:, :, : self.heads], rd.idx[:, :, self.heads :]
         # position of each slot's i (j) among the half's top-k: [B, P', H, k slots, k sub-keys]
-        in1 = ((local // self.n).unsqueeze(-1) == rd.idx1.unsqueeze(-2)).to(dl_ds.dtype)
-        in2 = ((local % self.n).unsqueeze(-1) == rd.idx2.unsqueeze(-2)).to(dl_ds.dtype)
+        in1 = ((local // self.n).unsqueeze(-1) == idx1.unsqueeze(-2)).to(dl_ds.dtype)
+        in2 = ((local % self.n).unsqueeze(-1) == idx2.unsqueeze(-2)).to(dl_ds.dtype)
         g1 = (dl_ds.unsqueeze(-1) * in1).sum(-2)  # [B, P', H, k]
         g2 = (dl_ds.unsqueeze(-1) * in2).sum(-2)
-        return g1, g2
+        return torch.cat([g1, g2], dim=2)  # [B, P', 2H, k], the layout of rd.idx
 
     def _maybe_fold(self, st: FwPKMState) -> FwPKMState:
         """Without autograd, fold deltas grown large into a private dense copy of the table.

@@ -13,7 +13,9 @@ sum of its two sub-scores (Zhao & Jones 2026, "Fast-weight Product Key Memory", 
 
 Because the combined score is a sum, the true top-k over all n^2 slots always lies inside
 I^1 x I^2: a pair (i, j) with i outside I^1 is beaten by the k pairs (i', j), i' in I^1.  The search
-is therefore exact, and costs 2n sub-key scores plus k^2 candidates per query instead of N.
+is therefore exact, and costs 2n sub-key scores plus k^2 candidates per query instead of N; fewer
+still, as the pair of per-half ranks (a, b) is beaten by the (a+1)(b+1) - 1 pairs of lower ranks, so
+only the ~k ln k pairs with (a+1)(b+1) <= k are candidates (20 for k = 8).
 
 Under IDW the softmax weights are the normalised inverse-distance products
 s'_ij ∝ 1 / [(eps + ||q^1 - K^1_i||^2)(eps + ||q^2 - K^2_j||^2)].
@@ -50,18 +52,31 @@ class ProductKeySearch(NamedTuple):
 
     scores:       [B, T, H, k] combined scores s_ij of the selected slots, sorted descending
     indices:      [B, T, H, k] slot ids i*n + j in [0, n^2)
-    sub_top1:     [B, T, H, k] scores of I^1, the top-k sub-keys of half 1 (sorted descending)
-    sub_indices1: [B, T, H, k] I^1
-    sub_top2:     [B, T, H, k] same for half 2
-    sub_indices2: [B, T, H, k] I^2
+    sub_top:      [B, T, 2H, k] each half's top-k sub-key scores, sorted descending; entry m*H + h
+                  is half m+1 of head h (``sub_top1`` / ``sub_top2`` are the two halves)
+    sub_indices:  [B, T, 2H, k] their sub-key ids (I^1 for the first H entries, I^2 for the rest)
     """
 
     scores: torch.Tensor
     indices: torch.Tensor
-    sub_top1: torch.Tensor
-    sub_indices1: torch.Tensor
-    sub_top2: torch.Tensor
-    sub_indices2: torch.Tensor
+    sub_top: torch.Tensor
+    sub_indices: torch.Tensor
+
+    @property
+    def sub_top1(self) -> torch.Tensor:
+        return self.sub_top[:, :, : self.sub_top.shape[2] // 2]
+
+    @property
+    def sub_top2(self) -> torch.Tensor:
+        return self.sub_top[:, :, self.sub_top.shape[2] // 2 :]
+
+    @property
+    def sub_indices1(self) -> torch.Tensor:
+        return self.sub_indices[:, :, : self.sub_indices.shape[2] // 2]
+
+    @property
+    def sub_indices2(self) -> torch.Tensor:
+        return self.sub_indices[:, :, self.sub_indices.shape[2] // 2 :]
 
 
 def _check_score(score: str) -> None:
@@ -83,8 +98,8 @@ def subkey_scores(q_half: torch.Tensor, keys: torch.Tensor, score: str = "idw", 
     if score == "dot":
         out = dots
     else:
-        q_sq = q_bh.pow(2).sum(-1, keepdim=True)  # [B, H, T, 1]
-        k_sq = keys.pow(2).sum(-1).unsqueeze(-2)  # [Bk, H, 1, n]
+        q_sq = (q_bh * q_bh).sum(-1, keepdim=True)  # [B, H, T, 1]  (x * x: pow's backward is slower)
+        k_sq = (keys * keys).sum(-1).unsqueeze(-2)  # [Bk, H, 1, n]
         dist_sq = (q_sq + k_sq - 2.0 * dots).clamp_min(0.0)  # rounding can dip below 0
         out = -torch.log(eps + dist_sq)
     return out.permute(0, 2, 1, 3)  # [B, T, H, n]
@@ -118,16 +133,41 @@ def pkm_search(
         raise ValueError(f"query dim {q.shape[-1]} != 2 x sub-key dim {half}")
     if not 0 < k <= n:
         raise UserError(f"top-k {k} must be between 1 and the number of sub-keys {n}")
-    s1 = subkey_scores(q[..., :half], keys1, score, eps)  # [B, T, H, n]
-    s2 = subkey_scores(q[..., half:], keys2, score, eps)  # [B, T, H, n]
-    top1, i1 = s1.topk(k, dim=-1)  # [B, T, H, k]
-    top2, i2 = s2.topk(k, dim=-1)  # [B, T, H, k]
-    # k x k candidate grid: candidate (a, b) pairs sub-key i1[a] with sub-key i2[b]
-    cand_scores = (top1.unsqueeze(-1) + top2.unsqueeze(-2)).flatten(-2)  # [B, T, H, k*k]
-    cand_ids = (i1.unsqueeze(-1) * n + i2.unsqueeze(-2)).flatten(-2)  # [B, T, H, k*k]
+    B, T, H = q.shape[:3]
+    # both halves scored as 2H heads of one batch: query half m of head h is entry m*H + h
+    q_halves = split_halves(q)  # [B, T, 2H, dh]
+    s = subkey_scores(q_halves, torch.cat([keys1, keys2], dim=-3), score, eps)  # [B, T, 2H, n]
+    top, idx = s.topk(k, dim=-1)  # [B, T, 2H, k], sorted descending
+    top1, top2, i1, i2 = top[:, :, :H], top[:, :, H:], idx[:, :, :H], idx[:, :, H:]
+    # candidates: pair (a, b) of the per-half ranks is beaten by the (a+1)(b+1) - 1 pairs of lower
+    # ranks, so only pairs with (a+1)(b+1) <= k can be in the top-k (20 of 64 for k = 8)
+    a, b = _rank_pairs(k, q.device)
+    cand_scores = top1.index_select(-1, a) + top2.index_select(-1, b)  # [B, T, H, P]
+    cand_ids = i1.index_select(-1, a) * n + i2.index_select(-1, b)  # [B, T, H, P]
     scores, best = cand_scores.topk(k, dim=-1)  # [B, T, H, k]
     indices = cand_ids.gather(-1, best)  # [B, T, H, k]
-    return ProductKeySearch(scores, indices, top1, i1, top2, i2)
+    return ProductKeySearch(scores, indices, top, idx)
+
+
+def split_halves(q: torch.Tensor) -> torch.Tensor:
+    """``[B, T, H, d_k] -> [B, T, 2H, d_k/2]``: the query halves as 2H heads, half m of head h at m*H + h
+    (the layout of :attr:`ProductKeySearch.sub_top` and of ``torch.cat([keys1, keys2], dim=-3)``)."""
+    B, T, H, d = q.shape
+    return q.unflatten(-1, (2, d // 2)).transpose(2, 3).reshape(B, T, 2 * H, d // 2)
+
+
+_RANK_PAIRS: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _rank_pairs(k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank pairs (a, b), 0-based, with (a + 1)(b + 1) <= k: the only cells of the k x k grid of
+    sorted per-half candidates that can hold one of the top-k sums."""
+    key = (k, str(device))
+    if key not in _RANK_PAIRS:
+        pairs = [(a, b) for a in range(k) for b in range(k) if (a + 1) * (b + 1) <= k]
+        ab = torch.tensor(pairs, dtype=torch.long, device=device)
+        _RANK_PAIRS[key] = (ab[:, 0].contiguous(), ab[:, 1].contiguous())
+    return _RANK_PAIRS[key]
 
 
 def pkm_topk(
@@ -263,26 +303,35 @@ def pkm_aggregated_grad_reference(
     return rows, grad, counts[rows]
 
 
-def sparse_parts_add(rows: torch.Tensor, ids: torch.Tensor, parts) -> torch.Tensor:
+def sparse_parts_add(rows: torch.Tensor, ids: torch.Tensor, parts, n_ids: int | None = None) -> torch.Tensor:
     """Add sparse row deltas to gathered rows: ``rows[i] + sum_p delta_p[ids[i]]`` (0 where absent).
 
     Args:
         rows: ``[R, d]`` rows already gathered from the base table.
         ids: ``[R]`` their row ids.
         parts: sequence of ``(part_rows [U], part_delta [U, d])``, each with sorted distinct ids.
-
-    Returns ``[R, d]``.  Only the hits are gathered: cost O(R log U) per part for the search plus
-    O(hits * d), and autograd keeps index tensors and the hit rows only (never a copy of a part).
-    Differentiable (twice) w.r.t. ``rows`` and every ``part_delta``.
+        n_ids: the number of possible row ids (ids lie in ``[0, n_ids)``), or None.  When given and
+            at most 64 R, each part is looked up through a ``[n_ids]`` row -> position map (O(n_ids + R)
+            per part, no search); otherwise by binary search, O(R log U) per part.
+    Returns ``[R, d]``.  Only the hits are gathered (O(hits * d)), and autograd keeps index tensors and
+    the hit rows only (never a copy of a part).  Differentiable (twice) w.r.t. ``rows`` and every
+    ``part_delta``.
     """
     if not parts:
         return rows
+    use_map = n_ids is not None and n_ids <= 64 * ids.numel()
     targets, sources = [], []
     for part_rows, part_delta in parts:
         if part_rows.numel() == 0:
             continue
-        pos = torch.searchsorted(part_rows, ids).clamp_(max=part_rows.numel() - 1)  # [R]
-        hit = torch.nonzero(part_rows[pos] == ids).squeeze(-1)  # [hits]
+        if use_map:
+            where = torch.full((n_ids,), -1, dtype=torch.int32, device=ids.device)
+            where[part_rows] = torch.arange(part_rows.numel(), dtype=torch.int32, device=ids.device)
+            pos = where.index_select(0, ids)  # [R]: position of each id in the part, -1 if absent
+            hit = torch.nonzero(pos >= 0).squeeze(-1)  # [hits]
+        else:
+            pos = torch.searchsorted(part_rows, ids).clamp_(max=part_rows.numel() - 1)  # [R]
+            hit = torch.nonzero(part_rows[pos] == ids).squeeze(-1)  # [hits]
         targets.append(hit)
         sources.append(part_delta.index_select(0, pos[hit]).to(rows.dtype))  # [hits, d]
     if not targets:
