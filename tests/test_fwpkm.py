@@ -506,7 +506,8 @@ def test_memory_stats_cli_and_trace(tmp_path, capsys):
 
 @pytest.mark.parametrize("gate_form", ["linear", "mean8"])
 def test_fused_inputs_equal_separate_norms_and_projections(gate_form):
-    # inputs() folds the three RMS-norm gains into one matmul; it must equal proj(norm(h)) for each
+    # inputs() folds the three RMS-norm gains into one matmul; it must equal proj(norm(h)) for each,
+    # and output() the same for the output norm
     torch.manual_seed(0)
     mem = FwPKM(d_model=12, options=FwPKMOptions(n_subkeys=4, d_key=8, d_value=6, topk=2, chunk_size=4,
                                                  gate_form=gate_form)).double()
@@ -520,3 +521,13 @@ def test_fused_inputs_equal_separate_norms_and_projections(gate_form):
     torch.testing.assert_close(q, io.q_proj(io.q_norm(h)), rtol=0, atol=1e-12)
     torch.testing.assert_close(v, v_ref, rtol=0, atol=1e-12)
     torch.testing.assert_close(g, torch.sigmoid(io.g_proj(io.g_norm(h)).mean(-1)), rtol=0, atol=1e-12)
+    # zscore is written out with sums; it must equal the spec's (v - mean) / (unbiased std + eps)
+    x = torch.randn(3, 7, dtype=torch.float64)
+    torch.testing.assert_close(zscore(x), (x - x.mean(-1, keepdim=True)) / (x.std(-1, keepdim=True) + 1e-6),
+                               rtol=0, atol=1e-12)
+    # output() folds out_norm's gain into out_proj: equal to out_proj(out_norm(g v_hat + (1 - g) v))
+    with torch.no_grad():
+        io.out_norm.weight.normal_()
+    v_hat = torch.randn(2, 5, 6, dtype=torch.float64)
+    o_ref = io.out_proj(io.out_norm(g.unsqueeze(-1) * v_hat + (1 - g.unsqueeze(-1)) * v))
+    torch.testing.assert_close(io.output(v_hat, v, g), o_ref, rtol=0, atol=1e-12)

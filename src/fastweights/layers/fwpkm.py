@@ -177,10 +177,13 @@ class FastMemoryIO(nn.Module):
         """Gated residual (eq 12) and output projection; without gating o = v_hat + v (the code's ablation)."""
         if self.gating:
             gu = g.unsqueeze(-1)
-            o = gu * v_hat + (1.0 - gu) * v.to(v_hat.dtype)
+            vf = v.to(v_hat.dtype)
+            o = vf + gu * (v_hat - vf)  # = g v_hat + (1 - g) v, one product fewer
         else:
             o = v_hat + v.to(v_hat.dtype)
-        return self.out_proj(self.out_norm(o))
+        # out_proj(out_norm(o)) with the norm's gain (1 + w) folded into the weight's columns
+        gain = (1.0 + self.out_norm.weight).to(self.out_proj.weight.dtype)
+        return F.linear(self.out_norm.normalize(o).to(o.dtype), self.out_proj.weight * gain, self.out_proj.bias)
 
 
 @dataclass

@@ -388,8 +388,9 @@ def marginal_entropy_topk_grad(
     if not per_sequence:
         p_bar = p_bar.sum(0, keepdim=True)  # [1, H, n]
     p_bar = p_bar / count
-    loss = (p_bar * torch.log(p_bar + delta)).sum()
-    dl_dpbar = torch.log(p_bar + delta) + p_bar / (p_bar + delta)  # [Bk, H, n]
+    log_p = torch.log(p_bar + delta)
+    loss = (p_bar * log_p).sum()
+    dl_dpbar = log_p + p_bar / (p_bar + delta)  # [Bk, H, n]
     dl_dp = dl_dpbar.expand(B, H, n).gather(-1, i_bh).view(B, H, T, k).permute(0, 2, 1, 3) / count
     # softmax backward: dL/ds_j = p_j (dL/dp_j - sum_l p_l dL/dp_l)
     return p * (dl_dp - (p * dl_dp).sum(-1, keepdim=True)), loss
@@ -427,8 +428,7 @@ def subkey_grad_topk(
         grad = cq
     else:
         k4 = keys if keys.dim() == 4 else keys.unsqueeze(0)  # [Bk, H, n, dh]
-        c_sum = c.new_zeros(B, H, n).scatter_add(-1, top_idx.permute(0, 2, 1, 3).reshape(B, H, T * k),
-                                                c.permute(0, 2, 1, 3).reshape(B, H, T * k))  # [B, H, n]
+        c_sum = c_dense.sum(1)  # [B, H, n]: sum_t c_ti
         grad = 2.0 * (cq - k4 * c_sum.unsqueeze(-1))  # [B, H, n, dh]
     if not per_sequence:
         grad = grad.sum(0)  # [H, n, dh]: one shared table collects every sequence's gradient
