@@ -74,6 +74,7 @@ from fastweights.ops.pkm import (
     marginal_entropy_topk_grad,
     pkm_aggregated_grad,
     pkm_search,
+    softmax_short,
     sparse_parts_add,
     sparse_parts_merge,
     split_halves,
@@ -491,7 +492,7 @@ class FwPKM(nn.Module):
         res = pkm_search(q, st.keys1, st.keys2, self.k, o.score, o.idw_eps)
         m = self.heads * self.k
         # one softmax over all H*k selected slots (heads share V; the code's score normalisation)
-        w = torch.softmax(res.scores.reshape(B, R, m), dim=-1)  # [B, R, m]
+        w = softmax_short(res.scores.reshape(B, R, m))  # [B, R, m]
         local = res.indices.reshape(B, R, m)  # [B, R, m]
         gid = local
         if st.per_sequence:

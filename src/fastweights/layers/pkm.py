@@ -30,7 +30,7 @@ from torch import nn
 
 from fastweights.errors import UserError
 from fastweights.models.registry import register_memory
-from fastweights.ops.pkm import pkm_read, pkm_search
+from fastweights.ops.pkm import pkm_read, pkm_search, softmax_short
 
 
 @dataclass
@@ -126,7 +126,7 @@ class PKM(nn.Module):
         q = self.query_norm(self.query_proj(x)).view(B, T, o.heads, o.d_key)  # [B, T, H, d_k]
         dt = torch.float64 if q.dtype == torch.float64 else torch.float32  # scores in fp32 at least
         res = pkm_search(q.to(dt), self.keys1.to(dt), self.keys2.to(dt), o.topk, o.score, o.idw_eps)
-        w = torch.softmax(res.scores, dim=-1)  # [B, T, H, k], per head as in Lample et al.
+        w = softmax_short(res.scores)  # [B, T, H, k], per head as in Lample et al.
         idx = res.indices.reshape(B, T, o.heads * o.topk)  # [B, T, H*k]: heads summed together
         w = w.reshape(B, T, o.heads * o.topk)
         if self.record_reads:
