@@ -436,10 +436,11 @@ class FwPKM(nn.Module):
         if st.batch != B:
             raise UserError(f"FwPKM state is for batch size {st.batch}, got input of batch size {B}")
         C = self.options.chunk_size
-        takes, n_read = [], st.n_read  # the pieces: up to each chunk end (a write), then the rest
-        while sum(takes) < T:
-            takes.append(T - sum(takes) if self.frozen else min(T - sum(takes), C - n_read))
-            n_read = (n_read + takes[-1]) % C
+        takes, done, n_read = [], 0, st.n_read  # the pieces: up to each chunk end (a write), then the rest
+        while done < T:
+            take = T - done if self.frozen else min(T - done, C - n_read)
+            takes.append(take)
+            done, n_read = done + take, (n_read + take) % C
         outs = []
         with torch.autocast(device_type=q.device.type, enabled=False):
             # split once (not slice per piece): autograd then joins the pieces' gradients in one cat
