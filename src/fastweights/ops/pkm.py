@@ -152,10 +152,10 @@ def pkm_search(
         raise ValueError(f"query dim {q.shape[-1]} != 2 x sub-key dim {half}")
     if not 0 < k <= n:
         raise UserError(f"top-k {k} must be between 1 and the number of sub-keys {n}")
+    _check_score(score)
     B, T, H = q.shape[:3]
     # both halves scored as 2H heads of one batch: query half m of head h is entry m*H + h
     q_halves = split_halves(q)  # [B, T, 2H, dh]
-    _check_score(score)
     raw = _subkey_dots_or_sqdist(q_halves, torch.cat([keys1, keys2], dim=-3), score)  # [B, T, 2H, n]
     if score == "dot":
         top, idx = raw.topk(k, dim=-1)  # [B, T, 2H, k], sorted descending
