@@ -101,7 +101,7 @@ def main():
            "tokens_per_s": {k: tokens / s for k, s in sec.items()}, "ratio_per_round": ratios,
            "ratio_fwpkm_over_backbone": ratio, "target_ratio": 0.8, "paper_ratio_h100": 0.35,
            "load_average_1m_per_round": loads,
-           "note": "CPU, timed on a shared 2-core machine with other jobs running (see load_average_1m_per_round); "
+           "note": "CPU, 2-core machine; the load from other processes is in load_average_1m_per_round; "
                    "interleaved rounds, median of per-round ratios"}
     res["headline"] = [
         {"what": f"LM training tokens/s, FwPKM at layers {a.memory_layers[0]},{a.memory_layers[1]} / same backbone "
