@@ -87,7 +87,7 @@ def _check_score(score: str) -> None:
 def softmax_short(x: torch.Tensor) -> torch.Tensor:
     """Softmax over a short last axis (the k or H*k selected slots), equal to ``torch.softmax(x, -1)``.
 
-    Written out because on the CPU ``torch.softmax`` costs about 4x more on rows of 8.  The shift by
+    Written out because on the CPU ``torch.softmax`` is slower on rows this short.  The shift by
     the row max is detached: softmax does not depend on it, so the gradient is unchanged."""
     e = torch.exp(x - x.detach().amax(-1, keepdim=True))
     return e / e.sum(-1, keepdim=True)
