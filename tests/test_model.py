@@ -43,10 +43,10 @@ def test_sliding_window_matches_masked_reference():
         torch.testing.assert_close(y[:, t], ref[:, -1], rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("window", [0, 6])
-def test_model_pieces_equal_one_call(window):
+@pytest.mark.parametrize("window,short_conv", [(0, 0), (6, 0), (0, 5)])
+def test_model_pieces_equal_one_call(window, short_conv):
     torch.manual_seed(0)
-    cfg = tiny_config(options={"attention": {"window": window}})
+    cfg = tiny_config(options={"attention": {"window": window}}, short_conv=short_conv)
     model = LanguageModel(cfg).double().eval()
     tokens = torch.randint(0, 37, (2, 20))
     full = model(tokens).logits
@@ -57,9 +57,10 @@ def test_model_pieces_equal_one_call(window):
     torch.testing.assert_close(pieces, full, rtol=1e-9, atol=1e-9)
 
 
-def test_causality():
+@pytest.mark.parametrize("short_conv", [0, 4])
+def test_causality(short_conv):
     torch.manual_seed(0)
-    model = LanguageModel(tiny_config()).double().eval()
+    model = LanguageModel(tiny_config(short_conv=short_conv)).double().eval()
     tokens = torch.randint(0, 37, (1, 16))
     t = 9
     perturbed = tokens.clone()
@@ -67,6 +68,33 @@ def test_causality():
     a, b = model(tokens).logits, model(perturbed).logits
     torch.testing.assert_close(a[:, :t], b[:, :t], rtol=0, atol=1e-12)
     assert not torch.allclose(a[:, t:], b[:, t:])
+
+
+def test_short_conv_matches_its_equation():
+    """ShortConv against y_t = sum_{i<W} w[W-1-i] x_{t-i} written as a loop (inputs before t = 0 are zeros)."""
+    from fastweights.layers.common import ShortConv
+
+    torch.manual_seed(0)
+    conv = ShortConv(6, 3).double()
+    x = torch.randn(2, 9, 6, dtype=torch.float64)
+    y, cache = conv(x)
+    w = conv.weight[:, 0]  # [D, W]
+    ref = torch.zeros_like(x)
+    for t in range(9):
+        for i in range(3):
+            if t - i >= 0:
+                ref[:, t] += w[:, 2 - i] * x[:, t - i]
+    torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(cache, x[:, -2:])
+    with pytest.raises(ValueError, match="width"):
+        ShortConv(6, 1)
+
+
+def test_short_conv_bad_width_is_a_user_error():
+    from fastweights.errors import UserError
+
+    with pytest.raises(UserError, match="short_conv"):
+        LanguageModel(tiny_config(short_conv=1))
 
 
 def test_tiny_model_overfits_one_batch():

@@ -38,6 +38,7 @@ class ModelConfig:
     head: str = "linear"  # output head: "linear" or a registered head such as "fwl"
     memory: str = ""  # block memory (e.g. "pkm", "fwpkm", "fwmlp") at the layers in memory_layers
     memory_layers: list[int] = field(default_factory=list)
+    short_conv: int = 0  # width of a residual causal convolution at the start of every block (0: none)
     init_std: float = 0.02
     options: dict[str, dict] = field(default_factory=dict)  # [model.options.<mechanism>] tables
 

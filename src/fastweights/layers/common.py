@@ -104,3 +104,38 @@ class RotaryEmbedding(nn.Module):
             xc = xc.contiguous()
         z = torch.view_as_complex(xc.unflatten(-1, (D // 2, 2)))  # [..., T, D/2] complex
         return torch.view_as_real(z * rotation).flatten(-2).to(x.dtype)  # [..., T, D/2, 2] -> [..., T, D]
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal depthwise convolution ``y_t = sum_{i<W} weight[:, 0, W-1-i] * x_{t-i}`` of ``x [B, T, D]``.
+
+    ``weight [D, 1, W]``; ``cache [B, W-1, D]`` holds the W - 1 inputs before ``x`` (None: zeros, the
+    start of a sequence). Returns ``(y [B, T, D], new cache [B, W-1, D])``, so one call equals several.
+    """
+    width = weight.shape[-1]
+    if cache is None:
+        cache = x.new_zeros(x.shape[0], width - 1, x.shape[2])
+    ext = torch.cat([cache.to(x.dtype), x], dim=1)  # [B, W-1+T, D]
+    y = F.conv1d(ext.transpose(1, 2), weight.to(x.dtype), groups=x.shape[2])  # [B, D, T]
+    return y.transpose(1, 2), ext[:, ext.shape[1] - (width - 1) :]
+
+
+class ShortConv(nn.Module):
+    """Residual token mixing over the last ``width`` tokens: ``x_t <- x_t + sum_{i<W} w_i * x_{t-i}`` per channel.
+
+    The short convolution of Mamba / Gated DeltaNet, placed on the residual stream at the start of each
+    block (Allen-Zhu's "Canon layers", 2025). It hands every position a summary of the few tokens before
+    it, the previous-token step that attention otherwise has to learn before it can match a multi-token
+    key (an induction head, a needle's "ID-3fa9 is"). State: the last W - 1 inputs, ``[B, W-1, D]``.
+    """
+
+    def __init__(self, d_model: int, width: int):
+        super().__init__()
+        if width < 2:
+            raise ValueError(f"short convolution width must be >= 2, got {width}")
+        self.weight = nn.Parameter(torch.empty(d_model, 1, width))
+        nn.init.kaiming_uniform_(self.weight, a=5**0.5)  # nn.Conv1d's default init
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [B, T, D]`` -> (the conv's output ``[B, T, D]`` to add to the stream, new cache)."""
+        return causal_conv1d(x, self.weight, cache)

@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fastweights.errors import UserError
+from fastweights.layers.common import causal_conv1d
 from fastweights.layers.fwp import gdn_log_decay, init_gdn_gate
 from fastweights.models.registry import register_mixer
 from fastweights.ops.delta_rule import delta_rule
@@ -91,14 +92,6 @@ class GatedDeltaNet(nn.Module):
             state["conv"] = torch.zeros(batch_size, width, self.qkv_dim, device=device, dtype=dtype)
         return state
 
-    def _short_conv(self, x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Causal depthwise conv of ``x [B, T, D]`` continuing from ``cache [B, W-1, D]``; returns (y, new cache)."""
-        width = self.options.conv_size
-        ext = torch.cat([cache.to(x.dtype), x], dim=1)  # [B, W-1+T, D]
-        y = F.conv1d(ext.transpose(1, 2), self.conv_weight.to(x.dtype), groups=self.qkv_dim)  # [B, D, T]
-        new_cache = ext[:, ext.shape[1] - (width - 1) :]  # last W-1 inputs, [B, W-1, D]
-        return y.transpose(1, 2), new_cache
-
     def forward(self, x: torch.Tensor, state: dict | None = None) -> tuple[torch.Tensor, dict]:
         """``x [B, T, d_model]``, ``state`` None (fresh) or the dict returned by the previous call."""
         opt = self.options
@@ -109,7 +102,7 @@ class GatedDeltaNet(nn.Module):
         qkv = self.qkv(x)  # [B, T, 2HK + HV]
         new_state = {}
         if opt.use_short_conv:
-            qkv, new_state["conv"] = self._short_conv(qkv, state["conv"])
+            qkv, new_state["conv"] = causal_conv1d(qkv, self.conv_weight, state["conv"])
         qkv = F.silu(qkv)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(b, t, h, self.head_k)  # [B, T, H, K]

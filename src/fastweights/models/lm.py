@@ -2,12 +2,13 @@
 
     tokens -> embedding -> N x Block -> RMSNorm -> head -> logits
 
-    Block(x) = x + memory(norm(x))       (optional, memories placed "before_mixer", e.g. FwPKM)
+    Block(x) = x + conv(x)               (optional short causal convolution, ``model.short_conv``)
+             = x + memory(norm(x))       (optional, memories placed "before_mixer", e.g. FwPKM)
              = x + mixer(norm(x))        (softmax attention, fast weight programmer, RNN, ...)
              = x + mlp(norm(x))          (SwiGLU, or a memory placed "replace_mlp", e.g. PKM)
 
 Every part follows the explicit-state protocol ``y, state = part(x, state)``; the model's state
-is ``{"layers": [{"mixer": ..., "memory": ...}, ...], "head": ...}`` so that
+is ``{"layers": [{"conv": ..., "mixer": ..., "memory": ...}, ...], "head": ...}`` so that
 
     model(tokens[:, :t]) then model(tokens[:, t:], state)  ==  model(tokens)
 
@@ -28,7 +29,7 @@ from torch import nn
 
 from fastweights.config import ModelConfig, from_dict
 from fastweights.errors import UserError
-from fastweights.layers.common import RMSNorm, SwiGLU, swiglu_hidden
+from fastweights.layers.common import RMSNorm, ShortConv, SwiGLU, swiglu_hidden
 from fastweights.models import registry
 
 
@@ -43,8 +44,10 @@ class ModelOutput:
 class Block(nn.Module):
     """Pre-norm residual block; its parts are injected."""
 
-    def __init__(self, d_model: int, mixer: nn.Module, mlp: nn.Module, memory: nn.Module | None = None):
+    def __init__(self, d_model: int, mixer: nn.Module, mlp: nn.Module, memory: nn.Module | None = None,
+                 short_conv: nn.Module | None = None):
         super().__init__()
+        self.short_conv = short_conv
         self.mixer_norm = RMSNorm(d_model)
         self.mixer = mixer
         self.mlp_norm = RMSNorm(d_model)
@@ -58,6 +61,9 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, state: dict | None = None):
         state = state or {}
         new_state = {}
+        if self.short_conv is not None:
+            y, new_state["conv"] = self.short_conv(x, state.get("conv"))
+            x = x + y
         if self.memory_placement == "before_mixer":
             y, new_state["memory"] = self.memory(self.memory_norm(x), state.get("memory"))
             x = x + y
@@ -104,6 +110,8 @@ class LanguageModel(nn.Module):
             raise UserError(
                 f"model.layer_mixers has {len(config.layer_mixers)} entries but model.n_layers = {config.n_layers}"
             )
+        if config.short_conv < 0 or config.short_conv == 1:
+            raise UserError(f"model.short_conv must be 0 (none) or a width >= 2, got {config.short_conv}")
         bad = [i for i in config.memory_layers if not 0 <= i < config.n_layers]
         if bad:
             raise UserError(f"model.memory_layers {bad} out of range for {config.n_layers} layers")
@@ -122,7 +130,8 @@ class LanguageModel(nn.Module):
             mlp = SwiGLU(d, swiglu_hidden(d, config.mlp_hidden))
             if memory is not None and getattr(memory, "placement", None) == "replace_mlp":
                 mlp = nn.Identity()
-            blocks.append(Block(d, mixer, mlp, memory))
+            conv = ShortConv(d, config.short_conv) if config.short_conv else None
+            blocks.append(Block(d, mixer, mlp, memory, conv))
         self.blocks = nn.ModuleList(blocks)
         self.norm = RMSNorm(d)
         tied = self.embed if config.tie_embeddings else None
