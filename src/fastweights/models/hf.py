@@ -78,8 +78,8 @@ class FastWeightsConfig(PretrainedConfig):
 
     Fields are those of :class:`fastweights.config.ModelConfig` (``vocab_size``, ``d_model``,
     ``n_layers``, ``n_heads``, ``mlp_hidden``, ``mixer``, ``layer_mixers``, ``tie_embeddings``,
-    ``dropout``, ``head``, ``memory``, ``memory_layers``, ``init_std``, ``options``) with the same
-    defaults, plus the usual ``use_cache`` and ``bos/eos/pad_token_id``, and
+    ``dropout``, ``head``, ``memory``, ``memory_layers``, ``short_conv``, ``init_std``,
+    ``options``) with the same defaults, plus the usual ``use_cache`` and ``bos/eos/pad_token_id``, and
     ``attention_context``: tokens of context an attention layer keeps in the returned cache
     (its KV cache is cut to the last ``attention_context - 1`` keys after every call, as
     ``fastweights generate`` does with the training ``seq_len``; export-hf sets it so); 0 (default)
@@ -104,6 +104,7 @@ class FastWeightsConfig(PretrainedConfig):
     head: str = _DEFAULTS.head
     memory: str = _DEFAULTS.memory
     memory_layers: list = field(default_factory=list)
+    short_conv: int = _DEFAULTS.short_conv
     init_std: float = _DEFAULTS.init_std
     options: dict = field(default_factory=dict)
     use_cache: bool = True
