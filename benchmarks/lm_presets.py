@@ -6,7 +6,9 @@ wall-clock budget: validation and test bits per character side by side.
 
 Each preset trains in its own process with one torch thread (``--parallel`` of them at a time) for
 ``--minutes`` of its own CPU time (``train.budget_clock = "cpu"``), so runs get equal compute even when
-other jobs load the machine; then its checkpoint is scored on the test split with the state carried. Writes benchmarks/results/lm_presets.json (and a sample per model).
+other jobs load the machine. A run may add overrides of its own after a colon,
+``shakespeare-char:model.short_conv=4`` (comma-separated), to compare a preset with a variant of
+itself in the same run. Then its checkpoint is scored on the test split with the state carried. Writes benchmarks/results/lm_presets.json (and a sample per model).
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
 
 
-def run_preset(preset: str, minutes: float, out_root: Path, extra: list[str]) -> dict:
-    out = out_root / preset
+def run_preset(run: str, minutes: float, out_root: Path, extra: list[str]) -> dict:
+    preset, _, own = run.partition(":")
+    extra = extra + [x for s in own.split(",") if s for x in ("--set", s)]
+    out = out_root / run.replace(":", "+").replace("=", "-")
     py = sys.executable
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # evaluation and sampling on one thread too, like training
     subprocess.run([py, "-m", "fastweights", "train", "--preset", preset, "--out", str(out), "--quiet",
@@ -37,7 +41,7 @@ def run_preset(preset: str, minutes: float, out_root: Path, extra: list[str]) ->
     sample = subprocess.run([py, "-m", "fastweights", "generate", "--checkpoint", str(out), "--prompt", "ROMEO:",
                              "--max-tokens", "200", "--seed", "0"], check=True, capture_output=True, text=True,
                             env=env).stdout
-    return {"preset": preset, "parameters": summary["parameters"], "steps": summary["steps"],
+    return {"preset": run, "parameters": summary["parameters"], "steps": summary["steps"],
             "train_seconds": summary["elapsed_s"], "val_bits_per_char": summary["val_bits_per_token"],
             "test_bits_per_char": test["bits_per_char"], "sample": sample}
 
