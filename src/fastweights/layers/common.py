@@ -1,4 +1,4 @@
-"""Building blocks shared by the model and the mechanisms: RMSNorm, SwiGLU MLP, rotary embeddings."""
+"""Building blocks shared by the model and the mechanisms: RMSNorm, SwiGLU MLP, rotary embeddings, short causal convolution."""
 
 from __future__ import annotations
 
