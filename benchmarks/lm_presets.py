@@ -8,7 +8,8 @@ Each preset trains in its own process with one torch thread (``--parallel`` of t
 ``--minutes`` of its own CPU time (``train.budget_clock = "cpu"``), so runs get equal compute even when
 other jobs load the machine. A run may add overrides of its own after a colon,
 ``shakespeare-char:model.short_conv=4`` (comma-separated), to compare a preset with a variant of
-itself in the same run. Then its checkpoint is scored on the test split with the state carried. Writes benchmarks/results/lm_presets.json (and a sample per model).
+itself in the same run. Then its checkpoint is scored on the test split with the state carried.
+Writes benchmarks/results/NAME.json (``--name``, default lm_presets), with a sample per model.
 """
 
 from __future__ import annotations

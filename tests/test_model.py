@@ -86,6 +86,11 @@ def test_short_conv_matches_its_equation():
                 ref[:, t] += w[:, 2 - i] * x[:, t - i]
     torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(cache, x[:, -2:])
+    ys, cache = [], None  # pieces shorter than the W - 1 = 2 cached inputs included
+    for a, b in [(0, 1), (1, 2), (2, 5), (5, 9)]:
+        y_piece, cache = conv(x[:, a:b], cache)
+        ys.append(y_piece)
+    torch.testing.assert_close(torch.cat(ys, 1), ref, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="width"):
         ShortConv(6, 1)
 
