@@ -158,6 +158,27 @@ def test_each_read_writes_once_and_answering_never_writes(hay, tok):
     assert model.blocks[1].memory.frozen is False and model.blocks[1].memory.options.chunk_size == 16  # restored
 
 
+def test_the_question_of_n_reads_sees_the_memory_of_n_minus_1_reads(hay, tok):
+    """The paper's protocol: the last read is context + question in one call, so the question reads the
+    memory before that read's write (1 read: the fresh memory) and the KV cache of every read."""
+    model = fwpkm_model(tok)
+    s = make_sample(hay, tok, 300, 0.5, seed=0, index=0)
+    q = tok.encode(s.question).tolist()
+    seen = []
+
+    class StateSpy(Spy):
+        def forward(self, tokens, state=None):
+            if tokens[0].tolist() == q:
+                mem = state["layers"][1].get("memory")
+                seen.append((0 if mem is None else mem.writes, state["layers"][1]["mixer"]["k"].shape[-2]))
+            return super().forward(tokens, state)
+
+    records, state = evaluate_sample(StateSpy(model), tok, s, NiahOptions(iters=(1, 2, 3), piece=1000))
+    n_ctx = len(tok.encode(s.context))
+    assert seen == [(0, n_ctx), (1, 2 * n_ctx), (2, 3 * n_ctx)]
+    assert state["layers"][1]["memory"].writes == 3  # each read's write still happens, after its outputs
+
+
 def test_answers_reproduce_a_hand_written_n_iter_loop(hay, tok):
     model = fwpkm_model(tok, seed=1)
     s = make_sample(hay, tok, 250, None, seed=4, index=1)
@@ -167,9 +188,12 @@ def test_answers_reproduce_a_hand_written_n_iter_loop(hay, tok):
     q = torch.as_tensor(tok.encode(s.question))
     layer.options = type(layer.options)(**{**vars(layer.options), "chunk_size": ctx.numel()})
     with torch.no_grad():
-        state = model(ctx[None]).state
-        state = model(ctx[None], state).state
+        first = model(ctx[None]).state
+        state = model(ctx[None], first).state
         assert state["layers"][1]["memory"].writes == 2
+        # the paper's 2-iter: context + question in one call whose outputs precede its write, so the
+        # question sees the KV cache of both reads and the memory written by the first read only
+        state["layers"][1]["memory"] = first["layers"][1]["memory"]
         layer.frozen = True
         out = model(q[None], state)
         gen = []

@@ -1,7 +1,7 @@
 """Command line for long-context memory: ``fastweights niah | stream-eval | adapt-test | fwpkm-gates``.
 
     fastweights niah --checkpoint runs/niah-cpu --lengths 1024,2048,4096 --iters 1,2 --samples 20 \\
-        --haystack ../shared/data/long_docs --out runs/niah-cpu/niah          # -> niah.json, niah.png
+        --haystack tinyshakespeare --out runs/niah-cpu/niah              # -> niah.json, niah.png
     fastweights stream-eval --checkpoint runs/a --checkpoint runs/b --data long.txt \\
         --modes carry,reset,frozen --out runs/stream                           # -> stream.json, stream.png
     fastweights adapt-test --checkpoint runs/a --domain shakespeare=tiny.txt --domain spanish=quijote.txt \\
@@ -33,6 +33,7 @@ from types import SimpleNamespace
 import torch
 
 import fastweights.tasks.niah  # noqa: F401  (registers the corpus "niah-tinyshakespeare" used by configs/niah-cpu.toml)
+import fastweights.tasks.niah_token  # noqa: F401  (registers "niah-token-tinyshakespeare", configs/niah-token.toml)
 from fastweights.errors import UserError
 
 
@@ -89,6 +90,11 @@ def register_cli(sub) -> None:
     n.add_argument("--max-new-tokens", type=int, default=0, help="decoding budget (0: automatic)")
     n.add_argument("--out", default="runs/niah", help="output prefix: writes PREFIX.json and PREFIX.png")
     n.add_argument("--show", type=int, default=0, help="print the first N prompts with the model's answers")
+    n.add_argument("--format", default="auto", choices=["auto", "char", "token"],
+                   help="needle format: 'char' (ID-3fa9 / 6 digits), 'token' (one-token keys and values, "
+                        "fastweights.tasks.niah_token); 'auto' picks token for a model trained on it")
+    n.add_argument("--keys", default="heldout", choices=["heldout", "train"],
+                   help="token format: keys never used in training needles (default) or the training keys")
     n.set_defaults(func=cmd_niah)
 
     s = sub.add_parser("stream-eval", help="streaming perplexity along documents: carry / reset / frozen / memory, "
@@ -191,9 +197,16 @@ def cmd_niah(args) -> int:
     from fastweights.tasks.niah import (Haystack, NiahOptions, evaluate_niah, make_samples, parse_depths, plot_niah,
                                         records_to_json, summarize, check_tokenizer)
 
+    from fastweights.tasks import niah_token
+
     _setup(args)
     model, tok, cfg = _load(args.checkpoint, args.device)
-    check_tokenizer(tok)
+    token_format = args.format == "token" or (args.format == "auto" and niah_token.is_token_format(tok))
+    if token_format and not niah_token.is_token_format(tok):
+        raise UserError("--format token needs a word-level model trained on the token needle format "
+                        "(e.g. the niah-token preset); this model's tokenizer lacks its reserved tokens")
+    if not token_format:
+        check_tokenizer(tok)
     lengths = _ints(args.lengths, "--lengths")
     iters = tuple(sorted(set(_ints(args.iters, "--iters"))))
     depths = parse_depths(args.depths)
@@ -204,12 +217,17 @@ def cmd_niah(args) -> int:
     opts = NiahOptions(iters=iters, write_chunk=args.write_chunk, reread=args.reread, piece=args.piece,
                        context=args.context, carry=args.carry, max_new_tokens=args.max_new_tokens)
     opts.validate()
-    haystack = Haystack.load(args.haystack)
-    samples = make_samples(haystack, tok, lengths, depths, args.samples, args.seed)
+    if token_format:  # the default haystack's last tenth: text the token-format training never used
+        haystack = niah_token.eval_haystack(args.haystack)
+        samples = niah_token.make_samples(haystack, lengths, depths, args.samples, args.seed, keys=args.keys)
+    else:
+        haystack = Haystack.load(args.haystack)
+        samples = make_samples(haystack, tok, lengths, depths, args.samples, args.seed)
     records = evaluate_niah(model, tok, samples, opts, progress=not args.quiet)
     summary = summarize(records, depths, args.depth_bins)
     meta = {"command": _command_line(), "checkpoint": str(args.checkpoint), "model": _describe(cfg),
-            "haystack": args.haystack, "lengths": lengths, "depths": depths, "samples_per_cell": args.samples,
+            "haystack": haystack.name, "format": "token" if token_format else "char",
+            **({"keys": args.keys} if token_format else {}), "lengths": lengths, "depths": depths, "samples_per_cell": args.samples,
             "seed": args.seed, "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(opts).items()},
             "train_seq_len": cfg.train.seq_len}
     out = Path(args.out)
@@ -225,12 +243,13 @@ def cmd_niah(args) -> int:
         print(json.dumps({k: v for k, v in doc.items() if k != "records"}, indent=2))
         return 0
     print(f"NIAH {Path(args.checkpoint).name} ({_describe(cfg)}), {args.samples} samples per cell, haystack {args.haystack}")
-    print(f"{'length':>8}  " + "  ".join(f"{n}-iter exact/digit" for n in summary["iters"]))
+    second = "candidate" if token_format else "digits"  # a one-token answer has no digits to count
+    print(f"{'length':>8}  " + "  ".join(f"{n}-iter exact/{second[:5]}" for n in summary["iters"]))
     for L in summary["lengths"]:
         cells = []
         for n in summary["iters"]:
             a = summary["by_iters"][n]["by_length"][L]
-            cells.append(f"{a['exact']:>6.2f} / {a['digits']:.2f}  ")
+            cells.append(f"{a['exact']:>6.2f} / {a[second]:.2f}  ")
         print(f"{L:>8}  " + "  ".join(cells))
     print(f"-> {out.with_suffix('.json')}, {out.with_suffix('.png')}")
     return 0

@@ -23,8 +23,12 @@ C = the haystack length) and never while the question is read or the answer deco
 see :func:`fastweights.longctx.memory_writes`). The model state (KV cache, fast-weight matrices,
 memory tables) carries from read to read (``reread="carry"``, as the released code's cache object);
 ``reread="memory"`` resets the mixers' states before each re-read so that only the memories carry.
-The answers for n = 1, 2, ... come from one sequence of reads: the question is asked from a copy of
-the state after read n, and read n + 1 continues from the state before the question.
+As in the paper, where the last read is context + question in one call whose outputs come before that
+call's memory write, the question of n reads sees the memories written by the n - 1 earlier reads (with
+1 read, the fresh memory: only the mixers can answer) and the mixer state (KV cache) of all n reads. The
+answers for n = 1, 2, ... come from one sequence of reads: the question is asked from a copy of the state
+after read n with the memories of read n - 1, and read n + 1 continues from the state before the question.
+(Before issue 17 the question saw the memories of all n reads, one read ahead of the paper.)
 
 Each sample starts from a fresh state (the project default); ``carry=True`` carries the state from one
 sample to the next (the released code's behaviour). Samples are deterministic functions of
@@ -154,7 +158,7 @@ def check_tokenizer(tokenizer) -> None:
     probe = needle_text("ID-0123456789abcdef", "0123456789") + question_text("ID-x")
     ids = tokenizer.encode(probe)
     if (np.asarray(ids) == unk).any():
-        missing = sorted({c for c in probe if int(tokenizer.encode(c)[0]) == unk})
+        missing = sorted({c for c in probe if unk in tokenizer.encode(c)})
         raise UserError(f"the model's tokenizer cannot encode {''.join(missing)!r}, which NIAH needles use; "
                         "train on text containing digits and hex letters (e.g. the niah-cpu preset)")
 
@@ -341,6 +345,18 @@ def _decode_answer(model, tokenizer, question_ids: torch.Tensor, state, n_chars:
     return text, state
 
 
+def _with_memories(state: dict, source: dict | None) -> dict:
+    """``state`` with every layer's memory state taken from ``source`` (None: fresh memories)."""
+    layers = []
+    for i, s in enumerate(state["layers"]):
+        s = {k: v for k, v in s.items() if k != "memory"}
+        src = source["layers"][i].get("memory") if source is not None else None
+        if src is not None:
+            s["memory"] = src
+        layers.append(s)
+    return {**state, "layers": layers}
+
+
 @torch.no_grad()
 def evaluate_sample(model, tokenizer, sample: NiahSample, opts: NiahOptions, state=None):
     """Answers of one sample for every n in ``opts.iters``; returns (list of records, state after it).
@@ -361,11 +377,16 @@ def evaluate_sample(model, tokenizer, sample: NiahSample, opts: NiahOptions, sta
             state = memory_only_state(state)
         if chunk is not None:
             check_chunk_empty(state)
+        before = state
         with memory_writes(model, chunk_size=chunk):  # "read": one write at the end of the read
             state = read_tokens(model, ctx, state, opts.piece, opts.context or None)
         if n in opts.iters:
+            # "read": the paper reads context + question in one call whose outputs come before that call's
+            # write, so the question sees the memory of the n - 1 earlier reads (the KV cache holds all n)
+            asked = _with_memories(state, before) if chunk is not None else state
             with memory_writes(model, frozen=True):  # no writes while the question is read and answered
-                text, after = _decode_answer(model, tokenizer, question, state, len(sample.answer), budget, opts)
+                text, after = _decode_answer(model, tokenizer, question, asked, len(sample.answer), budget, opts)
+            after = _with_memories(after, state)  # the write of read n still happens (after the outputs)
             rec = score_answer(text, sample)
             rec.update(iters=n, length=sample.length, tokens=sample.tokens, depth=sample.depth,
                        target_depth=sample.target_depth, answer=sample.answer, seed=sample.seed)
@@ -377,8 +398,11 @@ def evaluate_sample(model, tokenizer, sample: NiahSample, opts: NiahOptions, sta
 def evaluate_niah(model, tokenizer, samples: Sequence[NiahSample], opts: NiahOptions,
                   progress: bool = False) -> list[dict]:
     """Records of all samples (one per sample and n); see :func:`summarize` for the tables."""
+    from fastweights.tasks.niah_token import is_token_format
+
     opts.validate()
-    check_tokenizer(tokenizer)
+    if not is_token_format(tokenizer):
+        check_tokenizer(tokenizer)
     was_training = model.training
     model.eval()
     bar = Progress(len(samples), "samples", desc="niah", enabled=progress)
