@@ -18,8 +18,8 @@ def trained(tmp_path_factory):
 
 
 def test_train_writes_checkpoint_and_plot(trained):
-    for name in ["model.safetensors", "config.json", "tokenizer.json", "trainer_state.pt", "metrics.jsonl",
-                 "loss_curve.png", "summary.json"]:
+    for name in ["model.safetensors", "config.json", "tokenizer.json", "trainer_state.safetensors", "checkpoint.json",
+                 "metrics.jsonl", "loss_curve.png", "summary.json"]:
         assert (trained / name).is_file(), name
     summary = json.loads((trained / "summary.json").read_text())
     assert summary["steps"] == 20 and math.isfinite(summary["val_loss"])
@@ -62,7 +62,7 @@ def test_resume_continues_to_the_same_loss(tmp_path):
     assert main(["train", *common, "--out", str(resumed), "--set", "train.max_minutes=1e-9"]) == 0
     first = json.loads((resumed / "summary.json").read_text())
     assert first["stopped_by_time_budget"] and first["steps"] == 0
-    assert main(["train", *common, "--out", str(resumed), "--set", "train.max_minutes=0", "--set",
+    assert main(["train", *common, "--out", str(resumed), "--overwrite", "--set", "train.max_minutes=0", "--set",
                  "train.max_steps=6"]) == 0
     assert main(["train", "--resume", "--quiet", "--out", str(resumed), "--set", "train.max_steps=12"]) == 0
     a = json.loads((straight / "summary.json").read_text())

@@ -58,8 +58,18 @@ def _run_config(args):
 def cmd_train(args) -> int:
     from fastweights.train import train
 
+    if args.resume and args.overwrite:
+        raise UserError("--resume and --overwrite exclude each other")
+    if args.out is None:
+        if args.resume:
+            raise UserError("--resume needs --out (the run directory to continue)")
+        import time
+
+        stem = Path(args.preset).stem if args.preset else "shakespeare-char"
+        args.out = str(Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")  # a new directory, never a reused one
     cfg = _run_config(args)
-    summary = train(cfg, Path(args.out), resume=args.resume, progress=not args.quiet, fsdp=args.fsdp)
+    summary = train(cfg, Path(args.out), resume=args.resume, progress=not args.quiet, fsdp=args.fsdp,
+                    overwrite=args.overwrite, force_memory=args.force_memory)
     if summary.get("processes", 1) > 1 and int(__import__("os").environ.get("RANK", "0")) != 0:
         return 0
     print(json.dumps(summary, indent=2) if args.json else
@@ -121,6 +131,8 @@ def cmd_eval(args) -> int:
         return run_stream_eval(args)
     model, tokenizer, cfg = load_checkpoint(Path(args.checkpoint), map_location=str(resolve_device(args.device)))
     seq_len = args.seq_len or cfg.train.seq_len
+    if args.stride is not None and args.stride > seq_len:
+        raise UserError(f"--stride {args.stride} must be at most the context length ({seq_len}, --seq-len)")
     if getattr(args, "dynamic", None):
         from fastweights.adapt.cli import run_eval_dynamic
 
@@ -134,6 +146,7 @@ def cmd_eval(args) -> int:
         result = _eval_prepared(model, tokenizer, cfg, args, seq_len)
     else:
         texts = _eval_texts(args, cfg)
+        _warn_unknown(tokenizer, texts, "the evaluation text")
         result = evaluate_documents(model, tokenizer, texts, seq_len, args.stride, progress=not args.quiet)
     if result.tokens == 0:
         raise UserError("nothing to score: the evaluation text has fewer than two tokens")
@@ -147,6 +160,14 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def _warn_unknown(tokenizer, texts, what: str) -> None:
+    from fastweights.data.tokenizers import unknown_symbols_warning
+
+    line = unknown_symbols_warning(tokenizer, texts, what)
+    if line:
+        print(line, file=sys.stderr)
+
+
 # ----------------------------------------------------------------------------- generate
 
 
@@ -156,6 +177,7 @@ def cmd_generate(args) -> int:
     from fastweights.train import resolve_device
 
     model, tokenizer, cfg = load_checkpoint(Path(args.checkpoint), map_location=str(resolve_device(args.device)))
+    _warn_unknown(tokenizer, [args.prompt], "the prompt")
     prompt = tokenizer.encode(args.prompt)
     prompt = [int(t) for t in prompt]
     if not prompt:
@@ -192,6 +214,7 @@ def cmd_demo(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from fastweights.data.tokenizers import TOKENIZER_KINDS
+    from fastweights.validate import nonneg_float, nonneg_int, positive_float, positive_int
 
     p = _Parser(prog="fastweights", description="Language models whose weights change with the text they read.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -199,9 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a model from a preset")
     t.add_argument("--preset", help="preset name (configs/NAME.toml) or path to a .toml file; default shakespeare-char")
     t.add_argument("--data", help="corpus: a registered name, a text file, a directory or a .jsonl file")
-    t.add_argument("--out", default="runs/latest", help="output directory (checkpoint, metrics, plots)")
+    t.add_argument("--out", help="output directory (checkpoint, metrics, plots); default: a new runs/PRESET-DATE-TIME")
     t.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config field")
     t.add_argument("--resume", action="store_true", help="continue the run saved in --out")
+    t.add_argument("--overwrite", action="store_true",
+                   help="replace the run in --out (its checkpoint, logs and the files derived from its weights)")
+    t.add_argument("--force-memory", action="store_true",
+                   help="train even when the estimated memory exceeds what the machine has available")
     t.add_argument("--fsdp", action="store_true", help="under torchrun: shard with FSDP2 (fully_shard per block) instead of DDP")
     t.add_argument("--log", choices=["jsonl", "tensorboard"], help="also log to TensorBoard (metrics.jsonl is always written)")
     t.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -221,8 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--checkpoint", required=True)
     e.add_argument("--data", help="text to score (file, directory, corpus name); default: the checkpoint's test split")
     e.add_argument("--split", default="test", choices=["train", "val", "test"])
-    e.add_argument("--seq-len", type=int, default=0, help="context length (default: the training seq_len)")
-    e.add_argument("--stride", type=int, default=None, help="tokens scored per call (default seq_len // 2)")
+    e.add_argument("--seq-len", type=nonneg_int, default=0, help="context length (default: the training seq_len)")
+    e.add_argument("--stride", type=positive_int, default=None, help="tokens scored per call (default seq_len // 2)")
     e.add_argument("--device", default="auto")
     e.add_argument("--stream", action="store_true",
                    help="per-position loss curves along long documents, carry vs reset vs frozen fast weights "
@@ -237,9 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="sample text from a checkpoint")
     g.add_argument("--checkpoint", required=True)
     g.add_argument("--prompt", default="\n")
-    g.add_argument("--max-tokens", type=int, default=200)
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--max-tokens", type=nonneg_int, default=200)
+    g.add_argument("--temperature", type=nonneg_float, default=0.8, help="0: greedy")
+    g.add_argument("--top-k", type=nonneg_int, default=0, help="0: all tokens")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="auto")
     g.set_defaults(func=cmd_generate)
@@ -269,9 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # a training run saves first (fastweights.train.RunInterrupted says which step)
+        print(str(e) or "interrupted", file=sys.stderr)
+        return getattr(e, "exit_code", 130)
     except BrokenPipeError:
         return 0
 

@@ -13,7 +13,6 @@ import contextlib
 import json
 import math
 import random
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,21 +21,12 @@ import numpy as np
 import torch
 
 from fastweights.checkpoint import atomic_write, save_model
+from fastweights.distributed import (Dist, all_finite, all_mean, barrier, from_rank0, full_state,  # noqa: F401
+                                     init_distributed, load_full_state, resolve_device, wrap_model)
 from fastweights.config import RunConfig
 from fastweights.errors import UserError
 from fastweights.models.lm import LanguageModel, detach_state
 from fastweights.progress import Progress
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"device {name!r} requested but CUDA is not available")
-    try:
-        return torch.device(name)
-    except RuntimeError:
-        raise UserError(f"unknown device {name!r}") from None
 
 
 def autocast(device: torch.device):
@@ -181,158 +171,113 @@ def _set_rng_state(s: dict, gen: torch.Generator) -> None:
     np.random.set_state(s["numpy"])
 
 
-@dataclass
-class Dist:
-    """Where this process sits in a ``torchrun`` launch (rank 0 of 1 without one)."""
+class RunInterrupted(KeyboardInterrupt):
+    """SIGINT/SIGTERM stopped a run after a step: its checkpoint was saved; ``exit_code`` is 128 + the signal."""
 
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
-def init_distributed(device_name: str) -> tuple[Dist, torch.device]:
-    """Join the process group that ``torchrun`` describes in the environment (gloo on CPU, nccl on CUDA)."""
-    import os
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return Dist(), resolve_device(device_name)
-    import torch.distributed as td
-
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    device = resolve_device(device_name)
-    if device.type == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    if not td.is_initialized():
-        td.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return Dist(rank, world, local_rank), device
+class TrainingDiverged(UserError):
+    """The loss, the gradients or the weights stopped being finite; nothing from that step was saved."""
 
 
-def _barrier(dist: Dist) -> None:
-    if dist.world > 1:
-        torch.distributed.barrier()
-
-
-def _all_mean(value: float, dist: Dist, device) -> float:
-    if dist.world == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(t)
-    return t.item() / dist.world
-
-
-def _any(flag: bool, dist: Dist, device) -> bool:
-    """True on every rank if ``flag`` is true on rank 0 (ranks agree on when a time budget ends)."""
-    if dist.world == 1:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    torch.distributed.broadcast(t, src=0)
-    return bool(t.item())
-
-
-def _wrap(model, dist: Dist, device, fsdp: bool):
-    """DDP, or FSDP2 (``fully_shard`` per block, then the root) with ``fsdp``; the plain model on one process."""
-    if dist.world == 1:
-        return model
-    if fsdp:
-        from torch.distributed.fsdp import fully_shard
-
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-        return model
-    from torch.nn.parallel import DistributedDataParallel
-
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-
-
-def _full_state(model, optimizer):
-    """Unsharded model and optimizer state dicts on the CPU (same format for 1 process, DDP and FSDP)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def _load_full_state(model, optimizer, model_sd, optim_sd) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
-                   options=StateDictOptions(full_state_dict=True))
-
-
-def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = True, fsdp: bool = False) -> dict:
+def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = True, fsdp: bool = False,
+          overwrite: bool = True, force_memory: bool = False) -> dict:
     """Train ``cfg`` into ``out_dir``; returns a summary dict (also written as ``summary.json``).
 
     Under ``torchrun --nproc_per_node N`` every process joins one data-parallel job: ``train.batch_size``
     is the global batch of one micro-step, each rank takes its slice of the same rows a single process
     would draw, gradients synchronise only on the last micro-step of an accumulation, and rank 0 logs
     and writes checkpoints. A run can be resumed on a different number of processes.
+
+    The directory is locked while the run trains (see :mod:`fastweights.run_dir`). A directory that
+    holds another run is replaced when ``overwrite`` (the Python default; ``fastweights train``
+    refuses unless ``--overwrite``), else refused; ``resume`` continues it. Settings are validated,
+    and the training memory estimated, before anything is written; a run that fails before it starts
+    leaves ``out_dir`` as it was. SIGINT/SIGTERM finish the step, save, write the summary and raise
+    :class:`RunInterrupted`; a non-finite loss, gradient or weight raises :class:`TrainingDiverged`.
     """
+    from fastweights.run_dir import Restore, RunLock, check_out_dir, describe_run
+    from fastweights.validate import validate_config
+
     out_dir = Path(out_dir)
     tc = cfg.train
-    if tc.log not in ("jsonl", "tensorboard"):
-        raise UserError(f"train.log must be jsonl or tensorboard, got {tc.log!r}")
-    if tc.carry_state and tc.grad_accum != 1:
-        raise UserError("train.carry_state needs train.grad_accum = 1 (one contiguous window per lane per step)")
-    if tc.budget_clock not in ("wall", "cpu"):
-        raise UserError(f"train.budget_clock must be wall or cpu, got {tc.budget_clock!r}")
-    # what max_minutes (and the elapsed times logged) count: wall-clock seconds, or this process's CPU
-    # seconds, which stay fair when one-thread runs share a busy machine
-    clock = time.process_time if tc.budget_clock == "cpu" else time.perf_counter
+    validate_config(cfg)  # every setting, before any file is written
     summary_writer = _tensorboard_writer_class() if tc.log == "tensorboard" else None  # refuse before writing files
     if tc.threads:
         torch.set_num_threads(tc.threads)
     dist, device = init_distributed(tc.device)
     if tc.batch_size % dist.world:
         raise UserError(f"train.batch_size={tc.batch_size} is not divisible by the {dist.world} processes")
-    progress = progress and dist.main
+    restore = lock = None
+    if dist.main:
+        check_out_dir(out_dir)
+        restore = Restore(out_dir)
+        lock = RunLock(out_dir)
+    try:
+        if lock is not None:
+            lock.acquire()
+            held = describe_run(out_dir)
+            if held is not None and not resume and not overwrite:
+                raise UserError(f"--out {out_dir} already holds {held}: pass --resume to continue it, --overwrite "
+                                "to replace it (its derived files too), or choose another --out")
+        return _train(cfg, out_dir, resume, progress and dist.main, fsdp, overwrite, force_memory, dist, device,
+                      summary_writer, restore)
+    except UserError:
+        if restore is not None and restore.armed:
+            restore.undo()
+        raise
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_memory, dist, device, summary_writer, restore):
+    from fastweights.checkpoint import check_weights, load_for_resume
+    from fastweights.run_dir import remove_run, truncate_metrics
+    from fastweights.validate import check_memory
+
+    tc = cfg.train
+    # what max_minutes (and the elapsed times logged) count: wall-clock seconds, or this process's CPU
+    # seconds, which stay fair when one-thread runs share a busy machine
+    clock = time.process_time if tc.budget_clock == "cpu" else time.perf_counter
     torch.manual_seed(tc.seed)
     random.seed(tc.seed)
     np.random.seed(tc.seed)
 
-    tokenizer = None
-    state_path = out_dir / "trainer_state.pt"
+    tokenizer = saved_unit = None
     if resume:
-        if not state_path.is_file():
-            raise UserError(f"--resume: no trainer_state.pt in {out_dir}")
-        from fastweights.checkpoint import read_run_config
-        from fastweights.data import load_tokenizer
-
-        saved = read_run_config(out_dir)
+        saved_unit = load_for_resume(out_dir)  # weights, trainer state and tokenizer of one checkpoint
+        saved = saved_unit["config"]
         if saved.model != _with_vocab(cfg.model, saved.model.vocab_size):
             raise UserError(f"--resume: the model config differs from the one saved in {out_dir}")
-        tokenizer = load_tokenizer(out_dir)
-    fresh_dir = not out_dir.exists()
-    try:
-        if dist.main:  # rank 0 encodes the corpus once; the others then read the cached token files
-            data = prepare_data(cfg, out_dir, tokenizer, progress)
-        _barrier(dist)
-        if not dist.main:
-            data = prepare_data(cfg, out_dir, tokenizer, progress=False)
-    except UserError:
-        if fresh_dir and out_dir.exists() and dist.main:  # leave nothing half-made behind
-            shutil.rmtree(out_dir)
-        raise
+        tokenizer = saved_unit["tokenizer"]
+    if dist.main:  # rank 0 encodes the corpus once; the others then read the cached token files
+        data = prepare_data(cfg, out_dir, tokenizer, progress)
+    barrier(dist)
+    if not dist.main:
+        data = prepare_data(cfg, out_dir, tokenizer, progress=False)
     cfg.model.vocab_size = data.tokenizer.vocab_size
     cfg.data.tokenizer = data.tokenizer.name  # a prepared corpus brings its own tokenizer
+    memory = check_memory(cfg, device, dist.world, force_memory)
 
     model = LanguageModel(cfg.model).to(device)
-    wrapped = _wrap(model, dist, device, fsdp)
+    wrapped = wrap_model(model, dist, device, fsdp)
     optimizer = make_optimizer(model, tc)
     gen = torch.Generator().manual_seed(tc.seed)
     step, elapsed_before, history = 0, 0.0, []
     carried = None  # train.carry_state: the model state after the previous step's windows, detached
     if resume:
-        ts = torch.load(state_path, map_location="cpu", weights_only=False)
-        from safetensors.torch import load_file
-
-        _load_full_state(model, optimizer, load_file(str(out_dir / "model.safetensors")), ts["optimizer"])
-        _set_rng_state(ts["rng"], gen)
+        ts = saved_unit["state"]
+        check_weights(model, saved_unit["model"], f"checkpoint {out_dir}")
+        try:
+            load_full_state(model, optimizer, saved_unit["model"], ts["optimizer"])
+            _set_rng_state(ts["rng"], gen)
+        except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as e:
+            raise UserError(f"checkpoint {out_dir}: the trainer state does not fit this model "
+                            f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
         step, elapsed_before, history = ts["step"], ts["elapsed"], ts["history"]
         # the lanes' carried state (one process only; with several, each rank held its own slice's)
         carried = ts.get("carried_state") if ts.get("world_size") == dist.world == 1 else None
@@ -340,15 +285,22 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
             from torch.utils._pytree import tree_map
 
             carried = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, carried)
+    if dist.main:
+        if resume:
+            truncate_metrics(out_dir / "metrics.jsonl", step)  # records past the checkpoint are redone
+        elif overwrite:
+            remove_run(out_dir)  # the replaced run's files and what was derived from its weights
+    if restore is not None:
+        restore.armed = False  # from here on the directory holds this run
     fwd = torch.compile(wrapped) if tc.compile else wrapped
 
-    tb = summary_writer(str(out_dir / "tensorboard")) if dist.main and summary_writer is not None else None
+    tb = None
+    if dist.main and summary_writer is not None:
+        tb = summary_writer(str(out_dir / "tensorboard"), purge_step=step + 1 if resume else None)
     log = None
     log_path = out_dir / "metrics.jsonl"
     if dist.main:
         out_dir.mkdir(parents=True, exist_ok=True)
-        if not resume and log_path.exists():
-            log_path.unlink()
         log = log_path.open("a")
 
     def write_log(rec: dict) -> None:
@@ -360,15 +312,18 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
                 if k != "step" and isinstance(v, (int, float)):
                     tb.add_scalar(k, v, rec["step"])
 
+    saved_step = step if resume else None
+
     def save() -> None:
-        model_sd, optim_sd = _full_state(model, optimizer)  # collective under FSDP: every rank calls it
+        nonlocal saved_step
+        model_sd, optim_sd = full_state(model, optimizer)  # collective under FSDP: every rank calls it
         if dist.main:
-            save_model(model, out_dir, cfg, data.tokenizer, state_dict=model_sd)
             ts = {"step": step, "optimizer": optim_sd, "rng": _rng_state(gen),
                   "elapsed": elapsed_before + (clock() - t0), "history": history, "world_size": dist.world,
                   "carried_state": carried if dist.world == 1 else None}
-            atomic_write(state_path, lambda p: torch.save(ts, p))
-        _barrier(dist)
+            save_model(model, out_dir, cfg, data.tokenizer, state_dict=model_sd, trainer_state=ts, step=step)
+        saved_step = step
+        barrier(dist)
 
     def validate() -> float:
         # every rank scores the same windows (cheap next to training, and FSDP needs all ranks in forward)
@@ -378,6 +333,11 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
         history.append(rec)
         write_log(rec)
         return val
+
+    def diverged(what: str) -> TrainingDiverged:
+        held = f"the checkpoint of step {saved_step}" if saved_step is not None else "no checkpoint"
+        return TrainingDiverged(f"training diverged at step {step + 1} ({what}); nothing of it was saved: {out_dir} "
+                                f"holds {held}; lower train.lr={tc.lr:g} or raise train.warmup_steps")
 
     micro = tc.batch_size // dist.world  # rows of the global micro-batch on this rank
     tokens_per_step = tc.batch_size * tc.seq_len * tc.grad_accum
@@ -389,68 +349,121 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
     wrapped.train()
     last_loss = float("nan")
     stopped_by_budget = False
-    while step < tc.max_steps:
-        elapsed = elapsed_before + clock() - t0
-        if _any(elapsed >= budget, dist, device):
-            stopped_by_budget = True
-            break
-        lr = lr_at(step, tc, elapsed / budget)
-        for g in optimizer.param_groups:
-            g["lr"] = lr * g["lr_scale"]
-        t_step = time.perf_counter()
-        loss_sum = 0.0
-        for i in range(tc.grad_accum):
-            if tc.carry_state:  # truncated BPTT: row i continues its lane where the last step stopped
-                x, y, restart = data.train.get_lane_batch(tc.batch_size, tc.seq_len, step)
-                if restart:
-                    carried = None
-            else:
-                x, y = data.train.get_batch(tc.batch_size, tc.seq_len, gen)  # the global batch, same on every rank
-            x = x[dist.rank * micro : (dist.rank + 1) * micro].to(device, non_blocking=True)
-            y = y[dist.rank * micro : (dist.rank + 1) * micro].to(device, non_blocking=True)
-            sync = i == tc.grad_accum - 1
-            ctx = wrapped.no_sync() if (not sync and hasattr(wrapped, "no_sync")) else contextlib.nullcontext()
-            if fsdp and dist.world > 1:
-                wrapped.set_requires_gradient_sync(sync)
-            with ctx, autocast(device):
-                out = fwd(x, state=carried, targets=y)  # carried stays None without carry_state
-                loss = out.loss if out.aux_loss is None else out.loss + out.aux_loss
-                (loss / tc.grad_accum).backward()
-            loss_sum += out.loss.item()
-            if tc.carry_state:  # bounded (a KV cache keeps seq_len tokens) and cut from this step's graph
-                carried = model.trim_state(detach_state(out.state), tc.seq_len)
-        if tc.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        last_loss = _all_mean(loss_sum / tc.grad_accum, dist, device)
-        if not math.isfinite(last_loss):
-            raise RuntimeError(f"training diverged at step {step} (loss {last_loss}); lower train.lr")
-        tok_s = tokens_per_step / (time.perf_counter() - t_step)
-        bar.update(1, loss=last_loss, lr=lr, **{"tok/s": f"{tok_s:,.0f}"})
-        if step % tc.log_every == 0 or step == 1:
-            write_log({"step": step, "loss": last_loss, "lr": lr, "tokens_per_s": tok_s,
-                       "elapsed": elapsed_before + clock() - t0})
-        if tc.eval_every and step % tc.eval_every == 0 and step < tc.max_steps:
-            validate()
+    params = [p for p in model.parameters() if p.requires_grad]
+    stop = _StopSignals()
+    try:
+        while step < tc.max_steps:
+            elapsed = elapsed_before + clock() - t0
+            out_of_time, interrupted = from_rank0([elapsed >= budget, stop.signum is not None], dist, device)
+            if interrupted:
+                break
+            if out_of_time:
+                stopped_by_budget = True
+                break
+            lr = lr_at(step, tc, elapsed / budget)
+            for g in optimizer.param_groups:
+                g["lr"] = lr * g["lr_scale"]
+            t_step = time.perf_counter()
+            loss_sum = 0.0
+            for i in range(tc.grad_accum):
+                if tc.carry_state:  # truncated BPTT: row i continues its lane where the last step stopped
+                    x, y, restart = data.train.get_lane_batch(tc.batch_size, tc.seq_len, step)
+                    if restart:
+                        carried = None
+                else:
+                    x, y = data.train.get_batch(tc.batch_size, tc.seq_len, gen)  # the global batch, same on every rank
+                x = x[dist.rank * micro : (dist.rank + 1) * micro].to(device, non_blocking=True)
+                y = y[dist.rank * micro : (dist.rank + 1) * micro].to(device, non_blocking=True)
+                sync = i == tc.grad_accum - 1
+                ctx = wrapped.no_sync() if (not sync and hasattr(wrapped, "no_sync")) else contextlib.nullcontext()
+                if fsdp and dist.world > 1:
+                    wrapped.set_requires_gradient_sync(sync)
+                with ctx, autocast(device):
+                    out = fwd(x, state=carried, targets=y)  # carried stays None without carry_state
+                    loss = out.loss if out.aux_loss is None else out.loss + out.aux_loss
+                    (loss / tc.grad_accum).backward()
+                loss_sum += out.loss.item()
+                if tc.carry_state:  # bounded (a KV cache keeps seq_len tokens) and cut from this step's graph
+                    carried = model.trim_state(detach_state(out.state), tc.seq_len)
+            last_loss = all_mean(loss_sum / tc.grad_accum, dist, device)
+            if not math.isfinite(last_loss):
+                raise diverged(f"loss {last_loss}")
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else math.inf)
+            if not math.isfinite(float(grad_norm)):
+                raise diverged(f"gradient norm {float(grad_norm)}")
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if not all_finite(params, dist, device):
+                raise diverged("non-finite weights after the optimizer step")
+            step += 1
+            tok_s = tokens_per_step / (time.perf_counter() - t_step)
+            bar.update(1, loss=last_loss, lr=lr, **{"tok/s": f"{tok_s:,.0f}"})
+            if step % tc.log_every == 0 or step == 1:
+                write_log({"step": step, "loss": last_loss, "lr": lr, "tokens_per_s": tok_s,
+                           "elapsed": elapsed_before + clock() - t0})
+            if tc.eval_every and step % tc.eval_every == 0 and step < tc.max_steps:
+                validate()
+                save()
+            elif tc.save_every and step % tc.save_every == 0:
+                save()
+        bar.close()
+        signum = stop.signum
+        if signum is None:
+            val = history[-1]["val_loss"] if history and history[-1]["step"] == step else validate()
+        else:
+            val = next((h["val_loss"] for h in reversed(history) if h["step"] == step), float("nan"))
+        if saved_step != step:
             save()
-        elif tc.save_every and step % tc.save_every == 0:
-            save()
-    bar.close()
-    val = history[-1]["val_loss"] if history and history[-1]["step"] == step else validate()
-    save()
+    finally:
+        stop.restore()
+        if log is not None:
+            log.close()
+        if tb is not None:
+            tb.close()
     summary = {"steps": step, "train_loss": last_loss, "val_loss": val, "val_bits_per_token": val / math.log(2),
                "elapsed_s": elapsed_before + clock() - t0, "stopped_by_time_budget": stopped_by_budget,
                "parameters": model.num_parameters(), "tokenizer": data.tokenizer.name, "device": str(device),
-               "processes": dist.world, "budget_clock": tc.budget_clock}
+               "processes": dist.world, "budget_clock": tc.budget_clock,
+               "estimated_memory_bytes": memory["total_bytes"]}
+    if signum is not None:
+        import signal
+
+        summary["interrupted_by"] = signal.Signals(signum).name
     if dist.main:
-        log.close()
-        if tb is not None:
-            tb.close()
         atomic_write(out_dir / "summary.json", lambda p: p.write_text(json.dumps(summary, indent=2) + "\n"))
         plot_loss_curve(log_path, out_dir / "loss_curve.png")
+    if signum is not None:
+        import signal
+
+        raise RunInterrupted(f"interrupted by {signal.Signals(signum).name}: {out_dir} holds the checkpoint of step "
+                             f"{step}; continue with --resume", 128 + signum)
     return summary
+
+
+class _StopSignals:
+    """SIGINT/SIGTERM set ``signum`` (the run stops after the current step and saves); a second one stops at once."""
+
+    def __init__(self):
+        import signal
+        import threading
+
+        self.signum = None
+        self.old = {}
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self.old[s] = signal.signal(s, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def restore(self) -> None:
+        import signal
+
+        for s, h in self.old.items():
+            signal.signal(s, h)
+        self.old = {}
 
 
 def _tensorboard_writer_class():
@@ -475,8 +488,11 @@ def plot_loss_curve(metrics_path: Path, png_path: Path) -> None:
     import matplotlib.pyplot as plt
 
     train_pts, val_pts = [], []
-    for line in metrics_path.read_text().splitlines():
-        rec = json.loads(line)
+    for line in metrics_path.read_text(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:  # a line torn by a kill
+            continue
         if "loss" in rec:
             train_pts.append((rec["step"], rec["loss"] / math.log(2)))
         if "val_loss" in rec:

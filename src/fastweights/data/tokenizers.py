@@ -527,6 +527,31 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
     return tok
 
 
+def unknown_symbols_warning(tokenizer: Tokenizer, texts: Iterable[str], what: str = "the text") -> str | None:
+    """One line saying how much of ``texts`` lies outside a char/word vocabulary (and so reads as the
+    unknown symbol), with examples; None when everything is known or the tokenizer has no unknown symbol."""
+    unk = getattr(tokenizer, "unk_id", None)
+    if unk is None:
+        return None
+    total = unknown = 0
+    examples: list[str] = []
+    for text in texts:
+        ids = tokenizer.encode(text)
+        mask = ids == unk
+        total += len(ids)
+        unknown += int(mask.sum())
+        if mask.any() and len(examples) < 5:
+            pieces = list(text) if tokenizer.name == "char" else _WORD_PATTERN.findall(text)
+            for i in np.flatnonzero(mask)[:50].tolist():
+                if pieces[i] not in examples and len(examples) < 5:
+                    examples.append(pieces[i])
+    if not unknown:
+        return None
+    unit = "characters" if tokenizer.name == "char" else "words"
+    return (f"warning: {unknown:,} of {total:,} {unit} of {what} are not in the model's {tokenizer.name} vocabulary "
+            f"and read as its unknown symbol (e.g. {', '.join(repr(e) for e in examples)})")
+
+
 def check_fingerprint(tokenizer: Tokenizer, expected: str, what: str) -> None:
     """Raise ``UserError`` unless ``tokenizer.fingerprint() == expected``; ``what`` names the thing
     that recorded ``expected`` (e.g. "checkpoint runs/x" or "token stream cache/train.bin")."""
@@ -536,6 +561,7 @@ def check_fingerprint(tokenizer: Tokenizer, expected: str, what: str) -> None:
 
 
 __all__ = [
+    "unknown_symbols_warning",
     "Tokenizer", "ByteTokenizer", "CharTokenizer", "WordTokenizer", "GPT2Tokenizer", "build_tokenizer",
     "load_tokenizer", "check_fingerprint", "bytes_to_unicode", "GPT2_PATTERN", "TOKENIZER_KINDS", "TRAINED_KINDS",
     "TOKENIZER_FILE",

@@ -1,0 +1,205 @@
+"""Guarding a training run's output directory: checks on ``--out``, a lock held while a run trains
+into it, refusing to mix two runs, removing a replaced run's files (and the files derived from its
+weights), and putting a directory back as it was when a run fails before it starts.
+
+The lock is the file ``OUT/.lock`` holding the owner's process id, locked with ``flock`` for the
+run's lifetime: the kernel releases it when the process ends in any way (``kill -9`` included), so
+a lock left by a dead process is recognised as stale and taken over; a live one is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+
+from fastweights.checkpoint import LEGACY_TRAINER_STATE, MANIFEST, PENDING, TMP_PREFIX, TRAINER_STATE, atomic_write
+from fastweights.errors import UserError
+
+LOCK = ".lock"
+# files a training run writes, and files computed from its weights by other commands
+RUN_FILES = (MANIFEST, "model.safetensors", "config.json", "tokenizer.json", TRAINER_STATE, LEGACY_TRAINER_STATE,
+             "metrics.jsonl", "summary.json", "loss_curve.png")
+DERIVED_GLOBS = ("grad_stats*.safetensors", "dynamic_tuned.json", "demo.json")
+RUN_DIRS = ("tensorboard", PENDING)
+
+
+def check_out_dir(out: Path) -> None:
+    """``out`` must be a writable directory, or creatable as one."""
+    out = Path(out)
+    if out.exists() or out.is_symlink():
+        if not out.is_dir():
+            raise UserError(f"--out {out} is a file, not a directory")
+        if not os.access(out, os.W_OK | os.X_OK):
+            raise UserError(f"--out {out} is not writable")
+        return
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"cannot create --out {out}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"cannot create --out {out}: {parent} is not writable")
+
+
+def describe_run(out: Path) -> str | None:
+    """What run ``out`` holds ("a checkpoint at step 690", ...), or None if it holds none."""
+    out = Path(out)
+    if not out.is_dir():
+        return None
+    for name in (MANIFEST, f"{PENDING}/{MANIFEST}"):
+        if (out / name).is_file():
+            try:
+                step = json.loads((out / name).read_text()).get("step")
+            except (OSError, ValueError, AttributeError):
+                step = None
+            return f"a checkpoint at step {step}" if step is not None else "a checkpoint"
+    found = [n for n in RUN_FILES if (out / n).is_file()]
+    return f"files of a run ({', '.join(found)})" if found else None
+
+
+def remove_run(out: Path) -> None:
+    """``--overwrite``: remove the previous run's files and those derived from its weights (not the data cache)."""
+    out = Path(out)
+    names = set(RUN_FILES)
+    if (out / MANIFEST).is_file():
+        try:
+            names |= set(json.loads((out / MANIFEST).read_text()).get("files", {}))
+        except (OSError, ValueError, AttributeError):
+            pass
+    for name in names:
+        p = out / name
+        if "/" not in name and p.is_file() and name != LOCK:
+            p.unlink()
+    for pattern in DERIVED_GLOBS:
+        for p in out.glob(pattern):
+            p.unlink()
+    for name in RUN_DIRS:
+        if (out / name).is_dir():
+            shutil.rmtree(out / name)
+    for p in out.glob(f"{TMP_PREFIX}*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Keep the records of steps <= ``step`` (those of the checkpoint resumed from) and drop a torn last line."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
+            keep.append(line)
+    atomic_write(path, lambda p: p.write_text("".join(f"{line}\n" for line in keep)))
+
+
+class RunLock:
+    """Exclusive lock on a run directory; ``release()`` (or leaving the ``with``) removes it."""
+
+    def __init__(self, out: Path):
+        self.out = Path(out)
+        self.path = self.out / LOCK
+        self.fd: int | None = None
+        self.stale_owner: int | None = None  # pid of a dead process whose lock was taken over
+
+    def acquire(self) -> "RunLock":
+        self.out.mkdir(parents=True, exist_ok=True)
+        for _ in range(10):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            if not _try_lock(fd):
+                owner = _read_owner(fd)
+                os.close(fd)
+                raise UserError(f"{self.out} is in use by another training run (process {owner.get('pid', '?')} "
+                                f"on {owner.get('host', '?')}, lock file {self.path}); wait for it to end or "
+                                "choose another --out")
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:  # the previous owner removed the file between our open and lock: try again
+                os.close(fd)
+                continue
+            prev = _read_owner(fd).get("pid")
+            if isinstance(prev, int) and prev != os.getpid():
+                self.stale_owner = prev
+            data = json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode()
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, data, 0)
+            self.fd = fd
+            return self
+        raise UserError(f"could not lock {self.path}")  # pragma: no cover
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            self.path.unlink(missing_ok=True)
+        finally:
+            os.close(self.fd)  # closing releases the flock
+            self.fd = None
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - no flock: fall back to the recorded pid being alive
+        from fastweights.checkpoint import _pid_alive
+
+        pid = _read_owner(fd).get("pid")
+        return not (isinstance(pid, int) and pid != os.getpid() and _pid_alive(pid))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _read_owner(fd: int) -> dict:
+    try:
+        d = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return d if isinstance(d, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+class Restore:
+    """Remember what ``out`` held; :meth:`undo` removes whatever appeared since (a run that failed to start)."""
+
+    def __init__(self, out: Path):
+        self.out = Path(out)
+        self.armed = True  # cleared once the run has started: then the directory holds it
+        self.existed = self.out.exists()
+        self.before = self._listing() if self.existed else set()
+
+    def _listing(self) -> set[str]:
+        names = set()
+        for p in self.out.iterdir():
+            names.add(p.name)
+            if p.is_dir() and p.name == "data":
+                names |= {f"data/{q.name}" for q in p.iterdir()}
+        return names
+
+    def undo(self) -> None:
+        if not self.out.exists():
+            return
+        if not self.existed:
+            shutil.rmtree(self.out, ignore_errors=True)
+            return
+        for name in sorted(self._listing() - self.before, key=lambda n: -n.count("/")):
+            p = self.out / name
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)

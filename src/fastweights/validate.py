@@ -1,0 +1,197 @@
+"""Validation of settings: every config field (ranges, divisibility, positive counts), an estimate of
+training memory checked against what the machine has, and argparse types for command-line numbers.
+
+Everything here raises :class:`~fastweights.errors.UserError` with a message that names the
+setting, so the command line prints one line and exits with status 2 before any file is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+from fastweights.errors import UserError
+
+
+def _need(ok: bool, key: str, value, rule: str) -> None:
+    if not ok:
+        raise UserError(f"{key}={value!r}: {rule}")
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def validate_model_config(m, need_vocab: bool = False) -> None:
+    _need(m.vocab_size >= (1 if need_vocab else 0), "model.vocab_size", m.vocab_size,
+          "must be a positive number of symbols" if need_vocab else "must be >= 0 (0: taken from the tokenizer)")
+    _need(m.d_model >= 1, "model.d_model", m.d_model, "must be >= 1")
+    _need(m.n_layers >= 1, "model.n_layers", m.n_layers, "must be >= 1")
+    _need(m.n_heads >= 1, "model.n_heads", m.n_heads, "must be >= 1")
+    _need(m.mlp_hidden >= 0, "model.mlp_hidden", m.mlp_hidden, "must be >= 0 (0: 8/3 d_model)")
+    _need(_finite(m.dropout) and 0 <= m.dropout < 1, "model.dropout", m.dropout, "must be in [0, 1)")
+    _need(_finite(m.init_std) and m.init_std > 0, "model.init_std", m.init_std, "must be a positive number")
+    _need(m.short_conv == 0 or m.short_conv >= 2, "model.short_conv", m.short_conv, "must be 0 (none) or >= 2")
+    if m.layer_mixers:
+        _need(len(m.layer_mixers) == m.n_layers, "model.layer_mixers", m.layer_mixers,
+              f"needs one entry per layer (model.n_layers = {m.n_layers})")
+    bad = [i for i in m.memory_layers if not 0 <= i < m.n_layers]
+    _need(not bad, "model.memory_layers", m.memory_layers, f"must be layer indices in [0, {m.n_layers})")
+    from fastweights.models import registry
+
+    for mixer in sorted(set(m.layer_mixers or [m.mixer])):
+        entry = registry.lookup(registry.MIXERS, "mixer", mixer)
+        opts = m.options.get(mixer, {}) if isinstance(m.options, dict) else {}
+        fields = getattr(entry.options_cls, "__dataclass_fields__", {})
+        if "head_dim" in fields and not opts.get("head_dim"):
+            _need(m.d_model % m.n_heads == 0, "model.n_heads", m.n_heads,
+                  f"must divide model.d_model={m.d_model} ({mixer} heads have d_model / n_heads dimensions; "
+                  f"or set model.options.{mixer}.head_dim)")
+        if "head_dim" in fields and isinstance(opts.get("head_dim"), int):
+            _need(opts["head_dim"] >= 0, f"model.options.{mixer}.head_dim", opts["head_dim"], "must be >= 0")
+
+
+def validate_data_config(d) -> None:
+    from fastweights.data.tokenizers import TOKENIZER_KINDS
+
+    _need(d.tokenizer in TOKENIZER_KINDS, "data.tokenizer", d.tokenizer, f"must be one of {', '.join(TOKENIZER_KINDS)}")
+    _need(d.split in ("span", "document"), "data.split", d.split, "must be span or document")
+    for key in ("val_fraction", "test_fraction"):
+        v = getattr(d, key)
+        _need(_finite(v) and 0 < v < 1, f"data.{key}", v, "must be in (0, 1)")
+    _need(d.val_fraction + d.test_fraction < 1, "data.val_fraction", d.val_fraction,
+          f"plus data.test_fraction={d.test_fraction} must leave something to train on (sum < 1)")
+    _need(bool(d.corpus), "data.corpus", d.corpus, "must name a corpus")
+    _need(bool(d.text_field), "data.text_field", d.text_field, "must not be empty")
+
+
+def validate_train_config(t) -> None:
+    for key in ("seq_len", "batch_size", "grad_accum", "max_steps", "log_every", "eval_tokens"):
+        _need(getattr(t, key) >= 1, f"train.{key}", getattr(t, key), "must be >= 1")
+    for key in ("warmup_steps", "eval_every", "save_every", "threads"):
+        _need(getattr(t, key) >= 0, f"train.{key}", getattr(t, key), "must be >= 0")
+    _need(_finite(t.lr) and t.lr > 0, "train.lr", t.lr, "must be a positive number")
+    _need(_finite(t.min_lr_ratio) and 0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
+    _need(_finite(t.weight_decay) and t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "must be >= 0")
+    for key in ("beta1", "beta2"):
+        _need(_finite(getattr(t, key)) and 0 <= getattr(t, key) < 1, f"train.{key}", getattr(t, key), "must be in [0, 1)")
+    _need(_finite(t.grad_clip) and t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be >= 0 (0: no clipping)")
+    _need(_finite(t.max_minutes) and t.max_minutes >= 0, "train.max_minutes", t.max_minutes, "must be >= 0 (0: no budget)")
+    _need(0 <= t.seed < 2**32, "train.seed", t.seed, "must be in [0, 2**32)")
+    _need(t.budget_clock in ("wall", "cpu"), "train.budget_clock", t.budget_clock, "must be wall or cpu")
+    _need(t.log in ("jsonl", "tensorboard"), "train.log", t.log, "must be jsonl or tensorboard")
+    _need(not (t.carry_state and t.grad_accum != 1), "train.grad_accum", t.grad_accum,
+          "train.carry_state needs train.grad_accum = 1 (one contiguous window per lane per step)")
+
+
+def validate_config(cfg, need_vocab: bool = False) -> None:
+    """Check every field of a RunConfig, then build the model on the meta device (nothing allocated)."""
+    validate_model_config(cfg.model, need_vocab)
+    validate_data_config(cfg.data)
+    validate_train_config(cfg.train)
+    meta_model(cfg.model)
+
+
+def meta_model(model_cfg, vocab_size: int | None = None):
+    """The model built on the meta device: checks the mechanisms' own options and counts parameters."""
+    import dataclasses
+
+    import torch
+
+    from fastweights.models.lm import LanguageModel
+
+    cfg = dataclasses.replace(model_cfg, vocab_size=vocab_size or model_cfg.vocab_size or 256)
+    try:
+        with torch.device("meta"):
+            return LanguageModel(cfg)
+    except UserError:
+        raise
+    except (ValueError, TypeError, AssertionError, ZeroDivisionError, RuntimeError, KeyError) as e:
+        raise UserError(f"model settings (d_model={cfg.d_model}, n_heads={cfg.n_heads}, n_layers={cfg.n_layers}, "
+                        f"mixer={cfg.mixer}) are inconsistent: {str(e).splitlines()[0] if str(e) else type(e).__name__}") \
+            from None
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def estimate_memory(cfg, world: int = 1) -> dict:
+    """A rough estimate of one process's training memory in bytes (a lower bound, not a promise).
+
+    Parameters, gradients and AdamW's two moments in fp32 (16 bytes per parameter), plus
+    activations kept for the backward pass: per token and layer about 16 d_model + 3 mlp_hidden
+    floats, the logits three times over, and T x T scores per head for attention layers.
+    """
+    from fastweights.layers.common import swiglu_hidden
+
+    m, t = cfg.model, cfg.train
+    params = sum(p.numel() for p in meta_model(m).parameters())
+    rows = max(1, t.batch_size // max(1, world))
+    tokens = rows * t.seq_len
+    h = swiglu_hidden(m.d_model, m.mlp_hidden)
+    vocab = m.vocab_size or 256
+    floats = tokens * (m.n_layers * (16 * m.d_model + 3 * h) + 3 * vocab)
+    attn_layers = sum(1 for i in range(m.n_layers) if m.mixer_of(i) == "attention")
+    floats += attn_layers * rows * m.n_heads * t.seq_len * t.seq_len * 2
+    return {"parameters": params, "parameter_bytes": 16 * params, "activation_bytes": 4 * floats,
+            "total_bytes": 16 * params + 4 * floats}
+
+
+def available_memory(device) -> int | None:
+    """Free memory of ``device`` in bytes (CUDA: free device memory; CPU: MemAvailable), None if unknown."""
+    try:
+        if getattr(device, "type", str(device)) == "cuda":
+            import torch
+
+            return int(torch.cuda.mem_get_info(device)[0])
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, RuntimeError):
+        return None
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover
+        return None
+
+
+def check_memory(cfg, device, world: int = 1, force: bool = False) -> dict:
+    est = estimate_memory(cfg, world)
+    free = available_memory(device)
+    est["available_bytes"] = free
+    if free is not None and est["total_bytes"] > free and not force:
+        gib = 2**30
+        raise UserError(
+            f"model.d_model={cfg.model.d_model}, model.n_layers={cfg.model.n_layers}, train.batch_size="
+            f"{cfg.train.batch_size}, train.seq_len={cfg.train.seq_len}: training needs about "
+            f"{est['total_bytes'] / gib:.1f} GiB ({est['parameters'] / 1e6:,.1f}M parameters: "
+            f"{est['parameter_bytes'] / gib:.1f} GiB with gradients and AdamW; activations "
+            f"{est['activation_bytes'] / gib:.1f} GiB) but {device} has {free / gib:.1f} GiB available; "
+            "make the model or batch smaller, or pass --force-memory to try anyway")
+    return est
+
+
+# ----------------------------------------------------------------------------- command-line numbers
+
+
+def _number(kind, test, rule: str):
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
+        if not test(v):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return v
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
+nonneg_int = _number(int, lambda v: v >= 0, ">= 0")
+positive_int = _number(int, lambda v: v >= 1, ">= 1")
+nonneg_float = _number(float, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+positive_float = _number(float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
+fraction = _number(float, lambda v: math.isfinite(v) and 0 <= v <= 1, "in [0, 1]")
