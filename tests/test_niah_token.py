@@ -134,3 +134,27 @@ def test_niah_command_picks_the_token_format(tok, tmp_path):
     assert doc["format"] == "token" and doc["keys"] == "heldout" and doc["haystack"] == "tinyshakespeare[0.9:1]"
     assert len(doc["records"]) == 2 * 3 * 2
     assert all(r["answer"] in nt.VALUES for r in doc["records"])
+
+
+def test_memory_probe_finds_the_needle_after_one_write(tok):
+    """At layer 0 a random-init FwPKM already binds key -> value: after one read (n = 2) its read at the
+    question matches the target needle's value target, and with the fresh memory (n = 1) it does not."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=1, n_heads=2, memory="fwpkm", memory_layers=[0],
+                      options={"fwpkm": dict(n_subkeys=64, d_key=16, d_value=32, topk=4, chunk_size=32,
+                                             persistence="per_sequence"), "attention": {"window": 8}})
+    model = LanguageModel(cfg).eval()
+    hay = nt.eval_haystack()
+    rows = [r for i in range(4) for r in nt.memory_probe(model, tok, nt.make_sample(hay, 300, None, 0, i), (1, 2))]
+    two = [r for r in rows if r["iters"] == 2]
+    one = [r for r in rows if r["iters"] == 1]
+    assert all(r["target_wins"] and r["cos_target"] > 0.9 for r in two)
+    assert all(r["cos_target"] < 0.9 for r in one)
+
+
+def test_frozen_memory_never_writes(tok):
+    model = tiny_word_model(tok)
+    s = nt.make_sample(nt.eval_haystack(), 200, 0.3, seed=0)
+    _, state = evaluate_sample(model, tok, s, NiahOptions(iters=(1, 2), piece=64, frozen_memory=True))
+    assert state["layers"][0]["memory"].writes == 0
+    assert model.blocks[0].memory.frozen is False  # restored

@@ -93,6 +93,8 @@ def register_cli(sub) -> None:
     n.add_argument("--format", default="auto", choices=["auto", "char", "token"],
                    help="needle format: 'char' (ID-3fa9 / 6 digits), 'token' (one-token keys and values, "
                         "fastweights.tasks.niah_token); 'auto' picks token for a model trained on it")
+    n.add_argument("--frozen-memory", action="store_true",
+                   help="memories never write (the paper's frozen-memory check, App. D.2)")
     n.add_argument("--keys", default="heldout", choices=["heldout", "train"],
                    help="token format: keys never used in training needles (default) or the training keys")
     n.set_defaults(func=cmd_niah)
@@ -215,7 +217,8 @@ def cmd_niah(args) -> int:
     if args.depth_bins < 1:
         raise UserError("--depth-bins must be >= 1")
     opts = NiahOptions(iters=iters, write_chunk=args.write_chunk, reread=args.reread, piece=args.piece,
-                       context=args.context, carry=args.carry, max_new_tokens=args.max_new_tokens)
+                       context=args.context, carry=args.carry, max_new_tokens=args.max_new_tokens,
+                       frozen_memory=args.frozen_memory)
     opts.validate()
     if token_format:  # the default haystack's last tenth: text the token-format training never used
         haystack = niah_token.eval_haystack(args.haystack)

@@ -302,7 +302,8 @@ class NiahOptions:
     size, the reads forming one stream). ``reread``: "carry" (all state carries between reads) or
     "memory" (mixer states reset before each re-read). ``piece``: tokens per forward call (bounds the
     attention score matrix). ``context``: KV-cache bound in tokens, 0 = unbounded. ``carry``: the state
-    carries from sample to sample. ``max_new_tokens``: decoding budget (0 = automatic)."""
+    carries from sample to sample. ``max_new_tokens``: decoding budget (0 = automatic). ``frozen_memory``:
+    the memories never write (the paper's App. D.2 check: what is left without the fast weights)."""
 
     iters: tuple[int, ...] = (1,)
     write_chunk: str = "read"
@@ -311,6 +312,7 @@ class NiahOptions:
     context: int = 0
     carry: bool = False
     max_new_tokens: int = 0
+    frozen_memory: bool = False
 
     def validate(self) -> None:
         if not self.iters or min(self.iters) < 1:
@@ -378,7 +380,7 @@ def evaluate_sample(model, tokenizer, sample: NiahSample, opts: NiahOptions, sta
         if chunk is not None:
             check_chunk_empty(state)
         before = state
-        with memory_writes(model, chunk_size=chunk):  # "read": one write at the end of the read
+        with memory_writes(model, chunk_size=chunk, frozen=opts.frozen_memory or None):  # "read": one write per read
             state = read_tokens(model, ctx, state, opts.piece, opts.context or None)
         if n in opts.iters:
             # "read": the paper reads context + question in one call whose outputs come before that call's

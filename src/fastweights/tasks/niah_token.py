@@ -31,11 +31,13 @@ objects, scored and read by the n-iter evaluator of :mod:`fastweights.tasks.niah
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections import Counter
 from functools import lru_cache
 
 import regex
+import torch
 
 from fastweights.errors import UserError
 
@@ -231,6 +233,70 @@ def make_samples(haystack: WordHaystack, lengths, depths="uniform", samples: int
     return out
 
 
+@contextlib.contextmanager
+def _capture_memory_calls(layer):
+    """Record ``(v, v_hat)`` of every call of ``layer.memory`` (the fast-weight core of FwPKM / FwMLP)."""
+    calls: list[tuple] = []
+    inner = layer.memory
+
+    def spy(q, v, g, state=None):
+        v_hat, st = inner(q, v, g, state)
+        calls.append((v.detach()[0].float(), v_hat.detach()[0].float()))
+        return v_hat, st
+
+    layer.memory = spy
+    try:
+        yield calls
+    finally:
+        del layer.memory  # the instance attribute goes; the class method is back
+
+
+@torch.no_grad()
+def memory_probe(model, tokenizer, sample, iters: tuple[int, ...] = (1, 2), piece: int = 512) -> list[dict]:
+    """What the first fast memory retrieves for the question, per number of reads (issue 17's diagnostic).
+
+    For each n in ``iters`` (the n-iter protocol of :func:`fastweights.tasks.niah.evaluate_sample`), the
+    memory's read ``v_hat`` at the question's key token against each needle's value target (the ``v`` its
+    lookahead write stores: the value token's, read during the first pass over the context): the cosine with
+    the target needle's, the largest cosine with a distractor's, and whether the target's is the larger.
+    Returns ``[{"iters", "cos_target", "cos_distractor_max", "target_wins"}]``.
+    """
+    from fastweights.longctx import fast_memories
+    from fastweights.tasks.niah import NiahOptions, evaluate_sample
+
+    mems = [m for m in fast_memories(model) if hasattr(m, "memory")]
+    if not mems:
+        raise UserError("memory_probe needs a model with a fast memory (FwPKM or FwMLP)")
+    ctx_len = len(tokenizer.encode(sample.context))
+    q_len = len(tokenizer.encode(sample.question))
+    words = sample.context.split(" ")
+    value_pos = [words.index(n.key) + 1 for n in sample.needles]  # the lookahead target of the key's query
+    with _capture_memory_calls(mems[0]) as calls:
+        evaluate_sample(model, tokenizer, sample, NiahOptions(iters=tuple(range(1, max(iters) + 1)), piece=piece))
+    targets, reads, i = None, [], 0
+    while i < len(calls):  # per read: the context's pieces, then the question, then the decoded tokens
+        got, vs = 0, []
+        while got < ctx_len:
+            vs.append(calls[i][0])
+            got += calls[i][0].shape[0]
+            i += 1
+        if targets is None:
+            targets = torch.cat(vs)[value_pos]  # [n_needles, d_v]
+        assert calls[i][0].shape[0] == q_len, "memory calls out of the expected order"
+        reads.append(calls[i][1][-1])
+        i += 1
+        while i < len(calls) and calls[i][0].shape[0] == 1:
+            i += 1
+    out = []
+    for n in iters:
+        cos = torch.nn.functional.cosine_similarity(reads[n - 1][None], targets, dim=-1)
+        others = torch.cat([cos[: sample.target], cos[sample.target + 1 :]])
+        out.append({"iters": n, "cos_target": round(float(cos[sample.target]), 4),
+                    "cos_distractor_max": round(float(others.max()), 4) if others.numel() else None,
+                    "target_wins": bool(others.numel() == 0 or cos[sample.target] > others.max())})
+    return out
+
+
 def is_token_format(tokenizer) -> bool:
     """True when ``tokenizer`` is a word tokenizer that holds every reserved needle token (a model
     trained on :func:`training_text`)."""
@@ -274,5 +340,5 @@ _register_corpus()
 __all__ = [
     "N_KEYS", "TRAIN_KEYS", "N_VALUES", "KEYS", "VALUES", "NEEDLE", "QUESTION", "RESERVED", "WordHaystack",
     "normalize_words", "training_text", "training_vocab", "make_sample", "make_samples", "is_token_format",
-    "train_haystack", "eval_haystack",
+    "train_haystack", "eval_haystack", "memory_probe",
 ]
