@@ -30,7 +30,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fastweights.layers.fast_rnn import FastWeightRNN
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import command_line  # noqa: E402
+
+from fastweights.layers.fast_rnn import FastWeightRNN  # noqa: E402
 
 LAM, ETA = 0.95, 0.5
 
@@ -233,7 +236,7 @@ def main() -> int:
     else:
         main_shape, sweep, gen = (32, 128, 128), (8, 64, [0.25, 1.0, 4.0, 16.0]), (8, 128, 128)
     report = {
-        "command": "python " + " ".join([sys.argv[0].split("/work/main/")[-1]] + sys.argv[1:]),
+        "command": command_line(program="python"),
         "machine": machine(),
         "training_step": training_step_comparison(*main_shape, rounds=args.rounds),
         "read_mode_sweep": read_mode_sweep(sweep[0], sweep[1], sweep[2], rounds=max(3, args.rounds // 2)),

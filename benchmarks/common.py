@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmark scripts: machine description and JSON output with the command."""
+"""Helpers shared by the benchmark scripts: machine description and JSON output with the command
+(relative to the repository root, so a reader can run it from a clone)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,32 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def repo_relative(path: str | Path) -> str:
+    """``path`` relative to the repository root when it lies inside it (else unchanged), so recorded
+    paths mean the same in every clone."""
+    p = Path(path)
+    if p.is_absolute() and p.resolve().is_relative_to(REPO):
+        return p.resolve().relative_to(REPO).as_posix()
+    return str(path)
+
+
+def command_line(argv: list[str] | None = None, program: str | None = None) -> str:
+    """The command that ran this script, for the JSON it writes: ``program`` (default: the Python
+    executable's name) then ``argv`` (default ``sys.argv``), with every absolute path inside the
+    repository, and ``--flag=PATH``, made relative to the repository root (the script itself too,
+    wherever it was started from)."""
+    argv = list(sys.argv if argv is None else argv)
+    if argv and Path(argv[0]).is_file():
+        argv[0] = repo_relative(Path(argv[0]).resolve())
+    words = []
+    for a in argv:
+        flag, eq, value = a.partition("=") if a.startswith("--") else ("", "", a)
+        words.append(f"{flag}{eq}{repo_relative(value)}" if value.startswith("/") else a)
+    return " ".join(shlex.quote(w) for w in [program or Path(sys.executable).name, *words])
 
 
 def machine() -> dict:
@@ -27,7 +53,7 @@ def machine() -> dict:
 def write_result(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    record = {"command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+    record = {"command": command_line(),
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), **payload}
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {path}")

@@ -1,6 +1,7 @@
 """Quality of dynamic evaluation on text the model never trained on (issue 5 acceptance).
 
     python benchmarks/dynamic_eval_quality.py [--checkpoint DIR | --train-minutes 5] [--threads 1]
+        [--data shakespeare-heldout] [--spanish-data don-quijote]
 
 1. The model: the checkpoint given, or the demo model trained here (``shakespeare-char`` preset,
    ``train.max_minutes``) into ``--out``.
@@ -8,9 +9,11 @@
 3. Tuning on validation text only: the automatic lr/decay search of ``adapt.tune`` on a slice of
    Julius Caesar (a play not in tinyshakespeare); the neural cache's flatness and mix on the same text.
 4. Test, static vs dynamic (rms-global-prior, tuned) vs neural cache, bits per character:
-   - held-out Shakespeare plays that are not in tinyshakespeare (Hamlet, Macbeth, Othello: no line
-     of them occurs in tinyshakespeare; the script checks), a slice of each, one document each;
-   - Spanish (Don Quijote), a slice: with the Shakespeare-tuned setting (as the paper's Spanish
+   - held-out Shakespeare plays that are not in tinyshakespeare (Hamlet, Macbeth, Othello from the
+     bundled corpus ``shakespeare-heldout``, ``--data``: no line of them occurs in tinyshakespeare;
+     the script checks), a slice of each, one document each;
+   - Spanish (Don Quijote, the bundled ``don-quijote``, ``--spanish-data``), a slice: with the
+     Shakespeare-tuned setting (as the paper's Spanish
      experiment reused its Hutter setting) and re-tuned on a different Spanish slice;
    - sparse dynamic evaluation on the Shakespeare plays (its own search on the validation play).
 5. The time-scale analysis (the paper's Figure 2) on Spanish sequences: PNG + JSON; and a sample
@@ -23,18 +26,16 @@ Characters outside the model's vocabulary map to its unknown symbol; the fractio
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import math
 import sys
 import time
-from importlib import resources
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, write_result  # noqa: E402
+from common import RESULTS, command_line, repo_relative, write_result  # noqa: E402
 
 from fastweights.adapt.cache import NeuralCache  # noqa: E402
 from fastweights.adapt.dynamic import (DynamicEvaluator, collect_grad_stats, plot_timescale,  # noqa: E402
@@ -44,13 +45,12 @@ from fastweights.adapt.tune import format_table, tune_dynamic  # noqa: E402
 from fastweights.checkpoint import load_checkpoint  # noqa: E402
 from fastweights.config import make_config  # noqa: E402
 from fastweights.data import load_corpus, split_corpus  # noqa: E402
+from fastweights.errors import UserError  # noqa: E402
 from fastweights.generate import generate_tokens  # noqa: E402
 
-DATA = Path("/work/shared/data")
-PLAYS = DATA / "shakespeare_complete" / "texts"
+# documents of the held-out plays corpus (--data, default the bundled shakespeare-heldout)
 TEST_PLAYS = ["hamlet_gut.txt", "macbeth_gut.txt", "othello_gut.txt"]
 VAL_PLAY = "julius_caesar_gut.txt"
-SPANISH = DATA / "spanish" / "don_quijote_cervantes.txt"
 LN2 = math.log(2)
 
 
@@ -58,15 +58,26 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def check_not_in_tinyshakespeare(names: list[str]) -> dict:
+def check_not_in_tinyshakespeare(plays: dict[str, str]) -> dict:
     """Fraction of each play's long lines (> 35 characters) that also occur in tinyshakespeare."""
-    tiny = gzip.decompress((resources.files("fastweights") / "data/assets/tinyshakespeare.txt.gz").read_bytes())
-    tiny_lines = {ln.strip() for ln in tiny.decode().splitlines() if len(ln.strip()) > 35}
+    tiny = load_corpus("tinyshakespeare")[0].text
+    tiny_lines = {ln.strip() for ln in tiny.splitlines() if len(ln.strip()) > 35}
     out = {}
-    for n in names:
-        lines = [ln.strip() for ln in (PLAYS / n).read_text().splitlines() if len(ln.strip()) > 35]
+    for n, text in plays.items():
+        lines = [ln.strip() for ln in text.splitlines() if len(ln.strip()) > 35]
         out[n] = sum(ln in tiny_lines for ln in lines) / max(1, len(lines))
     return out
+
+
+def load_texts(plays_spec: str, spanish_spec: str) -> tuple[dict[str, str], str]:
+    """The texts of the test and validation plays (by document name) from ``plays_spec``, and the
+    Spanish text (all documents of ``spanish_spec`` joined). ``UserError`` when a play is missing."""
+    plays = {d.name: d.text for d in load_corpus(plays_spec)}
+    missing = [n for n in TEST_PLAYS + [VAL_PLAY] if n not in plays]
+    if missing:
+        raise UserError(f"--data {plays_spec!r} has no document {', '.join(missing)} "
+                        f"(the default, shakespeare-heldout, has them)")
+    return {n: plays[n] for n in TEST_PLAYS + [VAL_PLAY]}, "\n\n".join(d.text for d in load_corpus(spanish_spec))
 
 
 def bpc(nll: float, tokens: int) -> float:
@@ -86,9 +97,17 @@ def main() -> int:
     ap.add_argument("--sparse-units", type=int, default=64)
     ap.add_argument("--timescale-docs", type=int, default=8)
     ap.add_argument("--timescale-len", type=int, default=3000)
+    ap.add_argument("--data", default="shakespeare-heldout",
+                    help=f"corpus holding the plays {', '.join(TEST_PLAYS)} (test) and {VAL_PLAY} (tuning)")
+    ap.add_argument("--spanish-data", default="don-quijote", help="Spanish corpus (default: the bundled Don Quijote)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     t_start = time.time()
+    try:
+        plays, spanish_all = load_texts(args.data, args.spanish_data)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     # 1. the model
     if args.checkpoint:
@@ -122,12 +141,11 @@ def main() -> int:
         unk = getattr(tok, "unk_id", None)
         return float((ids == unk).float().mean()) if unk is not None else 0.0
 
-    overlap = check_not_in_tinyshakespeare(TEST_PLAYS + [VAL_PLAY])
+    overlap = check_not_in_tinyshakespeare(plays)
     assert all(v == 0 for v in overlap.values()), overlap
     # slices from the middle of each play (past the list of characters)
-    val_text = (PLAYS / VAL_PLAY).read_text()[20000 : 20000 + args.tune_chars]
-    test_texts = {n: (PLAYS / n).read_text()[20000 : 20000 + args.test_chars] for n in TEST_PLAYS}
-    spanish_all = SPANISH.read_text()
+    val_text = plays[VAL_PLAY][20000 : 20000 + args.tune_chars]
+    test_texts = {n: plays[n][20000 : 20000 + args.test_chars] for n in TEST_PLAYS}
     spanish_val = spanish_all[50000 : 50000 + args.tune_chars]
     spanish_test = spanish_all[200000 : 200000 + args.spanish_chars]
 
@@ -212,7 +230,7 @@ def main() -> int:
     ts["data"] = f"Don Quijote, {args.timescale_docs} consecutive sequences of {args.timescale_len} characters"
     png = plot_timescale(ts, RESULTS / "dynamic_timescale_spanish.png",
                          title="Don Quijote: static vs dynamic (model trained on tinyshakespeare)")
-    ts["command"] = " ".join(["python", *sys.argv])
+    ts["command"] = command_line(program="python")
     (RESULTS / "dynamic_timescale_spanish.json").write_text(json.dumps(ts, indent=2) + "\n")
     prompt = enc(spanish_all[400000:405000])
     dyn_sample, _ = ev.generate(prompt, 300, temperature=0.8, seed=0)
@@ -230,12 +248,13 @@ def main() -> int:
         "settings": ev.metadata(),
         "shakespeare_heldout_plays": {"slices": f"[20000:{20000 + args.test_chars}] of each", "plays": plays,
                                       "overall": shakespeare},
+        "data": {"plays": args.data, "spanish": args.spanish_data},
         "spanish": {"text": f"don_quijote_cervantes.txt[200000:{200000 + args.spanish_chars}]",
                     "validation_for_spanish_tuning": f"[50000:{50000 + args.tune_chars}]",
                     "spanish_search_best": tuned_es["best"], **spanish},
         "sparse": {"layer": layer, "units": args.sparse_units, "adapted_parameters": ev_sp.num_adapted,
                    "search_best": tuned_sp["best"], "plays": sparse_plays, "overall": total(sparse_plays)},
-        "timescale_spanish": {"png": str(png), "json": str(RESULTS / "dynamic_timescale_spanish.json"),
+        "timescale_spanish": {"png": repo_relative(png), "json": repo_relative(RESULTS / "dynamic_timescale_spanish.json"),
                               "static_mean_bits": ts["static_mean_bits"], "dynamic_mean_bits": ts["dynamic_mean_bits"]},
         "samples_after_reading_5000_spanish_chars": {"dynamic": tok.decode(dyn_sample),
                                                      "static": tok.decode(static_sample)},

@@ -12,8 +12,8 @@ seed and number of steps): a character-level Transformer with 64-character slidi
                         "stream", the paper's training setup); the preset gives every sequence its own
                         memory ("per_sequence"), as scoring one document at a time does
 
-trained on the State of the Union addresses of /work/shared/data/long_docs with a *document* split: the
-held-out (test) addresses are whole documents that no training batch ever contains.
+trained on the State of the Union addresses (the bundled corpus ``state-of-the-union``, ``--data``) with a
+*document* split: the held-out (test) addresses are whole documents that no training batch ever contains.
 
 Evaluation streams every held-out document from a fresh state with the state carried through the
 document (as ``fastweights eval``: calls of seq_len / 2 tokens, memory writes every chunk), so the memory
@@ -25,7 +25,7 @@ held-out pass, per window of N / (H k) tokens (so a window makes about N reads, 
 32K-token windows with N = 512^2 and top-8), averaged over windows, documents and the two FwPKM layers.
 
     OMP_NUM_THREADS=1 python benchmarks/fwpkm_longdocs.py [--steps 1000] [--variants swa,fwpkm-addressing,...]
-        [--set SECTION.KEY=VALUE ...] [--runs DIR] [--name NAME]
+        [--data state-of-the-union] [--set SECTION.KEY=VALUE ...] [--runs DIR] [--name NAME]
 
 ``--train-only`` with disjoint ``--variants`` lets several processes train at once; a last call without
 it then scores the saved checkpoints.
@@ -151,8 +151,9 @@ def addressing(reads, mems, window_factor: int = 1) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", default="/work/shared/data/long_docs/state_union")
-    ap.add_argument("--runs", default=str(ROOT / "runs" / "longdocs"))
+    ap.add_argument("--data", default="state-of-the-union",
+                    help="corpus: a registered name (default: the bundled State of the Union addresses), file or directory")
+    ap.add_argument("--runs", default="runs/longdocs", help="where the models are trained (relative: to the repository root)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--steps", type=int, default=1000, help="training steps of every model (same for all)")
     ap.add_argument("--max-minutes", type=float, default=0.0,
@@ -173,7 +174,7 @@ def main():
     t_all = time.perf_counter()
     for n in names:
         cfg, preset, overrides = run_config(n, a)
-        out = Path(a.runs) / n
+        out = ROOT / a.runs / n  # a relative --runs is under the repository root
         fresh = not same_config(out, cfg)
         if fresh:
             print(f"== training {n} -> {out}", flush=True)

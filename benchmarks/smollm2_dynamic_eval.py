@@ -8,11 +8,12 @@ Q4_1 weights, de-quantised to float32 by ``transformers``), loaded through
 ``fastweights.adapt.hf.load_hf_model("smollm2-135m")`` and evaluated with
 ``fastweights.adapt.dynamic.DynamicEvaluator`` (the code behind ``fastweights dynamic-eval --hf``).
 
-1. Texts. Three scored excerpts, each a contiguous run of ``--tokens`` predictions (``--tokens`` + 1
-   SmolLM2 tokens; the first is context only) starting after the front matter: Anna Karenina
-   (Tolstoy, Garnett's translation) from its first line, Hamlet from ``ACT I.`` (after the list of
-   persons) and Don Quijote from ``En un lugar de la Mancha`` (after the licence, dedication and
-   table of contents). Two validation excerpts of ``--val-tokens`` predictions come from other
+1. Texts, all from the bundled corpora (``novels``, ``shakespeare-heldout``, ``don-quijote``; each
+   excerpt's JSON entry names its ``CORPUS:DOCUMENT``). Three scored excerpts, each a contiguous run
+   of ``--tokens`` predictions (``--tokens`` + 1 SmolLM2 tokens; the first is context only) starting
+   after the front matter: Anna Karenina (Tolstoy, Garnett's translation) from its first line, Hamlet
+   from ``ACT I.`` (after the list of persons) and Don Quijote from ``En un lugar de la Mancha``
+   (after the licence, dedication and table of contents). Two validation excerpts of ``--val-tokens`` predictions come from other
    works: Crime and Punishment (Dostoevsky, Garnett) from ``PART III`` and Macbeth from
    ``ACT III.``. Nothing is tuned on the scored excerpts; no Spanish is used for tuning.
 2. Rule: SGD by default (``--rule``). The RMS rules need MS_g from the model's training data,
@@ -54,19 +55,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
 
 from fastweights.adapt.dynamic import DEFAULT_DECAY, DynamicEvaluator  # noqa: E402
+from fastweights.data import load_corpus, to_utf8  # noqa: E402
 from fastweights.errors import UserError  # noqa: E402
 
-DATA = Path("/work/shared/data")
-# (key, title, file, marker the excerpt starts at, role)
+# (key, title, document: "CORPUS:DOCUMENT" of a bundled corpus, marker the excerpt starts at, role)
 TEXTS = [
     ("anna_karenina", "Tolstoy, Anna Karenina (Garnett translation)",
-     "long_docs/novels/anna_karenina_tolstoy_garnett.txt", "Happy families are all alike", "scored"),
-    ("hamlet", "Shakespeare, Hamlet", "shakespeare_complete/texts/hamlet_gut.txt", "ACT I.\n", "scored"),
-    ("don_quijote", "Cervantes, Don Quijote (Spanish)", "spanish/don_quijote_cervantes.txt",
+     "novels:anna_karenina_tolstoy_garnett.txt", "Happy families are all alike", "scored"),
+    ("hamlet", "Shakespeare, Hamlet", "shakespeare-heldout:hamlet_gut.txt", "ACT I.\n", "scored"),
+    ("don_quijote", "Cervantes, Don Quijote (Spanish)", "don-quijote:don_quijote_cervantes.txt",
      "En un lugar de la Mancha", "scored"),
     ("crime_and_punishment_part3", "Dostoevsky, Crime and Punishment (Garnett), from Part III",
-     "long_docs/novels/crime_and_punishment_dostoevsky_garnett.txt", "PART III\n", "validation"),
-    ("macbeth_act3", "Shakespeare, Macbeth, from Act III", "shakespeare_complete/texts/macbeth_gut.txt",
+     "novels:crime_and_punishment_dostoevsky_garnett.txt", "PART III\n", "validation"),
+    ("macbeth_act3", "Shakespeare, Macbeth, from Act III", "shakespeare-heldout:macbeth_gut.txt",
      "ACT III.\n", "validation"),
 ]
 EMBED = "hf.model.embed_tokens.*"  # tied with the output matrix (lm_head) in SmolLM2
@@ -76,24 +77,23 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def excerpt(tok, key: str, title: str, rel: str, marker: str, role: str, predictions: int) -> tuple[torch.Tensor, dict]:
-    """``predictions`` + 1 token ids starting at ``marker`` in the file, and where they come from."""
-    path = DATA / rel
-    if not path.is_file():
-        raise UserError(f"text {path} not found (the shared data directory is needed)")
-    raw = path.read_bytes()
-    text = raw.decode("utf-8")
+def excerpt(tok, key: str, title: str, spec: str, marker: str, role: str, predictions: int) -> tuple[torch.Tensor, dict]:
+    """``predictions`` + 1 token ids starting at ``marker`` in the document ``spec`` (``CORPUS:DOCUMENT``),
+    and where they come from."""
+    (doc,) = load_corpus(spec)
+    text = doc.text
+    raw = to_utf8(text)
     start = text.find(marker)
     if start < 0:
-        raise UserError(f"{path}: start marker {marker!r} not found")
+        raise UserError(f"{spec}: start marker {marker!r} not found")
     need = predictions + 1
     span = 8 * need  # characters: more than enough for `need` tokens, so the slice end never touches them
     ids = tok.encode(text[start : start + span])
     if len(ids) <= need:
-        raise UserError(f"{path}: fewer than {need} tokens after {marker!r}")
+        raise UserError(f"{spec}: fewer than {need} tokens after {marker!r}")
     ids = ids[:need]
     chars = len(tok.decode(ids))
-    info = {"title": title, "file": str(path), "sha256": hashlib.sha256(raw).hexdigest(), "role": role,
+    info = {"title": title, "document": spec, "sha256": hashlib.sha256(raw).hexdigest(), "role": role,
             "start_marker": marker, "start_char": start, "file_chars": len(text), "tokens": need,
             "predictions": predictions, "chars_decoded": chars, "chars_per_token": chars / need,
             "first_words": text[start : start + 80], "last_words": tok.decode(ids[-20:])}
@@ -131,8 +131,8 @@ def main() -> int:
         t = time.time()
         lm, tok = load_hf_model("smollm2-135m")
         load_s = time.time() - t
-        texts = {k: excerpt(tok, k, title, rel, marker, role, args.tokens if role == "scored" else args.val_tokens)
-                 for k, title, rel, marker, role in TEXTS}
+        texts = {k: excerpt(tok, k, title, spec, marker, role, args.tokens if role == "scored" else args.val_tokens)
+                 for k, title, spec, marker, role in TEXTS}
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

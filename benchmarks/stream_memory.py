@@ -2,14 +2,15 @@
 
 Two small models with an FwPKM memory (random initialisation: this measures memory and speed, not
 quality), one with softmax-attention mixers (RoPE, KV cache bounded to ``seq_len - stride`` tokens) and
-one with delta-rule fast weight programmer mixers, stream the documents of ``--data`` (default: the
-shared long documents when present, else the bundled tinyshakespeare, repeated) in ``carry`` mode:
+one with delta-rule fast weight programmer mixers, stream the documents of ``--data`` (a corpus name,
+file or directory; default the bundled ``long-docs``: the three novels and the 65 State of the Union
+addresses, repeated when shorter than the stream) in ``carry`` mode:
 state carried across documents, per-position curves kept as bin sums. Each (model, length) runs in
 its own process, so each peak RSS is that run's own; the 100K-token run is the baseline of the ratios.
 (RoPE angles are computed per call for that call's positions, so no table grows with the stream.)
 A progress line goes to stderr every 10 s; the script counts those lines.
 
-    python benchmarks/stream_memory.py [--tokens 100000,1000000] [--threads 1]
+    python benchmarks/stream_memory.py [--tokens 100000,1000000] [--data long-docs] [--threads 1]
 
 Writes benchmarks/results/stream_memory.json.
 """
@@ -25,7 +26,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
 
-SHARED = Path("/work/shared/data/long_docs")
 FWPKM = dict(d_model=64, n_layers=2, n_heads=4, memory="fwpkm", memory_layers=[1],
              options={"fwpkm": dict(n_subkeys=64, d_key=64, d_value=64, topk=8, chunk_size=256)})
 MODELS = {"attention+fwpkm": dict(FWPKM, mixer="attention"),
@@ -60,7 +60,7 @@ def child(name: str, tokens: int, data: str, threads: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", default="100000,1000000")
-    p.add_argument("--data", default=str(SHARED) if SHARED.is_dir() else "tinyshakespeare")
+    p.add_argument("--data", default="long-docs", help="corpus name, file or directory (default: long-docs)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--model", default="", help=argparse.SUPPRESS)

@@ -1,4 +1,4 @@
-"""Command line: ``fastweights train | eval | generate | demo | task ... | <mechanism commands>``.
+"""Command line: ``fastweights train | eval | generate | demo | data list | task ... | <mechanism commands>``.
 
 Entry points stay thin: each subcommand parses its flags and calls the library. Bad input
 (a missing path, an unknown preset, a corrupt checkpoint) prints one line and exits with status 2.
@@ -209,6 +209,20 @@ def cmd_demo(args) -> int:
     return run_demo(Path(args.out), minutes=args.minutes)
 
 
+# ----------------------------------------------------------------------------- data
+
+
+def cmd_data_list(args) -> int:
+    """``fastweights data list``: the corpus names a preset or ``--data`` can use, with their sizes and licences."""
+    from fastweights.data.bundled import BUNDLED, corpus_rows, format_rows
+    from fastweights.data.corpus import CORPORA
+
+    generated = {name: getattr(loader, "__module__", "?") for name, loader in CORPORA.items() if name not in BUNDLED}
+    rows = corpus_rows(generated)
+    print(json.dumps(rows, indent=2) if args.json else format_rows(rows))
+    return 0
+
+
 # ----------------------------------------------------------------------------- parser
 
 
@@ -275,6 +289,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="runs/demo")
     d.add_argument("--minutes", type=float, default=5.0, help="training time budget")
     d.set_defaults(func=cmd_demo)
+
+    data = sub.add_parser("data", help="corpora shipped with the package")
+    data_sub = data.add_subparsers(dest="data_command", metavar="list", required=True, parser_class=_Parser)
+    dl = data_sub.add_parser("list", help="registered corpus names: documents, characters, packed size, licence")
+    dl.add_argument("--json", action="store_true", help="print the rows as JSON")
+    dl.set_defaults(func=cmd_data_list)
 
     task = sub.add_parser("task", help="synthetic tasks from the papers")
     task_sub = task.add_subparsers(dest="task", required=True, parser_class=_Parser)

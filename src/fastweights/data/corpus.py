@@ -1,11 +1,17 @@
-"""Corpora: documents of text from the bundled default, local files, JSONL, or Hugging Face ``datasets``.
+"""Corpora: documents of text from the bundled corpora, local files, JSONL, or Hugging Face ``datasets``.
 
 A corpus is a ``list[Document]``. ``load_corpus(spec)`` understands
 
-- a registered name (``CORPORA``): ``"tinyshakespeare"`` is shipped inside the package (gzip);
-- a text file (any suffix except ``.jsonl``; ``.gz`` is decompressed): one document;
-- a directory: every ``*.txt`` below it, recursively, sorted by relative path, one document each;
-- a ``.jsonl`` (or ``.jsonl.gz``) file: one document per non-blank line, from the field ``text_field``;
+- a registered name (``CORPORA``): the corpora shipped inside the package (``tinyshakespeare``,
+  ``state-of-the-union``, ``novels``, ``don-quijote``, ``shakespeare-complete`` / ``-train`` /
+  ``-heldout``, ``bible-en``, ``bible-es``, ...; see ``fastweights.data.bundled`` and
+  ``fastweights data list``), and names other modules register (e.g. ``fastweights.tasks.niah``);
+- ``"NAME:DOCUMENT"``: the one document called DOCUMENT of the registered corpus NAME;
+- a text file (any suffix except ``.jsonl``; ``.gz`` and ``.xz`` are decompressed): one document;
+- a directory: every ``*.txt`` below it, recursively, sorted by relative path, one document each,
+  named by that relative path;
+- a ``.jsonl`` (or ``.jsonl.gz``, ``.jsonl.xz``) file: one document per non-blank line, from the
+  field ``text_field``;
 - ``"hf:<dataset>[:<config>][:<split>]"``: a Hugging Face dataset, when ``datasets`` is installed.
 
 Big files stay on disk. A plain text file larger than ``lazy_bytes`` (64 MiB by default) becomes a
@@ -39,14 +45,15 @@ import codecs
 import gzip
 import hashlib
 import json
+import lzma
 import os
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Union
 
 import regex
 
+from fastweights.data.bundled import BUNDLED, BundledCorpus
 from fastweights.errors import UserError
 
 # Pieces handed to tokenizers: big enough that per-piece overhead vanishes, small enough that the
@@ -273,17 +280,14 @@ def text_pieces(docs: Iterable[AnyDocument | str], max_chars: int = PIECE_CHARS)
 # Loaders
 
 
-def _read_bundled(name: str) -> bytes:
-    with resources.files("fastweights.data").joinpath("assets", name).open("rb") as f:
-        return gzip.decompress(f.read())
+def _bundled_loader(corpus: BundledCorpus) -> Callable[[], list[Document]]:
+    """The loader registered for a corpus shipped in the package: its texts as ``Document``s."""
+    return lambda: [Document(name, text) for name, text in corpus.read()]
 
 
-def _tinyshakespeare() -> list[Document]:
-    return [Document("tinyshakespeare", _read_bundled("tinyshakespeare.txt.gz").decode("utf-8"))]
-
-
-# Registered corpus names -> loader. Other modules may add entries.
-CORPORA: dict[str, Callable[[], list[Document]]] = {"tinyshakespeare": _tinyshakespeare}
+# Registered corpus names -> loader: the corpora shipped in the package (``fastweights.data.bundled``);
+# other modules may add entries (e.g. ``fastweights.tasks.niah``).
+CORPORA: dict[str, Callable[[], list[Document]]] = {name: _bundled_loader(c) for name, c in BUNDLED.items()}
 
 
 def load_corpus(spec: str, text_field: str = "text", encoding_check: bool = True,
@@ -291,9 +295,10 @@ def load_corpus(spec: str, text_field: str = "text", encoding_check: bool = True
     """Documents named by ``spec`` (see the module docstring for the forms it takes).
 
     Args:
-        spec: registered name, path to a text file, a directory, a ``.jsonl`` file, or
-            ``"hf:<dataset>[:<config>][:<split>]"`` (split defaults to ``"train"``; write
-            ``"hf:name::validation"`` for a split without a config).
+        spec: registered name, ``"NAME:DOCUMENT"`` (one document of a registered corpus), path to
+            a text file, a directory, a ``.jsonl`` file, or ``"hf:<dataset>[:<config>][:<split>]"``
+            (split defaults to ``"train"``; write ``"hf:name::validation"`` for a split without a
+            config).
         text_field: the JSONL / Hugging Face field holding the text.
         encoding_check: raise ``UserError`` (file and byte offset) on invalid UTF-8; when False,
             keep invalid bytes losslessly (surrogateescape).
@@ -304,6 +309,8 @@ def load_corpus(spec: str, text_field: str = "text", encoding_check: bool = True
     """
     if spec in CORPORA:
         docs = CORPORA[spec]()
+    elif spec.partition(":")[0] in CORPORA:
+        docs = _registered_document(spec)
     elif spec.startswith("hf:"):
         docs = _load_hf(spec, text_field)
     else:
@@ -323,36 +330,51 @@ def load_corpus(spec: str, text_field: str = "text", encoding_check: bool = True
     return kept
 
 
+def _registered_document(spec: str) -> list[Document]:
+    """``"NAME:DOCUMENT"``: the document named DOCUMENT of the registered corpus NAME, as a one-item list."""
+    name, _, doc_name = spec.partition(":")
+    docs = CORPORA[name]()
+    picked = [d for d in docs if d.name == doc_name]
+    if not picked:
+        shown = ", ".join(d.name for d in docs[:8]) + (f", ... ({len(docs)} in all)" if len(docs) > 8 else "")
+        raise UserError(f"corpus {spec!r}: {name!r} has no document {doc_name!r} (it has: {shown})")
+    return picked
+
+
+def _decompress(path: Path, data: bytes) -> bytes:
+    """``data`` read from ``path``, gunzipped for ``.gz`` and unxz'd for ``.xz`` (else unchanged)."""
+    try:
+        if path.name.endswith(".gz"):
+            return gzip.decompress(data)
+        if path.name.endswith(".xz"):
+            return lzma.decompress(data)
+    except (OSError, EOFError, lzma.LZMAError) as e:
+        kind = "gzip" if path.name.endswith(".gz") else "xz"
+        raise UserError(f"{path}: not a readable {kind} file ({e})") from None
+    return data
+
+
 def _load_path(path: Path, text_field: str, encoding_check: bool, lazy_bytes: int) -> list[AnyDocument]:
     if path.is_dir():
         files = sorted((p for p in path.rglob("*.txt") if p.is_file()), key=lambda p: p.relative_to(path).as_posix())
         if not files:
             raise UserError(f"corpus directory {path}: no .txt files in it")
         return [_load_text_file(p, p.relative_to(path).as_posix(), encoding_check, lazy_bytes) for p in files]
-    if path.name.endswith((".jsonl", ".jsonl.gz")):
+    if path.name.endswith((".jsonl", ".jsonl.gz", ".jsonl.xz")):
         return _load_jsonl(path, text_field, encoding_check)
     return [_load_text_file(path, path.name, encoding_check, lazy_bytes)]
 
 
 def _load_text_file(path: Path, name: str, encoding_check: bool, lazy_bytes: int) -> AnyDocument:
-    if path.name.endswith(".gz"):
-        try:
-            data = gzip.decompress(path.read_bytes())
-        except (OSError, EOFError) as e:
-            raise UserError(f"{path}: not a readable gzip file ({e})") from None
-        return Document(name, _decode(data, str(path), encoding_check))
+    if path.name.endswith((".gz", ".xz")):
+        return Document(name, _decode(_decompress(path, path.read_bytes()), str(path), encoding_check))
     if path.stat().st_size > lazy_bytes:
         return FileDocument.from_path(path, name, encoding_check)
     return Document(name, _decode(path.read_bytes(), str(path), encoding_check))
 
 
 def _load_jsonl(path: Path, text_field: str, encoding_check: bool) -> list[Document]:
-    data = path.read_bytes()
-    if path.name.endswith(".gz"):
-        try:
-            data = gzip.decompress(data)
-        except (OSError, EOFError) as e:
-            raise UserError(f"{path}: not a readable gzip file ({e})") from None
+    data = _decompress(path, path.read_bytes())
     docs = []
     for lineno, line in enumerate(_decode(data, str(path), encoding_check).splitlines(), start=1):
         if not line.strip():
