@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import shutil
 import subprocess
 import sys
@@ -69,6 +70,11 @@ def fastweights(*args: str) -> None:
     subprocess.run(cmd, check=True, cwd=ROOT)
 
 
+def children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def trained(out: Path, sets: list[str]) -> bool:
     meta = out / "niah_token_overrides.json"
     return (out / "model.safetensors").exists() and meta.exists() and json.loads(meta.read_text()) == sets
@@ -93,10 +99,11 @@ def evaluate(name: str, a) -> dict:
     iters = a.iters if name in ("fwpkm",) else a.baseline_iters
     prefix = Path(a.runs) / "eval" / name
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.process_time()
+    t0 = children_cpu()
     fastweights("niah", "--checkpoint", str(ckpt), "--lengths", a.lengths, "--iters", iters, "--samples",
                 str(a.samples), "--seed", str(a.seed), "--out", str(prefix), "--quiet", "--threads", "1",
                 "--device", "cpu", *extra)
+    eval_cpu = children_cpu() - t0
     doc = json.loads(prefix.with_suffix(".json").read_text())
     figures = RESULTS / "niah_token"
     figures.mkdir(parents=True, exist_ok=True)
@@ -104,9 +111,11 @@ def evaluate(name: str, a) -> dict:
     metrics = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = max((m.get("step", 0) for m in metrics), default=0)
     vals = [m["val_loss"] for m in metrics if "val_loss" in m]
+    train_cpu = max((m.get("elapsed", 0.0) for m in metrics), default=0.0)  # CPU seconds (budget_clock = "cpu")
     summary = doc["summary"]
     return {
         "checkpoint_overrides": overrides(base, a), "eval_flags": extra, "train_steps": steps,
+        "train_cpu_seconds": round(train_cpu, 1), "eval_cpu_seconds": round(eval_cpu, 1),
         "val_loss_nats": vals[-1] if vals else None,
         "exact": {n: {L: v["by_length"][L]["exact"] for L in v["by_length"]} for n, v in summary["by_iters"].items()},
         "candidate": {n: {L: v["by_length"][L]["candidate"] for L in v["by_length"]} for n, v in summary["by_iters"].items()},
@@ -135,6 +144,38 @@ def probe(name: str, a) -> dict:
     return out
 
 
+def slots_sweep(a) -> dict:
+    """Memory size against haystack length: the fwpkm checkpoint read with fresh random tables of n^2 slots
+    (its slow weights unchanged; the tables are buffers drawn at random, never trained), 2 reads."""
+    import copy
+
+    import torch
+
+    from fastweights.checkpoint import load_checkpoint
+    from fastweights.models.lm import LanguageModel
+    from fastweights.tasks import niah_token as nt
+    from fastweights.tasks.niah import NiahOptions, evaluate_niah, summarize
+
+    torch.set_num_threads(1)
+    model, tok, cfg = load_checkpoint(str(Path(a.runs) / "fwpkm"))[:3]
+    hay = nt.eval_haystack()
+    lengths = [int(x) for x in a.sweep_lengths.split(",")]
+    samples = nt.make_samples(hay, lengths, "uniform", a.sweep_samples, a.seed)
+    out = {}
+    for n in (int(x) for x in a.slots_sweep.split(",")):
+        mcfg = copy.deepcopy(cfg.model)
+        mcfg.options["fwpkm"]["n_subkeys"] = n
+        torch.manual_seed(a.seed)
+        swept = LanguageModel(mcfg)
+        tables = {k for k in swept.state_dict() if k.rsplit(".", 1)[-1] in ("keys1", "keys2", "values")}
+        swept.load_state_dict({k: v for k, v in model.state_dict().items() if k not in tables}, strict=False)
+        summary = summarize(evaluate_niah(swept, tok, samples, NiahOptions(iters=(2,), piece=512)))
+        out[str(n * n)] = {str(L): round(summary["by_iters"][2]["by_length"][L]["exact"], 3) for L in lengths}
+        print(f"slots {n * n}: {out[str(n * n)]}", flush=True)
+    return {"what": "2-read exact match of the fwpkm model with fresh tables of N slots (rows: N)",
+            "samples_per_length": a.sweep_samples, "exact": out}
+
+
 def checks(models: dict, a) -> dict:
     """The issue's acceptance lines, computed from the table (None where a model is missing)."""
     lengths = [int(x) for x in a.lengths.split(",")]
@@ -161,10 +202,29 @@ def checks(models: dict, a) -> dict:
     return out
 
 
+def headline(models: dict, a) -> list[dict]:
+    """README rows (benchmarks/report.py): exact match at 2x and 16x the training length."""
+    rows = []
+    for name, n, target in (("fwpkm", "2", ">= 0.8 at 2x, >= 0.6 at 16x"), ("fwpkm", "1", "<= half of 2 reads"),
+                            ("fwpkm-frozen", "2", "SWA +- 0.05"), ("fwpkm-no-lookahead", "2", "-0.30 vs fwpkm"),
+                            ("fwpkm-no-addressing", "2", ""), ("fwpkm-top32", "2", ""), ("fwmlp", "2", ""),
+                            ("swa", "1", "chance (0.016)"), ("attention", "1", ""), ("gdn", "1", "")):
+        if name not in models or n not in models[name]["exact"]:
+            continue
+        ex = models[name]["exact"][n]
+        for mult in (2, 16):
+            L = str(mult * a.train_len)
+            if L in ex:
+                rows.append({"what": f"token NIAH, {name}, {n} read{'s' if n != '1' else ''}, {L} tokens "
+                                     f"({mult}x training), exact match, {a.samples} held-out samples",
+                             "value": round(ex[L], 3), "target": target if mult == 2 else ""})
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default=",".join([*VARIANTS, *EVAL_ONLY]))
-    ap.add_argument("--minutes", type=float, default=20.0, help="CPU minutes of training per model")
+    ap.add_argument("--minutes", type=float, default=15.0, help="CPU minutes of training per model")
     ap.add_argument("--runs", default="runs/niah-token")
     ap.add_argument("--lengths", default="512,1024,2048,4096,8192")
     ap.add_argument("--iters", default="1,2,3", help="reads for the fwpkm model")
@@ -174,6 +234,9 @@ def main() -> int:
     ap.add_argument("--probe-samples", type=int, default=20, help="samples per length for the memory probe")
     ap.add_argument("--train-len", type=int, default=512)
     ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--slots-sweep", default="32,64,128,256", help="n_subkeys for the memory-size sweep ('' skips it)")
+    ap.add_argument("--sweep-lengths", default="1024,4096,8192")
+    ap.add_argument("--sweep-samples", type=int, default=50)
     ap.add_argument("--set", action="append", default=[], help="extra override for every model")
     ap.add_argument("--train-only", action="store_true")
     ap.add_argument("--name", default="niah_token")
@@ -193,11 +256,12 @@ def main() -> int:
     for n in names:
         if n in MEMORY_VARIANTS and n not in EVAL_ONLY and a.probe_samples:
             models[n]["memory_probe"] = probe(n, a)
+    sweep = slots_sweep(a) if a.slots_sweep and "fwpkm" in names else None
     write_result(a.name, {
         "what": "token-level NIAH: exact match of the answer token (chance 1/64) by reads and context length; "
                 "held-out text (tinyshakespeare's last tenth) and held-out keys; training length 512 tokens",
         "minutes_per_model": a.minutes, "chance_exact": CHANCE, "lengths": a.lengths, "models": models,
-        "checks": checks(models, a)})
+        "memory_size_sweep": sweep, "checks": checks(models, a), "headline": headline(models, a)})
     return 0
 
 
