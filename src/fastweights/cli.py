@@ -287,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="train a char-level Shakespeare model on the CPU, evaluate it, sample")
     d.add_argument("--out", default="runs/demo")
-    d.add_argument("--minutes", type=float, default=5.0, help="training time budget")
+    d.add_argument("--minutes", type=positive_float, default=5.0, help="training time budget")
     d.set_defaults(func=cmd_demo)
 
     data = sub.add_parser("data", help="corpora shipped with the package")
@@ -309,7 +309,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    return f"warning: {message}\n"  # the command line shows what to change, not which file warned
+
+
 def main(argv: list[str] | None = None) -> int:
+    import warnings
+
+    warnings.formatwarning = _one_line_warning
     try:
         args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)

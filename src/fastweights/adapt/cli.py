@@ -27,6 +27,7 @@ from types import SimpleNamespace
 import torch
 
 from fastweights.errors import UserError
+from fastweights.validate import fraction, nonneg_float, nonneg_int, positive_float, positive_int
 
 DEFAULT_STATS_BATCHES = 500
 
@@ -40,7 +41,7 @@ def _model_args(p, data_help: str) -> None:
     src.add_argument("--hf", metavar="NAME_OR_PATH",
                      help="Hugging Face causal LM: a directory, a .gguf file, a hub name, or smollm2-135m")
     p.add_argument("--data", help=data_help)
-    p.add_argument("--max-chars", type=int, default=0, help="use only the first N characters of the text (0: all)")
+    p.add_argument("--max-chars", type=nonneg_int, default=0, help="use only the first N characters of the text (0: all)")
     p.add_argument("--bos", action="store_true",
                    help="prepend the tokenizer's BOS token so the first token is scored too (Hugging Face models)")
     p.add_argument("--device", default="auto")
@@ -56,18 +57,18 @@ def _rule_args(p, with_lr: bool = True, rule_flag: str = "--rule", with_context:
         p.add_argument(rule_flag, metavar="RULE", default=None,
                        help=f"also evaluate dynamically with this update rule ({', '.join(RULES)})")
     if with_lr:
-        p.add_argument("--lr", type=float, default=None, help="learning rate eta (default: tuned file, else 5e-5)")
-        p.add_argument("--decay", type=float, default=None, help="prior decay lambda (default: tuned file, else 0.002)")
-    p.add_argument("--eps", type=float, default=DEFAULT_EPS, help="epsilon of the RMS rules")
-    p.add_argument("--segment-len", type=int, default=0,
+        p.add_argument("--lr", type=nonneg_float, default=None, help="learning rate eta (default: tuned file, else 5e-5)")
+        p.add_argument("--decay", type=nonneg_float, default=None, help="prior decay lambda (default: tuned file, else 0.002)")
+    p.add_argument("--eps", type=positive_float, default=DEFAULT_EPS, help="epsilon of the RMS rules")
+    p.add_argument("--segment-len", type=nonneg_int, default=0,
                    help="predictions per update (default 20 for char/byte models, 128 for subword models)")
     if with_context:
-        p.add_argument("--context", "--seq-len", dest="seq_len", type=int, default=0,
+        p.add_argument("--context", "--seq-len", dest="seq_len", type=nonneg_int, default=0,
                        help="attention context in tokens (default: the training seq_len / half the HF model's positions)")
     p.add_argument("--stats", help="gradient statistics file (default: grad_stats*.safetensors in the checkpoint)")
     p.add_argument("--params", help="adapt only parameters matching these globs, comma-separated (e.g. 'blocks.3.*')")
     p.add_argument("--exclude-params", help="do not adapt parameters matching these globs (e.g. 'embed.*')")
-    p.add_argument("--sparse-units", type=int, default=0,
+    p.add_argument("--sparse-units", type=nonneg_int, default=0,
                    help="sparse dynamic evaluation: adapt an HxH matrix on the first H units of one block's output")
     p.add_argument("--sparse-layer", type=int, default=None, help="block for sparse adaptation (default: the middle one)")
 
@@ -90,12 +91,12 @@ def register_cli(sub) -> None:
     _rule_args(d)
     d.add_argument("--reset", default="per_document", choices=["per_document", "never"],
                    help="start every document from the trained weights, or carry the adaptation across documents")
-    d.add_argument("--batch-docs", type=int, default=1,
+    d.add_argument("--batch-docs", type=positive_int, default=1,
                    help="evaluate this many documents at once, each with its own adapted weights")
     d.add_argument("--cache", action="store_true", help="also report the neural cache baseline (Grave et al. 2017)")
-    d.add_argument("--cache-window", type=int, default=500)
-    d.add_argument("--cache-flatness", type=float, default=1.0)
-    d.add_argument("--cache-mix", type=float, default=0.1)
+    d.add_argument("--cache-window", type=positive_int, default=500)
+    d.add_argument("--cache-flatness", type=nonneg_float, default=1.0)
+    d.add_argument("--cache-mix", type=fraction, default=0.1)
     d.add_argument("--cache-similarity", default="dot", choices=["dot", "cosine"])
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=cmd_dynamic_eval)
@@ -107,7 +108,7 @@ def register_cli(sub) -> None:
     t.add_argument("--decays", help="comma-separated decays (with --lrs: the grid's decays)")
     t.add_argument("--official-grid", action="store_true",
                    help="dynamiceval.py's grid (6 lrs x 4 decays, scaled by segment/5) instead of the search")
-    t.add_argument("--tune-chars", type=int, default=20000,
+    t.add_argument("--tune-chars", type=nonneg_int, default=20000,
                    help="characters of validation text to tune on (a small subset suffices; 0: all)")
     t.add_argument("--save", help="where to write the result (default: dynamic_tuned.json in the checkpoint)")
     t.add_argument("--json", action="store_true")
@@ -115,13 +116,13 @@ def register_cli(sub) -> None:
 
     c = sub.add_parser("collect-grad-stats", help="mean squared gradients on training text, for the RMS rules")
     _model_args(c, "TRAINING text (default: the checkpoint's training split; required with --hf)")
-    c.add_argument("--batch-size", type=int, default=100, help="parallel streams per batch (dynamiceval.py: 100)")
-    c.add_argument("--seq-len", type=int, default=0, help="targets per stream per batch (default: the segment length)")
-    c.add_argument("--context", type=int, default=0, help="attention context in tokens (default as dynamic-eval)")
-    c.add_argument("--max-batches", type=int, default=DEFAULT_STATS_BATCHES, help="0: the whole text")
+    c.add_argument("--batch-size", type=positive_int, default=100, help="parallel streams per batch (dynamiceval.py: 100)")
+    c.add_argument("--seq-len", type=nonneg_int, default=0, help="targets per stream per batch (default: the segment length)")
+    c.add_argument("--context", type=nonneg_int, default=0, help="attention context in tokens (default as dynamic-eval)")
+    c.add_argument("--max-batches", type=nonneg_int, default=DEFAULT_STATS_BATCHES, help="0: the whole text")
     c.add_argument("--params")
     c.add_argument("--exclude-params")
-    c.add_argument("--sparse-units", type=int, default=0)
+    c.add_argument("--sparse-units", type=nonneg_int, default=0)
     c.add_argument("--sparse-layer", type=int, default=None)
     c.add_argument("--out", help="output file (default: next to the checkpoint)")
     c.set_defaults(func=cmd_collect_grad_stats)
@@ -129,9 +130,9 @@ def register_cli(sub) -> None:
     s = sub.add_parser("timescale", help="loss against position, static vs dynamic (the paper's Figure 2): PNG + JSON")
     _model_args(s, "text to analyse (default: the checkpoint's test split)")
     _rule_args(s)
-    s.add_argument("--doc-len", type=int, default=10000, help="tokens per sequence (the paper: 10,000 characters)")
-    s.add_argument("--max-docs", type=int, default=20, help="sequences to average over")
-    s.add_argument("--window", type=int, default=100, help="positions averaged per point")
+    s.add_argument("--doc-len", type=positive_int, default=10000, help="tokens per sequence (the paper: 10,000 characters)")
+    s.add_argument("--max-docs", type=positive_int, default=20, help="sequences to average over")
+    s.add_argument("--window", type=positive_int, default=100, help="positions averaged per point")
     s.add_argument("--out", default="runs/timescale", help="output prefix: writes PREFIX.png and PREFIX.json")
     s.set_defaults(func=cmd_timescale)
 
@@ -139,9 +140,9 @@ def register_cli(sub) -> None:
     _model_args(g, "text to read (and adapt on) before sampling")
     _rule_args(g)
     g.add_argument("--prompt", default="", help="text appended after --data as the prompt")
-    g.add_argument("--max-tokens", type=int, default=300)
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--max-tokens", type=nonneg_int, default=300)
+    g.add_argument("--temperature", type=nonneg_float, default=0.8)
+    g.add_argument("--top-k", type=nonneg_int, default=0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--static-too", action="store_true", help="also sample from the static model for comparison")
     g.set_defaults(func=cmd_dynamic_generate)
@@ -253,7 +254,26 @@ def _sparse_spec(args, model) -> tuple | None:
     return layer % n, units
 
 
-def _collect_stats(model, tokenizer, cfg, args, segment_len, context, sparse, path: Path | None, progress: bool):
+def _weights_fingerprint(ckpt: Path | None) -> str | None:
+    """SHA-256 of a checkpoint's weights: recorded in the statistics and tuned settings made from them."""
+    if ckpt is None:
+        return None
+    from fastweights.checkpoint import weights_fingerprint
+
+    return weights_fingerprint(ckpt)
+
+
+def _check_fingerprint(recorded: str | None, ckpt: Path | None, path: Path, remedy: str) -> None:
+    """Refuse a derived file made from other weights than the checkpoint's (files without a record are older, accepted)."""
+    if recorded is None or ckpt is None:
+        return
+    if recorded != _weights_fingerprint(ckpt):
+        raise UserError(f"{path} was made from other weights than those now in {ckpt} (the model was retrained "
+                        f"or replaced); delete it, or {remedy}")
+
+
+def _collect_stats(model, tokenizer, cfg, args, segment_len, context, sparse, path: Path | None, progress: bool,
+                   ckpt: Path | None = None):
     """Collect MS_g on the checkpoint's (or --data's) training text and save it to ``path``."""
     from fastweights.adapt.dynamic import collect_grad_stats
     from fastweights.adapt.sparse import collect_sparse_grad_stats
@@ -270,6 +290,9 @@ def _collect_stats(model, tokenizer, cfg, args, segment_len, context, sparse, pa
         stats = collect_grad_stats(model, ids, batch_size, seq_len, max_batches, context,
                                    include=getattr(args, "params", None), exclude=getattr(args, "exclude_params", None),
                                    progress=progress)
+    fingerprint = _weights_fingerprint(ckpt)
+    if fingerprint is not None:
+        stats.extra["weights_sha256"] = fingerprint
     if path is not None:
         stats.save(path)
     return stats
@@ -293,6 +316,9 @@ def build_evaluator(args, model, tokenizer, cfg, ckpt: Path | None, lr: float | 
     if lr is None or decay is None:
         tuned_path = getattr(args, "tuned", None) or (ckpt / TUNED_FILE if ckpt else None)
         tuned = load_tuned(tuned_path) if tuned_path else None
+        if tuned is not None:
+            _check_fingerprint(tuned.get("weights_sha256"), ckpt, Path(tuned_path),
+                               f"tune again with `fastweights tune-dynamic --checkpoint {ckpt}`")
         usable = (tuned is not None and tuned.get("rule") == rule
                   and tuned["settings"].get("segment_len") == segment_len
                   and tuned["settings"].get("sparse_units") == (sparse[1] if sparse else None))
@@ -309,11 +335,13 @@ def build_evaluator(args, model, tokenizer, cfg, ckpt: Path | None, lr: float | 
         path = _stats_path(args, ckpt, sparse)
         if path is not None and path.is_file():
             stats = GradStats.load(path)
+            _check_fingerprint(stats.extra.get("weights_sha256"), ckpt, path,
+                               f"collect them again with `fastweights collect-grad-stats --checkpoint {ckpt}`")
         elif getattr(args, "stats", None):
             raise UserError(f"gradient statistics {args.stats} not found")
         elif cfg is not None:
             print(f"collecting gradient statistics on the training split -> {path}", file=sys.stderr)
-            stats = _collect_stats(model, tokenizer, cfg, args, segment_len, context, sparse, path, progress)
+            stats = _collect_stats(model, tokenizer, cfg, args, segment_len, context, sparse, path, progress, ckpt)
         else:
             raise UserError(f"rule {rule} needs gradient statistics: run `fastweights collect-grad-stats --hf ... "
                             "--data TRAINING_TEXT --out FILE` and pass --stats FILE, or use --rule sgd")
@@ -477,7 +505,7 @@ def cmd_tune_dynamic(args) -> int:
     res = tune_dynamic(make, docs, lrs, decays, progress=not args.quiet)
     path = args.save or (ckpt / TUNED_FILE if ckpt else None)
     if path:
-        save_tuned(res, path)
+        save_tuned(res, path, weights_sha256=_weights_fingerprint(ckpt))
     if args.json:
         print(json.dumps(res, indent=2))
     else:
@@ -515,7 +543,7 @@ def cmd_collect_grad_stats(args) -> int:
         raise UserError("--out is required with --hf")
     ns = SimpleNamespace(train_data=args.data, batch_size=args.batch_size, max_batches=args.max_batches,
                          stats_seq_len=segment_len, params=args.params, exclude_params=args.exclude_params)
-    stats = _collect_stats(model, tok, cfg, ns, segment_len, context, sparse, out, not args.quiet)
+    stats = _collect_stats(model, tok, cfg, ns, segment_len, context, sparse, out, not args.quiet, ckpt)
     print(f"gradient statistics of {len(stats.ms)} tensors over {stats.batches} batches of "
           f"{stats.batch_size} x {stats.seq_len} tokens -> {out}")
     return 0
@@ -588,7 +616,7 @@ def demo_dynamic(checkpoint: str | Path, tune_chars: int = 5000, test_chars: int
     first, _ = build_evaluator(args, model, tok, cfg, ckpt, lr=0.0, decay=0.0)
     docs, _ = encode_texts(tok, load_texts(SimpleNamespace(data=None), cfg, "val", tune_chars))
     search = tune_dynamic(lambda lr, decay: type(first)(**_rebuild_kwargs(first, lr, decay)), docs)
-    save_tuned(search, ckpt / TUNED_FILE)
+    save_tuned(search, ckpt / TUNED_FILE, weights_sha256=_weights_fingerprint(ckpt))
     res = run_eval_dynamic(args, model, tok, cfg, load_texts(SimpleNamespace(data=None), cfg, "test", test_chars))
     res["search"] = search
     if verbose:

@@ -139,23 +139,46 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def save_tuned(result: dict, path: str | Path) -> Path:
-    """Write the tuning result (best setting first) as JSON; ``dynamic-eval`` reads it as its default."""
+def save_tuned(result: dict, path: str | Path, weights_sha256: str | None = None) -> Path:
+    """Write the tuning result (best setting first) as JSON; ``dynamic-eval`` reads it as its default.
+
+    ``weights_sha256``: the fingerprint of the weights it was tuned for (a checkpoint's), so that the
+    file is refused for other weights.
+    """
     from fastweights.checkpoint import atomic_write
 
     path = Path(path)
     payload = {"best": result["best"], "rule": result["settings"]["rule"], "settings": result["settings"],
                "static": result["static"], "tokens": result["tokens"], "grid": result["grid"]}
+    if weights_sha256 is not None:
+        payload["weights_sha256"] = weights_sha256
     atomic_write(path, lambda p: p.write_text(json.dumps(payload, indent=2) + "\n"))
     return path
 
 
 def load_tuned(path: str | Path) -> dict | None:
-    """The JSON written by :func:`save_tuned`, or None if there is none."""
+    """The JSON written by :func:`save_tuned`, or None if there is none; UserError if it is not one.
+
+    The file is data only (JSON, nothing is executed); its fields are checked: a finite lr and decay
+    >= 0, a rule name, a settings table, a 64-hex-digit weights fingerprint when present.
+    """
     path = Path(path)
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        d = json.loads(path.read_text())
+        best, settings = d["best"], d["settings"]
+        for key in ("lr", "decay"):
+            v = best[key]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"best.{key} is {v!r}, not a finite number >= 0")
+        if not isinstance(d["rule"], str) or not isinstance(settings, dict):
+            raise ValueError("rule must be a name and settings a table")
+        fp = d.get("weights_sha256")
+        if fp is not None and not (isinstance(fp, str) and len(fp) == 64 and all(c in "0123456789abcdef" for c in fp)):
+            raise ValueError("weights_sha256 is not a SHA-256")
+    except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"{path}: unreadable tuning result ({e})") from None
+    except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+        raise UserError(f"{path} is not a tuning result written by tune-dynamic ({e})") from None
+    return d

@@ -698,7 +698,7 @@ class FastWeightLayer(nn.Module):
             # window never trains it, and a long stream then carries a running update it never saw
             warnings.warn(f"fwl: training windows of {t} tokens hold fewer than 3 segments of segment_len "
                           f"{o.segment_len}, so the segment decays get no gradient; set "
-                          f"model.options.fwl.segment_len <= {t // 3}", stacklevel=2)
+                          f"model.options.fwl.segment_len <= {t // 3}", stacklevel=1)  # here, not torch's module call
         with no_autocast(h.device):
             cd = torch.float64 if h.dtype == torch.float64 else torch.float32
             h = h.to(cd)
