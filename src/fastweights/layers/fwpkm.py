@@ -22,7 +22,7 @@ After each chunk, with lookahead L (= 1) pairing query t with the value of token
 "rewrite" is the scale the released code applies (derived in the project spec, section 4): with
 near-uniform weights s' ~ 1/(kH) a unit step moves v_hat onto its target.
 
-Project semantics (see ``../shared/reference/fwpkm.md`` sections 4-7 for the paper's):
+Project semantics (the paper's are in its sections 2-3 and the released code; docs/product-key-memory.md compares them):
 
 * Chunks are counted along the stream: a write happens exactly when C tokens have been read since
   the last one, whatever the call boundaries are, so streaming calls of any length equal one call.

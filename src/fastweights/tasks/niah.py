@@ -131,6 +131,7 @@ class NiahSample:
     tokens: int  # actual context length in tokens
     depth: float  # requested depth of the target
     seed: str  # what the sample was generated from
+    format: str = "char"  # "char" (this module) or "token" (fastweights.tasks.niah_token)
 
     @property
     def candidates(self) -> list[str]:
@@ -400,10 +401,8 @@ def evaluate_sample(model, tokenizer, sample: NiahSample, opts: NiahOptions, sta
 def evaluate_niah(model, tokenizer, samples: Sequence[NiahSample], opts: NiahOptions,
                   progress: bool = False) -> list[dict]:
     """Records of all samples (one per sample and n); see :func:`summarize` for the tables."""
-    from fastweights.tasks.niah_token import is_token_format
-
     opts.validate()
-    if not is_token_format(tokenizer):
+    if any(s.format == "char" for s in samples):
         check_tokenizer(tokenizer)
     was_training = model.training
     model.eval()

@@ -219,7 +219,7 @@ def make_sample(haystack: WordHaystack, length: int, depth: float | None = None,
     needles = tuple(Needle(chosen_keys[i], chosen_values[i], depths[i], char_offsets[i]) for i in range(n_needles))
     return NiahSample(context=context, question=" " + join_words(question_words(chosen_keys[target])),
                       answer=chosen_values[target], needles=needles, target=target, length=length,
-                      tokens=len(words), depth=depths[target], seed=tag)
+                      tokens=len(words), depth=depths[target], seed=tag, format="token")
 
 
 def make_samples(haystack: WordHaystack, lengths, depths="uniform", samples: int = 10, seed: int = 0,
