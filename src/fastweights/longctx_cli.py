@@ -2,9 +2,9 @@
 
     fastweights niah --checkpoint runs/niah-cpu --lengths 1024,2048,4096 --iters 1,2 --samples 20 \\
         --haystack tinyshakespeare --out runs/niah-cpu/niah              # -> niah.json, niah.png
-    fastweights stream-eval --checkpoint runs/a --checkpoint runs/b --data long.txt \\
+    fastweights stream-eval --checkpoint runs/a --checkpoint runs/b --data long-docs \\
         --modes carry,reset,frozen --out runs/stream                           # -> stream.json, stream.png
-    fastweights adapt-test --checkpoint runs/a --domain shakespeare=tiny.txt --domain spanish=quijote.txt \\
+    fastweights adapt-test --checkpoint runs/a --domain shakespeare=shakespeare-heldout --domain spanish=don-quijote \\
         --out runs/adapt                                                       # -> adapt.json, adapt.png
     fastweights fwpkm-gates --checkpoint runs/fwpkm --data page.txt --out runs/gates.png
 
