@@ -109,7 +109,13 @@ class RunLock:
         self.stale_owner: int | None = None  # pid of a dead process whose lock was taken over
 
     def acquire(self) -> "RunLock":
-        self.out.mkdir(parents=True, exist_ok=True)
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            return self._acquire()
+        except OSError as e:
+            raise UserError(f"cannot write to --out {self.out}: {e.strerror or e}") from None
+
+    def _acquire(self) -> "RunLock":
         for _ in range(10):
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             if not _try_lock(fd):
@@ -182,6 +188,9 @@ class Restore:
         self.armed = True  # cleared once the run has started: then the directory holds it
         self.existed = self.out.exists()
         self.before = self._listing() if self.existed else set()
+        self.top = self.out  # the outermost directory a run would create
+        while not self.top.parent.exists() and self.top.parent != self.top.parent.parent:
+            self.top = self.top.parent
 
     def _listing(self) -> set[str]:
         names = set()
@@ -193,9 +202,11 @@ class Restore:
 
     def undo(self) -> None:
         if not self.out.exists():
+            if not self.existed and self.top.exists():
+                shutil.rmtree(self.top, ignore_errors=True)
             return
         if not self.existed:
-            shutil.rmtree(self.out, ignore_errors=True)
+            shutil.rmtree(self.top, ignore_errors=True)
             return
         for name in sorted(self._listing() - self.before, key=lambda n: -n.count("/")):
             p = self.out / name

@@ -1,0 +1,218 @@
+"""Bad input, as a table: every case exits with status 2 and one line naming the offending setting
+or file, prints no traceback, and leaves ``--out`` as it was (absent, or an earlier run untouched)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from fastweights.cli import main
+
+TINY = ["--preset", "tiny", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bad-input") / "run"
+    assert main(["train", *TINY, "--out", str(out), "--set", "train.max_steps=4", "--set", "train.eval_every=0"]) == 0
+    return out
+
+
+def _tree(path):
+    """Every file under ``path`` with its SHA-256 (what "left as it was" compares)."""
+    if not path.exists():
+        return None
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(path.rglob("*"))}
+
+
+def _one_line(capsys, *needles):
+    cap = capsys.readouterr()
+    err = cap.err.strip()
+    assert "Traceback" not in cap.err + cap.out, cap.err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and err.splitlines()[-1] == lines[0], err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+SETTINGS = [  # (override(s), the setting the message must name)
+    (["train.batch_size=0"], "train.batch_size"),
+    (["train.seq_len=0"], "train.seq_len"),
+    (["model.n_heads=0"], "model.n_heads"),
+    (["train.grad_accum=0"], "train.grad_accum"),
+    (["train.lr=-1"], "train.lr"),
+    (["train.lr=nan"], "train.lr"),
+    (["model.d_model=7"], "model.n_heads"),  # 7 is not divisible by the preset's 2 heads
+    (["model.d_model=36", "model.n_heads=8"], "model.n_heads"),
+    (["train.max_steps=-5"], "train.max_steps"),
+    (["train.max_steps=0"], "train.max_steps"),
+    (["train.log_every=0"], "train.log_every"),
+    (["train.seed=-3"], "train.seed"),
+    (["train.warmup_steps=-1"], "train.warmup_steps"),
+    (["train.eval_every=-1"], "train.eval_every"),
+    (["train.save_every=-2"], "train.save_every"),
+    (["train.eval_tokens=0"], "train.eval_tokens"),
+    (["train.beta1=1.0"], "train.beta1"),
+    (["train.grad_clip=-1"], "train.grad_clip"),
+    (["train.max_minutes=-1"], "train.max_minutes"),
+    (["train.min_lr_ratio=2"], "train.min_lr_ratio"),
+    (["train.weight_decay=-0.1"], "train.weight_decay"),
+    (["train.threads=-1"], "train.threads"),
+    (["model.n_layers=0"], "model.n_layers"),
+    (["model.d_model=0"], "model.d_model"),
+    (["model.dropout=1.0"], "model.dropout"),
+    (["model.mlp_hidden=-1"], "model.mlp_hidden"),
+    (["model.init_std=0"], "model.init_std"),
+    (["model.short_conv=1"], "model.short_conv"),
+    (["model.memory_layers=[5]"], "model.memory_layers"),
+    (["model.layer_mixers=[\"attention\"]"], "model.layer_mixers"),
+    (["model.mixer=\"nope\""], "mixer 'nope'"),
+    (["data.val_fraction=1.5"], "data.val_fraction"),
+    (["data.val_fraction=0.6", "data.test_fraction=0.5"], "data.val_fraction"),
+    (["data.split=\"random\""], "data.split"),
+    (["data.tokenizer=\"sentencepiece\""], "data.tokenizer"),
+    (["train.carry_state=true", "train.grad_accum=2"], "train.grad_accum"),
+    (["model.d_model=262144"], "GiB available"),  # terabytes: refused by the memory estimate, never allocated
+]
+
+
+@pytest.mark.parametrize("sets, needle", SETTINGS, ids=[" ".join(s) for s, _ in SETTINGS])
+def test_bad_setting(sets, needle, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["train", *TINY, "--out", str(out)]
+    for s in sets:
+        argv += ["--set", s]
+    assert main(argv) == 2
+    _one_line(capsys, needle)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("sets, needle", SETTINGS[:3] + SETTINGS[-1:], ids=["batch", "seq", "heads", "memory"])
+def test_bad_setting_leaves_an_earlier_run_untouched(sets, needle, run, capsys):
+    before = _tree(run)
+    argv = ["train", *TINY, "--out", str(run), "--overwrite"]
+    for s in sets:
+        argv += ["--set", s]
+    assert main(argv) == 2
+    _one_line(capsys, needle)
+    assert _tree(run) == before
+
+
+def test_out_dir_problems(run, tmp_path, capsys):
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    cases = [
+        (["--out", str(a_file)], "is a file", a_file),
+        (["--out", str(a_file / "sub")], "is a file", a_file),
+        (["--out", "/proc/fastweights-no-such/out"], "/proc/fastweights-no-such/out", None),
+        (["--out", str(run)], "already holds a checkpoint at step 4", run),  # neither --resume nor --overwrite
+        (["--out", str(run), "--resume", "--overwrite"], "exclude each other", run),
+        (["--out", str(tmp_path / "empty"), "--resume", "--preset", "tiny"], "no checkpoint", None),
+        (["--resume"], "--resume needs --out", None),
+    ]
+    for extra, needle, keep in cases:
+        before = _tree(keep) if keep is not None else None
+        assert main(["train", "--quiet", *([] if "--preset" in extra else ["--preset", "tiny"]), *extra]) == 2, extra
+        _one_line(capsys, needle)
+        if keep is not None:
+            assert _tree(keep) == before, extra
+    assert not (tmp_path / "empty").exists()
+
+
+def test_command_line_numbers(run, capsys):
+    ckpt = ["--checkpoint", str(run)]
+    cases = [
+        (["generate", *ckpt, "--temperature", "-1"], "--temperature"),
+        (["generate", *ckpt, "--temperature", "nan"], "--temperature"),
+        (["generate", *ckpt, "--top-k", "-1"], "--top-k"),
+        (["generate", *ckpt, "--max-tokens", "-3"], "--max-tokens"),
+        (["eval", *ckpt, "--stride", "0"], "--stride"),
+        (["eval", *ckpt, "--seq-len", "-1"], "--seq-len"),
+        (["eval", *ckpt, "--stride", "999"], "--stride 999"),
+        (["dynamic-eval", *ckpt, "--lr", "-1"], "--lr"),
+        (["dynamic-eval", *ckpt, "--eps", "0"], "--eps"),
+        (["dynamic-eval", *ckpt, "--cache-mix", "2"], "--cache-mix"),
+        (["collect-grad-stats", *ckpt, "--batch-size", "0"], "--batch-size"),
+        (["demo", "--minutes", "-1"], "--minutes"),
+    ]
+    before = _tree(run)
+    for argv, needle in cases:
+        assert main(argv) == 2, argv
+        _one_line(capsys, needle)
+    assert _tree(run) == before
+
+
+def _copy(run, tmp_path, name):
+    dst = tmp_path / name
+    shutil.copytree(run, dst, ignore=shutil.ignore_patterns("data"))
+    return dst
+
+
+def _rewrite_weights(ckpt, change):
+    """Replace model.safetensors and re-record it in the manifest (a checkpoint that parses but is wrong)."""
+    path = ckpt / "model.safetensors"
+    tensors = load_file(str(path))
+    change(tensors)
+    save_file(tensors, str(path))
+    m = json.loads((ckpt / "checkpoint.json").read_text())
+    data = path.read_bytes()
+    m["files"]["model.safetensors"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / "checkpoint.json").write_text(json.dumps(m))
+
+
+def _rewrite_config(ckpt, change):
+    path = ckpt / "config.json"
+    cfg = json.loads(path.read_text())
+    change(cfg)
+    path.write_text(json.dumps(cfg))
+    m = json.loads((ckpt / "checkpoint.json").read_text())
+    data = path.read_bytes()
+    m["files"]["config.json"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / "checkpoint.json").write_text(json.dumps(m))
+
+
+def test_checkpoints_that_parse_but_are_wrong(run, tmp_path, capsys):
+    wider = _copy(run, tmp_path, "wider")
+    _rewrite_config(wider, lambda c: c["model"].update(d_model=64))
+    nan = _copy(run, tmp_path, "nan")
+    _rewrite_weights(nan, lambda t: t["blocks.0.mlp.w_out.weight" if "blocks.0.mlp.w_out.weight" in t else
+                                      sorted(t)[-1]].fill_(float("nan")))
+    tampered = _copy(run, tmp_path, "tampered")
+    t = load_file(str(tampered / "model.safetensors"))
+    next(iter(t.values())).add_(1.0)
+    save_file(t, str(tampered / "model.safetensors"))  # the manifest still records the old bytes
+    bad_cfg = _copy(run, tmp_path, "bad-config")
+    _rewrite_config(bad_cfg, lambda c: c["model"].update(n_heads=0))
+    f = tmp_path / "doc.txt"
+    f.write_text("First Citizen: speak, speak.\n" * 4)
+    cases = [
+        (wider, "shape", "config.json does not match the weights"),
+        (nan, "NaN", "unusable"),
+        (tampered, "model.safetensors does not match checkpoint.json", str(tampered)),
+        (bad_cfg, "model.n_heads", "config.json"),
+    ]
+    for ckpt, *needles in cases:
+        for argv in (["eval", "--checkpoint", str(ckpt), "--quiet", "--data", str(f)],
+                     ["generate", "--checkpoint", str(ckpt), "--max-tokens", "3"],
+                     ["dynamic-eval", "--checkpoint", str(ckpt), "--data", str(f), "--rule", "sgd", "--quiet"],
+                     ["export-hf", str(ckpt), str(tmp_path / "hf-out")]):
+            assert main(argv) == 2, (ckpt.name, argv[0])
+            line = _one_line(capsys, *needles)
+            if ckpt is wider:
+                assert "[64]" in line or "64]" in line, line  # both shapes named
+    assert not (tmp_path / "hf-out").exists()
+
+
+def test_resume_refuses_a_config_that_does_not_match(run, capsys):
+    before = _tree(run)
+    assert main(["train", "--resume", "--quiet", "--out", str(run), "--set", "model.d_model=64"]) == 2
+    _one_line(capsys, "model config differs")
+    assert _tree(run) == before
+    assert torch.isfinite(next(iter(load_file(str(run / "model.safetensors")).values()))).all()

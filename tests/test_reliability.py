@@ -1,0 +1,243 @@
+"""Reliability and security of run directories: no pickle is executed, derived files are tied to the
+weights they came from, the run lock, SIGINT/SIGTERM saving, divergence, checkpoints of earlier
+versions, and the unknown-symbol warning. (kill -9: test_fault_injection.py; bad input: test_bad_input.py.)"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import random
+import shutil
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fastweights.cli import main
+
+TINY = ["--preset", "tiny", "--quiet"]
+SHORT = [*TINY, "--set", "train.max_steps=6", "--set", "train.eval_every=0"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reliability") / "run"
+    assert main(["train", *SHORT, "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def doc(tmp_path_factory):
+    path = tmp_path_factory.mktemp("doc") / "doc.txt"
+    path.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 3)
+    return str(path)
+
+
+def _copy(run, tmp_path, name):
+    dst = tmp_path / name
+    shutil.copytree(run, dst)
+    return dst
+
+
+def _err_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err
+    return err.splitlines()[-1] if err else ""
+
+
+def _to_legacy(ckpt):
+    """The layout of earlier versions: no manifest, the trainer state pickled in trainer_state.pt."""
+    from fastweights.checkpoint import parse_trainer_state
+
+    state = parse_trainer_state((ckpt / "trainer_state.safetensors").read_bytes(), "test")
+    (ckpt / "checkpoint.json").unlink()
+    (ckpt / "trainer_state.safetensors").unlink()
+    torch.save(state, ckpt / "trainer_state.pt")  # what the old trainer wrote (numpy RNG state included)
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))  # unpickling would create the marker file
+
+
+def test_a_crafted_pickle_trainer_state_is_refused_without_running_code(run, doc, tmp_path, capsys):
+    ckpt = _copy(run, tmp_path, "crafted")
+    _to_legacy(ckpt)
+    marker = tmp_path / "code-was-run"
+    with open(ckpt / "trainer_state.pt", "wb") as f:
+        pickle.dump({"step": 3, "payload": _RunsCode(marker)}, f)
+    assert main(["train", "--resume", "--quiet", "--out", str(ckpt)]) == 2
+    line = _err_line(capsys)
+    assert "refused to load this trainer state" in line and "trainer_state.pt" in line
+    assert not marker.exists()
+    # the weights of such a directory still load for eval (they are safetensors)
+    assert main(["eval", "--checkpoint", str(ckpt), "--quiet", "--json", "--data", doc]) == 0
+
+
+def test_a_crafted_trainer_state_safetensors_is_refused(run, tmp_path, capsys):
+    import hashlib
+
+    from safetensors.torch import save_file
+
+    ckpt = _copy(run, tmp_path, "crafted-st")
+    state = json.dumps({"step": 6, "x": {"$ndarray": "|O", "shape": [1], "data": ["os.system"]}})
+    save_file({}, str(ckpt / "trainer_state.safetensors"),
+              metadata={"format": "fastweights-trainer-state", "version": "1", "state": state})
+    m = json.loads((ckpt / "checkpoint.json").read_text())
+    data = (ckpt / "trainer_state.safetensors").read_bytes()
+    m["files"]["trainer_state.safetensors"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / "checkpoint.json").write_text(json.dumps(m))
+    assert main(["train", "--resume", "--quiet", "--out", str(ckpt)]) == 2
+    assert "corrupt trainer state" in _err_line(capsys)
+
+
+def test_a_checkpoint_of_an_earlier_version_loads_and_resumes(run, doc, tmp_path, capsys):
+    ckpt = _copy(run, tmp_path, "legacy")
+    _to_legacy(ckpt)
+    assert main(["eval", "--checkpoint", str(ckpt), "--quiet", "--json", "--data", doc]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", "--quiet", "--out", str(ckpt), "--set", "train.max_steps=8"]) == 0
+    assert json.loads((ckpt / "summary.json").read_text())["steps"] == 8
+    assert (ckpt / "checkpoint.json").is_file() and not (ckpt / "trainer_state.pt").exists()  # now the new format
+
+
+def test_trainer_state_round_trip_without_pickle(tmp_path):
+    from fastweights.checkpoint import parse_trainer_state, save_trainer_state
+
+    rng = random.Random(3)
+    state = {"step": 7, "history": [{"step": 5, "val_loss": float("nan")}], "rng": {"python": rng.getstate(),
+             "numpy": np.random.RandomState(1).get_state(), "torch": torch.get_rng_state()},
+             "optimizer": {"state": {0: {"exp_avg": torch.randn(3, 2), "step": torch.tensor(7.0)}},
+                           "param_groups": [{"betas": (0.9, 0.99), "params": [0], "fused": None}]},
+             "carried": [None, {"S": torch.zeros(2, 2, dtype=torch.bfloat16), "pos": 12}]}
+    save_trainer_state(state, tmp_path / "s.safetensors")
+    back = parse_trainer_state((tmp_path / "s.safetensors").read_bytes(), "test")
+    assert back["rng"]["python"] == rng.getstate()
+    assert back["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.99)
+    assert torch.equal(back["optimizer"]["state"][0]["exp_avg"], state["optimizer"]["state"][0]["exp_avg"])
+    assert back["carried"][1]["pos"] == 12 and back["carried"][1]["S"].dtype == torch.bfloat16
+    assert math.isnan(back["history"][0]["val_loss"])
+    np.testing.assert_array_equal(back["rng"]["numpy"][1], state["rng"]["numpy"][1])
+
+
+def test_derived_files_are_tied_to_their_weights(run, tmp_path, capsys):
+    from fastweights.adapt.dynamic import GradStats
+    from fastweights.adapt.tune import save_tuned
+
+    ckpt = _copy(run, tmp_path, "derived")
+    doc = tmp_path / "doc.txt"
+    doc.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 3)
+    base = ["dynamic-eval", "--checkpoint", str(ckpt), "--data", str(doc), "--quiet", "--segment-len", "10"]
+    # statistics made by collect-grad-stats record the weights; dynamic-eval uses them
+    assert main(["collect-grad-stats", "--checkpoint", str(ckpt), "--max-batches", "2", "--batch-size", "2",
+                 "--seq-len", "10", "--quiet"]) == 0
+    assert main([*base, "--json"]) == 0
+    capsys.readouterr()
+    # ... and refuses statistics or tuned settings made from other weights
+    stats = GradStats.load(ckpt / "grad_stats.safetensors")
+    stats.extra["weights_sha256"] = "ab" * 32
+    stats.save(ckpt / "grad_stats.safetensors")
+    assert main(base) == 2
+    assert "grad_stats.safetensors was made from other weights" in _err_line(capsys)
+    (ckpt / "grad_stats.safetensors").unlink()
+    result = {"best": {"lr": 1e-3, "decay": 0.0}, "settings": {"rule": "sgd", "segment_len": 10, "sparse_units": None},
+              "static": {}, "tokens": 1, "grid": []}
+    save_tuned(result, ckpt / "dynamic_tuned.json", weights_sha256="cd" * 32)
+    assert main([*base, "--rule", "sgd"]) == 2
+    assert "dynamic_tuned.json was made from other weights" in _err_line(capsys)
+    # a crafted tuned file is data: refused when malformed, never executed
+    (ckpt / "dynamic_tuned.json").write_text(json.dumps({"best": {"lr": "__import__('os').system('x')", "decay": 0},
+                                                         "rule": "sgd", "settings": {}}))
+    assert main([*base, "--rule", "sgd"]) == 2
+    assert "is not a tuning result" in _err_line(capsys)
+    # --overwrite removes what was derived from the replaced weights
+    stats.save(ckpt / "grad_stats.safetensors")
+    assert main(["train", *SHORT, "--out", str(ckpt), "--overwrite"]) == 0
+    assert not (ckpt / "grad_stats.safetensors").exists() and not (ckpt / "dynamic_tuned.json").exists()
+
+
+def test_run_lock(run, tmp_path, capsys):
+    from fastweights.run_dir import RunLock
+
+    out = tmp_path / "locked"
+    with RunLock(out):
+        before = sorted(p.name for p in out.iterdir())
+        assert main(["train", *SHORT, "--out", str(out)]) == 2
+        line = _err_line(capsys)
+        assert "in use by another training run" in line and f"process {os.getpid()}" in line
+        assert sorted(p.name for p in out.iterdir()) == before
+    # a lock file left by a dead process (kill -9) is stale: the next run takes it over and removes it at the end
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    (stale / ".lock").write_text(json.dumps({"pid": 2**22 + 12345, "host": "x"}))
+    assert main(["train", *SHORT, "--out", str(stale)]) == 0
+    assert not (stale / ".lock").exists()
+
+
+def _signal_after(step: int, signum: int, metrics, stop: threading.Event) -> threading.Thread:
+    def go():
+        while not stop.is_set():
+            if metrics.is_file():
+                steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.strip()]
+                if steps and steps[-1] >= step:
+                    os.kill(os.getpid(), signum)
+                    return
+            time.sleep(0.005)
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_saves_the_step_and_resume_is_bit_exact(signum, code, tmp_path, capsys):
+    args = [*TINY, "--set", "train.max_steps=30", "--set", "train.eval_every=10", "--set", "train.log_every=1"]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert main(["train", *args, "--out", str(straight)]) == 0
+    stop = threading.Event()
+    _signal_after(4, signum, stopped / "metrics.jsonl", stop)
+    try:
+        assert main(["train", *args, "--out", str(stopped)]) == code
+    finally:
+        stop.set()
+    line = _err_line(capsys)
+    k = json.loads((stopped / "checkpoint.json").read_text())["step"]
+    summary = json.loads((stopped / "summary.json").read_text())
+    assert 4 <= k < 30 and summary["steps"] == k and summary["interrupted_by"] == signal.Signals(signum).name
+    assert f"holds the checkpoint of step {k}" in line and signal.Signals(signum).name in line
+    assert main(["train", "--resume", "--quiet", "--out", str(stopped)]) == 0
+    a, b = load_file(str(straight / "model.safetensors")), load_file(str(stopped / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)  # bit-exact
+    steps = [json.loads(line)["step"] for line in (stopped / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [json.loads(line)["step"] for line in (straight / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_divergence_stops_with_one_line_and_saves_nothing_non_finite(doc, tmp_path, capsys):
+    out = tmp_path / "diverge"
+    assert main(["train", *TINY, "--out", str(out), "--set", "train.lr=1e5", "--set", "train.grad_clip=0",
+                 "--set", "train.warmup_steps=0", "--set", "train.save_every=1", "--set", "train.max_steps=50"]) == 2
+    line = _err_line(capsys)
+    saved = json.loads((out / "checkpoint.json").read_text())["step"]
+    assert "training diverged at step" in line and f"holds the checkpoint of step {saved}" in line
+    assert all(torch.isfinite(t).all() for t in load_file(str(out / "model.safetensors")).values())
+    assert main(["eval", "--checkpoint", str(out), "--quiet", "--json", "--data", doc]) == 0  # finite weights load
+    capsys.readouterr()
+
+
+def test_unknown_characters_are_reported(run, tmp_path, capsys):
+    cjk = tmp_path / "cjk.txt"
+    cjk.write_text("天地玄黃宇宙洪荒日月盈昃辰宿列張" * 10)
+    assert main(["eval", "--checkpoint", str(run), "--data", str(cjk), "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: 160 of 160 characters of the evaluation text are not in the model's char vocabulary" in err
+    assert main(["generate", "--checkpoint", str(run), "--prompt", "ROMEO: 你好", "--max-tokens", "2"]) == 0
+    assert "2 of 9 characters of the prompt" in capsys.readouterr().err
