@@ -19,6 +19,7 @@ from fastweights.data.tokenizers import build_tokenizer  # noqa: E402
 from fastweights.generate import generate_tokens  # noqa: E402
 from fastweights.models import registry  # noqa: E402
 from fastweights.models.hf import FastWeightsCache, FastWeightsConfig, FastWeightsForCausalLM  # noqa: E402
+import fastweights.models.hf as hf_module  # noqa: E402
 from fastweights.models.lm import LanguageModel  # noqa: E402
 
 VOCAB = 13
@@ -141,7 +142,8 @@ def test_generate_continues_from_returned_cache():
     first = hf.generate(prompt, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
     cache = first.past_key_values
     assert isinstance(cache, FastWeightsCache) and cache.get_seq_length() == 4 + 3  # last token not read yet
-    rest = hf.generate(first.sequences, past_key_values=cache, max_new_tokens=6, do_sample=False)
+    # the cache argument's name: "cache" from transformers 5.24 on ("past_key_values" before)
+    rest = hf.generate(first.sequences, **{hf_module._CACHE_FIELD: cache}, max_new_tokens=6, do_sample=False)
     assert torch.equal(rest, whole)
 
 

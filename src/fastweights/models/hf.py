@@ -69,6 +69,9 @@ except ImportError as e:  # the optional [hf] extra
     raise UserError(f"this needs the optional package 'transformers' ({e}): pip install 'fastweights[hf]'") from None
 
 MODEL_TYPE = "fastweights"
+# transformers 5.24 renamed the cache argument and output field ``past_key_values`` -> ``cache`` (the old
+# name stays a deprecated alias); generate() passes the new name, so forward takes both
+_CACHE_FIELD = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
 _DEFAULTS = ModelConfig()  # FastWeightsConfig's defaults are ModelConfig's, never typed twice
 _MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
 
@@ -152,6 +155,13 @@ class FastWeightsCache(Cache):
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1  # no bound: fast weights and RNN states have a constant size
+
+    @property
+    def is_linear(self) -> list[bool]:
+        # generate() (transformers >= 5.24) cuts input_ids to the tokens the cache has not read only when
+        # some cache layer is not "linear"; this cache has no layer objects (the state is one tree), so it
+        # answers for one layer that needs the cut
+        return [False]
 
     @property
     def batch_size(self) -> int:
@@ -323,6 +333,8 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
         last that many positions; ``use_cache`` (default ``config.use_cache``) returns the state as
         ``past_key_values`` (the given cache, updated in place, or a new one).
         """
+        if past_key_values is None:
+            past_key_values = kwargs.pop("cache", None)  # the name generate() uses from transformers 5.24 on
         unexpected = sorted(k for k, v in kwargs.items() if v is not None and k not in _IGNORED_INPUTS)
         if unexpected:
             raise TypeError(f"FastWeightsForCausalLM.forward got unexpected arguments {unexpected}")
@@ -368,7 +380,7 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
 
         if return_dict is False:
             return tuple(x for x in (loss, logits, new_cache) if x is not None)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=new_cache)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: new_cache})
 
 
 AutoConfig.register(MODEL_TYPE, FastWeightsConfig, exist_ok=True)
