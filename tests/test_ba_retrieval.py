@@ -98,7 +98,10 @@ def test_training_learns_two_keys():
     before = error_rate(net, *data["val"])
     result = train_retrieval(net, data, steps=100, eval_every=50, batch_size=64, lr=3e-3)
     assert before > 0.75  # about chance (90% wrong over 37 outputs)
-    assert result["val_error"] < 0.7 and result["steps"] == 100 and len(result["curve"]) == 2
+    # chance is 0.9; answering a random one of the two values in the sequence gives 0.5 (0.478 measured
+    # with these seeds; 0.55 leaves room for other BLAS builds), and the error fell between the evaluations
+    assert result["val_error"] < 0.55 and result["steps"] == 100 and len(result["curve"]) == 2
+    assert result["curve"][1]["val_error"] < result["curve"][0]["val_error"] - 0.1
     assert result["test_error"] == pytest.approx(error_rate(net, *data["test"]))
 
 
@@ -117,7 +120,9 @@ def test_cli_json(tmp_path, capsys):
     printed = json.loads(capsys.readouterr().out)
     assert printed == json.loads(out.read_text())
     assert printed["model"] == "lstm" and printed["hidden"] == 8 and printed["steps"] == 20
-    assert 0.0 <= printed["test_error"] <= 1.0 and printed["test_accuracy"] == pytest.approx(1 - printed["test_error"])
+    wrong = printed["test_error"] * 100  # a count of the 100 test sequences, and 20 steps of 8 units: near chance
+    assert wrong == pytest.approx(round(wrong)) and printed["test_error"] > 0.6
+    assert printed["test_accuracy"] == pytest.approx(1 - printed["test_error"])
 
 
 def test_cli_rejects_bad_input():

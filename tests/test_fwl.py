@@ -208,10 +208,11 @@ def test_module_equals_sgd_reference():
     torch.testing.assert_close(logits, ref, rtol=0, atol=1e-10)
 
 
-def test_strict_causality_of_labels_and_inputs():
+@pytest.mark.parametrize("chunk_size", [3, 12])  # the chunked op (chunk < T) and the one masked block (chunk >= T)
+def test_strict_causality_of_labels_and_inputs(chunk_size):
     """Changing the label of position j (token j+1) leaves outputs <= j bit-identical; changing h_j leaves
     outputs < j unchanged. A diagonal (inclusive) mask would fail the first check."""
-    head = make_head(segment_len=4, chunk_size=3)
+    head = make_head(segment_len=4, chunk_size=chunk_size)
     g = torch.Generator().manual_seed(4)
     h = torch.randn(2, 12, 6, generator=g, dtype=DT)
     tokens = torch.randint(0, 7, (2, 12), generator=g)
@@ -382,8 +383,9 @@ def test_model_generation_form_equals_parallel():
     torch.testing.assert_close(torch.cat(logits, 1), full, rtol=0, atol=1e-10)
 
 
-def test_model_causality():
-    model = fwl_model()
+@pytest.mark.parametrize("chunk_size", [4, 14])  # chunked path (chunk < T) and the default block (chunk >= T)
+def test_model_causality(chunk_size):
+    model = fwl_model(chunk_size=chunk_size)
     g = torch.Generator().manual_seed(2)
     tokens = torch.randint(0, 11, (1, 14), generator=g)
     base = model(tokens).logits

@@ -101,6 +101,12 @@ def test_causality(pos):
     x2[:, pos:] += torch.randn_like(x2[:, pos:])
     y1, _ = layer(x2)
     torch.testing.assert_close(y1[:, :pos], y0[:, :pos], rtol=0, atol=1e-13)
+    assert (y1[:, pos] - y0[:, pos]).abs().max() > 1e-6  # the changed token itself is read
+    x3 = x.clone()
+    x3[:, pos - 1] += 1.0  # one earlier token: it reaches the outputs after its chunk's write (chunk_size 5)
+    y3, _ = layer(x3)
+    after_write = (pos - 1) // 5 * 5 + 5
+    assert after_write < 14 and (y3[:, after_write:] - y0[:, after_write:]).abs().max() > 1e-8
 
 
 def test_official_persistence_and_fast_weights_are_buffers():

@@ -35,12 +35,21 @@ def test_sliding_window_matches_masked_reference():
     attn = CausalSelfAttention(16, 2, AttentionOptions(window=W)).double()
     x = torch.randn(1, 12, 16, dtype=torch.float64)
     y, _ = attn(x)
-    # reference: position t computed from its own window in isolation (RoPE is relative, so the
-    # absolute offset does not matter): o_t = attn(x[t-W+1 : t+1])[-1]
+    # reference straight from the module docstring's equation, one position at a time and without the
+    # module's forward: o_t = sum_{t-W < s <= t} softmax_s(q_t . k_s / sqrt(d)) v_s
+    H, D = 2, 8
+    q, k, v = attn.qkv(x).view(1, 12, 3, H, D).permute(2, 0, 3, 1, 4)  # [B, H, T, D] each
+    q, k = attn.rope(q, 0), attn.rope(k, 0)
     for t in range(12):
         lo = max(0, t - W + 1)
-        ref, _ = attn(x[:, lo : t + 1], {"k": x.new_zeros(1, 2, 0, 8), "v": x.new_zeros(1, 2, 0, 8), "pos": lo})
-        torch.testing.assert_close(y[:, t], ref[:, -1], rtol=1e-10, atol=1e-10)
+        w = torch.softmax(q[:, :, t : t + 1] @ k[:, :, lo : t + 1].transpose(-1, -2) / D**0.5, -1)  # [B, H, 1, s]
+        o = (w @ v[:, :, lo : t + 1]).transpose(1, 2).reshape(1, H * D)
+        torch.testing.assert_close(y[:, t], attn.out(o), rtol=1e-10, atol=1e-10)
+    full_attn = CausalSelfAttention(16, 2, AttentionOptions(window=0)).double()
+    full_attn.load_state_dict(attn.state_dict())
+    full, _ = full_attn(x)
+    torch.testing.assert_close(full[:, :W], y[:, :W], rtol=1e-10, atol=1e-10)
+    assert not torch.allclose(full[:, W:], y[:, W:])  # the window does cut something
 
 
 @pytest.mark.parametrize("window,short_conv", [(0, 0), (6, 0), (0, 5)])
