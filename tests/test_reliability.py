@@ -130,8 +130,13 @@ def test_trainer_state_round_trip_without_pickle(tmp_path):
 
 
 def test_derived_files_are_tied_to_their_weights(run, tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from fastweights.adapt.cli import build_evaluator
     from fastweights.adapt.dynamic import GradStats
     from fastweights.adapt.tune import save_tuned
+    from fastweights.checkpoint import load_checkpoint, weights_fingerprint
+    from fastweights.errors import UserError
 
     ckpt = _copy(run, tmp_path, "derived")
     doc = tmp_path / "doc.txt"
@@ -151,14 +156,20 @@ def test_derived_files_are_tied_to_their_weights(run, tmp_path, capsys):
     (ckpt / "grad_stats.safetensors").unlink()
     result = {"best": {"lr": 1e-3, "decay": 0.0}, "settings": {"rule": "sgd", "segment_len": 10, "sparse_units": None},
               "static": {}, "tokens": 1, "grid": []}
-    save_tuned(result, ckpt / "dynamic_tuned.json", weights_sha256="cd" * 32)
-    assert main([*base, "--rule", "sgd"]) == 2
-    assert "dynamic_tuned.json was made from other weights" in _err_line(capsys)
+    tuned = ckpt / "dynamic_tuned.json"
+    save_tuned(result, tuned, weights_sha256="cd" * 32)
+    model, tok, cfg = load_checkpoint(ckpt)
+    args = SimpleNamespace(tuned=str(tuned), rule="sgd", segment_len=10, checkpoint=str(ckpt), quiet=True)
+    with pytest.raises(UserError, match="dynamic_tuned.json was made from other weights"):
+        build_evaluator(args, model, tok, cfg, ckpt)
+    save_tuned(result, tuned, weights_sha256=weights_fingerprint(ckpt))
+    ev, _ = build_evaluator(args, model, tok, cfg, ckpt)
+    assert ev.update_rule.lr == 1e-3  # the file tuned for these weights is used
     # a crafted tuned file is data: refused when malformed, never executed
-    (ckpt / "dynamic_tuned.json").write_text(json.dumps({"best": {"lr": "__import__('os').system('x')", "decay": 0},
-                                                         "rule": "sgd", "settings": {}}))
-    assert main([*base, "--rule", "sgd"]) == 2
-    assert "is not a tuning result" in _err_line(capsys)
+    tuned.write_text(json.dumps({"best": {"lr": "__import__('os').system('x')", "decay": 0}, "rule": "sgd",
+                                "settings": {}}))
+    with pytest.raises(UserError, match="is not a tuning result"):
+        build_evaluator(args, model, tok, cfg, ckpt)
     # --overwrite removes what was derived from the replaced weights
     stats.save(ckpt / "grad_stats.safetensors")
     assert main(["train", *SHORT, "--out", str(ckpt), "--overwrite"]) == 0

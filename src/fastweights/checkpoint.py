@@ -426,7 +426,17 @@ def _being_written(directory: Path) -> bool:
 
 
 def weights_fingerprint(directory: Path) -> str:
+    """SHA-256 of a checkpoint's weights: recorded in the files derived from them (statistics, tuned settings)."""
     return open_checkpoint(directory, lambda c: c.fingerprint())
+
+
+def check_derived_file(recorded: str | None, checkpoint: Path | None, path: Path, remedy: str) -> None:
+    """Refuse a file derived from other weights than the checkpoint's (files without a record are older: accepted)."""
+    if recorded is None or checkpoint is None:
+        return
+    if recorded != weights_fingerprint(checkpoint):
+        raise UserError(f"{path} was made from other weights than those now in {checkpoint} (the model was "
+                        f"retrained or replaced); delete it, or {remedy}")
 
 
 def _run_config_from(ckpt: Checkpoint) -> RunConfig:
@@ -475,7 +485,13 @@ def check_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], wher
 def _load_model_from(ckpt: Checkpoint, cfg: RunConfig, map_location: str):
     from fastweights.models.lm import LanguageModel
 
-    model = LanguageModel(cfg.model)
+    try:
+        model = LanguageModel(cfg.model)
+    except UserError as e:
+        raise UserError(f"checkpoint {ckpt.directory}: config.json: {e}") from None
+    except (ValueError, TypeError, AssertionError, ZeroDivisionError, RuntimeError, KeyError) as e:
+        raise UserError(f"checkpoint {ckpt.directory}: config.json describes no buildable model "
+                        f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     if not ckpt.has("model.safetensors"):
         raise UserError(f"checkpoint {ckpt.directory} has no model.safetensors")
     try:

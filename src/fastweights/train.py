@@ -199,12 +199,14 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
     leaves ``out_dir`` as it was. SIGINT/SIGTERM finish the step, save, write the summary and raise
     :class:`RunInterrupted`; a non-finite loss, gradient or weight raises :class:`TrainingDiverged`.
     """
+    from fastweights.model_size import meta_model
     from fastweights.run_dir import Restore, RunLock, check_out_dir, describe_run
     from fastweights.validate import validate_config
 
     out_dir = Path(out_dir)
     tc = cfg.train
     validate_config(cfg)  # every setting, before any file is written
+    meta_model(cfg.model)  # and the mechanisms' own options, building nothing
     summary_writer = _tensorboard_writer_class() if tc.log == "tensorboard" else None  # refuse before writing files
     if tc.threads:
         torch.set_num_threads(tc.threads)
@@ -237,7 +239,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
 def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_memory, dist, device, summary_writer, restore):
     from fastweights.checkpoint import check_weights, load_for_resume
     from fastweights.run_dir import remove_run, truncate_metrics
-    from fastweights.validate import check_memory
+    from fastweights.model_size import check_memory
 
     tc = cfg.train
     # what max_minutes (and the elapsed times logged) count: wall-clock seconds, or this process's CPU

@@ -255,21 +255,9 @@ def _sparse_spec(args, model) -> tuple | None:
 
 
 def _weights_fingerprint(ckpt: Path | None) -> str | None:
-    """SHA-256 of a checkpoint's weights: recorded in the statistics and tuned settings made from them."""
-    if ckpt is None:
-        return None
     from fastweights.checkpoint import weights_fingerprint
 
-    return weights_fingerprint(ckpt)
-
-
-def _check_fingerprint(recorded: str | None, ckpt: Path | None, path: Path, remedy: str) -> None:
-    """Refuse a derived file made from other weights than the checkpoint's (files without a record are older, accepted)."""
-    if recorded is None or ckpt is None:
-        return
-    if recorded != _weights_fingerprint(ckpt):
-        raise UserError(f"{path} was made from other weights than those now in {ckpt} (the model was retrained "
-                        f"or replaced); delete it, or {remedy}")
+    return weights_fingerprint(ckpt) if ckpt is not None else None
 
 
 def _collect_stats(model, tokenizer, cfg, args, segment_len, context, sparse, path: Path | None, progress: bool,
@@ -305,6 +293,7 @@ def build_evaluator(args, model, tokenizer, cfg, ckpt: Path | None, lr: float | 
                                            canonical_rule)
     from fastweights.adapt.sparse import SparseDynamicEvaluator
     from fastweights.adapt.tune import TUNED_FILE, load_tuned
+    from fastweights.checkpoint import check_derived_file
 
     rule = canonical_rule(getattr(args, "dynamic", None) or getattr(args, "rule", None) or "rms-global-prior")
     segment_len = getattr(args, "segment_len", 0) or default_segment_len(tokenizer)
@@ -317,7 +306,7 @@ def build_evaluator(args, model, tokenizer, cfg, ckpt: Path | None, lr: float | 
         tuned_path = getattr(args, "tuned", None) or (ckpt / TUNED_FILE if ckpt else None)
         tuned = load_tuned(tuned_path) if tuned_path else None
         if tuned is not None:
-            _check_fingerprint(tuned.get("weights_sha256"), ckpt, Path(tuned_path),
+            check_derived_file(tuned.get("weights_sha256"), ckpt, Path(tuned_path),
                                f"tune again with `fastweights tune-dynamic --checkpoint {ckpt}`")
         usable = (tuned is not None and tuned.get("rule") == rule
                   and tuned["settings"].get("segment_len") == segment_len
@@ -335,7 +324,7 @@ def build_evaluator(args, model, tokenizer, cfg, ckpt: Path | None, lr: float | 
         path = _stats_path(args, ckpt, sparse)
         if path is not None and path.is_file():
             stats = GradStats.load(path)
-            _check_fingerprint(stats.extra.get("weights_sha256"), ckpt, path,
+            check_derived_file(stats.extra.get("weights_sha256"), ckpt, path,
                                f"collect them again with `fastweights collect-grad-stats --checkpoint {ckpt}`")
         elif getattr(args, "stats", None):
             raise UserError(f"gradient statistics {args.stats} not found")
