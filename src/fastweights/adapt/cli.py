@@ -2,16 +2,17 @@
 timescale | dynamic-generate``.
 
     fastweights collect-grad-stats --checkpoint runs/demo            # MS_g on the training split
-    fastweights tune-dynamic --checkpoint runs/demo                   # lr x decay on validation text
-    fastweights dynamic-eval --checkpoint runs/demo --data play.txt   # static and dynamic side by side
+    fastweights tune-dynamic --checkpoint runs/demo --save runs/demo/dynamic_tuned.json  # lr x decay on validation
+    fastweights dynamic-eval --checkpoint runs/demo --data play.txt --tuned runs/demo/dynamic_tuned.json
     fastweights dynamic-eval --hf gpt2-dir --data doc.txt --rule sgd --lr 1e-4
     fastweights timescale --checkpoint runs/demo --data spanish.txt --out runs/timescale
 
 Each model source is either ``--checkpoint DIR`` (ours) or ``--hf NAME_OR_PATH`` (a ``transformers``
 causal LM: a directory, a ``.gguf`` file, a hub name, or ``smollm2-135m``). With a checkpoint,
-gradient statistics and tuned settings live next to it (``grad_stats.safetensors``,
-``dynamic_tuned.json``) and are used by default; missing statistics are collected from the
-checkpoint's training split on first use.
+gradient statistics live next to it (``grad_stats.safetensors``) and are used by default; missing
+statistics are collected from the checkpoint's training split on first use. Tuned settings are
+written only where ``tune-dynamic --save`` says and used only when named (``--tuned FILE``).
+Hugging Face models keep the whole stream in context by default (``adapt.hf_context``).
 
 ``run_eval_dynamic(args, model, tokenizer, cfg, texts)`` is the function behind ``dynamic-eval``
 (and behind ``fastweights eval --dynamic RULE``); see its docstring for the attributes it reads.
@@ -30,6 +31,7 @@ from fastweights.errors import UserError
 from fastweights.validate import fraction, nonneg_float, nonneg_int, positive_float, positive_int
 
 DEFAULT_STATS_BATCHES = 500
+HF_STATS_CONTEXT = 1024  # collect-grad-stats' default KV-cache bound for Hugging Face models (x --batch-size streams)
 
 
 # ----------------------------------------------------------------------------- shared arguments
@@ -44,6 +46,9 @@ def _model_args(p, data_help: str) -> None:
     p.add_argument("--max-chars", type=nonneg_int, default=0, help="use only the first N characters of the text (0: all)")
     p.add_argument("--bos", action="store_true",
                    help="prepend the tokenizer's BOS token so the first token is scored too (Hugging Face models)")
+    p.add_argument("--sinks", type=nonneg_int, default=None,
+                   help="Hugging Face models: first tokens a bounded KV cache never evicts (attention sinks; default 4, "
+                        "0: plain sliding window)")
     p.add_argument("--device", default="auto")
     p.add_argument("--quiet", action="store_true", help="no progress line")
 
@@ -59,12 +64,15 @@ def _rule_args(p, with_lr: bool = True, rule_flag: str = "--rule", with_context:
     if with_lr:
         p.add_argument("--lr", type=nonneg_float, default=None, help="learning rate eta (default: tuned file, else 5e-5)")
         p.add_argument("--decay", type=nonneg_float, default=None, help="prior decay lambda (default: tuned file, else 0.002)")
+        p.add_argument("--tuned", metavar="FILE",
+                       help="lr and decay from this tune-dynamic --save file (a tuned file is used only when named)")
     p.add_argument("--eps", type=positive_float, default=DEFAULT_EPS, help="epsilon of the RMS rules")
     p.add_argument("--segment-len", type=nonneg_int, default=0,
                    help="predictions per update (default 20 for char/byte models, 128 for subword models)")
     if with_context:
         p.add_argument("--context", "--seq-len", dest="seq_len", type=nonneg_int, default=0,
-                       help="attention context in tokens (default: the training seq_len / half the HF model's positions)")
+                       help="attention context in tokens (default: the training seq_len; Hugging Face models: the "
+                            "whole stream up to the model's position limit)")
     p.add_argument("--stats", help="gradient statistics file (default: grad_stats*.safetensors in the checkpoint)")
     p.add_argument("--params", help="adapt only parameters matching these globs, comma-separated (e.g. 'blocks.3.*')")
     p.add_argument("--exclude-params", help="do not adapt parameters matching these globs (e.g. 'embed.*')")
@@ -99,6 +107,8 @@ def register_cli(sub) -> None:
     d.add_argument("--cache-mix", type=fraction, default=0.1)
     d.add_argument("--cache-similarity", default="dot", choices=["dot", "cosine"])
     d.add_argument("--json", action="store_true")
+    d.add_argument("--per-token", metavar="PATH",
+                   help="write every prediction's static and dynamic loss (nats) as JSON to PATH")
     d.set_defaults(func=cmd_dynamic_eval)
 
     t = sub.add_parser("tune-dynamic", help="grid-search the dynamic-evaluation lr and decay on validation text")
@@ -110,7 +120,8 @@ def register_cli(sub) -> None:
                    help="dynamiceval.py's grid (6 lrs x 4 decays, scaled by segment/5) instead of the search")
     t.add_argument("--tune-chars", type=nonneg_int, default=20000,
                    help="characters of validation text to tune on (a small subset suffices; 0: all)")
-    t.add_argument("--save", help="where to write the result (default: dynamic_tuned.json in the checkpoint)")
+    t.add_argument("--save", metavar="FILE",
+                   help="write the result here (not written without it); dynamic-eval --tuned FILE uses it")
     t.add_argument("--json", action="store_true")
     t.set_defaults(func=cmd_tune_dynamic)
 
@@ -118,7 +129,9 @@ def register_cli(sub) -> None:
     _model_args(c, "TRAINING text (default: the checkpoint's training split; required with --hf)")
     c.add_argument("--batch-size", type=positive_int, default=100, help="parallel streams per batch (dynamiceval.py: 100)")
     c.add_argument("--seq-len", type=nonneg_int, default=0, help="targets per stream per batch (default: the segment length)")
-    c.add_argument("--context", type=nonneg_int, default=0, help="attention context in tokens (default as dynamic-eval)")
+    c.add_argument("--context", type=nonneg_int, default=0,
+                   help=f"attention context in tokens (default: the training seq_len; Hugging Face models: "
+                        f"{HF_STATS_CONTEXT}, the first tokens kept)")
     c.add_argument("--max-batches", type=nonneg_int, default=DEFAULT_STATS_BATCHES, help="0: the whole text")
     c.add_argument("--params")
     c.add_argument("--exclude-params")
@@ -159,8 +172,11 @@ def load_model_and_tokenizer(args):
     if getattr(args, "hf", None):
         from fastweights.adapt.hf import load_hf_model
 
-        model, tok = load_hf_model(args.hf, device=device)
+        sinks = getattr(args, "sinks", None)
+        model, tok = load_hf_model(args.hf, device=device, **({} if sinks is None else {"sinks": sinks}))
         return model, tok, None, None
+    if getattr(args, "sinks", None) is not None:
+        raise UserError("--sinks applies to Hugging Face models (--hf); a checkpoint's context is its seq_len window")
     from fastweights.checkpoint import load_checkpoint
 
     model, tok, cfg = load_checkpoint(Path(args.checkpoint), map_location=device)
@@ -289,8 +305,8 @@ def _collect_stats(model, tokenizer, cfg, args, segment_len, context, sparse, pa
 def build_evaluator(args, model, tokenizer, cfg, ckpt: Path | None, lr: float | None = None,
                     decay: float | None = None, progress: bool = False):
     """A DynamicEvaluator (or SparseDynamicEvaluator) from parsed arguments; returns (evaluator, info)."""
-    from fastweights.adapt.dynamic import (DEFAULT_DECAY, DEFAULT_EPS, DEFAULT_LR, DynamicEvaluator, GradStats,
-                                           canonical_rule)
+    from fastweights.adapt.dynamic import (DEFAULT_DECAY, DEFAULT_EPS, DEFAULT_LR, PRIOR_RULES, DynamicEvaluator,
+                                           GradStats, canonical_rule)
     from fastweights.adapt.sparse import SparseDynamicEvaluator
     from fastweights.adapt.tune import TUNED_FILE, load_tuned
     from fastweights.checkpoint import check_derived_file
@@ -303,22 +319,31 @@ def build_evaluator(args, model, tokenizer, cfg, ckpt: Path | None, lr: float | 
     decay = decay if decay is not None else getattr(args, "decay", None)
     sources = {"lr": "command line" if lr is not None else None, "decay": "command line" if decay is not None else None}
     if lr is None or decay is None:
-        tuned_path = getattr(args, "tuned", None) or (ckpt / TUNED_FILE if ckpt else None)
-        tuned = load_tuned(tuned_path) if tuned_path else None
-        if tuned is not None:
+        # a tuned file is used only when named (--tuned): one left in a checkpoint never changes a run silently
+        tuned_path = getattr(args, "tuned", None)
+        if tuned_path:
+            tuned = load_tuned(tuned_path)
+            if tuned is None:
+                raise UserError(f"--tuned {tuned_path}: no such file")
             check_derived_file(tuned.get("weights_sha256"), ckpt, Path(tuned_path),
-                               f"tune again with `fastweights tune-dynamic --checkpoint {ckpt}`")
-        usable = (tuned is not None and tuned.get("rule") == rule
-                  and tuned["settings"].get("segment_len") == segment_len
-                  and tuned["settings"].get("sparse_units") == (sparse[1] if sparse else None))
-        fallback = {"lr": tuned["best"]["lr"], "decay": tuned["best"]["decay"]} if usable else \
-            {"lr": DEFAULT_LR, "decay": DEFAULT_DECAY}
-        where = "tuned file" if usable else "default of dynamiceval.py (untuned: run tune-dynamic)"
+                               f"tune again with `fastweights tune-dynamic --checkpoint {ckpt} --save FILE`")
+            want = {"rule": rule, "segment_len": segment_len, "sparse_units": sparse[1] if sparse else None}
+            have = {"rule": tuned.get("rule"), "segment_len": tuned["settings"].get("segment_len"),
+                    "sparse_units": tuned["settings"].get("sparse_units")}
+            diff = [f"{k} {have[k]} (this run: {want[k]})" for k in want if have[k] != want[k]]
+            if diff:
+                raise UserError(f"--tuned {tuned_path} was tuned for another setting: {', '.join(diff)}")
+            fallback, where = {"lr": tuned["best"]["lr"], "decay": tuned["best"]["decay"]}, f"tuned file {tuned_path}"
+        else:
+            if ckpt is not None and (ckpt / TUNED_FILE).is_file():
+                print(f"note: {ckpt / TUNED_FILE} is not used unless named with --tuned", file=sys.stderr)
+            fallback = {"lr": DEFAULT_LR, "decay": DEFAULT_DECAY}
+            where = "default of dynamiceval.py (untuned: tune-dynamic --save FILE, then --tuned FILE)"
         if lr is None:
             lr, sources["lr"] = fallback["lr"], where
         if decay is None:
             decay, sources["decay"] = fallback["decay"], where
-    info = {"lr_source": sources["lr"], "decay_source": sources["decay"]}
+    info = {"lr_source": sources["lr"], **({"decay_source": sources["decay"]} if rule in PRIOR_RULES else {})}
     stats = None
     if rule.startswith("rms"):
         path = _stats_path(args, ckpt, sparse)
@@ -347,8 +372,7 @@ def build_evaluator(args, model, tokenizer, cfg, ckpt: Path | None, lr: float | 
 
 def _metrics(result, tokenizer, chars: int) -> dict:
     result.chars = chars
-    m = result.metrics(getattr(tokenizer, "name", ""))
-    return m
+    return {"nll": result.nll} | result.metrics(getattr(tokenizer, "name", ""))  # nll: total, in nats
 
 
 def _headline_key(tokenizer) -> str:
@@ -363,13 +387,14 @@ def run_eval_dynamic(args, model, tokenizer, cfg, texts: list[str]) -> dict:
     """Static and dynamic evaluation of ``texts`` under one protocol; returns a JSON-ready dict.
 
     Reads these attributes of ``args`` (all optional; missing ones take the defaults shown):
-        dynamic or rule ("rms-global-prior"), lr / decay (None: ``dynamic_tuned.json`` in the
-        checkpoint when it matches the rule and segment length, else 5e-5 / 0.002), eps (2e-5),
+        dynamic or rule ("rms-global-prior"), lr / decay (None: from the file ``tuned`` names, which
+        must match the rule and segment length, else 5e-5 / 0.002), eps (2e-5),
         segment_len (0: 20 for char/byte tokenizers, else 128), seq_len (0: ``cfg.train.seq_len``,
         or the HF adapter's default context), stats (None: ``<checkpoint>/grad_stats.safetensors``,
         collected from the training split when missing), checkpoint (dir, for those defaults),
         params / exclude_params (globs), sparse_units / sparse_layer (0: full dynamic evaluation),
-        reset ("per_document"), batch_docs (1), bos (False), quiet (False),
+        reset ("per_document"), batch_docs (1), bos (False), quiet (False), tuned (None: no tuned file),
+        per_token (None, or a path: every prediction's losses written there, see ``adapt.per_token``),
         cache / cache_window / cache_flatness / cache_mix / cache_similarity (neural cache baseline).
     ``cfg`` is the checkpoint's RunConfig (None for Hugging Face models). Static and dynamic use the
     same segments (stride = segment_len) and context, so ``args.stride`` is not used.
@@ -386,10 +411,13 @@ def run_eval_dynamic(args, model, tokenizer, cfg, texts: list[str]) -> dict:
     total = sum(d.numel() - 1 for d in docs)
     from fastweights.evaluate import EvalResult
 
+    keep = bool(getattr(args, "per_token", None))
+    static_losses, dynamic_losses = [], []  # per document, only with per_token
     bar = Progress(total, "tok", desc="static", enabled=progress)
     static = EvalResult(0.0, 0)
     for d in docs:
-        r = ev.static(d, keep_token_losses=False, progress=bar)
+        r = ev.static(d, keep_token_losses=keep, progress=bar)
+        static_losses.append(r.token_losses)
         static.nll += r.nll
         static.tokens += r.tokens
     bar.close()
@@ -402,12 +430,13 @@ def run_eval_dynamic(args, model, tokenizer, cfg, texts: list[str]) -> dict:
         dynamic = EvalResult(0.0, 0)
         for i in range(0, len(docs), batch_docs):
             try:
-                batch = ev.evaluate_batch(docs[i : i + batch_docs], progress=bar)
+                batch = ev.evaluate_batch(docs[i : i + batch_docs], keep_token_losses=keep, progress=bar)
             except RuntimeError as e:
                 if "functorch" not in str(e):
                     raise
                 raise UserError(f"--batch-docs: {str(e).splitlines()[0]}") from None
             for r in batch:
+                dynamic_losses.append(r.token_losses)
                 dynamic.nll += r.nll
                 dynamic.tokens += r.tokens
     else:
@@ -417,7 +446,8 @@ def run_eval_dynamic(args, model, tokenizer, cfg, texts: list[str]) -> dict:
             from fastweights.adapt.dynamic import DynamicState
 
             start = DynamicState(state_values, None, d[:0]) if state_values is not None else None
-            r, st = ev.evaluate(d, start, keep_token_losses=False, progress=bar)
+            r, st = ev.evaluate(d, start, keep_token_losses=keep, progress=bar)
+            dynamic_losses.append(r.token_losses)
             dynamic.nll += r.nll
             dynamic.tokens += r.tokens
             if reset == "never":
@@ -436,6 +466,10 @@ def run_eval_dynamic(args, model, tokenizer, cfg, texts: list[str]) -> dict:
     out["settings"] = ev.metadata() | info
     out["documents"] = len(docs)
     out["reset"] = reset
+    if keep:
+        from fastweights.adapt.per_token import write_per_token
+
+        out["per_token_file"] = str(write_per_token(args.per_token, docs, static_losses, dynamic_losses, out))
     return out
 
 
@@ -462,6 +496,8 @@ def cmd_dynamic_eval(args) -> int:
           f"{100 * res['relative_improvement']:.2f}% lower)")
     if "cache" in res:
         print(f"  cache  : {key} {res['cache'][key]:.4f}  (loss {res['cache']['loss_nats']:.4f} nats/token)")
+    if "per_token_file" in res:
+        print(f"  per-token losses -> {res['per_token_file']}")
     return 0
 
 
@@ -478,7 +514,7 @@ def _floats(text: str | None, what: str) -> list[float] | None:
 
 
 def cmd_tune_dynamic(args) -> int:
-    from fastweights.adapt.tune import TUNED_FILE, format_table, official_grid, save_tuned, tune_dynamic
+    from fastweights.adapt.tune import format_table, official_grid, save_tuned, tune_dynamic
 
     model, tok, cfg, ckpt = load_model_and_tokenizer(args)
     texts = load_texts(args, cfg, "val", args.tune_chars)
@@ -492,15 +528,15 @@ def cmd_tune_dynamic(args) -> int:
         return type(first)(**_rebuild_kwargs(first, lr, decay))
 
     res = tune_dynamic(make, docs, lrs, decays, progress=not args.quiet)
-    path = args.save or (ckpt / TUNED_FILE if ckpt else None)
+    path = args.save
     if path:
         save_tuned(res, path, weights_sha256=_weights_fingerprint(ckpt))
     if args.json:
         print(json.dumps(res, indent=2))
     else:
         print(format_table(res))
-        if path:
-            print(f"saved to {path} (dynamic-eval uses it by default)")
+        print(f"saved to {path} (use it with dynamic-eval --tuned {path})" if path else
+              "not saved (pass --save FILE to keep it for dynamic-eval --tuned FILE)")
     return 0
 
 
@@ -526,6 +562,8 @@ def cmd_collect_grad_stats(args) -> int:
         raise UserError("--batch-size must be >= 1")
     segment_len = args.seq_len or default_segment_len(tok)
     context = args.context or default_context(model, cfg)
+    if cfg is None and not args.context:  # HF: whole-stream caches for --batch-size streams would not fit in memory
+        context = min(context, HF_STATS_CONTEXT)
     sparse = _sparse_spec(args, model)
     out = Path(args.out) if args.out else _stats_path(SimpleNamespace(stats=None), ckpt, sparse)
     if out is None:
@@ -551,6 +589,10 @@ def cmd_timescale(args) -> int:
     if n == 0:
         raise UserError(f"the text has {ids.numel()} tokens, fewer than one sequence of --doc-len {args.doc_len}")
     docs = [ids[i * args.doc_len : (i + 1) * args.doc_len] for i in range(n)]  # consecutive sequences
+    if args.bos:  # each sequence starts with BOS, so its first token is scored too
+        if getattr(tok, "bos_id", None) is None:
+            raise UserError("--bos: this tokenizer has no BOS token")
+        docs = [torch.cat([torch.tensor([tok.bos_id]), d]) for d in docs]
     ev, info = build_evaluator(args, model, tok, cfg, ckpt, progress=not args.quiet)
     res = timescale_analysis(ev, docs, args.window, progress=not args.quiet)
     res["settings"] = ev.metadata() | info
@@ -592,7 +634,7 @@ def demo_dynamic(checkpoint: str | Path, tune_chars: int = 5000, test_chars: int
 
     Collects MS_g on the checkpoint's training split (``stats_batches`` batches of 100 x 20),
     searches lr and decay on the first ``tune_chars`` characters of its validation split (saved as
-    ``dynamic_tuned.json``), then scores the first ``test_chars`` characters of its test split both
+    ``dynamic_tuned.json`` and named to the scoring run), then scores the first ``test_chars`` characters of its test split both
     ways. Returns the dict of :func:`run_eval_dynamic` plus the search result; prints two lines
     when ``verbose``.
     """
@@ -605,7 +647,7 @@ def demo_dynamic(checkpoint: str | Path, tune_chars: int = 5000, test_chars: int
     first, _ = build_evaluator(args, model, tok, cfg, ckpt, lr=0.0, decay=0.0)
     docs, _ = encode_texts(tok, load_texts(SimpleNamespace(data=None), cfg, "val", tune_chars))
     search = tune_dynamic(lambda lr, decay: type(first)(**_rebuild_kwargs(first, lr, decay)), docs)
-    save_tuned(search, ckpt / TUNED_FILE, weights_sha256=_weights_fingerprint(ckpt))
+    args.tuned = str(save_tuned(search, ckpt / TUNED_FILE, weights_sha256=_weights_fingerprint(ckpt)))
     res = run_eval_dynamic(args, model, tok, cfg, load_texts(SimpleNamespace(data=None), cfg, "test", test_chars))
     res["search"] = search
     if verbose:

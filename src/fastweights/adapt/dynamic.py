@@ -436,13 +436,18 @@ class DynamicEvaluator:
         return sum(t.numel() for t in self.theta_g)
 
     def metadata(self) -> dict:
-        """Everything that defines the protocol, for result files (pitfall 5: conventions drift)."""
-        u = self.update_rule
-        return {"rule": self.rule, "lr": u.lr, "decay": u.decay, "eps": u.eps, "segment_len": self.segment_len,
-                "context": self.context, "adapted_parameters": self.num_adapted, "adapted_tensors": len(self.names),
+        """Everything that defines the protocol, for result files (pitfall 5: conventions drift).
+
+        Settings the rule does not use are left out: ``decay`` for rules without a prior, ``eps``
+        and ``grad_stats`` for rules without RMS scaling."""
+        u, rms = self.update_rule, self.rule.startswith("rms")
+        return {"rule": self.rule, "lr": u.lr, **({"decay": u.decay} if self.rule in PRIOR_RULES else {}),
+                **({"eps": u.eps} if rms else {}), "segment_len": self.segment_len, "context": self.context,
+                **(self.model.context_info() if hasattr(self.model, "context_info") else {}),
+                "adapted_parameters": self.num_adapted, "adapted_tensors": len(self.names),
                 "units": UNITS, "loss_for_update": "mean cross-entropy over the segment's targets",
                 "first_token": "context only (not scored)",
-                "grad_stats": self.grad_stats.metadata() if self.grad_stats is not None else None}
+                **({"grad_stats": self.grad_stats.metadata() if self.grad_stats is not None else None} if rms else {})}
 
     # -- single stream, weights adapted in place ----------------------------------------------
 

