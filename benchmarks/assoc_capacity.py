@@ -141,8 +141,7 @@ def main() -> int:
 def write(out: Path, args, results: list[dict], seconds: float) -> None:
     report = {
         "benchmark": "assoc_capacity",
-        "command": "python " + " ".join(sys.argv),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        **common.provenance(),  # command, date, git commit and dirty flag
         "machine": machine(),
         "protocol": {
             "paper": "Schlag, Irie, Schmidhuber 2021, sec. 6.1 (ischlag/fast-weight-transformers/synthetic)",

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from common import provenance  # noqa: E402  (benchmarks/ is the script's folder, on sys.path)
 from fastweights.tasks.ba_retrieval import RetrievalNet, make_splits, train_retrieval
 
 
@@ -110,7 +111,7 @@ def main() -> int:
             "cpu_seconds_total": round(sum(r["cpu_seconds"] for r in runs if r["model"] == model), 1),
         }
     report = {
-        "command": "python " + " ".join(["benchmarks/ba_retrieval_seeds.py"] + sys.argv[1:]),
+        **provenance(),  # command (relative paths), date, git commit and dirty flag, machine and load
         "task": f"associative retrieval, K={args.keys}, R={args.hidden}, splits 100k/10k/20k (data seed {args.data_seed})",
         "machine": {
             "cpu": next(

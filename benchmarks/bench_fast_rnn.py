@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import command_line  # noqa: E402
+from common import command_line, provenance  # noqa: E402
 
 from fastweights.layers.fast_rnn import FastWeightRNN  # noqa: E402
 
@@ -236,6 +236,7 @@ def main() -> int:
     else:
         main_shape, sweep, gen = (32, 128, 128), (8, 64, [0.25, 1.0, 4.0, 16.0]), (8, 128, 128)
     report = {
+        **provenance(),  # command, date, git commit and dirty flag
         "command": command_line(program="python"),
         "machine": machine(),
         "training_step": training_step_comparison(*main_shape, rounds=args.rounds),

@@ -50,11 +50,34 @@ def machine() -> dict:
     return info
 
 
+def git_state() -> dict:
+    """The commit the code was measured at and whether the tree differed from it (``dirty``, with the
+    changed tracked paths, at most 20): ``report.py --check`` compares the commit with the last commit
+    touching the code a benchmark measures. ``{"commit": None}`` outside a git checkout."""
+    import subprocess
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True).stdout
+
+    try:
+        commit = git("rev-parse", "HEAD").strip()
+        changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": None, "dirty": None}
+    return {"commit": commit, "dirty": bool(changed), "dirty_paths": changed[:20]}
+
+
+def provenance(argv: list[str] | None = None) -> dict:
+    """What every result JSON records: the command, the date, the commit (and dirty flag) and the
+    machine with its load. Scripts that write their JSON themselves merge this in."""
+    return {"command": command_line(argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "git": git_state(),
+            "machine": machine()}
+
+
 def write_result(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    record = {"command": command_line(),
-              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), **payload}
+    record = {**provenance(), **payload}
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {path}")
     return path

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, command_line, repo_relative, write_result  # noqa: E402
+from common import RESULTS, command_line, provenance, repo_relative, write_result  # noqa: E402
 
 from fastweights.adapt.cache import NeuralCache  # noqa: E402
 from fastweights.adapt.dynamic import (DynamicEvaluator, collect_grad_stats, plot_timescale,  # noqa: E402
@@ -230,6 +230,7 @@ def main() -> int:
     ts["data"] = f"Don Quijote, {args.timescale_docs} consecutive sequences of {args.timescale_len} characters"
     png = plot_timescale(ts, RESULTS / "dynamic_timescale_spanish.png",
                          title="Don Quijote: static vs dynamic (model trained on tinyshakespeare)")
+    ts.update(provenance())  # command, date, git commit and dirty flag, machine and load
     ts["command"] = command_line(program="python")
     (RESULTS / "dynamic_timescale_spanish.json").write_text(json.dumps(ts, indent=2) + "\n")
     prompt = enc(spanish_all[400000:405000])
