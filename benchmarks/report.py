@@ -9,14 +9,25 @@ a docs page lists only the files it names: ``<!-- results:start fwl_quality benc
 
 A result file contributes rows through its ``headline`` list:
 ``{"what": "...", "value": 1.23, "unit": "bits/char", "target": ">= 0.9"}`` (unit and target optional).
+
+``--check`` also fails (issue 22) on
+  * a number in prose that disagrees with its cited source: ``0.805 <!-- src: bench_fwpkm_model ratio -->``
+    (the shown digits must be the JSON value rounded to them; key paths as in EXTRACT);
+  * a number without a source inside ``<!-- numbers:start -->`` ... ``<!-- numbers:end -->``;
+  * the provenance rules of ``result_sources.py``: a JSON without its git commit (unless a listed legacy
+    result), a command that does not write the stored file, a JSON older than the code it measures.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import result_sources  # noqa: E402  (benchmarks/result_sources.py)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -136,7 +147,9 @@ def table(stems: list[str] | None = None) -> str:
                                          for stem, what, key, unit, target in EXTRACT if stem == path.stem]
         for h in heads:
             value = _fmt(h["value"]) + (f" {h['unit']}" if h.get("unit") else "")
-            rows.append(f"| {h['what']} | {value} | {h.get('target', '')} | `{path.relative_to(ROOT)}` |")
+            mark = result_sources.status(path)
+            source = f"`{path.relative_to(ROOT)}`" + (f" ({mark})" if mark else "")
+            rows.append(f"| {h['what']} | {value} | {h.get('target', '')} | {source} |")
     return "\n".join(rows)
 
 
@@ -155,6 +168,33 @@ def render(page: str, name: str) -> str:
             return out + rest
         between, rest = rest.split(START, 1)
         out += between
+
+
+CITE = re.compile(r"(-?\d[\d,]*(?:\.\d+)?)(\s?[a-zA-Z%/]*)\s*<!-- src: (\S+) (\S+) -->")
+NUMBER = re.compile(r"(?<![\w.])-?\d[\d,]*(?:\.\d+)?(?![\w.]*\d)")
+REGION = re.compile(r"<!-- numbers:start -->(.*?)<!-- numbers:end -->", re.S)
+
+
+def cited_number_problems(page: str, name: str) -> list[str]:
+    """Cited prose numbers that disagree with their JSON, and uncited numbers in numbers regions."""
+    out = []
+    for m in CITE.finditer(page):
+        shown, stem, key = m.group(1), m.group(3), m.group(4)
+        path = RESULTS / f"{stem}.json"
+        try:
+            value = float(_get(json.loads(path.read_text()), key))
+        except (OSError, KeyError, IndexError, ValueError, TypeError) as e:
+            out.append(f"{name}: {shown} cites {stem} {key}, which cannot be read ({type(e).__name__})")
+            continue
+        digits = len(shown.split(".")[1]) if "." in shown else 0
+        if round(value, digits) != float(shown.replace(",", "")):
+            out.append(f"{name}: {shown} cites {stem} {key} = {value}")
+    for region in REGION.finditer(page):
+        bare = CITE.sub("", region.group(1))
+        bare = re.sub(r"<!--.*?-->|`[^`]*`|\([^)]*\.(?:json|py|md)[^)]*\)", "", bare, flags=re.S)
+        for m in NUMBER.finditer(bare):
+            out.append(f"{name}: the number {m.group(0)} in a numbers region cites no source")
+    return out
 
 
 def pages() -> list[Path]:
@@ -176,11 +216,17 @@ def main() -> int:
             if not args.check:
                 path.write_text(new)
                 print(f"updated {path.relative_to(ROOT)}")
+    problems = []
+    if args.check:
+        for path in pages():
+            problems += cited_number_problems(path.read_text(), str(path.relative_to(ROOT)))
+        problems += result_sources.problems()
+        for p in problems:
+            print(p, file=sys.stderr)
     if args.check and stale:
         names = ", ".join(str(p.relative_to(ROOT)) for p in stale)
         print(f"results tables out of date in {names}: run python benchmarks/report.py", file=sys.stderr)
-        return 1
-    return 0
+    return 1 if args.check and (stale or problems) else 0
 
 
 if __name__ == "__main__":

@@ -30,3 +30,51 @@ def test_docs_block_lists_only_the_files_it_names():
     assert second.index("train_throughput.json") < second.index("demo.json")  # in the order named
     assert out.startswith("intro\n") and out.endswith("end\n")
     assert report.render(out, "page.md") == out  # idempotent
+
+
+def _report():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import report
+
+    return report
+
+
+def test_check_fails_on_a_cited_number_that_disagrees_or_a_number_without_source():
+    report = _report()
+    stem, path = "bench_delta_rule", "speed/delta/speedup_fwd_bwd/C64_wall_median"
+    value = report._get(json.loads((ROOT / "benchmarks" / "results" / f"{stem}.json").read_text()), path)
+    good = f"a speed-up of {value:.1f}x <!-- src: {stem} {path} --> here"
+    assert report.cited_number_problems(good, "p.md") == []
+    wrong = f"a speed-up of {value + 1:.1f}x <!-- src: {stem} {path} --> here"
+    assert "cites" in report.cited_number_problems(wrong, "p.md")[0]
+    assert "cannot be read" in report.cited_number_problems(f"1.5 <!-- src: {stem} no/such/key -->", "p.md")[0]
+    region = f"<!-- numbers:start -->\n{good}, and 2.58 typed by hand\n<!-- numbers:end -->"
+    problems = report.cited_number_problems(region, "p.md")
+    assert len(problems) == 1 and "2.58" in problems[0]
+    assert report.cited_number_problems("x 1 <!-- src: no_such_file a -->", "p.md")
+
+
+def test_check_fails_on_a_json_without_commit_a_wrong_command_or_older_than_its_code(tmp_path):
+    import result_sources as rs
+
+    _report()
+    head = rs.git("rev-parse", "HEAD")
+    first = rs.git("rev-list", "--max-parents=0", "HEAD").split()[0]
+    cmd = "python benchmarks/bench_fwpkm_model.py --rounds 3"
+
+    def check(stem, rec):
+        for p in tmp_path.glob("*.json"):
+            p.unlink()
+        (tmp_path / f"{stem}.json").write_text(json.dumps(rec))
+        return rs.problems(tmp_path)
+
+    assert check("fresh_result", {"command": cmd + " --name fresh_result", "git": {"commit": head}}) == []
+    assert "no git commit" in " ".join(check("fresh_result", {"command": cmd + " --name fresh_result"}))
+    assert "another file" in " ".join(check("fresh_result", {"command": cmd + " --name other",
+                                                             "git": {"commit": head}}))
+    assert "temporary" in " ".join(check("fresh_result", {"command": cmd + " --out /tmp/x.json",
+                                                          "git": {"commit": head}}))
+    old = check("fresh_result", {"command": cmd + " --name fresh_result", "git": {"commit": first}})
+    assert len(old) == 1 and "older than the code it measures" in old[0]
+    legacy_old = check("fresh_result", {"command": cmd + " --name fresh_result", "date": "2000-01-01 00:00:00"})
+    assert any("older than the code" in p for p in legacy_old) and any("no git commit" in p for p in legacy_old)
