@@ -53,6 +53,9 @@ SOURCES = {
     "benchmarks/smollm2_dynamic_eval.py": [S + "adapt/hf.py", S + "adapt/dynamic.py"],
     "benchmarks/stream_memory.py": [S + "layers/fwpkm.py", S + "ops/pkm.py"],
     "benchmarks/train_throughput.py": [S + "models/lm.py"],
+    "benchmarks/mutation_check.py": ["tests/", S + "adapt/cache.py", S + "layers/fwl.py", S + "layers/attention.py",
+                                     S + "layers/lstm.py", S + "ops/linear_attention.py", S + "layers/fwpkm.py",
+                                     S + "layers/fwmlp.py"],
     "fastweights adapt-test": [S + "longctx.py", S + "adapt/dynamic.py"],
 }
 

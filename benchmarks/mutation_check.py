@@ -1,0 +1,167 @@
+"""Mutation check (issue 22): put plausible bugs into a copy of the code, one at a time, and show the
+default test suite catches every one.
+
+For each mutation: ``git archive HEAD`` into a temporary directory, apply the mutation there (the
+working tree is never touched), run the named default-suite test files with that copy's ``src`` first
+on PYTHONPATH (the subprocess checks it imports the mutated copy), and record which tests failed.
+A control run first runs the union of the test files on the unmutated copy: they must pass, so a
+failure under a mutation is the mutation's doing. Only the listed test files run per mutation (not
+the whole suite), which keeps the check to a few CPU minutes; the JSON names them.
+
+    python benchmarks/mutation_check.py                 # writes benchmarks/results/mutation_check.json
+    python benchmarks/mutation_check.py --only fwl_default_mask_inclusive
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO, write_result  # noqa: E402
+
+S = "src/fastweights/"
+LEAK, REG = "tests/test_leaks.py", "tests/test_registry_causality.py"
+
+# name, file, [(old, new), ...], test files, what the bug is
+MUTATIONS = [
+    ("cache_update_before_score", S + "adapt/cache.py",
+     [("                mem_h = torch.cat([mem_h, h])[-self.window :]\n"
+       "                mem_y = torch.cat([mem_y, y])[-self.window :]\n", ""),
+      ("                p = cache_mix(p_model,",
+       "                mem_h = torch.cat([mem_h, h])[-self.window :]\n"
+       "                mem_y = torch.cat([mem_y, y])[-self.window :]\n"
+       "                p = cache_mix(p_model,")],
+     ["tests/test_neural_cache.py", LEAK], "neural cache memory updated with the segment before it is scored"),
+    ("cache_mask_inclusive", S + "adapt/cache.py", [("valid = (k < q)", "valid = (k <= q)")],
+     ["tests/test_neural_cache.py", LEAK], "a cache query sees its own (hidden, next token) pair"),
+    ("fwl_default_mask_inclusive", S + "layers/fwl.py",
+     [("(idx[None, :] < idx[:, None])", "(idx[None, :] <= idx[:, None])")],
+     ["tests/test_fwl.py", LEAK, REG], "FWL one-block path: the strict mask made inclusive"),
+    ("fwl_chunked_mask_inclusive", S + "layers/fwl.py",
+     [("k_shift = F.pad(k[:, :-1], (0, 0, 1, 0))", "k_shift = k"),
+      ("v_shift = F.pad(v[:, :-1], (0, 0, 1, 0))", "v_shift = v")],
+     ["tests/test_fwl.py", LEAK, REG], "FWL chunked path: keys and values not shifted (inclusive)"),
+    ("fwl_fast_update_wrong_sign", S + "layers/fwl.py",
+     [('z = z - matrix_term("U"', 'z = z + matrix_term("U"')],
+     ["tests/test_fwl.py"], "FWL: the first layer's fast update added instead of subtracted"),
+    ("attention_sees_next_token", S + "layers/attention.py", [("allowed = kpos <= qpos", "allowed = kpos <= qpos + 1")],
+     ["tests/test_model.py", REG], "attention's explicit mask lets a query see the next key"),
+    ("attention_window_off_by_one", S + "layers/attention.py",
+     [("allowed &= kpos > qpos - self.window", "allowed &= kpos >= qpos - self.window")],
+     ["tests/test_model.py", REG], "sliding window keeps one key too many"),
+    ("attention_position_not_carried", S + "layers/attention.py", [('"pos": pos + T,', '"pos": T,')],
+     ["tests/test_model.py", REG], "the KV-cache state does not carry the absolute position (RoPE restarts)"),
+    ("lstm_cell_not_carried", S + "layers/lstm.py",
+     [("LSTMState(h.squeeze(0), c.squeeze(0))", "LSTMState(h.squeeze(0), torch.zeros_like(c.squeeze(0)))")],
+     ["tests/test_lstm.py", REG], "the LSTM state drops its cell"),
+    ("linear_attention_mask_one_ahead", S + "ops/linear_attention.py",
+     [(".tril(-1 if strict else 0)", ".tril(-1 if strict else 1)")],
+     ["tests/test_linear_attention.py", "tests/test_fwp_layer.py", REG], "chunked linear attention reads one step ahead"),
+    ("fwpkm_update_wrong_sign", S + "layers/fwpkm.py",
+     [("-o.lr * scale * grad", "o.lr * scale * grad")], ["tests/test_fwpkm.py"], "FwPKM value update climbs the loss"),
+    ("fwpkm_target_ignores_lookahead", S + "layers/fwpkm.py",
+     [("target = st.pending_v[:, L: L + n_pairs]", "target = st.pending_v[:, :n_pairs]")],
+     ["tests/test_fwpkm.py"], "FwPKM writes the token's own value, not the one L ahead"),
+    ("fwpkm_write_count_not_carried", S + "layers/fwpkm.py",
+     [("n_stale=carry, reads=None, n_read=0, writes=st.writes + 1,", "n_stale=carry, reads=None, n_read=0, writes=1,")],
+     ["tests/test_fwpkm.py"], "FwPKM state: the write counter restarts at every write"),
+    ("fwmlp_update_wrong_sign", S + "layers/fwmlp.py",
+     [("weights = {k: st.weights[k] - o.lr * grads[k]", "weights = {k: st.weights[k] + o.lr * grads[k]")],
+     ["tests/test_fwmlp.py"], "FwMLP fast update climbs the loss"),
+]
+
+
+def copy_head(dest: Path) -> None:
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", "HEAD"], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+
+
+def run_tests(root: Path, files: list[str], timeout: float) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1"}
+    where = subprocess.run([sys.executable, "-c", "import fastweights; print(fastweights.__file__)"],
+                           cwd=root, env=env, capture_output=True, text=True).stdout.strip()
+    assert where.startswith(str(root)), f"the copy is not the code imported: {where}"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", "--maxfail=6", *files]
+    start = time.process_time()
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+        out, rc = r.stdout + r.stderr, r.returncode
+    except subprocess.TimeoutExpired as e:
+        out, rc = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
+    failed = sorted(set(re.findall(r"^FAILED (\S+)", out, re.M)))
+    return {"returncode": rc, "failed_tests": failed, "wall_seconds": round(time.perf_counter() - t0, 1),
+            "children_cpu_seconds": round(time.process_time() - start + _children_cpu(), 1),
+            "summary": next((line.strip("= ") for line in reversed(out.splitlines())
+                             if re.search(r"\d+ (passed|failed|error)", line)), out.strip()[-200:])}
+
+
+_last_children = [0.0]
+
+
+def _children_cpu() -> float:
+    t = os.times()
+    now = t.children_user + t.children_system
+    delta, _last_children[0] = now - _last_children[0], now
+    return delta
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="*", help="mutation names (default: all)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per test run")
+    ap.add_argument("--name", default="mutation_check", help="result file stem")
+    a = ap.parse_args()
+    chosen = [m for m in MUTATIONS if not a.only or m[0] in a.only]
+    files = sorted({f for m in chosen for f in m[3]})
+    results = []
+    with tempfile.TemporaryDirectory(prefix="fw-mutation-") as tmp:
+        control = Path(tmp) / "control"
+        control.mkdir()
+        copy_head(control)
+        _children_cpu()
+        ctl = run_tests(control, files, a.timeout)
+        print(f"control (unmutated, {len(files)} files): rc={ctl['returncode']} {ctl['summary']}", flush=True)
+        if ctl["returncode"] != 0:
+            print("the unmutated copy fails its tests: no mutation can be judged", file=sys.stderr)
+        for name, path, edits, tests, what in chosen:
+            root = Path(tmp) / name
+            root.mkdir()
+            copy_head(root)
+            target = root / path
+            text = target.read_text()
+            for old, new in edits:
+                if text.count(old) != 1:
+                    raise SystemExit(f"{name}: {old!r} occurs {text.count(old)} times in {path}, not once")
+                text = text.replace(old, new)
+            target.write_text(text)
+            res = run_tests(root, tests, a.timeout)
+            caught = res["returncode"] != 0 and bool(res["failed_tests"])
+            print(f"{name}: {'caught' if caught else 'NOT CAUGHT'} by {len(res['failed_tests'])} tests "
+                  f"({res['wall_seconds']} s)", flush=True)
+            results.append({"mutation": name, "file": path, "what": what,
+                            "edits": [{"old": o, "new": n} for o, n in edits], "test_files_run": tests,
+                            "caught": caught, **res})
+    n_caught = sum(r["caught"] for r in results)
+    write_result(a.name, {
+        "what": "plausible bugs put into a copy of the code one at a time; the default-suite test files named "
+                "per mutation run against the copy (its src first on PYTHONPATH); pytest stops after 6 failures, "
+                "so failed_tests lists at most 6 of the tests that catch a mutation",
+        "control": {"test_files_run": files, **ctl, "passed": ctl["returncode"] == 0},
+        "mutations": results,
+        "headline": [{"what": "mutation check: plausible bugs caught by the default test suite",
+                      "value": f"{n_caught} of {len(results)}", "target": "all"}],
+        "all_caught": n_caught == len(results) and ctl["returncode"] == 0,
+    })
+    return 0 if n_caught == len(results) and ctl["returncode"] == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
