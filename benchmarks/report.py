@@ -13,7 +13,7 @@ A result file contributes rows through its ``headline`` list:
 ``--check`` also fails (issue 22) on
   * a number in prose that disagrees with its cited source: ``0.805 <!-- src: bench_fwpkm_model ratio -->``
     (the shown digits must be the JSON value rounded to them; key paths as in EXTRACT);
-  * a number without a source inside ``<!-- numbers:start -->`` ... ``<!-- numbers:end -->``;
+  * a decimal number without a source inside ``<!-- numbers:start -->`` ... ``<!-- numbers:end -->``;
   * the provenance rules of ``result_sources.py``: a JSON without its git commit (unless a listed legacy
     result), a command that does not write the stored file, a JSON older than the code it measures.
 """
@@ -85,9 +85,9 @@ EXTRACT = [
      "results/window/ratio_over_backbone/backbone + fwl (preset)", "x", ">= 0.85 (paper 0.85, V100)"),
     ("bench_fwl_depth12", "FWL head: scoring tokens/s, same shapes but a 12-layer backbone (the paper's sparse transformer depth), CPU",
      "results/window/ratio_over_backbone/backbone + fwl (preset)", "x", ">= 0.85 (paper 0.85, V100, 18 layers)"),
-    ("bench_fwl", "  ceiling of the 4-layer ratio: backbone / backbone + FWL matmul FLOPs per token (torch flop counter)",
+    ("bench_fwl", "  4-layer matmul-FLOP ratio, backbone / backbone + FWL per token (torch flop counter; not a ceiling)",
      "results/window/flop_ratio/backbone + fwl (preset)", "x", ""),
-    ("bench_fwl_depth12", "  ceiling of the 12-layer ratio: backbone / backbone + FWL matmul FLOPs per token",
+    ("bench_fwl_depth12", "  12-layer matmul-FLOP ratio (the measured 12-layer ratio is above it: not a ceiling)",
      "results/window/flop_ratio/backbone + fwl (preset)", "x", ""),
     ("bench_fwl", "FWL head: training-step tokens/s, backbone + FWL / backbone (second-order, CPU)",
      "results/train/ratio_over_backbone/backbone + fwl (preset)", "x", ""),
@@ -170,8 +170,8 @@ def render(page: str, name: str) -> str:
         out += between
 
 
-CITE = re.compile(r"(-?\d[\d,]*(?:\.\d+)?)(\s?[a-zA-Z%/]*)\s*<!-- src: (\S+) (\S+) -->")
-NUMBER = re.compile(r"(?<![\w.])-?\d[\d,]*(?:\.\d+)?(?![\w.]*\d)")
+CITE = re.compile(r"(-?\d[\d,]*(?:\.\d+)?)(\s?[a-zA-Z%/*]*)\s*<!-- src: (\S+) (.+?) -->")
+NUMBER = re.compile(r"(?<![\w.])-?\d[\d,]*\.\d+")  # a measured number has decimals; counts like "12-layer" do not
 REGION = re.compile(r"<!-- numbers:start -->(.*?)<!-- numbers:end -->", re.S)
 
 
