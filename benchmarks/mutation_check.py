@@ -59,7 +59,7 @@ MUTATIONS = [
     ("attention_position_not_carried", S + "layers/attention.py", [('"pos": pos + T,', '"pos": T,')],
      ["tests/test_model.py", REG], "the KV-cache state does not carry the absolute position (RoPE restarts)"),
     ("lstm_cell_not_carried", S + "layers/lstm.py",
-     [("LSTMState(h.squeeze(0), c.squeeze(0))", "LSTMState(h.squeeze(0), torch.zeros_like(c.squeeze(0)))")],
+     [("LSTMState(h.squeeze(0), c.squeeze(0))", "LSTMState(h.squeeze(0), 0 * c.squeeze(0))")],
      ["tests/test_lstm.py", REG], "the LSTM state drops its cell"),
     ("linear_attention_mask_one_ahead", S + "ops/linear_attention.py",
      [(".tril(-1 if strict else 0)", ".tril(-1 if strict else 1)")],
@@ -78,8 +78,8 @@ MUTATIONS = [
 ]
 
 
-def copy_head(dest: Path) -> None:
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", "HEAD"], capture_output=True, check=True).stdout
+def copy_commit(dest: Path, commit: str) -> None:
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", commit], capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
 
 
@@ -88,7 +88,8 @@ def run_tests(root: Path, files: list[str], timeout: float) -> dict:
     where = subprocess.run([sys.executable, "-c", "import fastweights; print(fastweights.__file__)"],
                            cwd=root, env=env, capture_output=True, text=True).stdout.strip()
     assert where.startswith(str(root)), f"the copy is not the code imported: {where}"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", "--maxfail=6", *files]
+    # pyproject's addopts already give -q (a second -q would drop the "N passed" line)
+    cmd = [sys.executable, "-m", "pytest", "-rf", "-p", "no:cacheprovider", "--maxfail=6", *files]
     start = time.process_time()
     t0 = time.perf_counter()
     try:
@@ -96,7 +97,7 @@ def run_tests(root: Path, files: list[str], timeout: float) -> dict:
         out, rc = r.stdout + r.stderr, r.returncode
     except subprocess.TimeoutExpired as e:
         out, rc = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
-    failed = sorted(set(re.findall(r"^FAILED (\S+)", out, re.M)))
+    failed = sorted(set(re.findall(r"^FAILED (.+?)(?: - .*)?$", out, re.M)))  # node ids may hold spaces
     return {"returncode": rc, "failed_tests": failed, "wall_seconds": round(time.perf_counter() - t0, 1),
             "children_cpu_seconds": round(time.process_time() - start + _children_cpu(), 1),
             "summary": next((line.strip("= ") for line in reversed(out.splitlines())
@@ -122,10 +123,12 @@ def main() -> int:
     chosen = [m for m in MUTATIONS if not a.only or m[0] in a.only]
     files = sorted({f for m in chosen for f in m[3]})
     results = []
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()  # one commit for every copy, whatever is committed meanwhile
     with tempfile.TemporaryDirectory(prefix="fw-mutation-") as tmp:
         control = Path(tmp) / "control"
         control.mkdir()
-        copy_head(control)
+        copy_commit(control, head)
         _children_cpu()
         ctl = run_tests(control, files, a.timeout)
         print(f"control (unmutated, {len(files)} files): rc={ctl['returncode']} {ctl['summary']}", flush=True)
@@ -134,7 +137,7 @@ def main() -> int:
         for name, path, edits, tests, what in chosen:
             root = Path(tmp) / name
             root.mkdir()
-            copy_head(root)
+            copy_commit(root, head)
             target = root / path
             text = target.read_text()
             for old, new in edits:
@@ -151,6 +154,7 @@ def main() -> int:
                             "caught": caught, **res})
     n_caught = sum(r["caught"] for r in results)
     write_result(a.name, {
+        "tested_commit": head,  # the copies are git archive of it: uncommitted changes (git.dirty_paths) are not in them
         "what": "plausible bugs put into a copy of the code one at a time; the default-suite test files named "
                 "per mutation run against the copy (its src first on PYTHONPATH); pytest stops after 6 failures, "
                 "so failed_tests lists at most 6 of the tests that catch a mutation",
