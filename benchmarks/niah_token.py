@@ -133,6 +133,7 @@ def probe(name: str, a) -> dict:
 
     torch.set_num_threads(1)
     model, tok = load_checkpoint(str(Path(a.runs) / name))[:2]
+    nt.init_heldout_keys(model, tok, seed=a.seed)  # as `fastweights niah` does for held-out keys
     hay = nt.eval_haystack()
     iters = tuple(int(x) for x in a.iters.split(","))
     out: dict = {}
@@ -158,6 +159,7 @@ def slots_sweep(a) -> dict:
 
     torch.set_num_threads(1)
     model, tok, cfg = load_checkpoint(str(Path(a.runs) / "fwpkm"))[:3]
+    nt.init_heldout_keys(model, tok, seed=a.seed)
     hay = nt.eval_haystack()
     lengths = [int(x) for x in a.sweep_lengths.split(",")]
     samples = nt.make_samples(hay, lengths, "uniform", a.sweep_samples, a.seed)

@@ -158,3 +158,19 @@ def test_frozen_memory_never_writes(tok):
     _, state = evaluate_sample(model, tok, s, NiahOptions(iters=(1, 2), piece=64, frozen_memory=True))
     assert state["layers"][0]["memory"].writes == 0
     assert model.blocks[0].memory.frozen is False  # restored
+
+
+def test_heldout_keys_are_drawn_from_the_trained_keys(tok):
+    model = tiny_word_model(tok)
+    ids = torch.as_tensor(tok.encode(" ".join(nt.KEYS)))
+    with torch.no_grad():
+        model.embed.weight[ids[: nt.TRAIN_KEYS]] += 3.0  # a shared "key" component the trained keys learned
+    before = model.embed.weight.detach().clone()
+    nt.init_heldout_keys(model, tok, seed=1)
+    w = model.embed.weight.detach()
+    held = w[ids[nt.TRAIN_KEYS:]]
+    assert torch.equal(w[ids[: nt.TRAIN_KEYS]], before[ids[: nt.TRAIN_KEYS]])  # trained rows untouched
+    others = torch.ones(len(w), dtype=torch.bool)
+    others[ids] = False
+    assert torch.equal(w[others], before[others])
+    assert (held.mean(0) - 3.0).abs().max() < 0.2 and len(set(map(tuple, held.tolist()))) == len(held)

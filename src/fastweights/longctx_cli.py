@@ -223,6 +223,8 @@ def cmd_niah(args) -> int:
     if token_format:  # the default haystack's last tenth: text the token-format training never used
         haystack = niah_token.eval_haystack(args.haystack)
         samples = niah_token.make_samples(haystack, lengths, depths, args.samples, args.seed, keys=args.keys)
+        if args.keys == "heldout":  # never trained: drawn from the trained keys' embeddings (see the function)
+            niah_token.init_heldout_keys(model, tok, seed=args.seed)
     else:
         haystack = Haystack.load(args.haystack)
         samples = make_samples(haystack, tok, lengths, depths, args.samples, args.seed)
@@ -230,7 +232,8 @@ def cmd_niah(args) -> int:
     summary = summarize(records, depths, args.depth_bins)
     meta = {"command": _command_line(), "checkpoint": str(args.checkpoint), "model": _describe(cfg),
             "haystack": haystack.name, "format": "token" if token_format else "char",
-            **({"keys": args.keys} if token_format else {}), "lengths": lengths, "depths": depths, "samples_per_cell": args.samples,
+            **({"keys": args.keys, "heldout_key_embeddings": "mean + std * N(0, 1) of the trained keys'"
+                if args.keys == "heldout" else "trained"} if token_format else {}), "lengths": lengths, "depths": depths, "samples_per_cell": args.samples,
             "seed": args.seed, "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(opts).items()},
             "train_seq_len": cfg.train.seq_len}
     out = Path(args.out)

@@ -17,7 +17,8 @@ words of the training text) become ``<unk>``. ``N_KEYS`` key tokens ``<k000>`` .
 training, the rest only in evaluation (``keys="heldout"``, the default), so no evaluated key was ever seen
 in a needle during training. The held-out keys are in the vocabulary because the training text opens with
 one line that lists every reserved token once (the word tokenizer's vocabulary is the set of words of the
-training split).
+training split); their embeddings are never trained, so before evaluation :func:`init_heldout_keys` draws
+them from the trained keys' distribution, as one initialises tokens added to a vocabulary.
 
 Training text (:func:`training_text`): a stream of haystack words with a needle every ``gap`` tokens
 and each needle's question (with its answer) ``distance`` tokens after it. With the defaults (distances
@@ -297,6 +298,30 @@ def memory_probe(model, tokenizer, sample, iters: tuple[int, ...] = (1, 2), piec
     return out
 
 
+@torch.no_grad()
+def init_heldout_keys(model, tokenizer, seed: int = 0) -> None:
+    """Give the held-out key tokens embeddings drawn like the trained keys' (in place).
+
+    A key never used in training keeps its initial embedding, which lacks what every trained key learned in
+    common (the component that makes the memory's gate open and the readout trust what the memory returns):
+    measured on the niah-token model, the memory still returns the right value for such a key (cosine 0.99
+    with its value target) but the gate stays at 0.47 instead of 0.75 and the answer is mostly wrong. As is
+    usual for tokens added to a vocabulary, each held-out key gets the mean of the trained keys' embeddings
+    plus Gaussian noise with their per-dimension spread (seeded), so it is a new sample from the trained keys'
+    distribution. The held-out keys' own rows carry no information (they were never trained), so nothing of
+    them is kept.
+    """
+    ids = torch.as_tensor(tokenizer.encode(" ".join(KEYS)))
+    if ids.numel() != N_KEYS:
+        raise UserError("init_heldout_keys needs a tokenizer of the token needle format")
+    weight = model.embed.weight
+    trained, heldout = ids[:TRAIN_KEYS].to(weight.device), ids[TRAIN_KEYS:].to(weight.device)
+    rows = weight[trained].float()
+    gen = torch.Generator().manual_seed(seed)
+    noise = torch.randn(len(heldout), weight.shape[1], generator=gen).to(weight.device)
+    weight[heldout] = (rows.mean(0) + rows.std(0) * noise).to(weight.dtype)
+
+
 def is_token_format(tokenizer) -> bool:
     """True when ``tokenizer`` is a word tokenizer that holds every reserved needle token (a model
     trained on :func:`training_text`)."""
@@ -340,5 +365,5 @@ _register_corpus()
 __all__ = [
     "N_KEYS", "TRAIN_KEYS", "N_VALUES", "KEYS", "VALUES", "NEEDLE", "QUESTION", "RESERVED", "WordHaystack",
     "normalize_words", "training_text", "training_vocab", "make_sample", "make_samples", "is_token_format",
-    "train_haystack", "eval_haystack", "memory_probe",
+    "train_haystack", "eval_haystack", "memory_probe", "init_heldout_keys",
 ]
