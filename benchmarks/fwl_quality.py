@@ -5,7 +5,8 @@ and without the FWL, compared on held-out bits per character.
     python benchmarks/fwl_quality.py --steps 200 --variants base fwl --name fwl_quality_equal_steps
 
 Variants (each trained with ``fastweights.train.train`` from its preset, ``train.max_minutes`` =
-``--minutes``, ``train.threads`` = ``--threads``, everything else as the preset):
+``--minutes`` of CPU time (``train.budget_clock = "cpu"``), ``train.threads`` = ``--threads``, everything else
+as the preset):
 
 - ``base``: ``configs/shakespeare-char.toml`` (linear head tied to the embedding);
 - ``fwl``: ``configs/shakespeare-char-fwl.toml`` (same backbone, ``head = "fwl"``, second-order training);
@@ -75,7 +76,9 @@ def run_variant(name: str, a) -> dict:
     """Train one variant, reload its checkpoint and measure it (runs in its own process with --parallel)."""
     torch.set_num_threads(a.threads)
     preset, sets = VARIANTS[name]
-    budget = [f"train.max_steps={a.steps}", "train.max_minutes=0"] if a.steps else [f"train.max_minutes={a.minutes}"]
+    # a time budget counts this process's CPU seconds (train.budget_clock=cpu), never wall clock (issue 22)
+    budget = ([f"train.max_steps={a.steps}", "train.max_minutes=0"] if a.steps
+              else [f"train.max_minutes={a.minutes}", 'train.budget_clock="cpu"'])
     overrides = [*sets, *budget, f"train.threads={a.threads}", "train.device=\"cpu\"", *a.set]
     cfg = make_config(preset, overrides)
     out_dir = Path(a.out) / name
@@ -111,7 +114,7 @@ def run_variant(name: str, a) -> dict:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--minutes", type=float, default=2.5, help="training wall-clock budget per variant")
+    ap.add_argument("--minutes", type=float, default=2.5, help="training CPU-time budget per variant (minutes)")
     ap.add_argument("--steps", type=int, default=0,
                     help="train every variant for exactly this many steps instead (no time budget; the cosine "
                          "schedule then ends at this step)")
@@ -147,7 +150,7 @@ def main():
            if a.sequential else "variants trained at the same time in separate processes, sharing the load")
     write_result(a.name, {
         "what": ("held-out bits/char after the same " + (f"number of steps ({a.steps})" if a.steps else
-                 f"wall-clock training budget ({a.minutes} min)") + ": backbone with vs without the FWL head"),
+                 f"CPU-time training budget ({a.minutes} CPU-min)") + ": backbone with vs without the FWL head"),
         "note": (f"CPU machine shared with other engineers; {how} (see steps, train_tokens_per_s). "
                  "Negative differences mean the variant beats the base."),
         "config": vars(a), "runs": runs, "differences_bits": comparisons})

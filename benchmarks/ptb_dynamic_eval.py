@@ -113,7 +113,8 @@ def main() -> int:
 
     # 2. model
     overrides = [*MODEL_SETTINGS, f"data.corpus={str(data_dir)!r}", 'data.tokenizer="word"',
-                 f"train.max_minutes={args.train_minutes}", f"train.threads={args.threads}", *args.set]
+                 f"train.max_minutes={args.train_minutes}", 'train.budget_clock="cpu"',  # CPU time, not wall
+                 f"train.threads={args.threads}", *args.set]
     if args.checkpoint:
         ckpt = Path(args.checkpoint)
     else:
