@@ -174,7 +174,7 @@ def staleness(path: Path, rec: dict) -> str | None:
     if last is None:
         return None
     sha, ct = last
-    commit = (rec.get("git") or {}).get("commit")
+    commit = rec.get("tested_commit") or (rec.get("git") or {}).get("commit")  # the code a copy was made of
     if commit:
         ok = subprocess.run(["git", "-C", str(ROOT), "merge-base", "--is-ancestor", sha, commit]).returncode == 0
         return None if ok else f"{sha[:8]} changed {', '.join(paths)} after the recorded commit {commit[:8]}"
