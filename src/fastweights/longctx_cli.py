@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -57,6 +58,7 @@ def _common(p, several: bool = False) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier run at --out")
 
 
 def _dynamic_args(p) -> None:
@@ -175,6 +177,20 @@ def _command_line() -> str:
     return " ".join(shlex.quote(a) for a in ["fastweights", *sys.argv[1:]])
 
 
+def _output_prefix(args, default: str) -> Path:
+    """``--out`` as a path prefix (PREFIX.json, PREFIX.png), checked before any work: the outputs of an
+    earlier run there are refused unless ``--overwrite``. Without ``--out`` (``eval --stream``), a fresh
+    name ``DEFAULT-DATE-TIME``."""
+    given = getattr(args, "out", None)
+    out = Path(given or time.strftime(f"{default}-%Y%m%d-%H%M%S"))
+    taken = [p for p in (out.with_suffix(".json"), out.with_suffix(".png")) if p.exists()]
+    if taken and not getattr(args, "overwrite", False):
+        raise UserError(f"{taken[0]} exists (an earlier run); pass --overwrite or choose another --out")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise UserError(f"--out {out}: {out.parent} is not a directory")
+    return out
+
+
 def _write_json(path: Path, obj) -> None:
     from fastweights.checkpoint import atomic_write
 
@@ -202,6 +218,7 @@ def cmd_niah(args) -> int:
     from fastweights.tasks import niah_token
 
     _setup(args)
+    out = _output_prefix(args, "runs/niah")
     model, tok, cfg = _load(args.checkpoint, args.device)
     token_format = args.format == "token" or (args.format == "auto" and niah_token.is_token_format(tok))
     if token_format and not niah_token.is_token_format(tok):
@@ -236,7 +253,6 @@ def cmd_niah(args) -> int:
                 if args.keys == "heldout" else "trained"} if token_format else {}), "lengths": lengths, "depths": depths, "samples_per_cell": args.samples,
             "seed": args.seed, "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(opts).items()},
             "train_seq_len": cfg.train.seq_len}
-    out = Path(args.out)
     doc = records_to_json(records, summary, meta)
     _write_json(out.with_suffix(".json"), doc)
     plot_niah(summary, out.with_suffix(".png"), title=f"NIAH: {Path(args.checkpoint).name} ({_describe(cfg)})")
@@ -270,6 +286,7 @@ def run_stream_eval(args) -> int:
     from fastweights.longctx import STREAM_MODES, encode_documents, plot_stream, stream_eval
 
     _setup(args)
+    out = _output_prefix(args, "runs/stream")
     ckpts = args.checkpoint if isinstance(args.checkpoint, (list, tuple)) else [args.checkpoint]
     labels = getattr(args, "labels", None) or []
     if labels and len(labels) != len(ckpts):
@@ -306,7 +323,6 @@ def run_stream_eval(args) -> int:
                      tokenizer=tok.name, not_frozen=_not_frozen(model, mode),
                      dynamic=(ev.metadata() | info) if ev is not None and mode != "frozen" else None)
             runs.append(d)
-    out = Path(getattr(args, "out", None) or "runs/stream")
     doc = {"command": _command_line(), "data": data or f"{cfg.data.corpus}:{split}", "modes": modes, "runs": runs}
     _write_json(out.with_suffix(".json"), doc)
     plot_stream(runs, out.with_suffix(".png"), unit="bits" if tok.name in ("char", "byte") else "nats")
@@ -342,6 +358,7 @@ def cmd_adapt_test(args) -> int:
     from fastweights.longctx import adapt_test, format_adapt_table, make_domain, plot_adapt
 
     _setup(args)
+    out = _output_prefix(args, "runs/adapt")
     model, tok, cfg = _load(args.checkpoint, args.device)
     seq_len = args.seq_len or cfg.train.seq_len
     domains = []
@@ -358,7 +375,6 @@ def cmd_adapt_test(args) -> int:
     res = adapt_test(model, domains, seq_len, args.stride, args.eval_state, ev, progress=not args.quiet)
     res.update(command=_command_line(), checkpoint=str(args.checkpoint), model=_describe(cfg),
                dynamic=(ev.metadata() | info) if ev is not None else None)
-    out = Path(args.out)
     _write_json(out.with_suffix(".json"), res)
     plot_adapt(res, out.with_suffix(".png"), title=f"continual adaptation: {Path(args.checkpoint).name} ({_describe(cfg)})"
                + (f" + dynamic {ev.rule}" if ev else ""))
@@ -378,6 +394,7 @@ def cmd_gates(args) -> int:
     from fastweights.longctx import gate_values, plot_gate_map
 
     _setup(args)
+    out = _output_prefix(args, "runs/fwpkm_gates")
     model, tok, cfg = _load(args.checkpoint, args.device)
     text = args.text if args.text is not None else "\n\n".join(d.text for d in load_corpus(args.data))
     if args.max_tokens < 1 or args.width < 1:
@@ -386,7 +403,6 @@ def cmd_gates(args) -> int:
     text = tok.decode(list(ids))
     ids, gates = gate_values(model, tok, text, chunk_size=args.write_chunk or None)
     tokens = [tok.decode([int(i)]) for i in ids]
-    out = Path(args.out)
     plot_gate_map(tokens, gates, out, width=args.width,
                   title=f"FwPKM gates, {Path(args.checkpoint).name}, write chunk {args.write_chunk or 'trained'}")
     doc = {"command": _command_line(), "checkpoint": str(args.checkpoint), "tokens": tokens,

@@ -100,7 +100,7 @@ def _decode(data: bytes, source: str, encoding_check: bool) -> str:
 
 def _bad_utf8_message(source: str, offset: int, sample: bytes) -> str:
     return (f"{source}: not valid UTF-8 at byte offset {offset} (bytes {sample.hex(' ')}); "
-            "convert the file to UTF-8, or use the byte or gpt2 tokenizer with encoding_check=False")
+            "convert the file to UTF-8, or set data.tokenizer = \"byte\" (or \"gpt2\"), which keep invalid bytes")
 
 
 @dataclass(frozen=True)
