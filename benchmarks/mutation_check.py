@@ -29,6 +29,10 @@ from common import REPO, write_result  # noqa: E402
 S = "src/fastweights/"
 LEAK, REG = "tests/test_leaks.py", "tests/test_registry_causality.py"
 
+# the chunk loops' write, as lines (then a mutation can add a re-read after it)
+_PKM_WRITE = "\n".join(["                if not self.frozen and st.n_read == C:", "                    st = self._write(st)", ""])
+_MLP_WRITE = "\n".join(["                    if st.n_read == C:", "                        st = self._write(st)", ""])
+
 # name, file, [(old, new), ...], test files, what the bug is
 MUTATIONS = [
     ("cache_update_before_score", S + "adapt/cache.py",
@@ -72,6 +76,12 @@ MUTATIONS = [
     ("fwpkm_write_count_not_carried", S + "layers/fwpkm.py",
      [("n_stale=carry, reads=None, n_read=0, writes=st.writes + 1,", "n_stale=carry, reads=None, n_read=0, writes=1,")],
      ["tests/test_fwpkm.py"], "FwPKM state: the write counter restarts at every write"),
+    ("fwpkm_read_after_own_write", S + "layers/fwpkm.py",
+     [(_PKM_WRITE, _PKM_WRITE + "                    outs[-1] = self._read(qc, st).v_hat\n")],
+     ["tests/test_fwpkm.py", LEAK], "FwPKM: a chunk's outputs re-read after the write of that chunk (update before score)"),
+    ("fwmlp_read_after_own_write", S + "layers/fwmlp.py",
+     [(_MLP_WRITE, _MLP_WRITE + "                        outs[-1] = swiglu_forward(st.weights, q[:, sl]).y\n")],
+     ["tests/test_fwmlp.py", LEAK], "FwMLP: a chunk's outputs recomputed after the write of that chunk (update before score)"),
     ("fwmlp_update_wrong_sign", S + "layers/fwmlp.py",
      [("weights = {k: st.weights[k] - o.lr * grads[k]", "weights = {k: st.weights[k] + o.lr * grads[k]")],
      ["tests/test_fwmlp.py"], "FwMLP fast update climbs the loss"),
