@@ -118,7 +118,8 @@ def main() -> int:
         from fastweights.train import train
 
         ckpt = Path(args.out)
-        cfg = make_config("shakespeare-char", [f"train.max_minutes={args.train_minutes}", f"train.threads={args.threads}"])
+        cfg = make_config("shakespeare-char", [f"train.max_minutes={args.train_minutes}", 'train.budget_clock="cpu"',
+                                               f"train.threads={args.threads}"])  # CPU time, not wall (issue 22)
         log(f"training the demo model for {args.train_minutes} min into {ckpt}")
         summary = train(cfg, ckpt, progress=False)
         log(f"trained {summary['steps']} steps, val {summary['val_bits_per_token']:.3f} bits/char")

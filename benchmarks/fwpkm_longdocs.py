@@ -73,6 +73,7 @@ EARLY = 2048  # characters: per-document positions before / after this are repor
 def run_config(name: str, a) -> tuple:
     preset, overrides = VARIANTS[name]
     overrides = list(overrides) + [f"train.max_steps={a.steps}", f"train.max_minutes={a.max_minutes}",
+                                   'train.budget_clock="cpu"',  # an optional time cap counts CPU time (issue 22)
                                    f"train.threads={a.threads}", f'data.corpus="{a.data}"', "train.device=\"cpu\"", *a.set]
     return make_config(str(ROOT / "configs" / f"{preset}.toml"), overrides), preset, overrides
 
@@ -157,7 +158,7 @@ def main():
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--steps", type=int, default=1000, help="training steps of every model (same for all)")
     ap.add_argument("--max-minutes", type=float, default=0.0,
-                    help="time cap per training run (0 = none; a cap also shortens the lr schedule by wall-clock, so models then differ by machine load)")
+                    help="CPU-time cap per training run (0 = none; a cap also shortens the lr schedule, so models then differ by their speed)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--train-only", action="store_true", help="train the missing runs, write no result")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
