@@ -78,3 +78,13 @@ def test_check_fails_on_a_json_without_commit_a_wrong_command_or_older_than_its_
     assert len(old) == 1 and "older than the code it measures" in old[0]
     legacy_old = check("fresh_result", {"command": cmd + " --name fresh_result", "date": "2000-01-01 00:00:00"})
     assert any("older than the code" in p for p in legacy_old) and any("no git commit" in p for p in legacy_old)
+
+
+def test_check_fails_on_a_table_that_disagrees_with_its_json():
+    report = _report()
+    page = "x\n<!-- results:start mutation_check -->\n<!-- results:end -->\n"
+    good = report.render(page, "p.md")
+    assert report.render(good, "p.md") == good
+    row = next(line for line in good.splitlines() if "mutation_check.json" in line)
+    tampered = good.replace(row, row.replace(" of ", " of 1"))
+    assert tampered != good and report.render(tampered, "p.md") == good  # --check compares exactly this
