@@ -161,6 +161,41 @@ def probe(name: str, a) -> dict:
     return out
 
 
+def heldout_key_diagnosis(a) -> dict:
+    """Why held-out keys need :func:`init_heldout_keys`: the fwpkm model's gate at key tokens, and 2-read
+    exact match at 2x the training length with never-trained key rows, with drawn rows, and with training keys."""
+    import torch
+
+    from fastweights.checkpoint import load_checkpoint
+    from fastweights.tasks import niah_token as nt
+    from fastweights.tasks.niah import NiahOptions, evaluate_niah, summarize
+
+    torch.set_num_threads(1)
+    model, tok = load_checkpoint(str(Path(a.runs) / "fwpkm"))[:2]
+    hay, L, n = nt.eval_haystack(), 2 * a.train_len, a.sweep_samples
+    ids = torch.as_tensor(tok.encode(" ".join(nt.KEYS)))
+    mem, block = model.blocks[0].memory, model.blocks[0]
+
+    @torch.no_grad()
+    def gates() -> dict:
+        g = mem.io.inputs(block.memory_norm(model.embed(ids[None])))[2][0]
+        return {"trained_keys": round(float(g[: nt.TRAIN_KEYS].mean()), 3), "heldout_keys": round(float(g[nt.TRAIN_KEYS:].mean()), 3)}
+
+    def exact(keys: str) -> float:
+        samples = nt.make_samples(hay, [L], "uniform", n, a.seed, keys=keys)
+        return round(summarize(evaluate_niah(model, tok, samples, NiahOptions(iters=(2,))))["by_iters"][2]["overall"]["exact"], 3)
+
+    probe_raw = [nt.memory_probe(model, tok, nt.make_sample(hay, L, None, a.seed, i), (2,))[0] for i in range(n)]
+    out = {"length": L, "samples": n, "gate_raw": gates(), "exact_2read_raw_heldout": exact("heldout"),
+           "exact_2read_train_keys": exact("train"),
+           "probe_raw_heldout": {"cos_target_mean": round(sum(r["cos_target"] for r in probe_raw) / n, 4),
+                                 "target_wins": round(sum(r["target_wins"] for r in probe_raw) / n, 3)}}
+    nt.init_heldout_keys(model, tok, seed=a.seed)
+    out["gate_drawn"] = gates()
+    out["exact_2read_drawn_heldout"] = exact("heldout")
+    return out
+
+
 def slots_sweep(a) -> dict:
     """Memory size against haystack length: the fwpkm checkpoint read with fresh random tables of n^2 slots
     (its slow weights unchanged; the tables are buffers drawn at random, never trained), 2 reads."""
@@ -275,11 +310,12 @@ def main() -> int:
         if n in MEMORY_VARIANTS and n not in EVAL_ONLY and a.probe_samples:
             models[n]["memory_probe"] = probe(n, a)
     sweep = slots_sweep(a) if a.slots_sweep and "fwpkm" in names else None
+    keys = heldout_key_diagnosis(a) if "fwpkm" in names and a.sweep_samples else None
     write_result(a.name, {
         "what": "token-level NIAH: exact match of the answer token (chance 1/64) by reads and context length; "
                 "held-out text (tinyshakespeare's last tenth) and held-out keys; training length 512 tokens",
         "minutes_per_model": a.minutes, "chance_exact": CHANCE, "lengths": a.lengths, "models": models,
-        "memory_size_sweep": sweep, "checks": checks(models, a), "headline": headline(models, a)})
+        "memory_size_sweep": sweep, "heldout_key_diagnosis": keys, "checks": checks(models, a), "headline": headline(models, a)})
     return 0
 
 

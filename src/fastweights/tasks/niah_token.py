@@ -304,8 +304,8 @@ def init_heldout_keys(model, tokenizer, seed: int = 0) -> None:
 
     A key never used in training keeps its initial embedding, which lacks what every trained key learned in
     common (the component that makes the memory's gate open and the readout trust what the memory returns):
-    measured on the niah-token model, the memory still returns the right value for such a key (cosine 0.99
-    with its value target) but the gate stays at 0.47 instead of 0.75 and the answer is mostly wrong. As is
+    on the niah-token model the memory still returns the right value for such a key, but its gate stays
+    lower and the answer is mostly wrong (``heldout_key_diagnosis`` in benchmarks/results/niah_token.json). As is
     usual for tokens added to a vocabulary, each held-out key gets the mean of the trained keys' embeddings
     plus Gaussian noise with their per-dimension spread (seeded), so it is a new sample from the trained keys'
     distribution. The held-out keys' own rows carry no information (they were never trained), so nothing of
