@@ -88,3 +88,18 @@ def test_check_fails_on_a_table_that_disagrees_with_its_json():
     row = next(line for line in good.splitlines() if "mutation_check.json" in line)
     tampered = good.replace(row, row.replace(" of ", " of 1"))
     assert tampered != good and report.render(tampered, "p.md") == good  # --check compares exactly this
+
+
+def test_check_fails_on_a_result_that_measured_uncommitted_source_changes(tmp_path):
+    import result_sources as rs
+
+    _report()
+    head = rs.git("rev-parse", "HEAD")
+    rec = {"command": "python benchmarks/bench_fwpkm_model.py --name fresh_result",
+           "git": {"commit": head, "dirty": True, "dirty_paths": ["src/fastweights/layers/fwpkm.py"]}}
+    (tmp_path / "fresh_result.json").write_text(json.dumps(rec))
+    problems = rs.problems(tmp_path)
+    assert len(problems) == 1 and "uncommitted changes to src/fastweights/layers/fwpkm.py" in problems[0]
+    rec["git"]["dirty_paths"] = ["README.md"]  # a change outside the measured code does not matter
+    (tmp_path / "fresh_result.json").write_text(json.dumps(rec))
+    assert rs.problems(tmp_path) == []
