@@ -79,7 +79,7 @@ LEGACY = dict.fromkeys([
     "fwl_ptb_seg16", "fwl_quality", "fwl_quality_1000", "fwl_quality_1000_dynamic",
     "fwl_quality_equal_steps", "fwl_quality_sequential", "fwpkm_longdocs", "fwpkm_longdocs_1000",
     "lm_presets", "lm_presets_carry_state", "lm_short_conv", "niah_cpu",
-    "niah_cpu_dense", "niah_short_conv_pilots", "prepare_memory", "ptb_dynamic_eval",
+    "niah_cpu_dense", "niah_short_conv_pilots", "ptb_dynamic_eval",
     "shakespeare_rnn_compare", "smollm2_dynamic_eval", "train_throughput",
 ], _NO_COMMIT)
 
@@ -102,7 +102,7 @@ KNOWN_STALE = {
     ], _QUALITY),
     **dict.fromkeys([
     "bench_delta_rule", "bench_dynamic_eval", "bench_fast_rnn", "bench_fwl",
-    "bench_fwl_depth12", "bench_fwpkm_layer", "bench_fwpkm_model", "prepare_memory",
+    "bench_fwl_depth12", "bench_fwpkm_layer", "bench_fwpkm_model",
     "train_throughput",
     ], _TIMING),
     "assoc_capacity": "its 24.8x headline came from a wall-clock cap under load (see its note); not re-run",
