@@ -52,6 +52,18 @@ MUTATIONS = [
      [("k_shift = F.pad(k[:, :-1], (0, 0, 1, 0))", "k_shift = k"),
       ("v_shift = F.pad(v[:, :-1], (0, 0, 1, 0))", "v_shift = v")],
      ["tests/test_fwl.py", LEAK, REG], "FWL chunked path: keys and values not shifted (inclusive)"),
+    ("dynamic_eval_update_before_score", S + "adapt/dynamic.py",
+     [("                # 1. score: record the segment's losses before any update has seen its tokens\n"
+       "                scored = tok_nll.detach()\n",
+       "                self.update_rule.apply(deltas, torch.autograd.grad(tok_nll.mean(), leaves, allow_unused=True))\n"
+       "                scored = _token_nll(forward(x, model_state)[0], y).detach()\n")],
+     ["tests/test_dynamic_eval.py"], "dynamic evaluation scores a segment after an update on that segment"),
+    ("fast_rnn_carried_matrix_dropped", S + "layers/fast_rnn.py",
+     [("return folded if A is None else folded + (lam**n) * A", "return folded")],
+     ["tests/test_fast_rnn.py", REG], "fast-weights RNN: the carried fast matrix A is dropped when the history is folded"),
+    ("gdn_conv_cache_not_carried", S + "layers/gdn.py",
+     [('causal_conv1d(qkv, self.conv_weight, state["conv"])', "causal_conv1d(qkv, self.conv_weight, None)")],
+     ["tests/test_fwp_layer.py", REG], "Gated DeltaNet: the short convolution restarts at every call"),
     ("fwl_fast_update_wrong_sign", S + "layers/fwl.py",
      [('z = z - matrix_term("U"', 'z = z + matrix_term("U"')],
      ["tests/test_fwl.py"], "FWL: the first layer's fast update added instead of subtracted"),
