@@ -309,3 +309,32 @@ def test_exported_directory_loads_for_dynamic_evaluation_in_a_fresh_process(tmp_
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout)
     assert got["static"]["tokens"] == got["dynamic"]["tokens"] == len(tok.encode(text)) - 1
+
+
+def test_exported_directory_loads_with_trust_remote_code_and_asks_for_it_otherwise(tmp_path, monkeypatch):
+    """Without `import fastweights.models.hf`: the export's auto_map makes transformers ask for
+    trust_remote_code (not suggest upgrading it), and with it load our model through the installed package."""
+    import subprocess
+    import sys
+
+    ck, lm, tok = _checkpoint(tmp_path, "char", seed=11)
+    out = tmp_path / "hf"
+    assert _cli(["export-hf", str(ck), str(out)], monkeypatch) == 0
+    x = [int(i) for i in tok.encode(TEXT[:12])]
+    code = ("import sys, json, torch, transformers\n"
+            "try:\n"
+            "    transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
+            "    print('loaded without trust')\n"
+            "except Exception as e:\n"
+            "    print('trust_remote_code' in str(e), 'upgrade' in str(e).lower())\n"
+            "m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
+            "print(json.dumps(m(torch.tensor([json.loads(sys.argv[2])])).logits[0, -1].tolist()))\n")
+    r = subprocess.run([sys.executable, "-c", code, str(out), json.dumps(x)], capture_output=True, text=True,
+                       timeout=120, stdin=subprocess.DEVNULL,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    first, logits = r.stdout.strip().splitlines()[-2:]
+    assert first.endswith("True False")  # transformers prints its [y/N] prompt on the same line
+    with torch.no_grad():
+        want = lm(torch.tensor([x])).logits[0, -1]
+    torch.testing.assert_close(torch.tensor(json.loads(logits)), want, rtol=1e-5, atol=1e-5)

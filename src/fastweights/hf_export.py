@@ -122,10 +122,29 @@ def export_hf(checkpoint: str | Path, directory: str | Path, force: bool = False
     # attention layers see the training context when generating, as in `fastweights generate`
     hf_model = FastWeightsForCausalLM.from_language_model(
         model.eval(), attention_context=run_config.train.seq_len, **special_token_ids(tokenizer))
+    # without `import fastweights.models.hf`, transformers does not know the model type "fastweights" and
+    # suggests upgrading transformers; with auto_map and this module it asks for trust_remote_code instead,
+    # and with trust_remote_code=True it loads the model through the installed fastweights package
+    hf_model.config.auto_map = {"AutoConfig": f"{_REMOTE_MODULE}.FastWeightsConfig",
+                                "AutoModelForCausalLM": f"{_REMOTE_MODULE}.FastWeightsForCausalLM"}
     directory.mkdir(parents=True, exist_ok=True)
     hf_model.save_pretrained(directory)
     hf_tok.save_pretrained(directory)
+    (directory / f"{_REMOTE_MODULE}.py").write_text(_REMOTE_CODE)
     return sorted(p.name for p in directory.iterdir())
+
+
+_REMOTE_MODULE = "modeling_fastweights"
+_REMOTE_CODE = '''"""Loads this directory with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True).
+
+The model code is the installed fastweights package (pip install 'fastweights[hf]'); importing it
+registers the model type "fastweights" (the same as `import fastweights.models.hf`).
+"""
+
+from fastweights.models.hf import FastWeightsConfig, FastWeightsForCausalLM
+
+__all__ = ["FastWeightsConfig", "FastWeightsForCausalLM"]
+'''
 
 
 def cmd_export_hf(args) -> int:
