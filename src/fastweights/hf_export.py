@@ -11,7 +11,10 @@ the format of the Hugging Face ``tokenizers`` library), so that, offline,
     model = AutoModelForCausalLM.from_pretrained("hf/demo")
     tok = AutoTokenizer.from_pretrained("hf/demo")
 
-give the same logits and the same token ids as the checkpoint and its tokenizer.
+give the same logits and the same token ids as the checkpoint and its tokenizer. The directory also holds
+``modeling_fastweights.py`` and an ``auto_map`` in ``config.json``, so that without the import
+``AutoModelForCausalLM.from_pretrained("hf/demo", trust_remote_code=True)`` loads it too (through the
+installed package), and without either transformers asks for ``trust_remote_code``.
 
 Tokenizers, each expressed in ``tokenizers`` so that its ids are ours:
 
