@@ -50,7 +50,8 @@ SOURCES = {
     "benchmarks/niah_token.py": [S + "tasks/niah_token.py"],
     "benchmarks/prepare_memory.py": [S + "data/corpus.py"],
     "benchmarks/ptb_dynamic_eval.py": [S + "adapt/dynamic.py"],
-    "benchmarks/smollm2_dynamic_eval.py": [S + "adapt/hf.py", S + "adapt/dynamic.py"],
+    "benchmarks/smollm2_dynamic_eval.py": [S + "adapt/hf.py", S + "adapt/hf_context.py", S + "adapt/dynamic.py",
+                                           S + "adapt/cache.py"],
     "benchmarks/stream_memory.py": [S + "layers/fwpkm.py", S + "ops/pkm.py"],
     "benchmarks/train_throughput.py": [S + "models/lm.py"],
     "benchmarks/mutation_check.py": ["tests/test_neural_cache.py", "tests/test_leaks.py", "tests/test_fwl.py",
@@ -82,7 +83,7 @@ LEGACY = dict.fromkeys([
     "fwl_quality_equal_steps", "fwl_quality_sequential", "fwpkm_longdocs", "fwpkm_longdocs_1000",
     "lm_presets", "lm_presets_carry_state", "lm_short_conv", "niah_cpu",
     "niah_cpu_dense", "niah_short_conv_pilots", "ptb_dynamic_eval",
-    "shakespeare_rnn_compare", "smollm2_dynamic_eval", "train_throughput",
+    "shakespeare_rnn_compare", "train_throughput",
 ], _NO_COMMIT)
 
 _QUALITY = ("quality run of CPU minutes to hours, not re-run in issue 22 (the 2-core CPU was shared with two "
@@ -100,7 +101,7 @@ KNOWN_STALE = {
     "fwl_quality", "fwl_quality_1000", "fwl_quality_1000_dynamic", "fwl_quality_equal_steps",
     "fwl_quality_sequential", "fwpkm_longdocs", "fwpkm_longdocs_1000", "lm_presets",
     "lm_presets_carry_state", "lm_short_conv", "niah_cpu", "niah_cpu_dense",
-    "niah_short_conv_pilots", "ptb_dynamic_eval", "shakespeare_rnn_compare", "smollm2_dynamic_eval",
+    "niah_short_conv_pilots", "ptb_dynamic_eval", "shakespeare_rnn_compare",
     ], _QUALITY),
     **dict.fromkeys([
     "bench_delta_rule", "bench_dynamic_eval", "bench_fast_rnn", "bench_fwl",
