@@ -47,7 +47,7 @@ SOURCES = {
     "benchmarks/lm_presets.py": [S + "models/lm.py"],
     "benchmarks/niah_cpu.py": [S + "tasks/niah.py"],
     "benchmarks/niah_pilots.py": [S + "tasks/niah.py"],
-    "benchmarks/niah_token.py": [S + "tasks/niah_token.py"],
+    "benchmarks/niah_token.py": [S + "tasks/niah_token.py", S + "tasks/niah.py", S + "layers/fwpkm.py"],
     "benchmarks/prepare_memory.py": [S + "data/corpus.py"],
     "benchmarks/ptb_dynamic_eval.py": [S + "adapt/dynamic.py"],
     "benchmarks/smollm2_dynamic_eval.py": [S + "adapt/hf.py", S + "adapt/hf_context.py", S + "adapt/dynamic.py",
