@@ -358,7 +358,8 @@ def build_evaluator(args, model, tokenizer, cfg, ckpt: Path | None, lr: float | 
             stats = _collect_stats(model, tokenizer, cfg, args, segment_len, context, sparse, path, progress, ckpt)
         else:
             raise UserError(f"rule {rule} needs gradient statistics: run `fastweights collect-grad-stats --hf ... "
-                            "--data TRAINING_TEXT --out FILE` and pass --stats FILE, or use --rule sgd")
+                            "--data TEXT --out FILE` (any generic text of the language will do, e.g. --data novels) "
+                            "and pass --stats FILE, or use --rule sgd")
     eps = getattr(args, "eps", None)
     kw = dict(rule=rule, lr=lr, decay=decay, eps=DEFAULT_EPS if eps is None else eps, segment_len=segment_len,
               context=context, grad_stats=stats)
