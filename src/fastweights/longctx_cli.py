@@ -64,10 +64,11 @@ def _common(p, several: bool = False) -> None:
 def _dynamic_args(p) -> None:
     g = p.add_argument_group("dynamic evaluation on top (see `fastweights dynamic-eval`)")
     g.add_argument("--dynamic", metavar="RULE", help="adapt the slow weights too: sgd, rms-global-prior, ...")
-    g.add_argument("--dynamic-lr", type=float, default=None, help="eta (default: the tuned file, else 5e-5)")
-    g.add_argument("--dynamic-decay", type=float, default=None, help="lambda (default: the tuned file, else 0.002)")
+    g.add_argument("--dynamic-lr", type=float, default=None, help="eta (default 5e-5, or the --dynamic-tuned file's)")
+    g.add_argument("--dynamic-decay", type=float, default=None, help="lambda (default 0.002, or the --dynamic-tuned file's)")
     g.add_argument("--dynamic-segment-len", type=int, default=0, help="predictions per update (default 20 char/byte, 128 BPE)")
     g.add_argument("--dynamic-stats", help="gradient statistics file for the RMS rules")
+    g.add_argument("--dynamic-tuned", help="lr and decay from this tune-dynamic --save file (used only when named)")
     g.add_argument("--dynamic-params", help="adapt only parameters matching these globs")
 
 
@@ -168,7 +169,8 @@ def _evaluator(args, model, tok, cfg, ckpt, seq_len: int):
     ns = SimpleNamespace(dynamic=rule, lr=getattr(args, "dynamic_lr", None), decay=getattr(args, "dynamic_decay", None),
                          eps=None, segment_len=getattr(args, "dynamic_segment_len", 0) or 0, seq_len=seq_len,
                          stats=getattr(args, "dynamic_stats", None), params=getattr(args, "dynamic_params", None),
-                         exclude_params=None, sparse_units=0, sparse_layer=None, checkpoint=str(ckpt))
+                         exclude_params=None, sparse_units=0, sparse_layer=None, checkpoint=str(ckpt),
+                         tuned=getattr(args, "dynamic_tuned", None))
     ev, info = build_evaluator(ns, model, tok, cfg, Path(ckpt), progress=not getattr(args, "quiet", False))
     return ev, info
 
