@@ -274,6 +274,29 @@ def headline(models: dict, a) -> list[dict]:
     return rows
 
 
+def diagnostics(names: list[str], a) -> dict:
+    """Memory probes, the memory-size sweep and the held-out-key diagnosis; kept in RUNS/eval/diagnostics.json
+    and reused while the checkpoints and settings are the same (``--diagnostics-only`` computes them alone,
+    e.g. in a second process while the evaluations run)."""
+    path = Path(a.runs) / "eval" / "diagnostics.json"
+    settings = {k: getattr(a, k) for k in ("lengths", "iters", "probe_samples", "slots_sweep", "sweep_lengths",
+                                             "sweep_samples", "seed")}
+    probed = [n for n in names if n in MEMORY_VARIANTS and n not in EVAL_ONLY and a.probe_samples]
+    newest = max((Path(a.runs) / n / "model.safetensors").stat().st_mtime for n in {*probed, "fwpkm"} & set(names)) \
+        if {*probed, "fwpkm"} & set(names) else 0.0
+    if path.exists() and path.stat().st_mtime > newest:
+        saved = json.loads(path.read_text())
+        if saved["settings"] == settings and set(probed) <= set(saved["probes"]):
+            print(f"diagnostics: reusing {path}")
+            return {**saved, "probes": {n: saved["probes"][n] for n in probed}}
+    out = {"settings": settings, "probes": {n: probe(n, a) for n in probed},
+           "sweep": slots_sweep(a) if a.slots_sweep and "fwpkm" in names else None,
+           "keys": heldout_key_diagnosis(a) if "fwpkm" in names and a.sweep_samples else None}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default=",".join([*VARIANTS, *EVAL_ONLY]))
@@ -292,6 +315,7 @@ def main() -> int:
     ap.add_argument("--sweep-samples", type=int, default=50)
     ap.add_argument("--set", action="append", default=[], help="extra override for every model")
     ap.add_argument("--train-only", action="store_true")
+    ap.add_argument("--diagnostics-only", action="store_true", help="compute the probes, sweep and key diagnosis only")
     ap.add_argument("--name", default="niah_token")
     a = ap.parse_args()
     names = [n for n in a.variants.split(",") if n]
@@ -305,12 +329,13 @@ def main() -> int:
         train(base, a)
     if a.train_only:
         return 0
+    extras = diagnostics(names, a)
+    if a.diagnostics_only:
+        return 0
     models = {n: evaluate(n, a) for n in names}
-    for n in names:
-        if n in MEMORY_VARIANTS and n not in EVAL_ONLY and a.probe_samples:
-            models[n]["memory_probe"] = probe(n, a)
-    sweep = slots_sweep(a) if a.slots_sweep and "fwpkm" in names else None
-    keys = heldout_key_diagnosis(a) if "fwpkm" in names and a.sweep_samples else None
+    for n, p in extras["probes"].items():
+        models[n]["memory_probe"] = p
+    sweep, keys = extras["sweep"], extras["keys"]
     write_result(a.name, {
         "what": "token-level NIAH: exact match of the answer token (chance 1/64) by reads and context length; "
                 "held-out text (tinyshakespeare's last tenth) and held-out keys; training length 512 tokens",
