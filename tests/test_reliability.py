@@ -252,3 +252,19 @@ def test_unknown_characters_are_reported(run, tmp_path, capsys):
     assert "warning: 160 of 160 characters of the evaluation text are not in the model's char vocabulary" in err
     assert main(["generate", "--checkpoint", str(run), "--prompt", "ROMEO: 你好", "--max-tokens", "2"]) == 0
     assert "2 of 9 characters of the prompt" in capsys.readouterr().err
+
+
+def test_truncate_metrics_drops_a_validation_written_after_the_checkpoint(tmp_path):
+    """The final validation follows the last save: a run killed after writing it and resumed at that step
+    writes it again, so the old record goes (found by the kill -9 test under load)."""
+    import json as _json
+
+    from fastweights.run_dir import truncate_metrics
+
+    recs = [{"step": 39, "loss": 1.0}, {"step": 40, "loss": 0.9}, {"step": 40, "val_loss": 2.0},
+            {"step": 41, "loss": 0.8}]
+    path = tmp_path / "metrics.jsonl"
+    for validated, want in ((True, recs[:3]), (False, recs[:2])):
+        path.write_text("".join(_json.dumps(r) + "\n" for r in recs) + '{"step": 42, "lo')  # a torn last line
+        truncate_metrics(path, 40, validated=validated)
+        assert [_json.loads(line) for line in path.read_text().splitlines()] == want

@@ -83,8 +83,12 @@ def remove_run(out: Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def truncate_metrics(path: Path, step: int) -> None:
-    """Keep the records of steps <= ``step`` (those of the checkpoint resumed from) and drop a torn last line."""
+def truncate_metrics(path: Path, step: int, validated: bool = True) -> None:
+    """Keep the records of steps <= ``step`` (those of the checkpoint resumed from) and drop a torn last line.
+
+    ``validated``: whether the checkpoint's history holds a validation at ``step``. When it does not, a
+    validation record at ``step`` was written after that checkpoint (the final validation follows the last
+    save), so the resumed run writes it again and the old one is dropped."""
     path = Path(path)
     if not path.is_file():
         return
@@ -95,6 +99,8 @@ def truncate_metrics(path: Path, step: int) -> None:
         except ValueError:
             continue
         if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
+            if rec["step"] == step and "val_loss" in rec and not validated:
+                continue
             keep.append(line)
     atomic_write(path, lambda p: p.write_text("".join(f"{line}\n" for line in keep)))
 

@@ -237,7 +237,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
 
 
 def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_memory, dist, device, summary_writer, restore):
-    from fastweights.checkpoint import check_weights, load_for_resume
+    from fastweights.checkpoint import check_weights, finish_pending, load_for_resume, remove_stale_temporaries
     from fastweights.run_dir import remove_run, truncate_metrics
     from fastweights.model_size import check_memory
 
@@ -251,6 +251,10 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_memory, dist, 
 
     tokenizer = saved_unit = None
     if resume:
+        if dist.main:  # a save killed after its commit is completed now (a run resumed at its last step saves no more)
+            finish_pending(out_dir)
+            remove_stale_temporaries(out_dir)
+        barrier(dist)
         saved_unit = load_for_resume(out_dir)  # weights, trainer state and tokenizer of one checkpoint
         saved = saved_unit["config"]
         if saved.model != _with_vocab(cfg.model, saved.model.vocab_size):
@@ -289,7 +293,8 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_memory, dist, 
             carried = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, carried)
     if dist.main:
         if resume:
-            truncate_metrics(out_dir / "metrics.jsonl", step)  # records past the checkpoint are redone
+            # records past the checkpoint are redone, and so is a validation written after it (the final one)
+            truncate_metrics(out_dir / "metrics.jsonl", step, validated=any(h["step"] == step for h in history))
         elif overwrite:
             remove_run(out_dir)  # the replaced run's files and what was derived from its weights
     if restore is not None:
