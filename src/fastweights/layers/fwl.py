@@ -318,9 +318,10 @@ def _vector_block(v: Tensor, base: Tensor | None, carry: Tensor | None, pieces: 
     back = seg - (pieces[-1][1] - pieces[-1][0])
     padded = F.pad(v, (0, 0, front, back)) if front or back else v  # aligned calls need no padding
     grid = padded.view(b, len(pieces), seg, d)  # [B, P, L, D]
-    cs = grid.cumsum(2)
-    excl = cs - grid  # exclusive prefix within each piece (inclusive minus self: no shifted copy)
-    totals = cs[:, :, -1]  # [B, P, D], each piece's sum (the padding adds zeros)
+    # exclusive prefix within each piece, from a shifted cumsum: "inclusive minus self" would let
+    # position t's own value move its output by rounding (t must not see its own label at all)
+    excl = F.pad(grid[:, :, :-1].cumsum(2), (0, 0, 1, 0))  # [B, P, L, D], row 0 = 0
+    totals = excl[:, :, -1] + grid[:, :, -1]  # [B, P, D], each piece's sum (the padding adds zeros)
     carried = []
     for p in range(len(pieces)):
         if p > 0:  # boundary: Delta <- gamma Delta + (finished segment sum)
