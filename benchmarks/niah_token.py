@@ -289,9 +289,11 @@ def diagnostics(names: list[str], a) -> dict:
         if saved["settings"] == settings and set(probed) <= set(saved["probes"]):
             print(f"diagnostics: reusing {path}")
             return {**saved, "probes": {n: saved["probes"][n] for n in probed}}
+    t0 = time.process_time()
     out = {"settings": settings, "probes": {n: probe(n, a) for n in probed},
            "sweep": slots_sweep(a) if a.slots_sweep and "fwpkm" in names else None,
            "keys": heldout_key_diagnosis(a) if "fwpkm" in names and a.sweep_samples else None}
+    out["cpu_seconds"] = round(time.process_time() - t0, 1)  # this process's CPU for the three (one thread)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out))
     return out
@@ -336,11 +338,19 @@ def main() -> int:
     for n, p in extras["probes"].items():
         models[n]["memory_probe"] = p
     sweep, keys = extras["sweep"], extras["keys"]
+    # CPU seconds of the whole reproduction, summed from what each part measured (training runs in other
+    # processes under --train-only, evaluations in child processes, diagnostics possibly cached)
+    cpu = {"training": round(sum(m["train_cpu_seconds"] for n, m in models.items() if n not in EVAL_ONLY), 1),
+           "evaluation": round(sum(m["eval_cpu_seconds"] for m in models.values()), 1),
+           "diagnostics": extras.get("cpu_seconds")}
+    cpu["total"] = round(sum(v for v in cpu.values() if v is not None), 1)
     write_result(a.name, {
         "what": "token-level NIAH: exact match of the answer token (chance 1/64) by reads and context length; "
                 "held-out text (tinyshakespeare's last tenth) and held-out keys; training length 512 tokens",
-        "minutes_per_model": a.minutes, "chance_exact": CHANCE, "lengths": a.lengths, "models": models,
-        "memory_size_sweep": sweep, "heldout_key_diagnosis": keys, "checks": checks(models, a), "headline": headline(models, a)})
+        "minutes_per_model": a.minutes, "cpu_seconds": cpu, "cpu_hours_total": round(cpu["total"] / 3600, 2),
+        "chance_exact": CHANCE, "lengths": a.lengths, "models": models,
+        "memory_size_sweep": sweep, "heldout_key_diagnosis": keys,
+        "checks": {**checks(models, a), "reproduction_under_3_cpu_hours": cpu["total"] < 3 * 3600}, "headline": headline(models, a)})
     return 0
 
 
