@@ -132,6 +132,8 @@ def _fmt(v) -> str:
         return str(v)
     if isinstance(v, int) or float(v).is_integer() and abs(v) >= 100:
         return f"{int(v):,}"
+    if 0.9 <= abs(v) < 1.1 and v != round(v):
+        return f"{v:.4f}"  # ratios near 1: three significant figures would print 1.0023 as "1"
     return f"{v:.3g}" if abs(v) < 10 else f"{v:,.1f}"
 
 
@@ -198,6 +200,20 @@ def cited_number_problems(page: str, name: str) -> list[str]:
     return out
 
 
+def update_cited(page: str) -> str:
+    """Rewrite every cited prose number to its JSON value, at the precision the page shows it (after a re-run)."""
+    def repl(m: re.Match) -> str:
+        shown, stem, key = m.group(1), m.group(3), m.group(4)
+        try:
+            value = float(_get(json.loads((RESULTS / f"{stem}.json").read_text()), key))
+        except (OSError, KeyError, IndexError, ValueError, TypeError):
+            return m.group(0)  # --check names it
+        digits = len(shown.split(".")[1]) if "." in shown else 0
+        new = f"{value:,.{digits}f}" if "," in shown else f"{value:.{digits}f}"
+        return new + m.group(0)[len(shown):]
+    return CITE.sub(repl, page)
+
+
 def pages() -> list[Path]:
     return [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 
@@ -205,7 +221,16 @@ def pages() -> list[Path]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--update-cited", action="store_true",
+                    help="rewrite cited prose numbers (<!-- src: STEM KEY -->) to their JSON values, then render")
     args = ap.parse_args()
+    if args.update_cited:
+        for path in pages():
+            old = path.read_text()
+            new = update_cited(old)
+            if new != old:
+                path.write_text(new)
+                print(f"updated cited numbers in {path.relative_to(ROOT)}")
     stale = []
     for path in pages():
         old = path.read_text()
