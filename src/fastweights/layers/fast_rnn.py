@@ -47,6 +47,7 @@ from torch.autograd.function import once_differentiable
 
 from fastweights.errors import UserError
 from fastweights.models.registry import register_mixer
+from fastweights.ops.linear_attention import no_autocast
 
 READ_MODES = ("auto", "matrix", "attention")
 
@@ -375,7 +376,7 @@ class FastWeightRNN(nn.Module):
     def forward(self, x: Tensor, state: FastRNNState | None = None) -> tuple[Tensor, FastRNNState]:
         B, T, _ = x.shape
         u = self.in_proj(x)  # C x_t + c for every step at once, [B, T, H]
-        with torch.autocast(device_type=x.device.type, enabled=False):
+        with no_autocast(x.device):
             dtype = torch.float64 if u.dtype == torch.float64 else torch.float32  # fp32 accumulation under autocast
             u, W = u.to(dtype), self.W.to(dtype)
             ln_w = None if self.ln is None else self.ln.weight.to(dtype)

@@ -32,6 +32,7 @@ from torch import nn
 from fastweights.errors import UserError
 from fastweights.layers.fwpkm import PERSISTENCE, FastMemoryIO, fast_dtype, state_pytree
 from fastweights.models.registry import register_memory
+from fastweights.ops.linear_attention import no_autocast
 
 PARAM_NAMES = ("w_up", "b_up", "w_gate", "b_gate", "w_down", "b_down")
 
@@ -193,7 +194,7 @@ class FwMLP(nn.Module):
             raise UserError(f"FwMLP state is for batch size {st.batch}, got input of batch size {B}")
         C = self.options.chunk_size
         outs = []
-        with torch.autocast(device_type=q.device.type, enabled=False):
+        with no_autocast(q.device):
             q, v, g = q.to(dtype), v.to(dtype), g.to(dtype)
             t = 0
             while t < T:
