@@ -1,9 +1,10 @@
 """Speed of dynamic evaluation against static evaluation, measured in the same run.
 
-    python benchmarks/bench_dynamic_eval.py [--checkpoint DIR] [--tokens 4000] [--repeat 3]
+    python benchmarks/bench_dynamic_eval.py [--checkpoint DIR] [--data tinyshakespeare] [--tokens 4000] [--repeat 3]
 
 On the demo model's shape (``shakespeare-char``: d 128, 4 layers; random weights unless a
-checkpoint is given) and tinyshakespeare text, at batch 1 with 20-character segments and a
+checkpoint is given) and the text of ``--data`` (a registered corpus, default ``tinyshakespeare``,
+split as the preset or the checkpoint splits its corpus), at batch 1 with 20-character segments and a
 128-character context (the protocol of ``DynamicEvaluator``):
 
 - static tokens/s (the same segments, no gradient) and full dynamic evaluation (rms-global-prior,
@@ -28,13 +29,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import repo_relative, write_result  # noqa: E402
 
 from fastweights.adapt.dynamic import DynamicEvaluator, collect_grad_stats  # noqa: E402
 from fastweights.adapt.sparse import SparseDynamicEvaluator, collect_sparse_grad_stats  # noqa: E402
 from fastweights.config import make_config  # noqa: E402
 from fastweights.data import build_tokenizer, load_corpus, split_corpus, text_pieces  # noqa: E402
 from fastweights.models.lm import LanguageModel  # noqa: E402
+
+
+DATA = "tinyshakespeare"  # the corpus of the shakespeare-char preset and of the demo model (fastweights data list)
 
 
 def timed(fn) -> float:
@@ -46,6 +50,7 @@ def timed(fn) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", help="use this checkpoint's weights (default: random weights, demo shape)")
+    ap.add_argument("--data", default=DATA, help=f"registered corpus the text comes from (default {DATA})")
     ap.add_argument("--tokens", type=int, default=4000, help="tokens of the single stream")
     ap.add_argument("--docs", type=int, default=8)
     ap.add_argument("--doc-tokens", type=int, default=400)
@@ -63,14 +68,14 @@ def main() -> int:
 
         model, tok, cfg = load_checkpoint(Path(args.checkpoint))
     else:
-        cfg = make_config("shakespeare-char")
+        cfg = make_config("shakespeare-char", [f"data.corpus={args.data!r}"])
         splits = split_corpus(load_corpus(cfg.data.corpus), cfg.data.split, cfg.data.val_fraction, cfg.data.test_fraction)
         tok = build_tokenizer("char", train_text=text_pieces(splits["train"]))
         cfg.model.vocab_size = tok.vocab_size
         torch.manual_seed(0)
         model = LanguageModel(cfg.model)
     model.eval()
-    splits = split_corpus(load_corpus(cfg.data.corpus), cfg.data.split, cfg.data.val_fraction, cfg.data.test_fraction)
+    splits = split_corpus(load_corpus(args.data), cfg.data.split, cfg.data.val_fraction, cfg.data.test_fraction)
     train_ids = torch.as_tensor(tok.encode(splits["train"][0].text[:200000]))
     test_ids = torch.as_tensor(tok.encode("".join(d.text for d in splits["test"])))
     stream = test_ids[: args.tokens]
@@ -113,13 +118,13 @@ def main() -> int:
 
     payload = {
         "note": "2-core CPU shared with other engineers; ratios are from the same run (interleaved repeats, medians)",
-        "config": {"weights": args.checkpoint or "random (demo shape)", "d_model": cfg.model.d_model,
+        "config": {"weights": args.checkpoint or "random (demo shape)", "data": args.data, "d_model": cfg.model.d_model,
                    "layers": cfg.model.n_layers, "parameters": model.num_parameters(), "segment_len": seg,
                    "context": context, "stream_tokens": n, "docs": args.docs, "doc_tokens": args.doc_tokens,
                    "repeat": args.repeat, "sparse_units": args.sparse_units, "sparse_layer": layer,
                    "rule": "rms-global-prior",
                    "functorch_ready_model": bool(getattr(common._RMSNorm, "generate_vmap_rule", False)),
-                   "layers_common_source": inspect.getsourcefile(common._RMSNorm)},
+                   "layers_common_source": repo_relative(inspect.getsourcefile(common._RMSNorm))},
         "seconds_median": t, "seconds_all": runs,
         "tokens_per_s": tps,
         "ratio_dynamic_over_static": tps["dynamic_full"] / tps["static"],

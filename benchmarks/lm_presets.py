@@ -1,14 +1,16 @@
 """Char-level Shakespeare with each mechanism as the mixer, at (about) equal parameter count and equal
 wall-clock budget: validation and test bits per character side by side.
 
-    python benchmarks/lm_presets.py --minutes 5 --parallel 2 \
+    python benchmarks/lm_presets.py --minutes 5 --parallel 2 [--data tinyshakespeare] \
         shakespeare-char shakespeare-char-fwp-delta-dpfp shakespeare-char-fwp-sum-dpfp ...
 
 Each preset trains in its own process with one torch thread (``--parallel`` of them at a time) for
 ``--minutes`` of its own CPU time (``train.budget_clock = "cpu"``), so runs get equal compute even when
 other jobs load the machine. A run may add overrides of its own after a colon,
 ``shakespeare-char:model.short_conv=4`` (comma-separated), to compare a preset with a variant of
-itself in the same run. Then its checkpoint is scored on the test split with the state carried.
+itself in the same run. Every run trains on ``--data`` (a registered corpus name, passed as
+``--set data.corpus=NAME``; default ``tinyshakespeare``, the corpus of the shakespeare-char presets).
+Then its checkpoint is scored on the test split with the state carried.
 Writes benchmarks/results/NAME.json (``--name``, default lm_presets), with a sample per model.
 """
 
@@ -24,6 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
+
+DATA = "tinyshakespeare"  # the corpus of the shakespeare-char presets this script compares (fastweights data list)
 
 
 def run_preset(run: str, minutes: float, out_root: Path, extra: list[str]) -> dict:
@@ -55,14 +59,15 @@ def main():
     ap.add_argument("--out", default="runs/lm_presets")
     ap.add_argument("--name", default="lm_presets")
     ap.add_argument("--set", action="append", default=[], help="extra override for every run")
+    ap.add_argument("--data", default=DATA, help=f"registered corpus every run trains on (default {DATA})")
     a = ap.parse_args()
-    extra = [x for s in a.set for x in ("--set", s)]
+    extra = ["--set", f"data.corpus={a.data!r}", *(x for s in a.set for x in ("--set", s))]
     with ThreadPoolExecutor(a.parallel) as pool:
         rows = list(pool.map(lambda p: run_preset(p, a.minutes, Path(a.out), extra), a.presets))
     for r in rows:
         print(f"{r['preset']:40s} {r['parameters']:>9,} params {r['steps']:>6} steps  "
               f"val {r['val_bits_per_char']:.3f}  test {r['test_bits_per_char']:.3f} bits/char")
-    res = {"minutes_per_run": a.minutes, "threads_per_run": 1, "runs_in_parallel": a.parallel, "results": rows,
+    res = {"data": a.data, "minutes_per_run": a.minutes, "threads_per_run": 1, "runs_in_parallel": a.parallel, "results": rows,
            "headline": [row for r in rows for row in (
                {"what": f"Shakespeare char, {r['preset']} ({r['parameters']:,} params, {a.minutes:g} CPU-min, "
                         f"{r['steps']} steps): validation bits/char", "value": round(r["val_bits_per_char"], 3),

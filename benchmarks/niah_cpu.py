@@ -9,10 +9,14 @@ n-iter protocol), at lengths from the training length (1K) to 4x it.
     fastweights train --preset niah-cpu --out runs/niah-cpu-attn --set 'model.memory=""' \\
         --set 'model.memory_layers=[]' --set model.options.attention.window=0 \\
         --set train.threads=1 --set 'train.budget_clock="cpu"'
-    python benchmarks/niah_cpu.py --fwpkm runs/niah-cpu --attention runs/niah-cpu-attn [--samples 30]
+    python benchmarks/niah_cpu.py --fwpkm runs/niah-cpu --attention runs/niah-cpu-attn [--samples 30] [--data tinyshakespeare]
 
-Each checkpoint is scored by ``fastweights niah --json`` in its own process (one thread); the
-heatmaps go next to the JSON. Writes benchmarks/results/niah_cpu.json (+ niah_cpu_<model>.png).
+Each checkpoint is scored by ``fastweights niah --json`` in its own process (one thread), with the
+haystack ``--data`` (a registered corpus name, default ``tinyshakespeare``: the text the preset's corpus
+``niah-tinyshakespeare`` is generated from); the heatmaps go next to the JSON. The training-skill check
+reads the held-out split of each checkpoint's own training corpus (recorded in the checkpoint).
+Writes benchmarks/results/niah_cpu.json (+ niah_cpu_<model>.png); recorded paths are relative to the
+repository root.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, write_result  # noqa: E402
+from common import RESULTS, repo_relative, write_result  # noqa: E402
+
+DATA = "tinyshakespeare"  # the haystack: the text the preset's corpus niah-tinyshakespeare is built from
 
 
 def answer_digit_accuracy(ckpt: Path, chars: int = 40_000) -> dict:
@@ -76,6 +82,7 @@ def main() -> int:
     ap.add_argument("--iters", default="1,2")
     ap.add_argument("--samples", type=int, default=30, help="samples per length (uniform depths)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data", default=DATA, help=f"haystack: a registered corpus name (default {DATA})")
     ap.add_argument("--name", default="niah_cpu")
     a = ap.parse_args()
 
@@ -89,10 +96,12 @@ def main() -> int:
             return 2
         short = label.split()[0]
         prefix = RESULTS / f"{a.name}_{short}"
-        cmd = ["fastweights", "niah", "--checkpoint", str(ckpt), "--lengths", a.lengths, "--iters", a.iters,
+        cmd = ["fastweights", "niah", "--checkpoint", str(ckpt), "--haystack", a.data, "--lengths", a.lengths,
+               "--iters", a.iters,
                "--samples", str(a.samples), "--seed", str(a.seed), "--threads", "1", "--quiet", "--json",
                "--out", str(prefix)]
-        print("$", " ".join(cmd), flush=True)
+        shown = " ".join(repo_relative(w) if w.startswith("/") else w for w in cmd)  # recorded: no machine path
+        print("$", shown, flush=True)
         out = subprocess.run([sys.executable, "-m", "fastweights", *cmd[1:]], env=env, check=True,
                              capture_output=True, text=True).stdout
         doc = json.loads(out)
@@ -101,8 +110,8 @@ def main() -> int:
         print(label, "in-distribution answer digits:", in_distribution, flush=True)
         by_iters = doc["summary"]["by_iters"]
         results[label] = {
-            "checkpoint": str(ckpt),
-            "command": " ".join(cmd),
+            "checkpoint": repo_relative(ckpt),
+            "command": shown,
             "training": {k: train.get(k) for k in ("steps", "val_bits_per_token", "elapsed_s", "budget_clock",
                                                      "parameters", "stopped_by_time_budget")},
             "training_text_answer_digit_accuracy": in_distribution,
@@ -139,7 +148,7 @@ def main() -> int:
         "headline": headline,
         "what": "NIAH exact-match accuracy (6-digit value, greedy decoding), the niah-cpu recipe vs a full-attention "
                 "baseline trained on the same text with the same CPU-time budget; 1 and 2 reads of the context",
-        "config": vars(a) | {"fwpkm": str(a.fwpkm), "attention": str(a.attention)},
+        "config": vars(a) | {"fwpkm": repo_relative(a.fwpkm), "attention": repo_relative(a.attention)},
         "acceptance": "2 reads clearly better than 1 at 2K for the memory model; attention trained at 1K degrades at "
                       "4K while the memory model degrades less",
         "checks": checks,

@@ -12,7 +12,9 @@ Per pilot: held-out answer-digit accuracy against the needles' own digits (chanc
 is a function of the last W characters only, so a question's query equals its needle's query; the
 probe reads a held-out needle text through that memory (writes every chunk, as in training) and
 records, at each question's answer position, the cosine of the value read against the needle's value
-target and against the other needles' targets (the first answer digit).
+target and against the other needles' targets (the first answer digit). The probe's needle text is built
+from ``--data`` (a registered corpus name, default ``tinyshakespeare``: the text of the preset's corpus
+``niah-tinyshakespeare``); the accuracy reads each checkpoint's own training corpus.
 
 Writes benchmarks/results/NAME.json.
 """
@@ -29,11 +31,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
-from niah_cpu import answer_digit_accuracy  # noqa: E402
+from niah_cpu import DATA, answer_digit_accuracy  # noqa: E402
 
 
 @torch.no_grad()
-def memory_value_probe(model, tok, chars: int = 4096, seed: int = 7) -> dict | None:
+def memory_value_probe(model, tok, chars: int = 4096, seed: int = 7, haystack: str = DATA) -> dict | None:
     """Cosines of the layer-0 FwPKM read at each question against the needles' value targets (see above)."""
     from fastweights.tasks.niah import Haystack, training_text
 
@@ -41,7 +43,7 @@ def memory_value_probe(model, tok, chars: int = 4096, seed: int = 7) -> dict | N
     if block.memory is None or block.short_conv is None:
         return None
     mem = block.memory
-    text = training_text(Haystack.load("tinyshakespeare"), chars, seed=seed)
+    text = training_text(Haystack.load(haystack), chars, seed=seed)
     ids = torch.tensor(tok.encode(text))[None]  # [1, T]
     x = model.embed(ids)
     x = x + block.short_conv(x)[0]
@@ -61,7 +63,7 @@ def memory_value_probe(model, tok, chars: int = 4096, seed: int = 7) -> dict | N
         rows.append({"gap": pos - first[key], "cos_target": round(cos(first[key]), 4),
                      "max_cos_other_needles": round(max(others), 4) if others else None})
     near = [r for r in rows if r["gap"] < 500 and r["max_cos_other_needles"] is not None]
-    return {"chars": chars, "seed": seed, "questions": rows,
+    return {"chars": chars, "seed": seed, "haystack": haystack, "questions": rows,
             "gap_under_500": {"n": len(near),
                               "cos_target_range": [min(r["cos_target"] for r in near), max(r["cos_target"] for r in near)],
                               "max_cos_other_range": [min(r["max_cos_other_needles"] for r in near),
@@ -74,6 +76,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("pilots", nargs="+", help="LABEL=CHECKPOINT_DIR (the last '=' splits)")
     ap.add_argument("--chars", type=int, default=20_000, help="held-out characters scored per checkpoint")
+    ap.add_argument("--data", default=DATA, help=f"haystack of the memory probe's text: a registered corpus (default {DATA})")
     ap.add_argument("--name", default="niah_pilots")
     a = ap.parse_args()
     from fastweights.checkpoint import load_checkpoint
@@ -90,7 +93,7 @@ def main() -> int:
         model, tok, cfg = load_checkpoint(ckpt)
         model.eval()
         acc = answer_digit_accuracy(ckpt, chars=a.chars)
-        probe = memory_value_probe(model, tok)
+        probe = memory_value_probe(model, tok, haystack=a.data)
         m = cfg.model
         rows.append({"label": label, "checkpoint": str(ckpt), "steps": trainer["step"],
                      "cpu_seconds": round(trainer["elapsed"], 1), "budget_clock": cfg.train.budget_clock,

