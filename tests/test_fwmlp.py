@@ -38,6 +38,10 @@ def test_chunked_update_and_gradients_match_reference(name):
     layer = make(**VARIANTS[name])
     o = layer.options
     q, v, g = core_inputs(2, 13, o)
+    # the loss weights forward() hands the core: the gates with gate_weighted_loss, else ones (a random g
+    # for every variant made "gate_weighted" a copy of "default": the core never reads the option)
+    if not o.gate_weighted_loss:
+        g = torch.ones_like(g)
     for t in (q, v, g):
         t.requires_grad_()
     v_hat, st = layer.memory(q, v, g)
@@ -45,7 +49,9 @@ def test_chunked_update_and_gradients_match_reference(name):
     torch.testing.assert_close(v_hat, ref, rtol=1e-12, atol=1e-12)
     for k in PARAM_NAMES:
         torch.testing.assert_close(st.weights[k][0], W[k], rtol=1e-12, atol=1e-12)
-    assert st.writes == 2 and (W["w_down"] - layer.w_down).abs().max() > 1e-4
+        # every tensor was written (not only w_down): the smallest move, under clip 0.05, is 0.02
+        assert (W[k] - getattr(layer, k)).abs().max() > 1e-2, k
+    assert st.writes == 2
     up = torch.randn_like(v_hat)
     fast = torch.autograd.grad((v_hat * up).sum(), (q, v, g))
     slow = torch.autograd.grad((ref * up).sum(), (q, v, g))
@@ -101,25 +107,59 @@ def test_causality(pos):
     x2[:, pos:] += torch.randn_like(x2[:, pos:])
     y1, _ = layer(x2)
     torch.testing.assert_close(y1[:, :pos], y0[:, :pos], rtol=0, atol=1e-13)
-    assert (y1[:, pos] - y0[:, pos]).abs().max() > 1e-6  # the changed token itself is read
+    # the changed token's own output changes (it always does: v_pos enters it through the gated residual);
+    # what is checked is that it is the output a call on the prefix x2[:, :pos + 1] alone gives
+    torch.testing.assert_close(y1[:, pos], layer(x2[:, :pos + 1])[0][:, pos], rtol=0, atol=1e-13)
+    assert (y1[:, pos] - y0[:, pos]).abs().max() > 0.05  # >= 0.66 at these positions
     x3 = x.clone()
     x3[:, pos - 1] += 1.0  # one earlier token: it reaches the outputs after its chunk's write (chunk_size 5)
     y3, _ = layer(x3)
     after_write = (pos - 1) // 5 * 5 + 5
-    assert after_write < 14 and (y3[:, after_write:] - y0[:, after_write:]).abs().max() > 1e-8
+    # >= 0.056 here; 1e-4 (was 1e-8) fails a write that carries the token at a vanishing scale
+    assert after_write < 14 and (y3[:, after_write:] - y0[:, after_write:]).abs().max() > 1e-4
 
 
-def test_official_persistence_and_fast_weights_are_buffers():
-    layer = make(persistence="official", dtype=torch.float32)
-    x = torch.randn(1, 11, D)
-    y1, _ = layer(x)
-    y2, _ = layer(x)  # memory kept in the module across calls
-    assert not torch.allclose(y1, y2)
+def test_official_persistence_carries_over_calls_resets_explicitly_and_backpropagates():
+    layer = make(persistence="official")
+    ref = make(persistence="stream")  # same seed: same projections and initial fast weights
+    assert set(PARAM_NAMES) <= {n for n, _ in layer.named_buffers()}  # fast weights: buffers, not parameters
     assert not {n for n, _ in layer.named_parameters()} & set(PARAM_NAMES)
-    y2.square().sum().backward()
-    assert layer.io.q_proj.weight.grad.abs().sum() > 0
+    x = torch.randn(1, 11, D, dtype=F64)  # two writes and one queued token
+    y1, _ = layer(x)
+    y_ref1, st_ref = ref(x)
+    torch.testing.assert_close(y1, y_ref1, rtol=1e-12, atol=1e-12)
+    for k in PARAM_NAMES:  # the module now holds the weights the stream wrote
+        torch.testing.assert_close(getattr(layer, k), st_ref.weights[k][0], rtol=0, atol=1e-14)
+    # state=None reads the written weights with an empty queue: a stream layer holding them, fresh state
+    carried = make(persistence="stream")
+    carried.load_state_dict(layer.state_dict())
+    y2, _ = layer(x)
+    y_carried, _ = carried(x)
+    torch.testing.assert_close(y2, y_carried, rtol=1e-12, atol=1e-12)
+    assert (y2 - y1).abs().max() > 0.05  # what the first call wrote changes what the second reads (0.30)
+    # backward through a call that started from persisted weights (and wrote them back): the slow
+    # gradients are the stream's, second order through both writes included
+    probe = torch.randn_like(y2)
+    (y2 * probe).sum().backward()
+    (y_carried * probe).sum().backward()
+    for (n, p), (_, p_ref) in zip(layer.io.named_parameters(), carried.io.named_parameters()):
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-10, atol=1e-12, msg=n)
+    # the official reset: the written weights are gone and the next call is a fresh stream
+    written = {k: getattr(layer, k).clone() for k in PARAM_NAMES}  # after two calls
+    carried.load_state_dict(layer.state_dict())
+    with torch.no_grad():
+        y_no_reset, _ = carried(x)  # what the next call would read without the reset
     layer.reset_memory()
-    assert layer.b_up.abs().sum() == 0
+    for k in PARAM_NAMES:  # weights re-drawn; biases, which the writes moved, back to 0 (the released init)
+        assert (getattr(layer, k) - written[k]).abs().max() > 1e-2, k  # smallest: b_gate, 0.067
+    assert all(getattr(layer, k).abs().max() == 0 for k in ("b_up", "b_gate", "b_down"))
+    fresh = make(persistence="stream")
+    fresh.load_state_dict(layer.state_dict())
+    with torch.no_grad():
+        y3, _ = layer(x)
+        y_fresh, _ = fresh(x)
+    torch.testing.assert_close(y3, y_fresh, rtol=1e-12, atol=1e-12)
+    assert (y3 - y_no_reset).abs().max() > 0.05  # 1.21: the reset memory is not the carried one
 
 
 def test_short_stream_and_frozen_never_write():
@@ -135,6 +175,8 @@ def test_bf16_autocast_keeps_fast_weights_fp32():
     layer = make(dtype=torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _, st = layer(torch.randn(1, 7, D))
+    # one write happened (7 tokens, chunk 5): the weights checked are written ones, not the fp32 buffers
+    assert st.writes == 1 and (st.weights["w_up"][0] - layer.w_up).abs().max() > 1e-3  # 0.015
     assert all(w.dtype == torch.float32 for w in st.weights.values())
 
 
@@ -167,4 +209,11 @@ def test_in_a_model_streams_and_trains():
     torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-10, atol=1e-10)
     assert not state["layers"][0]["memory"].weights["w_up"].requires_grad
     model(tokens, targets=tokens).loss.backward()
-    assert model.blocks[0].memory.io.v_proj.weight.grad.abs().sum() > 0
+    # v_proj's gradient is nonzero by construction (v enters the output through the gated residual);
+    # that it differs from the frozen memory's shows the loss also reaches it through the writes
+    memory = model.blocks[0].memory
+    grad = memory.io.v_proj.weight.grad.clone()
+    model.zero_grad()
+    memory.frozen = True
+    model(tokens, targets=tokens).loss.backward()
+    assert (grad - memory.io.v_proj.weight.grad).abs().max() > 1e-4  # 4e-3 (of a gradient of max 0.46)
