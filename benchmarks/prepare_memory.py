@@ -1,6 +1,8 @@
 """Peak memory of `fastweights prepare` on a ~100 MB text file, and of training from the result.
 
-    python benchmarks/prepare_memory.py [--mb 100] [--tokenizer gpt2]
+    python benchmarks/prepare_memory.py [--mb 100] [--tokenizer gpt2] [--data tinyshakespeare]
+
+The ~100 MB file is the text of ``--data`` (a registered corpus, default ``tinyshakespeare``) repeated.
 
 Each step runs in its own process; its peak resident set size comes from getrusage. Writes
 benchmarks/results/prepare_memory.json. The point: memory stays bounded (far below the corpus
@@ -11,17 +13,19 @@ into a memory-mapped file, and training samples windows from the memory map.
 from __future__ import annotations
 
 import argparse
-import gzip
 import resource
 import subprocess
 import sys
 import tempfile
 import time
-from importlib import resources
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
+
+from fastweights.data import load_corpus, to_utf8  # noqa: E402
+
+DATA = "tinyshakespeare"
 
 
 def run(cmd: list[str]) -> tuple[float, float]:
@@ -39,8 +43,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=100)
     ap.add_argument("--tokenizer", default="gpt2")
+    ap.add_argument("--data", default=DATA, help=f"registered corpus whose text is repeated (default {DATA})")
     a = ap.parse_args()
-    text = gzip.decompress((resources.files("fastweights") / "data/assets/tinyshakespeare.txt.gz").read_bytes())
+    text = b"".join(to_utf8(d.text) for d in load_corpus(a.data))  # the documents' UTF-8 bytes, in order
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         corpus = tmp / "big.txt"
@@ -55,7 +60,7 @@ def main():
         train_s, train_mb = run([py, "-m", "fastweights", "train", "--preset", "tiny", "--data", str(tmp / "prepared"),
                                  "--out", str(tmp / "run"), "--quiet", "--set", "train.max_steps=5"])
         n_tokens = sum(f.stat().st_size for f in (tmp / "prepared").glob("*.bin"))
-    res = {"corpus_mb": size_mb, "tokenizer": a.tokenizer, "token_file_mb": n_tokens / 2**20,
+    res = {"data": a.data, "corpus_mb": size_mb, "tokenizer": a.tokenizer, "token_file_mb": n_tokens / 2**20,
            "peak_rss_mb": {"import_only": base_mb, "prepare": prep_mb, "train_5_steps_from_memmap": train_mb},
            "seconds": {"prepare": prep_s, "train_5_steps": train_s},
            "note": "peak RSS of separate child processes; import_only is the floor of Python + torch"}
