@@ -37,6 +37,16 @@ official grid search clipped in place). MS_g is collected by :func:`collect_grad
 a hyper-parameter: larger batches give smaller mean squared gradients). The spec names
 ``sgd_prior``, ``rms_prior`` and ``rms_rmsprior`` are accepted as aliases.
 
+Learning-rate schedules within the stream (``lr_schedule``): the step of update i (i = 0, 1, ...
+counted from the start of the stream) uses eta_i = eta * f(i) in place of eta (the prior's decay
+is not scheduled):
+
+    constant    f(i) = 1                                   (default; the paper's protocol)
+    warmup:W    f(i) = min(1, (i + 1) / W)                 (linear ramp over the first W updates)
+    rsqrt:S     f(i) = 1 / sqrt(1 + i / S)                 (large steps first, decaying like 1/sqrt(i))
+
+``constant`` runs exactly the same operations as before schedules existed (bit-identical results).
+
 Defaults: lr 5e-5, decay (lambda) 0.002, eps 2e-5 are ``dynamiceval.py``'s (tuned for AWD-LSTM on
 PTB at segment 5); segment 20 is the paper's character-level setting. Learning rate matters most
 and must be tuned on validation text (``adapt.tune``); ``lr = 0`` reproduces static evaluation
@@ -91,6 +101,33 @@ def canonical_rule(rule: str) -> str:
 
 def rule_needs_stats(rule: str) -> bool:
     return canonical_rule(rule).startswith("rms")
+
+
+SCHEDULES = ("constant", "warmup", "rsqrt")
+
+
+def parse_schedule(spec: str | None) -> tuple[str, float]:
+    """("constant" | "warmup" | "rsqrt", span) from ``None``, ``"constant"``, ``"warmup:W"`` or ``"rsqrt:S"``."""
+    if spec is None or spec == "constant":
+        return "constant", 0.0
+    kind, _, span = str(spec).partition(":")
+    try:
+        value = float(span)
+    except ValueError:
+        value = float("nan")
+    if kind not in SCHEDULES or kind == "constant" or not value > 0 or not math.isfinite(value):
+        raise UserError(f"learning-rate schedule {spec!r}: use constant, warmup:W or rsqrt:S (W, S > 0 updates)")
+    return kind, value
+
+
+def schedule_factor(schedule: tuple[str, float], i: int) -> float:
+    """f(i), the factor on the learning rate of update i (0-based) of the stream (module docstring)."""
+    kind, span = schedule
+    if kind == "warmup":
+        return min(1.0, (i + 1) / span)
+    if kind == "rsqrt":
+        return 1.0 / math.sqrt(1.0 + i / span)
+    return 1.0
 
 
 # ----------------------------------------------------------------------------- parameter selection
@@ -341,8 +378,10 @@ class UpdateRule:
         return self
 
     @torch.no_grad()
-    def apply(self, deltas: list[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
-        """Update ``deltas`` in place from the gradients of the segment just scored (None: no gradient)."""
+    def apply(self, deltas: list[torch.Tensor], grads: Sequence[torch.Tensor | None], scale: float = 1.0) -> None:
+        """Update ``deltas`` in place from the gradients of the segment just scored (None: no gradient).
+
+        ``scale``: the learning-rate schedule's factor f(i) for this update (1: the plain rule)."""
         for i, (d, g) in enumerate(zip(deltas, grads)):
             if self.keep is not None:  # the prior: theta^{i-1} - theta_g decays toward 0
                 d.mul_(self.keep[i] if isinstance(self.keep, list) else self.keep)
@@ -350,9 +389,9 @@ class UpdateRule:
                 continue
             g = g.to(d.dtype)
             if isinstance(self.coef, list):
-                d.addcmul_(self.coef[i], g, value=-1.0)
+                d.addcmul_(self.coef[i], g, value=-1.0 * scale)
             else:
-                d.add_(g, alpha=-self.coef)
+                d.add_(g, alpha=-self.coef * scale)
 
 
 # ----------------------------------------------------------------------------- the evaluator
@@ -365,13 +404,15 @@ class DynamicState:
     ``values``: the deltas theta - theta_g of the adapted tensors, fp32 (fp64 for fp64 models), in
     the evaluator's order (for sparse dynamic evaluation: the adaptation matrix M itself).
     ``pending``: the last token already consumed as a target (the context of the next prediction)
-    followed by tokens not yet scored. ``scored``: predictions made so far.
+    followed by tokens not yet scored. ``scored``: predictions made so far. ``updates``: updates
+    made so far (the index of the next one in the learning-rate schedule).
     """
 
     values: list[torch.Tensor]
     model_state: object
     pending: torch.Tensor
     scored: int = 0
+    updates: int = 0
 
 
 class DynamicEvaluator:
@@ -388,11 +429,13 @@ class DynamicEvaluator:
             ``context - segment_len`` tokens (None: unbounded). Use the training ``seq_len``.
         include, exclude: parameter filter (:func:`select_parameters`), e.g. ``exclude="embed.*"``.
         grad_stats: :class:`GradStats` (or a path to one); required by the rms rules.
+        lr_schedule: ``"constant"`` (default), ``"warmup:W"`` or ``"rsqrt:S"`` (module docstring).
     """
 
     def __init__(self, model: torch.nn.Module, rule: str = "rms-global-prior", lr: float = DEFAULT_LR,
                  decay: float = DEFAULT_DECAY, eps: float = DEFAULT_EPS, segment_len: int = DEFAULT_SEGMENT_LEN,
-                 context: int | None = None, include=None, exclude=None, grad_stats: GradStats | str | Path | None = None):
+                 context: int | None = None, include=None, exclude=None, grad_stats: GradStats | str | Path | None = None,
+                 lr_schedule: str | None = None):
         if segment_len < 1:
             raise UserError(f"segment length must be >= 1, got {segment_len}")
         if context is not None and context <= segment_len:
@@ -400,6 +443,8 @@ class DynamicEvaluator:
         self.model = model
         self.segment_len = int(segment_len)
         self.context = context
+        self.schedule = parse_schedule(lr_schedule)
+        self.lr_schedule = "constant" if self.schedule[0] == "constant" else f"{self.schedule[0]}:{self.schedule[1]:g}"
         if isinstance(grad_stats, (str, Path)):
             grad_stats = GradStats.load(grad_stats)
         self.grad_stats = grad_stats
@@ -444,6 +489,7 @@ class DynamicEvaluator:
         return {"rule": self.rule, "lr": u.lr, **({"decay": u.decay} if self.rule in PRIOR_RULES else {}),
                 **({"eps": u.eps} if rms else {}), "segment_len": self.segment_len, "context": self.context,
                 **(self.model.context_info() if hasattr(self.model, "context_info") else {}),
+                **({"lr_schedule": self.lr_schedule} if self.lr_schedule != "constant" else {}),
                 "adapted_parameters": self.num_adapted, "adapted_tensors": len(self.names),
                 "units": UNITS, "loss_for_update": "mean cross-entropy over the segment's targets",
                 "first_token": "context only (not scored)",
@@ -510,6 +556,7 @@ class DynamicEvaluator:
         seq = torch.cat([state.pending, tokens]) if state is not None else tokens
         model_state = state.model_state if state is not None else None
         values = state.values if state is not None else None
+        updates = state.updates if state is not None else 0
         result = EvalResult(0.0, 0)
         L, n = self.segment_len, seq.numel() - 1
         pos = 0
@@ -528,7 +575,8 @@ class DynamicEvaluator:
                     result.token_losses.extend(scored.flatten().tolist())
                 # 2-3. gradient of the segment-mean NLL (back to the segment start only), then update
                 grads = torch.autograd.grad(tok_nll.mean(), leaves, allow_unused=True)
-                self.update_rule.apply(deltas, grads)
+                self.update_rule.apply(deltas, grads, schedule_factor(self.schedule, updates))
+                updates += 1
                 sync()
                 model_state = _carry(self.model, new_state, self.context, L)
                 pos += m
@@ -536,7 +584,7 @@ class DynamicEvaluator:
                     progress.update(m)
             new_values = finish()
         prev = state.scored if state is not None else 0
-        return result, DynamicState(new_values, model_state, seq[pos:].clone(), prev + result.tokens)
+        return result, DynamicState(new_values, model_state, seq[pos:].clone(), prev + result.tokens, updates)
 
     @torch.no_grad()
     def static(self, tokens, keep_token_losses: bool = True, progress: Progress | None = None) -> EvalResult:
@@ -560,17 +608,17 @@ class DynamicEvaluator:
         docs = [_as_1d(d) for d in documents]
         bar = Progress(sum(max(0, d.numel() - 1) for d in docs), "tok", desc="dynamic", enabled=progress)
         total = EvalResult(0.0, 0)
-        values = None
+        values, updates = None, 0
         for d in docs:
             if d.numel() < 2:
                 continue
-            start = None if values is None else DynamicState(values, None, d[:0], 0)
+            start = None if values is None else DynamicState(values, None, d[:0], 0, updates)
             r, st = self.evaluate(d, start, final=True, keep_token_losses=keep_token_losses, progress=bar)
             total.nll += r.nll
             total.tokens += r.tokens
             total.token_losses.extend(r.token_losses)
-            if reset == "never":
-                values = st.values
+            if reset == "never":  # one stream: the schedule continues too
+                values, updates = st.values, st.updates
         bar.close()
         return total
 
@@ -687,7 +735,7 @@ class DynamicEvaluator:
                 grads = torch.autograd.grad(loss, leaves, allow_unused=True)
                 for v in values:
                     v.requires_grad_(False)
-                self.update_rule.apply(values, grads)
+                self.update_rule.apply(values, grads, schedule_factor(self.schedule, pos // L))
                 state = _carry(self.model, new_state, self.context, L)
                 if progress is not None:
                     progress.update(int(valid.sum()))
@@ -711,7 +759,8 @@ class DynamicEvaluator:
         else:
             seq = torch.cat([state.pending, prompt]) if state is not None else prompt
             state = DynamicState(state.values if state else self._zero_values(),
-                                 state.model_state if state else None, seq, state.scored if state else 0)
+                                 state.model_state if state else None, seq, state.scored if state else 0,
+                                 state.updates if state else 0)
             # read the prompt without adapting: a static pass that leaves only the last token pending
             with torch.no_grad(), self._session(state.values) as (forward, *_):
                 ms = state.model_state
@@ -719,7 +768,7 @@ class DynamicEvaluator:
                     b = min(a + self.segment_len, seq.numel() - 1)
                     _, ms = forward(seq[None, a:b].to(self.device), ms)
                     ms = _carry(self.model, ms, self.context, self.segment_len)
-            state = DynamicState(state.values, ms, seq[-1:].clone(), state.scored)
+            state = DynamicState(state.values, ms, seq[-1:].clone(), state.scored, state.updates)
         gen = torch.Generator(device=self.device)
         if seed is not None:
             gen.manual_seed(seed)

@@ -145,11 +145,12 @@ class SparseDynamicEvaluator(DynamicEvaluator):
     def __init__(self, model: nn.Module, rule: str = "rms-global-prior", lr: float = DEFAULT_LR,
                  decay: float = DEFAULT_DECAY, eps: float = DEFAULT_EPS, segment_len: int = DEFAULT_SEGMENT_LEN,
                  context: int | None = None, layer: int | None = None, units: int | Sequence[int] | None = None,
-                 grad_stats: GradStats | str | None = None):
+                 grad_stats: GradStats | str | None = None, lr_schedule: str | None = None):
         n_layers = len(decoder_layers(model))
         self._layer = n_layers // 2 if layer is None else layer
         self._units = _hidden_width(model) // 2 if units is None else units
-        super().__init__(model, rule, lr, decay, eps, segment_len, context, grad_stats=grad_stats)
+        super().__init__(model, rule, lr, decay, eps, segment_len, context, grad_stats=grad_stats,
+                         lr_schedule=lr_schedule)
 
     def _setup(self, include, exclude) -> None:
         self.adaptation = SparseAdaptation(self.model, self._layer, self._units)
