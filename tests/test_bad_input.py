@@ -79,6 +79,16 @@ SETTINGS = [  # (override(s), the setting the message must name)
     (["data.split=\"random\""], "data.split"),
     (["data.tokenizer=\"sentencepiece\""], "data.tokenizer"),
     (["train.carry_state=true", "train.grad_accum=2"], "train.grad_accum"),
+    (["train.device=\"nope\""], "train.device"),
+    (["data.text_field=\"\""], "data.text_field"),
+    (["train.eval_tokens=1"], "train.eval_tokens=1: must be >= train.seq_len=32"),  # validation would score nothing
+    (["model.memory=\"nope\""], "model.memory='nope': unknown memory"),  # even at no layer
+    (["model.head=\"nope\""], "model.head='nope': unknown head"),
+    (["model.options.nope.x=1"], "model.options.nope: unknown mechanism"),
+    (["model.options.fwp.bogus=1"], "model.options.fwp.bogus"),  # fwp is not used by the preset: still checked
+    (["model.options.fwp.rule=3"], "model.options.fwp.rule"),
+    (["model.options.fwp=3"], "model.options.fwp=3"),
+    (["model.vocab_size=5"], "model.vocab_size=5: the char tokenizer of this corpus has"),  # refused, not replaced
     (["model.d_model=262144"], "GiB available"),  # terabytes: refused by the memory estimate, never allocated
 ]
 
@@ -94,7 +104,7 @@ def test_bad_setting(sets, needle, tmp_path, capsys):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("sets, needle", SETTINGS[:3] + SETTINGS[-1:], ids=["batch", "seq", "heads", "memory"])
+@pytest.mark.parametrize("sets, needle", SETTINGS[:3] + SETTINGS[-2:], ids=["batch", "seq", "heads", "vocab", "memory"])
 def test_bad_setting_leaves_an_earlier_run_untouched(sets, needle, run, capsys):
     before = _tree(run)
     argv = ["train", *TINY, "--out", str(run), "--overwrite"]
@@ -141,12 +151,50 @@ def test_command_line_numbers(run, capsys):
         (["dynamic-eval", *ckpt, "--cache-mix", "2"], "--cache-mix"),
         (["collect-grad-stats", *ckpt, "--batch-size", "0"], "--batch-size"),
         (["demo", "--minutes", "-1"], "--minutes"),
+        (["generate", *ckpt, "--seed", "99999999999999999999"], "--seed"),  # beyond what torch's generator takes
+        (["generate", *ckpt, "--seed", "-1"], "--seed"),
+        (["dynamic-generate", *ckpt, "--seed", "-1"], "--seed"),
+        (["stream-eval", *ckpt, "--threads", "-1"], "--threads"),
+        (["stream-eval", *ckpt, "--bin", "0"], "--bin"),
+        (["stream-eval", *ckpt, "--stride", "0"], "--stride"),
+        (["niah", *ckpt, "--threads", "-1"], "--threads"),
+        (["niah", *ckpt, "--samples", "0"], "--samples"),
+        (["niah", *ckpt, "--seed", "-1"], "--seed"),
+        (["adapt-test", *ckpt, "--domain", "a=b", "--threads", "-1"], "--threads"),
+        (["adapt-test", *ckpt, "--domain", "a=b", "--dynamic-lr", "-1"], "--dynamic-lr"),
+        (["fwpkm-gates", *ckpt, "--text", "x", "--threads", "-1"], "--threads"),
+        (["fwpkm-gates", *ckpt, "--text", "x", "--width", "0"], "--width"),
+        (["memory-stats", *ckpt, "--window", "0"], "--window"),
+        (["memory-stats", *ckpt, "--max-tokens", "-1"], "--max-tokens"),
+        (["task", "assoc", "--threads", "-2"], "--threads"),
+        (["task", "assoc", "--lr", "-1"], "--lr"),
+        (["task", "assoc", "--seed", "-1"], "--seed"),
+        (["task", "assoc", "--max-steps", "0"], "--max-steps"),
+        (["task", "ba-retrieval", "--hidden", "0"], "--hidden"),
+        (["task", "ba-retrieval", "--lr", "-1"], "--lr"),
+        (["task", "ba-retrieval", "--lr", "inf"], "--lr"),
+        (["task", "ba-retrieval", "--threads", "-1"], "--threads"),
+        (["task", "ba-retrieval", "--decay-fraction", "2"], "--decay-fraction"),
+        (["task", "ba-retrieval", "--lam", "1.5"], "--lam"),
     ]
     before = _tree(run)
     for argv, needle in cases:
         assert main(argv) == 2, argv
         _one_line(capsys, needle)
     assert _tree(run) == before
+
+
+def test_text_that_is_not_utf8(tmp_path, capsys):
+    """The whole line: the file, the byte offset, the bytes and what to do (a setting, not a Python argument)."""
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"First Citizen: speak.\n" * 50 + b"caf\xe9 au lait\n" + b"speak.\n" * 50)
+    out = tmp_path / "out"
+    assert main(["train", *TINY, "--data", str(bad), "--out", str(out)]) == 2
+    line = _one_line(capsys)
+    assert line == (f"error: {bad}: not valid UTF-8 at byte offset 1103 (bytes e9 20 61 75); convert the file to "
+                    "UTF-8, or set data.tokenizer = \"byte\" (or \"gpt2\"), which keep invalid bytes"), line
+    assert "encoding_check" not in line
+    assert not out.exists()
 
 
 def _copy(run, tmp_path, name):

@@ -452,7 +452,7 @@ def _run_config_from(ckpt: Checkpoint) -> RunConfig:
         raise UserError(f"checkpoint {ckpt.directory}: config.json has no model section")
     try:
         cfg = from_dict(RunConfig, d)
-        validate_config(cfg, need_vocab=True)
+        validate_config(cfg, need_vocab=True, saved=True)
     except UserError as e:
         raise UserError(f"checkpoint {ckpt.directory}: config.json: {e}") from None
     return cfg

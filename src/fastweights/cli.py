@@ -228,7 +228,7 @@ def cmd_data_list(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from fastweights.data.tokenizers import TOKENIZER_KINDS
-    from fastweights.validate import nonneg_float, nonneg_int, positive_float, positive_int
+    from fastweights.validate import nonneg_float, nonneg_int, positive_float, positive_int, seed
 
     p = _Parser(prog="fastweights", description="Language models whose weights change with the text they read.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -281,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=nonneg_int, default=200)
     g.add_argument("--temperature", type=nonneg_float, default=0.8, help="0: greedy")
     g.add_argument("--top-k", type=nonneg_int, default=0, help="0: all tokens")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=seed, default=0, help="sampling seed, in [0, 2**63 - 1]")
     g.add_argument("--device", default="auto")
     g.set_defaults(func=cmd_generate)
 

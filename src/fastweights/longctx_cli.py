@@ -36,6 +36,7 @@ import torch
 import fastweights.tasks.niah  # noqa: F401  (registers the corpus "niah-tinyshakespeare" used by configs/niah-cpu.toml)
 import fastweights.tasks.niah_token  # noqa: F401  (registers "niah-token-tinyshakespeare", configs/niah-token.toml)
 from fastweights.errors import UserError
+from fastweights.validate import nonneg_float, nonneg_int, positive_int, seed
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -55,7 +56,7 @@ def _common(p, several: bool = False) -> None:
     else:
         p.add_argument("--checkpoint", required=True, help="checkpoint directory")
     p.add_argument("--device", default="auto")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--threads", type=nonneg_int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier run at --out")
@@ -64,9 +65,9 @@ def _common(p, several: bool = False) -> None:
 def _dynamic_args(p) -> None:
     g = p.add_argument_group("dynamic evaluation on top (see `fastweights dynamic-eval`)")
     g.add_argument("--dynamic", metavar="RULE", help="adapt the slow weights too: sgd, rms-global-prior, ...")
-    g.add_argument("--dynamic-lr", type=float, default=None, help="eta (default 5e-5, or the --dynamic-tuned file's)")
-    g.add_argument("--dynamic-decay", type=float, default=None, help="lambda (default 0.002, or the --dynamic-tuned file's)")
-    g.add_argument("--dynamic-segment-len", type=int, default=0, help="predictions per update (default 20 char/byte, 128 BPE)")
+    g.add_argument("--dynamic-lr", type=nonneg_float, default=None, help="eta (default 5e-5, or the --dynamic-tuned file's)")
+    g.add_argument("--dynamic-decay", type=nonneg_float, default=None, help="lambda (default 0.002, or the --dynamic-tuned file's)")
+    g.add_argument("--dynamic-segment-len", type=nonneg_int, default=0, help="predictions per update (default 20 char/byte, 128 BPE)")
     g.add_argument("--dynamic-stats", help="gradient statistics file for the RMS rules")
     g.add_argument("--dynamic-tuned", help="lr and decay from this tune-dynamic --save file (used only when named)")
     g.add_argument("--dynamic-params", help="adapt only parameters matching these globs")
@@ -79,20 +80,20 @@ def register_cli(sub) -> None:
                    help="haystack text: a file, a directory of .txt files, or a corpus name (default tinyshakespeare)")
     n.add_argument("--lengths", default="1024,2048,4096", help="context lengths in tokens, comma-separated")
     n.add_argument("--depths", default="uniform", help="'uniform' or target depths in [0, 1], e.g. 0,0.25,0.5,0.75,1")
-    n.add_argument("--depth-bins", type=int, default=5, help="rows of the heatmap with --depths uniform")
-    n.add_argument("--samples", type=int, default=10, help="samples per length (or per length and depth)")
+    n.add_argument("--depth-bins", type=positive_int, default=5, help="rows of the heatmap with --depths uniform")
+    n.add_argument("--samples", type=positive_int, default=10, help="samples per length (or per length and depth)")
     n.add_argument("--iters", default="1", help="n-iter protocol: reads of the context before the question, e.g. 1,2,3,4")
-    n.add_argument("--seed", type=int, default=0)
+    n.add_argument("--seed", type=seed, default=0)
     n.add_argument("--write-chunk", default="read", choices=["read", "model"],
                    help="memories write once per read (the paper) or every trained chunk")
     n.add_argument("--reread", default="carry", choices=["carry", "memory"],
                    help="between reads carry the whole state, or only the memories (mixer states reset)")
-    n.add_argument("--piece", type=int, default=512, help="tokens per forward call")
-    n.add_argument("--context", type=int, default=0, help="KV-cache tokens kept between calls (0: unbounded)")
+    n.add_argument("--piece", type=positive_int, default=512, help="tokens per forward call")
+    n.add_argument("--context", type=nonneg_int, default=0, help="KV-cache tokens kept between calls (0: unbounded)")
     n.add_argument("--carry", action="store_true", help="carry the state from sample to sample (the released code)")
-    n.add_argument("--max-new-tokens", type=int, default=0, help="decoding budget (0: automatic)")
+    n.add_argument("--max-new-tokens", type=nonneg_int, default=0, help="decoding budget (0: automatic)")
     n.add_argument("--out", default="runs/niah", help="output prefix: writes PREFIX.json and PREFIX.png")
-    n.add_argument("--show", type=int, default=0, help="print the first N prompts with the model's answers")
+    n.add_argument("--show", type=nonneg_int, default=0, help="print the first N prompts with the model's answers")
     n.add_argument("--format", default="auto", choices=["auto", "char", "token"],
                    help="needle format: 'char' (ID-3fa9 / 6 digits), 'token' (one-token keys and values, "
                         "fastweights.tasks.niah_token); 'auto' picks token for a model trained on it")
@@ -107,12 +108,12 @@ def register_cli(sub) -> None:
     _common(s, several=True)
     s.add_argument("--data", help="documents to score (file, directory, corpus name); default: the test split")
     s.add_argument("--split", default="test", choices=["train", "val", "test"])
-    s.add_argument("--seq-len", type=int, default=0, help="context length (default: the training seq_len)")
-    s.add_argument("--stride", type=int, default=None, help="predictions per call (default seq_len // 2)")
+    s.add_argument("--seq-len", type=nonneg_int, default=0, help="context length (default: the training seq_len)")
+    s.add_argument("--stride", type=positive_int, default=None, help="predictions per call (default seq_len // 2)")
     s.add_argument("--modes", default="carry,reset,frozen", help="comma-separated: carry, reset, frozen, memory")
-    s.add_argument("--bin", type=int, default=256, help="predictions per bin of the per-position curves")
-    s.add_argument("--max-tokens", type=int, default=0, help="stop after this many predictions per run (0: all)")
-    s.add_argument("--max-chars", type=int, default=0, help="read at most this many characters of the data (0: all)")
+    s.add_argument("--bin", type=positive_int, default=256, help="predictions per bin of the per-position curves")
+    s.add_argument("--max-tokens", type=nonneg_int, default=0, help="stop after this many predictions per run (0: all)")
+    s.add_argument("--max-chars", type=nonneg_int, default=0, help="read at most this many characters of the data (0: all)")
     s.add_argument("--label", dest="labels", action="append", help="legend label per --checkpoint")
     s.add_argument("--out", default="runs/stream", help="output prefix: writes PREFIX.json and PREFIX.png")
     _dynamic_args(s)
@@ -122,10 +123,10 @@ def register_cli(sub) -> None:
     _common(a)
     a.add_argument("--domain", action="append", required=True, metavar="NAME=PATH",
                    help="a domain's text (file, directory or corpus name); repeat, in adaptation order")
-    a.add_argument("--adapt-tokens", type=int, default=20000, help="adaptation tokens per domain (from its start)")
-    a.add_argument("--eval-tokens", type=int, default=5000, help="held-out tokens per domain (from its end)")
-    a.add_argument("--seq-len", type=int, default=0, help="context length (default: the training seq_len)")
-    a.add_argument("--stride", type=int, default=None, help="predictions per call (default seq_len // 2)")
+    a.add_argument("--adapt-tokens", type=positive_int, default=20000, help="adaptation tokens per domain (from its start)")
+    a.add_argument("--eval-tokens", type=positive_int, default=5000, help="held-out tokens per domain (from its end)")
+    a.add_argument("--seq-len", type=nonneg_int, default=0, help="context length (default: the training seq_len)")
+    a.add_argument("--stride", type=positive_int, default=None, help="predictions per call (default seq_len // 2)")
     a.add_argument("--eval-state", default="memory", choices=["memory", "all"],
                    help="score from the post-stage memories only (mixers fresh), or from the whole state")
     a.add_argument("--out", default="runs/adapt", help="output prefix: writes PREFIX.json and PREFIX.png")
@@ -137,9 +138,9 @@ def register_cli(sub) -> None:
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", help="text file (or corpus name) to read")
     src.add_argument("--text", help="the text itself")
-    g.add_argument("--max-tokens", type=int, default=1024, help="tokens shown (from the start of the text)")
-    g.add_argument("--write-chunk", type=int, default=32, help="memory write chunk while reading (paper: 32; 0: trained)")
-    g.add_argument("--width", type=int, default=64, help="tokens per row of the picture")
+    g.add_argument("--max-tokens", type=positive_int, default=1024, help="tokens shown (from the start of the text)")
+    g.add_argument("--write-chunk", type=nonneg_int, default=32, help="memory write chunk while reading (paper: 32; 0: trained)")
+    g.add_argument("--width", type=positive_int, default=64, help="tokens per row of the picture")
     g.add_argument("--out", default="runs/fwpkm_gates.png", help="PNG path (a .json with the values goes beside it)")
     g.set_defaults(func=cmd_gates)
 

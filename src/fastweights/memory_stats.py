@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from fastweights.errors import UserError
+from fastweights.validate import nonneg_int, positive_int
 
 
 def addressing_stats(counts: torch.Tensor) -> dict[str, float]:
@@ -270,11 +271,11 @@ def register_cli(sub) -> None:
     p.add_argument("--checkpoint", required=True, help="checkpoint directory")
     p.add_argument("--data", help="file, directory or corpus name (default: the checkpoint's corpus)")
     p.add_argument("--text", help="score this literal text instead of --data (e.g. a prompt plus a generation)")
-    p.add_argument("--window", type=int, default=32768, help="tokens per statistics window (paper: 32768)")
-    p.add_argument("--seq-len", type=int, default=0, help="context length for attention layers (default: training)")
-    p.add_argument("--stride", type=int, default=None, help="tokens per model call (default: seq_len / 2)")
-    p.add_argument("--max-tokens", type=int, default=0, help="score only the first N tokens (0 = all)")
-    p.add_argument("--trace", type=int, nargs="*", default=None,
+    p.add_argument("--window", type=positive_int, default=32768, help="tokens per statistics window (paper: 32768)")
+    p.add_argument("--seq-len", type=nonneg_int, default=0, help="context length for attention layers (default: training)")
+    p.add_argument("--stride", type=positive_int, default=None, help="tokens per model call (default: seq_len / 2)")
+    p.add_argument("--max-tokens", type=nonneg_int, default=0, help="score only the first N tokens (0 = all)")
+    p.add_argument("--trace", type=nonneg_int, nargs="*", default=None,
                    help="token positions to trace: list the slots each read and what they stored at their last write")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", help="also write the JSON summary to this file")

@@ -265,6 +265,10 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_memory, dist, 
     barrier(dist)
     if not dist.main:
         data = prepare_data(cfg, out_dir, tokenizer, progress=False)
+    if cfg.model.vocab_size and cfg.model.vocab_size != data.tokenizer.vocab_size:
+        raise UserError(f"model.vocab_size={cfg.model.vocab_size}: the {data.tokenizer.name} tokenizer of this corpus "
+                        f"has {data.tokenizer.vocab_size} symbols; leave model.vocab_size at 0 (taken from the "
+                        f"tokenizer) or set it to {data.tokenizer.vocab_size}")
     cfg.model.vocab_size = data.tokenizer.vocab_size
     cfg.data.tokenizer = data.tokenizer.name  # a prepared corpus brings its own tokenizer
     memory = check_memory(cfg, device, dist.world, force_memory)

@@ -1,5 +1,6 @@
-"""Validation of settings: every config field (ranges, divisibility, positive counts) and argparse
-types for command-line numbers (the memory estimate is in :mod:`fastweights.model_size`).
+"""Validation of settings: every config field (ranges, divisibility, positive counts, mechanism names
+and the keys of every options table) and argparse types for command-line numbers, used by every
+command's parser (the memory estimate is in :mod:`fastweights.model_size`).
 
 Everything here raises :class:`~fastweights.errors.UserError` with a message that names the
 setting, so the command line prints one line and exits with status 2 before any file is written.
@@ -22,7 +23,30 @@ def _finite(x: float) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
-def validate_model_config(m, need_vocab: bool = False) -> None:
+def validate_mechanism_options(m) -> None:
+    """Every ``[model.options.NAME]`` table: NAME must be a registered mixer, head or memory, and its keys
+    and types must fit that mechanism's options dataclass, whether the model uses it or not (the value
+    checks of a mechanism the model builds run when it is built)."""
+    from fastweights.models import registry
+
+    if not isinstance(m.options, dict):
+        raise UserError(f"model.options={m.options!r}: must be a table of [model.options.NAME] tables")
+    registry.load_providers()
+    tables = (registry.MIXERS, registry.HEADS, registry.MEMORIES)
+    known = sorted({name for table in tables for name in table})
+    for name, raw in m.options.items():
+        entries = [table[name] for table in tables if name in table]
+        if not entries:
+            raise UserError(f"model.options.{name}: unknown mechanism {name!r}; options are for one of "
+                            f"{', '.join(known)}")
+        if not isinstance(raw, dict):
+            raise UserError(f"model.options.{name}={raw!r}: must be a table of options "
+                            f"(e.g. model.options.{name}.KEY=VALUE)")
+        for entry in entries:
+            registry.build_options(entry, raw)  # unknown keys and wrong types fail, naming the key
+
+
+def validate_model_config(m, need_vocab: bool = False, check_options: bool = True) -> None:
     _need(m.vocab_size >= (1 if need_vocab else 0), "model.vocab_size", m.vocab_size,
           "must be a positive number of symbols" if need_vocab else "must be >= 0 (0: taken from the tokenizer)")
     _need(m.d_model >= 1, "model.d_model", m.d_model, "must be >= 1")
@@ -39,8 +63,20 @@ def validate_model_config(m, need_vocab: bool = False) -> None:
     _need(not bad, "model.memory_layers", m.memory_layers, f"must be layer indices in [0, {m.n_layers})")
     from fastweights.models import registry
 
+    def lookup(table, kind: str, key: str, name: str, extra: tuple = ()):
+        registry.load_providers()
+        if name not in table:
+            raise UserError(f"{key}={name!r}: unknown {kind} {name!r}; available: {', '.join([*extra, *sorted(table)])}")
+        return table[name]
+
+    if m.memory:  # a memory placed at no layer is still a name that must exist
+        lookup(registry.MEMORIES, "memory", "model.memory", m.memory)
+    if m.head != "linear":
+        lookup(registry.HEADS, "head", "model.head", m.head, extra=("linear",))
+    if check_options:
+        validate_mechanism_options(m)
     for mixer in sorted(set(m.layer_mixers or [m.mixer])):
-        entry = registry.lookup(registry.MIXERS, "mixer", mixer)
+        entry = lookup(registry.MIXERS, "mixer", "model.layer_mixers" if m.layer_mixers else "model.mixer", mixer)
         opts = m.options.get(mixer, {}) if isinstance(m.options, dict) else {}
         fields = getattr(entry.options_cls, "__dataclass_fields__", {})
         if "head_dim" in fields and not opts.get("head_dim"):
@@ -65,9 +101,13 @@ def validate_data_config(d) -> None:
     _need(bool(d.text_field), "data.text_field", d.text_field, "must not be empty")
 
 
-def validate_train_config(t) -> None:
+def validate_train_config(t, starting: bool = True) -> None:
     for key in ("seq_len", "batch_size", "grad_accum", "max_steps", "log_every", "eval_tokens"):
         _need(getattr(t, key) >= 1, f"train.{key}", getattr(t, key), "must be >= 1")
+    if starting:
+        _need(t.eval_tokens >= t.seq_len, "train.eval_tokens", t.eval_tokens,
+              f"must be >= train.seq_len={t.seq_len} (validation scores whole windows of seq_len tokens; "
+              "fewer would score none)")
     for key in ("warmup_steps", "eval_every", "save_every", "threads"):
         _need(getattr(t, key) >= 0, f"train.{key}", getattr(t, key), "must be >= 0")
     _need(_finite(t.lr) and t.lr > 0, "train.lr", t.lr, "must be a positive number")
@@ -80,16 +120,27 @@ def validate_train_config(t) -> None:
     _need(0 <= t.seed < 2**32, "train.seed", t.seed, "must be in [0, 2**32)")
     _need(t.budget_clock in ("wall", "cpu"), "train.budget_clock", t.budget_clock, "must be wall or cpu")
     _need(t.log in ("jsonl", "tensorboard"), "train.log", t.log, "must be jsonl or tensorboard")
+    if t.device != "auto":
+        import torch
+
+        try:
+            torch.device(t.device)
+        except (RuntimeError, ValueError):
+            _need(False, "train.device", t.device, "must be auto, cpu, cuda or cuda:N")
     _need(not (t.carry_state and t.grad_accum != 1), "train.grad_accum", t.grad_accum,
           "train.carry_state needs train.grad_accum = 1 (one contiguous window per lane per step)")
 
 
-def validate_config(cfg, need_vocab: bool = False) -> None:
-    """Check every field of a RunConfig (``fastweights.model_size.meta_model`` then checks the mechanisms' own
-    options by building the model on the meta device)."""
-    validate_model_config(cfg.model, need_vocab)
+def validate_config(cfg, need_vocab: bool = False, saved: bool = False) -> None:
+    """Check every field of a RunConfig (``fastweights.model_size.meta_model`` then checks the values of the
+    options of the mechanisms the model uses by building it on the meta device).
+
+    ``saved``: the config of a checkpoint being read. Rules that only concern starting a run (``train.eval_tokens``
+    against ``train.seq_len``) and the options tables of mechanisms the model does not build are then not
+    checked, so that checkpoints written by earlier versions keep loading."""
+    validate_model_config(cfg.model, need_vocab, check_options=not saved)
     validate_data_config(cfg.data)
-    validate_train_config(cfg.train)
+    validate_train_config(cfg.train, starting=not saved)
 
 
 # ----------------------------------------------------------------------------- command-line numbers
@@ -114,3 +165,4 @@ positive_int = _number(int, lambda v: v >= 1, ">= 1")
 nonneg_float = _number(float, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
 positive_float = _number(float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
 fraction = _number(float, lambda v: math.isfinite(v) and 0 <= v <= 1, "in [0, 1]")
+seed = _number(int, lambda v: 0 <= v < 2**63, "in [0, 2**63 - 1]")  # what torch.Generator.manual_seed takes

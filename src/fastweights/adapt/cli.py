@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import torch
 
 from fastweights.errors import UserError
-from fastweights.validate import fraction, nonneg_float, nonneg_int, positive_float, positive_int
+from fastweights.validate import fraction, nonneg_float, nonneg_int, positive_float, positive_int, seed
 
 DEFAULT_STATS_BATCHES = 500
 HF_STATS_CONTEXT = 1024  # collect-grad-stats' default KV-cache bound for Hugging Face models (x --batch-size streams)
@@ -156,7 +156,7 @@ def register_cli(sub) -> None:
     g.add_argument("--max-tokens", type=nonneg_int, default=300)
     g.add_argument("--temperature", type=nonneg_float, default=0.8)
     g.add_argument("--top-k", type=nonneg_int, default=0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=seed, default=0)
     g.add_argument("--static-too", action="store_true", help="also sample from the static model for comparison")
     g.set_defaults(func=cmd_dynamic_generate)
 

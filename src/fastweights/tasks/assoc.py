@@ -55,6 +55,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fastweights.errors import UserError
+from fastweights.validate import nonneg_float, nonneg_int, positive_float, positive_int, seed
 from fastweights.ops.delta_rule import delta_rule
 from fastweights.ops.feature_maps import apply_feature_map, feature_dim, orthogonal_random_features, sum_normalize
 from fastweights.ops.linear_attention import gated_rule, linear_attention
@@ -425,21 +426,21 @@ def register_task(task_subparsers) -> None:
     p.add_argument("--keys", default="20", help="number of keys S: 60, 20,40,60 or 20:100:20 (default 20)")
     p.add_argument("--rule", choices=RULES, default="sum")
     p.add_argument("--feature-map", choices=FEATURE_MAPS, default="elu1")
-    p.add_argument("--nu", type=int, default=1, help="DPFP order (d_dot = 128 nu)")
-    p.add_argument("--n-features", type=int, default=64, help="FAVOR+ random features m (d_dot = 2m)")
+    p.add_argument("--nu", type=positive_int, default=1, help="DPFP order (d_dot = 128 nu)")
+    p.add_argument("--n-features", type=positive_int, default=64, help="FAVOR+ random features m (d_dot = 2m)")
     p.add_argument("--model", action="append", default=[],
                    help="RULE:MAP (e.g. sum:elu1, delta:dpfp1, sum:favor64); repeat for several; overrides --rule etc.")
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--max-steps", type=int, default=100_000)
-    p.add_argument("--max-minutes", type=float, default=0.0, help="wall-clock budget per run (0 = none)")
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--eval-sequences", type=int, default=20)
-    p.add_argument("--stop-loss", type=float, default=0.001)
-    p.add_argument("--patience", type=int, default=10)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1; 0 = torch's default)")
+    p.add_argument("--hidden", type=positive_int, default=64)
+    p.add_argument("--batch-size", type=positive_int, default=32)
+    p.add_argument("--lr", type=positive_float, default=1e-3)
+    p.add_argument("--max-steps", type=positive_int, default=100_000)
+    p.add_argument("--max-minutes", type=nonneg_float, default=0.0, help="wall-clock budget per run (0 = none)")
+    p.add_argument("--eval-every", type=positive_int, default=100)
+    p.add_argument("--eval-sequences", type=positive_int, default=20)
+    p.add_argument("--stop-loss", type=nonneg_float, default=0.001)
+    p.add_argument("--patience", type=nonneg_int, default=10)
+    p.add_argument("--seed", type=seed, default=1)
+    p.add_argument("--threads", type=nonneg_int, default=1, help="torch CPU threads (default 1; 0 = torch's default)")
     p.add_argument("--json", action="store_true", help="print the result(s) as JSON")
     p.add_argument("--out", help="write the results (with the command) as JSON to this path")
     p.add_argument("--plot", help="write the capacity plot (final loss vs S) as PNG to this path")

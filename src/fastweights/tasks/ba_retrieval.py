@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fastweights.errors import UserError
+from fastweights.validate import fraction, nonneg_float, nonneg_int, positive_float, positive_int, seed
 from fastweights.layers.fast_rnn import FastWeightRNN
 from fastweights.layers.lstm import LSTMLayer
 
@@ -294,27 +295,27 @@ def register_task(task_subparsers) -> None:
     p.add_argument("--hidden", type=int, default=20, help="recurrent units R (default 20)")
     p.add_argument("--keys", type=int, default=4, help="key-value pairs K per sequence (default 4)")
     p.add_argument("--steps", type=int, default=45_000, help="maximum Adam updates (default 45000)")
-    p.add_argument("--max-minutes", type=float, default=0.0, help="wall-clock limit of training; 0 = none")
-    p.add_argument("--target-val-error", type=float, default=0.01,
+    p.add_argument("--max-minutes", type=nonneg_float, default=0.0, help="wall-clock limit of training; 0 = none")
+    p.add_argument("--target-val-error", type=fraction, default=0.01,
                    help="stop once the validation error is at most this fraction (default 0.01)")
     p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
-    p.add_argument("--decay-fraction", type=float, default=0.2,
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="Adam learning rate (default 1e-3)")
+    p.add_argument("--decay-fraction", type=fraction, default=0.2,
                    help="decay the learning rate linearly to 0 over this final fraction of --steps (default 0.2)")
-    p.add_argument("--grad-clip", type=float, default=5.0, help="gradient-norm clip; 0 = off (default 5)")
+    p.add_argument("--grad-clip", type=nonneg_float, default=5.0, help="gradient-norm clip; 0 = off (default 5)")
     p.add_argument("--eval-every", type=int, default=500, help="steps between validation passes (default 500)")
-    p.add_argument("--seed", type=int, default=0, help="initialisation and batch-order seed")
-    p.add_argument("--data-seed", type=int, default=1234, help="seed of the generated splits")
+    p.add_argument("--seed", type=seed, default=0, help="initialisation and batch-order seed")
+    p.add_argument("--data-seed", type=seed, default=1234, help="seed of the generated splits")
     p.add_argument("--train-size", type=int, default=SPLIT_SIZES["train"])
     p.add_argument("--val-size", type=int, default=SPLIT_SIZES["val"])
     p.add_argument("--test-size", type=int, default=SPLIT_SIZES["test"])
     p.add_argument("--digit-head", action="store_true", help="10-way digit output instead of the 37-token vocabulary")
-    p.add_argument("--lam", type=float, default=0.95, help="fast-rnn: decay lambda (default 0.95)")
-    p.add_argument("--eta", type=float, default=0.5, help="fast-rnn: fast learning rate eta (default 0.5)")
-    p.add_argument("--inner-steps", type=int, default=1, help="fast-rnn: inner-loop steps S (default 1)")
+    p.add_argument("--lam", type=fraction, default=0.95, help="fast-rnn: decay lambda (default 0.95)")
+    p.add_argument("--eta", type=nonneg_float, default=0.5, help="fast-rnn: fast learning rate eta (default 0.5)")
+    p.add_argument("--inner-steps", type=positive_int, default=1, help="fast-rnn: inner-loop steps S (default 1)")
     p.add_argument("--no-layer-norm", action="store_true", help="fast-rnn: ablate LayerNorm")
     p.add_argument("--no-fast-weights", action="store_true", help="fast-rnn: ablate the fast weights (LN-RNN)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--threads", type=nonneg_int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON result to this file")
     p.set_defaults(func=run)
@@ -322,6 +323,7 @@ def register_task(task_subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``fastweights task ba-retrieval``; returns the exit status."""
+    # the counts are checked here (one line naming the flag); the other numbers by their argparse types
     for name in ("hidden", "keys", "steps", "batch_size", "eval_every", "train_size", "val_size", "test_size"):
         if getattr(args, name) < 1:
             raise UserError(f"ba-retrieval: --{name.replace('_', '-')} must be >= 1")
