@@ -1,6 +1,8 @@
 """Reliability and security of run directories: no pickle is executed, derived files are tied to the
 weights they came from, the run lock, SIGINT/SIGTERM saving, divergence, checkpoints of earlier
-versions, and the unknown-symbol warning. (kill -9: test_fault_injection.py; bad input: test_bad_input.py.)"""
+versions, the unknown-symbol warning, a signal before training starts or during the final validation, fresh
+output names and one-line warnings, and the state counted by the memory estimate. (kill -9:
+test_fault_injection.py; bad input: test_bad_input.py.)"""
 
 from __future__ import annotations
 
@@ -268,6 +270,110 @@ def test_truncate_metrics_drops_a_validation_written_after_the_checkpoint(tmp_pa
         path.write_text("".join(_json.dumps(r) + "\n" for r in recs) + '{"step": 42, "lo')  # a torn last line
         truncate_metrics(path, 40, validated=validated)
         assert [_json.loads(line) for line in path.read_text().splitlines()] == want
+
+
+@pytest.mark.parametrize("signum, code, existed", [(signal.SIGINT, 130, False), (signal.SIGTERM, 143, True)],
+                         ids=["SIGINT-new-out", "SIGTERM-existing-out"])
+def test_a_signal_before_training_starts_leaves_out_as_it_was(signum, code, existed, tmp_path, monkeypatch, capsys):
+    """Ctrl-C (or SIGTERM) while the corpus is encoded: what this run created goes, what was there stays."""
+    import fastweights.train as train_module
+
+    real = train_module.prepare_data
+
+    def encode_then_signal(*args, **kw):
+        data = real(*args, **kw)  # the token cache is now written under OUT/data
+        assert (out / "data").is_dir()
+        os.kill(os.getpid(), signum)
+        time.sleep(1)  # the handler raises here
+        raise AssertionError("the signal did not stop the run")
+
+    out = tmp_path / "parent" / "out"
+    if existed:
+        out.mkdir(parents=True)
+        (out / "notes.txt").write_text("mine")
+    monkeypatch.setattr(train_module, "prepare_data", encode_then_signal)
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    assert main(["train", *SHORT, "--out", str(out)]) == code
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers  # restored
+    line = _err_line(capsys)
+    assert line == (f"interrupted by {signal.Signals(signum).name} before training started: nothing was saved and "
+                    f"{out} is as it was"), line
+    if existed:
+        assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    else:
+        assert not (tmp_path / "parent").exists()
+
+
+def test_a_signal_during_the_final_validation_is_reported(tmp_path, monkeypatch, capsys):
+    """The validation and the save finish; the run then exits 130 naming the checkpoint it saved."""
+    import fastweights.train as train_module
+
+    real = train_module.estimate_loss
+    calls = []
+
+    def signal_then_validate(*args, **kw):
+        calls.append(1)
+        os.kill(os.getpid(), signal.SIGINT)  # recorded by the run's handler; the validation goes on
+        return real(*args, **kw)
+
+    out = tmp_path / "final"
+    monkeypatch.setattr(train_module, "estimate_loss", signal_then_validate)
+    assert main(["train", *SHORT, "--out", str(out)]) == 130  # eval_every=0: the final validation only
+    assert calls == [1]
+    line = _err_line(capsys)
+    assert line == (f"interrupted by SIGINT: {out} holds the checkpoint of step 6; training had finished (the final "
+                    "validation and save completed)"), line
+    assert json.loads((out / "checkpoint.json").read_text())["step"] == 6
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted_by"] == "SIGINT" and math.isfinite(summary["val_loss"])
+    assert [json.loads(r)["step"] for r in (out / "metrics.jsonl").read_text().splitlines()
+            if "val_loss" in json.loads(r)] == [6]
+    monkeypatch.setattr(train_module, "estimate_loss", real)
+    before = load_file(str(out / "model.safetensors"))
+    assert main(["train", "--resume", "--quiet", "--out", str(out)]) == 0  # nothing left to do
+    after = load_file(str(out / "model.safetensors"))
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_train_without_out_makes_a_dated_directory_and_warnings_are_one_line(tmp_path):
+    """A fresh runs/PRESET-DATE-TIME (never runs/latest or an earlier run); a library warning (here the FWL
+    head's segment warning) is one line without the file that raised it. A real process: pytest's own
+    warning capture would hide the format."""
+    import re
+    import subprocess
+    import sys
+
+    latest = tmp_path / "runs" / "latest"
+    latest.mkdir(parents=True)
+    (latest / "checkpoint.json").write_text("{}")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    argv = [sys.executable, "-m", "fastweights", "train", "--preset", "tiny", "--quiet", "--set", 'model.head="fwl"',
+            "--set", "train.max_steps=1", "--set", "train.eval_every=0", "--set", "train.eval_tokens=64"]
+    proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    made = sorted(p.name for p in (tmp_path / "runs").iterdir() if p.name != "latest")
+    assert len(made) == 1 and re.fullmatch(r"tiny-\d{8}-\d{6}", made[0]), made
+    assert (tmp_path / "runs" / made[0] / "checkpoint.json").is_file()
+    assert sorted(p.name for p in latest.iterdir()) == ["checkpoint.json"]
+    assert (latest / "checkpoint.json").read_text() == "{}"
+    assert f"-> runs/{made[0]}" in proc.stdout
+    warnings = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: fwl: training windows of 32 tokens"), proc.stderr
+    assert ".py" not in warnings[0] and "warnings.warn" not in proc.stderr
+
+
+def test_eval_stream_without_out_writes_fresh_names(run, doc, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "stream.json").write_text("earlier")
+    for _ in range(2):  # twice within one second: two names
+        assert main(["eval", "--checkpoint", str(run), "--stream", "--data", doc, "--quiet", "--json"]) == 0
+    capsys.readouterr()
+    made = sorted(p.name for p in (tmp_path / "runs").iterdir() if p.name != "stream.json")
+    stems = sorted({p.rsplit(".", 1)[0] for p in made})
+    assert len(stems) == 2 and all(f"{s}.json" in made and f"{s}.png" in made for s in stems), made
+    assert all(s.startswith("stream-") for s in stems)
+    assert (tmp_path / "runs" / "stream.json").read_text() == "earlier"
 
 
 MECHANISMS = {  # overrides of the tiny preset: one per kind of state the memory estimate counts

@@ -66,7 +66,11 @@ def cmd_train(args) -> int:
         import time
 
         stem = Path(args.preset).stem if args.preset else "shakespeare-char"
-        args.out = str(Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")  # a new directory, never a reused one
+        base = Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        out, n = base, 2
+        while out.exists() or out.is_symlink():  # a new directory, never a reused one (two runs in one second)
+            out, n = base.with_name(f"{base.name}-{n}"), n + 1
+        args.out = str(out)
     cfg = _run_config(args)
     summary = train(cfg, Path(args.out), resume=args.resume, progress=not args.quiet, fsdp=args.fsdp,
                     overwrite=args.overwrite, force_memory=args.force_memory)

@@ -186,6 +186,10 @@ def _output_prefix(args, default: str) -> Path:
     name ``DEFAULT-DATE-TIME``."""
     given = getattr(args, "out", None)
     out = Path(given or time.strftime(f"{default}-%Y%m%d-%H%M%S"))
+    if not given:  # a fresh name, also for two runs within one second
+        base, n = out, 2
+        while out.with_suffix(".json").exists() or out.with_suffix(".png").exists():
+            out, n = base.with_name(f"{base.name}-{n}"), n + 1
     taken = [p for p in (out.with_suffix(".json"), out.with_suffix(".png")) if p.exists()]
     if taken and not getattr(args, "overwrite", False):
         raise UserError(f"{taken[0]} exists (an earlier run); pass --overwrite or choose another --out")

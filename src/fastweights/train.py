@@ -197,7 +197,10 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
     refuses unless ``--overwrite``), else refused; ``resume`` continues it. Settings are validated,
     and the training memory estimated, before anything is written; a run that fails before it starts
     leaves ``out_dir`` as it was. SIGINT/SIGTERM finish the step, save, write the summary and raise
-    :class:`RunInterrupted`; a non-finite loss, gradient or weight raises :class:`TrainingDiverged`.
+    :class:`RunInterrupted` (one during the final validation or save lets it finish, then raises); before
+    the training loop starts (encoding the corpus, ...) they leave ``out_dir`` as it was and raise it too.
+    ``model.vocab_size`` 0 is taken from the tokenizer; another value must equal the tokenizer's size.
+    A non-finite loss, gradient or weight raises :class:`TrainingDiverged`.
     """
     from fastweights.model_size import meta_model
     from fastweights.run_dir import Restore, RunLock, check_out_dir, describe_run
@@ -218,6 +221,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
         check_out_dir(out_dir)
         restore = Restore(out_dir)
         lock = RunLock(out_dir)
+    setup_signals = _SetupSignals()  # SIGTERM before the loop (encoding the corpus, ...) stops the run as Ctrl-C does
     try:
         if lock is not None:
             lock.acquire()
@@ -231,7 +235,17 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
         if restore is not None and restore.armed:
             restore.undo()
         raise
+    except KeyboardInterrupt as e:
+        if isinstance(e, RunInterrupted) or restore is None or not restore.armed:
+            raise  # the run had started: it saved (RunInterrupted) or a second signal stopped it at once
+        restore.undo()  # interrupted before training started: what this run created goes, as for bad settings
+        import signal
+
+        code = getattr(e, "exit_code", 130)
+        raise RunInterrupted(f"interrupted by {signal.Signals(code - 128).name} before training started: nothing was "
+                             f"saved and {out_dir} is as it was", code) from None
     finally:
+        setup_signals.restore()
         if lock is not None:
             lock.release()
 
@@ -362,6 +376,7 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_memory, dist, 
     stopped_by_budget = False
     params = [p for p in model.parameters() if p.requires_grad]
     stop = _StopSignals()
+    interrupted = False
     try:
         while step < tc.max_steps:
             elapsed = elapsed_before + clock() - t0
@@ -418,13 +433,14 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_memory, dist, 
             elif tc.save_every and step % tc.save_every == 0:
                 save()
         bar.close()
-        signum = stop.signum
-        if signum is None:
+        if not interrupted:
             val = history[-1]["val_loss"] if history and history[-1]["step"] == step else validate()
         else:
             val = next((h["val_loss"] for h in reversed(history) if h["step"] == step), float("nan"))
         if saved_step != step:
             save()
+        # a signal that came during the final validation or save lets both finish and is still reported
+        signum = _agreed_signal(stop, dist, device)
     finally:
         stop.restore()
         if log is not None:
@@ -446,9 +462,50 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_memory, dist, 
     if signum is not None:
         import signal
 
+        finished = step >= tc.max_steps or stopped_by_budget
         raise RunInterrupted(f"interrupted by {signal.Signals(signum).name}: {out_dir} holds the checkpoint of step "
-                             f"{step}; continue with --resume", 128 + signum)
+                             f"{step}" + ("; training had finished (the final validation and save completed)"
+                                          if finished else "; continue with --resume"), 128 + signum)
     return summary
+
+
+def _agreed_signal(stop: "_StopSignals", dist, device):
+    """The stopping signal rank 0 received (SIGINT or SIGTERM), on every rank; None if none."""
+    import signal
+
+    is_int, is_term = from_rank0([stop.signum == signal.SIGINT, stop.signum == signal.SIGTERM], dist, device)
+    return signal.SIGINT if is_int else signal.SIGTERM if is_term else None
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM before the training loop (:class:`_SetupSignals`)."""
+
+    exit_code = 128 + 15
+
+
+class _SetupSignals:
+    """Until the training loop installs :class:`_StopSignals`: SIGTERM raises :class:`_Terminated`, so that a
+    run stopped while it prepares (encoding a corpus can take minutes) cleans up as Ctrl-C does."""
+
+    def __init__(self):
+        import signal
+        import threading
+
+        self.old = None
+        if threading.current_thread() is threading.main_thread():
+            old = signal.signal(signal.SIGTERM, self._handle)
+            self.old = signal.SIG_DFL if old is None else old  # None: a handler not installed from Python
+
+    @staticmethod
+    def _handle(signum, frame):
+        raise _Terminated()
+
+    def restore(self) -> None:
+        import signal
+
+        if self.old is not None:
+            signal.signal(signal.SIGTERM, self.old)
+            self.old = None
 
 
 class _StopSignals:
