@@ -1,6 +1,8 @@
 """kill -9 at random instants of tiny training runs, saves included: the run directory always holds a
 complete checkpoint (the last one written, or the one before), never a mix, and resuming from it
-continues bit-exactly to the uninterrupted run.
+continues bit-exactly to the uninterrupted run: weights, AdamW state and the torch, batch-order, Python and
+numpy RNG streams equal the reference's at the same step, and after every save that returns no temporary
+file is left in the directory.
 
 The test starts this file as a script (a fresh interpreter that has imported torch once); the
 script forks a training process (``fastweights train`` through ``fastweights.cli.main``), sends it
@@ -46,7 +48,26 @@ def test_kill_9_at_random_instants_leaves_a_complete_checkpoint_that_resumes_bit
 # ----------------------------------------------------------------------------- the script
 
 
-def _fork_train(argv: list[str], pause: str | None) -> int:
+def _check_saves(root: Path) -> None:
+    """In a training process: after every save that returns, the run directory holds no temporary (neither
+    this save's nor one a killed process left); each save appends a line to ROOT/saves.txt."""
+    import fastweights.train as train_module
+    from fastweights.checkpoint import PENDING, TMP_PREFIX
+
+    real = train_module.save_model
+
+    def save_and_check(model, directory, *args, step=None, **kw):
+        out = real(model, directory, *args, step=step, **kw)
+        left = sorted(p.name for p in Path(directory).iterdir() if p.name.startswith(TMP_PREFIX) or p.name == PENDING)
+        fd = os.open(root / "saves.txt", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.write(fd, (f"step {step} left {' '.join(left)}\n" if left else f"step {step} clean\n").encode())
+        os.close(fd)
+        return out
+
+    train_module.save_model = save_and_check
+
+
+def _fork_train(argv: list[str], pause: str | None, root: Path) -> int:
     import gc
 
     gc.freeze()  # the child's garbage collector then leaves the parent's objects (and their pages) alone
@@ -58,6 +79,7 @@ def _fork_train(argv: list[str], pause: str | None) -> int:
             fd = os.open(os.devnull, os.O_WRONLY)
             os.dup2(fd, 1)
             os.dup2(fd, 2)
+            _check_saves(root)
             from fastweights.cli import main
 
             code = main(argv)
@@ -100,6 +122,7 @@ def _reference(root: Path) -> Path:
                 return out
 
             train_module.save_model = save_and_copy
+            _check_saves(root)
             from fastweights.cli import main
 
             code = main([*ARGS, "--out", str(root / "ref")])
@@ -139,7 +162,11 @@ def _check(run: Path, ref_steps: Path) -> int | None:
     for fqn, s in want["optimizer"]["state"].items():
         assert _tensors_equal(got["optimizer"]["state"][fqn], s), f"optimizer state of {fqn} differs at {step}"
     assert _tensors_equal({k: v for k, v in got["rng"].items() if k in ("torch", "batches")},
-                          {k: v for k, v in want["rng"].items() if k in ("torch", "batches")})
+                          {k: v for k, v in want["rng"].items() if k in ("torch", "batches")}), f"torch RNG at {step}"
+    assert got["rng"]["python"] == want["rng"]["python"], f"Python RNG differs at {step}"
+    kind, keys, pos, has_gauss, gauss = got["rng"]["numpy"]
+    assert (kind, pos, has_gauss, gauss) == tuple(want["rng"]["numpy"][i] for i in (0, 2, 3, 4)), step
+    assert (keys == want["rng"]["numpy"][1]).all(), f"numpy RNG differs at {step}"
     return step
 
 
@@ -177,7 +204,7 @@ def script(root: Path) -> None:
             resume = (run / "checkpoint.json").is_file() or (run / PENDING / "checkpoint.json").is_file()
             argv = [*ARGS, "--out", str(run), *(["--resume"] if resume else ["--overwrite"])]
             last = kills >= KILLS
-            pid = _fork_train(argv, None if last else PAUSE)
+            pid = _fork_train(argv, None if last else PAUSE, root)
             code = _wait(pid, 240 if last else rng.uniform(0.0, 0.8))
             if code is None:
                 os.kill(pid, signal.SIGKILL)
@@ -193,8 +220,13 @@ def script(root: Path) -> None:
         assert _loss_records(run / "metrics.jsonl") == _loss_records(root / "ref" / "metrics.jsonl")
         leftovers = [p.name for p in run.iterdir() if p.name.startswith(".")]
         assert not leftovers, leftovers
+    # after every save that returned, in the reference and in every run, no temporary was left
+    saves = (root / "saves.txt").read_text().splitlines()
+    dirty = [line for line in saves if not line.endswith(" clean")]
+    assert not dirty, dirty
+    assert len(saves) > STEPS, len(saves)  # the reference's saves and the chains'
     print(json.dumps({"kills": kills, "kills_inside_a_save": inside_save, "chains": chains,
-                      "steps_after_kills": steps_seen}))
+                      "steps_after_kills": steps_seen, "saves_checked": len(saves)}))
 
 if __name__ == "__main__":
     script(Path(sys.argv[1]))
