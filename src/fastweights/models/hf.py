@@ -288,12 +288,10 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
         self._restore_derived_buffers(module)
 
     def tie_weights(self, *args, **kwargs):
-        """Re-establish what loading weights replaces: the tied head's reference to the embedding
-        matrix and the derived (non-persistent) buffers. ``from_pretrained`` calls this last."""
+        """Re-establish what loading weights replaces: the derived (non-persistent) buffers.
+        ``from_pretrained`` calls this last. A tied head needs nothing: it holds the embedding module
+        and reads its weight at call time, so a swapped Parameter object is seen."""
         super().tie_weights(*args, **kwargs)
-        head = getattr(self.model, "head", None)
-        if getattr(head, "is_tied", False):
-            head.tied[0] = self.model.embed.weight  # loading swaps the Parameter object
         for module in self.modules():
             self._restore_derived_buffers(module)
 
