@@ -176,6 +176,11 @@ def test_command_line_numbers(run, capsys):
         (["task", "ba-retrieval", "--threads", "-1"], "--threads"),
         (["task", "ba-retrieval", "--decay-fraction", "2"], "--decay-fraction"),
         (["task", "ba-retrieval", "--lam", "1.5"], "--lam"),
+        (["analyze", "--base", str(run), "--model", str(run), "--stride", "-1"], "--stride"),
+        (["analyze", "--base", str(run), "--model", str(run), "--seq-len", "-1"], "--seq-len"),
+        (["analyze", "--base", str(run), "--model", str(run), "--max-chars", "-5"], "--max-chars"),
+        (["analyze", "--base", str(run), "--model", str(run), "--max-chars", "200", "--seq-len", "8",
+          "--stride", "9", "--quiet"], "--stride"),
     ]
     before = _tree(run)
     for argv, needle in cases:

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from fastweights.errors import UserError
+from fastweights.validate import nonneg_int, positive_int
 
 LN2 = math.log(2)
 
@@ -218,6 +219,8 @@ def analyze(base_dir: Path, model_dir: Path, data: str | None = None, split: str
     else:
         counts = token_counts(tok, texts, vocab)
     seq_len = seq_len or cfg.train.seq_len
+    if stride is not None and not 0 < stride <= seq_len:
+        raise UserError(f"--stride must be in [1, seq_len = {seq_len}], got {stride}")
     n = sum(max(0, len(e) - 1) for e in encoded)
     bar = Progress(2 * n, "tok", desc="analyze", enabled=progress)
     base_nll = score_documents(base, encoded, seq_len, stride, bar)
@@ -260,9 +263,9 @@ def register_cli(sub) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory of the model compared with it")
     p.add_argument("--data", help="text to score (file, directory, corpus name); default: the model's split")
     p.add_argument("--split", default="test", choices=["train", "val", "test"])
-    p.add_argument("--seq-len", type=int, default=0, help="context length (default: the model's training seq_len)")
-    p.add_argument("--stride", type=int, default=None, help="tokens per call (default seq_len // 2)")
-    p.add_argument("--max-chars", type=int, default=0, help="score only the first N characters (0 = all)")
+    p.add_argument("--seq-len", type=nonneg_int, default=0, help="context length (default: the model's training seq_len)")
+    p.add_argument("--stride", type=positive_int, default=None, help="tokens per call (default seq_len // 2)")
+    p.add_argument("--max-chars", type=nonneg_int, default=0, help="score only the first N characters (0 = all)")
     p.add_argument("--freq-from", default="train", choices=["train", "eval"],
                    help="token frequencies from the base's training split or from the scored text")
     p.add_argument("--out", default="runs/analysis", help="directory for analysis.json and analysis.png")
