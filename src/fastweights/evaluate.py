@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fastweights.components import TrimsState
 from fastweights.progress import Progress
 
 
@@ -65,7 +66,7 @@ def score_tokens(model, tokens: torch.Tensor, seq_len: int, stride: int | None =
         y = tokens[:, start + 1 : end + 1].to(device)
         out = model(x, state)
         state = out.state
-        if hasattr(model, "trim_state"):
+        if isinstance(model, TrimsState):
             state = model.trim_state(state, seq_len - stride)
         logp = torch.log_softmax(out.logits.float(), dim=-1)
         tok_nll = -logp.gather(-1, y[..., None])[..., 0]  # [B, t]

@@ -6,6 +6,8 @@ from typing import Iterator
 
 import torch
 
+from fastweights.components import TrimsState
+
 
 @torch.no_grad()
 def generate_tokens(model, prompt: list[int], max_tokens: int, temperature: float = 1.0, top_k: int = 0,
@@ -29,7 +31,7 @@ def generate_tokens(model, prompt: list[int], max_tokens: int, temperature: floa
         for _ in range(max_tokens):
             out = model(x, state)
             state = out.state
-            if context is not None and hasattr(model, "trim_state"):
+            if context is not None and isinstance(model, TrimsState):
                 state = model.trim_state(state, context - 1)
             logits = out.logits[0, -1].float()
             if temperature <= 0:

@@ -59,6 +59,7 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from fastweights.components import FastHead, FastMemory, GatedMemory, TrimsState
 from fastweights.errors import UserError
 from fastweights.progress import Progress
 
@@ -70,15 +71,14 @@ STREAM_MODES = ("carry", "reset", "frozen", "memory")
 
 def fast_memories(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Block memories with a write step and a ``frozen`` switch (FwPKM, FwMLP) inside ``model``."""
-    return [m for m in model.modules() if hasattr(m, "frozen") and getattr(m, "placement", None) is not None
-            and hasattr(m, "options")]
+    return [m for m in model.modules() if isinstance(m, FastMemory)]
 
 
 def unfrozen_fast_parts(model: torch.nn.Module) -> list[str]:
     """Components whose weights change at test time but that have no freeze switch (the FWL head)."""
     head = getattr(model, "head", None)
     out = []
-    if head is not None and hasattr(head, "fast_names"):
+    if isinstance(head, FastHead):
         out.append(f"head ({type(head).__name__})")
     return out
 
@@ -130,7 +130,7 @@ def check_chunk_empty(state) -> None:
 
 
 def _trim(model, state, keep: int | None):
-    if keep is None or state is None or not hasattr(model, "trim_state"):
+    if keep is None or state is None or not isinstance(model, TrimsState):
         return state
     return model.trim_state(state, max(0, keep))
 
@@ -635,7 +635,7 @@ def gate_values(model, tokenizer, text: str, chunk_size: int | None = 32, piece:
     ``chunk_size``: the memories write every this many tokens (the paper's visualisation uses 32;
     None keeps the trained chunk). Returns ``(token ids [T], {layer index: gates [T] numpy})``.
     """
-    layers = {i: b.memory for i, b in enumerate(getattr(model, "blocks", [])) if hasattr(getattr(b, "memory", None), "gate_log")}
+    layers = {i: b.memory for i, b in enumerate(getattr(model, "blocks", [])) if isinstance(b.memory, GatedMemory)}
     if not layers:
         raise UserError("this model has no FwPKM layer (no memory exposing its gate)")
     device = next(model.parameters()).device

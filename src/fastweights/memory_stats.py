@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from fastweights.components import GatedMemory, SlotMemory
 from fastweights.errors import UserError
 from fastweights.validate import nonneg_int, positive_int
 
@@ -130,7 +131,7 @@ class SlotTracer:
 
 def memory_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """(name, module) of every product-key memory (FwPKM or PKM) in a model."""
-    return [(name, m) for name, m in model.named_modules() if hasattr(m, "read_log") and hasattr(m, "n_slots")]
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, SlotMemory)]
 
 
 def collect_reads(model, tokens: torch.Tensor, seq_len: int, stride: int | None = None, trace: bool = False):
@@ -149,26 +150,26 @@ def collect_reads(model, tokens: torch.Tensor, seq_len: int, stride: int | None 
     tracers = {}
     for name, m in layers:
         m.read_log = []
-        if hasattr(m, "gate_log"):
+        if isinstance(m, GatedMemory):
             m.gate_log = []
         m.record_reads = True
-        if trace and hasattr(m, "tracer"):
+        if trace and isinstance(m, GatedMemory):
             tracers[name] = m.tracer = SlotTracer()
     try:
         result, _ = score_tokens(model, tokens, seq_len, stride)
     finally:
         for _, m in layers:
             m.record_reads = False
-            if hasattr(m, "tracer"):
+            if isinstance(m, GatedMemory):
                 m.tracer = None
     reads = {}
     for name, m in layers:
         # FwPKM logs [B, t, H k] per call (B = 1 here); keep the stream order
-        gates = torch.cat([g[0] for g in m.gate_log]) if getattr(m, "gate_log", None) else None
+        gates = torch.cat([g[0] for g in m.gate_log]) if isinstance(m, GatedMemory) and m.gate_log else None
         reads[name] = (torch.cat([entry["indices"][0] for entry in m.read_log], dim=0),
                        torch.cat([entry["weights"][0] for entry in m.read_log], dim=0), gates)
         m.read_log = []
-        if hasattr(m, "gate_log"):
+        if isinstance(m, GatedMemory):
             m.gate_log = []
     return reads, tracers, result.loss
 

@@ -34,7 +34,7 @@ def meta_model(model_cfg, vocab_size: int | None = None):
 
 
 def _options(name: str, raw_options: dict):
-    from fastweights.models import registry
+    from fastweights import components as registry
 
     registry.load_providers()
     for table in (registry.MIXERS, registry.HEADS, registry.MEMORIES):

@@ -27,7 +27,7 @@ def validate_mechanism_options(m) -> None:
     """Every ``[model.options.NAME]`` table: NAME must be a registered mixer, head or memory, and its keys
     and types must fit that mechanism's options dataclass, whether the model uses it or not (the value
     checks of a mechanism the model builds run when it is built)."""
-    from fastweights.models import registry
+    from fastweights import components as registry
 
     if not isinstance(m.options, dict):
         raise UserError(f"model.options={m.options!r}: must be a table of [model.options.NAME] tables")
@@ -61,7 +61,7 @@ def validate_model_config(m, need_vocab: bool = False, check_options: bool = Tru
               f"needs one entry per layer (model.n_layers = {m.n_layers})")
     bad = [i for i in m.memory_layers if not 0 <= i < m.n_layers]
     _need(not bad, "model.memory_layers", m.memory_layers, f"must be layer indices in [0, {m.n_layers})")
-    from fastweights.models import registry
+    from fastweights import components as registry
 
     def lookup(table, kind: str, key: str, name: str, extra: tuple = ()):
         registry.load_providers()

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastweights.components import register_mixer
 from fastweights.layers.common import RotaryEmbedding
-from fastweights.models.registry import register_mixer
 
 
 @dataclass

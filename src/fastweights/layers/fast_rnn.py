@@ -45,8 +45,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from fastweights.components import register_mixer
 from fastweights.errors import UserError
-from fastweights.models.registry import register_mixer
 from fastweights.ops.linear_attention import no_autocast
 
 READ_MODES = ("auto", "matrix", "attention")

@@ -89,8 +89,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fastweights.components import register_head
 from fastweights.errors import UserError
-from fastweights.models.registry import register_head
 from fastweights.ops.linear_attention import linear_attention, no_autocast
 
 # Fast tensors of the block, in forward order (the unembedding E, c is slow unless bias_only).

@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastweights.components import register_memory
 from fastweights.errors import UserError
 from fastweights.layers.fwpkm import PERSISTENCE, FastMemoryIO, fast_dtype, state_pytree
-from fastweights.models.registry import register_memory
 from fastweights.ops.linear_attention import no_autocast
 
 PARAM_NAMES = ("w_up", "b_up", "w_gate", "b_gate", "w_down", "b_down")

@@ -40,8 +40,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fastweights.components import register_mixer
 from fastweights.errors import UserError
-from fastweights.models.registry import register_mixer
 from fastweights.ops.delta_rule import delta_rule
 from fastweights.ops.feature_maps import (
     FEATURE_MAPS,

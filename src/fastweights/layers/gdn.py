@@ -27,10 +27,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fastweights.components import register_mixer
 from fastweights.errors import UserError
 from fastweights.layers.common import causal_conv1d
 from fastweights.layers.fwp import gdn_log_decay, init_gdn_gate
-from fastweights.models.registry import register_mixer
 from fastweights.ops.delta_rule import delta_rule
 from fastweights.ops.linear_attention import compute_dtype
 

@@ -16,8 +16,8 @@ from typing import NamedTuple
 
 from torch import Tensor, nn
 
+from fastweights.components import register_mixer
 from fastweights.errors import UserError
-from fastweights.models.registry import register_mixer
 
 
 class LSTMState(NamedTuple):

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastweights.components import register_memory
 from fastweights.errors import UserError
-from fastweights.models.registry import register_memory
 from fastweights.ops.pkm import pkm_read, pkm_search, softmax_short
 
 

@@ -30,7 +30,17 @@ from torch import nn
 from fastweights.config import ModelConfig, from_dict
 from fastweights.errors import UserError
 from fastweights.layers.common import RMSNorm, ShortConv, SwiGLU, swiglu_hidden
-from fastweights.models import registry
+from fastweights.components import (
+    HEADS,
+    MEMORIES,
+    MIXERS,
+    PLACEMENTS,
+    AuxLoss,
+    Memory,
+    TrimsState,
+    build_options,
+    lookup,
+)
 
 
 @dataclass
@@ -53,9 +63,9 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(d_model)
         self.mlp = mlp
         self.memory = memory
-        self.memory_placement = getattr(memory, "placement", None)
-        if memory is not None and self.memory_placement not in ("before_mixer", "replace_mlp"):
-            raise ValueError(f"memory {type(memory).__name__} must set placement to before_mixer or replace_mlp")
+        if memory is not None and not (isinstance(memory, Memory) and memory.placement in PLACEMENTS):
+            raise ValueError(f"memory {type(memory).__name__} must set placement to one of {PLACEMENTS}")
+        self.memory_placement = memory.placement if memory is not None else None
         self.memory_norm = RMSNorm(d_model) if self.memory_placement == "before_mixer" else None
 
     def forward(self, x: torch.Tensor, state: dict | None = None):
@@ -123,12 +133,12 @@ class LanguageModel(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         blocks = []
         for i in range(config.n_layers):
-            mixer = self._build(registry.MIXERS, "mixer", config.mixer_of(i), d_model=d, n_heads=config.n_heads)
+            mixer = self._build(MIXERS, "mixer", config.mixer_of(i), d_model=d, n_heads=config.n_heads)
             memory = None
             if i in config.memory_layers:
-                memory = self._build(registry.MEMORIES, "memory", config.memory, d_model=d)
+                memory = self._build(MEMORIES, "memory", config.memory, d_model=d)
             mlp = SwiGLU(d, swiglu_hidden(d, config.mlp_hidden))
-            if memory is not None and getattr(memory, "placement", None) == "replace_mlp":
+            if memory is not None and memory.placement == "replace_mlp":
                 mlp = nn.Identity()
             conv = ShortConv(d, config.short_conv) if config.short_conv else None
             blocks.append(Block(d, mixer, mlp, memory, conv))
@@ -138,17 +148,17 @@ class LanguageModel(nn.Module):
         if config.head == "linear":
             self.head = LinearHead(d, config.vocab_size, tied)
         else:
-            self.head = self._build(registry.HEADS, "head", config.head, d_model=d, vocab_size=config.vocab_size)
+            self.head = self._build(HEADS, "head", config.head, d_model=d, vocab_size=config.vocab_size)
         self.apply(self._init_weights)
-        # parts that report an auxiliary training loss (they declare ``aux_loss`` in __init__); found
-        # once here rather than by walking every module on each forward call
-        self._aux_parts = [m for m in self.modules() if m is not self and hasattr(m, "aux_loss")]
+        # parts that report an auxiliary training loss (components.AuxLoss: ``aux_loss`` set in __init__);
+        # found once here rather than by walking every module on each forward call
+        self._aux_parts = [m for m in self.modules() if m is not self and isinstance(m, AuxLoss)]
         if not config.tie_embeddings and config.head == "linear":
             nn.init.normal_(self.head.weight, std=config.init_std)
 
     def _build(self, table, kind, name, **kwargs):
-        entry = registry.lookup(table, kind, name)
-        options = registry.build_options(entry, self.config.options.get(name))
+        entry = lookup(table, kind, name)
+        options = build_options(entry, self.config.options.get(name))
         return entry.cls(**kwargs, options=options) if options is not None else entry.cls(**kwargs)
 
     def _init_weights(self, module: nn.Module):
@@ -192,7 +202,7 @@ class LanguageModel(nn.Module):
         layers = []
         for block, s in zip(self.blocks, state["layers"]):
             s = dict(s)
-            if hasattr(block.mixer, "trim_state"):
+            if isinstance(block.mixer, TrimsState):
                 s["mixer"] = block.mixer.trim_state(s["mixer"], keep)
             layers.append(s)
         return {**state, "layers": layers}

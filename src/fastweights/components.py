@@ -1,0 +1,195 @@
+"""The component contract: what a mixer, head or memory is, and the registry that names them.
+
+This is the ground floor of the house (it imports nothing of fastweights above ``errors`` and
+``config``): ``layers/`` register their classes here, ``models/`` build them from here by name.
+
+Every component follows the explicit-state protocol::
+
+    y, state = component(x, state=None)        # mixers, memories: x [B, T, C] -> y [B, T, C]
+    logits, state = head(h, tokens, state)     # heads: h [B, T, C], tokens [B, T] -> logits [B, T, V]
+
+``state=None`` means fresh; passing the returned state back continues the sequence exactly, so one call
+over a text equals the same text in pieces. What else a component may offer is declared below as
+Protocols and checked with ``isinstance`` (never by probing attribute names):
+
+    Memory        ``placement`` = "before_mixer" | "replace_mlp" (where the block puts it)
+    FastMemory    a memory written while it reads (FwPKM, FwMLP): ``frozen`` switches writes off,
+                  ``options.chunk_size`` / ``options.lookahead`` say when it writes
+    SlotMemory    a product-key memory (PKM, FwPKM): ``n_slots``; with ``record_reads`` set, each
+                  forward appends its slot ids and weights to ``read_log``
+    GatedMemory   a memory whose output is gated (FwPKM): gates appended to ``gate_log`` while
+                  ``record_reads``; ``tracer`` (None = off) receives every write
+    FastHead      a head whose weights change as it reads (FWL): ``fast_names``
+    AuxLoss       ``aux_loss``: a training loss the part adds after each forward (None = none)
+    TrimsState    ``trim_state(state, keep)``: bound a state that grows with the sequence (a KV cache)
+
+A mechanism registers itself in its own file under ``fastweights/layers/``::
+
+    @dataclass
+    class FWPOptions:
+        rule: str = "delta"
+
+    @register_mixer("fwp", FWPOptions)
+    class FastWeightProgrammer(nn.Module):
+        def __init__(self, d_model: int, n_heads: int, options: FWPOptions): ...
+        def forward(self, x, state=None): ...  # x [B, T, C] -> (y [B, T, C], state)
+
+Every module of ``fastweights.layers`` is imported the first time a name is looked up, so a new file
+there is found with no list to edit, and a module that fails to import fails loudly, naming itself.
+Configs pick components by name; options come from ``[model.options.<name>]`` and are validated by the
+options dataclass. Mixers are built as ``cls(d_model=..., n_heads=..., options=...)``, memories as
+``cls(d_model=..., options=...)``, heads as ``cls(d_model=..., vocab_size=..., options=...)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, runtime_checkable
+
+from torch import Tensor
+
+from fastweights.errors import UserError
+
+# ----------------------------------------------------------------------------- the contract
+
+
+@runtime_checkable
+class Mixer(Protocol):
+    """Token mixing inside a block: ``forward(x [B, T, C], state=None) -> (y [B, T, C], state)``."""
+
+    def forward(self, x: Tensor, state: Any = None) -> tuple[Tensor, Any]: ...
+
+
+@runtime_checkable
+class Head(Protocol):
+    """Output head: ``forward(h [B, T, C], tokens [B, T] | None, state=None) -> (logits [B, T, V], state)``."""
+
+    def forward(self, h: Tensor, tokens: Tensor | None = None, state: Any = None) -> tuple[Tensor, Any]: ...
+
+
+@runtime_checkable
+class Memory(Protocol):
+    """A block part placed "before_mixer" (its own residual branch) or "replace_mlp"."""
+
+    placement: str
+
+    def forward(self, x: Tensor, state: Any = None) -> tuple[Tensor, Any]: ...
+
+
+@runtime_checkable
+class FastMemory(Memory, Protocol):
+    """A memory written while it reads (FwPKM, FwMLP): ``frozen`` reads without writing; its options
+    carry ``chunk_size`` (tokens per write) and ``lookahead`` (how far ahead its targets look)."""
+
+    frozen: bool
+    options: Any
+
+
+@runtime_checkable
+class SlotMemory(Memory, Protocol):
+    """A product-key memory (PKM, FwPKM): ``n_slots`` rows; ``read_log`` collects reads while ``record_reads``."""
+
+    n_slots: int
+    read_log: list
+    record_reads: bool
+
+
+@runtime_checkable
+class GatedMemory(Memory, Protocol):
+    """A gated memory (FwPKM): ``gate_log`` collects gates while ``record_reads``; ``tracer`` sees writes."""
+
+    gate_log: list
+    tracer: Any
+
+
+@runtime_checkable
+class FastHead(Head, Protocol):
+    """A head whose weights change as it reads (the FWL head): ``fast_names`` lists its fast tensors."""
+
+    fast_names: Any
+
+
+@runtime_checkable
+class AuxLoss(Protocol):
+    """A part that adds a training loss; ``aux_loss`` is set by each forward (None = nothing to add)."""
+
+    aux_loss: Tensor | None
+
+
+@runtime_checkable
+class TrimsState(Protocol):
+    """A part whose state grows with the sequence and can be bounded to the last ``keep`` tokens."""
+
+    def trim_state(self, state: Any, keep: int) -> Any: ...
+
+
+PLACEMENTS = ("before_mixer", "replace_mlp")
+
+# ----------------------------------------------------------------------------- the registry
+
+MIXERS: dict[str, "Entry"] = {}
+HEADS: dict[str, "Entry"] = {}
+MEMORIES: dict[str, "Entry"] = {}
+PACKAGE = "fastweights.layers"  # every module under it is scanned for components
+_loaded = False
+
+
+@dataclass
+class Entry:
+    name: str
+    cls: type
+    options_cls: type | None
+
+
+def _register(table: dict, kind: str, name: str, options_cls: type | None) -> Callable[[type], type]:
+    def deco(cls: type) -> type:
+        if name in table and table[name].cls is not cls:
+            raise ValueError(f"{kind} {name!r} registered twice ({table[name].cls.__module__} and {cls.__module__})")
+        table[name] = Entry(name, cls, options_cls)
+        return cls
+
+    return deco
+
+
+def register_mixer(name: str, options_cls: type | None = None):
+    return _register(MIXERS, "mixer", name, options_cls)
+
+
+def register_head(name: str, options_cls: type | None = None):
+    return _register(HEADS, "head", name, options_cls)
+
+
+def register_memory(name: str, options_cls: type | None = None):
+    return _register(MEMORIES, "memory", name, options_cls)
+
+
+def load_providers(rescan: bool = False) -> None:
+    """Import every module of ``fastweights.layers`` (once; ``rescan`` looks again, e.g. after a module
+    was added to the package's path). An import error propagates: a broken file is never silently skipped."""
+    global _loaded
+    if _loaded and not rescan:
+        return
+    package = importlib.import_module(PACKAGE)
+    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+        importlib.import_module(f"{PACKAGE}.{info.name}")
+    _loaded = True
+
+
+def lookup(table: dict, kind: str, name: str) -> Entry:
+    load_providers()
+    if name not in table:
+        raise UserError(f"unknown {kind} {name!r}; available: {', '.join(sorted(table))}")
+    return table[name]
+
+
+def build_options(entry: Entry, raw: dict[str, Any] | None):
+    """Options dataclass for ``entry`` from a dict, failing clearly on unknown keys or types."""
+    from fastweights.config import from_dict
+
+    if entry.options_cls is None:
+        if raw:
+            raise UserError(f"{entry.name!r} takes no options, got {sorted(raw)}")
+        return None
+    return from_dict(entry.options_cls, raw or {}, prefix=f"model.options.{entry.name}")
