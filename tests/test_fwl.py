@@ -11,17 +11,16 @@ import torch.nn.functional as F
 
 from fastweights.config import ModelConfig
 from fastweights.errors import UserError
-from fastweights.layers.fwl import (
+from fastweights.layers.fwl import FastWeightLayer, FWLOptions
+from fastweights.models.lm import LanguageModel
+from fastweights.ops.fwl import (
     BLOCK_FAST,
-    FastWeightLayer,
-    FWLOptions,
     fwl_parallel,
     fwl_recurrent_reference,
     slow_pass,
     upstream_grads,
     upstream_grads_autograd,
 )
-from fastweights.models.lm import LanguageModel
 
 DT = torch.float64
 

@@ -18,8 +18,8 @@ import torch
 from fastweights.adapt import cache as cache_mod
 from fastweights.adapt.cache import NeuralCache
 from fastweights.config import ModelConfig
-from fastweights.layers import fwl as fwl_mod
 from fastweights.models.lm import LanguageModel
+from fastweights.ops import fwl as fwl_mod
 
 V = 7
 T = 19
