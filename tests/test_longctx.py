@@ -12,9 +12,10 @@ from fastweights.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from fastweights.data import CharTokenizer, Document
 from fastweights.errors import UserError
 from fastweights.evaluate import score_tokens
-from fastweights.longctx import (PositionCurve, adapt_test, encode_documents, format_adapt_table, gate_values,
-                                 make_domain, memory_only_state, memory_writes, plot_adapt, plot_gate_map, plot_stream,
-                                 stream_eval)
+from fastweights.experiments.continual_adaptation import adapt_test, format_adapt_table, make_domain, plot_adapt
+from fastweights.experiments.fwpkm_gates import gate_values, plot_gate_map
+from fastweights.experiments.streaming import PositionCurve, encode_documents, plot_stream, stream_eval
+from fastweights.memory_switches import memory_only_state, memory_writes
 from fastweights.models.lm import LanguageModel
 
 V = 29
@@ -237,13 +238,34 @@ def test_gate_values_are_the_layers_gates(tmp_path):
         gate_values(model("attention"), tok, "abc")
 
 
+# ----------------------------------------------------------------------------- old import paths
+
+
+def test_old_import_paths_still_give_the_moved_names():
+    import fastweights.experiments.cli as experiments_cli
+    import fastweights.longctx as longctx
+    import fastweights.longctx_cli as longctx_cli
+    from fastweights import memory_switches
+    from fastweights.experiments import continual_adaptation, fwpkm_gates, streaming
+
+    homes = (memory_switches, streaming, continual_adaptation, fwpkm_gates)
+    for name in longctx.__all__:
+        assert any(getattr(m, name, None) is getattr(longctx, name) for m in homes), name
+    # what tasks/niah.py, tasks/niah_token.py and the benchmarks import from the old path
+    for name in ("check_chunk_empty", "memory_only_state", "memory_writes", "read_tokens", "fast_memories",
+                 "current_rss_mb", "encode_documents", "peak_rss_mb", "stream_eval"):
+        assert getattr(longctx, name) is getattr(memory_switches if hasattr(memory_switches, name) else streaming, name)
+    for name in longctx_cli.__all__:
+        assert getattr(longctx_cli, name) is getattr(experiments_cli, name)
+
+
 # ----------------------------------------------------------------------------- commands
 
 
 def _cli(argv):
     from fastweights import cli
 
-    modules = cli.COMMAND_MODULES + ([] if "fastweights.longctx_cli" in cli.COMMAND_MODULES else ["fastweights.longctx_cli"])
+    modules = cli.COMMAND_MODULES + ([] if "fastweights.experiments.cli" in cli.COMMAND_MODULES else ["fastweights.experiments.cli"])
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cli, "COMMAND_MODULES", modules)
         return cli.main(argv)

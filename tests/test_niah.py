@@ -260,7 +260,7 @@ def test_niah_command_writes_json_and_png(hay, tok, tmp_path, capsys):
     model = fwpkm_model(tok)
     cfg = RunConfig(model=model.config, data=DataConfig(), train=TrainConfig(seq_len=64))
     save_model(model, ckpt, cfg, tok)
-    modules = cli.COMMAND_MODULES + ([] if "fastweights.longctx_cli" in cli.COMMAND_MODULES else ["fastweights.longctx_cli"])
+    modules = cli.COMMAND_MODULES + ([] if "fastweights.experiments.cli" in cli.COMMAND_MODULES else ["fastweights.experiments.cli"])
     out = tmp_path / "niah"
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cli, "COMMAND_MODULES", modules)

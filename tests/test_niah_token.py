@@ -123,7 +123,7 @@ def test_niah_command_picks_the_token_format(tok, tmp_path):
     model = tiny_word_model(tok)
     save_model(model, ckpt, RunConfig(model=model.config, data=DataConfig(tokenizer="word"),
                                       train=TrainConfig(seq_len=64)), tok)
-    modules = cli.COMMAND_MODULES + ([] if "fastweights.longctx_cli" in cli.COMMAND_MODULES else ["fastweights.longctx_cli"])
+    modules = cli.COMMAND_MODULES + ([] if "fastweights.experiments.cli" in cli.COMMAND_MODULES else ["fastweights.experiments.cli"])
     out = tmp_path / "niah"
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cli, "COMMAND_MODULES", modules)

@@ -17,7 +17,7 @@ from fastweights.errors import UserError
 # Modules that add their own subcommands with register_cli(subparsers), and task modules that add
 # `fastweights task NAME` with register_task(task_subparsers). Missing modules are skipped.
 COMMAND_MODULES = ["fastweights.adapt.cli", "fastweights.memory_stats", "fastweights.analysis", "fastweights.hf_export",
-                   "fastweights.longctx_cli"]
+                   "fastweights.experiments.cli"]
 TASK_MODULES = ["fastweights.tasks.assoc", "fastweights.tasks.ba_retrieval"]
 
 

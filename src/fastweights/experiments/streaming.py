@@ -1,0 +1,348 @@
+"""Streaming perplexity along documents (``fastweights stream-eval``, ``fastweights eval --stream``).
+
+In the spirit of the FwPKM paper's PPL protocol and the time-scale analysis of dynamic evaluation
+(Krause et al. 2018, Fig. 2). Documents are read in order at batch 1, in calls of ``stride`` tokens;
+the KV cache keeps ``seq_len - stride`` tokens between calls (constant memory). The first token of
+every document is context only. Modes (memories and context: see :mod:`fastweights.memory_switches`):
+
+    carry    the whole state carries across calls and document boundaries
+    reset    the whole state starts fresh at every document
+    frozen   as carry, but memories never write (FwPKM/FwMLP ``frozen``; the paper's App. D.2 check);
+             with dynamic evaluation: no updates
+    memory   mixer (context) states start fresh every ``seq_len`` predictions and at every document (within
+             a segment the KV cache is not trimmed), memories carry across everything (the paper: "caches
+             reset per segment, fast weights not")
+
+Per-position curves aggregate the NLL of the i-th prediction of each document d over documents, in
+bins b = floor(i / bin_width)::
+
+    windowed_b   = sum_{d, i in b} nll_{d,i} / #{(d, i): i in b}           (Krause et al.'s non-cumulative curve)
+    cumulative_b = sum_{d, i in b' <= b} nll_{d,i} / #{(d, i): i in b' <= b}
+
+Only the bin sums and counts are kept, never a per-token array, so a stream of any length runs in
+constant memory (as long as the model's own state is bounded).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from fastweights.errors import UserError
+from fastweights.memory_switches import _trim, memory_only_state, memory_writes
+from fastweights.progress import Progress
+
+STREAM_MODES = ("carry", "reset", "frozen", "memory")
+
+
+# ----------------------------------------------------------------------------- curves
+
+
+class PositionCurve:
+    """NLL sums and counts by prediction index within a document, in bins of ``bin_width``."""
+
+    def __init__(self, bin_width: int = 256):
+        if bin_width < 1:
+            raise UserError(f"bin width must be >= 1, got {bin_width}")
+        self.bin_width = int(bin_width)
+        self.sums = np.zeros(0, dtype=np.float64)
+        self.counts = np.zeros(0, dtype=np.int64)
+
+    def add(self, start: int, nll: np.ndarray) -> None:
+        """Predictions ``start, start + 1, ...`` (0-based, within their document) with NLLs ``nll``."""
+        nll = np.asarray(nll, dtype=np.float64).reshape(-1)
+        if nll.size == 0:
+            return
+        idx = (start + np.arange(nll.size)) // self.bin_width
+        lo, hi = int(idx[0]), int(idx[-1]) + 1
+        if hi > self.sums.size:
+            grow = max(hi, 2 * self.sums.size)
+            self.sums = np.concatenate([self.sums, np.zeros(grow - self.sums.size)])
+            self.counts = np.concatenate([self.counts, np.zeros(grow - self.counts.size, dtype=np.int64)])
+        self.sums[lo:hi] += np.bincount(idx - lo, weights=nll, minlength=hi - lo)
+        self.counts[lo:hi] += np.bincount(idx - lo, minlength=hi - lo)
+
+    def to_dict(self) -> dict:
+        """``position`` (bin end: predictions made in the document), ``windowed`` and ``cumulative`` mean
+        NLL in nats, ``count`` (predictions per bin)."""
+        used = int(np.nonzero(self.counts)[0].max()) + 1 if self.counts.any() else 0
+        sums, counts = self.sums[:used], self.counts[:used]
+        windowed = [float(s / c) if c else None for s, c in zip(sums, counts)]
+        csum, ccount = np.cumsum(sums), np.cumsum(counts)
+        cumulative = [float(s / c) if c else None for s, c in zip(csum, ccount)]
+        return {"bin_width": self.bin_width, "position": [(i + 1) * self.bin_width for i in range(used)],
+                "windowed": windowed, "cumulative": cumulative, "count": counts.tolist()}
+
+
+# ----------------------------------------------------------------------------- documents as token streams
+
+
+def encode_documents(docs: Sequence, tokenizer, max_chars: int = 0) -> Iterator[tuple[str, Iterator[np.ndarray]]]:
+    """``(name, blocks)`` per document; ``blocks`` yields the token ids of consecutive text pieces.
+
+    Pieces are cut where no tokenizer's output changes (``Document.pieces``), so the blocks
+    concatenate to the document's encoding, and a long file is never held as one token array.
+    ``max_chars`` > 0 stops after that many characters in all.
+    """
+    left = max_chars if max_chars > 0 else math.inf
+    for d in docs:
+        if left <= 0:
+            return
+        name = getattr(d, "name", "text")
+
+        def blocks(d=d):
+            nonlocal left
+            for piece in (d.pieces() if hasattr(d, "pieces") else [d]):
+                if left <= 0:
+                    return
+                if len(piece) > left:
+                    piece = piece[: int(left)]
+                left -= len(piece)
+                ids = np.asarray(tokenizer.encode(piece), dtype=np.int64)
+                if ids.size:
+                    yield ids
+
+        yield name, blocks()
+
+
+def current_rss_mb() -> float | None:
+    """Resident set size of this process now, in MiB (Linux /proc), else None."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process so far, in MiB."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux
+
+
+# ----------------------------------------------------------------------------- streaming perplexity
+
+
+@dataclass
+class StreamResult:
+    mode: str
+    nll: float = 0.0  # total NLL, nats
+    tokens: int = 0  # predictions scored
+    curve: PositionCurve = field(default_factory=PositionCurve)
+    documents: list = field(default_factory=list)  # {"name", "tokens", "loss"} per document
+    elapsed_s: float = 0.0
+    rss_mb: dict = field(default_factory=dict)  # {"start", "max_sampled", "end"} current RSS during the run
+
+    @property
+    def loss(self) -> float:
+        return self.nll / max(1, self.tokens)
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, "loss_nats": self.loss, "bits_per_token": self.loss / math.log(2),
+                "perplexity": math.exp(min(self.loss, 700)), "tokens": self.tokens, "elapsed_s": self.elapsed_s,
+                "tokens_per_s": self.tokens / self.elapsed_s if self.elapsed_s > 0 else None,
+                "rss_mb": self.rss_mb, "curve": self.curve.to_dict(), "documents": self.documents}
+
+
+def _nll(logits: torch.Tensor, targets: torch.Tensor) -> np.ndarray:
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return (-logp.gather(-1, targets[..., None])[..., 0]).reshape(-1).double().cpu().numpy()
+
+
+def _calls(blocks: Iterable[np.ndarray], stride: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(inputs, targets) of ``stride`` predictions each (the last call: what is left) over a document given
+    in blocks; the first token is context only. The calls are those of one array, whatever the blocks
+    (attention contexts depend on call boundaries); at most one block plus ``stride`` tokens are held."""
+    buf = np.zeros(0, dtype=np.int64)
+    for block in blocks:
+        buf = np.concatenate([buf, block])
+        i = 0
+        while buf.size - 1 - i >= stride:
+            yield buf[i : i + stride], buf[i + 1 : i + stride + 1]
+            i += stride
+        buf = buf[i:]
+    if buf.size > 1:
+        yield buf[:-1], buf[1:]
+
+
+def stream_eval(model, documents: Iterable[tuple[str, Iterable[np.ndarray]]], mode: str = "carry",
+                seq_len: int = 512, stride: int | None = None, bin_width: int = 256, max_tokens: int = 0,
+                evaluator=None, progress: bool | Progress = False) -> StreamResult:
+    """Score documents in order at batch 1 under ``mode`` (see the module docstring).
+
+    Args:
+        model: a LanguageModel (or anything with ``forward(tokens, state) -> .logits, .state``).
+        documents: ``(name, blocks of token ids)`` per document, e.g. from :func:`encode_documents`.
+        mode: one of :data:`STREAM_MODES`.
+        seq_len: the context length (KV cache keeps ``seq_len - stride``); the segment of "memory" mode.
+        stride: predictions per forward call (default ``seq_len // 2``).
+        bin_width: predictions per bin of the per-position curves.
+        max_tokens: stop after this many predictions in all (0: everything).
+        evaluator: a :class:`~fastweights.adapt.dynamic.DynamicEvaluator` to add dynamic evaluation on
+            top (modes carry and reset; frozen runs static; its own segment and context apply).
+        progress: show a progress line (or a :class:`Progress` to update).
+    """
+    if mode not in STREAM_MODES:
+        raise UserError(f"unknown stream mode {mode!r}; choose from {', '.join(STREAM_MODES)}")
+    stride = stride or max(1, seq_len // 2)
+    if not 0 < stride <= seq_len:
+        raise UserError(f"stride must be in (0, seq_len={seq_len}], got {stride}")
+    if evaluator is not None and mode == "memory":
+        raise UserError("stream mode 'memory' does not combine with dynamic evaluation (use carry, reset or frozen)")
+    bar = progress if isinstance(progress, Progress) else Progress(max_tokens or None, "tok", desc=f"stream {mode}",
+                                                                   enabled=bool(progress))
+    res = StreamResult(mode, curve=PositionCurve(bin_width))
+    rss0 = current_rss_mb()
+    rss_max = rss0
+    t0 = time.perf_counter()
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    dynamic = evaluator is not None and mode != "frozen"
+    # the KV cache keeps seq_len - stride tokens between calls; in memory mode the segment bounds it instead
+    keep = None if mode == "memory" else seq_len - stride
+    state = None
+    try:
+        with memory_writes(model, frozen=True if mode == "frozen" else None):
+            for name, blocks in documents:
+                if res.tokens >= max_tokens > 0:
+                    break
+                doc_nll, doc_n = 0.0, 0
+                if dynamic:
+                    doc_nll, doc_n, state = _dynamic_document(evaluator, blocks, state if mode == "carry" else None,
+                                                              res, max_tokens, bar)
+                else:
+                    if mode in ("reset",):
+                        state = None
+                    elif mode == "memory":
+                        state = memory_only_state(state)
+                    seg_used = 0
+                    for x, y in _calls(blocks, stride):
+                        if mode == "memory":
+                            # a call never crosses a segment boundary: cut it where the segment ends
+                            m = min(x.size, seq_len - seg_used)
+                            pieces = [(x[:m], y[:m]), (x[m:], y[m:])] if m < x.size else [(x, y)]
+                        else:
+                            pieces = [(x, y)]
+                        for xs, ys in pieces:
+                            if xs.size == 0:
+                                continue
+                            if max_tokens > 0 and res.tokens + xs.size > max_tokens:
+                                xs, ys = xs[: max_tokens - res.tokens], ys[: max_tokens - res.tokens]
+                                if xs.size == 0:
+                                    break
+                            with torch.no_grad():
+                                out = model(torch.from_numpy(xs)[None].to(device), state)
+                            nll = _nll(out.logits, torch.from_numpy(ys)[None].to(device))
+                            state = _trim(model, out.state, keep)
+                            res.curve.add(doc_n, nll)
+                            doc_nll += float(nll.sum())
+                            doc_n += nll.size
+                            res.nll += float(nll.sum())
+                            res.tokens += nll.size
+                            bar.update(nll.size, loss=res.loss)
+                            if mode == "memory":
+                                seg_used += xs.size
+                                if seg_used >= seq_len:
+                                    state, seg_used = memory_only_state(state), 0
+                        if res.tokens >= max_tokens > 0:
+                            break
+                        r = current_rss_mb()
+                        if r is not None and rss_max is not None:
+                            rss_max = max(rss_max, r)
+                res.documents.append({"name": name, "tokens": doc_n, "loss": doc_nll / doc_n if doc_n else None})
+    finally:
+        model.train(was_training)
+        if not isinstance(progress, Progress):
+            bar.close()
+    res.elapsed_s = time.perf_counter() - t0
+    res.rss_mb = {"start": rss0, "max_sampled": rss_max, "end": current_rss_mb(), "peak_process": peak_rss_mb()}
+    return res
+
+
+def _dynamic_document(ev, blocks, prev, res: StreamResult, max_tokens: int, bar):
+    """One document under dynamic evaluation; ``prev`` (a DynamicState) carries weights and model state."""
+    from fastweights.adapt.dynamic import DynamicState
+
+    state = None
+    if prev is not None:  # carry: the adapted weights and the model state continue; the first token is context
+        state = DynamicState(prev.values, prev.model_state, torch.zeros(0, dtype=torch.long), 0)
+    limit = max_tokens - res.tokens + 1 if max_tokens > 0 else math.inf  # tokens of this document we may feed
+    doc_nll, doc_n, fed = 0.0, 0, 0
+    for block in blocks:
+        ids = torch.from_numpy(block)
+        if fed + ids.numel() > limit:
+            ids = ids[: int(limit - fed)]
+        if ids.numel() == 0:
+            break
+        fed += ids.numel()
+        r, state = ev.evaluate(ids, state, final=False, keep_token_losses=True)
+        _record(res, r.token_losses, doc_n, bar)
+        doc_nll, doc_n = doc_nll + r.nll, doc_n + r.tokens
+    if state is not None and state.pending.numel() > 1:  # the unscored tail (shorter than a segment)
+        r, state = ev.evaluate(torch.zeros(0, dtype=torch.long), state, final=True, keep_token_losses=True)
+        _record(res, r.token_losses, doc_n, bar)
+        doc_nll, doc_n = doc_nll + r.nll, doc_n + r.tokens
+    return doc_nll, doc_n, state
+
+
+def _record(res: StreamResult, losses: list, start: int, bar) -> None:
+    if not losses:
+        return
+    arr = np.asarray(losses, dtype=np.float64)
+    res.curve.add(start, arr)
+    res.nll += float(arr.sum())
+    res.tokens += arr.size
+    bar.update(arr.size, loss=res.loss)
+
+
+def plot_stream(runs: Sequence[dict], path: str | Path, title: str = "", unit: str = "nats") -> Path:
+    """PNG: windowed (top) and cumulative (bottom) loss against position, one line per (model, mode).
+
+    ``runs``: dicts with ``"label"`` and ``"curve"`` (a :meth:`PositionCurve.to_dict`), optionally
+    ``"checkpoint"`` (one colour per model) and ``"mode"`` (one line style per mode). ``unit``: "nats" or "bits".
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from fastweights.checkpoint import atomic_write
+
+    scale = 1 / math.log(2) if unit == "bits" else 1.0
+    styles = {"carry": "-", "reset": "--", "frozen": ":", "memory": "-."}
+    models = list(dict.fromkeys(r.get("checkpoint", r["label"]) for r in runs))  # one colour per model
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    for run in runs:
+        c = run["curve"]
+        style = dict(color=f"C{models.index(run.get('checkpoint', run['label'])) % 10}",
+                     ls=styles.get(run.get("mode"), "-"), lw=1.2)
+        xs = [p for p, v in zip(c["position"], c["windowed"]) if v is not None]
+        ax.plot(xs, [v * scale for v in c["windowed"] if v is not None], label=run["label"], **style)
+        xs = [p for p, v in zip(c["position"], c["cumulative"]) if v is not None]
+        ax2.plot(xs, [v * scale for v in c["cumulative"] if v is not None], **style)
+    bw = runs[0]["curve"]["bin_width"] if runs else 0
+    ax.set_ylabel(f"{unit}/token, window {bw}")
+    ax2.set_ylabel(f"{unit}/token, cumulative")
+    ax2.set_xlabel("position in the document (predictions)")
+    for a in (ax, ax2):
+        a.grid(alpha=0.3)
+        if runs and max(len(r["curve"]["position"]) for r in runs) > 64:
+            a.set_xscale("log")
+    ax.legend(fontsize=8)
+    ax.set_title(title or "streaming loss along documents")
+    fig.tight_layout()
+    path = Path(path)
+    atomic_write(path, lambda p: fig.savefig(p, dpi=110, format="png"))
+    plt.close(fig)
+    return path
+
