@@ -62,7 +62,7 @@ SOURCES = {
                                      S + "adapt/cache.py", S + "layers/fwl.py", S + "ops/fwl.py", S + "layers/attention.py",
                                      S + "layers/lstm.py", S + "ops/linear_attention.py", S + "layers/fwpkm.py",
                                      S + "layers/fwmlp.py"],
-    "fastweights adapt-test": [S + "longctx.py", S + "adapt/dynamic.py"],
+    "fastweights adapt-test": [S + "experiments/continual_adaptation.py", S + "memory_switches.py", S + "adapt/dynamic.py"],
 }
 
 # The file a script writes when its command names none (a command without --name / --out must match).
