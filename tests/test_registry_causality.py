@@ -148,9 +148,12 @@ def written_tables(name, st) -> dict:
 
 
 def test_every_registered_name_is_covered():
+    """Every component of the package (a module of fastweights.layers) has variants here; components a
+    user registers from their own code (as docs/architecture.md does) are theirs to test."""
     registry.load_providers()
     for kind, table in TABLES.items():
-        assert {n for k, n in VARIANTS if k == kind} == set(table), kind
+        ours = {n for n, e in table.items() if e.cls.__module__.startswith("fastweights.layers.")}
+        assert {n for k, n in VARIANTS if k == kind} == ours, kind
 
 
 @pytest.mark.parametrize("kind,name,raw", list(cases()))
