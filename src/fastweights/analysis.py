@@ -154,7 +154,7 @@ def plot_analysis(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fastweights.checkpoint import atomic_write
+    from fastweights.files import save_figure
 
     panels = [("by_position", "position in document"), ("by_frequency", "training frequency of the token"),
               ("by_prior_count", "earlier occurrences in the document")]
@@ -176,8 +176,7 @@ def plot_analysis(result: dict, path: Path) -> None:
     fig.suptitle(f"{result['model']} vs {result['base']}: {o['improvement_bits']:+.4f} bits/token over "
                  f"{o['tokens']} tokens", fontsize=10)
     fig.tight_layout()
-    atomic_write(path, lambda p: fig.savefig(p, dpi=110, format="png"))
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def analyze(base_dir: Path, model_dir: Path, data: str | None = None, split: str = "test", seq_len: int = 0,
@@ -237,8 +236,8 @@ def analyze(base_dir: Path, model_dir: Path, data: str | None = None, split: str
 
 
 def cmd_analyze(args) -> int:
-    from fastweights.checkpoint import atomic_write
-    from fastweights.train import resolve_device
+    from fastweights.files import atomic_write
+    from fastweights.distributed import resolve_device
 
     result = analyze(Path(args.base), Path(args.model), data=args.data, split=args.split, seq_len=args.seq_len,
                      stride=args.stride, max_chars=args.max_chars, freq_from=args.freq_from,

@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 
 from fastweights.config import RunConfig, from_dict
 from fastweights.errors import UserError
+from fastweights.files import atomic_write, fsync_dir, fsync_file, pid_alive  # noqa: F401  (atomic_write: old import path)
 
 MANIFEST = "checkpoint.json"
 PENDING = ".ckpt-next"
@@ -48,58 +49,6 @@ _STATE_FORMAT = "fastweights-trainer-state"
 
 
 # ----------------------------------------------------------------------------- low-level writing
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def atomic_write(path: Path, write) -> None:
-    """Call ``write(tmp_path)``, fsync, then rename the temporary file onto ``path``.
-
-    The temporary name carries the process id (``.NAME.PID.tmp``) so that a leftover of a killed
-    process is recognised and removed by :func:`remove_stale_temporaries`.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        _fsync_file(tmp)
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def remove_stale_temporaries(directory: Path) -> None:
@@ -117,7 +66,7 @@ def remove_stale_temporaries(directory: Path) -> None:
             pid = parts[1] if len(parts) == 2 and parts[1].isdigit() else "0"
         if pid is None or not pid.isdigit():
             continue
-        if int(pid) == os.getpid() or (int(pid) != 0 and _pid_alive(int(pid))):
+        if int(pid) == os.getpid() or (int(pid) != 0 and pid_alive(int(pid))):
             continue  # our own, or a live process's work in progress
         if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
@@ -160,19 +109,19 @@ def write_checkpoint(directory: Path, write_files, step: int | None = None) -> d
         for p in sorted(tmp.iterdir()):
             if not p.is_file() or p.name == MANIFEST:
                 raise RuntimeError(f"checkpoint writer produced an unexpected entry {p.name}")
-            _fsync_file(p)
+            fsync_file(p)
             files[p.name] = {"size": p.stat().st_size, "sha256": _sha256_file(p)}
             _test_pause("file")
         manifest = {"format": FORMAT, "version": 1, "step": step, "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        _fsync_file(tmp / MANIFEST)
-        _fsync_dir(tmp)
+        fsync_file(tmp / MANIFEST)
+        fsync_dir(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _test_pause("before commit")
     os.rename(tmp, directory / PENDING)  # the commit point: the new checkpoint is complete on disk
-    _fsync_dir(directory)
+    fsync_dir(directory)
     _test_pause("committed")
     finish_pending(directory)
     return manifest
@@ -194,14 +143,14 @@ def finish_pending(directory: Path) -> bool:
                 os.replace(pending / name, directory / name)
                 _test_pause("swap")
         os.replace(mpath, directory / MANIFEST)
-        _fsync_dir(directory)
+        fsync_dir(directory)
         stale = set(old["files"]) - set(new["files"]) if old else set()
         if TRAINER_STATE in new["files"]:
             stale.add(LEGACY_TRAINER_STATE)
         for name in stale - {MANIFEST}:
             (directory / name).unlink(missing_ok=True)
     shutil.rmtree(pending, ignore_errors=True)
-    _fsync_dir(directory)
+    fsync_dir(directory)
     return True
 
 

@@ -127,7 +127,7 @@ def _eval_prepared(model, tokenizer, cfg, args, seq_len):
 def cmd_eval(args) -> int:
     from fastweights.checkpoint import load_checkpoint
     from fastweights.evaluate import evaluate_documents
-    from fastweights.train import resolve_device
+    from fastweights.distributed import resolve_device
 
     if args.stream:
         from fastweights.longctx_cli import run_stream_eval
@@ -178,7 +178,7 @@ def _warn_unknown(tokenizer, texts, what: str) -> None:
 def cmd_generate(args) -> int:
     from fastweights.checkpoint import load_checkpoint
     from fastweights.generate import generate_tokens
-    from fastweights.train import resolve_device
+    from fastweights.distributed import resolve_device
 
     model, tokenizer, cfg = load_checkpoint(Path(args.checkpoint), map_location=str(resolve_device(args.device)))
     _warn_unknown(tokenizer, [args.prompt], "the prompt")

@@ -202,7 +202,7 @@ def trace_position(reads: torch.Tensor, weights: torch.Tensor | None, tracer: Sl
 def cmd_memory_stats(args) -> int:
     from fastweights.checkpoint import load_checkpoint
     from fastweights.data import load_corpus
-    from fastweights.train import resolve_device
+    from fastweights.distributed import resolve_device
 
     _check_window(args.window)
     model, tokenizer, cfg = load_checkpoint(Path(args.checkpoint), map_location=str(resolve_device(args.device)))

@@ -167,10 +167,10 @@ def _try_lock(fd: int) -> bool:
     try:
         import fcntl
     except ImportError:  # pragma: no cover - no flock: fall back to the recorded pid being alive
-        from fastweights.checkpoint import _pid_alive
+        from fastweights.files import pid_alive
 
         pid = _read_owner(fd).get("pid")
-        return not (isinstance(pid, int) and pid != os.getpid() and _pid_alive(pid))
+        return not (isinstance(pid, int) and pid != os.getpid() and pid_alive(pid))
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

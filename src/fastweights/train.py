@@ -20,11 +20,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastweights.checkpoint import atomic_write, save_model
+from fastweights.checkpoint import save_model
 from fastweights.distributed import (Dist, all_finite, all_mean, barrier, from_rank0, full_state,  # noqa: F401
                                      init_distributed, load_full_state, resolve_device, wrap_model)
 from fastweights.config import RunConfig
 from fastweights.errors import UserError
+from fastweights.files import atomic_write, save_figure
 from fastweights.models.lm import LanguageModel, detach_state
 from fastweights.progress import Progress
 
@@ -575,5 +576,4 @@ def plot_loss_curve(metrics_path: Path, png_path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    atomic_write(png_path, lambda p: fig.savefig(p, dpi=120, format="png"))
-    plt.close(fig)
+    save_figure(fig, png_path, dpi=120)

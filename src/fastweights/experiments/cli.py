@@ -155,7 +155,7 @@ def _setup(args):
 
 def _load(path, device: str = "auto"):
     from fastweights.checkpoint import load_checkpoint
-    from fastweights.train import resolve_device
+    from fastweights.distributed import resolve_device
 
     return load_checkpoint(Path(path), map_location=str(resolve_device(device)))
 
@@ -199,7 +199,7 @@ def _output_prefix(args, default: str) -> Path:
 
 
 def _write_json(path: Path, obj) -> None:
-    from fastweights.checkpoint import atomic_write
+    from fastweights.files import atomic_write
 
     atomic_write(path, lambda p: p.write_text(json.dumps(obj, indent=2) + "\n"))
 

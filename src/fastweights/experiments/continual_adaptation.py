@@ -173,7 +173,7 @@ def plot_adapt(result: dict, path: str | Path, title: str = "") -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fastweights.checkpoint import atomic_write
+    from fastweights.files import save_figure
 
     stages = result["stages"]
     fig, ax = plt.subplots(figsize=(1.4 * len(stages) + 3, 4))
@@ -187,8 +187,5 @@ def plot_adapt(result: dict, path: str | Path, title: str = "") -> Path:
     ax.legend(fontsize=8)
     ax.set_title(title or "continual adaptation: held-out NLL after each stage")
     fig.tight_layout()
-    path = Path(path)
-    atomic_write(path, lambda p: fig.savefig(p, dpi=110, format="png"))
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 

@@ -56,7 +56,7 @@ def plot_gate_map(tokens: Sequence[str], gates: dict, path: str | Path, width: i
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fastweights.checkpoint import atomic_write
+    from fastweights.files import save_figure
 
     T = len(tokens)
     rows = max(1, math.ceil(T / width))
@@ -75,7 +75,4 @@ def plot_gate_map(tokens: Sequence[str], gates: dict, path: str | Path, width: i
         ax.set_ylabel(f"layer {layer}")
         fig.colorbar(im, ax=ax, fraction=0.02, pad=0.01, label="gate g_t")
     axes[0, 0].set_title(title or "FwPKM gate per token (1 = memory read, 0 = bypass)")
-    path = Path(path)
-    atomic_write(path, lambda p: fig.savefig(p, dpi=130, format="png", bbox_inches="tight"))
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=130, bbox_inches="tight")

@@ -316,7 +316,7 @@ def plot_stream(runs: Sequence[dict], path: str | Path, title: str = "", unit: s
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fastweights.checkpoint import atomic_write
+    from fastweights.files import save_figure
 
     scale = 1 / math.log(2) if unit == "bits" else 1.0
     styles = {"carry": "-", "reset": "--", "frozen": ":", "memory": "-."}
@@ -341,8 +341,5 @@ def plot_stream(runs: Sequence[dict], path: str | Path, title: str = "", unit: s
     ax.legend(fontsize=8)
     ax.set_title(title or "streaming loss along documents")
     fig.tight_layout()
-    path = Path(path)
-    atomic_write(path, lambda p: fig.savefig(p, dpi=110, format="png"))
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 

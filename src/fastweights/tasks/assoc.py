@@ -319,6 +319,8 @@ def plot_capacity(results: list[dict], path: Path, title: str | None = None) -> 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from fastweights.files import save_figure
+
     fig, ax = plt.subplots(figsize=(6, 4))
     for label in dict.fromkeys(r["label"] for r in results):
         rows = sorted((r["keys"], r["final_eval_loss"]) for r in results if r["label"] == label)
@@ -332,9 +334,7 @@ def plot_capacity(results: list[dict], path: Path, title: str | None = None) -> 
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 # ----------------------------------------------------------------------------- CLI
