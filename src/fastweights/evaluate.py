@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fastweights.components import TrimsState
+from fastweights.ops.nll import token_nll
 from fastweights.progress import Progress
 
 
@@ -68,8 +69,7 @@ def score_tokens(model, tokens: torch.Tensor, seq_len: int, stride: int | None =
         state = out.state
         if isinstance(model, TrimsState):
             state = model.trim_state(state, seq_len - stride)
-        logp = torch.log_softmax(out.logits.float(), dim=-1)
-        tok_nll = -logp.gather(-1, y[..., None])[..., 0]  # [B, t]
+        tok_nll = token_nll(out.logits, y)  # [B, t]
         nll += tok_nll.sum().item()
         count += tok_nll.numel()
         if keep_token_losses:

@@ -39,6 +39,7 @@ import torch
 
 from fastweights.errors import UserError
 from fastweights.memory_switches import _trim, memory_only_state, memory_writes
+from fastweights.ops.nll import token_nll
 from fastweights.progress import Progress
 
 STREAM_MODES = ("carry", "reset", "frozen", "memory")
@@ -154,8 +155,7 @@ class StreamResult:
 
 
 def _nll(logits: torch.Tensor, targets: torch.Tensor) -> np.ndarray:
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return (-logp.gather(-1, targets[..., None])[..., 0]).reshape(-1).double().cpu().numpy()
+    return token_nll(logits, targets).reshape(-1).double().cpu().numpy()
 
 
 def _calls(blocks: Iterable[np.ndarray], stride: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
