@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves
 
-from test_registry_causality import B, D, HEADS, T, TABLES, V, VARIANTS
-from fastweights.models import registry
+from test_registry_causality import B, D, T, V, VARIANTS
+from test_registry_causality import build as build_fp64
 
 # components whose meta run is known to fail, with the reason; strict, so a fix turns the test red until
 # the entry is removed
@@ -46,17 +46,8 @@ def cases(known: dict | None = None):
 
 
 def build(kind, name, raw):
-    entry = registry.lookup(TABLES[kind], kind, name)
-    raw = dict(raw)
-    if name in ("fwpkm", "fwmlp"):
-        raw["persistence"] = raw["persistence"].split("-")[0]
-    options = registry.build_options(entry, raw)
-    torch.manual_seed(0)
-    if kind == "mixer":
-        return entry.cls(d_model=D, n_heads=HEADS, options=options)
-    if kind == "head":
-        return entry.cls(d_model=D, vocab_size=V, options=options)
-    return entry.cls(d_model=D, options=options)
+    """The registry test's construction (same options handling and seed), with fp32 parameters."""
+    return build_fp64(kind, name, raw).float()
 
 
 def call(layer, kind, x, tokens, state=None):

@@ -10,40 +10,15 @@ from fastweights.adapt.cache import NeuralCache
 from fastweights.adapt.dynamic import DynamicEvaluator, DynamicState, GradStats, parse_schedule, schedule_factor
 from fastweights.adapt.dynamic_cache import DynamicNeuralCache
 from fastweights.adapt.lowrank import LowRankAdaptation, LowRankDynamicEvaluator, collect_lowrank_grad_stats
-from fastweights.config import ModelConfig
 from fastweights.errors import UserError
 from fastweights.evaluate import score_tokens
-from fastweights.models.lm import LanguageModel
-
-V = 13
-
-
-def tiny_model(dtype=torch.float32, seed=0):
-    torch.manual_seed(seed)
-    return LanguageModel(ModelConfig(vocab_size=V, d_model=16, n_layers=2, n_heads=2)).to(dtype).eval()
-
-
-def tokens(n, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    motif = torch.randint(0, V, (7,), generator=g)
-    seq = motif.repeat(n // 7 + 1)[:n].clone()
-    noise = torch.rand(n, generator=g) < 0.2
-    seq[noise] = torch.randint(0, V, (int(noise.sum()),), generator=g)
-    return seq
+from test_dynamic_eval import V, tiny_model, tokens  # the same tiny model and repetitive stream (conftest: one thread)
 
 
 def fake_stats(names_shapes, seed=2):
     g = torch.Generator().manual_seed(seed)
     return GradStats({n: (torch.rand(s, generator=g, dtype=torch.float64) * 1e-2 + 1e-4).float()
                       for n, s in names_shapes}, batches=1, batch_size=1, seq_len=1)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ----------------------------------------------------------------------------- schedules

@@ -27,11 +27,12 @@ def generate_tokens(model, prompt: list[int], max_tokens: int, temperature: floa
     model.eval()
     x = torch.tensor([prompt], device=device)
     state = None
+    trims = context is not None and isinstance(model, TrimsState)  # a Protocol check: once, not per token
     try:
         for _ in range(max_tokens):
             out = model(x, state)
             state = out.state
-            if context is not None and isinstance(model, TrimsState):
+            if trims:
                 state = model.trim_state(state, context - 1)
             logits = out.logits[0, -1].float()
             if temperature <= 0:
