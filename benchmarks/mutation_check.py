@@ -56,7 +56,7 @@ MUTATIONS = [
      [("                # 1. score: record the segment's losses before any update has seen its tokens\n"
        "                scored = tok_nll.detach()\n",
        "                self.update_rule.apply(deltas, torch.autograd.grad(tok_nll.mean(), leaves, allow_unused=True))\n"
-       "                scored = _token_nll(forward(x, model_state)[0], y).detach()\n")],
+       "                scored = token_nll(forward(x, model_state)[0], y).detach()\n")],
      ["tests/test_dynamic_eval.py"], "dynamic evaluation scores a segment after an update on that segment"),
     ("fast_rnn_carried_matrix_dropped", S + "layers/fast_rnn.py",
      [("return folded if A is None else folded + (lam**n) * A", "return folded")],

@@ -51,6 +51,7 @@ SOURCES = {
     "benchmarks/prepare_memory.py": [S + "data/corpus.py"],
     "benchmarks/ptb_dynamic_eval.py": [S + "adapt/dynamic.py"],
     "benchmarks/smollm2_dynamic_eval.py": [S + "adapt/hf.py", S + "adapt/hf_context.py", S + "adapt/dynamic.py",
+                                           S + "adapt/update_rules.py", S + "evaluate.py",
                                            S + "adapt/cache.py", S + "adapt/lowrank.py", S + "adapt/dynamic_cache.py",
                                            S + "adapt/sparse.py"],
     "benchmarks/stream_memory.py": [S + "layers/fwpkm.py", S + "ops/pkm.py"],

@@ -13,12 +13,14 @@ Protocol (issue 18: the earlier version kept a 1,024-token sliding window, which
 attention sinks, raised the static perplexity by a third, and let dynamic evaluation "repair" the
 damage: its 11-17% gains were mostly that repair):
 
-1. Texts from the bundled corpora (each excerpt's JSON entry names its ``CORPUS:DOCUMENT``). Three
-   scored excerpts of ``--tokens`` predictions: Anna Karenina from its first line, Hamlet from
-   ``ACT I.`` and Don Quijote from ``En un lugar de la Mancha``. Two tuning excerpts of
-   ``--val-tokens`` predictions from other works: Crime and Punishment from ``PART III`` and
-   Macbeth from ``ACT III.``. Gradient statistics (MS_g for the RMS rules) on a third kind of
-   text: War and Peace from ``CHAPTER II`` (generic English prose; neither scored nor tuned on).
+1. Texts from the bundled corpora, named by ``CORPUS:DOCUMENT@MARKER`` (``--data`` for the scored
+   texts, ``--tune-data`` for the tuning texts, ``--stats-data`` for the gradient-statistics text;
+   each excerpt's JSON entry names its document). The defaults: three scored excerpts of
+   ``--tokens`` predictions, Anna Karenina from its first line, Hamlet from ``ACT I.`` and Don
+   Quijote from ``En un lugar de la Mancha``; two tuning excerpts of ``--val-tokens`` predictions
+   from other works, Crime and Punishment from ``PART III`` and Macbeth from ``ACT III.``; gradient
+   statistics (MS_g for the RMS rules) on a third kind of text, War and Peace from ``CHAPTER II``
+   (generic English prose; neither scored nor tuned on).
 2. Context check (static, each scored text): one forward pass over the whole excerpt (the model's
    full-context perplexity) vs the default protocol (segments of 64, the KV cache carried, whole
    stream in context), vs a cache bounded at each of ``--bounded`` tokens keeping the first 4 tokens
@@ -63,20 +65,48 @@ from fastweights.adapt.dynamic import DynamicEvaluator, collect_grad_stats  # no
 from fastweights.data import load_corpus, to_utf8  # noqa: E402
 from fastweights.errors import UserError  # noqa: E402
 
-# (key, title, document: "CORPUS:DOCUMENT" of a bundled corpus, marker the excerpt starts at, role)
-TEXTS = [
-    ("anna_karenina", "Tolstoy, Anna Karenina (Garnett translation)",
+# The bundled texts: (key, short title, full title, "CORPUS:DOCUMENT" of a registered corpus, marker the excerpt
+# starts at, role). --data / --tune-data / --stats-data name others the same way ("CORPUS:DOCUMENT@MARKER").
+KNOWN = [
+    ("anna_karenina", "Anna Karenina", "Tolstoy, Anna Karenina (Garnett translation)",
      "novels:anna_karenina_tolstoy_garnett.txt", "Happy families are all alike", "scored"),
-    ("hamlet", "Shakespeare, Hamlet", "shakespeare-heldout:hamlet_gut.txt", "ACT I.\n", "scored"),
-    ("don_quijote", "Cervantes, Don Quijote (Spanish)", "don-quijote:don_quijote_cervantes.txt",
-     "En un lugar de la Mancha", "scored"),
-    ("crime_and_punishment_part3", "Dostoevsky, Crime and Punishment (Garnett), from Part III",
+    ("hamlet", "Hamlet", "Shakespeare, Hamlet", "shakespeare-heldout:hamlet_gut.txt", "ACT I.\n", "scored"),
+    ("don_quijote", "Don Quijote (Spanish)", "Cervantes, Don Quijote (Spanish)",
+     "don-quijote:don_quijote_cervantes.txt", "En un lugar de la Mancha", "scored"),
+    ("crime_and_punishment_part3", "Crime and Punishment", "Dostoevsky, Crime and Punishment (Garnett), from Part III",
      "novels:crime_and_punishment_dostoevsky_garnett.txt", "PART III\n", "validation"),
-    ("macbeth_act3", "Shakespeare, Macbeth, from Act III", "shakespeare-heldout:macbeth_gut.txt",
+    ("macbeth_act3", "Macbeth", "Shakespeare, Macbeth, from Act III", "shakespeare-heldout:macbeth_gut.txt",
      "ACT III.\n", "validation"),
-    ("war_and_peace_ch2", "Tolstoy, War and Peace (Maude), from Chapter II", "novels:war_and_peace_tolstoy_maude.txt",
-     "CHAPTER II\n", "statistics"),
+    ("war_and_peace_ch2", "War and Peace", "Tolstoy, War and Peace (Maude), from Chapter II",
+     "novels:war_and_peace_tolstoy_maude.txt", "CHAPTER II\n", "statistics"),
 ]
+
+
+def default_data(role: str) -> str:
+    """The --data default for ``role``: the bundled texts, as ``CORPUS:DOCUMENT@MARKER`` (newline written \\n)."""
+    return ",".join(f"{spec}@{marker}".replace("\n", "\\n") for _, _, _, spec, marker, r in KNOWN if r == role)
+
+
+def parse_data(value: str, role: str) -> list[tuple[str, str, str, str, str, str]]:
+    """``CORPUS:DOCUMENT[@MARKER],...`` -> (key, short, title, spec, marker, role) rows; the excerpt starts at
+    the first occurrence of MARKER (``\\n`` for a newline), or at the document's start without one."""
+    rows = []
+    for item in [v.strip() for v in value.split(",") if v.strip()]:
+        spec, _, marker = item.partition("@")
+        marker = marker.replace("\\n", "\n")
+        known = [k for k in KNOWN if k[3] == spec and k[4] == marker]
+        if known:
+            rows.append(known[0][:5] + (role,))
+            continue
+        doc = spec.rpartition(":")[2] or spec
+        key = "".join(c if c.isalnum() else "_" for c in Path(doc).stem.lower()).strip("_") or "text"
+        key = key if marker == "" else f"{key}_{len(rows)}"
+        rows.append((key, Path(doc).stem, spec + (f" from {marker.strip()!r}" if marker else ""), spec, marker, role))
+    if not rows:
+        raise UserError(f"no {role} text named (expected CORPUS:DOCUMENT[@MARKER],...)")
+    return rows
+
+
 EMBED = "hf.model.embed_tokens.*"  # tied with the output matrix (lm_head) in SmolLM2
 MODEL = "SmolLM2-135M-Instruct (Q4_1 GGUF, de-quantised)"
 
@@ -91,7 +121,7 @@ def excerpt(tok, key: str, title: str, spec: str, marker: str, role: str, predic
     (doc,) = load_corpus(spec)
     text = doc.text
     raw = to_utf8(text)
-    start = text.find(marker)
+    start = text.find(marker) if marker else 0
     if start < 0:
         raise UserError(f"{spec}: start marker {marker!r} not found")
     need = predictions + 1
@@ -131,6 +161,13 @@ def one_pass_losses(lm, ids: torch.Tensor, chunk: int = 512) -> torch.Tensor:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", default=default_data("scored"),
+                    help="scored texts: CORPUS:DOCUMENT[@MARKER],... of registered corpora (`fastweights data list`; "
+                         "MARKER: where the excerpt starts, \\n for a newline; default: %(default)s)")
+    ap.add_argument("--tune-data", default=default_data("validation"),
+                    help="tuning texts, the same form (default: %(default)s)")
+    ap.add_argument("--stats-data", default=default_data("statistics"),
+                    help="one text for the RMS rules' gradient statistics, the same form (default: %(default)s)")
     ap.add_argument("--tokens", type=int, default=4096, help="predictions scored per text")
     ap.add_argument("--val-tokens", type=int, default=1024, help="predictions per tuning excerpt")
     ap.add_argument("--segment-len", type=int, default=64, help="predictions per update")
@@ -161,7 +198,15 @@ def main() -> int:
         load_s = time.time() - t
         sizes = {"scored": args.tokens, "validation": args.val_tokens,
                  "statistics": args.stats_batches * args.stats_batch_size * args.segment_len}
-        texts = {k: excerpt(tok, k, title, spec, marker, role, sizes[role]) for k, title, spec, marker, role in TEXTS}
+        rows = parse_data(args.data, "scored") + parse_data(args.tune_data, "validation") + parse_data(
+            args.stats_data, "statistics")
+        if len([r for r in rows if r[5] == "statistics"]) != 1:
+            raise UserError("--stats-data names one text")
+        if len({r[0] for r in rows}) != len(rows):
+            raise UserError("the same text is named twice in --data, --tune-data and --stats-data")
+        short = {k: sh for k, sh, *_ in rows}
+        stats_key = next(r[0] for r in rows if r[5] == "statistics")
+        texts = {k: excerpt(tok, k, title, spec, marker, role, sizes[role]) for k, _, title, spec, marker, role in rows}
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -174,7 +219,8 @@ def main() -> int:
                   "positions": "rotary", "tied_embedding": bool(getattr(cfg, "tie_word_embeddings", False))}
     log(f"loaded {model_info['name']} ({model_info['parameters'] / 1e6:.1f}M parameters) in {load_s:.0f} s")
     scored = {k: ids for k, (ids, info) in texts.items() if info["role"] == "scored"}
-    val_docs = [ids for ids, info in texts.values() if info["role"] == "validation"]
+    val_keys = [k for k, (ids, info) in texts.items() if info["role"] == "validation"]
+    val_docs = [texts[k][0] for k in val_keys]
     L = args.segment_len
     full_ctx = lm.default_context  # the default: the whole stream, up to the position limit
 
@@ -213,7 +259,6 @@ def main() -> int:
             f"{rows['sliding_1024_old_default']['perplexity']:.3f}")
 
     if args.context_only:
-        short = {"anna_karenina": "Anna Karenina", "hamlet": "Hamlet", "don_quijote": "Don Quijote (Spanish)"}
         headline = []
         for k, cc in context_check.items():
             headline.append({"what": f"{MODEL}, {short[k]}, {args.tokens:,} tokens: static ppl, one pass "
@@ -231,11 +276,11 @@ def main() -> int:
 
     # MS_g on generic text (not scored, not tuned on)
     c = cpu()
-    stats_ids = texts["war_and_peace_ch2"][0]
+    stats_ids = texts[stats_key][0]
     stats_kw = dict(batch_size=args.stats_batch_size, seq_len=L, max_batches=args.stats_batches, context=1024)
     stats = collect_grad_stats(lm, stats_ids, exclude=EMBED, **stats_kw)
     stats_s = cpu() - c
-    log(f"MS_g: {stats.batches} batches of {stats.batch_size} x {stats.seq_len} on War and Peace ({stats_s:.0f} CPU s)")
+    log(f"MS_g: {stats.batches} batches of {stats.batch_size} x {stats.seq_len} on {short[stats_key]} ({stats_s:.0f} CPU s)")
     lowrank_stats, lowrank_stats_s = None, 0.0
 
     # 3. tuning
@@ -316,7 +361,7 @@ def main() -> int:
     lrs: dict[str, float] = {}
     spec("sgd", "sgd", "SGD, all weights but the tied embedding")
     lrs["sgd"] = search("sgd", [2.5e-3, 5e-3, 1e-2])["lr"]
-    spec("rms", "rms", "RMS (MS_g on War and Peace), all weights but the tied embedding")
+    spec("rms", "rms", f"RMS (MS_g on {short[stats_key]}), all weights but the tied embedding")
     lrs["rms"] = search("rms", [1e-5, 1.58e-5, 2.5e-5])["lr"]
     rule = min(("sgd", "rms"), key=lambda n: best_of(n)["loss_nats"])
     R, base = rule.upper(), lrs[rule]
@@ -371,8 +416,7 @@ def main() -> int:
     tuning_cpu = cpu() - c
     log(f"chosen on tuning text: {chosen} ({specs[chosen]['description']}, lr {lrs[chosen]:.3g})")
 
-    # 4. scoring: every setting on the same three excerpts (the chosen one first)
-    short = {"anna_karenina": "Anna Karenina", "hamlet": "Hamlet", "don_quijote": "Don Quijote (Spanish)"}
+    # 4. scoring: every setting on the same excerpts (the chosen one first)
     ntok = args.tokens
     results: dict[str, dict] = {}
     cache_res: dict[str, dict] = {}
@@ -398,22 +442,23 @@ def main() -> int:
                                          f"text), {ctx_s}: ppl", "value": results[chosen]["per_text"][k][
                                              "dynamic_perplexity"], "unit": "ppl", "target": "< static"})
         for name, r in results.items():
-            headline.append({"what": f"{MODEL}, mean over the 3 texts ({ntok:,} tokens each, {ctx_s}): "
+            headline.append({"what": f"{MODEL}, mean over the {len(scored)} texts ({ntok:,} tokens each, {ctx_s}): "
                                      f"{r['description']}, lr {r['lr']:.3g}: relative ppl reduction"
                                      + (" (chosen on tuning text)" if name == chosen else ""),
                              "value": r["mean_relative_perplexity_reduction"],
                              "target": ">= 0.03 (issue 18)" if name == chosen else ""})
         if chosen in results:
-            headline.append({"what": f"  same, chosen setting: throughput dynamic / static (CPU, one thread)",
+            headline.append({"what": "  same, chosen setting: throughput dynamic / static (CPU, one thread)",
                              "value": results[chosen]["mean_throughput_ratio"], "target": ""})
         if cache_res:
-            headline.append({"what": f"{MODEL}, mean over the 3 texts ({ntok:,} tokens each, {ctx_s}): neural cache "
+            headline.append({"what": f"{MODEL}, mean over the {len(scored)} texts ({ntok:,} tokens each, {ctx_s}): neural cache "
                                      f"on the static model (mix {cache_best['mix']:g}, flatness "
                                      f"{cache_best['flatness']:g}): relative ppl reduction",
-                             "value": sum(v["relative_perplexity_reduction"] for v in cache_res.values()) / 3,
+                             "value": sum(v["relative_perplexity_reduction"] for v in cache_res.values()) / len(cache_res),
                              "target": ""})
         for name in specs:
-            headline.append({"what": f"{MODEL}, tuning text (Crime and Punishment, Macbeth; 2 x {args.val_tokens:,} "
+            headline.append({"what": f"{MODEL}, tuning text ({', '.join(short[k] for k in val_keys)}; "
+                                     f"{len(val_keys)} x {args.val_tokens:,} "
                                      f"tokens, {ctx_s}): {specs[name]['description']}, lr {lrs[name]:.3g}: relative "
                                      "loss reduction", "value": 1 - best_val[name] / val_static, "target": ""})
         headline.append({"what": f"  same text: neural cache on the static model (mix {cache_best['mix']:g}, flatness "
@@ -427,11 +472,11 @@ def main() -> int:
                          "its first token is context only", "static": "same segments and context as dynamic, no "
                          "updates (segment 64; the static reference of every setting)", "threads": args.threads,
                          "timing": "process CPU seconds (one thread)", "scored_tokens": ntok,
-                         "tuning_tokens": f"2 x {args.val_tokens}", "lowrank_rank": args.rank,
+                         "tuning_tokens": f"{len(val_keys)} x {args.val_tokens}", "lowrank_rank": args.rank,
                          "selection": "every setting's lr and the chosen setting from tuning text only"},
             "excerpts": {k: info for k, (ids, info) in texts.items()},
             "context_check": context_check,
-            "gradient_statistics": stats.metadata() | {"text": "war_and_peace_ch2", "cpu_s": stats_s, "context": 1024},
+            "gradient_statistics": stats.metadata() | {"text": stats_key, "cpu_s": stats_s, "context": 1024},
             "lowrank_gradient_statistics": (lowrank_stats.metadata() | {"cpu_s": lowrank_stats_s})
             if lowrank_stats is not None else None,
             "tuning": {"documents": [k for k, (_, i) in texts.items() if i["role"] == "validation"],
@@ -446,7 +491,7 @@ def main() -> int:
             "best_mean_relative_perplexity_reduction": results[chosen]["mean_relative_perplexity_reduction"]
             if chosen in results else None,
             "cache": {"settings": cache_best, "per_text": cache_res, "mean_relative_perplexity_reduction":
-                      sum(v["relative_perplexity_reduction"] for v in cache_res.values()) / 3 if cache_res else None},
+                      sum(v["relative_perplexity_reduction"] for v in cache_res.values()) / len(cache_res) if cache_res else None},
             "headline": headline,
             "elapsed_s": time.time() - t_start,
             "cpu_s": cpu() - c_start,

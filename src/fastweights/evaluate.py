@@ -30,6 +30,13 @@ class EvalResult:
     def loss(self) -> float:
         return self.nll / max(1, self.tokens)
 
+    def add(self, other: "EvalResult") -> None:
+        """Accumulate another stream's result into this one (totals, characters, per-token losses)."""
+        self.nll += other.nll
+        self.tokens += other.tokens
+        self.chars += other.chars
+        self.token_losses.extend(other.token_losses)
+
     def metrics(self, tokenizer_name: str) -> dict:
         m = {"loss_nats": self.loss, "tokens": self.tokens, "bits_per_token": self.loss / math.log(2),
              "perplexity": math.exp(min(self.loss, 700))}

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastweights.adapt.dynamic import _as_1d, _carry
+from fastweights.adapt.update_rules import as_token_stream, carry_state
 from fastweights.errors import UserError
 from fastweights.evaluate import EvalResult
 from fastweights.progress import Progress
@@ -159,7 +159,7 @@ class NeuralCache:
     def evaluate(self, tokens, state: CacheState | None = None, final: bool = True, keep_token_losses: bool = True,
                  progress: Progress | None = None):
         """Like ``DynamicEvaluator.evaluate``: returns ``(EvalResult, CacheState)``; pieces equal one call."""
-        tokens = _as_1d(tokens)
+        tokens = as_token_stream(tokens)
         seq = torch.cat([state.pending, tokens]) if state is not None else tokens
         if state is None:
             ms, mem_h, mem_y, seen = None, None, torch.zeros(0, dtype=torch.long, device=self.device), 0
@@ -189,7 +189,7 @@ class NeuralCache:
                 mem_h = torch.cat([mem_h, h])[-self.window :]
                 mem_y = torch.cat([mem_y, y])[-self.window :]
                 seen += m
-                ms = _carry(self.model, new_state, self.context, L)
+                ms = carry_state(self.model, new_state, self.context, L)
                 pos += m
                 if progress is not None:
                     progress.update(m)
@@ -201,13 +201,11 @@ class NeuralCache:
 
     def evaluate_documents(self, documents, keep_token_losses: bool = False, progress: bool = False) -> EvalResult:
         """Each document from an empty cache and a fresh model state; the summed result."""
-        docs = [_as_1d(d) for d in documents]
+        docs = [as_token_stream(d) for d in documents]
         bar = Progress(sum(max(0, d.numel() - 1) for d in docs), "tok", desc="cache", enabled=progress)
         total = EvalResult(0.0, 0)
         for d in docs:
             r, _ = self.evaluate(d, keep_token_losses=keep_token_losses, progress=bar)
-            total.nll += r.nll
-            total.tokens += r.tokens
-            total.token_losses.extend(r.token_losses)
+            total.add(r)
         bar.close()
         return total

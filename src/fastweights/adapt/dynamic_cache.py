@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from fastweights.adapt.cache import cache_mix, forward_hidden
-from fastweights.adapt.dynamic import DynamicEvaluator, DynamicState, _as_1d, _carry, schedule_factor
+from fastweights.adapt.dynamic import DynamicEvaluator, DynamicState
+from fastweights.adapt.update_rules import as_token_stream
 from fastweights.errors import UserError
 from fastweights.evaluate import EvalResult
 from fastweights.progress import Progress
@@ -69,7 +70,7 @@ class DynamicNeuralCache:
                  keep_token_losses: bool = True, progress: Progress | None = None):
         """Like ``DynamicEvaluator.evaluate``: returns ``(EvalResult, DynamicCacheState)``; pieces equal one call."""
         ev = self.ev
-        tokens = _as_1d(tokens)
+        tokens = as_token_stream(tokens)
         dyn = state.dynamic if state is not None else None
         seq = torch.cat([dyn.pending, tokens]) if dyn is not None else tokens
         model_state = dyn.model_state if dyn is not None else None
@@ -106,11 +107,8 @@ class DynamicNeuralCache:
                 mem_y = torch.cat([mem_y, y])[-self.window :] if self.window else mem_y[:0]
                 seen += m
                 model_nll = -logp.gather(-1, y[:, None])[:, 0]
-                grads = torch.autograd.grad(model_nll.mean(), leaves, allow_unused=True)
-                ev.update_rule.apply(deltas, grads, schedule_factor(ev.schedule, updates))
+                model_state = ev._update(model_nll.mean(), leaves, deltas, sync, updates, new_state)
                 updates += 1
-                sync()
-                model_state = _carry(ev.model, new_state, ev.context, L)
                 pos += m
                 if progress is not None:
                     progress.update(m)
@@ -123,15 +121,13 @@ class DynamicNeuralCache:
 
     def evaluate_documents(self, documents, keep_token_losses: bool = False, progress: bool = False) -> EvalResult:
         """Each document from theta_g, an empty cache and a fresh model state; the summed result."""
-        docs = [_as_1d(d) for d in documents]
+        docs = [as_token_stream(d) for d in documents]
         bar = Progress(sum(max(0, d.numel() - 1) for d in docs), "tok", desc="dynamic+cache", enabled=progress)
         total = EvalResult(0.0, 0)
         for d in docs:
             if d.numel() < 2:
                 continue
             r, _ = self.evaluate(d, keep_token_losses=keep_token_losses, progress=bar)
-            total.nll += r.nll
-            total.tokens += r.tokens
-            total.token_losses.extend(r.token_losses)
+            total.add(r)
         bar.close()
         return total

@@ -33,8 +33,9 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from fastweights.adapt.dynamic import (DEFAULT_DECAY, DEFAULT_EPS, DEFAULT_LR, DEFAULT_SEGMENT_LEN, DynamicEvaluator,
-                                       GradStats, _logits_state, _patterns, accumulate_grad_stats)
+from fastweights.adapt.dynamic import DynamicEvaluator
+from fastweights.adapt.update_rules import (DEFAULT_DECAY, DEFAULT_EPS, DEFAULT_LR, DEFAULT_SEGMENT_LEN, GradStats,
+                                            _patterns, accumulate_grad_stats, logits_and_state)
 from fastweights.adapt.sparse import _frozen
 from fastweights.errors import UserError
 
@@ -131,7 +132,7 @@ def collect_lowrank_grad_stats(model: nn.Module, train_tokens, modules=DEFAULT_M
     adaptation = LowRankAdaptation(model, modules, rank, seed)
     As = adaptation.zeros(requires_grad=True)
     with _frozen(model), adaptation.attached(As):
-        stats = accumulate_grad_stats(lambda x, s: _logits_state(model(x, s)), As, adaptation.names, train_tokens,
+        stats = accumulate_grad_stats(lambda x, s: logits_and_state(model(x, s)), As, adaptation.names, train_tokens,
                                       batch_size, seq_len, context, max_batches, model=model, progress=progress)
     stats.extra.update(lowrank_rank=rank, lowrank_seed=seed, lowrank_modules=",".join(_patterns(modules) or []))
     return stats
@@ -170,7 +171,7 @@ class LowRankDynamicEvaluator(DynamicEvaluator):
         As = [a.clone().requires_grad_(True) for a in src]
 
         def forward(x, state):
-            return _logits_state(self.model(x, state))
+            return logits_and_state(self.model(x, state))
 
         with _frozen(self.model), self.adaptation.attached(As):
             yield forward, As, As, (lambda: None), (lambda: [a.detach().clone() for a in As])
@@ -179,7 +180,7 @@ class LowRankDynamicEvaluator(DynamicEvaluator):
     def _batched_forward(self):
         def forward(values, x, state):
             self.adaptation.A = list(values)  # [docs, out, r] each: one delta per document
-            return _logits_state(self.model(x, state))
+            return logits_and_state(self.model(x, state))
 
         with _frozen(self.model), self.adaptation.attached(self.theta_g):
             yield forward

@@ -24,8 +24,9 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from fastweights.adapt.dynamic import (DEFAULT_DECAY, DEFAULT_EPS, DEFAULT_LR, DEFAULT_SEGMENT_LEN, DynamicEvaluator,
-                                       GradStats, _logits_state, accumulate_grad_stats)
+from fastweights.adapt.dynamic import DynamicEvaluator
+from fastweights.adapt.update_rules import (DEFAULT_DECAY, DEFAULT_EPS, DEFAULT_LR, DEFAULT_SEGMENT_LEN, GradStats,
+                                            accumulate_grad_stats, logits_and_state)
 from fastweights.errors import UserError
 
 
@@ -127,7 +128,7 @@ def collect_sparse_grad_stats(model: nn.Module, train_tokens, layer: int, units:
     dtype = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
     M = torch.zeros(adaptation.units, adaptation.units, dtype=dtype, device=adaptation.index.device, requires_grad=True)
     with _frozen(model), adaptation.attached(M):
-        stats = accumulate_grad_stats(lambda x, s: _logits_state(model(x, s)), [M], [sparse_name(adaptation.layer)],
+        stats = accumulate_grad_stats(lambda x, s: logits_and_state(model(x, s)), [M], [sparse_name(adaptation.layer)],
                                       train_tokens, batch_size, seq_len, context, max_batches, model=model,
                                       progress=progress)
     stats.extra.update(sparse_layer=adaptation.layer, sparse_units=adaptation.index.tolist())
@@ -168,7 +169,7 @@ class SparseDynamicEvaluator(DynamicEvaluator):
         M = (values[0] if values is not None else self.theta_g[0]).clone().requires_grad_(True)
 
         def forward(x, state):
-            return _logits_state(self.model(x, state))
+            return logits_and_state(self.model(x, state))
 
         with _frozen(self.model), self.adaptation.attached(M):
             yield forward, [M], [M], (lambda: None), (lambda: [M.detach().clone()])
@@ -177,7 +178,7 @@ class SparseDynamicEvaluator(DynamicEvaluator):
     def _batched_forward(self):
         def forward(values, x, state):
             self.adaptation.M = values[0]  # [B, H, H]: one matrix per document
-            return _logits_state(self.model(x, state))
+            return logits_and_state(self.model(x, state))
 
         with _frozen(self.model), self.adaptation.attached(self.theta_g[0]):
             yield forward
