@@ -127,8 +127,7 @@ LOW = ("fastweights.ops", "fastweights.layers", "fastweights.components", "fastw
 HIGH = ("fastweights.models", "fastweights.adapt", "fastweights.train", "fastweights.evaluate", "fastweights.generate",
         "fastweights.cli", "fastweights.checkpoint", "fastweights.longctx", "fastweights.tasks", "fastweights.experiments")
 # What is left of the debt issue 20 names; each entry must still be true (so the list can only shrink).
-KNOWN_UPWARD = {("fastweights.layers.fwpkm", "fastweights.models.registry"):
-                "fwpkm.py is measured by niah_token.json; its import moves with the next re-run"}
+KNOWN_UPWARD: dict = {}  # (import, imported) -> why it is still there
 KNOWN_CYCLES = {frozenset({"fastweights.checkpoint", "fastweights.models.lm"}):
                 "LanguageModel.save_pretrained/from_pretrained call checkpoint, which builds LanguageModel"}
 

@@ -26,8 +26,8 @@ from test_registry_causality import build as build_fp64
 # the entry is removed
 META_KNOWN = {
     ("memory", "fwpkm"): "the per-row aggregated write (ops/pkm.py) calls torch.unique, whose output size depends "
-                         "on the data: a host sync per chunk on CUDA (also torch.autocast(device_type=x.device.type) "
-                         "in layers/fwpkm.py, which meta rejects; not edited while niah_token.json measures that file)",
+                         "on the data: a host sync per chunk on CUDA (ops/pkm.py is measured by stream_memory.json; "
+                         "a sync-free write, e.g. a sort and segment sum, is left for its next re-run)",
 }
 # state leaves that may be kept in the compute dtype under autocast: caches of activations, not fast weights
 COMPUTE_DTYPE_STATE = {

@@ -7,7 +7,8 @@ import torch
 from torch.func import functional_call
 
 from fastweights.errors import UserError
-from fastweights.layers.fwpkm import FwPKM, FwPKMOptions, fwpkm_memory_reference, zscore
+from fastweights.layers.fwpkm import FwPKM, FwPKMOptions, zscore
+from fastweights.layers.fwpkm_reference import fwpkm_memory_reference
 from fastweights.models.registry import MEMORIES, build_options, lookup
 
 F64 = torch.float64

@@ -75,12 +75,7 @@ TABLES = {"mixer": registry.MIXERS, "head": registry.HEADS, "memory": registry.M
 
 
 # known library bugs, as strict xfails of one check (an XPASS after the fix fails: drop the entry then)
-KNOWN_BUGS = {
-    ("test_a_returned_state_is_a_value", "memory-fwpkm-official"):
-        "FwPKM official: _persist returns a state whose value table *is* the module's buffer, which the next "
-        "forward updates in place (index_add_), so a state kept from an earlier call changes under its holder "
-        "(its keys do not: they are fresh tensors); FwMLP official copies and is unaffected",
-}
+KNOWN_BUGS: dict = {}  # (FwPKM official's state aliasing its value buffer was one, fixed in layers/fwpkm.py)
 
 
 def cases(test=None):

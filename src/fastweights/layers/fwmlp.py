@@ -31,7 +31,7 @@ from torch import nn
 
 from fastweights.components import register_memory
 from fastweights.errors import UserError
-from fastweights.layers.fwpkm import PERSISTENCE, FastMemoryIO, fast_dtype, state_pytree
+from fastweights.layers.fast_memory import PERSISTENCE, FastMemoryIO, fast_dtype, state_pytree
 from fastweights.ops.linear_attention import no_autocast
 
 PARAM_NAMES = ("w_up", "b_up", "w_gate", "b_gate", "w_down", "b_down")

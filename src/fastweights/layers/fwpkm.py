@@ -39,6 +39,8 @@ Project semantics (the paper's are in its sections 2-3 and the released code; do
 * Training backpropagates through every inner update (second order): the write is a plain
   differentiable expression (gather, index_add), and the key gradient is written out analytically.
 * Fast weights live in fp32 and their arithmetic runs with autocast disabled.
+* The slow reference written from the equations, which the tests hold this layer to, is
+  :func:`fastweights.layers.fwpkm_reference.fwpkm_memory_reference`.
 
 State and reset (``persistence``):
 
@@ -57,18 +59,18 @@ loss is not an outer loss, it only drives the inner key update (18).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-import torch.utils._pytree as pytree
 from torch import nn
 
 from fastweights.errors import UserError
-from fastweights.models.registry import register_memory
+from fastweights.components import register_memory
+from fastweights.layers.fast_memory import (  # noqa: F401  (OffsetRMSNorm, zscore: re-exported, old import path)
+    PERSISTENCE, FastMemoryIO, OffsetRMSNorm, fast_dtype, state_pytree, zscore)
+from fastweights.ops.linear_attention import no_autocast
 from fastweights.ops.pkm import (
     gather_rows,
     marginal_entropy_topk_grad,
@@ -80,112 +82,6 @@ from fastweights.ops.pkm import (
     split_halves,
     subkey_grad_topk,
 )
-
-PERSISTENCE = ("stream", "official", "per_sequence")
-
-
-def state_pytree(cls):
-    """Register a state dataclass as a pytree node (every field a child), so generic state
-    utilities such as ``tree_map(detach, state)`` reach the tensors inside it."""
-    names = [f.name for f in dataclasses.fields(cls)]
-    pytree.register_pytree_node(
-        cls,
-        lambda s: ([getattr(s, n) for n in names], names),
-        lambda children, ctx: cls(**dict(zip(ctx, children))),
-        serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
-    )
-    return cls
-
-
-class OffsetRMSNorm(nn.Module):
-    """RMSNorm with scale (1 + w), w initialised to zero (as in the paper's Qwen3-Next backbone).
-
-    Normalises in fp32 and returns the input dtype.
-    """
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
-
-    def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        """x / rms(x) in fp32 (fp64 for fp64), before the gain."""
-        xf = x.to(fast_dtype(x))
-        # (x * x).sum / d rather than x.pow(2).mean: the same value, a cheaper backward on CPU
-        return xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) / xf.shape[-1] + self.eps)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.normalize(x)
-        return (y * (1.0 + self.weight.to(y.dtype))).to(x.dtype)
-
-
-def fast_dtype(x: torch.Tensor) -> torch.dtype:
-    """Fast-weight arithmetic dtype: fp32, or fp64 when the inputs are fp64 (exactness tests)."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def zscore(v: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """(v - mean) / (std + eps) over the last axis; std is unbiased, as ``torch.std`` in the code.
-
-    Written out rather than calling ``torch.std`` (whose CPU kernel is much slower at these widths),
-    with sums rather than means (mean's backward is the slower one)."""
-    c = v - v.sum(-1, keepdim=True) / v.shape[-1]
-    return c / ((c * c).sum(-1, keepdim=True).div(v.shape[-1] - 1).sqrt() + eps)
-
-
-class FastMemoryIO(nn.Module):
-    """The slow part shared by FwPKM and FwMLP: q/v/gate projections (eqs 8-10) and output (eq 12).
-
-    ``gate_form="linear"``: Linear(d, 1); ``"mean8"``: Linear(d, 8) then the mean of the 8 outputs,
-    as the released code (a workaround for a compiler limitation).
-    """
-
-    def __init__(self, d_model: int, d_query: int, d_value: int, *, value_norm: bool, gating: bool,
-                 gate_form: str, norm_eps: float):
-        super().__init__()
-        if gate_form not in ("linear", "mean8"):
-            raise UserError(f"gate_form must be 'linear' or 'mean8', got {gate_form!r}")
-        self.value_norm = value_norm
-        self.gating = gating
-        self.q_norm = OffsetRMSNorm(d_model, norm_eps)
-        self.q_proj = nn.Linear(d_model, d_query)
-        self.v_norm = OffsetRMSNorm(d_model, norm_eps)
-        self.v_proj = nn.Linear(d_model, d_value)
-        self.g_norm = OffsetRMSNorm(d_model, norm_eps)
-        self.g_proj = nn.Linear(d_model, 1 if gate_form == "linear" else 8)
-        self.out_norm = OffsetRMSNorm(d_value, norm_eps)
-        self.out_proj = nn.Linear(d_value, d_model)
-
-    def inputs(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """h ``[B, T, d]`` -> q ``[B, T, d_query]``, v ``[B, T, d_value]``, g ``[B, T]`` in (0, 1).
-
-        Equal to ``q_proj(q_norm(h))``, ``v_proj(v_norm(h))``, ``g_proj(g_norm(h))``, computed as one
-        normalisation and one matmul: the three norms differ only in their gains (1 + w), and a gain
-        on the input of a projection is a column scaling of its weight. The three norms share one eps.
-        """
-        norms = (self.q_norm, self.v_norm, self.g_norm)
-        projs = (self.q_proj, self.v_proj, self.g_proj)
-        xhat = self.q_norm.normalize(h).to(h.dtype)  # [B, T, d]
-        weight = torch.cat([p.weight * (1.0 + n.weight).to(p.weight.dtype) for n, p in zip(norms, projs)])
-        bias = torch.cat([p.bias for p in projs])
-        q, v, g_logits = F.linear(xhat, weight, bias).split([p.out_features for p in projs], -1)
-        if self.value_norm:
-            v = zscore(v.to(fast_dtype(v)))
-        g = torch.sigmoid(g_logits.to(fast_dtype(g_logits)).mean(-1))  # [B, T]
-        return q, v, g
-
-    def output(self, v_hat: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """Gated residual (eq 12) and output projection; without gating o = v_hat + v (the code's ablation)."""
-        if self.gating:
-            gu = g.unsqueeze(-1)
-            vf = v.to(v_hat.dtype)
-            o = vf + gu * (v_hat - vf)  # = g v_hat + (1 - g) v, one product fewer
-        else:
-            o = v_hat + v.to(v_hat.dtype)
-        # out_proj(out_norm(o)) with the norm's gain (1 + w) folded into the weight's columns
-        gain = (1.0 + self.out_norm.weight).to(self.out_proj.weight.dtype)
-        return F.linear(self.out_norm.normalize(o), self.out_proj.weight * gain, self.out_proj.bias)
-
 
 @dataclass
 class FwPKMOptions:
@@ -442,7 +338,7 @@ class FwPKM(nn.Module):
             takes.append(take)
             done, n_read = done + take, (n_read + take) % C
         outs = []
-        with torch.autocast(device_type=q.device.type, enabled=False):
+        with no_autocast(q.device):
             # split once (not slice per piece): autograd then joins the pieces' gradients in one cat
             pieces = zip(*(x.to(dtype).split(takes, dim=1) for x in (q, v, g)))
             for (qc, vc, gc), take in zip(pieces, takes):
@@ -617,8 +513,10 @@ class FwPKM(nn.Module):
         # values are only ever gathered (index_select saves no copy of them), so update in place
         for rows, delta in st.parts:
             self.values.index_add_(0, rows, delta.detach().to(self.values.dtype))
+        # the returned state holds a copy of the value table, not the buffer: the next forward updates the
+        # buffer in place, which would otherwise change a state its holder kept (the keys are fresh tensors)
         return replace(st, keys1=self.keys1.unsqueeze(0).to(st.keys1.dtype),
-                       keys2=self.keys2.unsqueeze(0).to(st.keys2.dtype), base=self.values, parts=())
+                       keys2=self.keys2.unsqueeze(0).to(st.keys2.dtype), base=self.values.clone(), parts=())
 
 
 def _validate(o: FwPKMOptions) -> None:
@@ -641,99 +539,3 @@ def _validate(o: FwPKMOptions) -> None:
     for ok, msg in checks:
         if not ok:
             raise UserError("fwpkm: " + msg)
-
-
-# ---------------------------------------------------------------------------- reference
-
-
-def fwpkm_memory_reference(
-    q: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    keys1: torch.Tensor,
-    keys2: torch.Tensor,
-    values: torch.Tensor,
-    options: FwPKMOptions,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Slow reference of :meth:`FwPKM.memory` for one shared memory, written straight from the equations.
-
-    Dense tables, every token scored against all N slots one at a time, the value gradient of eq 19 by
-    autograd through the full ``[N, d_v]`` table, eq 14's counts by ``bincount``, and the key
-    gradient by autograd of eq 17 over all sub-keys.  Twice differentiable (``create_graph`` when
-    grad is enabled).  Args as :meth:`FwPKM.memory` plus the initial tables (keys ``[H, n, dh]``,
-    values ``[N, d_v]``).  Returns ``(v_hat [B, T, d_v], keys1, keys2, values)`` after the stream.
-    """
-    o = options
-    B, T, H, d_k = q.shape
-    n, half, k, C, L = keys1.shape[1], d_k // 2, o.topk, o.chunk_size, o.lookahead
-    N = n * n
-    K1, K2, V = keys1.clone(), keys2.clone(), values.clone()
-    create = torch.is_grad_enabled()
-
-    def half_scores(qh, K):  # qh [H, dh], K [H, n, dh] -> [H, n]
-        if o.score == "dot":
-            return (qh.unsqueeze(1) * K).sum(-1)
-        return -torch.log(o.idw_eps + (qh.unsqueeze(1) - K).pow(2).sum(-1))
-
-    def retrieve(qt, K1, K2, V):  # one token's query [H, d_k] -> v_hat [d_v], slot ids [H k], sub-scores
-        s1, s2 = half_scores(qt[:, :half], K1), half_scores(qt[:, half:], K2)  # [H, n]
-        all_scores = (s1.unsqueeze(-1) + s2.unsqueeze(-2)).reshape(H, N)  # slot i*n + j
-        top, idx = all_scores.topk(k, dim=-1)  # [H, k]
-        w = torch.softmax(top.reshape(H * k), dim=0)
-        return (w.unsqueeze(-1) * V[idx.reshape(-1)]).sum(0), idx.reshape(-1), s1, s2
-
-    out_list = []
-    pending: list[int] = []  # token positions queued for the next write
-    n_read = 0
-    for t in range(T):
-        out_list.append(torch.stack([retrieve(q[b, t], K1, K2, V)[0] for b in range(B)]))
-        if o.frozen:
-            continue
-        pending.append(t)
-        n_read += 1
-        if n_read < C:
-            continue
-        pairs = pending[: len(pending) - L]
-        if pairs:
-            with torch.enable_grad():
-                Vg = V if V.requires_grad else V.detach().requires_grad_()
-                K1g = K1 if K1.requires_grad else K1.detach().requires_grad_()
-                K2g = K2 if K2.requires_grad else K2.detach().requires_grad_()
-                mem_loss = 0.0
-                reads = []
-                p1, p2 = [], []
-                for b in range(B):
-                    for j, tq in enumerate(pairs):
-                        vh, idx, s1, s2 = retrieve(q[b, tq], K1g, K2g, Vg)
-                        target = v[b, pending[j + L]]
-                        mem_loss = mem_loss + 0.5 * g[b, tq] * (target - vh).pow(2).sum()  # eq 19
-                        reads.append(idx)
-                        p1.append(_masked_softmax_reference(s1, k))
-                        p2.append(_masked_softmax_reference(s2, k))
-                (gV,) = torch.autograd.grad(mem_loss, Vg, create_graph=create)
-                counts = torch.bincount(torch.cat(reads), minlength=N).to(V.dtype).clamp_min(1.0)
-                scale = k * H if o.update_scale == "rewrite" else 1.0
-                V_new = V - o.lr * scale * gV / counts.unsqueeze(-1)  # eqs 14-15
-                if o.key_update == "addressing":
-                    addr = 0.0
-                    for probs in (torch.stack(p1), torch.stack(p2)):  # [rows, H, n]
-                        p_bar = probs.mean(0)  # eq 16, per head
-                        addr = addr + (p_bar * torch.log(p_bar + 1e-8)).sum()  # eq 17: -H summed over heads
-                    gK1, gK2 = torch.autograd.grad(o.addressing_weight * addr, (K1g, K2g), create_graph=create)
-                elif o.key_update == "mse":
-                    mean_loss = mem_loss / (len(reads) * V.shape[1])
-                    gK1, gK2 = torch.autograd.grad(mean_loss, (K1g, K2g), create_graph=create)
-                else:
-                    gK1, gK2 = torch.zeros_like(K1), torch.zeros_like(K2)
-                K1, K2, V = K1 - o.key_lr * gK1, K2 - o.key_lr * gK2, V_new
-        keep = L if (o.boundary == "carry" and L > 0) else 0
-        pending = pending[len(pending) - keep:]
-        n_read = 0
-    outs = torch.stack(out_list, dim=1) if out_list else V.new_zeros(B, 0, V.shape[1])
-    return outs, K1, K2, V
-
-
-def _masked_softmax_reference(s: torch.Tensor, k: int) -> torch.Tensor:
-    """Softmax over the entries >= the k-th largest of each row, zero elsewhere."""
-    kth = s.detach().sort(dim=-1, descending=True).values[..., k - 1: k]
-    return torch.softmax(torch.where(s >= kth, s, torch.full_like(s, float("-inf"))), dim=-1)

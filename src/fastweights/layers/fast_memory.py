@@ -1,0 +1,131 @@
+"""The memory machinery shared by FwPKM and FwMLP (Zhao & Jones 2026, arXiv 2601.00671): the slow
+projections around a fast-weight memory and the helpers both memories use.
+
+Per token h_t (the residual stream entering the layer)::
+
+    (8)  q_t = Linear^q(RMSNorm^q(h_t))
+    (9)  v_t = Linear^v(RMSNorm^v(h_t)),  v_t <- (v_t - mean(v_t)) / (std(v_t) + 1e-6)
+    (10) g_t = sigmoid(Linear^g(RMSNorm^g(h_t)))            one scalar per token
+    (12) o_t = g_t v_hat_t + (1 - g_t) v_t,   y_t = Linear^o(RMSNorm^o(o_t))
+
+where v_hat_t is the memory's read (FwPKM: a product-key lookup, ``layers/fwpkm.py``; FwMLP: a fast
+MLP, ``layers/fwmlp.py``). RMSNorm here is the offset form of the paper's Qwen3-Next backbone, scale
+(1 + w) with w from zero. Fast-weight arithmetic runs in fp32 (fp64 for fp64 inputs, for exactness
+tests). ``PERSISTENCE`` names the memories' state policies (FwPKM's docstring defines them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch import nn
+
+from fastweights.errors import UserError
+
+PERSISTENCE = ("stream", "official", "per_sequence")
+
+
+def state_pytree(cls):
+    """Register a state dataclass as a pytree node (every field a child), so generic state
+    utilities such as ``tree_map(detach, state)`` reach the tensors inside it."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    pytree.register_pytree_node(
+        cls,
+        lambda s: ([getattr(s, n) for n in names], names),
+        lambda children, ctx: cls(**dict(zip(ctx, children))),
+        serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
+    )
+    return cls
+
+
+class OffsetRMSNorm(nn.Module):
+    """RMSNorm with scale (1 + w), w initialised to zero (as in the paper's Qwen3-Next backbone).
+
+    Normalises in fp32 and returns the input dtype.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """x / rms(x) in fp32 (fp64 for fp64), before the gain."""
+        xf = x.to(fast_dtype(x))
+        # (x * x).sum / d rather than x.pow(2).mean: the same value, a cheaper backward on CPU
+        return xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) / xf.shape[-1] + self.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.normalize(x)
+        return (y * (1.0 + self.weight.to(y.dtype))).to(x.dtype)
+
+
+def fast_dtype(x: torch.Tensor) -> torch.dtype:
+    """Fast-weight arithmetic dtype: fp32, or fp64 when the inputs are fp64 (exactness tests)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def zscore(v: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """(v - mean) / (std + eps) over the last axis; std is unbiased, as ``torch.std`` in the code.
+
+    Written out rather than calling ``torch.std`` (whose CPU kernel is much slower at these widths),
+    with sums rather than means (mean's backward is the slower one)."""
+    c = v - v.sum(-1, keepdim=True) / v.shape[-1]
+    return c / ((c * c).sum(-1, keepdim=True).div(v.shape[-1] - 1).sqrt() + eps)
+
+
+class FastMemoryIO(nn.Module):
+    """The slow part shared by FwPKM and FwMLP: q/v/gate projections (eqs 8-10) and output (eq 12).
+
+    ``gate_form="linear"``: Linear(d, 1); ``"mean8"``: Linear(d, 8) then the mean of the 8 outputs,
+    as the released code (a workaround for a compiler limitation).
+    """
+
+    def __init__(self, d_model: int, d_query: int, d_value: int, *, value_norm: bool, gating: bool,
+                 gate_form: str, norm_eps: float):
+        super().__init__()
+        if gate_form not in ("linear", "mean8"):
+            raise UserError(f"gate_form must be 'linear' or 'mean8', got {gate_form!r}")
+        self.value_norm = value_norm
+        self.gating = gating
+        self.q_norm = OffsetRMSNorm(d_model, norm_eps)
+        self.q_proj = nn.Linear(d_model, d_query)
+        self.v_norm = OffsetRMSNorm(d_model, norm_eps)
+        self.v_proj = nn.Linear(d_model, d_value)
+        self.g_norm = OffsetRMSNorm(d_model, norm_eps)
+        self.g_proj = nn.Linear(d_model, 1 if gate_form == "linear" else 8)
+        self.out_norm = OffsetRMSNorm(d_value, norm_eps)
+        self.out_proj = nn.Linear(d_value, d_model)
+
+    def inputs(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h ``[B, T, d]`` -> q ``[B, T, d_query]``, v ``[B, T, d_value]``, g ``[B, T]`` in (0, 1).
+
+        Equal to ``q_proj(q_norm(h))``, ``v_proj(v_norm(h))``, ``g_proj(g_norm(h))``, computed as one
+        normalisation and one matmul: the three norms differ only in their gains (1 + w), and a gain
+        on the input of a projection is a column scaling of its weight. The three norms share one eps.
+        """
+        norms = (self.q_norm, self.v_norm, self.g_norm)
+        projs = (self.q_proj, self.v_proj, self.g_proj)
+        xhat = self.q_norm.normalize(h).to(h.dtype)  # [B, T, d]
+        weight = torch.cat([p.weight * (1.0 + n.weight).to(p.weight.dtype) for n, p in zip(norms, projs)])
+        bias = torch.cat([p.bias for p in projs])
+        q, v, g_logits = F.linear(xhat, weight, bias).split([p.out_features for p in projs], -1)
+        if self.value_norm:
+            v = zscore(v.to(fast_dtype(v)))
+        g = torch.sigmoid(g_logits.to(fast_dtype(g_logits)).mean(-1))  # [B, T]
+        return q, v, g
+
+    def output(self, v_hat: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """Gated residual (eq 12) and output projection; without gating o = v_hat + v (the code's ablation)."""
+        if self.gating:
+            gu = g.unsqueeze(-1)
+            vf = v.to(v_hat.dtype)
+            o = vf + gu * (v_hat - vf)  # = g v_hat + (1 - g) v, one product fewer
+        else:
+            o = v_hat + v.to(v_hat.dtype)
+        # out_proj(out_norm(o)) with the norm's gain (1 + w) folded into the weight's columns
+        gain = (1.0 + self.out_norm.weight).to(self.out_proj.weight.dtype)
+        return F.linear(self.out_norm.normalize(o), self.out_proj.weight * gain, self.out_proj.bias)
