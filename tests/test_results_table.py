@@ -103,3 +103,34 @@ def test_check_fails_on_a_result_that_measured_uncommitted_source_changes(tmp_pa
     rec["git"]["dirty_paths"] = ["README.md"]  # a change outside the measured code does not matter
     (tmp_path / "fresh_result.json").write_text(json.dumps(rec))
     assert rs.problems(tmp_path) == []
+
+
+def test_a_declared_behaviour_preserving_commit_keeps_only_its_results_current(tmp_path, monkeypatch):
+    _report()
+    import result_sources as rs
+
+    cmd = "python benchmarks/bench_fwpkm_model.py --rounds 3 --name fresh_result"
+    paths = rs.SOURCES["benchmarks/bench_fwpkm_model.py"] + ["benchmarks/bench_fwpkm_model.py"]
+    changes = rs.git("rev-list", "HEAD", "--", *paths).split()  # newest first
+    assert len(changes) >= 2, "needs two commits that changed the benchmark's sources"
+    before = changes[1]  # a result recorded just before the newest change
+    rec = {"command": cmd, "git": {"commit": before}}
+    path = tmp_path / "fresh_result.json"
+    path.write_text(json.dumps(rec))
+    assert rs.staleness(path, rec)  # the newest change is not declared: stale
+    monkeypatch.setitem(rs.BEHAVIOUR_PRESERVING, changes[0], {"results": ["fresh_result"], "why": "", "test": ""})
+    assert rs.staleness(path, rec) is None  # declared for this result: current
+    monkeypatch.setitem(rs.BEHAVIOUR_PRESERVING, changes[0], {"results": ["another_result"], "why": "", "test": ""})
+    assert rs.staleness(path, rec)  # declared for another result only: still stale
+
+
+def test_every_declared_behaviour_preserving_commit_is_real_and_names_its_evidence():
+    _report()
+    import result_sources as rs
+
+    for sha, entry in rs.BEHAVIOUR_PRESERVING.items():
+        assert rs.git("cat-file", "-t", sha) == "commit", f"{sha} is not a commit of this repository"
+        assert entry["why"], f"{sha}: say why it changes no measured number"
+        assert (ROOT / entry["test"].split("::")[0]).is_file(), f"{sha}: its test {entry['test']} does not exist"
+        for stem in entry["results"]:
+            assert (ROOT / "benchmarks" / "results" / f"{stem}.json").is_file(), f"{sha}: no result {stem}"
