@@ -14,7 +14,7 @@ from fastweights.errors import UserError
 from fastweights.evaluate import score_tokens
 from fastweights.experiments.continual_adaptation import adapt_test, format_adapt_table, make_domain, plot_adapt
 from fastweights.experiments.fwpkm_gates import gate_values, plot_gate_map
-from fastweights.experiments.streaming import PositionCurve, encode_documents, plot_stream, stream_eval
+from fastweights.experiments.streaming import PositionCurve, encode_documents, plot_stream, state_norms, stream_eval
 from fastweights.memory_switches import memory_only_state, memory_writes
 from fastweights.models.lm import LanguageModel
 
@@ -163,9 +163,29 @@ def test_dynamic_on_top_with_lr_zero_is_static():
 
 def test_stream_plot(tmp_path):
     m = model("attention")
-    runs = [{"label": mode, "curve": stream_eval(m, docs(ids(80)), mode, 32, bin_width=8).curve.to_dict()}
-            for mode in ("carry", "reset")]
+    runs = [{"label": mode, **{k: v for k, v in stream_eval(m, docs(ids(80)), mode, 32, bin_width=8).to_dict().items()
+                               if k in ("curve", "state_norm")}} for mode in ("carry", "reset")]
     assert plot_stream(runs, tmp_path / "s.png").stat().st_size > 1000
+
+
+def test_state_norms_along_the_stream_are_those_of_the_carried_state():
+    m = model("attention")
+    x = ids(120)
+    res = stream_eval(m, docs(x), "carry", seq_len=32, stride=16, bin_width=16)
+    sn = res.state_norm.to_dict()
+    assert sn["count"] == [1] * 8 and len(sn["per_layer"]) == len(m.blocks)  # one call per bin of 16, 119 predictions
+    # the last bin's norms are those of the state one direct pass leaves after the same calls
+    state = None
+    for a in range(0, 119, 16):
+        with torch.no_grad():
+            state = m(x[None, a : min(a + 16, 119)], state).state
+        state = m.trim_state(state, 16)
+    assert [v[-1] for v in sn["per_layer"]] == pytest.approx(state_norms(state), rel=1e-6)
+    assert sn["max"][-1] == pytest.approx(max(state_norms(state)), rel=1e-6) and sn["max"][-1] > 0
+    # a state that doubles doubles its norm
+    doubled = {**state, "layers": [torch.utils._pytree.tree_map(
+        lambda t: t * 2 if isinstance(t, torch.Tensor) and t.is_floating_point() else t, s) for s in state["layers"]]}
+    assert state_norms(doubled) == pytest.approx([2 * v for v in state_norms(state)], rel=1e-6)
 
 
 # ----------------------------------------------------------------------------- continual adaptation

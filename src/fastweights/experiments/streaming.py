@@ -21,6 +21,11 @@ bins b = floor(i / bin_width)::
 
 Only the bin sums and counts are kept, never a per-token array, so a stream of any length runs in
 constant memory (as long as the model's own state is bounded).
+
+Along the stream each layer's carried state is measured after every call: its L2 norm (all its
+floating-point tensors: fast weight matrices, memories, KV caches, recurrent states), averaged per
+bin of position like the loss. A state that grows without bound, or drifts far from the sizes it had
+over the training length, shows there before the loss does (:class:`StateNormCurve`).
 """
 
 from __future__ import annotations
@@ -84,6 +89,55 @@ class PositionCurve:
                 "windowed": windowed, "cumulative": cumulative, "count": counts.tolist()}
 
 
+def state_norms(state) -> list[float]:
+    """L2 norm of each layer's state (every floating-point tensor in it), ``[n_layers]``.
+
+    ``state``: a LanguageModel state ``{"layers": [per-layer state, ...], ...}`` (anything else counts
+    as one layer); tensors that are not floating point (positions, counters) are left out."""
+    from torch.utils._pytree import tree_leaves
+
+    layers = state.get("layers") if isinstance(state, dict) and "layers" in state else [state]
+    out = []
+    for layer in layers:
+        sq = 0.0
+        for leaf in tree_leaves(layer):
+            if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.numel():
+                sq += float(leaf.detach().double().pow(2).sum())
+        out.append(math.sqrt(sq))
+    return out
+
+
+class StateNormCurve:
+    """Per-layer state norms after each call, averaged in bins of the position reached (like :class:`PositionCurve`)."""
+
+    def __init__(self, bin_width: int = 256):
+        self.bin_width = int(bin_width)
+        self.sums: list[list[float]] = []  # [bin][layer]
+        self.counts: list[int] = []
+
+    def add(self, position: int, norms: list[float]) -> None:
+        """Norms of the state after ``position`` predictions of the current document."""
+        b = max(0, position - 1) // self.bin_width
+        while len(self.counts) <= b:
+            self.sums.append([0.0] * len(norms))
+            self.counts.append(0)
+        if len(self.sums[b]) < len(norms):
+            self.sums[b] += [0.0] * (len(norms) - len(self.sums[b]))
+        for i, v in enumerate(norms):
+            self.sums[b][i] += v
+        self.counts[b] += 1
+
+    def to_dict(self) -> dict:
+        """``position`` (bin end), ``per_layer`` mean norm per bin ``[layer][bin]`` (None: no call ended
+        there), ``max`` the largest layer's, ``count`` calls per bin."""
+        layers = max((len(r) for r in self.sums), default=0)
+        per_layer = [[(r[i] / c if c and i < len(r) else None) for r, c in zip(self.sums, self.counts)]
+                     for i in range(layers)]
+        top = [max((v[b] for v in per_layer if v[b] is not None), default=None) for b in range(len(self.counts))]
+        return {"bin_width": self.bin_width, "position": [(b + 1) * self.bin_width for b in range(len(self.counts))],
+                "per_layer": per_layer, "max": top, "count": list(self.counts)}
+
+
 # ----------------------------------------------------------------------------- documents as token streams
 
 
@@ -139,6 +193,7 @@ class StreamResult:
     nll: float = 0.0  # total NLL, nats
     tokens: int = 0  # predictions scored
     curve: PositionCurve = field(default_factory=PositionCurve)
+    state_norm: StateNormCurve = field(default_factory=StateNormCurve)
     documents: list = field(default_factory=list)  # {"name", "tokens", "loss"} per document
     elapsed_s: float = 0.0
     rss_mb: dict = field(default_factory=dict)  # {"start", "max_sampled", "end"} current RSS during the run
@@ -151,7 +206,8 @@ class StreamResult:
         return {"mode": self.mode, "loss_nats": self.loss, "bits_per_token": self.loss / math.log(2),
                 "perplexity": math.exp(min(self.loss, 700)), "tokens": self.tokens, "elapsed_s": self.elapsed_s,
                 "tokens_per_s": self.tokens / self.elapsed_s if self.elapsed_s > 0 else None,
-                "rss_mb": self.rss_mb, "curve": self.curve.to_dict(), "documents": self.documents}
+                "rss_mb": self.rss_mb, "curve": self.curve.to_dict(), "state_norm": self.state_norm.to_dict(),
+                "documents": self.documents}
 
 
 def _nll(logits: torch.Tensor, targets: torch.Tensor) -> np.ndarray:
@@ -200,7 +256,7 @@ def stream_eval(model, documents: Iterable[tuple[str, Iterable[np.ndarray]]], mo
         raise UserError("stream mode 'memory' does not combine with dynamic evaluation (use carry, reset or frozen)")
     bar = progress if isinstance(progress, Progress) else Progress(max_tokens or None, "tok", desc=f"stream {mode}",
                                                                    enabled=bool(progress))
-    res = StreamResult(mode, curve=PositionCurve(bin_width))
+    res = StreamResult(mode, curve=PositionCurve(bin_width), state_norm=StateNormCurve(bin_width))
     rss0 = current_rss_mb()
     rss_max = rss0
     t0 = time.perf_counter()
@@ -247,6 +303,7 @@ def stream_eval(model, documents: Iterable[tuple[str, Iterable[np.ndarray]]], mo
                             res.curve.add(doc_n, nll)
                             doc_nll += float(nll.sum())
                             doc_n += nll.size
+                            res.state_norm.add(doc_n, state_norms(state))
                             res.nll += float(nll.sum())
                             res.tokens += nll.size
                             bar.update(nll.size, loss=res.loss)
@@ -288,6 +345,7 @@ def _dynamic_document(ev, blocks, prev, res: StreamResult, max_tokens: int, bar)
         r, state = ev.evaluate(ids, state, final=False, keep_token_losses=True)
         _record(res, r.token_losses, doc_n, bar)
         doc_nll, doc_n = doc_nll + r.nll, doc_n + r.tokens
+        res.state_norm.add(doc_n, state_norms(state.model_state))
     if state is not None and state.pending.numel() > 1:  # the unscored tail (shorter than a segment)
         r, state = ev.evaluate(torch.zeros(0, dtype=torch.long), state, final=True, keep_token_losses=True)
         _record(res, r.token_losses, doc_n, bar)
@@ -306,7 +364,8 @@ def _record(res: StreamResult, losses: list, start: int, bar) -> None:
 
 
 def plot_stream(runs: Sequence[dict], path: str | Path, title: str = "", unit: str = "nats") -> Path:
-    """PNG: windowed (top) and cumulative (bottom) loss against position, one line per (model, mode).
+    """PNG: windowed (top) and cumulative (middle) loss against position, one line per (model, mode), and
+    the carried state's norm (bottom; the largest layer's, when the runs recorded it).
 
     ``runs``: dicts with ``"label"`` and ``"curve"`` (a :meth:`PositionCurve.to_dict`), optionally
     ``"checkpoint"`` (one colour per model) and ``"mode"`` (one line style per mode). ``unit``: "nats" or "bits".
@@ -321,7 +380,9 @@ def plot_stream(runs: Sequence[dict], path: str | Path, title: str = "", unit: s
     scale = 1 / math.log(2) if unit == "bits" else 1.0
     styles = {"carry": "-", "reset": "--", "frozen": ":", "memory": "-."}
     models = list(dict.fromkeys(r.get("checkpoint", r["label"]) for r in runs))  # one colour per model
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    norms = [r for r in runs if any(v is not None for v in (r.get("state_norm") or {}).get("max", []))]
+    fig, axes = plt.subplots(3 if norms else 2, 1, figsize=(8, 9.5 if norms else 7), sharex=True)
+    ax, ax2 = axes[0], axes[1]
     for run in runs:
         c = run["curve"]
         style = dict(color=f"C{models.index(run.get('checkpoint', run['label'])) % 10}",
@@ -330,11 +391,18 @@ def plot_stream(runs: Sequence[dict], path: str | Path, title: str = "", unit: s
         ax.plot(xs, [v * scale for v in c["windowed"] if v is not None], label=run["label"], **style)
         xs = [p for p, v in zip(c["position"], c["cumulative"]) if v is not None]
         ax2.plot(xs, [v * scale for v in c["cumulative"] if v is not None], **style)
+        sn = run.get("state_norm")
+        if norms and sn:
+            xs = [p for p, v in zip(sn["position"], sn["max"]) if v is not None]
+            axes[2].plot(xs, [v for v in sn["max"] if v is not None], **style)
     bw = runs[0]["curve"]["bin_width"] if runs else 0
     ax.set_ylabel(f"{unit}/token, window {bw}")
     ax2.set_ylabel(f"{unit}/token, cumulative")
-    ax2.set_xlabel("position in the document (predictions)")
-    for a in (ax, ax2):
+    if norms:
+        axes[2].set_ylabel("state norm (largest layer)")
+        axes[2].set_yscale("log")
+    axes[-1].set_xlabel("position in the document (predictions)")
+    for a in axes:
         a.grid(alpha=0.3)
         if runs and max(len(r["curve"]["position"]) for r in runs) > 64:
             a.set_xscale("log")
