@@ -14,23 +14,33 @@ statistics are collected from the checkpoint's training split on first use. Tune
 written only where ``tune-dynamic --save`` says and used only when named (``--tuned FILE``).
 Hugging Face models keep the whole stream in context by default (``adapt.hf_context``).
 
+Besides full dynamic evaluation: ``--sparse-units`` (paper section 6), ``--lowrank-rank`` (low-rank MLP
+deltas, ``adapt.lowrank``; excludes ``--sparse-units``), ``--lr-schedule`` (within the stream), and
+``dynamic-eval --cache-on-dynamic`` (the neural cache on the adapted model, ``adapt.dynamic_cache``).
+
 ``run_eval_dynamic(args, model, tokenizer, cfg, texts)`` is the function behind ``dynamic-eval``
 (and behind ``fastweights eval --dynamic RULE``); see its docstring for the attributes it reads.
+Loading, gradient statistics and ``build_evaluator`` live in ``adapt.cli_evaluator`` (imported here).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
+from fastweights.adapt.cli_evaluator import (DEFAULT_STATS_BATCHES, _collect_stats, _stats_path, _weights_fingerprint,
+                                             adaptation_spec, build_evaluator, default_context, default_segment_len,
+                                             encode_texts, evaluator_like, load_model_and_tokenizer, load_texts)
 from fastweights.errors import UserError
 from fastweights.validate import fraction, nonneg_float, nonneg_int, positive_float, positive_int, seed
 
-DEFAULT_STATS_BATCHES = 500
+__all__ = ["add_dynamic_arguments", "build_evaluator", "demo_dynamic", "encode_texts", "load_model_and_tokenizer",
+           "load_texts", "register_cli", "run_eval_dynamic"]
+
 HF_STATS_CONTEXT = 1024  # collect-grad-stats' default KV-cache bound for Hugging Face models (x --batch-size streams)
 
 
@@ -53,6 +63,25 @@ def _model_args(p, data_help: str) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress line")
 
 
+def _schedule(text: str) -> str:
+    """argparse type of --lr-schedule: constant, warmup:W or rsqrt:S."""
+    from fastweights.adapt.update_rules import parse_schedule
+
+    try:
+        parse_schedule(text)
+    except UserError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _lowrank_args(p) -> None:
+    p.add_argument("--lowrank-rank", type=nonneg_int, default=0,
+                   help="low-rank dynamic evaluation: adapt rank-N deltas W + A B of the projections --lowrank-params "
+                        "selects (A from zero, B fixed random; 0: off)")
+    p.add_argument("--lowrank-params", metavar="GLOBS",
+                   help="module globs of the low-rank projections, comma-separated (default '*mlp.*': the MLPs)")
+
+
 def _rule_args(p, with_lr: bool = True, rule_flag: str = "--rule", with_context: bool = True) -> None:
     from fastweights.adapt.dynamic import DEFAULT_EPS, RULES
 
@@ -67,6 +96,9 @@ def _rule_args(p, with_lr: bool = True, rule_flag: str = "--rule", with_context:
         p.add_argument("--tuned", metavar="FILE",
                        help="lr and decay from this tune-dynamic --save file (a tuned file is used only when named)")
     p.add_argument("--eps", type=positive_float, default=DEFAULT_EPS, help="epsilon of the RMS rules")
+    p.add_argument("--lr-schedule", type=_schedule, default="constant", metavar="SPEC",
+                   help="learning rate within the stream: constant (default), warmup:W (linear ramp over the first W "
+                        "updates) or rsqrt:S (lr / sqrt(1 + i / S) at update i)")
     p.add_argument("--segment-len", type=nonneg_int, default=0,
                    help="predictions per update (default 20 for char/byte models, 128 for subword models)")
     if with_context:
@@ -79,6 +111,7 @@ def _rule_args(p, with_lr: bool = True, rule_flag: str = "--rule", with_context:
     p.add_argument("--sparse-units", type=nonneg_int, default=0,
                    help="sparse dynamic evaluation: adapt an HxH matrix on the first H units of one block's output")
     p.add_argument("--sparse-layer", type=int, default=None, help="block for sparse adaptation (default: the middle one)")
+    _lowrank_args(p)
 
 
 def add_dynamic_arguments(parser) -> None:
@@ -106,9 +139,12 @@ def register_cli(sub) -> None:
     d.add_argument("--cache-flatness", type=nonneg_float, default=1.0)
     d.add_argument("--cache-mix", type=fraction, default=0.1)
     d.add_argument("--cache-similarity", default="dot", choices=["dot", "cosine"])
+    d.add_argument("--cache-on-dynamic", action="store_true",
+                   help="also report the neural cache on top of dynamic evaluation (the --cache-* settings; "
+                        "documents one at a time)")
     d.add_argument("--json", action="store_true")
     d.add_argument("--per-token", metavar="PATH",
-                   help="write every prediction's static and dynamic loss (nats) as JSON to PATH")
+                   help="write every prediction's static and dynamic (and dynamic+cache) loss (nats) as JSON to PATH")
     d.set_defaults(func=cmd_dynamic_eval)
 
     t = sub.add_parser("tune-dynamic", help="grid-search the dynamic-evaluation lr and decay on validation text")
@@ -137,6 +173,7 @@ def register_cli(sub) -> None:
     c.add_argument("--exclude-params")
     c.add_argument("--sparse-units", type=nonneg_int, default=0)
     c.add_argument("--sparse-layer", type=int, default=None)
+    _lowrank_args(c)
     c.add_argument("--out", help="output file (default: next to the checkpoint)")
     c.set_defaults(func=cmd_collect_grad_stats)
 
@@ -161,216 +198,6 @@ def register_cli(sub) -> None:
     g.set_defaults(func=cmd_dynamic_generate)
 
 
-# ----------------------------------------------------------------------------- loading
-
-
-def load_model_and_tokenizer(args):
-    """(model, tokenizer, run_config or None, checkpoint dir or None) from --checkpoint or --hf."""
-    from fastweights.train import resolve_device
-
-    device = str(resolve_device(getattr(args, "device", "auto")))
-    if getattr(args, "hf", None):
-        from fastweights.adapt.hf import load_hf_model
-
-        sinks = getattr(args, "sinks", None)
-        model, tok = load_hf_model(args.hf, device=device, **({} if sinks is None else {"sinks": sinks}))
-        return model, tok, None, None
-    if getattr(args, "sinks", None) is not None:
-        raise UserError("--sinks applies to Hugging Face models (--hf); a checkpoint's context is its seq_len window")
-    from fastweights.checkpoint import load_checkpoint
-
-    model, tok, cfg = load_checkpoint(Path(args.checkpoint), map_location=device)
-    return model, tok, cfg, Path(args.checkpoint)
-
-
-def load_texts(args, cfg, split: str, max_chars: int = 0) -> list[str]:
-    """--data (all of it) or the checkpoint corpus' ``split``; the first ``max_chars`` characters."""
-    from fastweights.data import load_corpus, split_corpus
-
-    if getattr(args, "data", None):
-        docs = load_corpus(args.data, text_field=cfg.data.text_field if cfg else "text")
-        texts = [d.text for d in docs]
-    elif cfg is not None:
-        docs = load_corpus(cfg.data.corpus, text_field=cfg.data.text_field)
-        texts = [d.text for d in split_corpus(docs, cfg.data.split, cfg.data.val_fraction, cfg.data.test_fraction)[split]]
-    else:
-        raise UserError("--data is required with --hf")
-    if max_chars and max_chars > 0:
-        out, left = [], max_chars
-        for t in texts:
-            if left <= 0:
-                break
-            out.append(t[:left])
-            left -= len(out[-1])
-        texts = out
-    texts = [t for t in texts if t]
-    if not texts:
-        raise UserError("the text to score is empty")
-    return texts
-
-
-def encode_texts(tokenizer, texts: list[str], bos: bool = False) -> tuple[list[torch.Tensor], int]:
-    """Token tensors and the number of scored characters (the first token is context unless ``bos``)."""
-    docs, chars = [], 0
-    bos_id = getattr(tokenizer, "bos_id", None)
-    if bos and bos_id is None:
-        raise UserError("--bos: this tokenizer has no BOS token")
-    for t in texts:
-        ids = torch.as_tensor(tokenizer.encode(t), dtype=torch.long)
-        if bos:
-            ids = torch.cat([torch.tensor([bos_id]), ids])
-            chars += len(t)
-        elif len(ids) >= 2:
-            chars += len(t) - len(tokenizer.decode(ids[:1].tolist()))
-        if len(ids) >= 2:
-            docs.append(ids)
-    if not docs:
-        raise UserError("nothing to score: every document has fewer than two tokens")
-    return docs, chars
-
-
-def default_segment_len(tokenizer) -> int:
-    from fastweights.adapt.dynamic import DEFAULT_SEGMENT_LEN
-
-    # the paper's segments: 20 characters, 5 words (Krause et al. 2018); subword (GPT-2) models: 128 tokens,
-    # as Transformer dynamic evaluation used
-    name = getattr(tokenizer, "name", "")
-    return DEFAULT_SEGMENT_LEN if name in ("char", "byte") else 5 if name == "word" else 128
-
-
-def default_context(model, cfg) -> int | None:
-    if cfg is not None:
-        return cfg.train.seq_len
-    return getattr(model, "default_context", None)
-
-
-def _stats_path(args, ckpt: Path | None, sparse: tuple | None) -> Path | None:
-    if getattr(args, "stats", None):
-        return Path(args.stats)
-    if ckpt is None:
-        return None
-    if sparse:
-        return ckpt / f"grad_stats_sparse_l{sparse[0]}_u{sparse[1]}.safetensors"
-    from fastweights.adapt.dynamic import GRAD_STATS_FILE
-
-    return ckpt / GRAD_STATS_FILE
-
-
-def _sparse_spec(args, model) -> tuple | None:
-    units = getattr(args, "sparse_units", 0) or 0
-    if units <= 0:
-        return None
-    from fastweights.adapt.sparse import decoder_layers
-
-    n = len(decoder_layers(model))
-    layer = getattr(args, "sparse_layer", None)
-    layer = n // 2 if layer is None else layer
-    if not -n <= layer < n:
-        raise UserError(f"--sparse-layer {layer} out of range for {n} blocks")
-    return layer % n, units
-
-
-def _weights_fingerprint(ckpt: Path | None) -> str | None:
-    from fastweights.checkpoint import weights_fingerprint
-
-    return weights_fingerprint(ckpt) if ckpt is not None else None
-
-
-def _collect_stats(model, tokenizer, cfg, args, segment_len, context, sparse, path: Path | None, progress: bool,
-                   ckpt: Path | None = None):
-    """Collect MS_g on the checkpoint's (or --data's) training text and save it to ``path``."""
-    from fastweights.adapt.dynamic import collect_grad_stats
-    from fastweights.adapt.sparse import collect_sparse_grad_stats
-
-    texts = load_texts(SimpleNamespace(data=getattr(args, "train_data", None)), cfg, "train")
-    ids = torch.cat([torch.as_tensor(tokenizer.encode(t), dtype=torch.long) for t in texts])
-    batch_size = getattr(args, "batch_size", 100)
-    max_batches = getattr(args, "max_batches", DEFAULT_STATS_BATCHES) or None
-    seq_len = getattr(args, "stats_seq_len", 0) or segment_len
-    if sparse:
-        stats = collect_sparse_grad_stats(model, ids, sparse[0], sparse[1], batch_size, seq_len, max_batches, context,
-                                          progress=progress)
-    else:
-        stats = collect_grad_stats(model, ids, batch_size, seq_len, max_batches, context,
-                                   include=getattr(args, "params", None), exclude=getattr(args, "exclude_params", None),
-                                   progress=progress)
-    fingerprint = _weights_fingerprint(ckpt)
-    if fingerprint is not None:
-        stats.extra["weights_sha256"] = fingerprint
-    if path is not None:
-        stats.save(path)
-    return stats
-
-
-def build_evaluator(args, model, tokenizer, cfg, ckpt: Path | None, lr: float | None = None,
-                    decay: float | None = None, progress: bool = False):
-    """A DynamicEvaluator (or SparseDynamicEvaluator) from parsed arguments; returns (evaluator, info)."""
-    from fastweights.adapt.dynamic import (DEFAULT_DECAY, DEFAULT_EPS, DEFAULT_LR, PRIOR_RULES, DynamicEvaluator,
-                                           GradStats, canonical_rule)
-    from fastweights.adapt.sparse import SparseDynamicEvaluator
-    from fastweights.adapt.tune import TUNED_FILE, load_tuned
-    from fastweights.checkpoint import check_derived_file
-
-    rule = canonical_rule(getattr(args, "dynamic", None) or getattr(args, "rule", None) or "rms-global-prior")
-    segment_len = getattr(args, "segment_len", 0) or default_segment_len(tokenizer)
-    context = getattr(args, "seq_len", 0) or default_context(model, cfg)
-    sparse = _sparse_spec(args, model)
-    lr = lr if lr is not None else getattr(args, "lr", None)
-    decay = decay if decay is not None else getattr(args, "decay", None)
-    sources = {"lr": "command line" if lr is not None else None, "decay": "command line" if decay is not None else None}
-    if lr is None or decay is None:
-        # a tuned file is used only when named (--tuned): one left in a checkpoint never changes a run silently
-        tuned_path = getattr(args, "tuned", None)
-        if tuned_path:
-            tuned = load_tuned(tuned_path)
-            if tuned is None:
-                raise UserError(f"--tuned {tuned_path}: no such file")
-            check_derived_file(tuned.get("weights_sha256"), ckpt, Path(tuned_path),
-                               f"tune again with `fastweights tune-dynamic --checkpoint {ckpt} --save FILE`")
-            want = {"rule": rule, "segment_len": segment_len, "sparse_units": sparse[1] if sparse else None}
-            have = {"rule": tuned.get("rule"), "segment_len": tuned["settings"].get("segment_len"),
-                    "sparse_units": tuned["settings"].get("sparse_units")}
-            diff = [f"{k} {have[k]} (this run: {want[k]})" for k in want if have[k] != want[k]]
-            if diff:
-                raise UserError(f"--tuned {tuned_path} was tuned for another setting: {', '.join(diff)}")
-            fallback, where = {"lr": tuned["best"]["lr"], "decay": tuned["best"]["decay"]}, f"tuned file {tuned_path}"
-        else:
-            if ckpt is not None and (ckpt / TUNED_FILE).is_file():
-                print(f"note: {ckpt / TUNED_FILE} is not used unless named with --tuned", file=sys.stderr)
-            fallback = {"lr": DEFAULT_LR, "decay": DEFAULT_DECAY}
-            where = "default of dynamiceval.py (untuned: tune-dynamic --save FILE, then --tuned FILE)"
-        if lr is None:
-            lr, sources["lr"] = fallback["lr"], where
-        if decay is None:
-            decay, sources["decay"] = fallback["decay"], where
-    info = {"lr_source": sources["lr"], **({"decay_source": sources["decay"]} if rule in PRIOR_RULES else {})}
-    stats = None
-    if rule.startswith("rms"):
-        path = _stats_path(args, ckpt, sparse)
-        if path is not None and path.is_file():
-            stats = GradStats.load(path)
-            check_derived_file(stats.extra.get("weights_sha256"), ckpt, path,
-                               f"collect them again with `fastweights collect-grad-stats --checkpoint {ckpt}`")
-        elif getattr(args, "stats", None):
-            raise UserError(f"gradient statistics {args.stats} not found")
-        elif cfg is not None:
-            print(f"collecting gradient statistics on the training split -> {path}", file=sys.stderr)
-            stats = _collect_stats(model, tokenizer, cfg, args, segment_len, context, sparse, path, progress, ckpt)
-        else:
-            raise UserError(f"rule {rule} needs gradient statistics: run `fastweights collect-grad-stats --hf ... "
-                            "--data TEXT --out FILE` (any generic text of the language will do, e.g. --data novels) "
-                            "and pass --stats FILE, or use --rule sgd")
-    eps = getattr(args, "eps", None)
-    kw = dict(rule=rule, lr=lr, decay=decay, eps=DEFAULT_EPS if eps is None else eps, segment_len=segment_len,
-              context=context, grad_stats=stats)
-    if sparse:
-        ev = SparseDynamicEvaluator(model, layer=sparse[0], units=sparse[1], **kw)
-    else:
-        ev = DynamicEvaluator(model, include=getattr(args, "params", None),
-                              exclude=getattr(args, "exclude_params", None), **kw)
-    return ev, info
-
-
 def _metrics(result, tokenizer, chars: int) -> dict:
     result.chars = chars
     return {"nll": result.nll} | result.metrics(getattr(tokenizer, "name", ""))  # nll: total, in nats
@@ -384,25 +211,69 @@ def _headline_key(tokenizer) -> str:
 # ----------------------------------------------------------------------------- commands
 
 
+def _score_documents(evaluate, docs, reset: str, keep: bool, bar, start):
+    """Documents one after the other through ``evaluate`` (an evaluator's or a DynamicNeuralCache's): the
+    summed result and each document's token losses. ``reset="never"`` carries the adapted values and the
+    schedule's update count into the next document (``start(state, doc)`` builds its start state)."""
+    from fastweights.evaluate import EvalResult
+
+    total, losses, state = EvalResult(0.0, 0), [], None
+    for d in docs:
+        r, st = evaluate(d, start(state, d) if state is not None else None, keep_token_losses=keep, progress=bar)
+        losses.append(r.token_losses)
+        total.add(r)
+        if reset == "never":
+            state = st
+    bar.close()
+    return total, losses
+
+
+def _carried(ev):
+    """``start`` for :func:`_score_documents` with --reset never: the adaptation (values, update count) carries
+    over, the model state (and the cache's memory) starts fresh at every document."""
+    from fastweights.adapt.dynamic import DynamicState
+    from fastweights.adapt.dynamic_cache import DynamicCacheState
+
+    def start(st, d):
+        dyn = st.dynamic if isinstance(st, DynamicCacheState) else st
+        new = DynamicState(dyn.values, None, d[:0], 0, dyn.updates)
+        if not isinstance(st, DynamicCacheState):
+            return new
+        return DynamicCacheState(new, torch.zeros(0, 0, device=ev.device),
+                                 torch.zeros(0, dtype=torch.long, device=ev.device), 0)
+    return start
+
+
+def _cache_settings(args) -> dict:
+    return dict(window=getattr(args, "cache_window", 500), flatness=getattr(args, "cache_flatness", 1.0),
+                mix=getattr(args, "cache_mix", 0.1), similarity=getattr(args, "cache_similarity", "dot"))
+
+
 def run_eval_dynamic(args, model, tokenizer, cfg, texts: list[str]) -> dict:
     """Static and dynamic evaluation of ``texts`` under one protocol; returns a JSON-ready dict.
 
     Reads these attributes of ``args`` (all optional; missing ones take the defaults shown):
         dynamic or rule ("rms-global-prior"), lr / decay (None: from the file ``tuned`` names, which
-        must match the rule and segment length, else 5e-5 / 0.002), eps (2e-5),
-        segment_len (0: 20 for char/byte tokenizers, else 128), seq_len (0: ``cfg.train.seq_len``,
-        or the HF adapter's default context), stats (None: ``<checkpoint>/grad_stats.safetensors``,
-        collected from the training split when missing), checkpoint (dir, for those defaults),
-        params / exclude_params (globs), sparse_units / sparse_layer (0: full dynamic evaluation),
+        must match the rule, segment length, schedule and adapted kind, else 5e-5 / 0.002), eps (2e-5),
+        lr_schedule ("constant"), segment_len (0: 20 for char/byte tokenizers, else 128), seq_len (0:
+        ``cfg.train.seq_len``, or the HF adapter's default context), stats (None: the checkpoint's
+        statistics file for what is adapted, collected from the training split when missing),
+        checkpoint (dir, for those defaults), params / exclude_params (globs), sparse_units /
+        sparse_layer (0: off), lowrank_rank / lowrank_params (0: off; low-rank MLP deltas),
         reset ("per_document"), batch_docs (1), bos (False), quiet (False), tuned (None: no tuned file),
-        per_token (None, or a path: every prediction's losses written there, see ``adapt.per_token``),
-        cache / cache_window / cache_flatness / cache_mix / cache_similarity (neural cache baseline).
+        per_token (None, or a path: every prediction's losses written there, see ``adapt.per_token``;
+        with cache_on_dynamic each document also has its "dynamic_cache" losses, summing to
+        "dynamic_cache_nll"), cache (the neural cache baseline on the static model), cache_on_dynamic
+        (the neural cache on the dynamically adapted model), cache_window / cache_flatness / cache_mix /
+        cache_similarity (the settings of both).
     ``cfg`` is the checkpoint's RunConfig (None for Hugging Face models). Static and dynamic use the
     same segments (stride = segment_len) and context, so ``args.stride`` is not used.
 
-    Returns {"static": metrics, "dynamic": metrics, ["cache": metrics], "relative_improvement",
-    "settings": the evaluator's metadata, "documents", "reset"}; metrics as ``EvalResult.metrics``.
+    Returns {"static": metrics, "dynamic": metrics, ["cache": metrics], ["dynamic_cache": metrics],
+    "relative_improvement", "settings": the evaluator's metadata, "documents", "reset"}; metrics as
+    ``EvalResult.metrics`` plus "nll" (total nats); the cache rows add their "settings".
     """
+    from fastweights.evaluate import EvalResult
     from fastweights.progress import Progress
 
     progress = not getattr(args, "quiet", False)
@@ -410,17 +281,15 @@ def run_eval_dynamic(args, model, tokenizer, cfg, texts: list[str]) -> dict:
     ev, info = build_evaluator(args, model, tokenizer, cfg, ckpt, progress=progress)
     docs, chars = encode_texts(tokenizer, texts, getattr(args, "bos", False))
     total = sum(d.numel() - 1 for d in docs)
-    from fastweights.evaluate import EvalResult
-
     keep = bool(getattr(args, "per_token", None))
-    static_losses, dynamic_losses = [], []  # per document, only with per_token
+    losses = {}  # row -> per-document token losses, only with per_token
     bar = Progress(total, "tok", desc="static", enabled=progress)
     static = EvalResult(0.0, 0)
+    losses["static"] = []
     for d in docs:
         r = ev.static(d, keep_token_losses=keep, progress=bar)
-        static_losses.append(r.token_losses)
-        static.nll += r.nll
-        static.tokens += r.tokens
+        losses["static"].append(r.token_losses)
+        static.add(r)
     bar.close()
     reset = getattr(args, "reset", "per_document") or "per_document"
     batch_docs = max(1, getattr(args, "batch_docs", 1) or 1)
@@ -428,7 +297,7 @@ def run_eval_dynamic(args, model, tokenizer, cfg, texts: list[str]) -> dict:
         raise UserError("--batch-docs needs --reset per_document (each document has its own weights)")
     bar = Progress(total, "tok", desc="dynamic", enabled=progress)
     if batch_docs > 1:
-        dynamic = EvalResult(0.0, 0)
+        dynamic, losses["dynamic"] = EvalResult(0.0, 0), []
         for i in range(0, len(docs), batch_docs):
             try:
                 batch = ev.evaluate_batch(docs[i : i + batch_docs], keep_token_losses=keep, progress=bar)
@@ -437,41 +306,50 @@ def run_eval_dynamic(args, model, tokenizer, cfg, texts: list[str]) -> dict:
                     raise
                 raise UserError(f"--batch-docs: {str(e).splitlines()[0]}") from None
             for r in batch:
-                dynamic_losses.append(r.token_losses)
-                dynamic.nll += r.nll
-                dynamic.tokens += r.tokens
+                losses["dynamic"].append(r.token_losses)
+                dynamic.add(r)
+        bar.close()
     else:
-        dynamic = EvalResult(0.0, 0)
-        state_values = None
-        for d in docs:
-            from fastweights.adapt.dynamic import DynamicState
-
-            start = DynamicState(state_values, None, d[:0]) if state_values is not None else None
-            r, st = ev.evaluate(d, start, keep_token_losses=keep, progress=bar)
-            dynamic_losses.append(r.token_losses)
-            dynamic.nll += r.nll
-            dynamic.tokens += r.tokens
-            if reset == "never":
-                state_values = st.values
-    bar.close()
+        dynamic, losses["dynamic"] = _score_documents(ev.evaluate, docs, reset, keep, bar, _carried(ev))
     out = {"static": _metrics(static, tokenizer, chars), "dynamic": _metrics(dynamic, tokenizer, chars)}
     if getattr(args, "cache", False):
         from fastweights.adapt.cache import NeuralCache
 
-        cache = NeuralCache(model, window=getattr(args, "cache_window", 500), flatness=getattr(args, "cache_flatness", 1.0),
-                            mix=getattr(args, "cache_mix", 0.1), similarity=getattr(args, "cache_similarity", "dot"),
-                            segment_len=ev.segment_len, context=ev.context)
+        cache = NeuralCache(model, **_cache_settings(args), segment_len=ev.segment_len, context=ev.context)
         r = cache.evaluate_documents(docs, progress=progress)
         out["cache"] = _metrics(r, tokenizer, chars) | {"settings": cache.metadata()}
+    if getattr(args, "cache_on_dynamic", False):
+        from fastweights.adapt.dynamic_cache import DynamicNeuralCache
+
+        both = DynamicNeuralCache(ev, **_cache_settings(args))
+        bar = Progress(total, "tok", desc="dynamic+cache", enabled=progress)
+        r, losses["dynamic_cache"] = _score_documents(both.evaluate, docs, reset, keep, bar, _carried(ev))
+        out["dynamic_cache"] = _metrics(r, tokenizer, chars) | {
+            "relative_improvement": 1 - r.loss / static.loss if static.loss > 0 else 0.0,
+            "settings": both.metadata()["cache"]}
     out["relative_improvement"] = 1 - dynamic.loss / static.loss if static.loss > 0 else 0.0
     out["settings"] = ev.metadata() | info
     out["documents"] = len(docs)
     out["reset"] = reset
     if keep:
-        from fastweights.adapt.per_token import write_per_token
-
-        out["per_token_file"] = str(write_per_token(args.per_token, docs, static_losses, dynamic_losses, out))
+        out["per_token_file"] = str(_write_per_token(args.per_token, docs, losses, out))
     return out
+
+
+def _write_per_token(path, docs, losses: dict, result: dict) -> Path:
+    """``adapt.per_token``'s file; with the cache on dynamic evaluation, each document's "dynamic_cache"
+    losses too (summing to "dynamic_cache_nll", the row's total NLL)."""
+    from fastweights.adapt.per_token import per_token_record
+    from fastweights.checkpoint import atomic_write
+
+    rec = per_token_record(docs, losses["static"], losses["dynamic"], result)
+    if "dynamic_cache" in losses:
+        for doc, row in zip(rec["documents"], losses["dynamic_cache"]):
+            doc["dynamic_cache"] = row
+        rec["dynamic_cache_nll"] = sum(sum(row) for row in losses["dynamic_cache"])
+    path = Path(path)
+    atomic_write(path, lambda p: p.write_text(json.dumps(rec) + "\n"))
+    return path
 
 
 def cmd_dynamic_eval(args) -> int:
@@ -489,14 +367,20 @@ def cmd_dynamic_eval(args) -> int:
 
     has_prior = s["rule"] in PRIOR_RULES  # sgd and rms have no decay towards the trained weights
     decay = f"decay {s['decay']:.3g}, " if has_prior else ""
+    sched = f"schedule {s['lr_schedule']}, " if "lr_schedule" in s else ""
+    lowrank = (f"rank-{s['lowrank_rank']} deltas on {s['lowrank_projections']} projections ({s['lowrank_modules']}), "
+               if "lowrank_rank" in s else "")
     sources = f"lr: {s['lr_source']}" + (f"; decay: {s['decay_source']}" if has_prior else "")
     print(f"{res['data']}: {res['static']['tokens']} tokens, {res['documents']} document(s); rule {s['rule']}, "
-          f"lr {s['lr']:.3g}, {decay}segment {s['segment_len']}, context {s['context']} ({sources})")
-    print(f"  static : {key} {res['static'][key]:.4f}  (loss {res['static']['loss_nats']:.4f} nats/token)")
-    print(f"  dynamic: {key} {res['dynamic'][key]:.4f}  (loss {res['dynamic']['loss_nats']:.4f} nats/token, "
-          f"{100 * res['relative_improvement']:.2f}% lower)")
-    if "cache" in res:
-        print(f"  cache  : {key} {res['cache'][key]:.4f}  (loss {res['cache']['loss_nats']:.4f} nats/token)")
+          f"lr {s['lr']:.3g}, {decay}{sched}{lowrank}segment {s['segment_len']}, context {s['context']} ({sources})")
+    rows = [(name, label) for name, label in (("static", "static"), ("dynamic", "dynamic"), ("cache", "cache"),
+                                              ("dynamic_cache", "dynamic+cache")) if name in res]
+    width = max(len(label) for _, label in rows)
+    static_loss = res["static"]["loss_nats"]
+    for name, label in rows:
+        gain = 1 - res[name]["loss_nats"] / static_loss if static_loss > 0 else 0.0
+        lower = f", {100 * gain:.2f}% lower" if name != "static" else ""
+        print(f"  {label:<{width}}: {key} {res[name][key]:.4f}  (loss {res[name]['loss_nats']:.4f} nats/token{lower})")
     if "per_token_file" in res:
         print(f"  per-token losses -> {res['per_token_file']}")
     return 0
@@ -524,11 +408,7 @@ def cmd_tune_dynamic(args) -> int:
     lrs, decays = _floats(args.lrs, "--lrs"), _floats(args.decays, "--decays")
     if args.official_grid:
         lrs, decays = official_grid(first.segment_len)
-
-    def make(lr, decay):
-        return type(first)(**_rebuild_kwargs(first, lr, decay))
-
-    res = tune_dynamic(make, docs, lrs, decays, progress=not args.quiet)
+    res = tune_dynamic(lambda lr, decay: evaluator_like(first, lr, decay), docs, lrs, decays, progress=not args.quiet)
     path = args.save
     if path:
         save_tuned(res, path, weights_sha256=_weights_fingerprint(ckpt))
@@ -541,20 +421,6 @@ def cmd_tune_dynamic(args) -> int:
     return 0
 
 
-def _rebuild_kwargs(ev, lr: float, decay: float) -> dict:
-    """Constructor arguments for an evaluator like ``ev`` with another lr and decay."""
-    from fastweights.adapt.sparse import SparseDynamicEvaluator
-
-    kw = dict(model=ev.model, rule=ev.rule, lr=lr, decay=decay, eps=ev.update_rule.eps, segment_len=ev.segment_len,
-              context=ev.context, grad_stats=ev.grad_stats)
-    if isinstance(ev, SparseDynamicEvaluator):
-        kw.update(layer=ev.adaptation.layer, units=ev.adaptation.index.tolist())
-    else:
-        names = set(ev.names)
-        kw["include"] = lambda name, p: name in names
-    return kw
-
-
 def cmd_collect_grad_stats(args) -> int:
     model, tok, cfg, ckpt = load_model_and_tokenizer(args)
     if args.hf and not args.data:
@@ -565,13 +431,13 @@ def cmd_collect_grad_stats(args) -> int:
     context = args.context or default_context(model, cfg)
     if cfg is None and not args.context:  # HF: whole-stream caches for --batch-size streams would not fit in memory
         context = min(context, HF_STATS_CONTEXT)
-    sparse = _sparse_spec(args, model)
-    out = Path(args.out) if args.out else _stats_path(SimpleNamespace(stats=None), ckpt, sparse)
+    spec = adaptation_spec(args, model)
+    out = Path(args.out) if args.out else _stats_path(SimpleNamespace(stats=None), ckpt, spec)
     if out is None:
         raise UserError("--out is required with --hf")
     ns = SimpleNamespace(train_data=args.data, batch_size=args.batch_size, max_batches=args.max_batches,
                          stats_seq_len=segment_len, params=args.params, exclude_params=args.exclude_params)
-    stats = _collect_stats(model, tok, cfg, ns, segment_len, context, sparse, out, not args.quiet, ckpt)
+    stats = _collect_stats(model, tok, cfg, ns, segment_len, context, spec, out, not args.quiet, ckpt)
     print(f"gradient statistics of {len(stats.ms)} tensors over {stats.batches} batches of "
           f"{stats.batch_size} x {stats.seq_len} tokens -> {out}")
     return 0
@@ -647,7 +513,7 @@ def demo_dynamic(checkpoint: str | Path, tune_chars: int = 5000, test_chars: int
     args = SimpleNamespace(checkpoint=str(ckpt), rule="rms-global-prior", quiet=True, max_batches=stats_batches)
     first, _ = build_evaluator(args, model, tok, cfg, ckpt, lr=0.0, decay=0.0)
     docs, _ = encode_texts(tok, load_texts(SimpleNamespace(data=None), cfg, "val", tune_chars))
-    search = tune_dynamic(lambda lr, decay: type(first)(**_rebuild_kwargs(first, lr, decay)), docs)
+    search = tune_dynamic(lambda lr, decay: evaluator_like(first, lr, decay), docs)
     args.tuned = str(save_tuned(search, ckpt / TUNED_FILE, weights_sha256=_weights_fingerprint(ckpt)))
     res = run_eval_dynamic(args, model, tok, cfg, load_texts(SimpleNamespace(data=None), cfg, "test", test_chars))
     res["search"] = search

@@ -1,0 +1,170 @@
+"""The command line of the issue 18 extensions: --lr-schedule, --lowrank-rank / --lowrank-params (with their
+gradient statistics) and dynamic-eval --cache-on-dynamic, on test_dynamic_eval's tiny checkpoint."""
+
+import json
+
+import pytest
+
+from fastweights.cli import main
+import test_dynamic_eval
+
+checkpoint = test_dynamic_eval.checkpoint  # the tiny char-level checkpoint fixture (a copy per module)
+SGD = ["--rule", "sgd", "--lr", "0.5", "--segment-len", "10", "--json", "--quiet"]
+
+
+def run_json(capsys, *argv):
+    assert main(list(argv)) == 0, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)
+
+
+def error_line(capsys, *argv):
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "\n" not in err and "Traceback" not in err
+    return err
+
+
+@pytest.fixture(scope="module")
+def two_docs(checkpoint):
+    d = checkpoint / "two_docs"
+    d.mkdir()
+    (d / "a.txt").write_text("the cat sat on the log. the dog sat on the mat. " * 3)
+    (d / "b.txt").write_text("the dog sat on the cat. " * 4)
+    return d
+
+
+def test_lr_schedule(checkpoint, capsys):
+    base = ["dynamic-eval", "--checkpoint", str(checkpoint), "--data", str(checkpoint / "doc.txt"), *SGD]
+    default = run_json(capsys, *base)
+    constant = run_json(capsys, *base, "--lr-schedule", "constant")
+    warmup = run_json(capsys, *base, "--lr-schedule", "warmup:4")
+    assert constant["dynamic"]["nll"] == default["dynamic"]["nll"]  # constant is the unscheduled update, exactly
+    assert warmup["dynamic"]["nll"] != constant["dynamic"]["nll"]
+    assert warmup["static"] == constant["static"]
+    assert "lr_schedule" not in constant["settings"] and warmup["settings"]["lr_schedule"] == "warmup:4"
+
+
+@pytest.mark.parametrize("command", ["dynamic-eval", "tune-dynamic", "timescale", "dynamic-generate"])
+def test_bad_lr_schedule_is_one_line_exit_2(checkpoint, command, capsys):
+    err = error_line(capsys, command, "--checkpoint", str(checkpoint), "--rule", "sgd", "--lr-schedule", "cosine:3")
+    assert "--lr-schedule" in err and "warmup:W" in err
+
+
+def test_tuned_file_records_the_schedule(checkpoint, tmp_path, capsys):
+    ck, doc, tuned = str(checkpoint), str(checkpoint / "doc.txt"), str(tmp_path / "tuned.json")
+    assert main(["tune-dynamic", "--checkpoint", ck, "--data", doc, "--rule", "sgd", "--segment-len", "10", "--lrs",
+                 "0.1,0.5", "--lr-schedule", "rsqrt:2", "--save", tuned, "--quiet"]) == 0
+    capsys.readouterr()
+    base = ["dynamic-eval", "--checkpoint", ck, "--data", doc, "--rule", "sgd", "--segment-len", "10", "--tuned", tuned]
+    assert "lr_schedule rsqrt:2 (this run: constant)" in error_line(capsys, *base)  # tuned for another schedule
+    m = run_json(capsys, *base, "--lr-schedule", "rsqrt:2", "--json", "--quiet")
+    assert m["settings"]["lr_schedule"] == "rsqrt:2" and m["settings"]["lr_source"] == f"tuned file {tuned}"
+
+
+def test_reset_never_carries_the_schedule(checkpoint, two_docs, capsys):
+    from types import SimpleNamespace
+
+    from fastweights.adapt.cli import encode_texts, load_texts
+    from fastweights.adapt.dynamic import DynamicEvaluator
+    from fastweights.checkpoint import load_checkpoint
+
+    m = run_json(capsys, "dynamic-eval", "--checkpoint", str(checkpoint), "--data", str(two_docs), *SGD,
+                 "--lr-schedule", "warmup:6", "--reset", "never", "--cache-on-dynamic", "--cache-mix", "0")
+    model, tok, cfg = load_checkpoint(checkpoint)
+    docs, _ = encode_texts(tok, load_texts(SimpleNamespace(data=str(two_docs)), cfg, "test"))
+    ev = DynamicEvaluator(model, rule="sgd", lr=0.5, segment_len=10, context=32, lr_schedule="warmup:6")
+    assert m["dynamic"]["nll"] == pytest.approx(ev.evaluate_documents(docs, reset="never").nll, rel=1e-9)
+    assert m["dynamic_cache"]["nll"] == m["dynamic"]["nll"]  # mix 0, carried the same way
+
+
+def test_lowrank(checkpoint, capsys):
+    base = ["dynamic-eval", "--checkpoint", str(checkpoint), "--data", str(checkpoint / "doc.txt"), *SGD,
+            "--lowrank-rank", "2"]
+    m = run_json(capsys, *base)
+    s = m["settings"]
+    assert (s["lowrank_rank"], s["lowrank_modules"], s["lowrank_seed"]) == (2, "*mlp.*", 0)
+    assert s["lowrank_projections"] == 4 and m["dynamic"]["nll"] != m["static"]["nll"]
+    zero = run_json(capsys, *base, "--lr", "0")
+    assert zero["dynamic"]["nll"] == zero["static"]["nll"]  # A starts at zero: the static model exactly
+    one = run_json(capsys, *base, "--lowrank-params", "*mlp.down*")
+    assert one["settings"]["lowrank_projections"] == 2 and one["settings"]["lowrank_modules"] == "*mlp.down*"
+    full = run_json(capsys, *base[:-2])
+    assert not any(k.startswith("lowrank") for k in full["settings"])  # settings a run does not use are left out
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--lowrank-rank", "2", "--sparse-units", "4"], "exclude each other"),
+    (["--lowrank-params", "*mlp.*"], "needs --lowrank-rank"),
+    (["--lowrank-rank", "2", "--params", "blocks.1.*"], "--lowrank-params"),
+])
+def test_lowrank_conflicts(checkpoint, extra, message, capsys):
+    for command in ("dynamic-eval", "collect-grad-stats"):
+        argv = [command, "--checkpoint", str(checkpoint), *extra]
+        assert message in error_line(capsys, *(argv + ["--rule", "sgd"] if command == "dynamic-eval" else argv))
+
+
+def test_lowrank_gradient_statistics(checkpoint, tmp_path, capsys):
+    from fastweights.adapt.dynamic import GradStats
+
+    ck, doc = str(checkpoint), str(checkpoint / "doc.txt")
+    small = ["--max-batches", "2", "--batch-size", "2", "--seq-len", "10", "--quiet"]
+    assert main(["collect-grad-stats", "--checkpoint", ck, "--lowrank-rank", "2", *small]) == 0
+    assert "grad_stats_lowrank_r2.safetensors" in capsys.readouterr().out
+    stats = GradStats.load(checkpoint / "grad_stats_lowrank_r2.safetensors")
+    assert stats.extra["lowrank_rank"] == 2 and all(n.startswith("lowrank.") for n in stats.ms)
+    base = ["dynamic-eval", "--checkpoint", ck, "--data", doc, "--rule", "rms", "--lr", "1e-3", "--segment-len", "10",
+            "--json", "--quiet"]
+    m = run_json(capsys, *base, "--lowrank-rank", "2")  # the checkpoint's low-rank statistics, by default
+    assert m["settings"]["grad_stats"]["lowrank_rank"] == 2 and m["settings"]["grad_stats"]["batches"] == 2
+    full = tmp_path / "full.safetensors"
+    assert main(["collect-grad-stats", "--checkpoint", ck, "--out", str(full), *small]) == 0
+    lowrank = str(checkpoint / "grad_stats_lowrank_r2.safetensors")
+    err = error_line(capsys, *base, "--lowrank-rank", "2", "--stats", str(full))
+    assert "full-weight statistics" in err and "needs low-rank statistics (rank 2" in err and "--lowrank-rank 2" in err
+    assert "rank 2" in error_line(capsys, *base, "--lowrank-rank", "3", "--stats", lowrank)
+    assert "needs full-weight statistics" in error_line(capsys, *base, "--stats", lowrank)
+    assert "projections '*mlp.*'" in error_line(capsys, *base, "--lowrank-rank", "2", "--lowrank-params", "*down*",
+                                                "--stats", lowrank)
+    # missing statistics of our own checkpoint: collected on its training split and kept for the next run
+    m = run_json(capsys, *base, "--lowrank-rank", "3", "--lowrank-params", "*down*")
+    assert m["settings"]["grad_stats"]["lowrank_modules"] == "*down*"
+    assert len(list(checkpoint.glob("grad_stats_lowrank_r3_*.safetensors"))) == 1
+
+
+def test_cache_on_dynamic_and_per_token(checkpoint, two_docs, tmp_path, capsys):
+    ck = str(checkpoint)
+    base = ["dynamic-eval", "--checkpoint", ck, "--data", str(two_docs), *SGD, "--cache-window", "50"]
+    plain = run_json(capsys, *base)
+    assert "dynamic_cache" not in plain and "cache" not in plain
+    m = run_json(capsys, *base, "--cache-on-dynamic", "--cache", "--cache-mix", "0.3")
+    assert m["dynamic"] == plain["dynamic"] and {"static", "dynamic", "cache", "dynamic_cache"} <= set(m)
+    row = m["dynamic_cache"]
+    assert row["settings"]["mix"] == 0.3 and row["settings"]["window"] == 50 and row["nll"] != m["dynamic"]["nll"]
+    assert row["tokens"] == m["dynamic"]["tokens"]
+    zero = run_json(capsys, *base, "--cache-on-dynamic", "--cache-mix", "0")
+    assert zero["dynamic_cache"]["nll"] == zero["dynamic"]["nll"]  # mix 0: plain dynamic evaluation
+    # --per-token: each row's losses sum to that row's total NLL, also with several documents at once
+    path = tmp_path / "losses.json"
+    m = run_json(capsys, *base, "--cache-on-dynamic", "--batch-docs", "2", "--per-token", str(path))
+    rec = json.loads(path.read_text())
+    assert len(rec["documents"]) == m["documents"] == 2
+    for row, total in (("static", "static_nll"), ("dynamic", "dynamic_nll"), ("dynamic_cache", "dynamic_cache_nll")):
+        assert sum(sum(d[row]) for d in rec["documents"]) == pytest.approx(m[row]["nll"], rel=1e-6)
+        assert rec[total] == pytest.approx(m[row]["nll"], rel=1e-6)
+        assert all(len(d[row]) == d["tokens"] for d in rec["documents"])
+    assert main(["dynamic-eval", "--checkpoint", ck, "--data", str(two_docs), "--rule", "sgd", "--lr", "0.5",
+                 "--cache-on-dynamic", "--lr-schedule", "warmup:2", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "schedule warmup:2" in out and "  dynamic+cache: bits_per_char" in out
+
+
+def test_lowrank_timescale_and_generate(checkpoint, tmp_path, capsys):
+    ck, doc = str(checkpoint), str(checkpoint / "doc.txt")
+    flags = ["--rule", "sgd", "--lr", "0.5", "--lowrank-rank", "2", "--lr-schedule", "rsqrt:3", "--quiet"]
+    out = tmp_path / "ts"
+    assert main(["timescale", "--checkpoint", ck, "--data", doc, "--doc-len", "60", "--window", "20",
+                 "--out", str(out), *flags]) == 0
+    s = json.loads(out.with_suffix(".json").read_text())["settings"]
+    assert s["lowrank_rank"] == 2 and s["lr_schedule"] == "rsqrt:3"
+    assert main(["dynamic-generate", "--checkpoint", ck, "--prompt", "the cat ", "--max-tokens", "12", *flags]) == 0
+    assert "== dynamic" in capsys.readouterr().out
