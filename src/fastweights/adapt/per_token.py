@@ -7,7 +7,9 @@ The file is JSON::
 
 ``targets[i]`` is the token predicted at position ``i + 1`` of the document (its first token is
 context only); ``sum(dynamic)`` over all documents is the run's total dynamic NLL (``static``
-likewise), up to float rounding. Loss-against-position plots and significance tests start here.
+likewise), up to float rounding. With ``--cache-on-dynamic`` each document also has
+``"dynamic_cache"`` losses, summing to ``"dynamic_cache_nll"``. Loss-against-position plots and
+significance tests start here.
 """
 
 from __future__ import annotations
