@@ -173,7 +173,9 @@ def render(page: str, name: str) -> str:
         out += between
 
 
-CITE = re.compile(r"(-?\d[\d,]*(?:\.\d+)?)(\s?[a-zA-Z%/*]*)\s*<!-- src: (\S+) (.+?) -->")
+# a cited number: the digits shown (a "-" right after a digit is a range's dash, not a sign), its unit ("%":
+# the JSON holds the fraction), the JSON file's stem and the key path into it
+CITE = re.compile(r"((?:(?<![\w.])-)?\d[\d,]*(?:\.\d+)?)(\s?[a-zA-Z%/*]*)\s*<!-- src: (\S+) (.+?) -->")
 NUMBER = re.compile(r"(?<![\w.])-?\d[\d,]*\.\d+")  # a measured number has decimals; counts like "12-layer" do not
 REGION = re.compile(r"<!-- numbers:start -->(.*?)<!-- numbers:end -->", re.S)
 
@@ -190,11 +192,12 @@ def cited_number_problems(page: str, name: str) -> list[str]:
             out.append(f"{name}: {shown} cites {stem} {key}, which cannot be read ({type(e).__name__})")
             continue
         digits = len(shown.split(".")[1]) if "." in shown else 0
-        if round(value, digits) != float(shown.replace(",", "")):
-            out.append(f"{name}: {shown} cites {stem} {key} = {value}")
+        scale = 100.0 if m.group(2).strip().startswith("%") else 1.0
+        if round(value * scale, digits) != float(shown.replace(",", "")):
+            out.append(f"{name}: {shown}{m.group(2).strip()} cites {stem} {key} = {value}")
     for region in REGION.finditer(page):
         bare = CITE.sub("", region.group(1))
-        bare = re.sub(r"<!--.*?-->|`[^`]*`|\([^)]*\.(?:json|py|md)[^)]*\)", "", bare, flags=re.S)
+        bare = re.sub(r"<!--.*?-->|`[^`]*`|[\w./-]+\.(?:json|py|md|png|toml)\b", "", bare, flags=re.S)
         for m in NUMBER.finditer(bare):
             out.append(f"{name}: the number {m.group(0)} in a numbers region cites no source")
     return out
@@ -209,6 +212,7 @@ def update_cited(page: str) -> str:
         except (OSError, KeyError, IndexError, ValueError, TypeError):
             return m.group(0)  # --check names it
         digits = len(shown.split(".")[1]) if "." in shown else 0
+        value *= 100.0 if m.group(2).strip().startswith("%") else 1.0
         new = f"{value:,.{digits}f}" if "," in shown else f"{value:.{digits}f}"
         return new + m.group(0)[len(shown):]
     return CITE.sub(repl, page)

@@ -54,6 +54,23 @@ def test_check_fails_on_a_cited_number_that_disagrees_or_a_number_without_source
     assert report.cited_number_problems("x 1 <!-- src: no_such_file a -->", "p.md")
 
 
+def test_cited_percentages_ranges_and_file_names():
+    report = _report()
+    stem, key = "smollm2_dynamic_eval_context", "context_check/hamlet/bounded_2048_sinks/ratio_to_one_pass"
+    ratio = report._get(json.loads((ROOT / "benchmarks" / "results" / f"{stem}.json").read_text()), key)
+    # a percentage shows the JSON's value times 100
+    good = f"costs {100 * ratio:.1f}% <!-- src: {stem} {key} -->"
+    assert report.cited_number_problems(good, "p.md") == []
+    assert report.cited_number_problems(f"costs {ratio:.3f}% <!-- src: {stem} {key} -->", "p.md")
+    assert report.update_cited(f"costs 1.0% <!-- src: {stem} {key} -->").startswith(f"costs {100 * ratio:.1f}%")
+    # in a range "A-B" the dash is not B's sign
+    assert report.cited_number_problems(f"0.5-{ratio:.3f} <!-- src: {stem} {key} -->", "p.md") == []
+    # a decimal beside a file name in parentheses is still a number without a source
+    region = "<!-- numbers:start -->\n(see stream_memory.json: 2.58 typed by hand)\n<!-- numbers:end -->"
+    problems = report.cited_number_problems(region, "p.md")
+    assert len(problems) == 1 and "2.58" in problems[0]
+
+
 def test_check_fails_on_a_json_without_commit_a_wrong_command_or_older_than_its_code(tmp_path):
     import result_sources as rs
 
