@@ -64,13 +64,15 @@ from fastweights.errors import UserError
 from fastweights.ops.linear_attention import (
     causal_mask,
     check_inputs,
+    chunk_inputs,
     compute_dtype,
     decay_terms,
     from_chunks,
     no_autocast,
+    recurrent_scan,
     resolve_scale,
     scalars_to_chunks,
-    to_chunks,
+    start_state,
 )
 
 __all__ = ["delta_rule", "delta_rule_recurrent", "select_backend", "fla_available"]
@@ -99,22 +101,15 @@ def delta_rule_recurrent(
     """
     check_inputs("delta_rule_recurrent", q, k, v, beta=beta, log_decay=log_decay, initial_state=initial_state)
     cd = compute_dtype(q)
-    b, t, h, dk = q.shape
-    dv = v.shape[-1]
     scale = resolve_scale(scale, k)
-    state = torch.zeros(b, h, dk, dv, dtype=cd, device=q.device) if initial_state is None else initial_state.to(cd)
-    outs = []
-    with no_autocast(q.device):
-        for i in range(t):
-            q_i, k_i, v_i = q[:, i].to(cd), k[:, i].to(cd), v[:, i].to(cd)  # [B, H, D]
-            beta_i = beta[:, i].to(cd).unsqueeze(-1)  # [B, H, 1]
-            if log_decay is not None:
-                state = torch.exp(log_decay[:, i].to(cd))[..., None, None] * state  # a_t S_{t-1}
-            v_bar = torch.einsum("bhkv,bhk->bhv", state, k_i)  # value currently stored under k_t
-            state = state + k_i.unsqueeze(-1) * (beta_i * (v_i - v_bar)).unsqueeze(-2)
-            outs.append(torch.einsum("bhkv,bhk->bhv", state, q_i) * scale)  # o_t = S_t^T q_t
-    o = torch.stack(outs, dim=1) if outs else v.new_zeros(b, 0, h, dv, dtype=cd)  # [B, T, H, V]
-    return o.to(q.dtype), (state if output_final_state else None)
+
+    def step(i, state, q_i, k_i, v_i):  # state already decayed: a_t S_{t-1}
+        beta_i = beta[:, i].to(cd).unsqueeze(-1)  # [B, H, 1]
+        v_bar = torch.einsum("bhkv,bhk->bhv", state, k_i)  # value currently stored under k_t
+        state = state + k_i.unsqueeze(-1) * (beta_i * (v_i - v_bar)).unsqueeze(-2)
+        return state, torch.einsum("bhkv,bhk->bhv", state, q_i) * scale  # o_t = S_t^T q_t
+
+    return recurrent_scan(q, k, v, initial_state, output_final_state, step, log_decay=log_decay)
 
 
 # ----------------------------------------------------------------------------- chunkwise form
@@ -307,15 +302,11 @@ class _ChunkedDeltaRule(torch.autograd.Function):
 
 def _delta_rule_torch(q, k, v, beta, scale, initial_state, log_decay, chunk_size):
     cd = compute_dtype(q)
-    b, t, h, dk = q.shape
-    dv = v.shape[-1]
+    b, t, h, _ = q.shape
     if t == 0:
-        final = initial_state.to(cd) if initial_state is not None else q.new_zeros(b, h, dk, dv, dtype=cd)
-        return v.new_zeros(b, 0, h, dv), final
+        return v.new_zeros(b, 0, h, v.shape[-1]), start_state(initial_state, q, v)
     chunk = min(chunk_size, t)
-    qc = to_chunks(q.to(cd) * scale, chunk)  # [B, H, N, C, K]
-    kc = to_chunks(k.to(cd), chunk)  # [B, H, N, C, K]
-    vc = to_chunks(v.to(cd), chunk)  # [B, H, N, C, V]
+    qc, kc, vc = chunk_inputs(q, k, v, scale, chunk)  # [B, H, N, C, K], [B, H, N, C, K], [B, H, N, C, V]
     bc = scalars_to_chunks(beta.to(cd), chunk)  # [B, H, N, C]; padding beta = 0 writes nothing
     gc = None if log_decay is None else scalars_to_chunks(log_decay.to(cd), chunk)  # padding g = 0
     s0 = None if initial_state is None else initial_state.to(cd)

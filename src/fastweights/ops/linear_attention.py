@@ -146,7 +146,50 @@ def resolve_scale(scale: float | None, k: torch.Tensor) -> float:
     return k.shape[-1] ** -0.5 if scale is None else float(scale)
 
 
+def start_state(initial_state: torch.Tensor | None, q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The ``[B, H, K, V]`` state a call starts from: ``initial_state`` in the compute dtype, else zeros."""
+    cd = compute_dtype(q)
+    if initial_state is not None:
+        return initial_state.to(cd)
+    b, _, h, dk = q.shape
+    return torch.zeros(b, h, dk, v.shape[-1], dtype=cd, device=q.device)
+
+
+def chunk_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, chunk: int):
+    """``scale * q``, ``k`` and ``v`` in the compute dtype as ``[B, H, N, C, D]`` chunks (zero-padded tail)."""
+    cd = compute_dtype(q)
+    return to_chunks(q.to(cd) * scale, chunk), to_chunks(k.to(cd), chunk), to_chunks(v.to(cd), chunk)
+
+
+def recurrent_scan(q, k, v, initial_state, output_final_state, step, log_decay=None):
+    """The loop every per-step reference (``*_recurrent``) runs, one token at a time with autocast off.
+
+    The state starts as :func:`start_state`; at step t it is first decayed by ``a_t = exp(g_t)`` when
+    ``log_decay`` is given, then ``state, o_t = step(t, state, q_t, k_t, v_t)`` with ``q_t, k_t, v_t``
+    ``[B, H, D]`` in the compute dtype. Returns ``(o [B, T, H, V] in q's dtype, final state or None)``.
+    """
+    cd = compute_dtype(q)
+    b, t, h, _ = q.shape
+    state = start_state(initial_state, q, v)
+    outs = []
+    with no_autocast(q.device):
+        for i in range(t):
+            if log_decay is not None:
+                state = torch.exp(log_decay[:, i].to(cd))[..., None, None] * state  # a_t S_{t-1}
+            state, o_i = step(i, state, q[:, i].to(cd), k[:, i].to(cd), v[:, i].to(cd))
+            outs.append(o_i)
+    o = torch.stack(outs, dim=1) if outs else v.new_zeros(b, 0, h, v.shape[-1], dtype=cd)  # [B, T, H, V]
+    return o.to(q.dtype), (state if output_final_state else None)
+
+
 # ----------------------------------------------------------------------------- sum rule
+
+
+def _sum_rule_scale(scale: float | None, k: torch.Tensor, normalize: bool, log_decay) -> float:
+    """The read's scale: 1 with ``normalize`` (it cancels), which is defined for the undecayed rule only."""
+    if normalize and log_decay is not None:
+        raise UserError("linear_attention: normalize=True is defined for the undecayed sum rule only")
+    return 1.0 if normalize else resolve_scale(scale, k)
 
 
 def linear_attention_recurrent(
@@ -168,28 +211,21 @@ def linear_attention_recurrent(
     it for tests only.
     """
     check_inputs("linear_attention_recurrent", q, k, v, log_decay=log_decay, initial_state=initial_state)
-    if normalize and log_decay is not None:
-        raise UserError("linear_attention: normalize=True is defined for the undecayed sum rule only")
+    scale = _sum_rule_scale(scale, k, normalize, log_decay)
     cd = compute_dtype(q)
-    b, t, h, dk = q.shape
-    dv = v.shape[-1]
-    scale = 1.0 if normalize else resolve_scale(scale, k)
-    state = torch.zeros(b, h, dk, dv, dtype=cd, device=q.device) if initial_state is None else initial_state.to(cd)
+    b, _, h, dk = q.shape
     z = torch.zeros(b, h, dk, dtype=cd, device=q.device) if initial_normalizer is None else initial_normalizer.to(cd)
-    outs = []
-    with no_autocast(q.device):
-        for i in range(t):
-            q_i, k_i, v_i = q[:, i].to(cd), k[:, i].to(cd), v[:, i].to(cd)  # [B, H, D]
-            if log_decay is not None:
-                state = torch.exp(log_decay[:, i].to(cd))[..., None, None] * state
-            state = state + k_i.unsqueeze(-1) * v_i.unsqueeze(-2)  # S_t = a_t S_{t-1} + k_t v_t^T
-            o_i = torch.einsum("bhkv,bhk->bhv", state, q_i) * scale  # o_t = S_t^T q_t
-            if normalize:
-                z = z + k_i
-                o_i = o_i / ((z * q_i).sum(-1, keepdim=True) + eps)
-            outs.append(o_i)
-    o = torch.stack(outs, dim=1) if outs else v.new_zeros(b, 0, h, dv, dtype=cd)  # [B, T, H, V]
-    return o.to(q.dtype), (state if output_final_state else None)
+
+    def step(i, state, q_i, k_i, v_i):
+        nonlocal z
+        state = state + k_i.unsqueeze(-1) * v_i.unsqueeze(-2)  # S_t = a_t S_{t-1} + k_t v_t^T
+        o_i = torch.einsum("bhkv,bhk->bhv", state, q_i) * scale  # o_t = S_t^T q_t
+        if normalize:
+            z = z + k_i
+            o_i = o_i / ((z * q_i).sum(-1, keepdim=True) + eps)
+        return state, o_i
+
+    return recurrent_scan(q, k, v, initial_state, output_final_state, step, log_decay=log_decay)
 
 
 def linear_attention(
@@ -226,22 +262,16 @@ def linear_attention(
         ``(o [B, T, H, V] in q's dtype, final state or None)``.
     """
     check_inputs("linear_attention", q, k, v, log_decay=log_decay, initial_state=initial_state, chunk_size=chunk_size)
-    if normalize and log_decay is not None:
-        raise UserError("linear_attention: normalize=True is defined for the undecayed sum rule only")
+    scale = _sum_rule_scale(scale, k, normalize, log_decay)
     cd = compute_dtype(q)
-    b, t, h, dk = q.shape
-    dv = v.shape[-1]
-    scale = 1.0 if normalize else resolve_scale(scale, k)
+    b, t, h, _ = q.shape
     if t == 0:
-        final = initial_state.to(cd) if initial_state is not None else q.new_zeros(b, h, dk, dv, dtype=cd)
-        return v.new_zeros(b, 0, h, dv), (final if output_final_state else None)
+        final = start_state(initial_state, q, v)
+        return v.new_zeros(b, 0, h, v.shape[-1]), (final if output_final_state else None)
     chunk = min(chunk_size, t)
     with no_autocast(q.device):
-        qc = to_chunks(q.to(cd) * scale, chunk)  # [B, H, N, C, K]
-        kc = to_chunks(k.to(cd), chunk)  # [B, H, N, C, K]
-        vc = to_chunks(v.to(cd), chunk)  # [B, H, N, C, V]
+        qc, kc, vc = chunk_inputs(q, k, v, scale, chunk)  # [B, H, N, C, K], [B, H, N, C, K], [B, H, N, C, V]
         n = qc.shape[2]
-        s0 = None if initial_state is None else initial_state.to(cd)
         scores = qc @ kc.transpose(-1, -2)  # [B, H, N, C, C]
         if log_decay is None:
             scores = scores * causal_mask(chunk, q.device, cd)  # diagonal included: the read sees the current write
@@ -249,7 +279,8 @@ def linear_attention(
             # State at the start of chunk n = S_0 + sum of earlier chunks' writes (exclusive cumsum).
             starts = torch.cat([torch.zeros_like(kv[:, :, :1]), kv[:, :, :-1].cumsum(2)], dim=2)
             final = kv.sum(2)
-            if s0 is not None:
+            if initial_state is not None:
+                s0 = initial_state.to(cd)
                 starts = starts + s0.unsqueeze(2)
                 final = final + s0
         else:
@@ -257,7 +288,7 @@ def linear_attention(
             scores = scores * gamma_mat
             qc = qc * b_in.unsqueeze(-1)  # the carried state has decayed by b_t at step t
             kv = (kc * to_end.unsqueeze(-1)).transpose(-1, -2) @ vc  # [B, H, N, K, V]
-            state = torch.zeros(b, h, dk, dv, dtype=cd, device=q.device) if s0 is None else s0
+            state = start_state(initial_state, q, v)
             starts_list = []
             for i in range(n):  # sequential over chunks only
                 starts_list.append(state)
@@ -297,19 +328,14 @@ def gated_rule_recurrent(
     """Per-step reference of :func:`gated_rule`: ``S_t = (1 - beta_t) S_{t-1} + beta_t k_t v_t^T``."""
     check_inputs("gated_rule_recurrent", q, k, v, beta=beta, initial_state=initial_state)
     cd = compute_dtype(q)
-    b, t, h, dk = q.shape
-    dv = v.shape[-1]
     scale = resolve_scale(scale, k)
-    state = torch.zeros(b, h, dk, dv, dtype=cd, device=q.device) if initial_state is None else initial_state.to(cd)
-    outs = []
-    with no_autocast(q.device):
-        for i in range(t):
-            beta_i = beta[:, i].to(cd)[..., None, None]  # [B, H, 1, 1]
-            write = k[:, i].to(cd).unsqueeze(-1) * v[:, i].to(cd).unsqueeze(-2)  # k_t v_t^T
-            state = (1.0 - beta_i) * state + beta_i * write
-            outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, i].to(cd)) * scale)
-    o = torch.stack(outs, dim=1) if outs else v.new_zeros(b, 0, h, dv, dtype=cd)
-    return o.to(q.dtype), (state if output_final_state else None)
+
+    def step(i, state, q_i, k_i, v_i):
+        beta_i = beta[:, i].to(cd)[..., None, None]  # [B, H, 1, 1]
+        state = (1.0 - beta_i) * state + beta_i * (k_i.unsqueeze(-1) * v_i.unsqueeze(-2))  # k_t v_t^T
+        return state, torch.einsum("bhkv,bhk->bhv", state, q_i) * scale
+
+    return recurrent_scan(q, k, v, initial_state, output_final_state, step)
 
 
 def gated_rule(
