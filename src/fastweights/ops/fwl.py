@@ -190,6 +190,17 @@ def _decay_pow(gamma: Tensor, m: Tensor, stopgrad: bool) -> Tensor:
     return torch.where(m > 0, gamma * gamma.detach() ** (m - 1).clamp_min(0), torch.ones_like(m))
 
 
+def _cross_boundary(base: Tensor | None, carry: Tensor | None, gamma: Tensor | None, stopgrad: bool) -> Tensor:
+    """The delta after a segment boundary: ``gamma Delta + (finished segment sum)``, with the finished sum
+    ``carry - base`` (``carry`` alone when ``base`` is None, i.e. zeros); both detached when ``stopgrad``."""
+    finished = carry if base is None else carry - base  # the gradient sum of the segment just ended
+    old = base
+    if stopgrad:
+        finished = finished.detach()
+        old = None if old is None else old.detach()
+    return finished if old is None else gamma * old + finished
+
+
 def _strict_attention(q: Tensor, k: Tensor, v: Tensor, carry: Tensor | None, chunk_size: int):
     """``o_t = q_t C + sum_{s<t} (q_t . k_s) v_s`` over one segment piece, through the chunked op.
 
@@ -234,13 +245,7 @@ def _segmented_sum(q: Tensor | None, k: Tensor | None, v: Tensor, base: Tensor |
     outs = []
     for i, (lo, hi) in enumerate(pieces):
         if i > 0:  # a segment boundary at position lo
-            finished = carry if base is None else carry - base  # the gradient sum of the segment just ended
-            old = base
-            if stopgrad:
-                finished = finished.detach()
-                old = None if old is None else old.detach()
-            base = finished if old is None else gamma * old + finished
-            carry = base
+            base = carry = _cross_boundary(base, carry, gamma, stopgrad)
         if q is None:
             out, carry = _exclusive_prefix(v[:, lo:hi], carry)
         else:
@@ -275,13 +280,7 @@ def _vector_block(v: Tensor, base: Tensor | None, carry: Tensor | None, pieces: 
     carried = []
     for p in range(len(pieces)):
         if p > 0:  # boundary: Delta <- gamma Delta + (finished segment sum)
-            finished = carry if base is None else carry - base
-            old = base
-            if stopgrad:
-                finished = finished.detach()
-                old = None if old is None else old.detach()
-            base = finished if old is None else gamma * old + finished
-            carry = base
+            base = carry = _cross_boundary(base, carry, gamma, stopgrad)
         carried.append(torch.zeros_like(totals[:, 0]) if carry is None else carry)
         carry = totals[:, p] if carry is None else carry + totals[:, p]
     excl += torch.stack(carried, 1).unsqueeze(2)  # [B, P, L, D]
@@ -339,9 +338,7 @@ def fold_deltas(base: Tensor | None, carry: Tensor | None, k: Tensor | None, v: 
     """
     for i, (lo, hi) in enumerate(pieces):
         if i > 0:
-            finished = carry if base is None else carry - base
-            base = finished if base is None else gamma * base + finished
-            carry = base
+            base = carry = _cross_boundary(base, carry, gamma, stopgrad=False)
         total = v[:, lo:hi].sum(1) if k is None else k[:, lo:hi].transpose(1, 2) @ v[:, lo:hi]
         carry = total if carry is None else carry + total
     return base, carry
