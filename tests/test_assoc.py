@@ -23,15 +23,6 @@ from fastweights.tasks.assoc import (
 )
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run far faster on one thread, above all on a shared CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_vocabulary_names():
     assert [symbol(i) for i in (0, 1, 25, 26, 27, 51, 52, 701, 702)] == \
         ["a", "b", "z", "aa", "ab", "az", "ba", "zz", "aaa"]

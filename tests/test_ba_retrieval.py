@@ -22,15 +22,6 @@ from fastweights.tasks.ba_retrieval import (
 )
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # tiny recurrent steps: extra intra-op threads only add contention (and the CLI sets the count)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def splits():
     return make_splits(seed=7, num_keys=4)

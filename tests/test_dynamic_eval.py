@@ -43,15 +43,6 @@ def fake_stats(model, seed=2):
                       for n, p in model.named_parameters()}, batches=1, batch_size=1, seq_len=1)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny shapes: one intra-op thread is faster, and spares a shared CPU from OpenMP spinning."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ----------------------------------------------------------------------------- exactness
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fastweights.adapt.cache import NeuralCache
-from fastweights.adapt.dynamic import DynamicEvaluator, DynamicState, GradStats, parse_schedule, schedule_factor
+from fastweights.adapt.dynamic import DynamicEvaluator, GradStats, parse_schedule, schedule_factor
 from fastweights.adapt.dynamic_cache import DynamicNeuralCache
 from fastweights.adapt.lowrank import LowRankAdaptation, LowRankDynamicEvaluator, collect_lowrank_grad_stats
 from fastweights.errors import UserError

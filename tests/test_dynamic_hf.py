@@ -17,14 +17,6 @@ from fastweights.evaluate import score_tokens  # noqa: E402
 V, POSITIONS = 50, 64
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny_gpt2(dtype=torch.float32):
     from transformers import GPT2Config, GPT2LMHeadModel
 

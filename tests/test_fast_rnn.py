@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from fastweights.errors import UserError
 from fastweights.layers.fast_rnn import (

@@ -513,7 +513,6 @@ def test_memory_stats_cli_and_trace(tmp_path, capsys):
     assert main(["memory-stats", "--checkpoint", str(tmp_path / "ck"), "--text", text, "--window", "0"]) == 2
 
 
-
 @pytest.mark.parametrize("gate_form", ["linear", "mean8"])
 def test_fused_inputs_equal_separate_norms_and_projections(gate_form):
     # inputs() folds the three RMS-norm gains into one matmul; it must equal proj(norm(h)) for each,

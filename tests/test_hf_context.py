@@ -15,14 +15,6 @@ from fastweights.evaluate import score_tokens  # noqa: E402
 V = 50
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny_llama(positions=256, layers=2):
     from transformers import LlamaConfig, LlamaForCausalLM
 

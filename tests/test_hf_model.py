@@ -35,15 +35,6 @@ TINY_OPTIONS = {
 MAX_ELEMENTS = 100_000  # parameters + buffers of one test model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny tensors: one thread is fastest, and spares a CPU shared with other jobs
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _components():
     registry.load_providers()
     cases = [("mixer", n) for n in sorted(registry.MIXERS)]

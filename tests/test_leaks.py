@@ -25,14 +25,6 @@ V = 7
 T = 19
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def leak_check(nll_fn, x: torch.Tensor, j: int):
     """(sum over c of p(x_j = c | x_<j), largest change of any earlier score) for nll_fn(tokens) ->
     per-position NLLs, where nll[i] scores tokens[i + 1]."""

@@ -22,14 +22,6 @@ V = 29
 FWPKM = dict(n_subkeys=6, d_key=8, d_value=8, topk=2, chunk_size=8)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: extra threads only contend on a shared machine
-    yield
-    torch.set_num_threads(n)
-
-
 def model(kind="attention", seed=0, **kw):
     torch.manual_seed(seed)
     cfg = dict(vocab_size=V, d_model=16, n_layers=2, n_heads=2)

@@ -13,14 +13,6 @@ from fastweights.models.lm import LanguageModel
 V = 11
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny_model(**options):
     torch.manual_seed(0)
     return LanguageModel(ModelConfig(vocab_size=V, d_model=16, n_layers=2, n_heads=2, options=options)).eval()

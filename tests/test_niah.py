@@ -18,14 +18,6 @@ from fastweights.tasks.niah import (Haystack, NiahOptions, check_tokenizer, eval
 HEX, DIGITS = "0123456789abcdef", "0123456789"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: extra threads only contend on a shared machine
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def hay():
     return Haystack.load()  # the bundled tinyshakespeare
