@@ -334,7 +334,7 @@ def run_stream_eval(args) -> int:
     _write_json(out.with_suffix(".json"), doc)
     plot_stream(runs, out.with_suffix(".png"), unit="bits" if tok.name in ("char", "byte") else "nats")
     if getattr(args, "json", False):
-        print(json.dumps({**doc, "runs": [{k: v for k, v in r.items() if k not in ("curve", "documents")} for r in runs]},
+        print(json.dumps({**doc, "runs": [{k: v for k, v in r.items() if k not in ("curve", "documents", "state_norm")} for r in runs]},
                          indent=2))
         return 0
     w = max(len(r["label"]) for r in runs)
