@@ -1,14 +1,19 @@
-"""Regenerate the results tables of the README and docs/*.md from benchmarks/results/*.json, so no
-number is typed by hand.
+"""Regenerate the results and claims tables of the README and docs/*.md from benchmarks/results/*.json, so
+no number is typed by hand.
 
-    python benchmarks/report.py            # rewrite every table between results markers
+    python benchmarks/report.py            # rewrite every table between results / claims markers
     python benchmarks/report.py --check    # exit 1 if any page is out of date (used by the tests)
 
-The README's table (``<!-- results:start -->`` ... ``<!-- results:end -->``) lists every result file;
-a docs page lists only the files it names: ``<!-- results:start fwl_quality bench_fwl -->``.
+A results table (``<!-- results:start -->`` ... ``<!-- results:end -->``) lists every result file
+(docs/results.md holds that full list); a docs page lists only the files it names:
+``<!-- results:start fwl_quality bench_fwl -->``.
 
 A result file contributes rows through its ``headline`` list:
 ``{"what": "...", "value": 1.23, "unit": "bits/char", "target": ">= 0.9"}`` (unit and target optional).
+
+The claims table (``<!-- claims:start -->`` ... ``<!-- claims:end -->``, in the README; issue 21) puts each
+paper's headline claims (CLAIMS) beside the closest result we have, with a verdict computed from the value
+and the claim's rule.
 
 ``--check`` also fails (issue 22) on
   * a number in prose that disagrees with its cited source: ``0.805 <!-- src: bench_fwpkm_model ratio -->``
@@ -22,9 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import operator
 import re
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import result_sources  # noqa: E402  (benchmarks/result_sources.py)
@@ -32,6 +39,9 @@ import result_sources  # noqa: E402  (benchmarks/result_sources.py)
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 START, END = "<!-- results:start", "<!-- results:end -->"
+CLAIMS_START, CLAIMS_END = "<!-- claims:start -->", "<!-- claims:end -->"
+# Pages that must hold a block, so that deleting one does not pass the check silently.
+REQUIRED = {"README.md": CLAIMS_START, "docs/results.md": START + " -->"}
 
 
 # Rows for result files that carry no ``headline`` list: (file stem, what, dotted path, unit, target).
@@ -120,6 +130,91 @@ EXTRACT = [
 ]
 
 
+class Claim(NamedTuple):
+    """One headline claim of a paper beside the closest result we have (a row of the claims table).
+
+    ``key`` is one key path into ``benchmarks/results/STEM.json`` (as in EXTRACT), or ``{label: key path}``
+    for values shown side by side ("base 181.2 vs FWL 154.5 ppl"), ours last. ``rule`` is what the last
+    value must satisfy for the claim to hold: ``"OP NUMBER"`` or ``"OP [FACTOR *] LABEL"`` (against another
+    value of the row), OP one of < <= > >=; a number is in the JSON's units (a fraction when unit is "%").
+    """
+
+    claim: str  # the claim in words, with where our setting differs from the paper's
+    paper: str  # the paper's number and where it is in the paper
+    stem: str
+    key: str | dict[str, str]
+    unit: str  # "%": the JSON holds a fraction, shown times 100
+    rule: str
+
+
+_TRANSCRIBED = "as transcribed, not checked against the PDF"
+CLAIMS = [
+    Claim("Fast Weight Layers (Clark et al. 2022): an FWL head lowers a language model's test perplexity. Ours: PTB "
+          "word level, a 2-layer attention LM, 1,000 training steps on the CPU, test split streamed with state carried",
+          "Transformer-XL on WikiText-103: 18.1 -> 16.6 test ppl (Table 1)", "fwl_ptb_seg16",
+          {"base": "runs/base/test_stream_ppl", "FWL": "runs/fwl/test_stream_ppl"}, "ppl", "< base"),
+    Claim("FWL: close to dynamic evaluation's perplexity (here: within 2%) without updating weights at test time. "
+          "Ours: the same PTB run against dynamic evaluation (rms-global-prior) of a base model of the same settings",
+          "16.6 (FWL) vs 16.4 (dynamic evaluation) test ppl (Table 1)", "fwl_ptb_seg16",
+          {"dynamic eval": "dynamic_eval_reference/dynamic/rms-global-prior", "FWL": "runs/fwl/test_stream_ppl"},
+          "ppl", "<= 1.02 * dynamic eval"),
+    Claim("FWL: scoring with the head keeps most of the backbone's speed. Ours: tokens/s with / without the head, "
+          "12-layer backbone, window scoring, CPU",
+          "1340 / 1575 tok/s = 0.85, Transformer-XL, one V100 (Table 1)", "bench_fwl_depth12",
+          "results/window/ratio_over_backbone/backbone + fwl (preset)", "x", ">= 0.85"),
+    Claim("Fast weight programmers (Schlag et al. 2021): the sum rule runs out of capacity once the number of keys S "
+          "passes d_dot. Ours: first S of the sweep (20-100) where ELU+1 (d_dot 64) final loss exceeds 0.01, "
+          "setting 1, CPU-capped runs",
+          "ELU+1 loss 0.025 at S = 60, 0.172 at S = 100 (Fig. 2; the authors' logs)", "assoc_capacity",
+          "acceptance/setting1_sum_elu1_fails_before_S100/first_S_with_loss_above_0.01", "keys", "< 100"),
+    Claim("Fast weight programmers: a larger d_dot (DPFP, nu = 1, d_dot 128) raises the capacity. Ours: its final loss "
+          "at S = 100, setting 1",
+          "DPFP-1 loss 0.000 at S = 100 (Fig. 2; the authors' logs)", "assoc_capacity", "runs/9/final_eval_loss",
+          "", "< 0.01"),
+    Claim("Fast weight programmers: with overwrites (setting 2) the delta rule beats the sum rule. Ours: DPFP-1 at "
+          "S = 60; the delta run was cut by a wall-clock cap before it converged",
+          "sum 0.123 vs delta 0.006 final loss at S = 60 (Fig. 5; the authors' logs)", "assoc_capacity",
+          {"sum": "acceptance/setting2_delta_below_sum_at_S60/sum_dpfp1",
+           "delta": "acceptance/setting2_delta_below_sum_at_S60/delta_dpfp1"}, "", "< sum"),
+    Claim("Fast-weights RNN (Ba et al. 2016): fast weights solve associative retrieval with 20 hidden units "
+          "(R = 20, K = 4; solved = at most 5% test error). Ours: mean of 3 seeds, 45k steps",
+          f"1.81% test error (Table 1, {_TRANSCRIBED})", "ba_retrieval_seeds", "summary/fast-rnn/test_error_mean",
+          "%", "<= 0.05"),
+    Claim("Fast-weights RNN: an LSTM of the same size fails at that task (here: above 30% test error). Ours: mean of "
+          "3 seeds, same protocol",
+          f"60.81% test error (Table 1, {_TRANSCRIBED})", "ba_retrieval_seeds", "summary/lstm/test_error_mean",
+          "%", "> 0.30"),
+    Claim("Dynamic evaluation (Krause et al. 2018): adapting to the test text lowers word-level perplexity. Ours: PTB, "
+          "a small attention LM trained on the CPU, rms-global-prior tuned on validation, segment 20",
+          "AWD-LSTM on PTB: 57.7 -> 51.1 test ppl (Table 1)", "ptb_dynamic_eval",
+          {"static": "test/static/perplexity", "dynamic": "test/dynamic/rms-global-prior/perplexity"}, "ppl",
+          "< static"),
+    Claim("Dynamic evaluation: it beats the neural cache. Ours: character level, three held-out Shakespeare plays, a "
+          "small Shakespeare model trained on the CPU",
+          "52.8 (cache) vs 51.1 (dynamic evaluation) PTB test ppl (Table 1)", "dynamic_eval_quality",
+          {"cache": "shakespeare_heldout_plays/overall/cache_bpc",
+           "dynamic": "shakespeare_heldout_plays/overall/dynamic_bpc"}, "bits/char", "< cache"),
+    Claim("Dynamic evaluation: it also helps a pretrained transformer. Ours: SmolLM2-135M-Instruct on long "
+          "texts, relative perplexity reduction, mean over the scored texts, setting chosen on other (tuning) text",
+          "Transformer-XL on WikiText-103: 18.3 -> 16.4 test ppl, 10.4% lower (Krause et al. 2019, abstract)",
+          "smollm2_dynamic_eval", "best_mean_relative_perplexity_reduction", "%", "> 0"),
+    Claim("Fast-weight PKM (Zhao & Jones 2026): the memory lowers long-context perplexity. Ours: State of the Union "
+          "addresses, 4-layer character model with 64-character sliding-window attention, 1,000 steps, one seed",
+          f"GDN on LC64: 10.12 -> 8.89 ppl (Fig. 2, {_TRANSCRIBED})", "fwpkm_longdocs_1000",
+          {"SWA": "results/swa/normal/bits_per_char", "FwPKM": "results/fwpkm-addressing/normal/bits_per_char"},
+          "bits/char", "< SWA"),
+    Claim("Fast-weight PKM: a second read of the haystack turns needle retrieval from failing to working (here: exact "
+          "match of at least 50% after it). Ours: token NIAH at 1,024 tokens (2x training), 2-layer model, "
+          "15 CPU-minutes",
+          f"<10% -> >50% exact match in many cases (Fig. 4, GDN and GDN+SWA; {_TRANSCRIBED})", "niah_token",
+          {"1 read": "models/fwpkm/exact/1/1024", "2 reads": "models/fwpkm/exact/2/1024"}, "%", ">= 0.5"),
+    Claim("Fast-weight PKM: retrieval generalises far beyond the training length (here: exact match of at least 50%). "
+          "Ours: the same model, trained on 512 tokens, read twice at 8,192 (16x)",
+          f"88.6% at 4K (training length), 75.8% at 128K (Fig. 4, {_TRANSCRIBED})", "niah_token",
+          {"512 tokens": "models/fwpkm/exact/2/512", "8,192 tokens": "models/fwpkm/exact/2/8192"}, "%", ">= 0.5"),
+]
+
+
 def _get(rec: dict, key_path: str):
     node = rec
     for part in key_path.split("/"):
@@ -171,6 +266,81 @@ def render(page: str, name: str) -> str:
             return out + rest
         between, rest = rest.split(START, 1)
         out += between
+
+
+def _num(v, unit: str) -> str:
+    return _fmt(v * 100) + "%" if unit == "%" else _fmt(v)
+
+
+def _shown(values: dict[str, float], unit: str) -> str:
+    """One value ("0.951 x"), or labelled values side by side ("base 181.2 vs FWL 154.5 ppl")."""
+    text = " vs ".join(f"{label} {_num(v, unit)}".strip() for label, v in values.items())
+    return text + (f" {unit}" if unit and unit != "%" else "")
+
+
+RULE = re.compile(r"(<=|>=|<|>)\s*(?:(\d+(?:\.\d+)?)\s*\*\s*)?(.+)")
+OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
+
+
+def verdict(values: dict[str, float], rule: str, unit: str = "") -> str:
+    """"holds" when the last value satisfies the rule, else "does not hold: ..." saying how it misses."""
+    m = RULE.fullmatch(rule.strip())
+    if not m:
+        raise ValueError(f"a claim's rule must read 'OP NUMBER' or 'OP [FACTOR *] LABEL': {rule!r}")
+    op, factor, target = m.group(1), m.group(2), m.group(3).strip()
+    label, value = list(values.items())[-1]
+    if target in values:
+        bound = float(values[target]) * float(factor or 1)
+        against = (f"{factor} x " if factor else "") + f"{target} {_num(values[target], unit)}"
+    elif factor is None and re.fullmatch(r"-?\d+(?:\.\d+)?", target):
+        bound = float(target)
+        against = _num(bound, unit)
+    else:
+        raise ValueError(f"{rule!r}: {target!r} is neither a number nor a label of the row ({', '.join(values)})")
+    if OPS[op](float(value), bound):
+        return "holds"
+    return f"does not hold: {f'{label} ' if label else ''}{_num(value, unit)} is not {op} {against}"
+
+
+def claims_table() -> str:
+    """The claims table: each claim of CLAIMS with our value, its verdict and its source."""
+    rows = ["| claim | paper | ours | verdict | source |", "|---|---|---|---|---|"]
+    for c in CLAIMS:
+        path = RESULTS / f"{c.stem}.json"
+        if not path.exists():
+            raise SystemExit(f"claim {c.claim[:40]!r}...: no result file benchmarks/results/{c.stem}.json")
+        rec = json.loads(path.read_text())
+        keys = c.key if isinstance(c.key, dict) else {"": c.key}
+        values = {label: _get(rec, key) for label, key in keys.items()}
+        mark = result_sources.status(path)
+        said = verdict(values, c.rule, c.unit) + (f"; {mark}" if mark else "")
+        rows.append(f"| {c.claim} | {c.paper} | {_shown(values, c.unit)} | {said} | `{path.relative_to(ROOT)}` |")
+    return "\n".join(rows)
+
+
+def render_claims(page: str, name: str) -> str:
+    """Rewrite each ``<!-- claims:start -->`` ... ``<!-- claims:end -->`` block of a page."""
+    if CLAIMS_START not in page:
+        raise SystemExit(f"{name} has no {CLAIMS_START} ... {CLAIMS_END} markers")
+    out, table_text = [], None
+    for i, part in enumerate(page.split(CLAIMS_START)):
+        if i == 0:
+            out.append(part)
+            continue
+        if CLAIMS_END not in part:
+            raise SystemExit(f"{name}: {CLAIMS_START} has no {CLAIMS_END}")
+        table_text = table_text or claims_table()
+        out.append(f"\n{table_text}\n{CLAIMS_END}" + part.split(CLAIMS_END, 1)[1])
+    return CLAIMS_START.join(out)
+
+
+def render_page(page: str, name: str) -> str:
+    """The page with every results and claims block regenerated."""
+    if START in page:
+        page = render(page, name)
+    if CLAIMS_START in page:
+        page = render_claims(page, name)
+    return page
 
 
 # a cited number: the digits shown (a "-" right after a digit is a range's dash, not a sign), its unit ("%":
@@ -235,12 +405,15 @@ def main() -> int:
             if new != old:
                 path.write_text(new)
                 print(f"updated cited numbers in {path.relative_to(ROOT)}")
+    for name, marker in REQUIRED.items():
+        if not (ROOT / name).is_file() or marker not in (ROOT / name).read_text():
+            raise SystemExit(f"{name} must hold a {marker} block")
     stale = []
     for path in pages():
         old = path.read_text()
-        if path != ROOT / "README.md" and START not in old:
-            continue  # a docs page without a results table
-        new = render(old, str(path.relative_to(ROOT)))
+        if START not in old and CLAIMS_START not in old:
+            continue  # a docs page without a results or claims table
+        new = render_page(old, str(path.relative_to(ROOT)))
         if new != old:
             stale.append(path)
             if not args.check:
@@ -255,7 +428,7 @@ def main() -> int:
             print(p, file=sys.stderr)
     if args.check and stale:
         names = ", ".join(str(p.relative_to(ROOT)) for p in stale)
-        print(f"results tables out of date in {names}: run python benchmarks/report.py", file=sys.stderr)
+        print(f"results or claims tables out of date in {names}: run python benchmarks/report.py", file=sys.stderr)
     return 1 if args.check and (stale or problems) else 0
 
 

@@ -70,7 +70,8 @@ def test_every_page_is_there_and_indexed():
     for name in MECHANISM_PAGES:
         assert f"]({name})" in index, f"docs/README.md does not link {name}"
         assert f"](docs/{name})" in readme, f"README.md's Docs section does not link docs/{name}"
-    assert readme.index("## Docs") < readme.index("<!-- results:start")
+    assert readme.index("## Docs") < readme.index("<!-- claims:start")
+    assert "](results.md)" in index and "](docs/results.md)" in readme, "docs/results.md (every result) is not linked"
     assert PYTHON_BLOCKS and COMMANDS
 
 

@@ -1,14 +1,17 @@
-"""The README results table is generated from benchmarks/results/*.json and must be up to date."""
+"""The results tables (docs/results.md lists every result, docs pages the ones they name) and the README's
+claims table are generated from benchmarks/results/*.json and must be up to date."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_readme_results_table_matches_json():
+def test_results_and_claims_tables_match_json():
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "report.py"), "--check"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 
@@ -151,3 +154,49 @@ def test_every_declared_behaviour_preserving_commit_is_real_and_names_its_eviden
         assert (ROOT / entry["test"].split("::")[0]).is_file(), f"{sha}: its test {entry['test']} does not exist"
         for stem in entry["results"]:
             assert (ROOT / "benchmarks" / "results" / f"{stem}.json").is_file(), f"{sha}: no result {stem}"
+
+
+def test_readme_claims_block_is_the_generated_one():
+    report = _report()
+    readme = (ROOT / "README.md").read_text()
+    assert readme.count(report.CLAIMS_START) == 1 and report.CLAIMS_END in readme
+    assert report.render_claims(readme, "README.md") == readme, "run python benchmarks/report.py"
+    block = readme.split(report.CLAIMS_START, 1)[1].split(report.CLAIMS_END, 1)[0]
+    rows = block.strip().splitlines()
+    assert rows[0] == "| claim | paper | ours | verdict | source |" and len(rows) == 2 + len(report.CLAIMS)
+    for claim, row in zip(report.CLAIMS, rows[2:]):
+        assert row.startswith(f"| {claim.claim} | {claim.paper} |") and f"benchmarks/results/{claim.stem}.json" in row
+    # a hand edit of a value is what --check catches: the rendered page differs from the page
+    row = rows[2]
+    tampered = readme.replace(row, row.replace(" holds", " does not hold", 1))
+    assert tampered != readme and report.render_claims(tampered, "README.md") == readme
+
+
+def test_full_results_list_lives_in_docs_results_md():
+    report = _report()
+    page = (ROOT / "docs" / "results.md").read_text()
+    assert f"{report.START} -->" in page  # the block without stems: every result file
+    block = page.split(report.START, 1)[1].split(report.END, 1)[0]
+    for path in (ROOT / "benchmarks" / "results").glob("*.json"):
+        if report.table([path.stem]).splitlines()[2:]:  # a file that gives rows (a headline list or EXTRACT)
+            assert f"`benchmarks/results/{path.name}`" in block, f"docs/results.md does not list {path.name}"
+    readme = (ROOT / "README.md").read_text()
+    assert report.START not in readme and "](docs/results.md)" in readme
+
+
+def test_a_claims_verdict_follows_its_rule():
+    report = _report()
+    assert report.verdict({"": 0.04}, "<= 0.05", "%") == "holds"
+    missed = report.verdict({"": 0.128}, "<= 0.05", "%")
+    assert missed == "does not hold: 12.8% is not <= 5%"
+    assert report.verdict({"": 0.951}, ">= 0.85") == "holds"
+    assert report.verdict({"": 0.80}, ">= 0.85").startswith("does not hold")
+    # against another value of the row, with or without a factor
+    assert report.verdict({"base": 181.2, "FWL": 154.5}, "< base") == "holds"
+    assert report.verdict({"base": 150.0, "FWL": 154.5}, "< base") == "does not hold: FWL 154.5 is not < base 150"
+    assert report.verdict({"dynamic eval": 155.5, "FWL": 157.0}, "<= 1.02 * dynamic eval") == "holds"
+    assert report.verdict({"dynamic eval": 155.5, "FWL": 160.0}, "<= 1.02 * dynamic eval").startswith("does not hold")
+    for bad in ("about 0.05", "< 2 * 0.05", "< nobody"):
+        with pytest.raises(ValueError):
+            report.verdict({"base": 1.0, "ours": 0.5}, bad)
+
