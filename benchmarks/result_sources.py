@@ -55,6 +55,8 @@ SOURCES = {
                                            S + "adapt/update_rules.py", S + "evaluate.py",
                                            S + "adapt/cache.py", S + "adapt/lowrank.py", S + "adapt/dynamic_cache.py",
                                            S + "adapt/sparse.py"],
+    "benchmarks/fwp_streaming.py": [S + "layers/fwp.py", S + "ops/delta_rule.py", S + "ops/linear_attention.py",
+                                    S + "experiments/streaming.py"],
     "benchmarks/stream_memory.py": [S + "layers/fwpkm.py", S + "layers/fast_memory.py", S + "ops/pkm.py"],
     "benchmarks/train_throughput.py": [S + "models/lm.py"],
     "benchmarks/mutation_check.py": ["tests/test_neural_cache.py", "tests/test_leaks.py", "tests/test_fwl.py",
