@@ -1,7 +1,8 @@
 """Why delta-rule language models collapse when streamed, and which design keeps streamed scores at their
 windowed level (issue 21, scope 1).
 
-    python benchmarks/fwp_streaming.py [--minutes 8] [--out runs/fwp_streaming] [--variants a,b,...] [--data tinyshakespeare]
+    python benchmarks/fwp_streaming.py [--minutes 8] [--out runs/fwp_streaming] [--variants a,b,...]
+        [--data tinyshakespeare]
 
 Each variant is the ``shakespeare-char-fwp-delta-dpfp`` preset with overrides (below), trained for
 ``--minutes`` of its own CPU time on one thread (``train.budget_clock = "cpu"``), one after the other.
@@ -39,9 +40,10 @@ IDENTITY_L2 = ['model.options.fwp.feature_map="identity"', "model.options.fwp.su
 VARIANTS = {  # name -> (description, overrides of the preset)
     "delta-dpfp": ("delta rule, DPFP keys sum-normalised (the preset)", []),
     "delta-l2": ("delta rule, identity features, L2-normalised keys and queries (DeltaNet)", IDENTITY_L2),
-    "gated-delta-dpfp": ("gated delta rule (learned decay), DPFP sum-normalised", ['model.options.fwp.rule="gated_delta"']),
-    "gated-delta-l2": ("gated delta rule, identity features, L2-normalised (Gated DeltaNet)",
-                       ['model.options.fwp.rule="gated_delta"', *IDENTITY_L2]),
+    "gated-delta-dpfp": ("gated delta rule (learned decay), DPFP sum-normalised",
+                         ['model.options.fwp.rule="gated_delta"']),
+    "gated-delta-l2": ("gated delta rule, identity features, L2-normalised (Gated DeltaNet; the preset "
+                       "shakespeare-char-fwp-gated-delta-l2)", ['model.options.fwp.rule="gated_delta"', *IDENTITY_L2]),
     "delta-l2-carry": ("delta rule, identity + L2, trained with the state carried (truncated BPTT)",
                        [*IDENTITY_L2, "train.carry_state=true"]),
 }
@@ -108,10 +110,11 @@ def main() -> int:
         row["carry_state_norm_last_over_first_bin"] = sn[-1] / sn[0]
         rows[name] = row
         print(f"{name:18s} val {row['val_bits_per_char']:.3f}  test windows {row['windows']['bits_per_char']:.3f}  "
-              f"carry {row['carry']['bits_per_char']:.3f} bits/char  state norm x{row['carry_state_norm_last_over_first_bin']:.1f}",
-              flush=True)
+              f"carry {row['carry']['bits_per_char']:.3f} bits/char  "
+              f"state norm x{row['carry_state_norm_last_over_first_bin']:.1f}", flush=True)
         plot_runs += [{"label": f"{name} {label}", "checkpoint": name, "mode": mode, "curve": row[label]["curve"],
-                       "state_norm": row[label]["state_norm"]} for label, mode in (("carry", "carry"), ("windows", "memory"))]
+                       "state_norm": row[label]["state_norm"]}
+                      for label, mode in (("carry", "carry"), ("windows", "memory"))]
     png = Path(__file__).resolve().parent / "results" / "fwp_streaming.png"
     plot_stream(plot_runs, png, title="delta-rule LMs on the Shakespeare test split: streamed vs 128-char windows",
                 unit="bits")
@@ -122,8 +125,8 @@ def main() -> int:
                      "test bits/char, 128-char windows", "value": r["windows"]["bits_per_char"], "unit": "bits/char"},
             {"what": "  same model: test bits/char, one stream with the state carried",
              "value": r["carry"]["bits_per_char"], "unit": "bits/char", "target": "<= windows + 0.05 (issue 21)"},
-            {"what": "  same: carried state norm, last 4,096-char bin / first", "value": r["carry_state_norm_last_over_first_bin"],
-             "unit": "x", "target": ""}]
+            {"what": "  same: carried state norm, last 4,096-char bin / first",
+             "value": r["carry_state_norm_last_over_first_bin"], "unit": "x", "target": ""}]
     write_result("fwp_streaming", {"preset": PRESET, "data": a.data, "minutes_per_variant": a.minutes, "threads": 1,
                                    "stride": 64, "variants": rows, "plot": "benchmarks/results/fwp_streaming.png",
                                    "headline": headline})
