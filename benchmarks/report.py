@@ -373,6 +373,80 @@ def cited_number_problems(page: str, name: str) -> list[str]:
     return out
 
 
+# Outside numbers regions (issue 22): in the prose of docs/*.md a decimal number must cite its JSON key as
+# above, unless it is not a result. Not scanned: fenced code blocks, generated results / claims tables,
+# HTML comments, inline code, links and URLs, file names, arXiv ids and version strings. Not results:
+#   * a paragraph (a list item, or a table with the marker on the line above it) holding the marker
+#     ``<!-- not-results -->`` or ``<!-- not-results: why -->``: config values, sizes of inputs, thresholds;
+#   * a number in a sentence (or a table row) that names where in a paper it comes from: "Table 1",
+#     "Fig. 2", "Figure 3", "Eq. 4", "App. C", "the paper", "paper's", "papers'". Our own numbers in such
+#     a sentence must still be cited: the check cannot tell them apart.
+# A page listed in UNCITED_PENDING is reported but does not fail (and fails once it is clean, so the list
+# only shrinks).
+PROSE_PAGES = "docs/*.md"
+UNCITED_PENDING = {
+    "docs/dynamic-evaluation.md": "its SmolLM2 numbers are being re-measured and rewritten (smollm2_dynamic_eval "
+                                  "re-run, issue 22); the page's owner cites them with the new values",
+}
+NOT_RESULTS = re.compile(r"<!-- not-results(?::[^>]*)? -->")
+PAPER_SOURCE = re.compile(r"\b(?:Table|Tab\.|Fig\.|Figure|Eq\.|App\.|Appendix)\s?[A-Z]?\.?\d|\b[Aa]pp\.\s?[A-Z]\b"
+                          r"|(?i:\bthe paper\b|\bpaper's|\bpapers')")
+_UNSCANNED = [
+    re.compile(r"^```.*?^```[ \t]*$", re.S | re.M),  # fenced code
+    REGION,  # checked strictly above
+    re.compile(re.escape(START) + r".*?" + re.escape(END), re.S),  # generated tables
+    re.compile(re.escape(CLAIMS_START) + r".*?" + re.escape(CLAIMS_END), re.S),
+]
+_NOT_PROSE = re.compile(r"<!--.*?-->|`[^`\n]*`|\]\([^)\s]*\)|https?://\S+|[\w./-]+\.(?:json|py|md|png|toml)\b"
+                        r"|\barXiv:?\s?\d{4}\.\d{4,5}|\d+(?:\.\d+){2,}", re.S)
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z(*\[\"])|\n(?=[ \t]*\|)")  # also: each table row on its own
+_PARAGRAPH = re.compile(r"\n[ \t]*\n|\n(?=[ \t]*(?:[-*+]|\d+\.)[ \t])")  # a blank line, or a list item's start
+
+
+def uncited_prose_problems(page: str, name: str) -> list[str]:
+    """Decimal numbers in prose outside numbers regions that cite no source and are not marked as not results."""
+    def blank(m: re.Match) -> str:
+        return re.sub(r"[^\n]", " ", m.group(0))  # keep offsets and line numbers
+
+    text = page
+    for pattern in _UNSCANNED:
+        text = pattern.sub(blank, text)
+    text = CITE.sub(blank, text)
+    out, start = [], 0
+    for sep in list(_PARAGRAPH.finditer(text)) + [None]:
+        end = sep.start() if sep else len(text)
+        para = text[start:end]
+        if not NOT_RESULTS.search(para):
+            para = _NOT_PROSE.sub(blank, para)
+            bounds = [0] + [m.end() for m in _SENTENCE_END.finditer(para)] + [len(para)]
+            for lo, hi in zip(bounds, bounds[1:]):
+                if PAPER_SOURCE.search(para[lo:hi]):
+                    continue
+                for m in NUMBER.finditer(para, lo, hi):
+                    line = page.count("\n", 0, start + m.start()) + 1
+                    out.append(f"{name}:{line}: the number {m.group(0)} cites no source (add <!-- src: STEM KEY --> "
+                               "after it, or mark its paragraph <!-- not-results --> if it is not a result)")
+        start = sep.end() if sep else end
+    return out
+
+
+def prose_problems(root: Path = ROOT) -> tuple[list[str], list[str]]:
+    """(problems, notes): uncited prose numbers of PROSE_PAGES; a page in UNCITED_PENDING gives notes, not problems."""
+    problems, notes = [], []
+    for path in sorted(root.glob(PROSE_PAGES)):
+        name = str(path.relative_to(root))
+        found = uncited_prose_problems(path.read_text(), name)
+        if name not in UNCITED_PENDING:
+            problems += found
+        elif found:
+            notes.append(f"{name}: {len(found)} uncited numbers in prose, not failing yet: {UNCITED_PENDING[name]}")
+        else:
+            problems.append(f"{name} cites every prose number: remove it from UNCITED_PENDING in benchmarks/report.py")
+    problems += [f"UNCITED_PENDING names {n}, which is not a page of {PROSE_PAGES}"
+                 for n in UNCITED_PENDING if not (root / n).is_file()]
+    return problems, notes
+
+
 def update_cited(page: str) -> str:
     """Rewrite every cited prose number to its JSON value, at the precision the page shows it (after a re-run)."""
     def repl(m: re.Match) -> str:
@@ -423,7 +497,10 @@ def main() -> int:
     if args.check:
         for path in pages():
             problems += cited_number_problems(path.read_text(), str(path.relative_to(ROOT)))
-        problems += result_sources.problems()
+        prose, notes = prose_problems()
+        problems += prose + result_sources.problems()
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr)
         for p in problems:
             print(p, file=sys.stderr)
     if args.check and stale:
