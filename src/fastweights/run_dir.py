@@ -15,8 +15,9 @@ import shutil
 import socket
 from pathlib import Path
 
-from fastweights.checkpoint import LEGACY_TRAINER_STATE, MANIFEST, PENDING, TMP_PREFIX, TRAINER_STATE, atomic_write
+from fastweights.checkpoint_format import LEGACY_TRAINER_STATE, MANIFEST, PENDING, TMP_PREFIX, TRAINER_STATE
 from fastweights.errors import UserError
+from fastweights.files import atomic_write
 
 LOCK = ".lock"
 # files a training run writes, and files computed from its weights by other commands

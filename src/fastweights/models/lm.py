@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastweights.checkpoint_format import load_model_as, save_model
 from fastweights.config import ModelConfig, from_dict
 from fastweights.errors import UserError
 from fastweights.layers.common import RMSNorm, ShortConv, SwiGLU, swiglu_hidden
@@ -211,15 +212,11 @@ class LanguageModel(nn.Module):
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Write ``config.json`` and ``model.safetensors`` into ``directory`` (created if needed)."""
-        from fastweights.checkpoint import save_model
-
         save_model(self, Path(directory))
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, map_location: str = "cpu") -> "LanguageModel":
-        from fastweights.checkpoint import load_model
-
-        return load_model(Path(directory), map_location=map_location)
+        return load_model_as(LanguageModel, Path(directory), map_location=map_location)
 
 
 def model_config_from_json(path: Path) -> ModelConfig:

@@ -1,0 +1,457 @@
+"""The checkpoint format: one directory written and read as a unit.
+
+A checkpoint directory holds ``config.json``, ``model.safetensors``, ``tokenizer.json`` and, for
+training runs, ``trainer_state.safetensors`` (optimizer, RNG streams, step and history: tensors as
+safetensors, the rest as JSON in its metadata; no pickle), plus the manifest ``checkpoint.json``
+that names every file with its size and SHA-256 and the training step.
+
+Writing (:func:`write_checkpoint`, used by every save): all files go into a temporary sibling
+``.ckpt-tmp-<pid>/`` and are fsynced with their manifest; the directory is renamed to
+``.ckpt-next/`` (the commit point: from then on the new checkpoint is complete on disk); then each
+file is renamed into place and the manifest last. A save cut short before the commit leaves the
+previous checkpoint untouched (the temporary directory is removed by the next save); one cut short
+after it is completed by the next reader or writer (:func:`finish_pending`).
+
+Reading (:func:`open_checkpoint`, behind :func:`load_checkpoint` and ``--resume``): the manifest
+(or a committed ``.ckpt-next/``) says which bytes belong to the checkpoint; a file whose size or
+SHA-256 differs is refused, naming it. Weights must match config.json's shapes and be finite.
+Directories from earlier versions (no manifest, ``trainer_state.pt``) still load; their trainer
+state is read with ``torch.load(weights_only=True)`` only.
+
+This module knows no model class, so that ``models/lm.py`` (``LanguageModel.save_pretrained`` /
+``from_pretrained``) can use it from below; the loaders that build a ``LanguageModel`` and the
+tokenizer (:func:`fastweights.checkpoint.load_checkpoint`, ``load_model``, ``load_for_resume``) are in
+``checkpoint.py``, which re-exports every name defined here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors_bytes
+from safetensors.torch import save_file
+
+from fastweights.config import RunConfig, from_dict
+from fastweights.errors import UserError
+from fastweights.files import fsync_dir, fsync_file, pid_alive
+
+MANIFEST = "checkpoint.json"
+PENDING = ".ckpt-next"
+TMP_PREFIX = ".ckpt-tmp-"
+FORMAT = "fastweights-checkpoint"
+TRAINER_STATE = "trainer_state.safetensors"
+LEGACY_TRAINER_STATE = "trainer_state.pt"
+_STATE_FORMAT = "fastweights-trainer-state"
+
+
+# ----------------------------------------------------------------------------- low-level writing
+
+
+def remove_stale_temporaries(directory: Path) -> None:
+    """Remove temporary files and directories that killed processes left in ``directory``."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    for p in directory.iterdir():
+        name = p.name
+        pid = None
+        if name.startswith(TMP_PREFIX):
+            pid = name[len(TMP_PREFIX):]
+        elif name.startswith(".") and name.endswith(".tmp"):
+            parts = name[:-4].rsplit(".", 1)  # .NAME.PID.tmp, or the old pid-less .NAME.tmp
+            pid = parts[1] if len(parts) == 2 and parts[1].isdigit() else "0"
+        if pid is None or not pid.isdigit():
+            continue
+        if int(pid) == os.getpid() or (int(pid) != 0 and pid_alive(int(pid))):
+            continue  # our own, or a live process's work in progress
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+
+
+def _test_pause(point: str) -> None:
+    """TEST HOOK (fault-injection tests only): sleep FASTWEIGHTS_TEST_SAVE_PAUSE seconds at each
+    phase of a checkpoint save, widening the windows in which a kill lands inside a save."""
+    pause = os.environ.get("FASTWEIGHTS_TEST_SAVE_PAUSE")
+    if pause:
+        time.sleep(float(pause))
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- the checkpoint writer
+
+
+def write_checkpoint(directory: Path, write_files, step: int | None = None) -> dict:
+    """Write a checkpoint as one unit: ``write_files(tmp_dir)`` writes every file; returns the manifest."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    finish_pending(directory)
+    remove_stale_temporaries(directory)
+    tmp = directory / f"{TMP_PREFIX}{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        write_files(tmp)
+        files = {}
+        for p in sorted(tmp.iterdir()):
+            if not p.is_file() or p.name == MANIFEST:
+                raise RuntimeError(f"checkpoint writer produced an unexpected entry {p.name}")
+            fsync_file(p)
+            files[p.name] = {"size": p.stat().st_size, "sha256": _sha256_file(p)}
+            _test_pause("file")
+        manifest = {"format": FORMAT, "version": 1, "step": step, "files": files}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        fsync_file(tmp / MANIFEST)
+        fsync_dir(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _test_pause("before commit")
+    os.rename(tmp, directory / PENDING)  # the commit point: the new checkpoint is complete on disk
+    fsync_dir(directory)
+    _test_pause("committed")
+    finish_pending(directory)
+    return manifest
+
+
+def finish_pending(directory: Path) -> bool:
+    """Complete a save that was committed (``.ckpt-next/`` exists) but not yet swapped into place."""
+    directory = Path(directory)
+    pending = directory / PENDING
+    if not pending.is_dir():
+        return False
+    mpath = pending / MANIFEST
+    if mpath.is_file():
+        new = _parse_manifest(mpath)
+        old_path = directory / MANIFEST
+        old = _parse_manifest(old_path) if old_path.is_file() else None
+        for name in new["files"]:
+            if (pending / name).exists():
+                os.replace(pending / name, directory / name)
+                _test_pause("swap")
+        os.replace(mpath, directory / MANIFEST)
+        fsync_dir(directory)
+        stale = set(old["files"]) - set(new["files"]) if old else set()
+        if TRAINER_STATE in new["files"]:
+            stale.add(LEGACY_TRAINER_STATE)
+        for name in stale - {MANIFEST}:
+            (directory / name).unlink(missing_ok=True)
+    shutil.rmtree(pending, ignore_errors=True)
+    fsync_dir(directory)
+    return True
+
+
+def _parse_manifest(path: Path) -> dict:
+    try:
+        m = json.loads(path.read_text())
+        if m.get("format") != FORMAT or not isinstance(m.get("files"), dict):
+            raise ValueError("not a fastweights checkpoint manifest")
+        for name, f in m["files"].items():
+            if "/" in name or "\\" in name or name.startswith(".") or not isinstance(f.get("size"), int) \
+                    or not isinstance(f.get("sha256"), str):
+                raise ValueError(f"bad entry {name!r}")
+        if m.get("step") is not None and not isinstance(m["step"], int):
+            raise ValueError("bad step")
+    except (OSError, ValueError, AttributeError, TypeError) as e:
+        raise UserError(f"checkpoint {path.parent}: corrupt {path.name} ({e})") from None
+    return m
+
+
+def _state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+
+
+def save_model(model, directory: Path, run_config: RunConfig | None = None, tokenizer=None,
+               state_dict: dict[str, torch.Tensor] | None = None, trainer_state: dict | None = None,
+               step: int | None = None) -> dict:
+    """Write a checkpoint (weights, config, tokenizer, optional trainer state) as one unit."""
+    import dataclasses
+
+    config = run_config.to_dict() if run_config is not None else {"model": dataclasses.asdict(model.config)}
+    tensors = {k: v.contiguous() for k, v in state_dict.items()} if state_dict is not None else _state_dict(model)
+    bad = next((k for k, v in tensors.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
+    if bad is not None:
+        raise UserError(f"refusing to save non-finite weights (tensor {bad} holds NaN or inf)")
+
+    def write(tmp: Path) -> None:
+        save_file(tensors, str(tmp / "model.safetensors"))
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if trainer_state is not None:
+            save_trainer_state(trainer_state, tmp / TRAINER_STATE)
+
+    return write_checkpoint(Path(directory), write, step=step)
+
+
+# ----------------------------------------------------------------------------- trainer state without pickle
+
+
+def _encode(obj, tensors: dict):
+    if isinstance(obj, torch.Tensor):
+        name = str(len(tensors))
+        tensors[name] = obj.detach().cpu().clone().contiguous()
+        return {"$tensor": name}
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.kind not in "biuf":
+            raise TypeError(f"cannot save a numpy array of dtype {obj.dtype}")
+        return {"$ndarray": obj.dtype.str, "shape": list(obj.shape), "data": obj.ravel().tolist()}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, tuple):
+        return {"$tuple": [_encode(x, tensors) for x in obj]}
+    if isinstance(obj, list):
+        return [_encode(x, tensors) for x in obj]
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and not k.startswith("$") for k in obj):
+            return {k: _encode(v, tensors) for k, v in obj.items()}
+        return {"$dict": [[_encode(k, tensors), _encode(v, tensors)] for k, v in obj.items()]}
+    raise TypeError(f"cannot save a {type(obj).__name__} in the trainer state")
+
+
+def _decode(obj, tensors: dict):
+    if isinstance(obj, list):
+        return [_decode(x, tensors) for x in obj]
+    if not isinstance(obj, dict):
+        if obj is None or isinstance(obj, (bool, int, float, str)):
+            return obj
+        raise ValueError(f"unexpected value {obj!r}")
+    if "$tensor" in obj:
+        return tensors[obj["$tensor"]]
+    if "$tuple" in obj:
+        return tuple(_decode(x, tensors) for x in obj["$tuple"])
+    if "$dict" in obj:
+        return {_decode(k, tensors): _decode(v, tensors) for k, v in obj["$dict"]}
+    if "$ndarray" in obj:
+        dtype = np.dtype(obj["$ndarray"])
+        if dtype.kind not in "biuf":
+            raise ValueError(f"array dtype {dtype} is not allowed")
+        return np.array(obj["data"], dtype=dtype).reshape(obj["shape"])
+    return {k: _decode(v, tensors) for k, v in obj.items()}
+
+
+def save_trainer_state(state: dict, path: Path) -> None:
+    tensors: dict[str, torch.Tensor] = {}
+    meta = {"format": _STATE_FORMAT, "version": "1", "state": json.dumps(_encode(state, tensors))}
+    save_file(tensors, str(path), metadata=meta)
+
+
+def parse_trainer_state(data: bytes, where: str) -> dict:
+    """The dict saved by :func:`save_trainer_state`, from the file's bytes (no code is run)."""
+    try:
+        tensors = load_safetensors_bytes(data)
+        header_len = int.from_bytes(data[:8], "little")
+        meta = json.loads(data[8 : 8 + header_len]).get("__metadata__") or {}
+        if meta.get("format") != _STATE_FORMAT:
+            raise ValueError("not a fastweights trainer state")
+        state = _decode(json.loads(meta["state"]), tensors)
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+            raise ValueError("no step")
+    except (SafetensorError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise UserError(f"{where}: corrupt trainer state ({e})") from None
+    return state
+
+
+def load_legacy_trainer_state(path: Path) -> dict:
+    """A ``trainer_state.pt`` of an earlier version, read with ``torch.load(weights_only=True)``.
+
+    Only tensors, containers, numbers and the numpy arrays of an RNG state are accepted; anything
+    else (such as a pickle that would run code) is refused.
+    """
+    import pickle
+
+    from numpy.dtypes import UInt32DType
+
+    allowed = [np.ndarray, np.dtype, UInt32DType]
+    for mod in ("numpy._core.multiarray", "numpy.core.multiarray"):
+        try:
+            allowed.append((__import__(mod, fromlist=["_reconstruct"])._reconstruct, f"{mod}._reconstruct"))
+        except (ImportError, AttributeError):  # pragma: no cover
+            pass
+    try:
+        with torch.serialization.safe_globals(allowed):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+            raise ValueError("no step")
+    except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError, OSError, AttributeError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{path}: refused to load this trainer state: it is not a plain trainer state of an "
+                        f"earlier fastweights version ({first[:200]}); the weights still load for eval and "
+                        "generate; to train on, start a new run (--overwrite)") from None
+    return state
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+class Checkpoint:
+    """A verified view of a checkpoint directory: :meth:`read` returns a file's bytes once they match
+    the manifest (size and SHA-256); directories without a manifest (earlier versions) are read as they are."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        d = self.directory
+        if not d.is_dir():
+            raise UserError(f"checkpoint {d} does not exist or is not a directory")
+        self.manifest: dict | None = None
+        self.bases = [d]
+        if (d / PENDING / MANIFEST).is_file():  # a committed save not yet swapped into place
+            self.manifest = _parse_manifest(d / PENDING / MANIFEST)
+            self.bases = [d / PENDING, d]
+        elif (d / MANIFEST).is_file():
+            self.manifest = _parse_manifest(d / MANIFEST)
+
+    @property
+    def step(self) -> int | None:
+        return self.manifest.get("step") if self.manifest else None
+
+    def names(self) -> list[str]:
+        if self.manifest:
+            return list(self.manifest["files"])
+        return sorted(p.name for p in self.directory.iterdir() if p.is_file() and not p.name.startswith("."))
+
+    def has(self, name: str) -> bool:
+        if self.manifest is not None:
+            return name in self.manifest["files"]
+        return (self.directory / name).is_file()
+
+    def read(self, name: str) -> bytes:
+        if self.manifest is not None and name not in self.manifest["files"]:
+            raise UserError(f"checkpoint {self.directory} has no {name} ({MANIFEST} does not list it)")
+        path = next((b / name for b in self.bases if (b / name).is_file()), None)
+        if path is None:
+            raise UserError(f"checkpoint {self.directory} has no {name}")
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise UserError(f"checkpoint {self.directory}: cannot read {name} ({e.strerror})") from None
+        if self.manifest is not None:
+            want = self.manifest["files"][name]
+            if len(data) != want["size"] or hashlib.sha256(data).hexdigest() != want["sha256"]:
+                raise _Mismatch(f"checkpoint {self.directory}: {name} does not match {MANIFEST} "
+                                f"({len(data)} bytes, {MANIFEST} records {want['size']} and another SHA-256): "
+                                "the file was changed or replaced after the checkpoint was written")
+        return data
+
+    def fingerprint(self) -> str:
+        """SHA-256 of the weights file: what derived files (gradient statistics, tuned settings) record."""
+        if self.manifest is not None and "model.safetensors" in self.manifest["files"]:
+            return self.manifest["files"]["model.safetensors"]["sha256"]
+        return hashlib.sha256(self.read("model.safetensors")).hexdigest()
+
+
+class _Mismatch(UserError):
+    pass
+
+
+def open_checkpoint(directory: Path, load, attempts: int = 4):
+    """``load(Checkpoint)``, retried when a file does not match because a save is swapping files in."""
+    for attempt in range(attempts):
+        try:
+            return load(Checkpoint(directory))
+        except _Mismatch:
+            if attempt == attempts - 1 or not _being_written(Path(directory)):
+                raise
+            time.sleep(0.2)
+
+
+def _being_written(directory: Path) -> bool:
+    return (directory / PENDING).exists() or any(p.name.startswith(TMP_PREFIX) for p in directory.iterdir())
+
+
+def weights_fingerprint(directory: Path) -> str:
+    """SHA-256 of a checkpoint's weights: recorded in the files derived from them (statistics, tuned settings)."""
+    return open_checkpoint(directory, lambda c: c.fingerprint())
+
+
+def check_derived_file(recorded: str | None, checkpoint: Path | None, path: Path, remedy: str) -> None:
+    """Refuse a file derived from other weights than the checkpoint's (files without a record are older: accepted)."""
+    if recorded is None or checkpoint is None:
+        return
+    if recorded != weights_fingerprint(checkpoint):
+        raise UserError(f"{path} was made from other weights than those now in {checkpoint} (the model was "
+                        f"retrained or replaced); delete it, or {remedy}")
+
+
+def run_config_from(ckpt: Checkpoint) -> RunConfig:
+    """The validated run configuration of a checkpoint's ``config.json``."""
+    from fastweights.validate import validate_config
+
+    if not ckpt.has("config.json"):
+        raise UserError(f"checkpoint {ckpt.directory} has no config.json")
+    try:
+        d = json.loads(ckpt.read("config.json"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"checkpoint {ckpt.directory}: corrupt config.json ({e})") from None
+    if not isinstance(d, dict) or "model" not in d:
+        raise UserError(f"checkpoint {ckpt.directory}: config.json has no model section")
+    try:
+        cfg = from_dict(RunConfig, d)
+        validate_config(cfg, need_vocab=True, saved=True)
+    except UserError as e:
+        raise UserError(f"checkpoint {ckpt.directory}: config.json: {e}") from None
+    return cfg
+
+
+def check_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Refuse weights that do not fit ``model`` (one line naming the first mismatching tensor) or are not finite."""
+    expected = model.state_dict()
+    for name, t in expected.items():
+        if name not in tensors:
+            raise UserError(f"{where}: model.safetensors has no tensor {name} (shape {list(t.shape)}) that the "
+                            "model of config.json needs; config.json does not match the weights")
+        if tuple(tensors[name].shape) != tuple(t.shape):
+            raise UserError(f"{where}: tensor {name} has shape {list(tensors[name].shape)} in model.safetensors "
+                            f"but the model of config.json needs {list(t.shape)}; config.json does not match the weights")
+    extra = [k for k in tensors if k not in expected]
+    if extra:
+        raise UserError(f"{where}: model.safetensors has a tensor {extra[0]} (shape {list(tensors[extra[0]].shape)}) "
+                        "that the model of config.json does not have; config.json does not match the weights")
+    for name, t in tensors.items():
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise UserError(f"{where}: tensor {name} holds NaN or inf values; these weights are unusable "
+                            "(saved from a diverged run?)")
+
+
+def model_from(ckpt: Checkpoint, cfg: RunConfig, map_location: str, model_cls):
+    """``model_cls(cfg.model)`` with the checkpoint's weights, checked against its shapes and finite."""
+    try:
+        model = model_cls(cfg.model)
+    except UserError as e:
+        raise UserError(f"checkpoint {ckpt.directory}: config.json: {e}") from None
+    except (ValueError, TypeError, AssertionError, ZeroDivisionError, RuntimeError, KeyError) as e:
+        raise UserError(f"checkpoint {ckpt.directory}: config.json describes no buildable model "
+                        f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    if not ckpt.has("model.safetensors"):
+        raise UserError(f"checkpoint {ckpt.directory} has no model.safetensors")
+    try:
+        tensors = load_safetensors_bytes(ckpt.read("model.safetensors"))
+    except (SafetensorError, ValueError) as e:
+        raise UserError(f"checkpoint {ckpt.directory}: corrupt model.safetensors ({e})") from None
+    check_weights(model, tensors, f"checkpoint {ckpt.directory}")
+    model.load_state_dict(tensors, strict=False)
+    return model.to(map_location)
+
+
+def load_model_as(model_cls, directory: Path, map_location: str = "cpu"):
+    """The model of a checkpoint directory, built as ``model_cls(config.model)`` with its verified weights."""
+    return open_checkpoint(directory, lambda c: model_from(c, run_config_from(c), map_location, model_cls))
