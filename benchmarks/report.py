@@ -18,7 +18,8 @@ and the claim's rule.
 ``--check`` also fails (issue 22) on
   * a number in prose that disagrees with its cited source: ``0.805 <!-- src: bench_fwpkm_model ratio -->``
     (the shown digits must be the JSON value rounded to them; key paths as in EXTRACT);
-  * a decimal number without a source inside ``<!-- numbers:start -->`` ... ``<!-- numbers:end -->``;
+  * a decimal number without a source inside ``<!-- numbers:start -->`` ... ``<!-- numbers:end -->``, and in
+    the prose of docs/*.md outside them unless it is marked as not a result (``uncited_prose_problems``);
   * the provenance rules of ``result_sources.py``: a JSON without its git commit (unless a listed legacy
     result), a command that does not write the stored file, a JSON older than the code it measures.
 """
