@@ -16,7 +16,7 @@ from fastweights.errors import UserError
 
 # Modules that add their own subcommands with register_cli(subparsers), and task modules that add
 # `fastweights task NAME` with register_task(task_subparsers). Missing modules are skipped.
-COMMAND_MODULES = ["fastweights.adapt.cli", "fastweights.memory_stats", "fastweights.analysis", "fastweights.hf_export",
+COMMAND_MODULES = ["fastweights.adapt.cli", "fastweights.memory_stats", "fastweights.analysis", "fastweights.hf.export",
                    "fastweights.experiments.cli"]
 TASK_MODULES = ["fastweights.tasks.assoc", "fastweights.tasks.ba_retrieval"]
 

@@ -12,7 +12,7 @@ causal LM: a directory, a ``.gguf`` file, a hub name, or ``smollm2-135m``). With
 gradient statistics live next to it (``grad_stats.safetensors``) and are used by default; missing
 statistics are collected from the checkpoint's training split on first use. Tuned settings are
 written only where ``tune-dynamic --save`` says and used only when named (``--tuned FILE``).
-Hugging Face models keep the whole stream in context by default (``adapt.hf_context``).
+Hugging Face models keep the whole stream in context by default (``hf.kv_context``).
 
 Besides full dynamic evaluation: ``--sparse-units`` (paper section 6), ``--lowrank-rank`` (low-rank MLP
 deltas, ``adapt.lowrank``; excludes ``--sparse-units``), ``--lr-schedule`` (within the stream), and

@@ -34,7 +34,7 @@ def load_model_and_tokenizer(args):
 
     device = str(resolve_device(getattr(args, "device", "auto")))
     if getattr(args, "hf", None):
-        from fastweights.adapt.hf import load_hf_model
+        from fastweights.hf.transformers_as_ours import load_hf_model
 
         sinks = getattr(args, "sinks", None)
         model, tok = load_hf_model(args.hf, device=device, **({} if sinks is None else {"sinks": sinks}))

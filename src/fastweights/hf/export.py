@@ -1,4 +1,5 @@
-"""``fastweights export-hf CHECKPOINT DIR``: a checkpoint as a Hugging Face model directory.
+"""``fastweights export-hf CHECKPOINT DIR``: a checkpoint out to a Hugging Face model directory
+(formerly ``fastweights.hf_export``, which still re-exports these names).
 
     fastweights export-hf runs/demo hf/demo
 
@@ -7,7 +8,7 @@ writes ``config.json`` + ``generation_config.json`` + ``model.safetensors`` (thr
 ``generate()`` bounds attention layers' context as ``fastweights generate`` does) and ``tokenizer.json`` + ``tokenizer_config.json`` (in
 the format of the Hugging Face ``tokenizers`` library), so that, offline,
 
-    import fastweights.models.hf  # registers model_type "fastweights"
+    import fastweights.hf.ours_as_transformers  # registers model_type "fastweights"
     model = AutoModelForCausalLM.from_pretrained("hf/demo")
     tok = AutoTokenizer.from_pretrained("hf/demo")
 
@@ -111,7 +112,7 @@ def export_hf(checkpoint: str | Path, directory: str | Path, force: bool = False
     """
     _require_hf()
     from fastweights.checkpoint import load_checkpoint
-    from fastweights.models.hf import FastWeightsForCausalLM
+    from fastweights.hf.ours_as_transformers import FastWeightsForCausalLM
 
     checkpoint, directory = Path(checkpoint), Path(directory)
     if directory.exists() and checkpoint.exists() and directory.resolve() == checkpoint.resolve():
@@ -125,7 +126,7 @@ def export_hf(checkpoint: str | Path, directory: str | Path, force: bool = False
     # attention layers see the training context when generating, as in `fastweights generate`
     hf_model = FastWeightsForCausalLM.from_language_model(
         model.eval(), attention_context=run_config.train.seq_len, **special_token_ids(tokenizer))
-    # without `import fastweights.models.hf`, transformers does not know the model type "fastweights" and
+    # without `import fastweights.hf.ours_as_transformers`, transformers does not know the model type "fastweights" and
     # suggests upgrading transformers; with auto_map and this module it asks for trust_remote_code instead,
     # and with trust_remote_code=True it loads the model through the installed fastweights package
     hf_model.config.auto_map = {"AutoConfig": f"{_REMOTE_MODULE}.FastWeightsConfig",
@@ -141,10 +142,10 @@ _REMOTE_MODULE = "modeling_fastweights"
 _REMOTE_CODE = '''"""Loads this directory with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True).
 
 The model code is the installed fastweights package (pip install 'fastweights[hf]'); importing it
-registers the model type "fastweights" (the same as `import fastweights.models.hf`).
+registers the model type "fastweights" (the same as `import fastweights.hf.ours_as_transformers`).
 """
 
-from fastweights.models.hf import FastWeightsConfig, FastWeightsForCausalLM
+from fastweights.hf.ours_as_transformers import FastWeightsConfig, FastWeightsForCausalLM
 
 __all__ = ["FastWeightsConfig", "FastWeightsForCausalLM"]
 '''
@@ -158,8 +159,8 @@ def cmd_export_hf(args) -> int:
 
 def register_cli(sub) -> None:
     """Add ``fastweights export-hf CHECKPOINT DIR``."""
-    p = sub.add_parser("export-hf", help="write a checkpoint as a Hugging Face model directory "
-                                         "(AutoModelForCausalLM / AutoTokenizer, after `import fastweights.models.hf`)")
+    p = sub.add_parser("export-hf", help="write a checkpoint as a Hugging Face model directory (AutoModelForCausalLM / "
+                                         "AutoTokenizer, after `import fastweights.hf.ours_as_transformers`)")
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint directory")
     p.add_argument("dir", metavar="DIR", help="output directory (created; must be empty unless --force)")
     p.add_argument("--force", action="store_true", help="write into a non-empty DIR")

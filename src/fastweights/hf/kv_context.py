@@ -1,4 +1,5 @@
-"""The KV cache of a Hugging Face causal LM during (dynamic) evaluation: what stays in context.
+"""The KV cache of a Hugging Face causal LM during (dynamic) evaluation: what stays in context
+(formerly ``fastweights.adapt.hf_context``, which still re-exports these names).
 
 Default: the whole stream, up to the model's position limit (``max_positions``). Nothing is evicted
 while the stream fits, so static evaluation equals the model's full-context perplexity (one forward
@@ -76,7 +77,7 @@ def reencode_budget(cached: int, new: int, max_positions: int) -> int:
 
 
 def context_metadata(model) -> dict:
-    """What the KV-cache policy of an :class:`~fastweights.adapt.hf.HFCausalLM` is, for result files."""
+    """What the KV-cache policy of an :class:`~fastweights.hf.transformers_as_ours.HFCausalLM` is, for result files."""
     return {"max_positions": model.max_positions, "sinks": model.sinks,
             "eviction": (f"the first {model.sinks} tokens kept, the oldest others evicted" if model.sinks
                          else "sliding window (oldest evicted)"),

@@ -1,12 +1,13 @@
-"""fastweights models as Hugging Face ``transformers`` causal LMs.
+"""Our model out to Hugging Face: fastweights models as ``transformers`` causal LMs (formerly
+``fastweights.models.hf``, which still re-exports these names).
 
-    import fastweights.models.hf                      # registers "fastweights" with the Auto classes
+    import fastweights.hf.ours_as_transformers        # registers "fastweights" with the Auto classes
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained("exported-dir")   # a FastWeightsForCausalLM
     tok = AutoTokenizer.from_pretrained("exported-dir")
     out = model.generate(**tok("ROMEO:", return_tensors="pt"), max_new_tokens=50, do_sample=False)
 
-(``fastweights export-hf CHECKPOINT DIR`` writes such a directory; see :mod:`fastweights.hf_export`.)
+(``fastweights export-hf CHECKPOINT DIR`` writes such a directory; see :mod:`fastweights.hf.export`.)
 
 - :class:`FastWeightsConfig` (``model_type = "fastweights"``) carries every field of
   :class:`fastweights.config.ModelConfig` (same names, same defaults), so any mixer, head or memory

