@@ -393,7 +393,7 @@ NOT_RESULTS = re.compile(r"<!-- not-results(?::[^>]*)? -->")
 PAPER_SOURCE = re.compile(r"\b(?:Table|Tab\.|Fig\.|Figure|Eq\.|App\.|Appendix)\s?[A-Z]?\.?\d|\b[Aa]pp\.\s?[A-Z]\b"
                           r"|(?i:\bthe paper\b|\bpaper's|\bpapers')")
 _UNSCANNED = [
-    re.compile(r"^```.*?^```[ \t]*$", re.S | re.M),  # fenced code
+    re.compile(r"^[ \t]*```.*?^[ \t]*```[ \t]*$", re.S | re.M),  # fenced code, also indented in a list item
     REGION,  # checked strictly above
     re.compile(re.escape(START) + r".*?" + re.escape(END), re.S),  # generated tables
     re.compile(re.escape(CLAIMS_START) + r".*?" + re.escape(CLAIMS_END), re.S),
@@ -413,6 +413,7 @@ def uncited_prose_problems(page: str, name: str) -> list[str]:
     for pattern in _UNSCANNED:
         text = pattern.sub(blank, text)
     text = CITE.sub(blank, text)
+    text = re.sub(r"<!--(?! not-results).*?-->", blank, text, flags=re.S)  # before paragraphs: it may span several
     out, start = [], 0
     for sep in list(_PARAGRAPH.finditer(text)) + [None]:
         end = sep.start() if sep else len(text)

@@ -218,7 +218,8 @@ def test_check_fails_on_an_uncited_result_number_in_prose_outside_numbers_region
         assert len(report.uncited_prose_problems(text, "p.md")) == 1, text
     # not prose: code blocks, inline code, generated tables, numbers regions, file names, arXiv ids, versions
     skipped = ("```bash\nfastweights x --lr 0.5\n```\nSet `lr = 0.5`, see arXiv 2102.11174 and torch 2.13.0 in "
-               "x_0.5.json.\n<!-- results:start demo -->\n| 2.12 |\n<!-- results:end -->\n")
+               "x_0.5.json.\n<!-- results:start demo -->\n| 2.12 |\n<!-- results:end -->\n"
+               "- a list item\n\n  ```text\n  loss 2.5\n  ```\n<!-- a comment\n\nover paragraphs, 2.5 -->\n")
     assert report.uncited_prose_problems(skipped, "p.md") == []
 
 
