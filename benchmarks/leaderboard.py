@@ -1,0 +1,322 @@
+"""One equal-compute leaderboard of every mechanism (issue 21, scope 3): which one to pick, and what it costs.
+
+    python benchmarks/leaderboard.py [--minutes 20] [--entries a,b,...] [--seeds 0] [--out runs/leaderboard]
+        [--chars-per-play 32768] [--top-seeds 3] [--aggregate-only]
+
+Every entry is a character-level language model of about 0.82M parameters (the ``shakespeare-char*``
+presets, d_model 128, 4 layers, with the overrides below), trained on ``shakespeare-train`` (the complete
+Shakespeare without the held-out plays; validation: its last 5%) for ``--minutes`` of its own CPU time on
+one thread (``train.threads = 1``, ``train.budget_clock = "cpu"``, so equal compute whatever else loads
+the machine), then scored on held-out plays it never saw: the first ``--chars-per-play`` characters of
+Hamlet, Julius Caesar, Macbeth and Othello (one spelling of each, ``shakespeare-heldout``; 4 x 32,768 =
+131,072 characters by default), read in order at batch 1 in calls of 64 characters, twice:
+
+    windows   the state reset every 128 characters (the training length; stream-eval's "memory" mode,
+              which keeps memories such as FwPKM's table and resets the context/mixer state)
+    streamed  one stream, the whole state carried across calls and plays (what a user streaming text
+              gets; attention keeps a KV cache of 64 characters between calls)
+
+Dynamic evaluation (Krause et al. 2018) is an entry on top of the attention baseline's checkpoint:
+rms-global-prior with MS_g collected on the training split and (lr, decay) tuned on the validation split
+(``fastweights collect-grad-stats`` / ``tune-dynamic``), scored streamed (the adapted weights carried);
+its "windows" score is the static model's.
+
+Per entry and seed: parameters, training steps, training tokens/s (process CPU time, periodic
+validation included), validation bits/char, held-out bits/char in both modes, scoring tokens/s (CPU)
+and peak memory (max RSS of the training process and of the scoring). After every entry has one seed,
+the ``--top-seeds`` best by streamed bits/char get seeds 1 and 2 as well (when ``--top-seeds`` > 0).
+
+Each finished piece is kept under ``--out`` (checkpoint, ``row.json``), so a cut-short run resumes where
+it stopped, and two processes may train different ``--entries`` at once (one core each); every process
+rewrites benchmarks/results/leaderboard.json (``complete`` false until every entry has its seeds) and
+leaderboard.png (per-position streamed loss of every entry) from all finished rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, git_state, repo_relative, write_result  # noqa: E402
+
+TRAIN_CORPUS = "shakespeare-train"
+HELDOUT = ("hamlet_gut.txt", "julius_caesar_gut.txt", "macbeth_gut.txt", "othello_gut.txt")
+STRIDE = 64
+SEQ_LEN = 128  # the presets' training length: the windows of "windows" mode
+
+# name -> (mechanism, preset, overrides). Sizes chosen so every model has 0.81-0.89M parameters.
+ENTRIES = {
+    "attention": ("softmax attention (baseline)", "shakespeare-char", []),
+    "swa": ("sliding-window attention, 64 keys", "shakespeare-char", ["model.options.attention.window=64"]),
+    "fwp-sum": ("FWP sum rule, DPFP (Schlag et al. 2021)", "shakespeare-char-fwp-sum-dpfp", []),
+    "fwp-delta": ("FWP delta rule, DPFP (Schlag et al. 2021)", "shakespeare-char-fwp-delta-dpfp", []),
+    "fwp-gated-delta": ("FWP gated delta rule, L2 keys", "shakespeare-char-fwp-gated-delta-l2", []),
+    "gdn": ("Gated DeltaNet layer (short conv, output gate)", "shakespeare-char", ['model.mixer="gdn"']),
+    "fast-rnn": ("fast-weights RNN (Ba et al. 2016)", "shakespeare-char-fast-rnn", []),
+    "lstm": ("LSTM", "shakespeare-char-lstm", []),
+    "fwl": ("attention + FWL head (Clark et al. 2022)", "shakespeare-char-fwl", []),
+    "fwpkm": ("attention + FwPKM memory in layer 2 (Zhao & Jones 2026)", "shakespeare-char",
+              ['model.memory="fwpkm"', "model.memory_layers=[2]", "model.options.fwpkm.n_subkeys=64",
+               "model.options.fwpkm.d_key=64", "model.options.fwpkm.d_value=64", "model.options.fwpkm.chunk_size=32",
+               'model.options.fwpkm.persistence="per_sequence"']),
+    "fwmlp": ("attention + FwMLP memory in layer 2 (Zhao & Jones 2026)", "shakespeare-char",
+              ['model.memory="fwmlp"', "model.memory_layers=[2]", "model.options.fwmlp.d_key=64",
+               "model.options.fwmlp.d_value=64", "model.options.fwmlp.hidden=256", "model.options.fwmlp.chunk_size=32",
+               'model.options.fwmlp.persistence="per_sequence"']),
+    "dynamic-eval": ("attention + dynamic evaluation (Krause et al. 2018), rms-global-prior", None, []),
+}
+DYNAMIC_BASE = "attention"
+
+
+def run_dir(out: Path, name: str, seed: int) -> Path:
+    return out / name / f"seed{seed}"
+
+
+def child(cmd: list[str]) -> dict:
+    """Run ``cmd`` on one thread; its exit status and resource use (max RSS of that process alone)."""
+    p = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    _, status, ru = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    if p.returncode != 0:
+        raise SystemExit(f"error: {' '.join(cmd[:6])} ... exited with {p.returncode}")
+    return {"max_rss_mb": ru.ru_maxrss / 1024, "cpu_s": ru.ru_utime + ru.ru_stime}
+
+
+def train(name: str, seed: int, minutes: float, out: Path) -> dict:
+    """Train (or resume, or reuse) one entry's model; its training record."""
+    _, preset, overrides = ENTRIES[name]
+    run = run_dir(out, name, seed)
+    record = run / "train_record.json"
+    if record.exists():
+        return json.loads(record.read_text())
+    resume = (run / "checkpoint.json").exists()
+    cmd = [sys.executable, "-m", "fastweights", "train", "--preset", preset, "--out", str(run), "--quiet",
+           *(["--resume"] if resume else ["--overwrite"]),
+           *(x for o in [f"data.corpus={TRAIN_CORPUS!r}", f"train.max_minutes={minutes}", "train.max_steps=1000000",
+                         "train.threads=1", 'train.budget_clock="cpu"', f"train.seed={seed}", *overrides]
+             for x in ("--set", o))]
+    print(f"[{time.strftime('%H:%M:%S')}] train {name} seed {seed} ({minutes:g} CPU-min)", flush=True)
+    usage = child(cmd)
+    summary = json.loads((run / "summary.json").read_text())
+    if "interrupted_by" in summary:
+        raise SystemExit(f"error: training {name} was interrupted ({summary['interrupted_by']}); run again to resume")
+    cfg = json.loads((run / "config.json").read_text())
+    tokens = summary["steps"] * cfg["train"]["batch_size"] * cfg["train"]["seq_len"]
+    rec = {"steps": summary["steps"], "parameters": summary["parameters"], "train_cpu_s": summary["elapsed_s"],
+           "train_tokens_per_cpu_s": tokens / summary["elapsed_s"], "val_bits_per_char": summary["val_bits_per_token"],
+           "train_max_rss_mb": usage["max_rss_mb"], "resumed": resume, "git": git_state()}
+    record.write_text(json.dumps(rec, indent=2) + "\n")
+    return rec
+
+
+def heldout_documents(tokenizer, chars: int):
+    from fastweights.data import load_corpus
+    from fastweights.data.corpus import Document
+    from fastweights.experiments.streaming import encode_documents
+
+    docs = [load_corpus(f"shakespeare-heldout:{name}")[0] for name in HELDOUT]
+    return encode_documents([Document(d.name, d.text[:chars]) for d in docs], tokenizer)
+
+
+def dynamic_evaluator(model, run: Path, base: Path):
+    """rms-global-prior on top of the baseline: MS_g from its training split, (lr, decay) tuned on its
+    validation split; both files are kept in the entry's run directory."""
+    from fastweights.adapt.dynamic import DynamicEvaluator
+
+    run.mkdir(parents=True, exist_ok=True)
+    stats, tuned = run / "grad_stats.safetensors", run / "dynamic_tuned.json"
+    fw = [sys.executable, "-m", "fastweights"]
+    if not stats.exists():
+        child([*fw, "collect-grad-stats", "--checkpoint", str(base), "--quiet", "--max-batches", "64",
+               "--out", str(stats)])
+    if not tuned.exists():
+        child([*fw, "tune-dynamic", "--checkpoint", str(base), "--quiet", "--rule", "rms-global-prior",
+               "--stats", str(stats), "--tune-chars", "20000", "--save", str(tuned)])
+    t = json.loads(tuned.read_text())
+    lr, decay = t["best"]["lr"], t["best"]["decay"]
+    ev = DynamicEvaluator(model, rule="rms-global-prior", lr=lr, decay=decay, context=SEQ_LEN,
+                          segment_len=int(t["settings"]["segment_len"]), grad_stats=stats)
+    return ev, {"rule": "rms-global-prior", "lr": lr, "decay": decay, "segment_len": ev.segment_len,
+                "tuned_on": "validation split of shakespeare-train (tune-dynamic --tune-chars 20000)"}
+
+
+def score(name: str, seed: int, out: Path, chars: int) -> dict:
+    """Held-out bits/char of one trained entry, windows and streamed, in this process on one thread."""
+    import torch
+
+    from fastweights.checkpoint import load_checkpoint
+    from fastweights.experiments.streaming import peak_rss_mb, stream_eval
+
+    torch.set_num_threads(1)
+    dynamic = ENTRIES[name][1] is None
+    base = run_dir(out, DYNAMIC_BASE if dynamic else name, seed)
+    model, tok, cfg = load_checkpoint(base)
+    runs, extra = {}, {}
+    modes = (("windows", "memory", None), ("streamed", "carry", None))
+    if dynamic:
+        ev, extra["dynamic"] = dynamic_evaluator(model, run_dir(out, name, seed), base)
+        modes = (("streamed", "carry", ev),)
+    for label, mode, ev in modes:
+        print(f"[{time.strftime('%H:%M:%S')}] score {name} seed {seed}: {label}", flush=True)
+        t = time.process_time()
+        r = stream_eval(model, heldout_documents(tok, chars), mode, seq_len=SEQ_LEN, stride=STRIDE, bin_width=1024,
+                        evaluator=ev).to_dict()
+        cpu = time.process_time() - t
+        runs[label] = {"bits_per_char": r["bits_per_token"], "tokens": r["tokens"], "cpu_s": cpu,
+                       "tokens_per_cpu_s": r["tokens"] / cpu, "curve": r["curve"], "state_norm": r["state_norm"],
+                       "documents": r["documents"]}
+    if dynamic:  # windows: the static baseline model
+        runs["windows"] = json.loads((run_dir(out, DYNAMIC_BASE, seed) / "row.json").read_text())["windows"]
+    return {**runs, **extra, "score_max_rss_mb": peak_rss_mb()}
+
+
+def entry_row(name: str, seed: int, minutes: float, out: Path, chars: int) -> dict:
+    path = run_dir(out, name, seed) / "row.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    if ENTRIES[name][1] is None:
+        entry_row(DYNAMIC_BASE, seed, minutes, out, chars)  # the baseline first (its windows score is reused)
+        rec = dict(json.loads((run_dir(out, DYNAMIC_BASE, seed) / "train_record.json").read_text()))
+    else:
+        rec = train(name, seed, minutes, out)
+    row = {"entry": name, "seed": seed, **rec, **score(name, seed, out, chars)}
+    row["streamed_minus_windows_bits"] = row["streamed"]["bits_per_char"] - row["windows"]["bits_per_char"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(row, indent=2) + "\n")
+    print(f"{name:16s} seed {seed}: windows {row['windows']['bits_per_char']:.3f}  streamed "
+          f"{row['streamed']['bits_per_char']:.3f} bits/char ({rec['steps']} steps)", flush=True)
+    return row
+
+
+def finished_rows(out: Path) -> dict[str, list[dict]]:
+    rows: dict[str, list[dict]] = {}
+    for name in ENTRIES:
+        for p in sorted((out / name).glob("seed*/row.json")):
+            rows.setdefault(name, []).append(json.loads(p.read_text()))
+    return rows
+
+
+def top_entries(rows: dict[str, list[dict]], k: int) -> list[str]:
+    best = sorted(rows, key=lambda n: min(r["streamed"]["bits_per_char"] for r in rows[n]))
+    return best[:k]
+
+
+def _mean_std(xs: list[float]) -> tuple[float, float | None]:
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else None)
+
+
+def aggregate(out: Path, a) -> None:
+    """Write leaderboard.json and leaderboard.png from every finished row under ``out``."""
+    from fastweights.experiments.streaming import plot_stream
+
+    rows = finished_rows(out)
+    if not rows:
+        print("no finished entry yet", flush=True)
+        return
+    base_params = rows["attention"][0]["parameters"] if "attention" in rows else None
+    table = []
+    for name, rs in rows.items():
+        s_mean, s_std = _mean_std([r["streamed"]["bits_per_char"] for r in rs])
+        w_mean, w_std = _mean_std([r["windows"]["bits_per_char"] for r in rs])
+        r0 = rs[0]
+        table.append({
+            "entry": name, "mechanism": ENTRIES[name][0], "preset": ENTRIES[name][1] or ENTRIES[DYNAMIC_BASE][1],
+            "overrides": ENTRIES[name][2], "seeds": [r["seed"] for r in rs],
+            "streamed_bits_per_char": s_mean, "streamed_std": s_std,
+            "windows_bits_per_char": w_mean, "windows_std": w_std,
+            "streamed_minus_windows_bits": s_mean - w_mean,
+            "streams_within_0_05": s_mean <= w_mean + 0.05,
+            "val_bits_per_char": statistics.fmean(r["val_bits_per_char"] for r in rs),
+            "parameters": r0["parameters"],
+            "parameters_vs_attention": r0["parameters"] / base_params if base_params else None,
+            "train_steps": statistics.fmean(r["steps"] for r in rs),
+            "train_tokens_per_cpu_s": statistics.fmean(r["train_tokens_per_cpu_s"] for r in rs),
+            "score_tokens_per_cpu_s": statistics.fmean(r["streamed"]["tokens_per_cpu_s"] for r in rs),
+            "train_max_rss_mb": max(r["train_max_rss_mb"] for r in rs),
+            "score_max_rss_mb": max(r["score_max_rss_mb"] for r in rs),
+            "commits": sorted({(r.get("git") or {}).get("commit") or "" for r in rs}),
+            **({"dynamic": r0["dynamic"]} if "dynamic" in r0 else {}),
+        })
+    table.sort(key=lambda t: t["streamed_bits_per_char"])
+    for rank, t in enumerate(table, 1):
+        t["rank"] = rank
+    by = {t["entry"]: t for t in table}
+    checks = {}
+    if "attention" in by and "fwp-delta" in by:
+        checks["fwp_delta_minus_attention_streamed_bits"] = (by["fwp-delta"]["streamed_bits_per_char"]
+                                                             - by["attention"]["streamed_bits_per_char"])
+    if "fast-rnn" in by and "lstm" in by:
+        checks["fast_rnn_minus_lstm_streamed_bits"] = (by["fast-rnn"]["streamed_bits_per_char"]
+                                                      - by["lstm"]["streamed_bits_per_char"])
+    want_top = top_entries(rows, a.top_seeds) if a.top_seeds else []
+    complete = all(n in rows for n in ENTRIES) and all(len(rows[n]) >= 3 for n in want_top)
+    plot_runs = [{"label": f"{t['entry']} streamed", "checkpoint": t["entry"], "mode": "carry",
+                  "curve": rows[t["entry"]][0]["streamed"]["curve"], "state_norm": rows[t["entry"]][0]["streamed"]["state_norm"]}
+                 for t in table]
+    png = RESULTS / "leaderboard.png"
+    plot_stream(plot_runs, png, title="held-out Shakespeare plays, streamed with the state carried: loss by position",
+                unit="bits")
+    write_result("leaderboard", {
+        "complete": complete, "missing": [n for n in ENTRIES if n not in rows],
+        "reproduce": "python benchmarks/leaderboard.py  (resumable; two processes may split --entries)",
+        "top_entries_for_seeds": want_top,
+        "protocol": {"train_corpus": TRAIN_CORPUS, "cpu_minutes_per_model": a.minutes, "threads": 1,
+                     "budget_clock": "cpu", "heldout": [f"shakespeare-heldout:{h}" for h in HELDOUT],
+                     "chars_per_play": a.chars_per_play, "stride": STRIDE, "windows": SEQ_LEN,
+                     "out": repo_relative(out)},
+        "table": table, "checks": checks, "plot": "benchmarks/results/leaderboard.png",
+        "rows": {n: [{k: v for k, v in r.items() if k not in ("windows", "streamed")}
+                     | {m: {k: v for k, v in r[m].items() if k != "state_norm"} for m in ("windows", "streamed")}
+                     for r in rs] for n, rs in rows.items()},
+        "headline": [{"what": f"#{t['rank']} {t['entry']}: held-out bits/char streamed (windows "
+                              f"{t['windows_bits_per_char']:.3f})",
+                      "value": t["streamed_bits_per_char"], "unit": "bits/char",
+                      "target": "streamed <= windows + 0.05"} for t in table],
+    })
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--minutes", type=float, default=20.0, help="CPU minutes of training per model")
+    ap.add_argument("--entries", default=",".join(ENTRIES), help=f"comma-separated, of {', '.join(ENTRIES)}")
+    ap.add_argument("--seeds", default="0", help="comma-separated seeds to run for --entries")
+    ap.add_argument("--top-seeds", type=int, default=3, help="entries that get seeds 0, 1, 2 (the best streamed)")
+    ap.add_argument("--chars-per-play", type=int, default=32768, help="characters scored of each held-out play")
+    ap.add_argument("--out", default="runs/leaderboard", help="run directory (resumable)")
+    ap.add_argument("--aggregate-only", action="store_true", help="only rewrite the JSON and PNG from finished rows")
+    a = ap.parse_args()
+    names = [n.strip() for n in a.entries.split(",") if n.strip()]
+    bad = [n for n in names if n not in ENTRIES]
+    try:
+        seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
+    except ValueError:
+        seeds = []
+    if bad or not names or not seeds or a.minutes <= 0 or a.chars_per_play < SEQ_LEN or a.top_seeds < 0:
+        what = f"unknown entry {bad[0]!r}; choose from {', '.join(ENTRIES)}" if bad else \
+            "--entries, --seeds (integers), --minutes > 0, --chars-per-play >= 128 and --top-seeds >= 0 are required"
+        print(f"error: {what}", file=sys.stderr)
+        return 2
+    out = Path(a.out)
+    if not a.aggregate_only:
+        for seed in seeds:
+            for name in names:
+                entry_row(name, seed, a.minutes, out, a.chars_per_play)
+                aggregate(out, a)
+        if a.top_seeds and all(n in finished_rows(out) for n in ENTRIES):
+            for name in top_entries(finished_rows(out), a.top_seeds):
+                for seed in (1, 2):
+                    entry_row(name, seed, a.minutes, out, a.chars_per_play)
+                    aggregate(out, a)
+    aggregate(out, a)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
