@@ -11,12 +11,15 @@ Per token h_t (the residual stream entering the layer)::
 where v_hat_t is the memory's read (FwPKM: a product-key lookup, ``layers/fwpkm.py``; FwMLP: a fast
 MLP, ``layers/fwmlp.py``). RMSNorm here is the offset form of the paper's Qwen3-Next backbone, scale
 (1 + w) with w from zero. Fast-weight arithmetic runs in fp32 (fp64 for fp64 inputs, for exactness
-tests). ``PERSISTENCE`` names the memories' state policies (FwPKM's docstring defines them).
+tests). ``PERSISTENCE`` names the memories' state policies (FwPKM's docstring defines them);
+``FastMemoryOptions`` holds the options both memories take, and ``reference_schedule`` the order of
+reads and writes that both slow references follow.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +29,29 @@ from torch import nn
 from fastweights.errors import UserError
 
 PERSISTENCE = ("stream", "official", "per_sequence")
+
+
+@dataclass
+class FastMemoryOptions:
+    """The options FwPKM and FwMLP share, with the paper's defaults (``FwPKMOptions`` and ``FwMLPOptions``
+    say what each means for that memory and add their own): ``d_key`` / ``d_value`` the query and read
+    widths, ``chunk_size`` C (tokens between writes), ``lookahead`` L (query t is paired with the value of
+    t + L), ``boundary`` "carry"/"drop", ``value_norm``, ``gating``, ``gate_weighted_loss``, ``gate_form``,
+    ``persistence``, ``second_order``, ``frozen`` (never writes), ``norm_eps``."""
+
+    d_key: int = 512
+    d_value: int = 512
+    chunk_size: int = 512
+    lookahead: int = 1
+    boundary: str = "carry"
+    value_norm: bool = True
+    gating: bool = True
+    gate_weighted_loss: bool = True
+    gate_form: str = "linear"
+    persistence: str = "stream"
+    second_order: bool = True
+    frozen: bool = False
+    norm_eps: float = 1e-6
 
 
 def state_pytree(cls):
@@ -129,3 +155,28 @@ class FastMemoryIO(nn.Module):
         # out_proj(out_norm(o)) with the norm's gain (1 + w) folded into the weight's columns
         gain = (1.0 + self.out_norm.weight).to(self.out_proj.weight.dtype)
         return F.linear(self.out_norm.normalize(o), self.out_proj.weight * gain, self.out_proj.bias)
+
+
+def reference_schedule(T: int, o: FastMemoryOptions):
+    """The order of reads and writes of the slow references (``fwpkm_memory_reference``,
+    ``fwmlp_memory_reference``), from the paper: token t is read with the memory as written so far;
+    after every C read tokens the queued pairs are written, query t with the value of token t + L, and
+    with ``boundary="carry"`` the last L queued tokens wait in the queue for their values. Yields
+    ``(t, pairs)`` after token t is read: ``pairs`` the ``(query position, value position)`` pairs to
+    write before token t + 1 is read (empty when nothing is written then; always empty when frozen)."""
+    L, C = o.lookahead, o.chunk_size
+    pending: list[int] = []  # token positions queued for the next write
+    n_read = 0
+    for t in range(T):
+        if o.frozen:
+            yield t, []
+            continue
+        pending.append(t)
+        n_read += 1
+        if n_read < C:
+            yield t, []
+            continue
+        yield t, [(tq, pending[j + L]) for j, tq in enumerate(pending[: len(pending) - L])]
+        keep = L if (o.boundary == "carry" and L > 0) else 0
+        pending = pending[len(pending) - keep:]
+        n_read = 0

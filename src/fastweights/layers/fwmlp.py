@@ -31,15 +31,17 @@ from torch import nn
 
 from fastweights.components import register_memory
 from fastweights.errors import UserError
-from fastweights.layers.fast_memory import PERSISTENCE, FastMemoryIO, fast_dtype, state_pytree
+from fastweights.layers.fast_memory import (PERSISTENCE, FastMemoryIO, FastMemoryOptions, fast_dtype, reference_schedule,
+                                            state_pytree)
 from fastweights.ops.linear_attention import no_autocast
 
 PARAM_NAMES = ("w_up", "b_up", "w_gate", "b_gate", "w_down", "b_down")
 
 
 @dataclass
-class FwMLPOptions:
-    """Options of :class:`FwMLP` (defaults: the paper's FwMLP baseline).
+class FwMLPOptions(FastMemoryOptions):
+    """Options of :class:`FwMLP` (defaults: the paper's FwMLP baseline; the shared ones are in
+    ``FastMemoryOptions``).
 
     ``d_key`` fast-MLP input width (the query), ``d_value`` its output, ``hidden`` its hidden width,
     ``chunk_size`` C, ``lr`` eta, ``grad_clip`` (0 = off), ``lookahead``, ``boundary``
@@ -47,22 +49,10 @@ class FwMLPOptions:
     ``gate_form``, ``persistence``, ``second_order``, ``frozen``: as for FwPKM.
     """
 
-    d_key: int = 512
-    d_value: int = 512
     hidden: int = 2304
-    chunk_size: int = 512
     lr: float = 0.1
     grad_clip: float = 0.0
-    lookahead: int = 1
-    boundary: str = "carry"
-    value_norm: bool = True
-    gating: bool = True
     gate_weighted_loss: bool = False
-    gate_form: str = "linear"
-    persistence: str = "stream"
-    second_order: bool = True
-    frozen: bool = False
-    norm_eps: float = 1e-6
 
 
 @state_pytree
@@ -303,35 +293,24 @@ def fwmlp_memory_reference(q: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     """
     o = options
     B, T, _ = q.shape
-    L, C = o.lookahead, o.chunk_size
     W = {k: w.clone() for k, w in weights.items()}
     create = torch.is_grad_enabled()
 
     def mlp(W, x):  # x [d_in] -> [d_out]
         return W["w_down"] @ ((W["w_up"] @ x + W["b_up"]) * F.silu(W["w_gate"] @ x + W["b_gate"])) + W["b_down"]
 
-    outs, pending, n_read = [], [], 0
-    for t in range(T):
+    outs = []
+    for t, pairs in reference_schedule(T, o):
         outs.append(torch.stack([mlp(W, q[b, t]) for b in range(B)]))
-        if o.frozen:
-            continue
-        pending.append(t)
-        n_read += 1
-        if n_read < C:
-            continue
-        pairs = pending[: len(pending) - L]
         if pairs:
             with torch.enable_grad():
                 Wg = {k: (w if w.requires_grad else w.detach().requires_grad_()) for k, w in W.items()}
-                losses = [g[b, tq] * (mlp(Wg, q[b, tq]) - v[b, pending[j + L]]).pow(2).mean()
-                          for b in range(B) for j, tq in enumerate(pairs)]
+                losses = [g[b, tq] * (mlp(Wg, q[b, tq]) - v[b, tv]).pow(2).mean()
+                          for b in range(B) for tq, tv in pairs]
                 loss = torch.stack(losses).mean()
                 grads = torch.autograd.grad(loss, [Wg[k] for k in PARAM_NAMES], create_graph=create)
             if o.grad_clip > 0:
                 grads = [gr.clamp(-o.grad_clip, o.grad_clip) for gr in grads]
             W = {k: W[k] - o.lr * gr for k, gr in zip(PARAM_NAMES, grads)}
-        keep = L if (o.boundary == "carry" and L > 0) else 0
-        pending = pending[len(pending) - keep:]
-        n_read = 0
     v_hat = torch.stack(outs, 1) if outs else q.new_zeros(B, 0, W["b_down"].shape[0])
     return v_hat, W

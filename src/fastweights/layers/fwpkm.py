@@ -69,7 +69,7 @@ from torch import nn
 from fastweights.errors import UserError
 from fastweights.components import register_memory
 from fastweights.layers.fast_memory import (  # noqa: F401  (OffsetRMSNorm, zscore: re-exported, old import path)
-    PERSISTENCE, FastMemoryIO, OffsetRMSNorm, fast_dtype, state_pytree, zscore)
+    PERSISTENCE, FastMemoryIO, FastMemoryOptions, OffsetRMSNorm, fast_dtype, state_pytree, zscore)
 from fastweights.ops.linear_attention import no_autocast
 from fastweights.ops.pkm import (
     gather_rows,
@@ -84,8 +84,9 @@ from fastweights.ops.pkm import (
 )
 
 @dataclass
-class FwPKMOptions:
-    """Options of :class:`FwPKM` (defaults: the paper's App. C configuration).
+class FwPKMOptions(FastMemoryOptions):
+    """Options of :class:`FwPKM` (defaults: the paper's App. C configuration; the ones FwMLP takes too
+    are declared in ``FastMemoryOptions``).
 
     Sizes: ``n_subkeys`` n (N = n^2 slots), ``d_key`` d_k (per head, split in two halves),
     ``d_value`` d_v, ``heads`` H, ``topk`` k, ``chunk_size`` C.
@@ -101,11 +102,8 @@ class FwPKMOptions:
     """
 
     n_subkeys: int = 512
-    d_key: int = 512
-    d_value: int = 512
     heads: int = 1
     topk: int = 8
-    chunk_size: int = 512
     score: str = "idw"
     idw_eps: float = 1e-3
     lr: float = 1.0
@@ -113,16 +111,6 @@ class FwPKMOptions:
     key_update: str = "addressing"
     key_lr: float = 1.0
     addressing_weight: float = 1.0
-    lookahead: int = 1
-    boundary: str = "carry"
-    value_norm: bool = True
-    gating: bool = True
-    gate_weighted_loss: bool = True
-    gate_form: str = "linear"
-    persistence: str = "stream"
-    second_order: bool = True
-    frozen: bool = False
-    norm_eps: float = 1e-6
 
 
 @state_pytree

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from fastweights.layers.fast_memory import reference_schedule
 from fastweights.layers.fwpkm import FwPKMOptions
 
 
@@ -38,7 +39,7 @@ def fwpkm_memory_reference(
     """
     o = options
     B, T, H, d_k = q.shape
-    n, half, k, C, L = keys1.shape[1], d_k // 2, o.topk, o.chunk_size, o.lookahead
+    n, half, k = keys1.shape[1], d_k // 2, o.topk
     N = n * n
     K1, K2, V = keys1.clone(), keys2.clone(), values.clone()
     create = torch.is_grad_enabled()
@@ -56,17 +57,8 @@ def fwpkm_memory_reference(
         return (w.unsqueeze(-1) * V[idx.reshape(-1)]).sum(0), idx.reshape(-1), s1, s2
 
     out_list = []
-    pending: list[int] = []  # token positions queued for the next write
-    n_read = 0
-    for t in range(T):
+    for t, pairs in reference_schedule(T, o):
         out_list.append(torch.stack([retrieve(q[b, t], K1, K2, V)[0] for b in range(B)]))
-        if o.frozen:
-            continue
-        pending.append(t)
-        n_read += 1
-        if n_read < C:
-            continue
-        pairs = pending[: len(pending) - L]
         if pairs:
             with torch.enable_grad():
                 Vg = V if V.requires_grad else V.detach().requires_grad_()
@@ -76,9 +68,9 @@ def fwpkm_memory_reference(
                 reads = []
                 p1, p2 = [], []
                 for b in range(B):
-                    for j, tq in enumerate(pairs):
+                    for tq, tv in pairs:
                         vh, idx, s1, s2 = retrieve(q[b, tq], K1g, K2g, Vg)
-                        target = v[b, pending[j + L]]
+                        target = v[b, tv]
                         mem_loss = mem_loss + 0.5 * g[b, tq] * (target - vh).pow(2).sum()  # eq 19
                         reads.append(idx)
                         p1.append(_masked_softmax_reference(s1, k))
@@ -99,9 +91,6 @@ def fwpkm_memory_reference(
                 else:
                     gK1, gK2 = torch.zeros_like(K1), torch.zeros_like(K2)
                 K1, K2, V = K1 - o.key_lr * gK1, K2 - o.key_lr * gK2, V_new
-        keep = L if (o.boundary == "carry" and L > 0) else 0
-        pending = pending[len(pending) - keep:]
-        n_read = 0
     outs = torch.stack(out_list, dim=1) if out_list else V.new_zeros(B, 0, V.shape[1])
     return outs, K1, K2, V
 
