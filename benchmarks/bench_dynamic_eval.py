@@ -22,20 +22,18 @@ from __future__ import annotations
 import argparse
 import inspect
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import repo_relative, write_result  # noqa: E402
+from common import repo_relative, write_result
 
-from fastweights.adapt.dynamic import DynamicEvaluator, collect_grad_stats  # noqa: E402
-from fastweights.adapt.sparse import SparseDynamicEvaluator, collect_sparse_grad_stats  # noqa: E402
-from fastweights.config import make_config  # noqa: E402
-from fastweights.data import build_tokenizer, load_corpus, split_corpus, text_pieces  # noqa: E402
-from fastweights.models.lm import LanguageModel  # noqa: E402
+from fastweights.adapt.dynamic import DynamicEvaluator, collect_grad_stats
+from fastweights.adapt.sparse import SparseDynamicEvaluator, collect_sparse_grad_stats
+from fastweights.config import make_config
+from fastweights.data import build_tokenizer, load_corpus, split_corpus, text_pieces
+from fastweights.models.lm import LanguageModel
 
 
 DATA = "tinyshakespeare"  # the corpus of the shakespeare-char preset and of the demo model (fastweights data list)

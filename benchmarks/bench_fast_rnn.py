@@ -23,17 +23,15 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import command_line, provenance  # noqa: E402
+from common import command_line, provenance
 
-from fastweights.layers.fast_rnn import FastWeightRNN  # noqa: E402
+from fastweights.layers.fast_rnn import FastWeightRNN
 
 LAM, ETA = 0.95, 0.5
 

@@ -28,19 +28,16 @@ not depend on them. The vocabulary size is ``--vocab``, by default the character
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_clock, timeit, write_result  # noqa: E402
+from common import bench_clock, timeit, write_result
 
-from fastweights.config import make_config  # noqa: E402
-from fastweights.data import load_corpus  # noqa: E402
-from fastweights.evaluate import score_tokens  # noqa: E402
-from fastweights.models.lm import LanguageModel  # noqa: E402
+from fastweights.config import make_config
+from fastweights.data import load_corpus
+from fastweights.evaluate import score_tokens
+from fastweights.models.lm import LanguageModel
 
 
 DATA = "tinyshakespeare"  # the corpus of both presets (fastweights data list)

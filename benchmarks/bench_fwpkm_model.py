@@ -19,16 +19,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import timeit, write_result  # noqa: E402
+from common import timeit, write_result
 
-from fastweights.config import ModelConfig  # noqa: E402
-from fastweights.models.lm import LanguageModel  # noqa: E402
+from fastweights.config import ModelConfig
+from fastweights.models.lm import LanguageModel
 
 
 def build(a, with_memory: bool) -> LanguageModel:

@@ -34,19 +34,18 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, command_line, provenance, repo_relative, write_result  # noqa: E402
+from common import RESULTS, command_line, provenance, repo_relative, write_result
 
-from fastweights.adapt.cache import NeuralCache  # noqa: E402
-from fastweights.adapt.dynamic import (DynamicEvaluator, collect_grad_stats, plot_timescale,  # noqa: E402
+from fastweights.adapt.cache import NeuralCache
+from fastweights.adapt.dynamic import (DynamicEvaluator, collect_grad_stats, plot_timescale,
                                        timescale_analysis)
-from fastweights.adapt.sparse import SparseDynamicEvaluator, collect_sparse_grad_stats  # noqa: E402
-from fastweights.adapt.tune import format_table, tune_dynamic  # noqa: E402
-from fastweights.checkpoint import load_checkpoint  # noqa: E402
-from fastweights.config import make_config  # noqa: E402
-from fastweights.data import load_corpus, split_corpus  # noqa: E402
-from fastweights.errors import UserError  # noqa: E402
-from fastweights.generate import generate_tokens  # noqa: E402
+from fastweights.adapt.sparse import SparseDynamicEvaluator, collect_sparse_grad_stats
+from fastweights.adapt.tune import format_table, tune_dynamic
+from fastweights.checkpoint import load_checkpoint
+from fastweights.config import make_config
+from fastweights.data import load_corpus, split_corpus
+from fastweights.errors import UserError
+from fastweights.generate import generate_tokens
 
 # documents of the held-out plays corpus (--data, default the bundled shakespeare-heldout)
 TEST_PLAYS = ["hamlet_gut.txt", "macbeth_gut.txt", "othello_gut.txt"]

@@ -26,12 +26,11 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import write_result
 
-from fastweights.adapt.cli import demo_dynamic, load_texts  # noqa: E402
-from fastweights.checkpoint import load_checkpoint, read_run_config  # noqa: E402
-from fastweights.evaluate import evaluate_documents  # noqa: E402
+from fastweights.adapt.cli import demo_dynamic, load_texts
+from fastweights.checkpoint import load_checkpoint, read_run_config
+from fastweights.evaluate import evaluate_documents
 
 
 def main() -> int:

@@ -35,15 +35,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, write_result  # noqa: E402
-from ptb_dynamic_eval import DATA, MODEL_SETTINGS, PIP, SPLITS, load_penn, prepare  # noqa: E402
+from common import RESULTS, write_result
+from ptb_dynamic_eval import DATA, MODEL_SETTINGS, PIP, SPLITS, load_penn, prepare
 
-from fastweights.checkpoint import load_checkpoint  # noqa: E402
-from fastweights.config import make_config  # noqa: E402
-from fastweights.data.streams import TokenStream  # noqa: E402
-from fastweights.errors import UserError  # noqa: E402
-from fastweights.evaluate import score_tokens  # noqa: E402
+from fastweights.checkpoint import load_checkpoint
+from fastweights.config import make_config
+from fastweights.data.streams import TokenStream
+from fastweights.errors import UserError
+from fastweights.evaluate import score_tokens
 
 # segment_len 16: four segments per 64-word window, so the segment decays train (gamma first enters in the
 # third segment); at the default 32 they never move and the running update drifts over a long stream

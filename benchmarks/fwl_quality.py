@@ -32,22 +32,20 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import write_result
 
-from fastweights.checkpoint import load_checkpoint  # noqa: E402
-from fastweights.config import make_config  # noqa: E402
-from fastweights.data import load_corpus, split_corpus  # noqa: E402
-from fastweights.evaluate import evaluate_documents  # noqa: E402
-from fastweights.layers.fwl import tune_test_time_step_size  # noqa: E402
-from fastweights.train import prepare_data, train  # noqa: E402
+from fastweights.checkpoint import load_checkpoint
+from fastweights.config import make_config
+from fastweights.data import load_corpus, split_corpus
+from fastweights.evaluate import evaluate_documents
+from fastweights.layers.fwl import tune_test_time_step_size
+from fastweights.train import prepare_data, train
 
 VARIANTS = {
     "base": ("shakespeare-char", []),

@@ -30,8 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import write_result
 
 PRESET = "shakespeare-char-fwp-delta-dpfp"
 DATA = "tinyshakespeare"

@@ -40,22 +40,20 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import write_result
 
-from fastweights.checkpoint import load_checkpoint  # noqa: E402
-from fastweights.config import make_config  # noqa: E402
-from fastweights.data import load_corpus, split_corpus  # noqa: E402
-from fastweights.evaluate import score_tokens  # noqa: E402
-from fastweights.longctx import memory_writes  # noqa: E402
-from fastweights.memory_stats import windowed_addressing_stats  # noqa: E402
-from fastweights.train import train  # noqa: E402
+from fastweights.checkpoint import load_checkpoint
+from fastweights.config import make_config
+from fastweights.data import load_corpus, split_corpus
+from fastweights.evaluate import score_tokens
+from fastweights.longctx import memory_writes
+from fastweights.memory_stats import windowed_addressing_stats
+from fastweights.train import train
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {

@@ -23,8 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, write_result  # noqa: E402
+from common import REPO, write_result
 
 S = "src/fastweights/"
 LEAK, REG = "tests/test_leaks.py", "tests/test_registry_causality.py"

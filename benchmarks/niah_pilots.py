@@ -29,9 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
-from niah_cpu import DATA, answer_digit_accuracy  # noqa: E402
+from common import write_result
+from niah_cpu import DATA, answer_digit_accuracy
 
 
 @torch.no_grad()

@@ -37,8 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, write_result  # noqa: E402
+from common import RESULTS, write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_MEMORY = ['model.memory=""', "model.memory_layers=[]"]

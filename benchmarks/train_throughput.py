@@ -9,18 +9,15 @@ Writes benchmarks/results/train_throughput.json. Target: ours / baseline >= 0.9.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_clock, timeit, write_result  # noqa: E402
+from common import bench_clock, timeit, write_result
 
-from fastweights.config import ModelConfig  # noqa: E402
-from fastweights.models.lm import LanguageModel  # noqa: E402
+from fastweights.config import ModelConfig
+from fastweights.models.lm import LanguageModel
 
 
 class NanoBlock(nn.Module):

@@ -345,11 +345,7 @@ def test_data_list(capsys):
 
 
 def test_smollm2_benchmark_names_its_texts_by_corpus():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("smollm2_bench", REPO / "benchmarks" / "smollm2_dynamic_eval.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _benchmark("smollm2_dynamic_eval")
     # the defaults are the bundled texts, each resolving in the registry and starting where its marker says
     rows = [r for role in ("scored", "validation", "statistics") for r in bench.parse_data(bench.default_data(role), role)]
     assert [r[0] for r in rows] == [k[0] for k in bench.KNOWN]

@@ -1,0 +1,74 @@
+"""What a result file records about how it was made: the command (with paths inside the repository
+made relative to its root, so a reader can run it from any clone), the date, the git commit with the
+paths that differed from it, and the machine with its load.
+
+The benchmark scripts record this through ``benchmarks/common.py`` (``root`` = the repository the
+script lives in), and ``benchmarks/report.py --check`` compares the recorded commit with the last
+commit that changed the code a result measures.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def repo_relative(path: str | Path, root: Path) -> str:
+    """``path`` relative to ``root`` when it lies inside it (else unchanged), so recorded paths mean the
+    same in every clone."""
+    p = Path(path)
+    if p.is_absolute() and p.resolve().is_relative_to(root):
+        return p.resolve().relative_to(root).as_posix()
+    return str(path)
+
+
+def command_line(root: Path, argv: list[str] | None = None, program: str | None = None) -> str:
+    """The command that ran this process: ``program`` (default: the Python executable's name) then
+    ``argv`` (default ``sys.argv``), with every absolute path inside ``root``, and ``--flag=PATH``, made
+    relative to it (the script itself too, wherever it was started from)."""
+    argv = list(sys.argv if argv is None else argv)
+    if argv and Path(argv[0]).is_file():
+        argv[0] = repo_relative(Path(argv[0]).resolve(), root)
+    words = []
+    for a in argv:
+        flag, eq, value = a.partition("=") if a.startswith("--") else ("", "", a)
+        words.append(f"{flag}{eq}{repo_relative(value, root)}" if value.startswith("/") else a)
+    return " ".join(shlex.quote(w) for w in [program or Path(sys.executable).name, *words])
+
+
+def machine() -> dict:
+    """Python and torch versions, the CPU, its cores, torch's threads, the 1-minute load and the GPU."""
+    info = {"python": platform.python_version(), "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def git_state(root: Path) -> dict:
+    """The commit of the checkout at ``root`` and whether the tree differed from it (``dirty``, with
+    the changed tracked paths, at most 20). ``{"commit": None}`` outside a git checkout."""
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True).stdout
+
+    try:
+        commit = git("rev-parse", "HEAD").strip()
+        changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": None, "dirty": None}
+    return {"commit": commit, "dirty": bool(changed), "dirty_paths": changed[:20]}
+
+
+def provenance(root: Path, argv: list[str] | None = None) -> dict:
+    """The command, the date, the commit (and dirty flag) of the checkout at ``root``, and the machine."""
+    return {"command": command_line(root, argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "git": git_state(root),
+            "machine": machine()}
