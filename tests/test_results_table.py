@@ -144,6 +144,25 @@ def test_a_declared_behaviour_preserving_commit_keeps_only_its_results_current(t
     assert rs.staleness(path, rec)  # declared for another result only: still stale
 
 
+def test_a_declared_commit_keeps_a_legacy_result_current_too(tmp_path, monkeypatch):
+    """A result without a recorded commit is measured by its date; a declared commit after it does not count."""
+    _report()
+    import time
+
+    import result_sources as rs
+
+    cmd = "python benchmarks/bench_fwpkm_model.py --rounds 3 --name fresh_result"
+    paths = rs.SOURCES["benchmarks/bench_fwpkm_model.py"] + ["benchmarks/bench_fwpkm_model.py"]
+    changes = [line.split() for line in rs.git("log", "--format=%H %ct", "--", *paths).splitlines()]  # newest first
+    assert len(changes) >= 2 and int(changes[0][1]) > int(changes[1][1])
+    rec = {"command": cmd, "date": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(int(changes[1][1])))}
+    path = tmp_path / "fresh_result.json"
+    path.write_text(json.dumps(rec))
+    assert rs.staleness(path, rec)  # measured before the newest change
+    monkeypatch.setitem(rs.BEHAVIOUR_PRESERVING, changes[0][0], {"results": ["fresh_result"], "why": "", "test": ""})
+    assert rs.staleness(path, rec) is None
+
+
 def test_every_declared_behaviour_preserving_commit_is_real_and_names_its_evidence():
     _report()
     import result_sources as rs
