@@ -51,7 +51,8 @@ SOURCES = {
                                   S + "layers/fwmlp.py"],
     "benchmarks/prepare_memory.py": [S + "data/corpus.py"],
     "benchmarks/ptb_dynamic_eval.py": [S + "adapt/dynamic.py"],
-    "benchmarks/smollm2_dynamic_eval.py": [S + "adapt/hf.py", S + "adapt/hf_context.py", S + "adapt/dynamic.py",
+    "benchmarks/smollm2_dynamic_eval.py": [S + "hf/transformers_as_ours.py", S + "hf/kv_context.py",
+                                           S + "adapt/hf.py", S + "adapt/hf_context.py", S + "adapt/dynamic.py",
                                            S + "adapt/update_rules.py", S + "evaluate.py",
                                            S + "adapt/cache.py", S + "adapt/lowrank.py", S + "adapt/dynamic_cache.py",
                                            S + "adapt/sparse.py"],
@@ -133,6 +134,26 @@ BEHAVIOUR_PRESERVING: dict[str, dict] = {
                  "why": "fwpkm.py split into fast_memory.py / fwpkm_reference.py (code moved, not changed), the "
                         "registry import and no_autocast (same objects on CPU), and persistence='official' returning "
                         "a copy of the value table (neither result uses 'official'). " + _GOLDEN},
+    "1337a8d1662917e7a6bb7c6b950a5c00a070aea5": {"results": ["smollm2_dynamic_eval", "smollm2_dynamic_eval_context"], "test": "tests/test_dynamic_hf.py",
+                 "why": "adapt/hf.py and adapt/hf_context.py renamed to hf/transformers_as_ours.py and hf/kv_context.py "
+                        "with identical content (issue 20's renames, staged, went into this issue 22 commit); b4d5b9e "
+                        "restored the old import paths"},
+    "b4d5b9ee3a79362232ac0bbb291cf51c8a7e10da": {"results": ["smollm2_dynamic_eval", "smollm2_dynamic_eval_context"], "test": "tests/test_dynamic_hf.py",
+                 "why": "completes the move into fastweights/hf/: adapt/hf.py and adapt/hf_context.py re-export the "
+                        "same objects, docstrings and imports name the new modules; no code changed (test_dynamic_hf.py "
+                        "and test_hf_context.py pass, test_hf_model.py checks the old names are the same objects)"},
+    "dfe5e157e58d058d13e23e40fe373e3f6499edd3": {"results": ["niah_token", "stream_memory", "mutation_check"],
+                                                 "test": "tests/test_memory_golden.py",
+                 "why": "FwPKM's and FwMLP's shared options declared once in fast_memory.FastMemoryOptions (same names "
+                        "and defaults) and their slow references' read/write order shared (reference_schedule); the "
+                        "lines mutation_check mutates are untouched. " + _GOLDEN},
+    "98a0b8e5a8df6d8fc2666f2fb0d18b1676cd0489": {"results": ["demo", "fwp_streaming", "mutation_check", "niah_token", "prepare_memory",
+                                                             "stream_memory", "smollm2_dynamic_eval",
+                                                             "smollm2_dynamic_eval_context"],
+                                                 "test": "tests/test_provenance.py",
+                 "why": "the scripts drop sys.path.insert (python puts the script's folder on sys.path) and common.py's "
+                        "provenance functions move into fastweights.provenance unchanged; nothing a script computes "
+                        "or records changed (test_provenance.py imports every script as python does)"},
 }
 
 # Results whose recorded command does not write the stored file as it stands (kept, reason given).
