@@ -53,6 +53,13 @@ def init_distributed(device_name: str) -> tuple[Dist, torch.device]:
     return Dist(rank, world, local_rank), device
 
 
+def close_distributed(dist: Dist) -> None:
+    """Leave the process group. Exiting without this can abort a rank at interpreter shutdown (gloo's
+    threads are torn down under it: "terminate called without an active exception", exit -6)."""
+    if dist.world > 1 and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def barrier(dist: Dist) -> None:
     if dist.world > 1:
         torch.distributed.barrier()

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from fastweights.checkpoint import save_model
-from fastweights.distributed import (Dist, all_finite, all_mean, barrier, from_rank0, full_state,  # noqa: F401
+from fastweights.distributed import (Dist, all_finite, all_mean, barrier, close_distributed, from_rank0, full_state,  # noqa: F401
                                      init_distributed, load_full_state, resolve_device, wrap_model)
 from fastweights.config import RunConfig
 from fastweights.errors import UserError
@@ -249,6 +249,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
         setup_signals.restore()
         if lock is not None:
             lock.release()
+        close_distributed(dist)
 
 
 def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_memory, dist, device, summary_writer, restore):
