@@ -43,8 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, git_state, repo_relative, write_result  # noqa: E402
+from common import RESULTS, git_state, repo_relative, write_result
 
 TRAIN_CORPUS = "shakespeare-train"
 HELDOUT = ("hamlet_gut.txt", "julius_caesar_gut.txt", "macbeth_gut.txt", "othello_gut.txt")
@@ -280,6 +279,30 @@ def aggregate(out: Path, a) -> None:
                       "value": t["streamed_bits_per_char"], "unit": "bits/char",
                       "target": "streamed <= windows + 0.05"} for t in table],
     })
+
+
+def markdown_table(rec: dict) -> str:
+    """The README's leaderboard (``benchmarks/report.py`` renders it between ``<!-- leaderboard:start -->``
+    and ``<!-- leaderboard:end -->``): one row per entry, best streamed score first."""
+    p = rec["protocol"]
+    lines = [f"Char-level, ~0.82M parameters, {p['cpu_minutes_per_model']:g} CPU-minutes of training each on "
+             f"`{p['train_corpus']}` (one thread), scored on {len(p['heldout'])} held-out plays "
+             f"({len(p['heldout']) * p['chars_per_play']:,} characters). bits/char: lower is better. "
+             "\"streamed\": one stream, state carried; \"windows\": state reset every 128 characters.", ""]
+    if not rec["complete"]:
+        lines += [f"**Incomplete:** not yet measured: {', '.join(rec['missing']) or 'none'}"
+                  + (f"; 3 seeds pending for {', '.join(rec['top_entries_for_seeds'])}"
+                     if rec.get("top_entries_for_seeds") else "") + ".", ""]
+    lines += ["| # | mechanism | streamed | windows | streamed - windows | params | train tok/s | score tok/s "
+              "| train RSS MB | seeds |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for t in rec["table"]:
+        sd = f" ± {t['streamed_std']:.3f}" if t["streamed_std"] is not None else ""
+        gap = f"{t['streamed_minus_windows_bits']:+.3f}" + ("" if t["streams_within_0_05"] else " (> 0.05)")
+        lines.append(f"| {t['rank']} | {t['mechanism']} (`{t['entry']}`) | {t['streamed_bits_per_char']:.3f}{sd} "
+                     f"| {t['windows_bits_per_char']:.3f} | {gap} | {t['parameters'] / 1e6:.2f}M "
+                     f"| {t['train_tokens_per_cpu_s']:,.0f} | {t['score_tokens_per_cpu_s']:,.0f} "
+                     f"| {t['train_max_rss_mb']:,.0f} | {len(t['seeds'])} |")
+    return "\n".join(lines)
 
 
 def main() -> int:

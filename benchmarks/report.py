@@ -390,7 +390,7 @@ UNCITED_PENDING = {
 }
 NOT_RESULTS = re.compile(r"<!-- not-results(?::[^>]*)? -->")
 PAPER_SOURCE = re.compile(r"\b(?:Table|Tab\.|Fig\.|Figure|Eq\.|App\.|Appendix)\s?[A-Z]?\.?\d|\b[Aa]pp\.\s?[A-Z]\b"
-                          r"|(?i:\bthe paper\b|\bpaper's|\bpapers')")
+                          r"|\b[Tt]he [Pp]aper\b|\b[Pp]aper's|\b[Pp]apers'")  # (no inline (?i: group: it reads as a drive path)
 _UNSCANNED = [
     re.compile(r"^[ \t]*```.*?^[ \t]*```[ \t]*$", re.S | re.M),  # fenced code, also indented in a list item
     REGION,  # checked strictly above
