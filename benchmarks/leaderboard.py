@@ -73,6 +73,22 @@ ENTRIES = {
 }
 DYNAMIC_BASE = "attention"
 
+# The code each entry's numbers measure (result_sources.SOURCES["benchmarks/leaderboard.py"] is their union):
+# a row trained at a later commit keeps its own files current (``source_commits`` in the JSON).
+S = "src/fastweights/"
+SHARED_SOURCES = [S + "models/lm.py", S + "layers/common.py", S + "experiments/streaming.py"]
+_FWP = [S + "layers/fwp.py", S + "ops/delta_rule.py", S + "ops/linear_attention.py", S + "ops/feature_maps.py"]
+ENTRY_SOURCES = {
+    "attention": [S + "layers/attention.py"], "swa": [S + "layers/attention.py"],
+    "fwp-sum": _FWP, "fwp-delta": _FWP, "fwp-gated-delta": _FWP,
+    "gdn": [S + "layers/gdn.py", S + "ops/delta_rule.py"],
+    "fast-rnn": [S + "layers/fast_rnn.py"], "lstm": [S + "layers/lstm.py"],
+    "fwl": [S + "layers/attention.py", S + "layers/fwl.py", S + "ops/fwl.py"],
+    "fwpkm": [S + "layers/attention.py", S + "layers/fwpkm.py", S + "layers/fast_memory.py", S + "ops/pkm.py"],
+    "fwmlp": [S + "layers/attention.py", S + "layers/fwmlp.py", S + "layers/fast_memory.py"],
+    "dynamic-eval": [S + "layers/attention.py", S + "adapt/dynamic.py", S + "adapt/update_rules.py"],
+}
+
 
 def run_dir(out: Path, name: str, seed: int) -> Path:
     return out / name / f"seed{seed}"
@@ -207,6 +223,34 @@ def top_entries(rows: dict[str, list[dict]], k: int) -> list[str]:
     return best[:k]
 
 
+def _oldest(commits: set[str]) -> str | None:
+    """The commit every one of ``commits`` descends from (they lie on one line of history here)."""
+    commits = {c for c in commits if c}
+    if len(commits) <= 1:
+        return next(iter(commits), None)
+    r = subprocess.run(["git", "-C", str(RESULTS.parent.parent), "merge-base", "--octopus", *sorted(commits)],
+                       capture_output=True, text=True)
+    return r.stdout.strip() or None
+
+
+def measured_commits(rows: dict[str, list[dict]]) -> tuple[dict, dict[str, str]]:
+    """(git record, source_commits): the oldest row commit for everything, and per source path of an entry
+    the oldest commit of the rows that measured it where that is later."""
+    per_path: dict[str, set[str]] = {}
+    every = set()
+    for name, rs in rows.items():
+        for r in rs:
+            c = (r.get("git") or {}).get("commit")
+            every.add(c)
+            for p in ENTRY_SOURCES[name]:
+                per_path.setdefault(p, set()).add(c)
+    oldest = _oldest(every)
+    source_commits = {p: c for p, cs in per_path.items() if (c := _oldest(cs)) and c != oldest}
+    dirty = sorted({p for rs in rows.values() for r in rs for p in (r.get("git") or {}).get("dirty_paths") or []})
+    return {"commit": oldest, "dirty": bool(dirty), "dirty_paths": dirty[:20],
+            "aggregated_at": git_state().get("commit")}, source_commits
+
+
 def _mean_std(xs: list[float]) -> tuple[float, float | None]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else None)
 
@@ -262,7 +306,9 @@ def aggregate(out: Path, a) -> None:
     png = RESULTS / "leaderboard.png"
     plot_stream(plot_runs, png, title="held-out Shakespeare plays, streamed with the state carried: loss by position",
                 unit="bits")
+    git, source_commits = measured_commits(rows)
     write_result("leaderboard", {
+        "git": git, "source_commits": source_commits,
         "complete": complete, "missing": [n for n in ENTRIES if n not in rows],
         "reproduce": "python benchmarks/leaderboard.py  (resumable; two processes may split --entries)",
         "top_entries_for_seeds": want_top,

@@ -40,6 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 START, END = "<!-- results:start", "<!-- results:end -->"
 CLAIMS_START, CLAIMS_END = "<!-- claims:start -->", "<!-- claims:end -->"
+# the equal-compute leaderboard (issue 21): leaderboard.py's markdown_table of results/leaderboard.json
+BOARD_START, BOARD_END = "<!-- leaderboard:start -->", "<!-- leaderboard:end -->"
 # Pages that must hold a block, so that deleting one does not pass the check silently.
 REQUIRED = {"README.md": CLAIMS_START, "docs/results.md": START + " -->"}
 
@@ -334,12 +336,29 @@ def render_claims(page: str, name: str) -> str:
     return CLAIMS_START.join(out)
 
 
+def render_board(page: str, name: str) -> str:
+    """Rewrite the ``<!-- leaderboard:start -->`` ... ``<!-- leaderboard:end -->`` block of a page."""
+    import leaderboard  # benchmarks/leaderboard.py
+
+    path = RESULTS / "leaderboard.json"
+    if not path.exists():
+        raise SystemExit(f"{name} has a leaderboard block but there is no benchmarks/results/leaderboard.json")
+    head, rest = page.split(BOARD_START, 1)
+    if BOARD_END not in rest:
+        raise SystemExit(f"{name}: {BOARD_START} has no {BOARD_END}")
+    mark = result_sources.status(path)
+    text = leaderboard.markdown_table(json.loads(path.read_text())) + (f"\n\n({mark})" if mark else "")
+    return f"{head}{BOARD_START}\n{text}\n{BOARD_END}{rest.split(BOARD_END, 1)[1]}"
+
+
 def render_page(page: str, name: str) -> str:
-    """The page with every results and claims block regenerated."""
+    """The page with every results, claims and leaderboard block regenerated."""
     if START in page:
         page = render(page, name)
     if CLAIMS_START in page:
         page = render_claims(page, name)
+    if BOARD_START in page:
+        page = render_board(page, name)
     return page
 
 
@@ -396,6 +415,7 @@ _UNSCANNED = [
     REGION,  # checked strictly above
     re.compile(re.escape(START) + r".*?" + re.escape(END), re.S),  # generated tables
     re.compile(re.escape(CLAIMS_START) + r".*?" + re.escape(CLAIMS_END), re.S),
+    re.compile(re.escape(BOARD_START) + r".*?" + re.escape(BOARD_END), re.S),
 ]
 _NOT_PROSE = re.compile(r"<!--.*?-->|`[^`\n]*`|\]\([^)\s]*\)|https?://\S+|[\w./-]+\.(?:json|py|md|png|toml)\b"
                         r"|\barXiv:?\s?\d{4}\.\d{4,5}|\d+(?:\.\d+){2,}", re.S)
@@ -486,8 +506,8 @@ def main() -> int:
     stale = []
     for path in pages():
         old = path.read_text()
-        if START not in old and CLAIMS_START not in old:
-            continue  # a docs page without a results or claims table
+        if START not in old and CLAIMS_START not in old and BOARD_START not in old:
+            continue  # a docs page without a results, claims or leaderboard table
         new = render_page(old, str(path.relative_to(ROOT)))
         if new != old:
             stale.append(path)

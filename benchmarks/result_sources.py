@@ -68,6 +68,12 @@ SOURCES = {
                                      S + "adapt/cache.py", S + "layers/fwl.py", S + "ops/fwl.py", S + "layers/attention.py",
                                      S + "layers/lstm.py", S + "ops/linear_attention.py", S + "layers/fwpkm.py", S + "layers/fast_memory.py",
                                      S + "layers/fwmlp.py"],
+    "benchmarks/leaderboard.py": [S + "models/lm.py", S + "layers/common.py", S + "experiments/streaming.py",
+                                  S + "layers/attention.py", S + "layers/fwp.py", S + "ops/delta_rule.py",
+                                  S + "ops/linear_attention.py", S + "ops/feature_maps.py", S + "layers/gdn.py",
+                                  S + "layers/fast_rnn.py", S + "layers/lstm.py", S + "layers/fwl.py", S + "ops/fwl.py",
+                                  S + "layers/fwpkm.py", S + "layers/fast_memory.py", S + "ops/pkm.py",
+                                  S + "layers/fwmlp.py", S + "adapt/dynamic.py", S + "adapt/update_rules.py"],
     "fastweights adapt-test": [S + "experiments/continual_adaptation.py", S + "memory_switches.py", S + "adapt/dynamic.py"],
 }
 
@@ -233,13 +239,19 @@ def staleness(path: Path, rec: dict) -> str | None:
     commit = rec.get("tested_commit") or (rec.get("git") or {}).get("commit")  # the code a copy was made of
     rerun = f"; re-run: {rec.get('command')}"
     if commit:
-        later = subprocess.run(["git", "-C", str(ROOT), "rev-list", f"{commit}..HEAD", "--", *paths],
-                               capture_output=True, text=True)
-        if later.returncode != 0:  # the recorded commit is not in this history
-            return f"its recorded commit {commit[:8]} is not in this repository's history{rerun}"
-        changed = [c for c in later.stdout.split() if c not in kept]
-        if changed:
-            return f"{changed[0][:8]} changed {', '.join(paths)} after the recorded commit {commit[:8]}{rerun}"
+        # a result assembled from runs at several commits (leaderboard.json) records, per source path, the
+        # commit of the run that measured it (``source_commits``); the other paths count from ``commit``
+        by_commit: dict[str, list[str]] = {}
+        for p in paths:
+            by_commit.setdefault((rec.get("source_commits") or {}).get(p, commit), []).append(p)
+        for since, group in by_commit.items():
+            later = subprocess.run(["git", "-C", str(ROOT), "rev-list", f"{since}..HEAD", "--", *group],
+                                   capture_output=True, text=True)
+            if later.returncode != 0:  # the recorded commit is not in this history
+                return f"its recorded commit {since[:8]} is not in this repository's history{rerun}"
+            changed = [c for c in later.stdout.split() if c not in kept]
+            if changed:
+                return f"{changed[0][:8]} changed {', '.join(group)} after the recorded commit {since[:8]}{rerun}"
         dirty = [p for p in (rec.get("git") or {}).get("dirty_paths") or []
                  if any(p == s or p.startswith(s.rstrip("/") + "/") for s in paths)]
         if dirty and not rec.get("tested_commit"):

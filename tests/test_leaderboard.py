@@ -1,0 +1,75 @@
+"""benchmarks/leaderboard.py (issue 21): its README table, its provenance across commits, its bad input."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import leaderboard  # noqa: E402
+import result_sources  # noqa: E402
+
+
+def _row(name, seed, commit, streamed, windows):
+    return {"entry": name, "seed": seed, "git": {"commit": commit}, "steps": 10, "parameters": 816_768,
+            "train_tokens_per_cpu_s": 1000.0, "train_max_rss_mb": 700.0, "score_max_rss_mb": 400.0,
+            "val_bits_per_char": windows, "streamed": {"bits_per_char": streamed, "tokens_per_cpu_s": 5000.0},
+            "windows": {"bits_per_char": windows, "tokens_per_cpu_s": 6000.0}}
+
+
+def test_sources_are_the_union_of_the_entries():
+    union = set(leaderboard.SHARED_SOURCES) | {p for ps in leaderboard.ENTRY_SOURCES.values() for p in ps}
+    assert union == set(result_sources.SOURCES["benchmarks/leaderboard.py"])
+    assert set(leaderboard.ENTRY_SOURCES) == set(leaderboard.ENTRIES)
+    for p in union:
+        assert (ROOT / p).is_file(), p
+
+
+def test_rows_from_two_commits_keep_each_entrys_files_at_its_own_commit():
+    log = subprocess.run(["git", "-C", str(ROOT), "rev-list", "--max-count=2", "HEAD"], capture_output=True,
+                         text=True, check=True).stdout.split()
+    new, old = log[0], log[1]
+    rows = {"attention": [_row("attention", 0, old, 2.0, 2.1)], "fast-rnn": [_row("fast-rnn", 0, new, 2.3, 2.2)]}
+    git, source_commits = leaderboard.measured_commits(rows)
+    assert git["commit"] == old  # everything counts from the oldest run ...
+    assert source_commits == {"src/fastweights/layers/fast_rnn.py": new}  # ... but the later run's own file
+
+
+def test_a_source_commit_keeps_only_its_own_path_current(tmp_path):
+    first = subprocess.run(["git", "-C", str(ROOT), "rev-list", "--max-parents=0", "HEAD"], capture_output=True,
+                           text=True, check=True).stdout.split()[0]
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    rec = {"command": "python benchmarks/leaderboard.py", "git": {"commit": head}}
+    path = tmp_path / "leaderboard.json"
+    assert result_sources.staleness(path, rec) is None
+    rec["source_commits"] = {"src/fastweights/layers/fast_rnn.py": first}  # measured long ago: stale
+    assert "fast_rnn.py" in result_sources.staleness(path, rec)
+
+
+def test_markdown_table_ranks_by_streamed_score_and_flags_a_collapse():
+    rec = {"protocol": {"cpu_minutes_per_model": 20, "train_corpus": "shakespeare-train", "chars_per_play": 32768,
+                        "heldout": ["a", "b", "c", "d"]},
+           "complete": False, "missing": ["gdn"], "top_entries_for_seeds": [],
+           "table": [{"rank": 1, "entry": "attention", "mechanism": "softmax attention", "streamed_bits_per_char": 2.0,
+                      "streamed_std": None, "windows_bits_per_char": 2.01, "streamed_minus_windows_bits": -0.01,
+                      "streams_within_0_05": True, "parameters": 816768, "train_tokens_per_cpu_s": 9000.0,
+                      "score_tokens_per_cpu_s": 7000.0, "train_max_rss_mb": 700.0, "seeds": [0]},
+                     {"rank": 2, "entry": "fwp-delta", "mechanism": "delta", "streamed_bits_per_char": 7.5,
+                      "streamed_std": 0.01, "windows_bits_per_char": 2.5, "streamed_minus_windows_bits": 5.0,
+                      "streams_within_0_05": False, "parameters": 818816, "train_tokens_per_cpu_s": 5000.0,
+                      "score_tokens_per_cpu_s": 3000.0, "train_max_rss_mb": 710.0, "seeds": [0, 1, 2]}]}
+    text = leaderboard.markdown_table(rec)
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert rows[1].startswith("| 1 | softmax attention (`attention`) | 2.000 | 2.010 | -0.010 |")
+    assert "| +5.000 (> 0.05) |" in rows[2] and "7.500 ± 0.010" in rows[2] and rows[2].endswith("| 3 |")
+    assert "not yet measured: gdn" in text
+
+
+def test_bad_arguments_exit_2_with_one_line():
+    for argv in (["--entries", "nope"], ["--seeds", "x"], ["--minutes", "0"]):
+        r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "leaderboard.py"), *argv],
+                           capture_output=True, text=True)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("error:"), r.stderr
