@@ -35,6 +35,7 @@ SOURCES = {
     "benchmarks/bench_delta_rule.py": [S + "ops/delta_rule.py"],
     "benchmarks/bench_dynamic_eval.py": [S + "adapt/dynamic.py", S + "adapt/sparse.py"],
     "benchmarks/bench_fast_rnn.py": [S + "layers/fast_rnn.py"],
+    "benchmarks/bench_fast_rnn_vs_lstm.py": [S + "layers/fast_rnn.py", S + "layers/lstm.py", S + "models/lm.py"],
     "benchmarks/bench_fwl.py": [S + "layers/fwl.py", S + "ops/fwl.py", S + "ops/linear_attention.py"],
     "benchmarks/bench_fwpkm_layer.py": [S + "layers/fwpkm.py", S + "layers/fast_memory.py", S + "ops/pkm.py"],
     "benchmarks/bench_fwpkm_model.py": [S + "layers/fwpkm.py", S + "layers/fast_memory.py", S + "ops/pkm.py"],

@@ -1,4 +1,8 @@
-"""Fast-weights RNN (Ba et al. 2016): the two read forms, the write order, LayerNorm, state carry, gradients."""
+"""Fast-weights RNN (Ba et al. 2016): the two read forms, the write order, LayerNorm, state carry, gradients.
+
+The attention form has two implementations with hand-written backward passes, the compiled step kernel
+("kernel") and torch ops ("torch"); both are checked against autograd through the explicit-A reference.
+"""
 
 import pytest
 import torch
@@ -12,8 +16,14 @@ from fastweights.layers.fast_rnn import (
     fast_rnn_attention,
     fast_rnn_reference,
     fold_history,
+    step_kernel,
 )
 from fastweights.models.registry import MIXERS, build_options, lookup
+
+BACKENDS = [
+    "torch",
+    pytest.param("kernel", marks=pytest.mark.skipif(step_kernel() is None, reason="no C compiler for the step kernel")),
+]
 
 
 def _inputs(dtype, B=3, T=6, H=5, L=4, carry=True, ln=True, seed=0):
@@ -31,10 +41,10 @@ def _inputs(dtype, B=3, T=6, H=5, L=4, carry=True, ln=True, seed=0):
     return u, W, ln_w, ln_b, h0, A0, hist
 
 
-def _both_forms(u, W, ln_w, ln_b, h0, A0, hist, **kw):
+def _both_forms(u, W, ln_w, ln_b, h0, A0, hist, backend="auto", **kw):
     """(outputs, input grads) of the attention form and of the explicit-A reference, same loss."""
     inputs = [x for x in (u, W, ln_w, ln_b, h0, A0, hist) if x is not None]
-    y_att = fast_rnn_attention(u, W, h0, A0, hist, ln_weight=ln_w, ln_bias=ln_b, **kw)
+    y_att = fast_rnn_attention(u, W, h0, A0, hist, ln_weight=ln_w, ln_bias=ln_b, backend=backend, **kw)
     y_ref, A_ref = fast_rnn_reference(
         u, W, h0, fold_history(A0, hist, kw["lam"], kw["eta"]), ln_weight=ln_w, ln_bias=ln_b, **kw
     )
@@ -44,13 +54,14 @@ def _both_forms(u, W, ln_w, ln_b, h0, A0, hist, **kw):
     return y_att, y_ref, g_att, g_ref, A_ref
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("inner_steps", [1, 2])
 @pytest.mark.parametrize("ln_preliminary", [True, False])
 @pytest.mark.parametrize("carry", [False, True])
-def test_read_forms_agree_fp64(inner_steps, ln_preliminary, carry):
+def test_read_forms_agree_fp64(inner_steps, ln_preliminary, carry, backend):
     args = _inputs(torch.float64, carry=carry)
     kw = dict(lam=0.9, eta=0.5, inner_steps=inner_steps, ln_preliminary=ln_preliminary)
-    y_att, y_ref, g_att, g_ref, A_ref = _both_forms(*args, **kw)
+    y_att, y_ref, g_att, g_ref, A_ref = _both_forms(*args, backend=backend, **kw)
     torch.testing.assert_close(y_att, y_ref, rtol=0, atol=1e-10)
     for a, r in zip(g_att, g_ref):
         torch.testing.assert_close(a, r, rtol=0, atol=1e-10)
@@ -60,20 +71,24 @@ def test_read_forms_agree_fp64(inner_steps, ln_preliminary, carry):
     torch.testing.assert_close(fold_history(A0, written, 0.9, 0.5), A_ref, rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("inner_steps", [1, 2])
-def test_read_forms_agree_fp32(inner_steps):
+def test_read_forms_agree_fp32(inner_steps, backend):
     args = _inputs(torch.float32, B=4, T=12, H=16, L=3)
-    y_att, y_ref, g_att, g_ref, _ = _both_forms(*args, lam=0.95, eta=0.5, inner_steps=inner_steps)
+    y_att, y_ref, g_att, g_ref, _ = _both_forms(*args, backend=backend, lam=0.95, eta=0.5, inner_steps=inner_steps)
     torch.testing.assert_close(y_att, y_ref, rtol=0, atol=1e-5)
     for a, r in zip(g_att, g_ref):
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
 
 
-def test_read_forms_agree_without_layer_norm():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_read_forms_agree_without_layer_norm(backend):
     u, W, _, _, h0, A0, hist = _inputs(torch.float64, ln=False)
     with torch.no_grad():  # small inputs: without LN the Hebbian feedback grows fast
         u.mul_(0.3), h0.mul_(0.3), hist.mul_(0.3), A0.mul_(0.3)
-    y_att, y_ref, g_att, g_ref, _ = _both_forms(u, W, None, None, h0, A0, hist, lam=0.9, eta=0.5, inner_steps=2)
+    y_att, y_ref, g_att, g_ref, _ = _both_forms(
+        u, W, None, None, h0, A0, hist, backend=backend, lam=0.9, eta=0.5, inner_steps=2
+    )
     torch.testing.assert_close(y_att, y_ref, rtol=1e-10, atol=1e-10)
     for a, r in zip(g_att, g_ref):
         torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-10)
@@ -185,13 +200,14 @@ def test_fresh_state_resets_memory():
     assert not torch.allclose(y_continued, y_first)
 
 
-def test_gradcheck_through_the_fast_weights():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradcheck_through_the_fast_weights(backend):
     # H = 4, T = 5 in fp64, carried A_0 and history, two inner steps: every input's gradient
     u, W, ln_w, ln_b, h0, A0, hist = _inputs(torch.float64, B=2, T=5, H=4, L=2)
 
     def f(u, W, ln_w, ln_b, h0, A0, hist):
         return fast_rnn_attention(
-            u, W, h0, A0, hist, lam=0.9, eta=0.5, inner_steps=2, ln_weight=ln_w, ln_bias=ln_b
+            u, W, h0, A0, hist, lam=0.9, eta=0.5, inner_steps=2, ln_weight=ln_w, ln_bias=ln_b, backend=backend
         )
 
     assert torch.autograd.gradcheck(f, (u, W, ln_w, ln_b, h0, A0, hist))
@@ -277,3 +293,70 @@ def test_language_model_state_carry(read_mode):
     out2 = model(tokens[:, 7:], detach_state(out1.state))
     torch.testing.assert_close(torch.cat([out1.logits, out2.logits], 1), full, rtol=0, atol=1e-10)
     torch.testing.assert_close(model.blocks[0].mixer.rnn.W, 0.05 * torch.eye(6, dtype=torch.float64))  # LM init keeps it
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("carry", [False, True])
+def test_long_sequences_and_uneven_batches_fp64(backend, carry):
+    # T = 70 crosses the kernel's 32-step chunks of the backward pass; B = 6 is one group of four examples
+    # and one of two; H = 20 is not a whole number of vectors (the kernel pads rows to 32)
+    args = _inputs(torch.float64, B=6, T=70, H=20, L=7, carry=carry)
+    y_att, y_ref, g_att, g_ref, _ = _both_forms(*args, backend=backend, lam=0.95, eta=0.5, inner_steps=1)
+    torch.testing.assert_close(y_att, y_ref, rtol=0, atol=1e-10)
+    for a, r in zip(g_att, g_ref):
+        torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_module_pieces_with_carried_state_match_the_reference_fp64(backend, monkeypatch):
+    # The layer as training runs it: the state carried across calls (not detached), the history folded into A
+    # once it holds `hidden` states, so later calls read a carried A_0 and history. Outputs and the gradients of
+    # every parameter and of the input, from pieces, equal autograd through the explicit-A loop in one call.
+    if backend == "torch":
+        monkeypatch.setenv("FASTWEIGHTS_FAST_RNN_KERNEL", "0")
+    torch.manual_seed(0)
+    rnn = FastWeightRNN(5, 6, lam=0.9, eta=0.5, read_mode="attention").double()
+    x = torch.randn(5, 17, 5, dtype=torch.float64, requires_grad=True)
+    probe = torch.randn(5, 17, 6, dtype=torch.float64)
+    state, pieces = None, []
+    for a, b in [(0, 4), (4, 5), (5, 13), (13, 17)]:
+        y, state = rnn(x[:, a:b], state)
+        pieces.append(y)
+    y_pieces = torch.cat(pieces, 1)
+    wrt = [x, *rnn.parameters()]
+    g_pieces = torch.autograd.grad((y_pieces * probe).sum(), wrt)
+    y_ref, A_ref = fast_rnn_reference(rnn.in_proj(x), rnn.W, lam=0.9, eta=0.5, ln_weight=rnn.ln.weight,
+                                      ln_bias=rnn.ln.bias)
+    g_ref = torch.autograd.grad((y_ref * probe).sum(), wrt)
+    torch.testing.assert_close(y_pieces, y_ref, rtol=0, atol=1e-10)
+    for a, r in zip(g_pieces, g_ref):
+        torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(fold_history(state.A, state.history, 0.9, 0.5), A_ref, rtol=0, atol=1e-10)
+
+
+def test_backend_choice_and_fallback(monkeypatch):
+    u, W, ln_w, ln_b, h0, _, _ = _inputs(torch.float32, carry=False)
+    kw = dict(lam=0.9, eta=0.5, ln_weight=ln_w, ln_bias=ln_b)
+    y_torch = fast_rnn_attention(u, W, h0, backend="torch", **kw)
+    with pytest.raises(ValueError):
+        fast_rnn_attention(u, W, h0, backend="fast", **kw)
+    with pytest.raises(ValueError):  # the kernel takes fp32/fp64 only
+        fast_rnn_attention(u.bfloat16(), W.bfloat16(), h0.bfloat16(), backend="kernel", lam=0.9, eta=0.5)
+    with pytest.raises(TypeError):  # the recurrence's keywords are checked
+        fast_rnn_attention(u, W, h0, lam=0.9, eta=0.5, inner_step=2)
+    # bf16 with "auto" runs the torch implementation
+    assert fast_rnn_attention(u.bfloat16(), W.bfloat16(), h0.bfloat16(), lam=0.9, eta=0.5).dtype == torch.bfloat16
+    monkeypatch.setenv("FASTWEIGHTS_FAST_RNN_KERNEL", "0")  # switched off: "auto" is torch, "kernel" refuses
+    torch.testing.assert_close(fast_rnn_attention(u, W, h0, **kw), y_torch, rtol=0, atol=0)
+    with pytest.raises(ValueError):
+        fast_rnn_attention(u, W, h0, backend="kernel", **kw)
+
+
+@pytest.mark.skipif(step_kernel() is None, reason="no C compiler for the step kernel")
+def test_kernel_backward_twice_with_retained_graph():
+    u, W, ln_w, ln_b, h0, A0, hist = _inputs(torch.float64, B=3, T=9, H=7, L=2)
+    y = fast_rnn_attention(u, W, h0, A0, hist, lam=0.9, eta=0.5, ln_weight=ln_w, ln_bias=ln_b, backend="kernel")
+    g1 = torch.autograd.grad(y.square().sum(), [u, W, A0], retain_graph=True)
+    g2 = torch.autograd.grad(y.square().sum(), [u, W, A0])
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
