@@ -161,6 +161,9 @@ BEHAVIOUR_PRESERVING: dict[str, dict] = {
                  "why": "the scripts drop sys.path.insert (python puts the script's folder on sys.path) and common.py's "
                         "provenance functions move into fastweights.provenance unchanged; nothing a script computes "
                         "or records changed (test_provenance.py imports every script as python does)"},
+    "b181dfc53c1d74f09a64521fb2505e845b7e59cb": {"results": ["mutation_check"], "test": "tests/test_fast_rnn.py",
+                 "why": "fast_rnn.py gains a compiled kernel beside its unchanged torch path; the line mutation_check "
+                        "mutates there (fold_history's return) is untouched and still caught by test_fast_rnn.py"},
 }
 
 # Results whose recorded command does not write the stored file as it stands (kept, reason given).
