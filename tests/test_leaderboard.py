@@ -34,7 +34,7 @@ def test_rows_from_two_commits_keep_each_entrys_files_at_its_own_commit():
     rows = {"attention": [_row("attention", 0, old, 2.0, 2.1)], "fast-rnn": [_row("fast-rnn", 0, new, 2.3, 2.2)]}
     git, source_commits = leaderboard.measured_commits(rows)
     assert git["commit"] == old  # everything counts from the oldest run ...
-    assert source_commits == {"src/fastweights/layers/fast_rnn.py": new}  # ... but the later run's own file
+    assert source_commits == {p: new for p in leaderboard.ENTRY_SOURCES["fast-rnn"]}  # ... but the later run's own files
 
 
 def test_a_source_commit_keeps_only_its_own_path_current(tmp_path):
