@@ -11,8 +11,8 @@ the machine), then scored on held-out plays it never saw: the first ``--chars-pe
 Hamlet, Julius Caesar, Macbeth and Othello (one spelling of each, ``shakespeare-heldout``; 4 x 32,768 =
 131,072 characters by default), read in order at batch 1 in calls of 64 characters, twice:
 
-    windows   the state reset every 128 characters (the training length; stream-eval's "memory" mode,
-              which keeps memories such as FwPKM's table and resets the context/mixer state)
+    windows   every state (context, memories, FWL's fast weights) reset every 128 characters, the training
+              length (stream-eval's "windows" mode): independent windows, what validation measures
     streamed  one stream, the whole state carried across calls and plays (what a user streaming text
               gets; attention keeps a KV cache of 64 characters between calls)
 
@@ -175,7 +175,7 @@ def score(name: str, seed: int, out: Path, chars: int) -> dict:
     base = run_dir(out, DYNAMIC_BASE if dynamic else name, seed)
     model, tok, cfg = load_checkpoint(base)
     runs, extra = {}, {}
-    modes = (("windows", "memory", None), ("streamed", "carry", None))
+    modes = (("windows", "windows", None), ("streamed", "carry", None))
     if dynamic:
         ev, extra["dynamic"] = dynamic_evaluator(model, run_dir(out, name, seed), base)
         modes = (("streamed", "carry", ev),)

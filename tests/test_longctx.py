@@ -124,6 +124,17 @@ def test_memory_mode_resets_context_per_segment_and_keeps_memories():
     assert kept["layers"][1]["memory"] is st["layers"][1]["memory"] and "mixer" not in kept["layers"][0]
 
 
+@pytest.mark.parametrize("kind", ["attention", "fwpkm", "fwl"])
+def test_windows_mode_scores_independent_windows_with_every_state_fresh(kind):
+    m = model(kind)
+    x = ids(100)
+    res = stream_eval(m, docs(x), "windows", seq_len=32, stride=12)
+    fresh = sum(score_tokens(m, x[s: s + 33], seq_len=10**6, stride=10**6)[0].nll for s in range(0, 99, 32))
+    assert res.tokens == 99 and res.nll == pytest.approx(fresh, rel=1e-5)  # memories and head reset too
+    if kind != "attention":  # where the memory / head carries over, "memory" mode differs from fresh windows
+        assert abs(stream_eval(m, docs(x), "memory", seq_len=32, stride=12).nll - fresh) > 1e-6
+
+
 def test_max_tokens_and_documents_from_text():
     tok = CharTokenizer.from_text("abcdefgh ")
     texts = [Document("a", "abc defg " * 40), Document("b", "hgf edcba " * 30)]

@@ -110,7 +110,7 @@ def register_cli(sub) -> None:
     s.add_argument("--split", default="test", choices=["train", "val", "test"])
     s.add_argument("--seq-len", type=nonneg_int, default=0, help="context length (default: the training seq_len)")
     s.add_argument("--stride", type=positive_int, default=None, help="predictions per call (default seq_len // 2)")
-    s.add_argument("--modes", default="carry,reset,frozen", help="comma-separated: carry, reset, frozen, memory")
+    s.add_argument("--modes", default="carry,reset,frozen", help="comma-separated: carry, reset, frozen, memory, windows")
     s.add_argument("--bin", type=positive_int, default=256, help="predictions per bin of the per-position curves")
     s.add_argument("--max-tokens", type=nonneg_int, default=0, help="stop after this many predictions per run (0: all)")
     s.add_argument("--max-chars", type=nonneg_int, default=0, help="read at most this many characters of the data (0: all)")

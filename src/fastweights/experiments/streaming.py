@@ -9,6 +9,8 @@ every document is context only. Modes (memories and context: see :mod:`fastweigh
     reset    the whole state starts fresh at every document
     frozen   as carry, but memories never write (FwPKM/FwMLP ``frozen``; the paper's App. D.2 check);
              with dynamic evaluation: no updates
+    windows  every state (context, memories, a head's fast weights) starts fresh every ``seq_len`` predictions
+             and at every document: independent windows of the training length, what validation measures
     memory   mixer (context) states start fresh every ``seq_len`` predictions and at every document (within
              a segment the KV cache is not trimmed), memories carry across everything (the paper: "caches
              reset per segment, fast weights not")
@@ -47,7 +49,8 @@ from fastweights.memory_switches import _trim, memory_only_state, memory_writes
 from fastweights.ops.nll import token_nll
 from fastweights.progress import Progress
 
-STREAM_MODES = ("carry", "reset", "frozen", "memory")
+STREAM_MODES = ("carry", "reset", "frozen", "memory", "windows")
+SEGMENTED = ("memory", "windows")  # modes that cut the stream into segments of seq_len predictions
 
 
 # ----------------------------------------------------------------------------- curves
@@ -239,7 +242,8 @@ def stream_eval(model, documents: Iterable[tuple[str, Iterable[np.ndarray]]], mo
         model: a LanguageModel (or anything with ``forward(tokens, state) -> .logits, .state``).
         documents: ``(name, blocks of token ids)`` per document, e.g. from :func:`encode_documents`.
         mode: one of :data:`STREAM_MODES`.
-        seq_len: the context length (KV cache keeps ``seq_len - stride``); the segment of "memory" mode.
+        seq_len: the context length (KV cache keeps ``seq_len - stride``); the segment of "memory" and
+            "windows" modes.
         stride: predictions per forward call (default ``seq_len // 2``).
         bin_width: predictions per bin of the per-position curves.
         max_tokens: stop after this many predictions in all (0: everything).
@@ -252,8 +256,8 @@ def stream_eval(model, documents: Iterable[tuple[str, Iterable[np.ndarray]]], mo
     stride = stride or max(1, seq_len // 2)
     if not 0 < stride <= seq_len:
         raise UserError(f"stride must be in (0, seq_len={seq_len}], got {stride}")
-    if evaluator is not None and mode == "memory":
-        raise UserError("stream mode 'memory' does not combine with dynamic evaluation (use carry, reset or frozen)")
+    if evaluator is not None and mode in SEGMENTED:
+        raise UserError(f"stream mode {mode!r} does not combine with dynamic evaluation (use carry, reset or frozen)")
     bar = progress if isinstance(progress, Progress) else Progress(max_tokens or None, "tok", desc=f"stream {mode}",
                                                                    enabled=bool(progress))
     res = StreamResult(mode, curve=PositionCurve(bin_width), state_norm=StateNormCurve(bin_width))
@@ -265,7 +269,7 @@ def stream_eval(model, documents: Iterable[tuple[str, Iterable[np.ndarray]]], mo
     model.eval()
     dynamic = evaluator is not None and mode != "frozen"
     # the KV cache keeps seq_len - stride tokens between calls; in memory mode the segment bounds it instead
-    keep = None if mode == "memory" else seq_len - stride
+    keep = None if mode in SEGMENTED else seq_len - stride
     state = None
     try:
         with memory_writes(model, frozen=True if mode == "frozen" else None):
@@ -281,9 +285,11 @@ def stream_eval(model, documents: Iterable[tuple[str, Iterable[np.ndarray]]], mo
                         state = None
                     elif mode == "memory":
                         state = memory_only_state(state)
+                    elif mode == "windows":
+                        state = None
                     seg_used = 0
                     for x, y in _calls(blocks, stride):
-                        if mode == "memory":
+                        if mode in SEGMENTED:
                             # a call never crosses a segment boundary: cut it where the segment ends
                             m = min(x.size, seq_len - seg_used)
                             pieces = [(x[:m], y[:m]), (x[m:], y[m:])] if m < x.size else [(x, y)]
@@ -307,10 +313,11 @@ def stream_eval(model, documents: Iterable[tuple[str, Iterable[np.ndarray]]], mo
                             res.nll += float(nll.sum())
                             res.tokens += nll.size
                             bar.update(nll.size, loss=res.loss)
-                            if mode == "memory":
+                            if mode in SEGMENTED:
                                 seg_used += xs.size
                                 if seg_used >= seq_len:
-                                    state, seg_used = memory_only_state(state), 0
+                                    state = memory_only_state(state) if mode == "memory" else None
+                                    seg_used = 0
                         if res.tokens >= max_tokens > 0:
                             break
                         r = current_rss_mb()
@@ -378,7 +385,7 @@ def plot_stream(runs: Sequence[dict], path: str | Path, title: str = "", unit: s
     from fastweights.files import save_figure
 
     scale = 1 / math.log(2) if unit == "bits" else 1.0
-    styles = {"carry": "-", "reset": "--", "frozen": ":", "memory": "-."}
+    styles = {"carry": "-", "reset": "--", "frozen": ":", "memory": "-.", "windows": (0, (1, 3))}
     models = list(dict.fromkeys(r.get("checkpoint", r["label"]) for r in runs))  # one colour per model
     norms = [r for r in runs if any(v is not None for v in (r.get("state_norm") or {}).get("max", []))]
     fig, axes = plt.subplots(3 if norms else 2, 1, figsize=(8, 9.5 if norms else 7), sharex=True)
