@@ -166,6 +166,9 @@ BEHAVIOUR_PRESERVING: dict[str, dict] = {
     "b181dfc53c1d74f09a64521fb2505e845b7e59cb": {"results": ["mutation_check"], "test": "tests/test_fast_rnn.py",
                  "why": "fast_rnn.py gains a compiled kernel beside its unchanged torch path; the line mutation_check "
                         "mutates there (fold_history's return) is untouched and still caught by test_fast_rnn.py"},
+    "a08e9e6d6a6369c714f12a45a953bf982d163f36": {"results": ["fwp_streaming"], "test": "tests/test_longctx.py",
+                 "why": "stream-eval gains a 'windows' mode; the modes fwp_streaming uses (carry, memory) run the "
+                        "same code as before (test_longctx holds memory mode to fresh per-segment scoring)"},
     "6e5853d0be297ceea2ea8b0c0ea70f66fb38dd47": {"results": ["mutation_check", "bench_fast_rnn_vs_lstm"], "test": "tests/test_fast_rnn.py",
                  "why": "the fast-RNN kernel's C source, loader and autograd function move out of layers/fast_rnn.py "
                         "into ops/fast_rnn_kernel.{c,py} unchanged: the compiled source text is identical (the same "
