@@ -336,10 +336,11 @@ def markdown_table(rec: dict) -> str:
              f"`{p['train_corpus']}` (one thread), scored on {len(p['heldout'])} held-out plays "
              f"({len(p['heldout']) * p['chars_per_play']:,} characters). bits/char: lower is better. "
              "\"streamed\": one stream, state carried; \"windows\": state reset every 128 characters.", ""]
-    if not rec["complete"]:
-        lines += [f"**Incomplete:** not yet measured: {', '.join(rec['missing']) or 'none'}"
-                  + (f"; 3 seeds pending for {', '.join(rec['top_entries_for_seeds'])}"
-                     if rec.get("top_entries_for_seeds") else "") + ".", ""]
+    if rec["missing"]:
+        lines += [f"**Incomplete:** not yet measured: {', '.join(rec['missing'])} (and then 3 seeds for the "
+                  "best three).", ""]
+    elif not rec["complete"]:
+        lines += [f"**Incomplete:** 3 seeds pending for {', '.join(rec['top_entries_for_seeds'])}.", ""]
     lines += ["| # | mechanism | streamed | windows | streamed - windows | params | train tok/s | score tok/s "
               "| train RSS MB | seeds |", "|---|---|---|---|---|---|---|---|---|---|"]
     for t in rec["table"]:

@@ -65,7 +65,7 @@ def test_markdown_table_ranks_by_streamed_score_and_flags_a_collapse():
     rows = [line for line in text.splitlines() if line.startswith("| ")]
     assert rows[1].startswith("| 1 | softmax attention (`attention`) | 2.000 | 2.010 | -0.010 |")
     assert "| +5.000 (> 0.05) |" in rows[2] and "7.500 ± 0.010" in rows[2] and rows[2].endswith("| 3 |")
-    assert "not yet measured: gdn" in text
+    assert "not yet measured: gdn (and then 3 seeds" in text
 
 
 def test_bad_arguments_exit_2_with_one_line():
