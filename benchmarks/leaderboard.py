@@ -3,8 +3,8 @@
     python benchmarks/leaderboard.py [--minutes 20] [--entries a,b,...] [--seeds 0] [--out runs/leaderboard]
         [--chars-per-play 32768] [--top-seeds 3] [--aggregate-only]
 
-Every entry is a character-level language model of about 0.82M parameters (the ``shakespeare-char*``
-presets, d_model 128, 4 layers, with the overrides below), trained on ``shakespeare-train`` (the complete
+Every entry is a character-level language model of about 0.82M parameters (every ``shakespeare-char*``
+preset, d_model 128, 4 layers, with the overrides below), trained on ``shakespeare-train`` (the complete
 Shakespeare without the held-out plays; validation: its last 5%) for ``--minutes`` of its own CPU time on
 one thread (``train.threads = 1``, ``train.budget_clock = "cpu"``, so equal compute whatever else loads
 the machine), then scored on held-out plays it never saw: the first ``--chars-per-play`` characters of
@@ -56,6 +56,7 @@ ENTRIES = {
     "swa": ("sliding-window attention, 64 keys", "shakespeare-char", ["model.options.attention.window=64"]),
     "fwp-sum": ("FWP sum rule, DPFP (Schlag et al. 2021)", "shakespeare-char-fwp-sum-dpfp", []),
     "fwp-delta": ("FWP delta rule, DPFP (Schlag et al. 2021)", "shakespeare-char-fwp-delta-dpfp", []),
+    "fwp-delta-elu": ("FWP delta rule, ELU+1", "shakespeare-char-fwp-delta-elu", []),
     "fwp-gated-delta": ("FWP gated delta rule, L2 keys", "shakespeare-char-fwp-gated-delta-l2", []),
     "gdn": ("Gated DeltaNet layer (short conv, output gate)", "shakespeare-char", ['model.mixer="gdn"']),
     "fast-rnn": ("fast-weights RNN (Ba et al. 2016)", "shakespeare-char-fast-rnn", []),
@@ -80,7 +81,7 @@ SHARED_SOURCES = [S + "models/lm.py", S + "layers/common.py", S + "experiments/s
 _FWP = [S + "layers/fwp.py", S + "ops/delta_rule.py", S + "ops/linear_attention.py", S + "ops/feature_maps.py"]
 ENTRY_SOURCES = {
     "attention": [S + "layers/attention.py"], "swa": [S + "layers/attention.py"],
-    "fwp-sum": _FWP, "fwp-delta": _FWP, "fwp-gated-delta": _FWP,
+    "fwp-sum": _FWP, "fwp-delta": _FWP, "fwp-delta-elu": _FWP, "fwp-gated-delta": _FWP,
     "gdn": [S + "layers/gdn.py", S + "ops/delta_rule.py"],
     "fast-rnn": [S + "layers/fast_rnn.py", S + "ops/fast_rnn_kernel.py", S + "ops/fast_rnn_kernel.c"],
     "lstm": [S + "layers/lstm.py"],
