@@ -90,21 +90,17 @@ _NO_COMMIT = "written before result files recorded their commit (issue 22)"
 # Existing results without a commit, listed by name (a new result without one fails the check).
 LEGACY = dict.fromkeys([
     "adapt_test_dynamic", "adapt_test_fwpkm", "assoc_capacity", "ba_retrieval_fw_seed1_90k",
-    "ba_retrieval_lr1e-4", "ba_retrieval_lr3e-3", "ba_retrieval_lr3e-4", "ba_retrieval_seeds",
-    "bench_delta_rule", "bench_dynamic_eval", "bench_fast_rnn", "bench_fwl",
-    "bench_fwl_depth12", "bench_fwpkm_layer", "bench_fwpkm_model", "demo",
+    "ba_retrieval_lr1e-4", "ba_retrieval_lr3e-3", "ba_retrieval_lr3e-4", "ba_retrieval_seeds", "demo",
     "dynamic_eval_quality", "dynamic_timescale_spanish", "fwl_ptb", "fwl_ptb_carry",
     "fwl_ptb_seg16", "fwl_quality", "fwl_quality_1000", "fwl_quality_1000_dynamic",
     "fwl_quality_equal_steps", "fwl_quality_sequential", "fwpkm_longdocs", "fwpkm_longdocs_1000",
     "lm_presets", "lm_presets_carry_state", "lm_short_conv", "niah_cpu",
     "niah_cpu_dense", "niah_short_conv_pilots", "ptb_dynamic_eval",
-    "shakespeare_rnn_compare", "train_throughput",
+    "shakespeare_rnn_compare",
 ], _NO_COMMIT)
 
 _QUALITY = ("quality run of CPU minutes to hours, not re-run in issue 22 (the 2-core CPU was shared with two "
             "training jobs); the commit that changed the measured code is named by report.py --check without it")
-_TIMING = ("timing benchmark, not re-run in issue 22: the CPU was loaded by two training jobs, so a new timing "
-           "would not be comparable with the recorded one")
 # Results whose measured code changed after the run and that were not re-run, with the reason. They stay
 # listed until re-run (a listed result that is current fails the check: take it off the list); the
 # tables mark a result "stale: code changed after it" whenever it is, listed or not.
@@ -118,14 +114,8 @@ KNOWN_STALE = {
     "lm_presets_carry_state", "lm_short_conv", "niah_cpu", "niah_cpu_dense",
     "niah_short_conv_pilots", "ptb_dynamic_eval", "shakespeare_rnn_compare",
     ], _QUALITY),
-    **dict.fromkeys([
-    "bench_delta_rule", "bench_dynamic_eval", "bench_fast_rnn", "bench_fwl",
-    "bench_fwl_depth12", "bench_fwpkm_layer", "bench_fwpkm_model",
-    "train_throughput",
-    ], _TIMING),
     "assoc_capacity": "its 24.8x headline came from a wall-clock cap under load (see its note); not re-run",
 }
-
 # Commits that changed a measured file without changing what it computes for the listed results, each with the
 # test that shows it (a test holding the measured code's outputs to values stored before the commit). A result
 # is stale when a commit that is NOT listed here for it changed its sources after its recorded commit.
