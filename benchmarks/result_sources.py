@@ -141,7 +141,7 @@ BEHAVIOUR_PRESERVING: dict[str, dict] = {
                  "why": "completes the move into fastweights/hf/: adapt/hf.py and adapt/hf_context.py re-export the "
                         "same objects, docstrings and imports name the new modules; no code changed (test_dynamic_hf.py "
                         "and test_hf_context.py pass, test_hf_model.py checks the old names are the same objects)"},
-    "dfe5e157e58d058d13e23e40fe373e3f6499edd3": {"results": ["niah_token", "stream_memory", "mutation_check"],
+    "dfe5e157e58d058d13e23e40fe373e3f6499edd3": {"results": ["niah_token", "stream_memory", "mutation_check", "leaderboard"],
                                                  "test": "tests/test_memory_golden.py",
                  "why": "FwPKM's and FwMLP's shared options declared once in fast_memory.FastMemoryOptions (same names "
                         "and defaults) and their slow references' read/write order shared (reference_schedule); the "
@@ -153,13 +153,27 @@ BEHAVIOUR_PRESERVING: dict[str, dict] = {
                  "why": "the scripts drop sys.path.insert (python puts the script's folder on sys.path) and common.py's "
                         "provenance functions move into fastweights.provenance unchanged; nothing a script computes "
                         "or records changed (test_provenance.py imports every script as python does)"},
-    "b181dfc53c1d74f09a64521fb2505e845b7e59cb": {"results": ["mutation_check"], "test": "tests/test_fast_rnn.py",
+    "b181dfc53c1d74f09a64521fb2505e845b7e59cb": {"results": ["mutation_check", "leaderboard"], "test": "tests/test_fast_rnn.py",
                  "why": "fast_rnn.py gains a compiled kernel beside its unchanged torch path; the line mutation_check "
                         "mutates there (fold_history's return) is untouched and still caught by test_fast_rnn.py"},
-    "a08e9e6d6a6369c714f12a45a953bf982d163f36": {"results": ["fwp_streaming"], "test": "tests/test_longctx.py",
+    # leaderboard.json: rows from three commits (5be43e5: attention, dynamic-eval; 2dbb551: fwp-delta,
+    # fwp-gated-delta, fwl; 4541e4f: fast-rnn, lstm; source_commits in the JSON). These commits touch only
+    # its script's bookkeeping, or modes and files the earlier rows do not use.
+    "1a9ff6243d5edf0066368fc38c2937a20e9b664d": {"results": ["leaderboard"], "test": "tests/test_leaderboard.py",
+                 "why": "leaderboard.py gains markdown_table and drops sys.path.insert: training and scoring unchanged"},
+    "3aa58940f248cd00275bd7b4e932ddd474b39edc": {"results": ["leaderboard"], "test": "tests/test_leaderboard.py",
+                 "why": "leaderboard.py records source_commits and declares ENTRY_SOURCES: training and scoring unchanged"},
+    "d02622a7f35bed9cbdcbe49f9f50a877d09e0657": {"results": ["leaderboard"], "test": "tests/test_leaderboard.py",
+                 "why": "the table's 'incomplete' line only"},
+    "4541e4fe9826a256d9d62d857f6f8268e0bd9d8e": {"results": ["leaderboard"], "test": "tests/test_leaderboard.py",
+                 "why": "a new entry (fwp-delta-elu) in ENTRIES: the other entries' training and scoring unchanged"},
+    "a08e9e6d6a6369c714f12a45a953bf982d163f36": {"results": ["fwp_streaming", "leaderboard"], "test": "tests/test_longctx.py",
                  "why": "stream-eval gains a 'windows' mode; the modes fwp_streaming uses (carry, memory) run the "
-                        "same code as before (test_longctx holds memory mode to fresh per-segment scoring)"},
-    "6e5853d0be297ceea2ea8b0c0ea70f66fb38dd47": {"results": ["mutation_check", "bench_fast_rnn_vs_lstm"], "test": "tests/test_fast_rnn.py",
+                        "same code as before (test_longctx holds memory mode to fresh per-segment scoring); the "
+                        "leaderboard rows scored before it in 'memory' mode (attention, dynamic-eval) have no memory "
+                        "or head state, where 'windows' and 'memory' are the same (test_longctx)"},
+    "6e5853d0be297ceea2ea8b0c0ea70f66fb38dd47": {"results": ["mutation_check", "bench_fast_rnn_vs_lstm", "leaderboard"],
+                                                 "test": "tests/test_fast_rnn.py",
                  "why": "the fast-RNN kernel's C source, loader and autograd function move out of layers/fast_rnn.py "
                         "into ops/fast_rnn_kernel.{c,py} unchanged: the compiled source text is identical (the same "
                         ".so cache key); test_fast_rnn.py holds both backends to the fp64 reference"},

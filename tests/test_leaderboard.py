@@ -73,3 +73,12 @@ def test_bad_arguments_exit_2_with_one_line():
         r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "leaderboard.py"), *argv],
                            capture_output=True, text=True)
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("error:"), r.stderr
+
+
+def test_readme_opens_its_results_with_the_generated_leaderboard():
+    import report
+
+    readme = (ROOT / "README.md").read_text()
+    results = readme.split("## Results", 1)[1]
+    assert results.index(report.BOARD_START) < results.index(report.CLAIMS_START)  # the board first, then claims
+    assert report.render_board(readme, "README.md") == readme, "run python benchmarks/report.py"
