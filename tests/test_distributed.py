@@ -13,11 +13,20 @@ COMMON = ["--preset", "tiny", "--quiet", "--set", "train.max_steps=6", "--set", 
           "--set", "train.batch_size=8", "--set", "train.grad_accum=2", "--set", "train.threads=1"]
 
 
+# A rank of a gloo run on a heavily loaded 2-core machine occasionally aborts in C++ ("terminate called
+# without an active exception", exit -6; seen twice in this project, both while two other training jobs
+# loaded the machine; not reproduced on an idle one, cause not found). Such a run is tried once more from
+# scratch; any other failure, a second abort, or a wrong result still fails the test.
+GLOO_ABORT = "terminate called without an active exception"
+
+
 def torchrun(args, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "fastweights", "train", *args]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180, cwd=tmp_path)
+    if r.returncode != 0 and GLOO_ABORT in r.stderr and "--overwrite" not in args:
+        r = subprocess.run(cmd + ["--overwrite"], capture_output=True, text=True, env=env, timeout=180, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
 
 
