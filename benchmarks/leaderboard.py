@@ -97,13 +97,13 @@ def run_dir(out: Path, name: str, seed: int) -> Path:
 
 
 def child(cmd: list[str]) -> dict:
-    """Run ``cmd`` on one thread; its exit status and resource use (max RSS of that process alone)."""
+    """Run ``cmd`` on one thread; the max RSS of that process alone (SystemExit if it fails)."""
     p = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
     _, status, ru = os.wait4(p.pid, 0)
     p.returncode = os.waitstatus_to_exitcode(status)
     if p.returncode != 0:
         raise SystemExit(f"error: {' '.join(cmd[:6])} ... exited with {p.returncode}")
-    return {"max_rss_mb": ru.ru_maxrss / 1024, "cpu_s": ru.ru_utime + ru.ru_stime}
+    return {"max_rss_mb": ru.ru_maxrss / 1024}
 
 
 def train(name: str, seed: int, minutes: float, out: Path) -> dict:
@@ -333,7 +333,9 @@ def markdown_table(rec: dict) -> str:
     """The README's leaderboard (``benchmarks/report.py`` renders it between ``<!-- leaderboard:start -->``
     and ``<!-- leaderboard:end -->``): one row per entry, best streamed score first."""
     p = rec["protocol"]
-    lines = [f"Char-level, ~0.82M parameters, {p['cpu_minutes_per_model']:g} CPU-minutes of training each on "
+    params = [t["parameters"] / 1e6 for t in rec["table"]]
+    lines = [f"Char-level, {min(params):.2f}-{max(params):.2f}M parameters, {p['cpu_minutes_per_model']:g} "
+             "CPU-minutes of training each on "
              f"`{p['train_corpus']}` (one thread), scored on {len(p['heldout'])} held-out plays "
              f"({len(p['heldout']) * p['chars_per_play']:,} characters). bits/char: lower is better. "
              "\"streamed\": one stream, state carried; \"windows\": state reset every 128 characters.", ""]
