@@ -165,6 +165,8 @@ BEHAVIOUR_PRESERVING: dict[str, dict] = {
                  "why": "leaderboard.py records source_commits and declares ENTRY_SOURCES: training and scoring unchanged"},
     "d02622a7f35bed9cbdcbe49f9f50a877d09e0657": {"results": ["leaderboard"], "test": "tests/test_leaderboard.py",
                  "why": "the table's 'incomplete' line only"},
+    "2e769f6e633b4668e078679ad634f532cfd367a0": {"results": ["leaderboard"], "test": "tests/test_leaderboard.py",
+                 "why": "the table header computes the parameter range; child() drops an unused field"},
     "4541e4fe9826a256d9d62d857f6f8268e0bd9d8e": {"results": ["leaderboard"], "test": "tests/test_leaderboard.py",
                  "why": "a new entry (fwp-delta-elu) in ENTRIES: the other entries' training and scoring unchanged"},
     "a08e9e6d6a6369c714f12a45a953bf982d163f36": {"results": ["fwp_streaming", "leaderboard"], "test": "tests/test_longctx.py",
