@@ -1,0 +1,49 @@
+"""benchmarks/cuda_check.py on the CPU: its dry run (``--device cpu --quick``) writes the JSON the GPU run
+writes, and bad input is one line on stderr with exit status 2 (the GPU run itself is recorded in
+benchmarks/results/cuda_check.json)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "cuda_check.py"
+
+
+def run(*args, timeout=60):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=ROOT)
+
+
+def test_cpu_dry_run_writes_every_part(tmp_path):
+    r = run("--device", "cpu", "--quick", "--out-dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rec = json.loads((tmp_path / "cuda_check.json").read_text())
+    assert rec["command"].endswith("benchmarks/cuda_check.py --device cpu --quick")  # --out-dir left out
+    assert rec["git"]["commit"] and rec["device"] == "cpu" and rec["quick"] is True
+    comp = rec["components"]
+    names = {row["component"] for row in comp["rows"]}
+    assert {"mixer/attention", "mixer/fwp", "mixer/gdn", "head/fwl", "memory/fwpkm", "memory/fwmlp"} <= names
+    assert comp["checked"] == comp["variants"] == len(names) and comp["passed"] == comp["checked"], comp["failed"]
+    for row in comp["rows"]:
+        assert row["fp32_cpu_vs_device"]["tensors_compared"] >= 4  # two outputs, two input gradients
+        assert len(row["bf16_training"]["losses_bf16"]) == 3
+    delta = rec["delta_rule"]
+    assert delta["fla_unavailable"] and {run["rule"] for run in delta["runs"]} == {"delta", "gated_delta"}
+    for run_ in delta["runs"]:
+        assert run_["ours"]["fwd_bwd_s"] > 0 and run_["ours"]["agrees_with_fp32"]
+    (train,) = rec["train"]["rows"]
+    assert train["finite"] and train["tokens_per_s_median"] > 0 and train["steps"] == 6
+    assert rec["headline"][0]["value"] == f"{comp['passed']} of {comp['checked']}"
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path):
+    (tmp_path / "file").write_text("")
+    for args in (["--device", "tpu"], ["--device", "cpu", "--out-dir", str(tmp_path / "file")], ["--bogus"]):
+        r = run(*args, timeout=30)
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("cuda_check: "), r.stderr
+        assert not (tmp_path / "cuda_check.json").exists()
