@@ -539,6 +539,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     quick_steps = 6 if a.quick else a.train_steps
     if device.type == "cuda":
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         torch.cuda.set_device(device)
         # fp32 comparisons in fp32: no TF32 in matmuls or cuDNN (convolutions, the LSTM)
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -546,10 +547,12 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"cuda_check on {name} (torch {torch.__version__})", flush=True)
     git = common.git_state()
-    if not git.get("commit") and os.environ.get("FASTWEIGHTS_GIT_COMMIT"):
-        # a copy of the working tree without .git (a lent GPU machine): the commit it was copied from
+    if os.environ.get("FASTWEIGHTS_GIT_COMMIT"):
+        # a copy of the working tree on another machine (a lent GPU), whose .git need not be the checkout's:
+        # the commit the copy was made of, named by whoever started the run
         git = {"commit": os.environ["FASTWEIGHTS_GIT_COMMIT"], "dirty": None, "dirty_paths": [],
-               "note": "the run's copy of the tree had no .git; FASTWEIGHTS_GIT_COMMIT named the commit it was copied from"}
+               "note": "named by FASTWEIGHTS_GIT_COMMIT: the run used a copy of the working tree at this commit "
+                       f"(the copy's own git said {git.get('commit')})"}
     rec = {
         **common.provenance(),
         "command": recorded_command(argv),
