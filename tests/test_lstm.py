@@ -75,3 +75,24 @@ def test_language_model_state_carry():
     out1 = model(tokens[:, :5])
     out2 = model(tokens[:, 5:], detach_state(out1.state))
     torch.testing.assert_close(torch.cat([out1.logits, out2.logits], 1), full, rtol=0, atol=1e-10)
+
+
+def test_eval_mode_backward_runs_the_accelerator_lstm_in_training_mode():
+    """cuDNN refuses the backward of an RNN run in eval mode (seen on an H100, benchmarks/cuda_check.py), and
+    dynamic evaluation backpropagates in eval mode: off the CPU (``meta`` stands in for CUDA here) a forward
+    that needs gradients runs nn.LSTM in training mode, which with one layer (no dropout) changes nothing
+    else, and leaves it in eval mode; no_grad and CPU calls keep eval mode."""
+    seen = []
+    with torch.device("meta"):
+        lstm = LSTMLayer(3, 4).eval()
+        x = torch.empty(2, 5, 3, requires_grad=True)
+    lstm.lstm.register_forward_pre_hook(lambda m, args: seen.append(m.training))
+    y, state = lstm(x, lstm(x)[1])
+    (y.sum() + state.c.sum()).backward()
+    assert seen == [True, True] and not lstm.training and not lstm.lstm.training
+    with torch.no_grad():
+        lstm(x)
+    on_cpu = LSTMLayer(3, 4).eval()
+    on_cpu.lstm.register_forward_pre_hook(lambda m, args: seen.append(m.training))
+    on_cpu(torch.randn(2, 5, 3, requires_grad=True))[0].sum().backward()
+    assert seen[2:] == [False, False] and not lstm.lstm.training

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import torch
 from torch import Tensor, nn
 
 from fastweights.components import register_mixer
@@ -47,7 +48,17 @@ class LSTMLayer(nn.Module):
     def forward(self, x: Tensor, state: LSTMState | None = None) -> tuple[Tensor, LSTMState]:
         # nn.LSTM keeps its state as [num_layers, B, H]; ours is batch-first [B, H]
         hx = None if state is None else (state.h.unsqueeze(0).contiguous(), state.c.unsqueeze(0).contiguous())
-        hs, (h, c) = self.lstm(x, hx)
+        if self.lstm.training or x.device.type == "cpu" or not torch.is_grad_enabled():
+            hs, (h, c) = self.lstm(x, hx)
+        else:
+            # cuDNN's RNN backward refuses a forward run in eval mode ("cudnn RNN backward can only be called
+            # in training mode"), and dynamic evaluation backpropagates through a model in eval mode. With one
+            # layer nn.LSTM has no dropout, so its training flag changes nothing else: run it in that mode.
+            self.lstm.train()
+            try:
+                hs, (h, c) = self.lstm(x, hx)
+            finally:
+                self.lstm.eval()
         return hs, LSTMState(h.squeeze(0), c.squeeze(0))
 
 
