@@ -101,7 +101,7 @@ def rel_diff(a: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 
 def two_calls(layer, kind, x, tokens, weights, contract, device):
     """Forward of two calls (the second reading the first's state), backward of a fixed weighted sum."""
-    x1, x2 = (t.to(device).requires_grad_() for t in x)
+    x1, x2 = (t.detach().clone().to(device).requires_grad_() for t in x)  # fresh leaves on each device
     t1, t2 = (t.to(device) for t in tokens)
     y1, s1 = contract.call(layer, kind, x1, t1)
     y2, s2 = contract.call(layer, kind, x2, t2, s1)
