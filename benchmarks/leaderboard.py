@@ -44,11 +44,9 @@ import time
 from pathlib import Path
 
 from common import RESULTS, git_state, repo_relative, write_result
+from heldout_plays import HELDOUT, SEQ_LEN, STRIDE, heldout_documents
 
 TRAIN_CORPUS = "shakespeare-train"
-HELDOUT = ("hamlet_gut.txt", "julius_caesar_gut.txt", "macbeth_gut.txt", "othello_gut.txt")
-STRIDE = 64
-SEQ_LEN = 128  # the presets' training length: the windows of "windows" mode
 
 # name -> (mechanism, preset, overrides). Sizes chosen so every model has 0.81-0.89M parameters.
 ENTRIES = {
@@ -56,10 +54,11 @@ ENTRIES = {
     "swa": ("sliding-window attention, 64 keys", "shakespeare-char", ["model.options.attention.window=64"]),
     "fwp-sum": ("FWP sum rule, DPFP (Schlag et al. 2021)", "shakespeare-char-fwp-sum-dpfp", []),
     "fwp-delta": ("FWP delta rule, DPFP (Schlag et al. 2021)", "shakespeare-char-fwp-delta-dpfp", []),
-    "fwp-delta-elu": ("FWP delta rule, ELU+1", "shakespeare-char-fwp-delta-elu", []),
     "fwp-gated-delta": ("FWP gated delta rule, L2 keys", "shakespeare-char-fwp-gated-delta-l2", []),
     "gdn": ("Gated DeltaNet layer (short conv, output gate)", "shakespeare-char", ['model.mixer="gdn"']),
     "fast-rnn": ("fast-weights RNN (Ba et al. 2016)", "shakespeare-char-fast-rnn", []),
+    "ln-rnn": ("LN-RNN: the fast-weights RNN without fast weights", "shakespeare-char-fast-rnn",
+               ["model.options.fast_rnn.fast_weights=false"]),
     "lstm": ("LSTM", "shakespeare-char-lstm", []),
     "fwl": ("attention + FWL head (Clark et al. 2022)", "shakespeare-char-fwl", []),
     "fwpkm": ("attention + FwPKM memory in layer 2 (Zhao & Jones 2026)", "shakespeare-char",
@@ -74,16 +73,27 @@ ENTRIES = {
 }
 DYNAMIC_BASE = "attention"
 
+# Why an entry streams more than 0.05 bits/char worse than it scores on windows (issue 21 marks such a row
+# in the table, with its reason): a design limit, measured, not a fault in the streaming code.
+_NO_FORGETTING = ("the rule never forgets: trained on 128-character windows from a zero state, its fast weights "
+                  "keep filling when the state is carried past that length (state norm in leaderboard.png), so "
+                  "it reads from a fuller memory than training ever showed it. L2-normalised keys (DeltaNet) do "
+                  "not fix this and training with the state carried (truncated BPTT) fixes it only in part "
+                  "(benchmarks/results/fwp_streaming.json); a learned decay does: fwp-gated-delta")
+STREAMING_LIMITS = {"fwp-sum": _NO_FORGETTING, "fwp-delta": _NO_FORGETTING}
+
 # The code each entry's numbers measure (result_sources.SOURCES["benchmarks/leaderboard.py"] is their union):
 # a row trained at a later commit keeps its own files current (``source_commits`` in the JSON).
 S = "src/fastweights/"
-SHARED_SOURCES = [S + "models/lm.py", S + "layers/common.py", S + "experiments/streaming.py"]
+SHARED_SOURCES = [S + "models/lm.py", S + "layers/common.py", S + "experiments/streaming.py",
+                  "benchmarks/heldout_plays.py"]
 _FWP = [S + "layers/fwp.py", S + "ops/delta_rule.py", S + "ops/linear_attention.py", S + "ops/feature_maps.py"]
 ENTRY_SOURCES = {
     "attention": [S + "layers/attention.py"], "swa": [S + "layers/attention.py"],
-    "fwp-sum": _FWP, "fwp-delta": _FWP, "fwp-delta-elu": _FWP, "fwp-gated-delta": _FWP,
+    "fwp-sum": _FWP, "fwp-delta": _FWP, "fwp-gated-delta": _FWP,
     "gdn": [S + "layers/gdn.py", S + "ops/delta_rule.py"],
     "fast-rnn": [S + "layers/fast_rnn.py", S + "ops/fast_rnn_kernel.py", S + "ops/fast_rnn_kernel.c"],
+    "ln-rnn": [S + "layers/fast_rnn.py", S + "ops/fast_rnn_kernel.py", S + "ops/fast_rnn_kernel.c"],
     "lstm": [S + "layers/lstm.py"],
     "fwl": [S + "layers/attention.py", S + "layers/fwl.py", S + "ops/fwl.py"],
     "fwpkm": [S + "layers/attention.py", S + "layers/fwpkm.py", S + "layers/fast_memory.py", S + "ops/pkm.py"],
@@ -131,15 +141,6 @@ def train(name: str, seed: int, minutes: float, out: Path) -> dict:
            "train_max_rss_mb": usage["max_rss_mb"], "resumed": resume, "git": git_state()}
     record.write_text(json.dumps(rec, indent=2) + "\n")
     return rec
-
-
-def heldout_documents(tokenizer, chars: int):
-    from fastweights.data import load_corpus
-    from fastweights.data.corpus import Document
-    from fastweights.experiments.streaming import encode_documents
-
-    docs = [load_corpus(f"shakespeare-heldout:{name}")[0] for name in HELDOUT]
-    return encode_documents([Document(d.name, d.text[:chars]) for d in docs], tokenizer)
 
 
 def dynamic_evaluator(model, run: Path, base: Path):
@@ -213,10 +214,25 @@ def entry_row(name: str, seed: int, minutes: float, out: Path, chars: int) -> di
 
 
 def finished_rows(out: Path) -> dict[str, list[dict]]:
+    """Every finished (entry, seed): its ``row.json`` under ``out``, else the row kept in the committed
+    leaderboard.json (run directories are not shipped, so a fresh clone that re-runs one entry keeps the
+    others' measured rows), provided that entry's preset and overrides are still the ones measured."""
     rows: dict[str, list[dict]] = {}
     for name in ENTRIES:
         for p in sorted((out / name).glob("seed*/row.json")):
             rows.setdefault(name, []).append(json.loads(p.read_text()))
+    kept = RESULTS / "leaderboard.json"
+    if kept.exists():
+        rec = json.loads(kept.read_text())
+        measured_as = {t["entry"]: (t["preset"], t["overrides"]) for t in rec.get("table", [])}
+        for name, rs in rec.get("rows", {}).items():
+            if name not in ENTRIES or measured_as.get(name) != (ENTRIES[name][1] or ENTRIES[DYNAMIC_BASE][1],
+                                                               ENTRIES[name][2]):
+                continue
+            have = {r["seed"] for r in rows.get(name, [])}
+            rows.setdefault(name, []).extend(r for r in rs if r["seed"] not in have)
+    for rs in rows.values():
+        rs.sort(key=lambda r: r["seed"])
     return rows
 
 
@@ -278,6 +294,8 @@ def aggregate(out: Path, a) -> None:
             "windows_bits_per_char": w_mean, "windows_std": w_std,
             "streamed_minus_windows_bits": s_mean - w_mean,
             "streams_within_0_05": s_mean <= w_mean + 0.05,
+            **({"streaming_limit": STREAMING_LIMITS[name]} if s_mean > w_mean + 0.05 and name in STREAMING_LIMITS
+               else {}),
             "val_bits_per_char": statistics.fmean(r["val_bits_per_char"] for r in rs),
             "parameters": r0["parameters"],
             "parameters_vs_attention": r0["parameters"] / base_params if base_params else None,
@@ -297,13 +315,17 @@ def aggregate(out: Path, a) -> None:
     if "attention" in by and "fwp-delta" in by:
         checks["fwp_delta_minus_attention_streamed_bits"] = (by["fwp-delta"]["streamed_bits_per_char"]
                                                              - by["attention"]["streamed_bits_per_char"])
+    if "attention" in by and "fwp-gated-delta" in by:  # the delta-rule preset to stream with
+        checks["fwp_gated_delta_minus_attention_streamed_bits"] = (by["fwp-gated-delta"]["streamed_bits_per_char"]
+                                                                   - by["attention"]["streamed_bits_per_char"])
     if "fast-rnn" in by and "lstm" in by:
         checks["fast_rnn_minus_lstm_streamed_bits"] = (by["fast-rnn"]["streamed_bits_per_char"]
                                                       - by["lstm"]["streamed_bits_per_char"])
     want_top = top_entries(rows, a.top_seeds) if a.top_seeds else []
     complete = all(n in rows for n in ENTRIES) and all(len(rows[n]) >= 3 for n in want_top)
     plot_runs = [{"label": f"{t['entry']} streamed", "checkpoint": t["entry"], "mode": "carry",
-                  "curve": rows[t["entry"]][0]["streamed"]["curve"], "state_norm": rows[t["entry"]][0]["streamed"]["state_norm"]}
+                  "curve": rows[t["entry"]][0]["streamed"]["curve"],
+                  "state_norm": rows[t["entry"]][0]["streamed"].get("state_norm")}
                  for t in table]
     png = RESULTS / "leaderboard.png"
     plot_stream(plot_runs, png, title="held-out Shakespeare plays, streamed with the state carried: loss by position",
@@ -319,9 +341,7 @@ def aggregate(out: Path, a) -> None:
                      "chars_per_play": a.chars_per_play, "stride": STRIDE, "windows": SEQ_LEN,
                      "out": repo_relative(out)},
         "table": table, "checks": checks, "plot": "benchmarks/results/leaderboard.png",
-        "rows": {n: [{k: v for k, v in r.items() if k not in ("windows", "streamed")}
-                     | {m: {k: v for k, v in r[m].items() if k != "state_norm"} for m in ("windows", "streamed")}
-                     for r in rs] for n, rs in rows.items()},
+        "rows": rows,
         "headline": [{"what": f"#{t['rank']} {t['entry']}: held-out bits/char streamed (windows "
                               f"{t['windows_bits_per_char']:.3f})",
                       "value": t["streamed_bits_per_char"], "unit": "bits/char",
@@ -346,13 +366,17 @@ def markdown_table(rec: dict) -> str:
         lines += [f"**Incomplete:** 3 seeds pending for {', '.join(rec['top_entries_for_seeds'])}.", ""]
     lines += ["| # | mechanism | streamed | windows | streamed - windows | params | train tok/s | score tok/s "
               "| train RSS MB | seeds |", "|---|---|---|---|---|---|---|---|---|---|"]
+    limits: dict[str, int] = {}  # a marked row's reason -> its footnote number
     for t in rec["table"]:
         sd = f" ± {t['streamed_std']:.3f}" if t["streamed_std"] is not None else ""
         gap = f"{t['streamed_minus_windows_bits']:+.3f}" + ("" if t["streams_within_0_05"] else " (> 0.05)")
+        if "streaming_limit" in t:
+            gap += f" [{limits.setdefault(t['streaming_limit'], len(limits) + 1)}]"
         lines.append(f"| {t['rank']} | {t['mechanism']} (`{t['entry']}`) | {t['streamed_bits_per_char']:.3f}{sd} "
                      f"| {t['windows_bits_per_char']:.3f} | {gap} | {t['parameters'] / 1e6:.2f}M "
                      f"| {t['train_tokens_per_cpu_s']:,.0f} | {t['score_tokens_per_cpu_s']:,.0f} "
                      f"| {t['train_max_rss_mb']:,.0f} | {len(t['seeds'])} |")
+    lines += [""] + [f"[{i}] {why}." for why, i in limits.items()] if limits else []
     return "\n".join(lines)
 
 

@@ -35,11 +35,20 @@ SOURCES = {
     "benchmarks/bench_delta_rule.py": [S + "ops/delta_rule.py"],
     "benchmarks/bench_dynamic_eval.py": [S + "adapt/dynamic.py", S + "adapt/sparse.py"],
     "benchmarks/bench_fast_rnn.py": [S + "layers/fast_rnn.py"],
+    "benchmarks/fast_rnn_sweep.py": [S + "layers/fast_rnn.py", S + "ops/fast_rnn_kernel.py", S + "ops/fast_rnn_kernel.c",
+                                     S + "models/lm.py", S + "experiments/streaming.py", "benchmarks/heldout_plays.py"],
     "benchmarks/bench_fast_rnn_vs_lstm.py": [S + "layers/fast_rnn.py", S + "layers/lstm.py", S + "models/lm.py",
                                              S + "ops/fast_rnn_kernel.py", S + "ops/fast_rnn_kernel.c"],
     "benchmarks/bench_fwl.py": [S + "layers/fwl.py", S + "ops/fwl.py", S + "ops/linear_attention.py"],
     "benchmarks/bench_fwpkm_layer.py": [S + "layers/fwpkm.py", S + "layers/fast_memory.py", S + "ops/pkm.py"],
     "benchmarks/bench_fwpkm_model.py": [S + "layers/fwpkm.py", S + "layers/fast_memory.py", S + "ops/pkm.py"],
+    "benchmarks/cuda_check.py": ["tests/test_registry_causality.py", "tests/test_device_contract.py",
+                                 S + "layers/attention.py", S + "layers/common.py", S + "layers/fwp.py",
+                                 S + "layers/fast_rnn.py", S + "ops/fast_rnn_kernel.py", S + "layers/lstm.py",
+                                 S + "layers/gdn.py", S + "layers/fwl.py", S + "ops/fwl.py", S + "layers/pkm.py",
+                                 S + "ops/pkm.py", S + "layers/fwpkm.py", S + "layers/fast_memory.py",
+                                 S + "layers/fwmlp.py", S + "ops/delta_rule.py", S + "ops/linear_attention.py",
+                                 S + "ops/feature_maps.py", S + "models/lm.py"],
     "benchmarks/demo_record.py": [S + "demo.py"],
     "benchmarks/dynamic_eval_quality.py": [S + "adapt/dynamic.py", S + "adapt/cache.py"],
     "benchmarks/fwl_dynamic_reference.py": [S + "layers/fwl.py", S + "ops/fwl.py", S + "adapt/dynamic.py"],
@@ -76,7 +85,8 @@ SOURCES = {
                                   S + "layers/fast_rnn.py", S + "ops/fast_rnn_kernel.py", S + "ops/fast_rnn_kernel.c",
                                   S + "layers/lstm.py", S + "layers/fwl.py", S + "ops/fwl.py",
                                   S + "layers/fwpkm.py", S + "layers/fast_memory.py", S + "ops/pkm.py",
-                                  S + "layers/fwmlp.py", S + "adapt/dynamic.py", S + "adapt/update_rules.py"],
+                                  S + "layers/fwmlp.py", S + "adapt/dynamic.py", S + "adapt/update_rules.py",
+                                  "benchmarks/heldout_plays.py"],
     "fastweights adapt-test": [S + "experiments/continual_adaptation.py", S + "memory_switches.py", S + "adapt/dynamic.py"],
 }
 
@@ -179,6 +189,12 @@ BEHAVIOUR_PRESERVING: dict[str, dict] = {
                  "why": "the fast-RNN kernel's C source, loader and autograd function move out of layers/fast_rnn.py "
                         "into ops/fast_rnn_kernel.{c,py} unchanged: the compiled source text is identical (the same "
                         ".so cache key); test_fast_rnn.py holds both backends to the fp64 reference"},
+    "70bad0a7131a0d1961d94eb6e059c57a92358544": {"results": ["leaderboard", "mutation_check", "bench_fast_rnn_vs_lstm"],
+                                                 "test": "tests/test_lstm.py",
+                 "why": "lstm.py runs nn.LSTM in training mode for a forward that needs gradients off the CPU (cuDNN "
+                        "refuses the backward of an eval-mode RNN); on the CPU, where these results ran, the call is the "
+                        "same as before (test_lstm.py checks a CPU call keeps eval mode); the line mutation_check "
+                        "mutates there is unchanged"},
 }
 
 # Results whose recorded command does not write the stored file as it stands (kept, reason given).

@@ -82,3 +82,35 @@ def test_readme_opens_its_results_with_the_generated_leaderboard():
     results = readme.split("## Results", 1)[1]
     assert results.index(report.BOARD_START) < results.index(report.CLAIMS_START)  # the board first, then claims
     assert report.render_board(readme, "README.md") == readme, "run python benchmarks/report.py"
+
+
+def test_a_collapse_with_a_known_reason_is_marked_with_its_footnote():
+    rec = {"protocol": {"cpu_minutes_per_model": 20, "train_corpus": "shakespeare-train", "chars_per_play": 32768,
+                        "heldout": ["a"]}, "complete": True, "missing": [], "top_entries_for_seeds": [],
+           "table": [{"rank": 1, "entry": "fwp-delta", "mechanism": "delta", "streamed_bits_per_char": 7.5,
+                      "streamed_std": None, "windows_bits_per_char": 2.5, "streamed_minus_windows_bits": 5.0,
+                      "streams_within_0_05": False, "streaming_limit": "it never forgets", "parameters": 818816,
+                      "train_tokens_per_cpu_s": 5000.0, "score_tokens_per_cpu_s": 3000.0, "train_max_rss_mb": 710.0,
+                      "seeds": [0]}]}
+    text = leaderboard.markdown_table(rec)
+    assert "| +5.000 (> 0.05) [1] |" in text and text.endswith("\n[1] it never forgets.")
+
+
+def test_finished_rows_keep_committed_rows_unless_rerun_or_remeasured_differently(tmp_path, monkeypatch):
+    """Run directories are not shipped: a fresh clone that trains one entry keeps the committed rows of the
+    others, a row under --out replaces the committed one, and a row of a preset since changed is dropped."""
+    results, out = tmp_path / "results", tmp_path / "runs"
+    results.mkdir()
+    monkeypatch.setattr(leaderboard, "RESULTS", results)
+    att, lstm = leaderboard.ENTRIES["attention"], leaderboard.ENTRIES["lstm"]
+    (results / "leaderboard.json").write_text(json.dumps({
+        "table": [{"entry": "attention", "preset": att[1], "overrides": att[2]},
+                  {"entry": "lstm", "preset": "an-older-preset", "overrides": lstm[2]}],
+        "rows": {"attention": [_row("attention", 0, "a", 2.0, 2.1), _row("attention", 1, "a", 2.2, 2.3)],
+                 "lstm": [_row("lstm", 0, "a", 2.0, 2.1)]}}))
+    fresh = _row("attention", 1, "b", 1.9, 2.0)
+    (out / "attention" / "seed1").mkdir(parents=True)
+    (out / "attention" / "seed1" / "row.json").write_text(json.dumps(fresh))
+    rows = leaderboard.finished_rows(out)
+    assert list(rows) == ["attention"]  # lstm's committed row measured another preset
+    assert [r["seed"] for r in rows["attention"]] == [0, 1] and rows["attention"][1] == fresh

@@ -50,6 +50,8 @@ BOUNDED = {
     "fwp-gated-dpfp": ("mixer", "fwp", {"rule": "gated", "feature_map": "dpfp"}),
     "gdn": ("mixer", "gdn", {"backend": "torch"}),
     "fast-rnn": ("mixer", "fast_rnn", {"hidden": 32}),
+    "fast-rnn-preset-eta": ("mixer", "fast_rnn", {"hidden": 32, "eta": 0.0005}),
+    "ln-rnn": ("mixer", "fast_rnn", {"hidden": 32, "fast_weights": False}),
     "lstm": ("mixer", "lstm", {"hidden": 16}),
     "attention": ("mixer", "attention", {}),
     "fwl-head": ("head", "fwl", {"hidden": 16}),
