@@ -189,6 +189,13 @@ BEHAVIOUR_PRESERVING: dict[str, dict] = {
                  "why": "the fast-RNN kernel's C source, loader and autograd function move out of layers/fast_rnn.py "
                         "into ops/fast_rnn_kernel.{c,py} unchanged: the compiled source text is identical (the same "
                         ".so cache key); test_fast_rnn.py holds both backends to the fp64 reference"},
+    "59639b05b5aac9a8a502efa7e31888e10fe98f70": {"results": ["leaderboard", "mutation_check"],
+                                                 "test": "tests/test_leaderboard.py",
+                 "why": "adds tests (test_fast_rnn, test_stream_stability, test_leaderboard) and moves the held-out play "
+                        "list and reader from leaderboard.py into benchmarks/heldout_plays.py unchanged; leaderboard.py "
+                        "now keeps committed rows, marks known streaming limits and lists ln-rnn (no row yet) instead of "
+                        "fwp-delta-elu (never measured): no measured row's training or scoring changes. The fast-rnn "
+                        "preset's eta changed (a config, re-run as its own row)"},
     "70bad0a7131a0d1961d94eb6e059c57a92358544": {"results": ["leaderboard", "mutation_check", "bench_fast_rnn_vs_lstm"],
                                                  "test": "tests/test_lstm.py",
                  "why": "lstm.py runs nn.LSTM in training mode for a forward that needs gradients off the CPU (cuDNN "
