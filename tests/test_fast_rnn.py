@@ -77,8 +77,11 @@ def test_read_forms_agree_fp32(inner_steps, backend):
     args = _inputs(torch.float32, B=4, T=12, H=16, L=3)
     y_att, y_ref, g_att, g_ref, _ = _both_forms(*args, backend=backend, lam=0.95, eta=0.5, inner_steps=inner_steps)
     torch.testing.assert_close(y_att, y_ref, rtol=0, atol=1e-5)
+    # gradients: fp32 rounding through 12 steps of the recurrence; the C kernel is compiled for the host CPU,
+    # whose vector width changes the summation order (one element of 192 was 1.3e-5 / 1.0e-4 relative off on
+    # a Xeon where the previous rtol 1e-5 had passed elsewhere); the fp64 test above holds the forms to 1e-10
     for a, r in zip(g_att, g_ref):
-        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -393,3 +396,16 @@ def test_the_presets_fast_weight_read_does_not_drown_the_input():
     # the state follows the memory alone (the measured reason the preset trained to bigram loss; issue 21)
     assert _read_over_input(0.5) > 100
     assert _read_over_input(0.0005) < 2  # the preset's eta: the read informs, the input still drives
+
+
+def test_decay_weights_below_the_normal_range_are_zero():
+    # subnormal weights cost time in every read (lam 0.5 trained 1.3x slower per step); they weigh nothing
+    from fastweights.ops.fast_rnn_kernel import _decay_weights
+
+    for dtype in (torch.float32, torch.float64):
+        rev = _decay_weights(2000, 0.5, 0.5, torch.empty(0, dtype=dtype))
+        tiny = torch.finfo(dtype).tiny
+        assert not ((rev > 0) & (rev < tiny)).any() and rev[-1] == 0.5 and rev[0] == 0.0
+        exact = 0.5 * 0.5 ** torch.arange(1999, -1, -1, dtype=torch.float64)
+        kept = exact >= tiny
+        assert torch.equal(rev[kept].double(), exact[kept].to(dtype).double())
