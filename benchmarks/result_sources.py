@@ -104,10 +104,8 @@ LEGACY = dict.fromkeys([
     "dynamic_eval_quality", "dynamic_timescale_spanish", "fwl_ptb", "fwl_ptb_carry",
     "fwl_ptb_seg16", "fwl_quality", "fwl_quality_1000", "fwl_quality_1000_dynamic",
     "fwl_quality_equal_steps", "fwl_quality_sequential", "fwpkm_longdocs", "fwpkm_longdocs_1000",
-    "lm_presets", "lm_presets_carry_state", "lm_short_conv", "niah_cpu",
-    "niah_cpu_dense", "niah_short_conv_pilots", "ptb_dynamic_eval",
-    "shakespeare_rnn_compare",
-], _NO_COMMIT)
+    "lm_short_conv", "niah_cpu", "niah_cpu_dense", "niah_short_conv_pilots", "ptb_dynamic_eval",
+    ], _NO_COMMIT)
 
 _QUALITY = ("quality run of CPU minutes to hours, not re-run in issue 22 (the 2-core CPU was shared with two "
             "training jobs); the commit that changed the measured code is named by report.py --check without it")
@@ -120,9 +118,8 @@ KNOWN_STALE = {
     "ba_retrieval_lr3e-3", "ba_retrieval_lr3e-4", "ba_retrieval_seeds", "dynamic_eval_quality",
     "dynamic_timescale_spanish", "fwl_ptb", "fwl_ptb_carry", "fwl_ptb_seg16",
     "fwl_quality", "fwl_quality_1000", "fwl_quality_1000_dynamic", "fwl_quality_equal_steps",
-    "fwl_quality_sequential", "fwpkm_longdocs", "fwpkm_longdocs_1000", "lm_presets",
-    "lm_presets_carry_state", "lm_short_conv", "niah_cpu", "niah_cpu_dense",
-    "niah_short_conv_pilots", "ptb_dynamic_eval", "shakespeare_rnn_compare",
+    "fwl_quality_sequential", "fwpkm_longdocs", "fwpkm_longdocs_1000", "lm_short_conv", "niah_cpu",
+    "niah_cpu_dense", "niah_short_conv_pilots", "ptb_dynamic_eval",
     ], _QUALITY),
     "assoc_capacity": "its 24.8x headline came from a wall-clock cap under load (see its note); not re-run",
 }

@@ -366,29 +366,21 @@ def test_kernel_backward_twice_with_retained_graph():
 
 
 def _read_over_input(eta: float) -> float:
-    """In the shakespeare-char-fast-rnn preset's first layer at init: mean |A_{t-1} h_t^(0)| over mean
-    |W h_{t-1} + C x_t|, the two terms one LayerNorm adds before the ReLU (fp64, one 128-token window)."""
+    """benchmarks/fast_rnn_sweep.py's measure (mean |A_{t-1} h_t^(0)| over mean |W h_{t-1} + C x_t|, the two
+    terms one LayerNorm adds before the ReLU) in the shakespeare-char-fast-rnn preset's first layer at init."""
+    import sys
+    from pathlib import Path
+
     from fastweights.config import make_config
     from fastweights.models.lm import LanguageModel
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from fast_rnn_sweep import read_over_input
 
     cfg = make_config("shakespeare-char-fast-rnn", ["model.vocab_size=66", f"model.options.fast_rnn.eta={eta}"])
     torch.manual_seed(0)
     model = LanguageModel(cfg.model).double().eval()
-    rnn = next(m for m in model.modules() if isinstance(m, FastWeightRNN))
-    seen = {}
-    rnn.register_forward_hook(lambda mod, inp, out: seen.update(x=inp[0], hs=out[0]))
-    with torch.no_grad():
-        model(torch.randint(0, 66, (1, 128), generator=torch.Generator().manual_seed(0)))
-        u, hs = rnn.in_proj(seen["x"])[0], seen["hs"][0]
-        A = torch.zeros_like(rnn.W)
-        reads, inputs = [], []
-        for t in range(1, 128):
-            A = rnn.lam * A + rnn.eta * torch.outer(hs[t - 1], hs[t - 1])
-            b = u[t] + rnn.W @ hs[t - 1]
-            h0 = torch.relu(torch.nn.functional.layer_norm(b, b.shape, rnn.ln.weight, rnn.ln.bias))
-            reads.append((A @ h0).norm())
-            inputs.append(b.norm())
-    return float(torch.stack(reads).mean() / torch.stack(inputs).mean())
+    return read_over_input(model, torch.randint(0, 66, (1, 128), generator=torch.Generator().manual_seed(0)))[0]
 
 
 def test_the_presets_fast_weight_read_does_not_drown_the_input():
