@@ -264,7 +264,9 @@ def measured_commits(rows: dict[str, list[dict]]) -> tuple[dict, dict[str, str]]
                 per_path.setdefault(p, set()).add(c)
     oldest = _oldest(every)
     source_commits = {p: c for p, cs in per_path.items() if (c := _oldest(cs)) and c != oldest}
-    dirty = sorted({p for rs in rows.values() for r in rs for p in (r.get("git") or {}).get("dirty_paths") or []})
+    # a row trained while another process rewrote the results of this benchmark records them as dirty: not code
+    dirty = sorted({p for rs in rows.values() for r in rs for p in (r.get("git") or {}).get("dirty_paths") or []
+                    if not p.startswith("benchmarks/results/")})
     return {"commit": oldest, "dirty": bool(dirty), "dirty_paths": dirty[:20],
             "aggregated_at": git_state().get("commit")}, source_commits
 

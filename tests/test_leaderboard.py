@@ -114,3 +114,14 @@ def test_finished_rows_keep_committed_rows_unless_rerun_or_remeasured_differentl
     rows = leaderboard.finished_rows(out)
     assert list(rows) == ["attention"]  # lstm's committed row measured another preset
     assert [r["seed"] for r in rows["attention"]] == [0, 1] and rows["attention"][1] == fresh
+
+
+def test_results_rewritten_by_a_parallel_run_are_not_dirty_code():
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    clean, results_only, code = (_row("lstm", 0, head, 2.0, 2.1) for _ in range(3))
+    results_only["git"]["dirty_paths"] = ["benchmarks/results/leaderboard.json"]
+    code["git"]["dirty_paths"] = ["src/fastweights/layers/lstm.py"]
+    assert not leaderboard.measured_commits({"lstm": [clean, results_only]})[0]["dirty"]
+    git = leaderboard.measured_commits({"lstm": [clean, code]})[0]
+    assert git["dirty"] and git["dirty_paths"] == ["src/fastweights/layers/lstm.py"]
