@@ -343,6 +343,11 @@ def aggregate(out: Path, a) -> None:
                      "chars_per_play": a.chars_per_play, "stride": STRIDE, "windows": SEQ_LEN,
                      "out": repo_relative(out)},
         "table": table, "checks": checks, "plot": "benchmarks/results/leaderboard.png",
+        # the table's means by entry name (a key that does not move when the ranking does: docs cite it)
+        "by_entry": {t["entry"]: {k: t[k] for k in ("rank", "seeds", "streamed_bits_per_char", "streamed_std",
+                                                    "windows_bits_per_char", "windows_std", "train_steps",
+                                                    "train_tokens_per_cpu_s", "score_tokens_per_cpu_s")}
+                     for t in table},
         "rows": rows,
         "headline": [{"what": f"#{t['rank']} {t['entry']}: held-out bits/char streamed (windows "
                               f"{t['windows_bits_per_char']:.3f})",

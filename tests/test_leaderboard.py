@@ -125,3 +125,32 @@ def test_results_rewritten_by_a_parallel_run_are_not_dirty_code():
     assert not leaderboard.measured_commits({"lstm": [clean, results_only]})[0]["dirty"]
     git = leaderboard.measured_commits({"lstm": [clean, code]})[0]
     assert git["dirty"] and git["dirty_paths"] == ["src/fastweights/layers/lstm.py"]
+
+
+def test_aggregate_writes_seed_means_by_entry_and_the_checks(tmp_path, monkeypatch):
+    import argparse
+
+    import common
+
+    results, out = tmp_path / "results", tmp_path / "runs"
+    results.mkdir()
+    monkeypatch.setattr(leaderboard, "RESULTS", results)
+    monkeypatch.setattr(common, "RESULTS", results)
+    curve = {"bin_width": 1024, "position": [1024], "windowed": [1.4], "cumulative": [1.4], "count": [1024]}
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    for name, seed, streamed, windows in (("attention", 0, 2.0, 2.1), ("attention", 1, 2.2, 2.3),
+                                          ("lstm", 0, 1.9, 2.0), ("fast-rnn", 0, 2.05, 2.0)):
+        row = _row(name, seed, head, streamed, windows)
+        for mode in ("streamed", "windows"):
+            row[mode]["curve"] = curve
+        (out / name / f"seed{seed}").mkdir(parents=True)
+        (out / name / f"seed{seed}" / "row.json").write_text(json.dumps(row))
+    leaderboard.aggregate(out, argparse.Namespace(top_seeds=0, minutes=20.0, chars_per_play=32768))
+    rec = json.loads((results / "leaderboard.json").read_text())
+    att = rec["by_entry"]["attention"]
+    assert att["seeds"] == [0, 1] and abs(att["streamed_bits_per_char"] - 2.1) < 1e-12
+    assert abs(att["streamed_std"] - 0.1414213562) < 1e-6 and att["rank"] == 3
+    assert [t["entry"] for t in rec["table"]] == ["lstm", "fast-rnn", "attention"]
+    assert abs(rec["checks"]["fast_rnn_minus_lstm_streamed_bits"] - 0.15) < 1e-12
+    assert not rec["complete"] and "swa" in rec["missing"] and (results / "leaderboard.png").exists()
