@@ -371,37 +371,6 @@ def aggregate(out: Path, a) -> None:
     })
 
 
-def markdown_table(rec: dict) -> str:
-    """The README's leaderboard (``benchmarks/report.py`` renders it between ``<!-- leaderboard:start -->``
-    and ``<!-- leaderboard:end -->``): one row per entry, best streamed score first."""
-    p = rec["protocol"]
-    params = [t["parameters"] / 1e6 for t in rec["table"]]
-    lines = [f"Char-level, {min(params):.2f}-{max(params):.2f}M parameters, {p['cpu_minutes_per_model']:g} "
-             "CPU-minutes of training each on "
-             f"`{p['train_corpus']}` (one thread), scored on {len(p['heldout'])} held-out plays "
-             f"({len(p['heldout']) * p['chars_per_play']:,} characters). bits/char: lower is better. "
-             "\"streamed\": one stream, state carried; \"windows\": state reset every 128 characters.", ""]
-    if rec["missing"]:
-        lines += [f"**Incomplete:** not yet measured: {', '.join(rec['missing'])} (and then 3 seeds for the "
-                  "best three).", ""]
-    elif not rec["complete"]:
-        lines += [f"**Incomplete:** 3 seeds pending for {', '.join(rec['top_entries_for_seeds'])}.", ""]
-    lines += ["| # | mechanism | streamed | windows | streamed - windows | params | train tok/s | score tok/s "
-              "| train RSS MB | seeds |", "|---|---|---|---|---|---|---|---|---|---|"]
-    limits: dict[str, int] = {}  # a marked row's reason -> its footnote number
-    for t in rec["table"]:
-        sd = f" ± {t['streamed_std']:.3f}" if t["streamed_std"] is not None else ""
-        gap = f"{t['streamed_minus_windows_bits']:+.3f}" + ("" if t["streams_within_0_05"] else " (> 0.05)")
-        if "streaming_limit" in t:
-            gap += f" [{limits.setdefault(t['streaming_limit'], len(limits) + 1)}]"
-        lines.append(f"| {t['rank']} | {t['mechanism']} (`{t['entry']}`) | {t['streamed_bits_per_char']:.3f}{sd} "
-                     f"| {t['windows_bits_per_char']:.3f} | {gap} | {t['parameters'] / 1e6:.2f}M "
-                     f"| {t['train_tokens_per_cpu_s']:,.0f} | {t['score_tokens_per_cpu_s']:,.0f} "
-                     f"| {t['train_max_rss_mb']:,.0f} | {len(t['seeds'])} |")
-    lines += [""] + [f"[{i}] {why}." for why, i in limits.items()] if limits else []
-    return "\n".join(lines)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=20.0, help="CPU minutes of training per model")

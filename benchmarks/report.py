@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 START, END = "<!-- results:start", "<!-- results:end -->"
 CLAIMS_START, CLAIMS_END = "<!-- claims:start -->", "<!-- claims:end -->"
-# the equal-compute leaderboard (issue 21): leaderboard.py's markdown_table of results/leaderboard.json
+# the equal-compute leaderboard (issue 21): markdown_table below, of results/leaderboard.json
 BOARD_START, BOARD_END = "<!-- leaderboard:start -->", "<!-- leaderboard:end -->"
 # Pages that must hold a block, so that deleting one does not pass the check silently.
 REQUIRED = {"README.md": CLAIMS_START, "docs/results.md": START + " -->"}
@@ -336,10 +336,41 @@ def render_claims(page: str, name: str) -> str:
     return CLAIMS_START.join(out)
 
 
+def markdown_table(rec: dict) -> str:
+    """The README's leaderboard from benchmarks/leaderboard.py's JSON (rendered between ``<!-- leaderboard:start -->``
+    and ``<!-- leaderboard:end -->``): one row per entry, best streamed score first, marked rows footnoted.
+    Here, not in leaderboard.py, so that a change of presentation leaves the measured JSON current."""
+    p = rec["protocol"]
+    params = [t["parameters"] / 1e6 for t in rec["table"]]
+    lines = [f"Char-level, {min(params):.2f}-{max(params):.2f}M parameters, {p['cpu_minutes_per_model']:g} "
+             "CPU-minutes of training each on "
+             f"`{p['train_corpus']}` (one thread), scored on {len(p['heldout'])} held-out plays "
+             f"({len(p['heldout']) * p['chars_per_play']:,} characters). bits/char: lower is better. "
+             "\"streamed\": one stream, state carried; \"windows\": state reset every 128 characters.", ""]
+    if rec["missing"]:
+        lines += [f"**Incomplete:** not yet measured: {', '.join(rec['missing'])} (and then 3 seeds for the "
+                  "best three).", ""]
+    elif not rec["complete"]:
+        lines += [f"**Incomplete:** 3 seeds pending for {', '.join(rec['top_entries_for_seeds'])}.", ""]
+    lines += ["| # | mechanism | streamed | windows | streamed - windows | params | train tok/s | score tok/s "
+              "| train RSS MB | seeds |", "|---|---|---|---|---|---|---|---|---|---|"]
+    limits: dict[str, int] = {}  # a marked row's reason -> its footnote number
+    for t in rec["table"]:
+        sd = f" ± {t['streamed_std']:.3f}" if t["streamed_std"] is not None else ""
+        gap = f"{t['streamed_minus_windows_bits']:+.3f}" + ("" if t["streams_within_0_05"] else " (> 0.05)")
+        if "streaming_limit" in t:
+            gap += f" [{limits.setdefault(t['streaming_limit'], len(limits) + 1)}]"
+        lines.append(f"| {t['rank']} | {t['mechanism']} (`{t['entry']}`) | {t['streamed_bits_per_char']:.3f}{sd} "
+                     f"| {t['windows_bits_per_char']:.3f} | {gap} | {t['parameters'] / 1e6:.2f}M "
+                     f"| {t['train_tokens_per_cpu_s']:,.0f} | {t['score_tokens_per_cpu_s']:,.0f} "
+                     f"| {t['train_max_rss_mb']:,.0f} | {len(t['seeds'])} |")
+    for why, i in limits.items():  # each footnote its own paragraph
+        lines += ["", f"[{i}] {why}."]
+    return "\n".join(lines)
+
+
 def render_board(page: str, name: str) -> str:
     """Rewrite the ``<!-- leaderboard:start -->`` ... ``<!-- leaderboard:end -->`` block of a page."""
-    import leaderboard  # benchmarks/leaderboard.py
-
     path = RESULTS / "leaderboard.json"
     if not path.exists():
         raise SystemExit(f"{name} has a leaderboard block but there is no benchmarks/results/leaderboard.json")
@@ -347,7 +378,7 @@ def render_board(page: str, name: str) -> str:
     if BOARD_END not in rest:
         raise SystemExit(f"{name}: {BOARD_START} has no {BOARD_END}")
     mark = result_sources.status(path)
-    text = leaderboard.markdown_table(json.loads(path.read_text())) + (f"\n\n({mark})" if mark else "")
+    text = markdown_table(json.loads(path.read_text())) + (f"\n\n({mark})" if mark else "")
     return f"{head}{BOARD_START}\n{text}\n{BOARD_END}{rest.split(BOARD_END, 1)[1]}"
 
 

@@ -9,6 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import leaderboard  # noqa: E402
+import report  # noqa: E402
 import result_sources  # noqa: E402
 
 
@@ -61,7 +62,7 @@ def test_markdown_table_ranks_by_streamed_score_and_flags_a_collapse():
                       "streamed_std": 0.01, "windows_bits_per_char": 2.5, "streamed_minus_windows_bits": 5.0,
                       "streams_within_0_05": False, "parameters": 818816, "train_tokens_per_cpu_s": 5000.0,
                       "score_tokens_per_cpu_s": 3000.0, "train_max_rss_mb": 710.0, "seeds": [0, 1, 2]}]}
-    text = leaderboard.markdown_table(rec)
+    text = report.markdown_table(rec)
     rows = [line for line in text.splitlines() if line.startswith("| ")]
     assert rows[1].startswith("| 1 | softmax attention (`attention`) | 2.000 | 2.010 | -0.010 |")
     assert "| +5.000 (> 0.05) |" in rows[2] and "7.500 ± 0.010" in rows[2] and rows[2].endswith("| 3 |")
@@ -92,8 +93,8 @@ def test_a_collapse_with_a_known_reason_is_marked_with_its_footnote():
                       "streams_within_0_05": False, "streaming_limit": "it never forgets", "parameters": 818816,
                       "train_tokens_per_cpu_s": 5000.0, "score_tokens_per_cpu_s": 3000.0, "train_max_rss_mb": 710.0,
                       "seeds": [0]}]}
-    text = leaderboard.markdown_table(rec)
-    assert "| +5.000 (> 0.05) [1] |" in text and text.endswith("\n[1] it never forgets.")
+    text = report.markdown_table(rec)
+    assert "| +5.000 (> 0.05) [1] |" in text and text.endswith("|\n\n[1] it never forgets.")
 
 
 def test_finished_rows_keep_committed_rows_unless_rerun_or_remeasured_differently(tmp_path, monkeypatch):
