@@ -209,6 +209,9 @@ BEHAVIOUR_PRESERVING: dict[str, dict] = {
     "61c2b744bf91e1671c85b031185c32fb82f0d18d": {"results": ["leaderboard"], "test": "tests/test_leaderboard.py",
                  "why": "leaderboard.py renames the measured per_sequence FwMLP entry fwmlp-per-sequence (same preset and "
                         "overrides) and defines a new fwmlp entry (its own row): no measured row's training or scoring changes"},
+    "1c822e03d1e190bc4a176471d7bc20da236b2fa8": {"results": ["leaderboard"], "test": "tests/test_leaderboard.py",
+                 "why": "leaderboard.py loses markdown_table (moved to report.py, presentation only): no row's training "
+                        "or scoring changes"},
     "70bad0a7131a0d1961d94eb6e059c57a92358544": {"results": ["leaderboard", "mutation_check", "bench_fast_rnn_vs_lstm"],
                                                  "test": "tests/test_lstm.py",
                  "why": "lstm.py runs nn.LSTM in training mode for a forward that needs gradients off the CPU (cuDNN "
