@@ -161,34 +161,9 @@ def compare_devices(kind, name, raw, device, reg, contract) -> dict:
     }
 
 
-def train_steps(kind, name, raw, device, bf16, reg, contract):
-    """tests/test_device_contract.py's ``train`` on ``device``: three Adam steps, autocast optional."""
-    layer = contract.build(kind, name, raw).to(device)
-    opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(reg.B, reg.T, reg.D, generator=g).to(device)
-    tokens = torch.randint(0, reg.V, (reg.B, reg.T), generator=g).to(device)
-    losses = []
-    for _ in range(3):
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            y, state = contract.call(layer, kind, x, tokens)
-            if kind == "head":
-                loss = F.cross_entropy(y.float().flatten(0, 1), tokens.flatten())
-            else:
-                loss = (y.float() - x).pow(2).mean()
-            aux = getattr(layer, "aux_loss", None)
-            if aux is not None:
-                loss = loss + aux
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, state, layer
-
-
 def bf16_training(kind, name, raw, device, reg, contract) -> dict:
-    fp32, _, _ = train_steps(kind, name, raw, device, False, reg, contract)
-    bf16, state, layer = train_steps(kind, name, raw, device, True, reg, contract)
+    fp32, _, _ = contract.train(kind, name, raw, False, device)
+    bf16, state, layer = contract.train(kind, name, raw, True, device)
     problems = []
     if not all(math.isfinite(v) for v in bf16):
         problems.append(f"non-finite bf16 loss {bf16}")

@@ -75,15 +75,16 @@ def state_leaves(state):
     return [(k, t) for k, part in parts for t in tree_leaves(part) if isinstance(t, torch.Tensor)]
 
 
-def train(kind, name, raw, bf16: bool):
-    layer = build(kind, name, raw)
+def train(kind, name, raw, bf16: bool, device: torch.device = torch.device("cpu")):
+    """Three Adam steps of one component on ``device`` (benchmarks/cuda_check.py runs it on a GPU)."""
+    layer = build(kind, name, raw).to(device)
     opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(B, T, D, generator=g)
-    tokens = torch.randint(0, V, (B, T), generator=g)
+    x = torch.randn(B, T, D, generator=g).to(device)
+    tokens = torch.randint(0, V, (B, T), generator=g).to(device)
     losses = []
     for _ in range(3):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             y, state = call(layer, kind, x, tokens)
             if kind == "head":
                 loss = F.cross_entropy(y.float().flatten(0, 1), tokens.flatten())
