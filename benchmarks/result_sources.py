@@ -212,6 +212,9 @@ BEHAVIOUR_PRESERVING: dict[str, dict] = {
     "1c822e03d1e190bc4a176471d7bc20da236b2fa8": {"results": ["leaderboard"], "test": "tests/test_leaderboard.py",
                  "why": "leaderboard.py loses markdown_table (moved to report.py, presentation only): no row's training "
                         "or scoring changes"},
+    "7fc83a44a1c2a45ec391a52da04711d2c706b3b7": {"results": ["cuda_check"], "test": "tests/test_device_contract.py",
+                 "why": "cuda_check.train_steps replaced by the identical tests/test_device_contract.train, which now "
+                        "moves the layer and inputs to a given device and autocasts by its type: the same steps"},
     "70bad0a7131a0d1961d94eb6e059c57a92358544": {"results": ["leaderboard", "mutation_check", "bench_fast_rnn_vs_lstm"],
                                                  "test": "tests/test_lstm.py",
                  "why": "lstm.py runs nn.LSTM in training mode for a forward that needs gradients off the CPU (cuDNN "
