@@ -63,6 +63,12 @@ ENTRIES = {
                ["model.options.fast_rnn.fast_weights=false"]),
     "lstm": ("LSTM", "shakespeare-char-lstm", []),
     "fwl": ("attention + FWL head (Clark et al. 2022)", "shakespeare-char-fwl", []),
+    # the FWL head trained with the state carried across windows (truncated BPTT): alone, and with the carried
+    # state dropped at a quarter of the steps (train.carry_reset) so that training also reads fresh states
+    "fwl-carry": ("attention + FWL head, trained with carried state", "shakespeare-char-fwl",
+                  ["train.carry_state=true"]),
+    "fwl-carry-reset": ("attention + FWL head, carried state dropped at 1/4 of the steps", "shakespeare-char-fwl",
+                        ["train.carry_state=true", "train.carry_reset=0.25"]),
     "fwpkm": ("attention + FwPKM memory in layer 2 (Zhao & Jones 2026)", "shakespeare-char",
               ['model.memory="fwpkm"', "model.memory_layers=[2]", "model.options.fwpkm.n_subkeys=64",
                "model.options.fwpkm.d_key=64", "model.options.fwpkm.d_value=64", "model.options.fwpkm.chunk_size=32",
@@ -110,6 +116,8 @@ ENTRY_SOURCES = {
     "ln-rnn": [S + "layers/fast_rnn.py", S + "ops/fast_rnn_kernel.py", S + "ops/fast_rnn_kernel.c"],
     "lstm": [S + "layers/lstm.py"],
     "fwl": [S + "layers/attention.py", S + "layers/fwl.py", S + "ops/fwl.py"],
+    "fwl-carry": [S + "layers/attention.py", S + "layers/fwl.py", S + "ops/fwl.py", S + "train.py"],
+    "fwl-carry-reset": [S + "layers/attention.py", S + "layers/fwl.py", S + "ops/fwl.py", S + "train.py"],
     "fwpkm": [S + "layers/attention.py", S + "layers/fwpkm.py", S + "layers/fast_memory.py", S + "ops/pkm.py"],
     "fwmlp": [S + "layers/attention.py", S + "layers/fwmlp.py", S + "layers/fast_memory.py"],
     "fwmlp-per-sequence": [S + "layers/attention.py", S + "layers/fwmlp.py", S + "layers/fast_memory.py"],

@@ -86,7 +86,7 @@ SOURCES = {
                                   S + "layers/lstm.py", S + "layers/fwl.py", S + "ops/fwl.py",
                                   S + "layers/fwpkm.py", S + "layers/fast_memory.py", S + "ops/pkm.py",
                                   S + "layers/fwmlp.py", S + "adapt/dynamic.py", S + "adapt/update_rules.py",
-                                  "benchmarks/heldout_plays.py"],
+                                  S + "train.py", "benchmarks/heldout_plays.py"],
     "fastweights adapt-test": [S + "experiments/continual_adaptation.py", S + "memory_switches.py", S + "adapt/dynamic.py"],
 }
 

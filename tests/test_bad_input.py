@@ -79,6 +79,8 @@ SETTINGS = [  # (override(s), the setting the message must name)
     (["data.split=\"random\""], "data.split"),
     (["data.tokenizer=\"sentencepiece\""], "data.tokenizer"),
     (["train.carry_state=true", "train.grad_accum=2"], "train.grad_accum"),
+    (["train.carry_state=true", "train.carry_reset=1.5"], "train.carry_reset"),
+    (["train.carry_reset=0.25"], "only applies with train.carry_state"),  # a flag that would do nothing
     (["train.device=\"nope\""], "train.device"),
     (["data.text_field=\"\""], "data.text_field"),
     (["train.eval_tokens=1"], "train.eval_tokens=1: must be >= train.seq_len=32"),  # validation would score nothing

@@ -9,6 +9,7 @@ import torch
 from fastweights.cli import main
 from fastweights.data.streams import TokenStream
 from fastweights.models.lm import LanguageModel
+from fastweights.train import drops_carried_state
 
 TINY = ["--preset", "tiny", "--quiet", "--set", "train.eval_every=0", "--set", "train.carry_state=true"]
 
@@ -62,3 +63,31 @@ def test_carry_state_with_accumulation_is_refused(tmp_path, capsys):
     out = tmp_path / "x"
     assert main(["train", *TINY, "--out", str(out), "--set", "train.grad_accum=2"]) == 2
     assert "carry_state" in capsys.readouterr().err and not out.exists()
+
+
+def test_carry_reset_draws_are_seeded_and_at_the_asked_rate():
+    draws = [drops_carried_state(7, step, 0.25) for step in range(4000)]
+    assert draws == [drops_carried_state(7, step, 0.25) for step in range(4000)]  # (seed, step) only: resumable
+    assert 0.22 < sum(draws) / len(draws) < 0.28
+    assert draws != [drops_carried_state(8, step, 0.25) for step in range(4000)]
+    assert not any(drops_carried_state(7, step, 0.0) for step in range(100))
+    assert all(drops_carried_state(7, step, 1.0) for step in range(100))
+
+
+@pytest.mark.parametrize("p", [0.5, 1.0])
+def test_carry_reset_drops_the_state_on_the_drawn_steps(tmp_path, monkeypatch, p):
+    seen = []
+    forward = LanguageModel.forward
+
+    def spy(self, tokens, state=None, targets=None):
+        if self.training:
+            seen.append(state is None)
+        return forward(self, tokens, state=state, targets=targets)
+
+    monkeypatch.setattr(LanguageModel, "forward", spy)
+    args = ["train", *TINY, "--out", str(tmp_path / "r"), "--set", "train.max_steps=12", "--set", f"train.carry_reset={p}"]
+    assert main(args) == 0
+    seed = json.loads((tmp_path / "r" / "config.json").read_text())["train"]["seed"]
+    expected = [step == 0 or drops_carried_state(seed, step, p) for step in range(12)]
+    assert seen == expected
+    assert any(expected[1:]) and (p == 1.0 or not all(expected))  # the pattern tested has both kinds of step

@@ -50,6 +50,20 @@ def lr_at(step: int, cfg, time_fraction: float = 0.0) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def drops_carried_state(seed: int, step: int, probability: float) -> bool:
+    """Whether training step ``step`` starts every lane from a fresh state (``train.carry_reset``).
+
+    With ``train.carry_state`` alone a lane's state is carried for a whole pass over the training split
+    (thousands of windows) and dropped only when the lanes restart, so the model almost never reads a
+    fresh state and learns to depend on a long carried one; validation windows and the start of every
+    stream then give it a state it never trained on. Dropping the carried state at a random
+    ``probability`` of the steps trains on histories of every length from zero, geometric with mean
+    ``1 / probability`` windows. The draw depends only on (seed, step), so a resumed run and every rank
+    of a distributed run make the same choice.
+    """
+    return probability > 0 and random.Random(seed * 1_000_003 + step).random() < probability
+
+
 def make_optimizer(model: torch.nn.Module, cfg) -> torch.optim.AdamW:
     """Weight decay on matrices (dim >= 2) only; norms, biases and scalar step sizes are not decayed.
 
@@ -396,7 +410,7 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_memory, dist, 
             for i in range(tc.grad_accum):
                 if tc.carry_state:  # truncated BPTT: row i continues its lane where the last step stopped
                     x, y, restart = data.train.get_lane_batch(tc.batch_size, tc.seq_len, step)
-                    if restart:
+                    if restart or drops_carried_state(tc.seed, step, tc.carry_reset):
                         carried = None
                 else:
                     x, y = data.train.get_batch(tc.batch_size, tc.seq_len, gen)  # the global batch, same on every rank

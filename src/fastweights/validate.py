@@ -129,6 +129,9 @@ def validate_train_config(t, starting: bool = True) -> None:
             _need(False, "train.device", t.device, "must be auto, cpu, cuda or cuda:N")
     _need(not (t.carry_state and t.grad_accum != 1), "train.grad_accum", t.grad_accum,
           "train.carry_state needs train.grad_accum = 1 (one contiguous window per lane per step)")
+    _need(0.0 <= t.carry_reset <= 1.0, "train.carry_reset", t.carry_reset, "must be a probability in [0, 1]")
+    _need(t.carry_reset == 0.0 or t.carry_state, "train.carry_reset", t.carry_reset,
+          "only applies with train.carry_state = true (there is no carried state to drop)")
 
 
 def validate_config(cfg, need_vocab: bool = False, saved: bool = False) -> None:
