@@ -86,7 +86,7 @@ SOURCES = {
                                   S + "layers/lstm.py", S + "layers/fwl.py", S + "ops/fwl.py",
                                   S + "layers/fwpkm.py", S + "layers/fast_memory.py", S + "ops/pkm.py",
                                   S + "layers/fwmlp.py", S + "adapt/dynamic.py", S + "adapt/update_rules.py",
-                                  S + "train.py", "benchmarks/heldout_plays.py"],
+                                  "benchmarks/heldout_plays.py"],
     "fastweights adapt-test": [S + "experiments/continual_adaptation.py", S + "memory_switches.py", S + "adapt/dynamic.py"],
 }
 
@@ -212,6 +212,12 @@ BEHAVIOUR_PRESERVING: dict[str, dict] = {
     "1c822e03d1e190bc4a176471d7bc20da236b2fa8": {"results": ["leaderboard"], "test": "tests/test_leaderboard.py",
                  "why": "leaderboard.py loses markdown_table (moved to report.py, presentation only): no row's training "
                         "or scoring changes"},
+    "755ed997c5eb2bc74c281d607c4fc6d01da7844b": {"results": ["leaderboard"], "test": "tests/test_carry_state.py",
+                 "why": "train.py gains train.carry_reset (default 0: drops_carried_state is then never true) and "
+                        "leaderboard.py two entries (fwl-carry, fwl-carry-reset; their own rows): no measured row "
+                        "trains with carry_state, so none changes"},
+    "e95542869caa168edb2cf884ae494fd4dc73746c": {"results": ["leaderboard"], "test": "tests/test_leaderboard.py",
+                 "why": "ENTRY_SOURCES of the two carry entries only (no row yet): no row's training or scoring changes"},
     "7fc83a44a1c2a45ec391a52da04711d2c706b3b7": {"results": ["cuda_check"], "test": "tests/test_device_contract.py",
                  "why": "cuda_check.train_steps replaced by the identical tests/test_device_contract.train, which now "
                         "moves the layer and inputs to a given device and autocasts by its type: the same steps"},
