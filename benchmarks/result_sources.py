@@ -99,12 +99,12 @@ DEFAULT_STEM = {"benchmarks/fwl_quality.py": "fwl_quality", "benchmarks/bench_fw
 _NO_COMMIT = "written before result files recorded their commit (issue 22)"
 # Existing results without a commit, listed by name (a new result without one fails the check).
 LEGACY = dict.fromkeys([
-    "adapt_test_dynamic", "adapt_test_fwpkm", "assoc_capacity", "ba_retrieval_fw_seed1_90k",
-    "ba_retrieval_lr1e-4", "ba_retrieval_lr3e-3", "ba_retrieval_lr3e-4", "ba_retrieval_seeds", "demo",
+    "adapt_test_dynamic", "adapt_test_fwpkm", "assoc_capacity",
+    "demo",
     "dynamic_eval_quality", "dynamic_timescale_spanish", "fwl_ptb", "fwl_ptb_carry",
     "fwl_ptb_seg16", "fwl_quality", "fwl_quality_1000", "fwl_quality_1000_dynamic",
     "fwl_quality_equal_steps", "fwl_quality_sequential", "fwpkm_longdocs", "fwpkm_longdocs_1000",
-    "lm_short_conv", "niah_cpu", "niah_cpu_dense", "niah_short_conv_pilots", "ptb_dynamic_eval",
+    "lm_short_conv", "niah_cpu", "niah_cpu_dense", "niah_short_conv_pilots",
     ], _NO_COMMIT)
 
 _QUALITY = ("quality run of CPU minutes to hours, not re-run in issue 22 (the 2-core CPU was shared with two "
@@ -114,12 +114,12 @@ _QUALITY = ("quality run of CPU minutes to hours, not re-run in issue 22 (the 2-
 # tables mark a result "stale: code changed after it" whenever it is, listed or not.
 KNOWN_STALE = {
     **dict.fromkeys([
-    "adapt_test_dynamic", "adapt_test_fwpkm", "ba_retrieval_fw_seed1_90k", "ba_retrieval_lr1e-4",
-    "ba_retrieval_lr3e-3", "ba_retrieval_lr3e-4", "ba_retrieval_seeds", "dynamic_eval_quality",
+    "adapt_test_dynamic", "adapt_test_fwpkm",
+    "dynamic_eval_quality",
     "dynamic_timescale_spanish", "fwl_ptb", "fwl_ptb_carry", "fwl_ptb_seg16",
     "fwl_quality", "fwl_quality_1000", "fwl_quality_1000_dynamic", "fwl_quality_equal_steps",
     "fwl_quality_sequential", "fwpkm_longdocs", "fwpkm_longdocs_1000", "lm_short_conv", "niah_cpu",
-    "niah_cpu_dense", "niah_short_conv_pilots", "ptb_dynamic_eval",
+    "niah_cpu_dense", "niah_short_conv_pilots",
     ], _QUALITY),
     "assoc_capacity": "its 24.8x headline came from a wall-clock cap under load (see its note); not re-run",
 }
