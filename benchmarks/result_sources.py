@@ -99,7 +99,7 @@ DEFAULT_STEM = {"benchmarks/fwl_quality.py": "fwl_quality", "benchmarks/bench_fw
 _NO_COMMIT = "written before result files recorded their commit (issue 22)"
 # Existing results without a commit, listed by name (a new result without one fails the check).
 LEGACY = dict.fromkeys([
-    "adapt_test_dynamic", "adapt_test_fwpkm", "assoc_capacity",
+    "adapt_test_dynamic", "adapt_test_fwpkm",
     "demo",
     "dynamic_eval_quality", "dynamic_timescale_spanish", "fwl_ptb", "fwl_ptb_carry",
     "fwl_ptb_seg16", "fwl_quality", "fwl_quality_1000", "fwl_quality_1000_dynamic",
@@ -121,7 +121,6 @@ KNOWN_STALE = {
     "fwl_quality_sequential", "fwpkm_longdocs", "fwpkm_longdocs_1000", "lm_short_conv", "niah_cpu",
     "niah_cpu_dense", "niah_short_conv_pilots",
     ], _QUALITY),
-    "assoc_capacity": "its 24.8x headline came from a wall-clock cap under load (see its note); not re-run",
 }
 # Commits that changed a measured file without changing what it computes for the listed results, each with the
 # test that shows it (a test holding the measured code's outputs to values stored before the commit). A result
