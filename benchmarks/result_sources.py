@@ -102,7 +102,7 @@ LEGACY = dict.fromkeys([
     "adapt_test_dynamic", "adapt_test_fwpkm",
     "demo",
     "dynamic_eval_quality", "dynamic_timescale_spanish", "fwl_ptb", "fwl_ptb_carry",
-    "fwl_ptb_seg16", "fwl_quality", "fwl_quality_1000", "fwl_quality_1000_dynamic",
+    "fwl_quality", "fwl_quality_1000", "fwl_quality_1000_dynamic",
     "fwl_quality_equal_steps", "fwl_quality_sequential", "fwpkm_longdocs", "fwpkm_longdocs_1000",
     "lm_short_conv", "niah_cpu", "niah_cpu_dense", "niah_short_conv_pilots",
     ], _NO_COMMIT)
@@ -116,7 +116,7 @@ KNOWN_STALE = {
     **dict.fromkeys([
     "adapt_test_dynamic", "adapt_test_fwpkm",
     "dynamic_eval_quality",
-    "dynamic_timescale_spanish", "fwl_ptb", "fwl_ptb_carry", "fwl_ptb_seg16",
+    "dynamic_timescale_spanish", "fwl_ptb", "fwl_ptb_carry",
     "fwl_quality", "fwl_quality_1000", "fwl_quality_1000_dynamic", "fwl_quality_equal_steps",
     "fwl_quality_sequential", "fwpkm_longdocs", "fwpkm_longdocs_1000", "lm_short_conv", "niah_cpu",
     "niah_cpu_dense", "niah_short_conv_pilots",
