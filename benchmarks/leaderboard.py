@@ -69,6 +69,10 @@ ENTRIES = {
                   ["train.carry_state=true"]),
     "fwl-carry-reset": ("attention + FWL head, carried state dropped at 1/4 of the steps", "shakespeare-char-fwl",
                         ["train.carry_state=true", "train.carry_reset=0.25"]),
+    # the ablation of both: contiguous lanes, state dropped at every step (no carry): what reading the text in
+    # lane order alone costs against the random windows of the fwl row
+    "fwl-lanes": ("attention + FWL head, contiguous lanes, state never carried", "shakespeare-char-fwl",
+                  ["train.carry_state=true", "train.carry_reset=1.0"]),
     "fwpkm": ("attention + FwPKM memory in layer 2 (Zhao & Jones 2026)", "shakespeare-char",
               ['model.memory="fwpkm"', "model.memory_layers=[2]", "model.options.fwpkm.n_subkeys=64",
                "model.options.fwpkm.d_key=64", "model.options.fwpkm.d_value=64", "model.options.fwpkm.chunk_size=32",
@@ -120,6 +124,7 @@ ENTRY_SOURCES = {
     # (result_sources.py); tests/test_carry_state.py holds them to what they claim
     "fwl-carry": [S + "layers/attention.py", S + "layers/fwl.py", S + "ops/fwl.py"],
     "fwl-carry-reset": [S + "layers/attention.py", S + "layers/fwl.py", S + "ops/fwl.py"],
+    "fwl-lanes": [S + "layers/attention.py", S + "layers/fwl.py", S + "ops/fwl.py"],
     "fwpkm": [S + "layers/attention.py", S + "layers/fwpkm.py", S + "layers/fast_memory.py", S + "ops/pkm.py"],
     "fwmlp": [S + "layers/attention.py", S + "layers/fwmlp.py", S + "layers/fast_memory.py"],
     "fwmlp-per-sequence": [S + "layers/attention.py", S + "layers/fwmlp.py", S + "layers/fast_memory.py"],
