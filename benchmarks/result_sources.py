@@ -217,6 +217,8 @@ BEHAVIOUR_PRESERVING: dict[str, dict] = {
                         "trains with carry_state, so none changes"},
     "e95542869caa168edb2cf884ae494fd4dc73746c": {"results": ["leaderboard"], "test": "tests/test_leaderboard.py",
                  "why": "ENTRY_SOURCES of the two carry entries only (no row yet): no row's training or scoring changes"},
+    "58171eda79de1d579ee937e4c935aab639122d8e": {"results": ["leaderboard"], "test": "tests/test_leaderboard.py",
+                 "why": "a new entry (fwl-lanes) in ENTRIES and ENTRY_SOURCES: the other entries' training and scoring unchanged"},
     "7fc83a44a1c2a45ec391a52da04711d2c706b3b7": {"results": ["cuda_check"], "test": "tests/test_device_contract.py",
                  "why": "cuda_check.train_steps replaced by the identical tests/test_device_contract.train, which now "
                         "moves the layer and inputs to a given device and autocasts by its type: the same steps"},
