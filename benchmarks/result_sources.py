@@ -103,7 +103,7 @@ LEGACY = dict.fromkeys([
     "demo",
     "dynamic_eval_quality", "dynamic_timescale_spanish", "fwl_ptb", "fwl_ptb_carry",
     "fwl_quality", "fwl_quality_1000", "fwl_quality_1000_dynamic",
-    "fwl_quality_equal_steps", "fwl_quality_sequential", "fwpkm_longdocs", "fwpkm_longdocs_1000",
+    "fwl_quality_equal_steps", "fwl_quality_sequential",
     "lm_short_conv", "niah_cpu", "niah_cpu_dense", "niah_short_conv_pilots",
     ], _NO_COMMIT)
 
@@ -126,8 +126,6 @@ KNOWN_STALE = {
     "fwl_quality_equal_steps": "two 200-step models, about 20 CPU-minutes; " + _NOT_RERUN,
     "fwl_quality_sequential": "made by an earlier version of fwl_quality.py (see COMMAND_MISMATCH); fwl_quality is "
                               "the same comparison; " + _NOT_RERUN,
-    "fwpkm_longdocs": "350 steps with one memory shared by the batch, three models; " + _NOT_RERUN,
-    "fwpkm_longdocs_1000": "three 1,000-step models; " + _NOT_RERUN,
     "lm_short_conv": "two 10-CPU-minute models trained at once; " + _NOT_RERUN,
     **dict.fromkeys(["niah_cpu", "niah_cpu_dense", "niah_short_conv_pilots"],
                     "character-level NIAH pilots that did not learn the task (every exact match 0); the token-level "
