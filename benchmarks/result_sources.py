@@ -101,7 +101,7 @@ _NO_COMMIT = "written before result files recorded their commit (issue 22)"
 LEGACY = dict.fromkeys([
     "adapt_test_dynamic", "adapt_test_fwpkm",
     "demo",
-    "dynamic_eval_quality", "dynamic_timescale_spanish", "fwl_ptb", "fwl_ptb_carry",
+    "fwl_ptb", "fwl_ptb_carry",
     "fwl_quality", "fwl_quality_1000", "fwl_quality_1000_dynamic",
     "fwl_quality_equal_steps", "fwl_quality_sequential",
     "lm_short_conv", "niah_cpu", "niah_cpu_dense", "niah_short_conv_pilots",
@@ -115,8 +115,6 @@ KNOWN_STALE = {
     "adapt_test_dynamic": "continual adaptation of the fwl_quality_1000 base checkpoint, which was not re-run "
                           "(about an hour of CPU for its three models); " + _NOT_RERUN,
     "adapt_test_fwpkm": "continual adaptation of the fwpkm_longdocs_1000 FwPKM model; " + _NOT_RERUN,
-    "dynamic_eval_quality": "5 CPU-minutes of training and about 10 of scoring; " + _NOT_RERUN,
-    "dynamic_timescale_spanish": "written by dynamic_eval_quality.py with dynamic_eval_quality.json; " + _NOT_RERUN,
     "fwl_ptb": "the segment_len = 32 ablation (why the preset uses 16), about 35 CPU-minutes; " + _NOT_RERUN,
     "fwl_ptb_carry": "PTB with carried-state training, about 35 CPU-minutes; the leaderboard's fwl-carry, "
                      "fwl-carry-reset and fwl-lanes rows are the current evidence on carried-state training; " + _NOT_RERUN,
