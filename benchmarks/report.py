@@ -104,7 +104,7 @@ EXTRACT = [
      "results/window/flop_ratio/backbone + fwl (preset)", "x", ""),
     ("bench_fwl", "FWL head: training-step tokens/s, backbone + FWL / backbone (second-order, CPU)",
      "results/train/ratio_over_backbone/backbone + fwl (preset)", "x", ""),
-    ("fwl_quality", "FWL vs linear head, same backbone, equal wall-clock: val bits/char difference (fwl - base)",
+    ("fwl_quality", "FWL vs linear head, same backbone, equal CPU time (2.5 min): val bits/char difference (fwl - base)",
      "differences_bits/fwl - base/val_bits_window", "bits/char", "< 0 (FWL better)"),
     ("fwl_quality_equal_steps", "FWL vs linear head, same backbone, 200 steps each: val bits/char difference (fwl - base)",
      "differences_bits/fwl - base/val_bits_window", "bits/char", "< 0 (FWL better)"),

@@ -102,7 +102,7 @@ LEGACY = dict.fromkeys([
     "adapt_test_dynamic", "adapt_test_fwpkm",
     "demo",
     "fwl_ptb", "fwl_ptb_carry",
-    "fwl_quality", "fwl_quality_1000", "fwl_quality_1000_dynamic",
+    "fwl_quality_1000", "fwl_quality_1000_dynamic",
     "fwl_quality_equal_steps", "fwl_quality_sequential",
     "lm_short_conv", "niah_cpu", "niah_cpu_dense", "niah_short_conv_pilots",
     ], _NO_COMMIT)
@@ -118,7 +118,6 @@ KNOWN_STALE = {
     "fwl_ptb": "the segment_len = 32 ablation (why the preset uses 16), about 35 CPU-minutes; " + _NOT_RERUN,
     "fwl_ptb_carry": "PTB with carried-state training, about 35 CPU-minutes; the leaderboard's fwl-carry, "
                      "fwl-carry-reset and fwl-lanes rows are the current evidence on carried-state training; " + _NOT_RERUN,
-    "fwl_quality": "three 2.5-CPU-minute models; " + _NOT_RERUN,
     "fwl_quality_1000": "three 1,000-step models, about an hour of CPU; " + _NOT_RERUN,
     "fwl_quality_1000_dynamic": "made from fwl_quality_1000's checkpoints; " + _NOT_RERUN,
     "fwl_quality_equal_steps": "two 200-step models, about 20 CPU-minutes; " + _NOT_RERUN,
