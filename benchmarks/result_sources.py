@@ -103,7 +103,7 @@ LEGACY = dict.fromkeys([
     "demo",
     "fwl_ptb", "fwl_ptb_carry",
     "fwl_quality_1000", "fwl_quality_1000_dynamic",
-    "fwl_quality_equal_steps", "fwl_quality_sequential",
+    "fwl_quality_sequential",
     "lm_short_conv", "niah_cpu", "niah_cpu_dense", "niah_short_conv_pilots",
     ], _NO_COMMIT)
 
@@ -120,7 +120,6 @@ KNOWN_STALE = {
                      "fwl-carry-reset and fwl-lanes rows are the current evidence on carried-state training; " + _NOT_RERUN,
     "fwl_quality_1000": "three 1,000-step models, about an hour of CPU; " + _NOT_RERUN,
     "fwl_quality_1000_dynamic": "made from fwl_quality_1000's checkpoints; " + _NOT_RERUN,
-    "fwl_quality_equal_steps": "two 200-step models, about 20 CPU-minutes; " + _NOT_RERUN,
     "fwl_quality_sequential": "made by an earlier version of fwl_quality.py (see COMMAND_MISMATCH); fwl_quality is "
                               "the same comparison; " + _NOT_RERUN,
     "lm_short_conv": "two 10-CPU-minute models trained at once; " + _NOT_RERUN,
