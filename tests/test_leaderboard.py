@@ -155,3 +155,13 @@ def test_aggregate_writes_seed_means_by_entry_and_the_checks(tmp_path, monkeypat
     assert [t["entry"] for t in rec["table"]] == ["lstm", "fast-rnn", "attention"]
     assert abs(rec["checks"]["fast_rnn_minus_lstm_streamed_bits"] - 0.15) < 1e-12
     assert not rec["complete"] and "swa" in rec["missing"] and (results / "leaderboard.png").exists()
+
+
+def test_top_entries_rank_mechanisms_not_their_ablations():
+    def row(bits):
+        return {"seed": 0, "streamed": {"bits_per_char": bits}}
+
+    rows = {"lstm": [row(2.0)], "fwl-lanes": [row(2.01)], "fwl": [row(2.02)], "swa": [row(2.03)], "gdn": [row(2.1)]}
+    assert leaderboard.top_entries(rows, 3) == ["lstm", "fwl", "swa"]
+    assert set(leaderboard.ABLATIONS) <= set(leaderboard.ENTRIES)
+    assert all(base in leaderboard.ENTRIES and base not in leaderboard.ABLATIONS for base in leaderboard.ABLATIONS.values())
