@@ -224,6 +224,8 @@ BEHAVIOUR_PRESERVING: dict[str, dict] = {
                  "why": "ENTRY_SOURCES of the two carry entries only (no row yet): no row's training or scoring changes"},
     "58171eda79de1d579ee937e4c935aab639122d8e": {"results": ["leaderboard"], "test": "tests/test_leaderboard.py",
                  "why": "a new entry (fwl-lanes) in ENTRIES and ENTRY_SOURCES: the other entries' training and scoring unchanged"},
+    "42e39d002e96eb7072de9ae4b21f6845ededc326": {"results": ["leaderboard"], "test": "tests/test_leaderboard.py",
+                 "why": "which entries the seeds rule asks seeds of (ABLATIONS left out): no row's training or scoring changes"},
     "7fc83a44a1c2a45ec391a52da04711d2c706b3b7": {"results": ["cuda_check"], "test": "tests/test_device_contract.py",
                  "why": "cuda_check.train_steps replaced by the identical tests/test_device_contract.train, which now "
                         "moves the layer and inputs to a given device and autocasts by its type: the same steps"},
