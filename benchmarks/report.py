@@ -351,7 +351,9 @@ def markdown_table(rec: dict) -> str:
         lines += [f"**Incomplete:** not yet measured: {', '.join(rec['missing'])} (and then 3 seeds for the "
                   "best three).", ""]
     elif not rec["complete"]:
-        lines += [f"**Incomplete:** 3 seeds pending for {', '.join(rec['top_entries_for_seeds'])}.", ""]
+        seeds = {row["entry"]: len(row.get("seeds") or [0]) for row in rec["table"]}
+        pending = [e for e in rec["top_entries_for_seeds"] if seeds.get(e, 0) < 3] or rec["top_entries_for_seeds"]
+        lines += [f"**Incomplete:** the best three need 3 seeds each; pending: {', '.join(pending)}.", ""]
     lines += ["| # | mechanism | streamed | windows | streamed - windows | params | train tok/s | score tok/s "
               "| train RSS MB | seeds |", "|---|---|---|---|---|---|---|---|---|---|"]
     limits: dict[str, int] = {}  # a marked row's reason -> its footnote number
