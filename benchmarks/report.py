@@ -351,8 +351,7 @@ def markdown_table(rec: dict) -> str:
         lines += [f"**Incomplete:** not yet measured: {', '.join(rec['missing'])} (and then 3 seeds for the "
                   "best three).", ""]
     elif not rec["complete"]:
-        seeds = {row["entry"]: len(row.get("seeds") or [0]) for row in rec["table"]}
-        pending = [e for e in rec["top_entries_for_seeds"] if seeds.get(e, 0) < 3] or rec["top_entries_for_seeds"]
+        pending = [t["entry"] for t in rec["table"] if t["entry"] in rec["top_entries_for_seeds"] and len(t["seeds"]) < 3]
         lines += [f"**Incomplete:** the best three need 3 seeds each; pending: {', '.join(pending)}.", ""]
     lines += ["| # | mechanism | streamed | windows | streamed - windows | params | train tok/s | score tok/s "
               "| train RSS MB | seeds |", "|---|---|---|---|---|---|---|---|---|---|"]

@@ -133,6 +133,13 @@ KNOWN_STALE = {
 _GOLDEN = ("tests/test_memory_golden.py: FwPKM and FwMLP outputs and gradients (fp64, two calls, state carried) for "
            "every option set these results use are bit-identical at the measured commits (0affc54 for niah_token, "
            "8f6caa1 for stream_memory) and after the commit")
+
+
+def _board(why: str, test: str = "tests/test_leaderboard.py") -> dict:
+    """A declaration for leaderboard.json alone."""
+    return {"results": ["leaderboard"], "test": test, "why": why}
+
+
 BEHAVIOUR_PRESERVING: dict[str, dict] = {
     "e7cac8d5f5c049f41619e0dc26aa821bcdc5970c": {"results": ["niah_token"], "test": "tests/test_memory_golden.py",
                  "why": "fwmlp.py turns autocast off through ops.no_autocast instead of torch.autocast(device type): "
@@ -170,16 +177,11 @@ BEHAVIOUR_PRESERVING: dict[str, dict] = {
     # leaderboard.json: rows from three commits (5be43e5: attention, dynamic-eval; 2dbb551: fwp-delta,
     # fwp-gated-delta, fwl; 4541e4f: fast-rnn, lstm; source_commits in the JSON). These commits touch only
     # its script's bookkeeping, or modes and files the earlier rows do not use.
-    "1a9ff6243d5edf0066368fc38c2937a20e9b664d": {"results": ["leaderboard"], "test": "tests/test_leaderboard.py",
-                 "why": "leaderboard.py gains markdown_table and drops sys.path.insert: training and scoring unchanged"},
-    "3aa58940f248cd00275bd7b4e932ddd474b39edc": {"results": ["leaderboard"], "test": "tests/test_leaderboard.py",
-                 "why": "leaderboard.py records source_commits and declares ENTRY_SOURCES: training and scoring unchanged"},
-    "d02622a7f35bed9cbdcbe49f9f50a877d09e0657": {"results": ["leaderboard"], "test": "tests/test_leaderboard.py",
-                 "why": "the table's 'incomplete' line only"},
-    "2e769f6e633b4668e078679ad634f532cfd367a0": {"results": ["leaderboard"], "test": "tests/test_leaderboard.py",
-                 "why": "the table header computes the parameter range; child() drops an unused field"},
-    "4541e4fe9826a256d9d62d857f6f8268e0bd9d8e": {"results": ["leaderboard"], "test": "tests/test_leaderboard.py",
-                 "why": "a new entry (fwp-delta-elu) in ENTRIES: the other entries' training and scoring unchanged"},
+    "1a9ff6243d5edf0066368fc38c2937a20e9b664d": _board("leaderboard.py gains markdown_table and drops sys.path.insert: training and scoring unchanged"),
+    "3aa58940f248cd00275bd7b4e932ddd474b39edc": _board("leaderboard.py records source_commits and declares ENTRY_SOURCES: training and scoring unchanged"),
+    "d02622a7f35bed9cbdcbe49f9f50a877d09e0657": _board("the table's 'incomplete' line only"),
+    "2e769f6e633b4668e078679ad634f532cfd367a0": _board("the table header computes the parameter range; child() drops an unused field"),
+    "4541e4fe9826a256d9d62d857f6f8268e0bd9d8e": _board("a new entry (fwp-delta-elu) in ENTRIES: the other entries' training and scoring unchanged"),
     "a08e9e6d6a6369c714f12a45a953bf982d163f36": {"results": ["fwp_streaming", "leaderboard"], "test": "tests/test_longctx.py",
                  "why": "stream-eval gains a 'windows' mode; the modes fwp_streaming uses (carry, memory) run the "
                         "same code as before (test_longctx holds memory mode to fresh per-segment scoring); the "
@@ -204,28 +206,21 @@ BEHAVIOUR_PRESERVING: dict[str, dict] = {
                         "(every fast-RNN these results ran) no weight of a read of at most 286 states gets near it "
                         "(0.95^285 * 0.5 ~ 2e-7), so the weights and every output are bit-identical "
                         "(test_decay_weights_below_the_normal_range_are_zero checks the kept weights are exact)"},
-    "ab8b70ed7e9ca62cb7800380b238c3471905b68e": {"results": ["leaderboard"], "test": "tests/test_leaderboard.py",
-                 "why": "leaderboard.py's provenance record ignores benchmarks/results/ among a row's dirty paths: no row's "
-                        "training or scoring changes"},
-    "2be6661f3f0f4830d58bd95f5a2a731663ef2034": {"results": ["leaderboard"], "test": "tests/test_leaderboard.py",
-                 "why": "leaderboard.py's JSON gains by_entry, a copy of the table's means keyed by entry: no row's "
-                        "training or scoring changes"},
-    "61c2b744bf91e1671c85b031185c32fb82f0d18d": {"results": ["leaderboard"], "test": "tests/test_leaderboard.py",
-                 "why": "leaderboard.py renames the measured per_sequence FwMLP entry fwmlp-per-sequence (same preset and "
-                        "overrides) and defines a new fwmlp entry (its own row): no measured row's training or scoring changes"},
-    "1c822e03d1e190bc4a176471d7bc20da236b2fa8": {"results": ["leaderboard"], "test": "tests/test_leaderboard.py",
-                 "why": "leaderboard.py loses markdown_table (moved to report.py, presentation only): no row's training "
-                        "or scoring changes"},
-    "755ed997c5eb2bc74c281d607c4fc6d01da7844b": {"results": ["leaderboard"], "test": "tests/test_carry_state.py",
-                 "why": "train.py gains train.carry_reset (default 0: drops_carried_state is then never true) and "
+    "ab8b70ed7e9ca62cb7800380b238c3471905b68e": _board("leaderboard.py's provenance record ignores benchmarks/results/ among a row's dirty paths: no row's "
+                        "training or scoring changes"),
+    "2be6661f3f0f4830d58bd95f5a2a731663ef2034": _board("leaderboard.py's JSON gains by_entry, a copy of the table's means keyed by entry: no row's "
+                        "training or scoring changes"),
+    "61c2b744bf91e1671c85b031185c32fb82f0d18d": _board("leaderboard.py renames the measured per_sequence FwMLP entry fwmlp-per-sequence (same preset and "
+                        "overrides) and defines a new fwmlp entry (its own row): no measured row's training or scoring changes"),
+    "1c822e03d1e190bc4a176471d7bc20da236b2fa8": _board("leaderboard.py loses markdown_table (moved to report.py, presentation only): no row's training "
+                        "or scoring changes"),
+    "755ed997c5eb2bc74c281d607c4fc6d01da7844b": _board("train.py gains train.carry_reset (default 0: drops_carried_state is then never true) and "
                         "leaderboard.py two entries (fwl-carry, fwl-carry-reset; their own rows): no measured row "
-                        "trains with carry_state, so none changes"},
-    "e95542869caa168edb2cf884ae494fd4dc73746c": {"results": ["leaderboard"], "test": "tests/test_leaderboard.py",
-                 "why": "ENTRY_SOURCES of the two carry entries only (no row yet): no row's training or scoring changes"},
-    "58171eda79de1d579ee937e4c935aab639122d8e": {"results": ["leaderboard"], "test": "tests/test_leaderboard.py",
-                 "why": "a new entry (fwl-lanes) in ENTRIES and ENTRY_SOURCES: the other entries' training and scoring unchanged"},
-    "42e39d002e96eb7072de9ae4b21f6845ededc326": {"results": ["leaderboard"], "test": "tests/test_leaderboard.py",
-                 "why": "which entries the seeds rule asks seeds of (ABLATIONS left out): no row's training or scoring changes"},
+                        "trains with carry_state, so none changes",
+                 test="tests/test_carry_state.py"),
+    "e95542869caa168edb2cf884ae494fd4dc73746c": _board("ENTRY_SOURCES of the two carry entries only (no row yet): no row's training or scoring changes"),
+    "58171eda79de1d579ee937e4c935aab639122d8e": _board("a new entry (fwl-lanes) in ENTRIES and ENTRY_SOURCES: the other entries' training and scoring unchanged"),
+    "42e39d002e96eb7072de9ae4b21f6845ededc326": _board("which entries the seeds rule asks seeds of (ABLATIONS left out): no row's training or scoring changes"),
     "7fc83a44a1c2a45ec391a52da04711d2c706b3b7": {"results": ["cuda_check"], "test": "tests/test_device_contract.py",
                  "why": "cuda_check.train_steps replaced by the identical tests/test_device_contract.train, which now "
                         "moves the layer and inputs to a given device and autocasts by its type: the same steps"},
