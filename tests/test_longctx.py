@@ -321,6 +321,9 @@ def test_commands_end_to_end(tmp_path, capsys):
                  "--quiet"]) == 0
     res = json.loads(out.with_suffix(".json").read_text())
     assert res["domains"] == ["cats", "lads"] and len(res["delta"]) == 3 and out.with_suffix(".png").is_file()
+    # the provenance every result records: the command as given to the CLI (not pytest's), the commit, the machine
+    assert res["command"].startswith("fastweights adapt-test --checkpoint") and res["command"].endswith("--quiet")
+    assert res["git"]["commit"] and res["machine"]["cores"] >= 1
     assert "after lads" in capsys.readouterr().out
     assert _cli(["adapt-test", "--checkpoint", str(ckpt), "--domain", "nameless", "--quiet"]) == 2
 

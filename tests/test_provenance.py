@@ -7,7 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fastweights.provenance import command_line, git_state, provenance, repo_relative
+import fastweights.provenance as provenance_module
+from fastweights.provenance import cli_provenance, command_line, git_state, provenance, repo_relative
 
 ROOT = Path(__file__).resolve().parent.parent
 # Scripts that still add their folder to sys.path, with why (each entry must still be true, so the list
@@ -30,6 +31,16 @@ def test_provenance_records_the_commit_and_the_machine():
     assert rec["command"].endswith(" benchmarks/x.py") and rec["git"]["commit"] == head
     assert rec["machine"]["torch_threads"] >= 1 and set(rec) == {"command", "date", "git", "machine"}
     assert git_state(Path("/"))["commit"] is None  # not a checkout
+
+
+def test_a_fastweights_command_records_the_checkout_it_runs_from(monkeypatch):
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    rec = cli_provenance(["adapt-test", "--out", str(ROOT / "benchmarks" / "results" / "x")])
+    assert rec["command"] == "fastweights adapt-test --out benchmarks/results/x" and rec["git"]["commit"] == head
+    # an installed copy (not a source checkout): no commit, the installed version instead
+    monkeypatch.setattr(provenance_module, "package_checkout", lambda: None)
+    rec = cli_provenance(["niah", "--out", "/elsewhere/x"])
+    assert rec["git"]["commit"] is None and "version" in rec["git"] and rec["command"] == "fastweights niah --out /elsewhere/x"
 
 
 def test_benchmark_scripts_import_without_sys_path_changes():

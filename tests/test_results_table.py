@@ -94,6 +94,11 @@ def test_check_fails_on_a_json_without_commit_a_wrong_command_or_older_than_its_
                                                              "git": {"commit": head}}))
     assert "temporary" in " ".join(check("fresh_result", {"command": cmd + " --out /tmp/x.json",
                                                           "git": {"commit": head}}))
+    # a `fastweights` command's --out is the prefix of the JSON it writes; elsewhere than the stored file fails
+    cli = "fastweights adapt-test --checkpoint runs/a --domain a=b --out "
+    assert check("fresh_result", {"command": cli + "benchmarks/results/fresh_result", "git": {"commit": head}}) == []
+    assert "writes runs/adapt/x.json" in " ".join(check("fresh_result", {"command": cli + "runs/adapt/x",
+                                                                         "git": {"commit": head}}))
     old = check("fresh_result", {"command": cmd + " --name fresh_result", "git": {"commit": first}})
     assert len(old) == 1 and "older than the code it measures" in old[0]
     legacy_old = check("fresh_result", {"command": cmd + " --name fresh_result", "date": "2000-01-01 00:00:00"})

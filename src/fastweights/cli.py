@@ -323,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = _one_line_warning
     try:
         args = build_parser().parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)  # what result files record as the command
         return int(args.func(args) or 0)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

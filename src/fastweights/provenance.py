@@ -68,7 +68,37 @@ def git_state(root: Path) -> dict:
     return {"commit": commit, "dirty": bool(changed), "dirty_paths": changed[:20]}
 
 
-def provenance(root: Path, argv: list[str] | None = None) -> dict:
+def provenance(root: Path, argv: list[str] | None = None, program: str | None = None) -> dict:
     """The command, the date, the commit (and dirty flag) of the checkout at ``root``, and the machine."""
-    return {"command": command_line(root, argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "git": git_state(root),
-            "machine": machine()}
+    return {"command": command_line(root, argv, program), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "git": git_state(root), "machine": machine()}
+
+
+def package_checkout() -> Path | None:
+    """The source checkout this ``fastweights`` was imported from (``ROOT/src/fastweights``: an editable
+    install or ``PYTHONPATH=ROOT/src``), or None for an installed copy (whose site-packages may lie inside
+    some other repository, so git is not asked there)."""
+    import fastweights
+
+    pkg = Path(fastweights.__file__).resolve().parent
+    root = pkg.parent.parent
+    return root if pkg.parent.name == "src" and (root / ".git").exists() else None
+
+
+def cli_provenance(argv: list[str] | None = None) -> dict:
+    """What a result file written by the ``fastweights`` command records: the command as typed
+    (``fastweights`` then ``argv``, default ``sys.argv[1:]``, paths inside the checkout relative to it),
+    the date, the commit of the checkout the package runs from (``{"commit": None}`` for an installed
+    copy, with ``version``), and the machine."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    root = package_checkout()
+    if root is not None:
+        return provenance(root, argv, program="fastweights")
+    try:
+        installed = version("fastweights")
+    except PackageNotFoundError:
+        installed = None
+    return {"command": command_line(Path.cwd(), argv, "fastweights"), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "git": {"commit": None, "dirty": None, "version": installed}, "machine": machine()}

@@ -25,8 +25,6 @@ dynamic-evaluation attributes ``dynamic`` (None), ``dynamic_lr``, ``dynamic_deca
 from __future__ import annotations
 
 import json
-import shlex
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -176,10 +174,6 @@ def _evaluator(args, model, tok, cfg, ckpt, seq_len: int):
     return ev, info
 
 
-def _command_line() -> str:
-    return " ".join(shlex.quote(a) for a in ["fastweights", *sys.argv[1:]])
-
-
 def _output_prefix(args, default: str) -> Path:
     """``--out`` as a path prefix (PREFIX.json, PREFIX.png), checked before any work: the outputs of an
     earlier run there are refused unless ``--overwrite``. Without ``--out`` (``eval --stream``), a fresh
@@ -198,10 +192,14 @@ def _output_prefix(args, default: str) -> Path:
     return out
 
 
-def _write_json(path: Path, obj) -> None:
+def _write_json(path: Path, obj, args) -> None:
+    """``obj`` after the provenance every result records (the command ``args.argv``, date, commit,
+    machine), written whole or not at all."""
     from fastweights.files import atomic_write
+    from fastweights.provenance import cli_provenance
 
-    atomic_write(path, lambda p: p.write_text(json.dumps(obj, indent=2) + "\n"))
+    record = {**cli_provenance(getattr(args, "argv", None)), **obj}
+    atomic_write(path, lambda p: p.write_text(json.dumps(record, indent=2) + "\n"))
 
 
 def _describe(cfg) -> str:
@@ -254,14 +252,14 @@ def cmd_niah(args) -> int:
         samples = make_samples(haystack, tok, lengths, depths, args.samples, args.seed)
     records = evaluate_niah(model, tok, samples, opts, progress=not args.quiet)
     summary = summarize(records, depths, args.depth_bins)
-    meta = {"command": _command_line(), "checkpoint": str(args.checkpoint), "model": _describe(cfg),
+    meta = {"checkpoint": str(args.checkpoint), "model": _describe(cfg),
             "haystack": haystack.name, "format": "token" if token_format else "char",
             **({"keys": args.keys, "heldout_key_embeddings": "mean + std * N(0, 1) of the trained keys'"
                 if args.keys == "heldout" else "trained"} if token_format else {}), "lengths": lengths, "depths": depths, "samples_per_cell": args.samples,
             "seed": args.seed, "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(opts).items()},
             "train_seq_len": cfg.train.seq_len}
     doc = records_to_json(records, summary, meta)
-    _write_json(out.with_suffix(".json"), doc)
+    _write_json(out.with_suffix(".json"), doc, args)
     plot_niah(summary, out.with_suffix(".png"), title=f"NIAH: {Path(args.checkpoint).name} ({_describe(cfg)})")
     for s in samples[: args.show]:
         recs = [r for r in records if r["seed"] == s.seed]
@@ -330,8 +328,8 @@ def run_stream_eval(args) -> int:
                      tokenizer=tok.name, not_frozen=_not_frozen(model, mode),
                      dynamic=(ev.metadata() | info) if ev is not None and mode != "frozen" else None)
             runs.append(d)
-    doc = {"command": _command_line(), "data": data or f"{cfg.data.corpus}:{split}", "modes": modes, "runs": runs}
-    _write_json(out.with_suffix(".json"), doc)
+    doc = {"data": data or f"{cfg.data.corpus}:{split}", "modes": modes, "runs": runs}
+    _write_json(out.with_suffix(".json"), doc, args)
     plot_stream(runs, out.with_suffix(".png"), unit="bits" if tok.name in ("char", "byte") else "nats")
     if getattr(args, "json", False):
         print(json.dumps({**doc, "runs": [{k: v for k, v in r.items() if k not in ("curve", "documents", "state_norm")} for r in runs]},
@@ -380,9 +378,9 @@ def cmd_adapt_test(args) -> int:
     built = _evaluator(args, model, tok, cfg, args.checkpoint, seq_len)
     ev, info = built if built else (None, None)
     res = adapt_test(model, domains, seq_len, args.stride, args.eval_state, ev, progress=not args.quiet)
-    res.update(command=_command_line(), checkpoint=str(args.checkpoint), model=_describe(cfg),
+    res.update(checkpoint=str(args.checkpoint), model=_describe(cfg),
                dynamic=(ev.metadata() | info) if ev is not None else None)
-    _write_json(out.with_suffix(".json"), res)
+    _write_json(out.with_suffix(".json"), res, args)
     plot_adapt(res, out.with_suffix(".png"), title=f"continual adaptation: {Path(args.checkpoint).name} ({_describe(cfg)})"
                + (f" + dynamic {ev.rule}" if ev else ""))
     if args.json:
@@ -412,10 +410,10 @@ def cmd_gates(args) -> int:
     tokens = [tok.decode([int(i)]) for i in ids]
     plot_gate_map(tokens, gates, out, width=args.width,
                   title=f"FwPKM gates, {Path(args.checkpoint).name}, write chunk {args.write_chunk or 'trained'}")
-    doc = {"command": _command_line(), "checkpoint": str(args.checkpoint), "tokens": tokens,
+    doc = {"checkpoint": str(args.checkpoint), "tokens": tokens,
            "gates": {str(k): [round(float(x), 5) for x in v] for k, v in gates.items()},
            "mean_gate": {str(k): float(v.mean()) for k, v in gates.items()}}
-    _write_json(out.with_suffix(".json"), doc)
+    _write_json(out.with_suffix(".json"), doc, args)
     if args.json:
         print(json.dumps({k: doc[k] for k in ("checkpoint", "mean_gate")}, indent=2))
     else:

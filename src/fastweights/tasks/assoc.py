@@ -44,7 +44,6 @@ import argparse
 import dataclasses
 import json
 import math
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -399,10 +398,12 @@ def run(args: argparse.Namespace) -> int:
         eval_sequences=args.eval_sequences, stop_loss=args.stop_loss, patience=args.patience, seed=args.seed,
     )
     results = run_sweep(base, parse_keys(args.keys), models, progress=not args.quiet)
-    report = {"command": "fastweights " + " ".join(sys.argv[1:]), "results": results}
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        from fastweights.files import atomic_write
+        from fastweights.provenance import cli_provenance
+
+        report = {**cli_provenance(getattr(args, "argv", None)), "results": results}
+        atomic_write(Path(args.out), lambda p: p.write_text(json.dumps(report, indent=2) + "\n"))
     if args.plot:
         plot_capacity(results, Path(args.plot))
     if args.json:
