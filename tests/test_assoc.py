@@ -149,7 +149,9 @@ def test_cli_json_and_plot(tmp_path, capsys):
     printed = json.loads(capsys.readouterr().out)
     assert [(r["label"], r["keys"]) for r in printed] == [("sum/elu1", 4), ("sum/elu1", 6),
                                                           ("delta/dpfp1", 4), ("delta/dpfp1", 6)]
-    assert json.loads(out.read_text())["results"][0]["final_eval_loss"] == printed[0]["final_eval_loss"]
+    written = json.loads(out.read_text())
+    assert written["results"][0]["final_eval_loss"] == printed[0]["final_eval_loss"]
+    assert written["command"].startswith("fastweights ") and set(written) >= {"date", "git", "machine"}
     assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
