@@ -112,22 +112,21 @@ S = "src/fastweights/"
 SHARED_SOURCES = [S + "models/lm.py", S + "layers/common.py", S + "experiments/streaming.py",
                   "benchmarks/heldout_plays.py"]
 _FWP = [S + "layers/fwp.py", S + "ops/delta_rule.py", S + "ops/linear_attention.py", S + "ops/feature_maps.py"]
+_FWL = [S + "layers/attention.py", S + "layers/fwl.py", S + "ops/fwl.py"]
+_FAST_RNN = [S + "layers/fast_rnn.py", S + "ops/fast_rnn_kernel.py", S + "ops/fast_rnn_kernel.c"]
+_FWMLP = [S + "layers/attention.py", S + "layers/fwmlp.py", S + "layers/fast_memory.py"]
 ENTRY_SOURCES = {
     "attention": [S + "layers/attention.py"], "swa": [S + "layers/attention.py"],
     "fwp-sum": _FWP, "fwp-delta": _FWP, "fwp-gated-delta": _FWP,
     "gdn": [S + "layers/gdn.py", S + "ops/delta_rule.py"],
-    "fast-rnn": [S + "layers/fast_rnn.py", S + "ops/fast_rnn_kernel.py", S + "ops/fast_rnn_kernel.c"],
-    "ln-rnn": [S + "layers/fast_rnn.py", S + "ops/fast_rnn_kernel.py", S + "ops/fast_rnn_kernel.c"],
+    "fast-rnn": _FAST_RNN, "ln-rnn": _FAST_RNN,
     "lstm": [S + "layers/lstm.py"],
-    "fwl": [S + "layers/attention.py", S + "layers/fwl.py", S + "ops/fwl.py"],
+    "fwl": _FWL,
     # train.carry_state / carry_reset live in the trainer, whose plumbing no result counts as its source
     # (result_sources.py); tests/test_carry_state.py holds them to what they claim
-    "fwl-carry": [S + "layers/attention.py", S + "layers/fwl.py", S + "ops/fwl.py"],
-    "fwl-carry-reset": [S + "layers/attention.py", S + "layers/fwl.py", S + "ops/fwl.py"],
-    "fwl-lanes": [S + "layers/attention.py", S + "layers/fwl.py", S + "ops/fwl.py"],
+    "fwl-carry": _FWL, "fwl-carry-reset": _FWL, "fwl-lanes": _FWL,
     "fwpkm": [S + "layers/attention.py", S + "layers/fwpkm.py", S + "layers/fast_memory.py", S + "ops/pkm.py"],
-    "fwmlp": [S + "layers/attention.py", S + "layers/fwmlp.py", S + "layers/fast_memory.py"],
-    "fwmlp-per-sequence": [S + "layers/attention.py", S + "layers/fwmlp.py", S + "layers/fast_memory.py"],
+    "fwmlp": _FWMLP, "fwmlp-per-sequence": _FWMLP,
     "dynamic-eval": [S + "layers/attention.py", S + "adapt/dynamic.py", S + "adapt/update_rules.py"],
 }
 
