@@ -230,6 +230,8 @@ BEHAVIOUR_PRESERVING: dict[str, dict] = {
     "eb1108e00cd750c7e33252940dafe73eead4a54f": {"results": ["assoc_capacity"], "test": "tests/test_assoc.py",
                  "why": "tasks/assoc.py: only the CLI's --out file changed (it records the provenance and is written "
                         "atomically); the training and evaluation assoc_capacity.py calls are untouched"},
+    "c35d62e5e9aa61afc3528aae3c563d51ef2a0481": _board("leaderboard.py names the FWL, fast-weights RNN and FwMLP source lists once; the same "
+                   "lists, nothing a row trains or scores changed"),
 }
 
 # Results whose recorded command does not write the stored file as it stands (kept, reason given).
