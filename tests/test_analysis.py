@@ -78,6 +78,7 @@ def run_cli(argv):
     sub = p.add_subparsers(dest="command", required=True)
     register_cli(sub)
     args = p.parse_args(argv)
+    args.argv = argv  # as fastweights.cli.main sets it: the command the result records
     return args.func(args)
 
 
@@ -103,6 +104,7 @@ def test_analyze_command_end_to_end(tmp_path):
     n = result["overall"]["tokens"]
     assert all(sum(row["tokens"] for row in result[k]) == n for k in ("by_position", "by_frequency", "by_prior_count"))
     assert result["frequency_from"] == "train" and result["data"].endswith(":test")
+    assert result["command"].startswith("fastweights analyze --base") and result["git"]["commit"]  # provenance
 
 
 def test_analyze_rejects_different_tokenizers(tmp_path):
