@@ -104,7 +104,6 @@ LEGACY = dict.fromkeys([
     "fwl_ptb", "fwl_ptb_carry",
     "fwl_quality_1000", "fwl_quality_1000_dynamic",
     "fwl_quality_sequential",
-    "lm_short_conv",
     ], _NO_COMMIT)
 
 _NOT_RERUN = "not re-run: the CPU time of the re-runs went to the results behind the README's claims first"
@@ -122,7 +121,6 @@ KNOWN_STALE = {
     "fwl_quality_1000_dynamic": "made from fwl_quality_1000's checkpoints; " + _NOT_RERUN,
     "fwl_quality_sequential": "made by an earlier version of fwl_quality.py (see COMMAND_MISMATCH); fwl_quality is "
                               "the same comparison; " + _NOT_RERUN,
-    "lm_short_conv": "two 10-CPU-minute models trained at once; " + _NOT_RERUN,
 }
 # Commits that changed a measured file without changing what it computes for the listed results, each with the
 # test that shows it (a test holding the measured code's outputs to values stored before the commit). A result
@@ -272,7 +270,9 @@ def command_problem(stem: str, command: str) -> str | None:
     outs = [words[i + 1].strip("'\"") for i, w in enumerate(words[:-1])
             if w == "--out" and (cli or words[i + 1].strip("'\"").endswith(".json"))]
     if outs:
-        written = Path(outs[-1]) if outs[-1].endswith(".json") else Path(outs[-1] + ".json")
+        written = (Path(outs[-1]) if outs[-1].endswith(".json") else
+                   Path(outs[-1]) / "analysis.json" if script_of(command) == "fastweights analyze" else  # --out DIR
+                   Path(outs[-1] + ".json"))
         wanted = f"benchmarks/results/{stem}.json"
         return None if written.as_posix() == wanted else f"--out {outs[-1]} writes {written.as_posix()}, not {wanted}"
     script = script_of(command)
@@ -304,15 +304,24 @@ def measured_time(path: Path, rec: dict) -> int:
     return int(added[-1]) if added else int(time.time())
 
 
-def staleness(path: Path, rec: dict) -> str | None:
-    """Why the result is older than the code it measures, or None."""
+def result_key(path: Path, results: Path = RESULTS) -> str:
+    """A result's name: its path under ``results`` without ``.json`` (``fwl_quality``, ``fwl_analysis/analysis``)."""
+    try:
+        return path.resolve().relative_to(results.resolve()).with_suffix("").as_posix()
+    except ValueError:
+        return path.stem
+
+
+def staleness(path: Path, rec: dict, key: str | None = None) -> str | None:
+    """Why the result ``key`` (default: the file's name) is older than the code it measures, or None."""
+    key = key or result_key(path)
     script = script_of(str(rec.get("command", "")))
     if script is None or script not in SOURCES:
         return f"no SOURCES entry for its command ({script or 'unrecognised'})"
     paths = SOURCES[script] + ([script] if script.startswith("benchmarks/") else [])
     # commits declared to leave this result valid do not count, for a legacy result (by date) as for one
     # with a recorded commit
-    kept = {c for c, entry in BEHAVIOUR_PRESERVING.items() if path.stem in entry.get("results", ())}
+    kept = {c for c, entry in BEHAVIOUR_PRESERVING.items() if key in entry.get("results", ())}
     last = last_source_commit(paths, skip=kept)
     if last is None:
         return None
@@ -359,18 +368,19 @@ def problems(results: Path = RESULTS) -> list[str]:
     out = []
     for path in sorted(results.glob("*.json")):
         rec = json.loads(path.read_text())
-        name = path.name
+        key = result_key(path, results)
+        name = f"{key}.json"
         command = str(rec.get("command") or "")
         if not command:
             out.append(f"{name}: no command recorded")
-        if not (rec.get("git") or {}).get("commit") and path.stem not in LEGACY:
+        if not (rec.get("git") or {}).get("commit") and key not in LEGACY:
             out.append(f"{name}: no git commit recorded (and not a listed legacy result)")
-        why = command_problem(path.stem, command)
-        if why and path.stem not in COMMAND_MISMATCH:
+        why = command_problem(key, command)
+        if why and key not in COMMAND_MISMATCH:
             out.append(f"{name}: {why}")
-        why = staleness(path, rec)
-        if why and path.stem not in KNOWN_STALE:
+        why = staleness(path, rec, key)
+        if why and key not in KNOWN_STALE:
             out.append(f"{name}: older than the code it measures: {why}")
-        if not why and path.stem in KNOWN_STALE and results == RESULTS:
+        if not why and key in KNOWN_STALE and results == RESULTS:
             out.append(f"{name}: listed in KNOWN_STALE but measured the current code: take it off the list")
     return out
