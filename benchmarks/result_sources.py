@@ -99,7 +99,7 @@ DEFAULT_STEM = {"benchmarks/fwl_quality.py": "fwl_quality", "benchmarks/bench_fw
 _NO_COMMIT = "written before result files recorded their commit (issue 22)"
 # Existing results without a commit, listed by name (a new result without one fails the check).
 LEGACY = dict.fromkeys([
-    "adapt_test_dynamic", "adapt_test_fwpkm",
+    "adapt_test_dynamic",
     "demo",
     "fwl_ptb", "fwl_ptb_carry",
     "fwl_quality_1000", "fwl_quality_1000_dynamic",
@@ -113,7 +113,6 @@ _NOT_RERUN = "not re-run: the CPU time of the re-runs went to the results behind
 KNOWN_STALE = {
     "adapt_test_dynamic": "continual adaptation of the fwl_quality_1000 base checkpoint, which was not re-run "
                           "(about an hour of CPU for its three models); " + _NOT_RERUN,
-    "adapt_test_fwpkm": "continual adaptation of the fwpkm_longdocs_1000 FwPKM model; " + _NOT_RERUN,
     "fwl_ptb": "the segment_len = 32 ablation (why the preset uses 16), about 35 CPU-minutes; " + _NOT_RERUN,
     "fwl_ptb_carry": "PTB with carried-state training, about 35 CPU-minutes; the leaderboard's fwl-carry, "
                      "fwl-carry-reset and fwl-lanes rows are the current evidence on carried-state training; " + _NOT_RERUN,
@@ -236,9 +235,8 @@ BEHAVIOUR_PRESERVING: dict[str, dict] = {
 COMMAND_MISMATCH = {
     "fwl_quality_sequential": "its recorded command writes fwl_quality.json: the result was stored under this name "
                               "to keep it next to the later run; re-running that command overwrites fwl_quality.json",
-    **dict.fromkeys(["adapt_test_dynamic", "adapt_test_fwpkm"],
-                    "written under runs/adapt_test/ and copied here (before the check read a `fastweights` "
-                    "command's --out as the prefix of the file it writes); see KNOWN_STALE"),
+    "adapt_test_dynamic": "written under runs/adapt_test/ and copied here (before the check read a `fastweights` "
+                          "command's --out as the prefix of the file it writes); see KNOWN_STALE",
 }
 
 
