@@ -101,7 +101,7 @@ _NO_COMMIT = "written before result files recorded their commit (issue 22)"
 LEGACY = dict.fromkeys([
     "adapt_test_dynamic",
     "demo",
-    "fwl_ptb", "fwl_ptb_carry",
+    "fwl_ptb_carry",
     "fwl_quality_1000", "fwl_quality_1000_dynamic",
     "fwl_quality_sequential",
     ], _NO_COMMIT)
@@ -113,7 +113,6 @@ _NOT_RERUN = "not re-run: the CPU time of the re-runs went to the results behind
 KNOWN_STALE = {
     "adapt_test_dynamic": "continual adaptation of the fwl_quality_1000 base checkpoint, which was not re-run "
                           "(about an hour of CPU for its three models); " + _NOT_RERUN,
-    "fwl_ptb": "the segment_len = 32 ablation (why the preset uses 16), about 35 CPU-minutes; " + _NOT_RERUN,
     "fwl_ptb_carry": "PTB with carried-state training, about 35 CPU-minutes; the leaderboard's fwl-carry, "
                      "fwl-carry-reset and fwl-lanes rows are the current evidence on carried-state training; " + _NOT_RERUN,
     "fwl_quality_1000": "three 1,000-step models, about an hour of CPU; " + _NOT_RERUN,
