@@ -101,7 +101,6 @@ _NO_COMMIT = "written before result files recorded their commit (issue 22)"
 LEGACY = dict.fromkeys([
     "adapt_test_dynamic",
     "demo",
-    "fwl_quality_1000", "fwl_quality_1000_dynamic",
     "fwl_quality_sequential",
     ], _NO_COMMIT)
 
@@ -112,8 +111,6 @@ _NOT_RERUN = "not re-run: the CPU time of the re-runs went to the results behind
 KNOWN_STALE = {
     "adapt_test_dynamic": "continual adaptation of the fwl_quality_1000 base checkpoint, which was not re-run "
                           "(about an hour of CPU for its three models); " + _NOT_RERUN,
-    "fwl_quality_1000": "three 1,000-step models, about an hour of CPU; " + _NOT_RERUN,
-    "fwl_quality_1000_dynamic": "made from fwl_quality_1000's checkpoints; " + _NOT_RERUN,
     "fwl_quality_sequential": "made by an earlier version of fwl_quality.py (see COMMAND_MISMATCH); fwl_quality is "
                               "the same comparison; " + _NOT_RERUN,
 }
