@@ -99,7 +99,6 @@ DEFAULT_STEM = {"benchmarks/fwl_quality.py": "fwl_quality", "benchmarks/bench_fw
 _NO_COMMIT = "written before result files recorded their commit (issue 22)"
 # Existing results without a commit, listed by name (a new result without one fails the check).
 LEGACY = dict.fromkeys([
-    "adapt_test_dynamic",
     "demo",
     "fwl_quality_sequential",
     ], _NO_COMMIT)
@@ -109,8 +108,6 @@ _NOT_RERUN = "not re-run: the CPU time of the re-runs went to the results behind
 # listed until re-run (a listed result that is current fails the check: take it off the list); the
 # tables mark a result "stale: code changed after it" whenever it is, listed or not.
 KNOWN_STALE = {
-    "adapt_test_dynamic": "continual adaptation of the fwl_quality_1000 base checkpoint, which was not re-run "
-                          "(about an hour of CPU for its three models); " + _NOT_RERUN,
     "fwl_quality_sequential": "made by an earlier version of fwl_quality.py (see COMMAND_MISMATCH); fwl_quality is "
                               "the same comparison; " + _NOT_RERUN,
 }
@@ -228,8 +225,6 @@ BEHAVIOUR_PRESERVING: dict[str, dict] = {
 COMMAND_MISMATCH = {
     "fwl_quality_sequential": "its recorded command writes fwl_quality.json: the result was stored under this name "
                               "to keep it next to the later run; re-running that command overwrites fwl_quality.json",
-    "adapt_test_dynamic": "written under runs/adapt_test/ and copied here (before the check read a `fastweights` "
-                          "command's --out as the prefix of the file it writes); see KNOWN_STALE",
 }
 
 
