@@ -88,6 +88,8 @@ SOURCES = {
                                   S + "layers/fwmlp.py", S + "adapt/dynamic.py", S + "adapt/update_rules.py",
                                   "benchmarks/heldout_plays.py"],
     "fastweights adapt-test": [S + "experiments/continual_adaptation.py", S + "memory_switches.py", S + "adapt/dynamic.py"],
+    # the per-token comparison of two checkpoints (fwl_quality_1000's): the analysis and the heads it compares
+    "fastweights analyze": [S + "analysis.py", S + "layers/fwl.py", S + "ops/fwl.py"],
 }
 
 # The file a script writes when its command names none (a command without --name / --out must match).
@@ -352,7 +354,8 @@ def status(path: Path) -> str:
 def problems(results: Path = RESULTS) -> list[str]:
     """Every provenance rule broken by a result file in ``results`` (empty when all pass)."""
     out = []
-    for path in sorted(results.glob("*.json")):
+    # a result is a JSON file in ``results`` or one folder down (fastweights analyze writes DIR/analysis.json)
+    for path in sorted(results.glob("*.json")) + sorted(results.glob("*/*.json")):
         rec = json.loads(path.read_text())
         key = result_key(path, results)
         name = f"{key}.json"

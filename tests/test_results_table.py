@@ -99,6 +99,13 @@ def test_check_fails_on_a_json_without_commit_a_wrong_command_or_older_than_its_
     assert check("fresh_result", {"command": cli + "benchmarks/results/fresh_result", "git": {"commit": head}}) == []
     assert "writes runs/adapt/x.json" in " ".join(check("fresh_result", {"command": cli + "runs/adapt/x",
                                                                          "git": {"commit": head}}))
+    # a result one folder down (fastweights analyze writes DIR/analysis.json) is checked too, under its folder's name
+    (tmp_path / "pair").mkdir()
+    (tmp_path / "pair" / "analysis.json").write_text(json.dumps({"command": "fastweights analyze --base a --model b "
+                                                                            "--out benchmarks/results/pair"}))
+    assert "pair/analysis.json: no git commit" in " ".join(check("fresh_result", {"command": cmd + " --name fresh_result",
+                                                                                  "git": {"commit": head}}))
+    (tmp_path / "pair" / "analysis.json").unlink()
     old = check("fresh_result", {"command": cmd + " --name fresh_result", "git": {"commit": first}})
     assert len(old) == 1 and "older than the code it measures" in old[0]
     legacy_old = check("fresh_result", {"command": cmd + " --name fresh_result", "date": "2000-01-01 00:00:00"})
