@@ -100,19 +100,12 @@ DEFAULT_STEM = {"benchmarks/fwl_quality.py": "fwl_quality", "benchmarks/bench_fw
 
 _NO_COMMIT = "written before result files recorded their commit (issue 22)"
 # Existing results without a commit, listed by name (a new result without one fails the check).
-LEGACY = dict.fromkeys([
-    "demo",
-    "fwl_quality_sequential",
-    ], _NO_COMMIT)
+LEGACY = dict.fromkeys(["demo"], _NO_COMMIT)
 
-_NOT_RERUN = "not re-run: the CPU time of the re-runs went to the results behind the README's claims first"
 # Results whose measured code changed after the run and that were not re-run, with the reason. They stay
 # listed until re-run (a listed result that is current fails the check: take it off the list); the
 # tables mark a result "stale: code changed after it" whenever it is, listed or not.
-KNOWN_STALE = {
-    "fwl_quality_sequential": "made by an earlier version of fwl_quality.py (see COMMAND_MISMATCH); fwl_quality is "
-                              "the same comparison; " + _NOT_RERUN,
-}
+KNOWN_STALE: dict[str, str] = {}
 # Commits that changed a measured file without changing what it computes for the listed results, each with the
 # test that shows it (a test holding the measured code's outputs to values stored before the commit). A result
 # is stale when a commit that is NOT listed here for it changed its sources after its recorded commit.
@@ -224,10 +217,7 @@ BEHAVIOUR_PRESERVING: dict[str, dict] = {
 }
 
 # Results whose recorded command does not write the stored file as it stands (kept, reason given).
-COMMAND_MISMATCH = {
-    "fwl_quality_sequential": "its recorded command writes fwl_quality.json: the result was stored under this name "
-                              "to keep it next to the later run; re-running that command overwrites fwl_quality.json",
-}
+COMMAND_MISMATCH: dict[str, str] = {}
 
 
 def git(*args: str) -> str:

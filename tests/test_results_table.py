@@ -112,6 +112,33 @@ def test_check_fails_on_a_json_without_commit_a_wrong_command_or_older_than_its_
     assert any("older than the code" in p for p in legacy_old) and any("no git commit" in p for p in legacy_old)
 
 
+def test_the_exemption_lists_excuse_only_the_results_they_name(tmp_path, monkeypatch):
+    """LEGACY (no commit), COMMAND_MISMATCH and KNOWN_STALE each let one named result pass one rule, and a
+    KNOWN_STALE entry that is current again fails until it is taken off the list."""
+    _report()
+    import result_sources as rs
+
+    monkeypatch.setattr(rs, "RESULTS", tmp_path)
+    head = rs.git("rev-parse", "HEAD")
+    first = rs.git("rev-list", "--max-parents=0", "HEAD").split()[0]
+    cmd = "python benchmarks/bench_fwpkm_model.py --rounds 3 --name r"
+
+    def problems(rec):
+        (tmp_path / "r.json").write_text(json.dumps(rec))
+        return " ".join(rs.problems(tmp_path))
+
+    assert "no git commit" in problems({"command": cmd, "date": "2100-01-01 00:00:00"})
+    monkeypatch.setitem(rs.LEGACY, "r", "why")
+    assert problems({"command": cmd, "date": "2100-01-01 00:00:00"}) == ""
+    assert "another file" in problems({"command": cmd + "x", "git": {"commit": head}})
+    monkeypatch.setitem(rs.COMMAND_MISMATCH, "r", "why")
+    assert problems({"command": cmd + "x", "git": {"commit": head}}) == ""
+    assert "older than the code" in problems({"command": cmd, "git": {"commit": first}})
+    monkeypatch.setitem(rs.KNOWN_STALE, "r", "why")
+    assert problems({"command": cmd, "git": {"commit": first}}) == ""
+    assert "take it off the list" in problems({"command": cmd, "git": {"commit": head}})
+
+
 def test_check_fails_on_a_table_that_disagrees_with_its_json():
     report = _report()
     page = "x\n<!-- results:start mutation_check -->\n<!-- results:end -->\n"
