@@ -98,9 +98,9 @@ DEFAULT_STEM = {"benchmarks/fwl_quality.py": "fwl_quality", "benchmarks/bench_fw
                 "benchmarks/niah_cpu.py": "niah_cpu", "benchmarks/fwl_ptb.py": "fwl_ptb",
                 "benchmarks/ba_retrieval_seeds.py": "ba_retrieval_seeds"}
 
-_NO_COMMIT = "written before result files recorded their commit (issue 22)"
-# Existing results without a commit, listed by name (a new result without one fails the check).
-LEGACY = dict.fromkeys(["demo"], _NO_COMMIT)
+# Results without a commit, listed by name with why (a new result without one fails the check). Empty since
+# every result written before results recorded their commit (issue 22) was re-run or retired.
+LEGACY: dict[str, str] = {}
 
 # Results whose measured code changed after the run and that were not re-run, with the reason. They stay
 # listed until re-run (a listed result that is current fails the check: take it off the list); the
