@@ -19,7 +19,6 @@ first occurrence is slightly worse). Writes ``analysis.json`` and ``analysis.png
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -237,15 +236,13 @@ def analyze(base_dir: Path, model_dir: Path, data: str | None = None, split: str
 
 def cmd_analyze(args) -> int:
     from fastweights.distributed import resolve_device
-    from fastweights.files import atomic_write
-    from fastweights.provenance import cli_provenance
+    from fastweights.provenance import write_cli_result
 
     result = analyze(Path(args.base), Path(args.model), data=args.data, split=args.split, seq_len=args.seq_len,
                      stride=args.stride, max_chars=args.max_chars, freq_from=args.freq_from,
                      device=str(resolve_device(args.device)), progress=not args.quiet)
     out = Path(args.out)
-    record = {**cli_provenance(getattr(args, "argv", None)), **result}  # command, date, commit, machine
-    atomic_write(out / "analysis.json", lambda p: p.write_text(json.dumps(record, indent=2) + "\n"))
+    write_cli_result(out / "analysis.json", result, getattr(args, "argv", None))  # with command, date, commit, machine
     plot_analysis(result, out / "analysis.png")
     o = result["overall"]
     print(f"{result['data']}: {o['tokens']} tokens, base {o['base_bits']:.4f} -> model {o['model_bits']:.4f} "

@@ -68,10 +68,11 @@ def git_state(root: Path) -> dict:
     return {"commit": commit, "dirty": bool(changed), "dirty_paths": changed[:20]}
 
 
-def provenance(root: Path, argv: list[str] | None = None, program: str | None = None) -> dict:
-    """The command, the date, the commit (and dirty flag) of the checkout at ``root``, and the machine."""
+def provenance(root: Path, argv: list[str] | None = None, program: str | None = None, git: dict | None = None) -> dict:
+    """The command, the date, the commit (and dirty flag) of the checkout at ``root`` (or ``git`` as
+    given), and the machine."""
     return {"command": command_line(root, argv, program), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "git": git_state(root), "machine": machine()}
+            "git": git_state(root) if git is None else git, "machine": machine()}
 
 
 def package_checkout() -> Path | None:
@@ -100,5 +101,15 @@ def cli_provenance(argv: list[str] | None = None) -> dict:
         installed = version("fastweights")
     except PackageNotFoundError:
         installed = None
-    return {"command": command_line(Path.cwd(), argv, "fastweights"), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "git": {"commit": None, "dirty": None, "version": installed}, "machine": machine()}
+    return provenance(Path.cwd(), argv, program="fastweights", git={"commit": None, "dirty": None, "version": installed})
+
+
+def write_cli_result(path: Path, payload: dict, argv: list[str] | None = None) -> None:
+    """Write ``payload`` as JSON at ``path`` after :func:`cli_provenance` (``argv``: the command's words,
+    as ``fastweights.cli.main`` keeps them in ``args.argv``), whole or not at all."""
+    import json
+
+    from fastweights.files import atomic_write
+
+    record = {**cli_provenance(argv), **payload}
+    atomic_write(Path(path), lambda p: p.write_text(json.dumps(record, indent=2) + "\n"))

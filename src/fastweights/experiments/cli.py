@@ -34,6 +34,7 @@ import torch
 import fastweights.tasks.niah  # noqa: F401  (registers the corpus "niah-tinyshakespeare" used by configs/niah-cpu.toml)
 import fastweights.tasks.niah_token  # noqa: F401  (registers "niah-token-tinyshakespeare", configs/niah-token.toml)
 from fastweights.errors import UserError
+from fastweights.provenance import write_cli_result
 from fastweights.validate import nonneg_float, nonneg_int, positive_int, seed
 
 
@@ -192,16 +193,6 @@ def _output_prefix(args, default: str) -> Path:
     return out
 
 
-def _write_json(path: Path, obj, args) -> None:
-    """``obj`` after the provenance every result records (the command ``args.argv``, date, commit,
-    machine), written whole or not at all."""
-    from fastweights.files import atomic_write
-    from fastweights.provenance import cli_provenance
-
-    record = {**cli_provenance(getattr(args, "argv", None)), **obj}
-    atomic_write(path, lambda p: p.write_text(json.dumps(record, indent=2) + "\n"))
-
-
 def _describe(cfg) -> str:
     m = cfg.model
     mixers = sorted(set(m.layer_mixers or [m.mixer]))
@@ -259,7 +250,7 @@ def cmd_niah(args) -> int:
             "seed": args.seed, "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(opts).items()},
             "train_seq_len": cfg.train.seq_len}
     doc = records_to_json(records, summary, meta)
-    _write_json(out.with_suffix(".json"), doc, args)
+    write_cli_result(out.with_suffix(".json"), doc, getattr(args, "argv", None))
     plot_niah(summary, out.with_suffix(".png"), title=f"NIAH: {Path(args.checkpoint).name} ({_describe(cfg)})")
     for s in samples[: args.show]:
         recs = [r for r in records if r["seed"] == s.seed]
@@ -329,7 +320,7 @@ def run_stream_eval(args) -> int:
                      dynamic=(ev.metadata() | info) if ev is not None and mode != "frozen" else None)
             runs.append(d)
     doc = {"data": data or f"{cfg.data.corpus}:{split}", "modes": modes, "runs": runs}
-    _write_json(out.with_suffix(".json"), doc, args)
+    write_cli_result(out.with_suffix(".json"), doc, getattr(args, "argv", None))
     plot_stream(runs, out.with_suffix(".png"), unit="bits" if tok.name in ("char", "byte") else "nats")
     if getattr(args, "json", False):
         print(json.dumps({**doc, "runs": [{k: v for k, v in r.items() if k not in ("curve", "documents", "state_norm")} for r in runs]},
@@ -380,7 +371,7 @@ def cmd_adapt_test(args) -> int:
     res = adapt_test(model, domains, seq_len, args.stride, args.eval_state, ev, progress=not args.quiet)
     res.update(checkpoint=str(args.checkpoint), model=_describe(cfg),
                dynamic=(ev.metadata() | info) if ev is not None else None)
-    _write_json(out.with_suffix(".json"), res, args)
+    write_cli_result(out.with_suffix(".json"), res, getattr(args, "argv", None))
     plot_adapt(res, out.with_suffix(".png"), title=f"continual adaptation: {Path(args.checkpoint).name} ({_describe(cfg)})"
                + (f" + dynamic {ev.rule}" if ev else ""))
     if args.json:
@@ -413,7 +404,7 @@ def cmd_gates(args) -> int:
     doc = {"checkpoint": str(args.checkpoint), "tokens": tokens,
            "gates": {str(k): [round(float(x), 5) for x in v] for k, v in gates.items()},
            "mean_gate": {str(k): float(v.mean()) for k, v in gates.items()}}
-    _write_json(out.with_suffix(".json"), doc, args)
+    write_cli_result(out.with_suffix(".json"), doc, getattr(args, "argv", None))
     if args.json:
         print(json.dumps({k: doc[k] for k in ("checkpoint", "mean_gate")}, indent=2))
     else:

@@ -399,11 +399,9 @@ def run(args: argparse.Namespace) -> int:
     )
     results = run_sweep(base, parse_keys(args.keys), models, progress=not args.quiet)
     if args.out:
-        from fastweights.files import atomic_write
-        from fastweights.provenance import cli_provenance
+        from fastweights.provenance import write_cli_result
 
-        report = {**cli_provenance(getattr(args, "argv", None)), "results": results}
-        atomic_write(Path(args.out), lambda p: p.write_text(json.dumps(report, indent=2) + "\n"))
+        write_cli_result(Path(args.out), {"results": results}, getattr(args, "argv", None))
     if args.plot:
         plot_capacity(results, Path(args.plot))
     if args.json:
