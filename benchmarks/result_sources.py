@@ -214,6 +214,11 @@ BEHAVIOUR_PRESERVING: dict[str, dict] = {
                         "atomically); the training and evaluation assoc_capacity.py calls are untouched"},
     "c35d62e5e9aa61afc3528aae3c563d51ef2a0481": _board("leaderboard.py names the FWL, fast-weights RNN and FwMLP source lists once; the same "
                    "lists, nothing a row trains or scores changed"),
+    "bde15df70de95213ceb5ee035c8ff605e9733eff": {"results": ["assoc_capacity", "fwl_analysis/analysis"],
+                 "test": "tests/test_analysis.py",
+                 "why": "analysis.py and tasks/assoc.py write their --out file through provenance.write_cli_result, the "
+                        "same record written the same way; nothing they compute changed (test_analysis holds the "
+                        "analysis to fresh scoring, test_assoc the written file to the printed results)"},
 }
 
 # Results whose recorded command does not write the stored file as it stands (kept, reason given).
