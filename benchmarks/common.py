@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 import fastweights.provenance as _provenance
+from fastweights.files import atomic_write
 from fastweights.provenance import machine  # noqa: F401  (part of this module's names)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,7 +46,7 @@ def write_result(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
     record = {**provenance(), **payload}
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    atomic_write(path, lambda p: p.write_text(json.dumps(record, indent=2) + "\n"))  # whole or not at all
     print(f"wrote {path}")
     return path
 
