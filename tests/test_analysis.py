@@ -17,7 +17,7 @@ from fastweights.analysis import (
     prior_counts,
     register_cli,
 )
-from fastweights.checkpoint import save_model
+from fastweights.checkpoint_format import save_model
 from fastweights.config import ModelConfig, RunConfig
 from fastweights.data import build_tokenizer
 from fastweights.errors import UserError

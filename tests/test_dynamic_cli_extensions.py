@@ -104,7 +104,7 @@ def test_lowrank_conflicts(checkpoint, extra, message, capsys):
 
 
 def test_lowrank_gradient_statistics(checkpoint, tmp_path, capsys):
-    from fastweights.adapt.dynamic import GradStats
+    from fastweights.adapt.update_rules import GradStats
 
     ck, doc = str(checkpoint), str(checkpoint / "doc.txt")
     small = ["--max-batches", "2", "--batch-size", "2", "--seq-len", "10", "--quiet"]

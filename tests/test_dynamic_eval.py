@@ -7,10 +7,11 @@ import math
 import pytest
 import torch
 
-from fastweights.adapt.dynamic import (DynamicEvaluator, DynamicState, GradStats, UpdateRule, collect_grad_stats,
-                                       loss_by_position, select_parameters, timescale_analysis)
+from fastweights.adapt.dynamic import DynamicEvaluator, DynamicState
 from fastweights.adapt.sparse import SparseAdaptation, SparseDynamicEvaluator, collect_sparse_grad_stats
+from fastweights.adapt.timescale import loss_by_position, timescale_analysis
 from fastweights.adapt.tune import format_table, tune_dynamic
+from fastweights.adapt.update_rules import GradStats, UpdateRule, collect_grad_stats, select_parameters
 from fastweights.config import ModelConfig
 from fastweights.errors import UserError
 from fastweights.evaluate import score_tokens
@@ -344,7 +345,7 @@ def test_loss_by_position_and_timescale(tmp_path):
     ev = DynamicEvaluator(model, rule="sgd", lr=0.3, segment_len=5, context=15)
     ts = timescale_analysis(ev, [tokens(41, s) for s in (1, 2)], window=10)
     assert ts["position"] == [10, 20, 30, 40] and len(ts["dynamic_bits"]) == 4
-    from fastweights.adapt.dynamic import plot_timescale
+    from fastweights.adapt.timescale import plot_timescale
 
     assert plot_timescale(ts, tmp_path / "t.png").stat().st_size > 1000
 
@@ -372,7 +373,7 @@ def test_tuner_grid_and_search():
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from fastweights.checkpoint import save_model
+    from fastweights.checkpoint_format import save_model
     from fastweights.config import RunConfig
     from fastweights.data import CharTokenizer
 

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from fastweights.adapt.cache import NeuralCache
-from fastweights.adapt.dynamic import DynamicEvaluator, GradStats, parse_schedule, schedule_factor
+from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.dynamic_cache import DynamicNeuralCache
 from fastweights.adapt.lowrank import LowRankAdaptation, LowRankDynamicEvaluator, collect_lowrank_grad_stats
+from fastweights.adapt.update_rules import GradStats, parse_schedule, schedule_factor
 from fastweights.errors import UserError
 from fastweights.evaluate import score_tokens
 from test_dynamic_eval import V, tiny_model, tokens  # the same tiny model and repetitive stream (conftest: one thread)
@@ -215,7 +216,7 @@ def test_lowrank_and_cache_on_a_transformers_llama():
     pytest.importorskip("transformers")
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fastweights.adapt.hf import HFCausalLM
+    from fastweights.hf.transformers_as_ours import HFCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,

@@ -1,4 +1,4 @@
-"""Dynamic evaluation of a Hugging Face causal LM through ``adapt.hf`` (a tiny random GPT-2; no downloads)."""
+"""Dynamic evaluation of a Hugging Face causal LM through ``hf.transformers_as_ours`` (a tiny random GPT-2; no downloads)."""
 
 import importlib.util
 
@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers")
 
 from fastweights.adapt.cache import NeuralCache  # noqa: E402
 from fastweights.adapt.dynamic import DynamicEvaluator  # noqa: E402
-from fastweights.adapt.hf import HFCausalLM, load_hf_model  # noqa: E402
+from fastweights.hf.transformers_as_ours import HFCausalLM, load_hf_model  # noqa: E402
 from fastweights.adapt.sparse import SparseDynamicEvaluator  # noqa: E402
 from fastweights.errors import UserError  # noqa: E402
 from fastweights.evaluate import score_tokens  # noqa: E402

@@ -16,9 +16,9 @@ from fastweights.layers.fast_rnn import (
     fast_rnn_attention,
     fast_rnn_reference,
     fold_history,
-    step_kernel,
 )
-from fastweights.models.registry import MIXERS, build_options, lookup
+from fastweights.components import MIXERS, build_options, lookup
+from fastweights.ops.fast_rnn_kernel import step_kernel
 
 BACKENDS = [
     "torch",

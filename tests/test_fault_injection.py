@@ -52,7 +52,7 @@ def _check_saves(root: Path) -> None:
     """In a training process: after every save that returns, the run directory holds no temporary (neither
     this save's nor one a killed process left); each save appends a line to ROOT/saves.txt."""
     import fastweights.train as train_module
-    from fastweights.checkpoint import PENDING, TMP_PREFIX
+    from fastweights.checkpoint_format import PENDING, TMP_PREFIX
 
     real = train_module.save_model
 
@@ -146,7 +146,8 @@ def _check(run: Path, ref_steps: Path) -> int | None:
     """The checkpoint in ``run`` equals the reference's at its step, weights and trainer state; returns the step."""
     from safetensors.torch import load_file
 
-    from fastweights.checkpoint import PENDING, Checkpoint, load_checkpoint, load_for_resume, parse_trainer_state
+    from fastweights.checkpoint import load_checkpoint, load_for_resume
+    from fastweights.checkpoint_format import PENDING, Checkpoint, parse_trainer_state
 
     if not (run / "checkpoint.json").is_file() and not (run / PENDING / "checkpoint.json").is_file():
         assert not (run / "model.safetensors").exists(), "weights without a manifest"
@@ -188,7 +189,7 @@ def script(root: Path) -> None:
     import matplotlib.pyplot  # noqa: F401
 
     import fastweights.cli  # noqa: F401
-    from fastweights.checkpoint import PENDING, TMP_PREFIX
+    from fastweights.checkpoint_format import PENDING, TMP_PREFIX
 
     ref_steps = _reference(root)
     rng = random.Random(19)

@@ -6,7 +6,7 @@ import torch
 from fastweights.errors import UserError
 from fastweights.layers.fwmlp import (PARAM_NAMES, FwMLP, FwMLPOptions, fast_mlp_grads, fwmlp_memory_reference,
                                       swiglu_forward)
-from fastweights.models.registry import MEMORIES, lookup
+from fastweights.components import MEMORIES, lookup
 
 F64 = torch.float64
 D = 10

@@ -9,7 +9,7 @@ from torch.func import functional_call
 from fastweights.errors import UserError
 from fastweights.layers.fwpkm import FwPKM, FwPKMOptions, zscore
 from fastweights.layers.fwpkm_reference import fwpkm_memory_reference
-from fastweights.models.registry import MEMORIES, build_options, lookup
+from fastweights.components import MEMORIES, build_options, lookup
 
 F64 = torch.float64
 D_MODEL = 12
@@ -485,7 +485,7 @@ def test_slot_tracer_returns_the_last_write_before_a_read():
 def test_memory_stats_cli_and_trace(tmp_path, capsys):
     import json
 
-    from fastweights.checkpoint import save_model
+    from fastweights.checkpoint_format import save_model
     from fastweights.cli import main
     from fastweights.config import RunConfig
     from fastweights.data import build_tokenizer

@@ -1,4 +1,4 @@
-"""The KV cache of Hugging Face models (adapt.hf_context): the whole stream by default, the first
+"""The KV cache of Hugging Face models (hf.kv_context): the whole stream by default, the first
 tokens (attention sinks) kept when bounded, positions re-encoded only when they run out.
 Tiny randomly initialised Llama (rotary) and GPT-2 (learned positions) models; no downloads."""
 
@@ -8,9 +8,9 @@ import torch
 pytest.importorskip("transformers")
 
 from fastweights.adapt.dynamic import DynamicEvaluator  # noqa: E402
-from fastweights.adapt.hf import HFCausalLM  # noqa: E402
-from fastweights.adapt.hf_context import keep_indices, reencode_budget, trim_with_sinks  # noqa: E402
 from fastweights.evaluate import score_tokens  # noqa: E402
+from fastweights.hf.kv_context import keep_indices, reencode_budget, trim_with_sinks  # noqa: E402
+from fastweights.hf.transformers_as_ours import HFCausalLM  # noqa: E402
 
 V = 50
 

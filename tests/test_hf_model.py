@@ -13,11 +13,11 @@ pytest.importorskip("transformers")
 
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from fastweights.checkpoint import save_model  # noqa: E402
+from fastweights.checkpoint_format import save_model  # noqa: E402
 from fastweights.config import ModelConfig, RunConfig  # noqa: E402
 from fastweights.data.tokenizers import build_tokenizer  # noqa: E402
 from fastweights.generate import generate_tokens  # noqa: E402
-from fastweights.models import registry  # noqa: E402
+from fastweights import components as registry  # noqa: E402
 from fastweights.hf.ours_as_transformers import FastWeightsCache, FastWeightsConfig, FastWeightsForCausalLM  # noqa: E402
 import fastweights.hf.ours_as_transformers as hf_module  # noqa: E402
 from fastweights.models.lm import LanguageModel  # noqa: E402
@@ -329,25 +329,3 @@ def test_exported_directory_loads_with_trust_remote_code_and_asks_for_it_otherwi
     with torch.no_grad():
         want = lm(torch.tensor([x])).logits[0, -1]
     torch.testing.assert_close(torch.tensor(json.loads(logits)), want, rtol=1e-5, atol=1e-5)
-
-
-def test_old_module_names_are_the_same_objects():
-    """The Hugging Face modules moved into fastweights.hf (issue 20); the old paths stay importable as
-    re-exports, among them the import that the modeling_fastweights.py of directories exported before the
-    move runs under trust_remote_code."""
-    import fastweights.adapt.hf as old_in
-    import fastweights.adapt.hf_context as old_context
-    import fastweights.hf.export as export
-    import fastweights.hf.kv_context as context
-    import fastweights.hf.transformers_as_ours as hf_in
-    import fastweights.hf_export as old_export
-    import fastweights.models.hf as old_out
-
-    for old, new in ((old_out, hf_module), (old_export, export), (old_in, hf_in), (old_context, context)):
-        names = [n for n in vars(old) if not n.startswith("__")]
-        assert names and all(getattr(old, n) is getattr(new, n) for n in names), old.__name__
-    earlier_export = {}
-    exec("from fastweights.models.hf import FastWeightsConfig, FastWeightsForCausalLM", earlier_export)
-    assert earlier_export["FastWeightsForCausalLM"] is FastWeightsForCausalLM
-    assert earlier_export["FastWeightsConfig"] is FastWeightsConfig
-    assert "from fastweights.hf.ours_as_transformers import" in export._REMOTE_CODE

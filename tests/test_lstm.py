@@ -5,7 +5,7 @@ import torch
 
 from fastweights.errors import UserError
 from fastweights.layers.lstm import LSTMLayer, LSTMMixer, LSTMOptions, LSTMState
-from fastweights.models.registry import MIXERS, build_options, lookup
+from fastweights.components import MIXERS, build_options, lookup
 
 
 def test_state_carry_equals_one_call():

@@ -246,7 +246,7 @@ def test_fresh_state_per_sample_unless_carried(hay, tok):
 
 def test_niah_command_writes_json_and_png(hay, tok, tmp_path, capsys):
     from fastweights import cli
-    from fastweights.checkpoint import save_model
+    from fastweights.checkpoint_format import save_model
 
     ckpt = tmp_path / "ckpt"
     model = fwpkm_model(tok)

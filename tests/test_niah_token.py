@@ -117,7 +117,7 @@ def test_one_and_two_reads_on_a_token_sample(tok):
 
 def test_niah_command_picks_the_token_format(tok, tmp_path):
     from fastweights import cli
-    from fastweights.checkpoint import save_model
+    from fastweights.checkpoint_format import save_model
 
     ckpt = tmp_path / "ckpt"
     model = tiny_word_model(tok)

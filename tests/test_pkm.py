@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from fastweights.errors import UserError
 from fastweights.layers.pkm import PKM, PKMOptions
-from fastweights.models.registry import MEMORIES, build_options, lookup
+from fastweights.components import MEMORIES, build_options, lookup
 from fastweights.ops.pkm import pkm_topk_reference
 
 F64 = torch.float64

@@ -10,7 +10,7 @@ A component registered later without an entry in VARIANTS fails ``test_every_reg
 import pytest
 import torch
 
-from fastweights.models import registry
+from fastweights import components as registry
 
 D, HEADS, V, T, B = 12, 2, 9, 16, 2
 CUTS = (1, 4, 7, 13)  # first token, a chunk boundary (chunk_size 4), inside a chunk, near the end

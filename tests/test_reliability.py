@@ -1,6 +1,6 @@
 """Reliability and security of run directories: no pickle is executed, derived files are tied to the
-weights they came from, the run lock, SIGINT/SIGTERM saving, divergence, checkpoints of earlier
-versions, the unknown-symbol warning, a signal before training starts or during the final validation, fresh
+weights they came from, the run lock, SIGINT/SIGTERM saving, divergence, a directory without a
+manifest, the unknown-symbol warning, a signal before training starts or during the final validation, fresh
 output names and one-line warnings, and the state counted by the memory estimate. (kill -9:
 test_fault_injection.py; bad input: test_bad_input.py.)"""
 
@@ -53,16 +53,6 @@ def _err_line(capsys) -> str:
     return err.splitlines()[-1] if err else ""
 
 
-def _to_legacy(ckpt):
-    """The layout of earlier versions: no manifest, the trainer state pickled in trainer_state.pt."""
-    from fastweights.checkpoint import parse_trainer_state
-
-    state = parse_trainer_state((ckpt / "trainer_state.safetensors").read_bytes(), "test")
-    (ckpt / "checkpoint.json").unlink()
-    (ckpt / "trainer_state.safetensors").unlink()
-    torch.save(state, ckpt / "trainer_state.pt")  # what the old trainer wrote (numpy RNG state included)
-
-
 class _RunsCode:
     def __init__(self, marker):
         self.marker = marker
@@ -71,15 +61,15 @@ class _RunsCode:
         return (open, (str(self.marker), "w"))  # unpickling would create the marker file
 
 
-def test_a_crafted_pickle_trainer_state_is_refused_without_running_code(run, doc, tmp_path, capsys):
+def test_a_directory_without_a_manifest_is_not_resumed_and_a_pickle_in_it_never_runs(run, doc, tmp_path, capsys):
     ckpt = _copy(run, tmp_path, "crafted")
-    _to_legacy(ckpt)
+    (ckpt / "checkpoint.json").unlink()
+    (ckpt / "trainer_state.safetensors").unlink()
     marker = tmp_path / "code-was-run"
     with open(ckpt / "trainer_state.pt", "wb") as f:
         pickle.dump({"step": 3, "payload": _RunsCode(marker)}, f)
     assert main(["train", "--resume", "--quiet", "--out", str(ckpt)]) == 2
-    line = _err_line(capsys)
-    assert "refused to load this trainer state" in line and "trainer_state.pt" in line
+    assert "holds no checkpoint to resume" in _err_line(capsys)
     assert not marker.exists()
     # the weights of such a directory still load for eval (they are safetensors)
     assert main(["eval", "--checkpoint", str(ckpt), "--quiet", "--json", "--data", doc]) == 0
@@ -102,18 +92,8 @@ def test_a_crafted_trainer_state_safetensors_is_refused(run, tmp_path, capsys):
     assert "corrupt trainer state" in _err_line(capsys)
 
 
-def test_a_checkpoint_of_an_earlier_version_loads_and_resumes(run, doc, tmp_path, capsys):
-    ckpt = _copy(run, tmp_path, "legacy")
-    _to_legacy(ckpt)
-    assert main(["eval", "--checkpoint", str(ckpt), "--quiet", "--json", "--data", doc]) == 0
-    capsys.readouterr()
-    assert main(["train", "--resume", "--quiet", "--out", str(ckpt), "--set", "train.max_steps=8"]) == 0
-    assert json.loads((ckpt / "summary.json").read_text())["steps"] == 8
-    assert (ckpt / "checkpoint.json").is_file() and not (ckpt / "trainer_state.pt").exists()  # now the new format
-
-
 def test_trainer_state_round_trip_without_pickle(tmp_path):
-    from fastweights.checkpoint import parse_trainer_state, save_trainer_state
+    from fastweights.checkpoint_format import parse_trainer_state, save_trainer_state
 
     rng = random.Random(3)
     state = {"step": 7, "history": [{"step": 5, "val_loss": float("nan")}], "rng": {"python": rng.getstate(),
@@ -135,9 +115,10 @@ def test_derived_files_are_tied_to_their_weights(run, tmp_path, capsys):
     from types import SimpleNamespace
 
     from fastweights.adapt.cli import build_evaluator
-    from fastweights.adapt.dynamic import GradStats
+    from fastweights.adapt.update_rules import GradStats
     from fastweights.adapt.tune import save_tuned
-    from fastweights.checkpoint import load_checkpoint, weights_fingerprint
+    from fastweights.checkpoint import load_checkpoint
+    from fastweights.checkpoint_format import weights_fingerprint
     from fastweights.errors import UserError
 
     ckpt = _copy(run, tmp_path, "derived")

@@ -4,10 +4,9 @@
 :func:`load_for_resume` build a :class:`~fastweights.models.lm.LanguageModel` and the tokenizer from a
 checkpoint directory. How that directory is written and verified (the manifest with every file's size
 and SHA-256, the save that a kill cannot tear, the trainer state without pickle) is
-:mod:`fastweights.checkpoint_format`; its names are re-exported here, where they were defined before
-the format moved below ``models/`` (so that ``LanguageModel.save_pretrained`` / ``from_pretrained`` use
-it without an import cycle), and ``from fastweights.checkpoint import save_model, write_checkpoint, ...``
-keeps working.
+:mod:`fastweights.checkpoint_format`, which sits below ``models/`` (so that
+``LanguageModel.save_pretrained`` / ``from_pretrained`` use it without an import cycle); import its
+names (``save_model``, ``write_checkpoint``, ...) from there.
 """
 
 from __future__ import annotations
@@ -17,14 +16,10 @@ from pathlib import Path
 
 from safetensors.torch import load as load_safetensors_bytes
 
-from fastweights.checkpoint_format import (  # noqa: F401  (re-exported: the names' old import path)
-    FORMAT, LEGACY_TRAINER_STATE, MANIFEST, PENDING, TMP_PREFIX, TRAINER_STATE, Checkpoint, check_derived_file,
-    check_weights, finish_pending, load_legacy_trainer_state, load_model_as, model_from, open_checkpoint,
-    parse_trainer_state, remove_stale_temporaries, run_config_from, save_model, save_trainer_state,
-    weights_fingerprint, write_checkpoint)
+from fastweights.checkpoint_format import (MANIFEST, TRAINER_STATE, Checkpoint, load_model_as, model_from,
+                                           open_checkpoint, parse_trainer_state, run_config_from)
 from fastweights.config import RunConfig
 from fastweights.errors import UserError
-from fastweights.files import atomic_write  # noqa: F401  (old import path)
 from fastweights.models.lm import LanguageModel
 
 
@@ -69,26 +64,21 @@ def load_checkpoint(directory: Path, map_location: str = "cpu"):
 
 
 def load_for_resume(directory: Path) -> dict:
-    """Everything ``--resume`` needs, from one checkpoint unit: {"config", "tokenizer", "model", "state", "legacy"}."""
+    """Everything ``--resume`` needs, from one checkpoint unit: {"config", "tokenizer", "model", "state"}."""
     directory = Path(directory)
 
     def load(ckpt: Checkpoint) -> dict:
         if ckpt.manifest is None:
-            legacy = directory / LEGACY_TRAINER_STATE
-            if not legacy.is_file():
-                raise UserError(f"--resume: {directory} holds no checkpoint to resume (no {MANIFEST}); "
-                                "start a new run there with --overwrite")
-            state = load_legacy_trainer_state(legacy)
-        else:
-            if not ckpt.has(TRAINER_STATE):
-                raise UserError(f"--resume: the checkpoint in {directory} has no trainer state (weights only)")
-            state = parse_trainer_state(ckpt.read(TRAINER_STATE), f"checkpoint {directory}")
-            if ckpt.step is not None and state["step"] != ckpt.step:
-                raise UserError(f"checkpoint {directory}: trainer state is at step {state['step']} but "
-                                f"{MANIFEST} says {ckpt.step}")
+            raise UserError(f"--resume: {directory} holds no checkpoint to resume (no {MANIFEST}); "
+                            "start a new run there with --overwrite")
+        if not ckpt.has(TRAINER_STATE):
+            raise UserError(f"--resume: the checkpoint in {directory} has no trainer state (weights only)")
+        state = parse_trainer_state(ckpt.read(TRAINER_STATE), f"checkpoint {directory}")
+        if ckpt.step is not None and state["step"] != ckpt.step:
+            raise UserError(f"checkpoint {directory}: trainer state is at step {state['step']} but "
+                            f"{MANIFEST} says {ckpt.step}")
         cfg = run_config_from(ckpt)
         tensors = load_safetensors_bytes(ckpt.read("model.safetensors"))
-        return {"config": cfg, "tokenizer": _load_tokenizer_from(ckpt), "model": tensors, "state": state,
-                "legacy": ckpt.manifest is None}
+        return {"config": cfg, "tokenizer": _load_tokenizer_from(ckpt), "model": tensors, "state": state}
 
     return open_checkpoint(directory, load)

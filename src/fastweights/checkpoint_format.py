@@ -15,13 +15,13 @@ after it is completed by the next reader or writer (:func:`finish_pending`).
 Reading (:func:`open_checkpoint`, behind :func:`load_checkpoint` and ``--resume``): the manifest
 (or a committed ``.ckpt-next/``) says which bytes belong to the checkpoint; a file whose size or
 SHA-256 differs is refused, naming it. Weights must match config.json's shapes and be finite.
-Directories from earlier versions (no manifest, ``trainer_state.pt``) still load; their trainer
-state is read with ``torch.load(weights_only=True)`` only.
+A directory without a manifest is read as it is (its weights load for eval and generate), but it
+cannot be resumed.
 
 This module knows no model class, so that ``models/lm.py`` (``LanguageModel.save_pretrained`` /
 ``from_pretrained``) can use it from below; the loaders that build a ``LanguageModel`` and the
 tokenizer (:func:`fastweights.checkpoint.load_checkpoint`, ``load_model``, ``load_for_resume``) are in
-``checkpoint.py``, which re-exports every name defined here.
+``checkpoint.py``.
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ PENDING = ".ckpt-next"
 TMP_PREFIX = ".ckpt-tmp-"
 FORMAT = "fastweights-checkpoint"
 TRAINER_STATE = "trainer_state.safetensors"
-LEGACY_TRAINER_STATE = "trainer_state.pt"
 _STATE_FORMAT = "fastweights-trainer-state"
 
 
@@ -149,8 +148,6 @@ def finish_pending(directory: Path) -> bool:
         os.replace(mpath, directory / MANIFEST)
         fsync_dir(directory)
         stale = set(old["files"]) - set(new["files"]) if old else set()
-        if TRAINER_STATE in new["files"]:
-            stale.add(LEGACY_TRAINER_STATE)
         for name in stale - {MANIFEST}:
             (directory / name).unlink(missing_ok=True)
     shutil.rmtree(pending, ignore_errors=True)
@@ -271,41 +268,12 @@ def parse_trainer_state(data: bytes, where: str) -> dict:
     return state
 
 
-def load_legacy_trainer_state(path: Path) -> dict:
-    """A ``trainer_state.pt`` of an earlier version, read with ``torch.load(weights_only=True)``.
-
-    Only tensors, containers, numbers and the numpy arrays of an RNG state are accepted; anything
-    else (such as a pickle that would run code) is refused.
-    """
-    import pickle
-
-    from numpy.dtypes import UInt32DType
-
-    allowed = [np.ndarray, np.dtype, UInt32DType]
-    for mod in ("numpy._core.multiarray", "numpy.core.multiarray"):
-        try:
-            allowed.append((__import__(mod, fromlist=["_reconstruct"])._reconstruct, f"{mod}._reconstruct"))
-        except (ImportError, AttributeError):  # pragma: no cover
-            pass
-    try:
-        with torch.serialization.safe_globals(allowed):
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(state, dict) or not isinstance(state.get("step"), int):
-            raise ValueError("no step")
-    except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError, OSError, AttributeError, TypeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{path}: refused to load this trainer state: it is not a plain trainer state of an "
-                        f"earlier fastweights version ({first[:200]}); the weights still load for eval and "
-                        "generate; to train on, start a new run (--overwrite)") from None
-    return state
-
-
 # ----------------------------------------------------------------------------- reading
 
 
 class Checkpoint:
     """A verified view of a checkpoint directory: :meth:`read` returns a file's bytes once they match
-    the manifest (size and SHA-256); directories without a manifest (earlier versions) are read as they are."""
+    the manifest (size and SHA-256); a directory without a manifest is read as it is."""
 
     def __init__(self, directory: Path):
         self.directory = Path(directory)

@@ -130,7 +130,7 @@ def cmd_eval(args) -> int:
     from fastweights.distributed import resolve_device
 
     if args.stream:
-        from fastweights.longctx_cli import run_stream_eval
+        from fastweights.experiments.cli import run_stream_eval
 
         return run_stream_eval(args)
     model, tokenizer, cfg = load_checkpoint(Path(args.checkpoint), map_location=str(resolve_device(args.device)))

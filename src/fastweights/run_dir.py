@@ -15,13 +15,13 @@ import shutil
 import socket
 from pathlib import Path
 
-from fastweights.checkpoint_format import LEGACY_TRAINER_STATE, MANIFEST, PENDING, TMP_PREFIX, TRAINER_STATE
+from fastweights.checkpoint_format import MANIFEST, PENDING, TMP_PREFIX, TRAINER_STATE
 from fastweights.errors import UserError
 from fastweights.files import atomic_write
 
 LOCK = ".lock"
 # files a training run writes, and files computed from its weights by other commands
-RUN_FILES = (MANIFEST, "model.safetensors", "config.json", "tokenizer.json", TRAINER_STATE, LEGACY_TRAINER_STATE,
+RUN_FILES = (MANIFEST, "model.safetensors", "config.json", "tokenizer.json", TRAINER_STATE,
              "metrics.jsonl", "summary.json", "loss_curve.png")
 DERIVED_GLOBS = ("grad_stats*.safetensors", "dynamic_tuned.json", "demo.json")
 RUN_DIRS = ("tensorboard", PENDING)

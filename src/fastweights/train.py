@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastweights.checkpoint import save_model
-from fastweights.distributed import (Dist, all_finite, all_mean, barrier, close_distributed, from_rank0, full_state,  # noqa: F401
-                                     init_distributed, load_full_state, resolve_device, wrap_model)
+from fastweights.checkpoint_format import save_model
+from fastweights.distributed import (all_finite, all_mean, barrier, close_distributed, from_rank0, full_state,
+                                     init_distributed, load_full_state, wrap_model)
 from fastweights.config import RunConfig
 from fastweights.errors import UserError
 from fastweights.files import atomic_write, save_figure
@@ -267,7 +267,8 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
 
 
 def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_memory, dist, device, summary_writer, restore):
-    from fastweights.checkpoint import check_weights, finish_pending, load_for_resume, remove_stale_temporaries
+    from fastweights.checkpoint import load_for_resume
+    from fastweights.checkpoint_format import check_weights, finish_pending, remove_stale_temporaries
     from fastweights.run_dir import remove_run, truncate_metrics
     from fastweights.model_size import check_memory
 

@@ -83,7 +83,7 @@ def _lowrank_args(p) -> None:
 
 
 def _rule_args(p, with_lr: bool = True, rule_flag: str = "--rule", with_context: bool = True) -> None:
-    from fastweights.adapt.dynamic import DEFAULT_EPS, RULES
+    from fastweights.adapt.update_rules import DEFAULT_EPS, RULES
 
     if rule_flag == "--rule":
         p.add_argument("--rule", default="rms-global-prior", help=f"update rule: {', '.join(RULES)}")
@@ -340,7 +340,7 @@ def _write_per_token(path, docs, losses: dict, result: dict) -> Path:
     """``adapt.per_token``'s file; with the cache on dynamic evaluation, each document's "dynamic_cache"
     losses too (summing to "dynamic_cache_nll", the row's total NLL)."""
     from fastweights.adapt.per_token import per_token_record
-    from fastweights.checkpoint import atomic_write
+    from fastweights.files import atomic_write
 
     rec = per_token_record(docs, losses["static"], losses["dynamic"], result)
     if "dynamic_cache" in losses:
@@ -363,7 +363,7 @@ def cmd_dynamic_eval(args) -> int:
         return 0
     key = _headline_key(tok)
     s = res["settings"]
-    from fastweights.adapt.dynamic import PRIOR_RULES
+    from fastweights.adapt.update_rules import PRIOR_RULES
 
     has_prior = s["rule"] in PRIOR_RULES  # sgd and rms have no decay towards the trained weights
     decay = f"decay {s['decay']:.3g}, " if has_prior else ""
@@ -444,8 +444,8 @@ def cmd_collect_grad_stats(args) -> int:
 
 
 def cmd_timescale(args) -> int:
-    from fastweights.adapt.dynamic import plot_timescale, timescale_analysis
-    from fastweights.checkpoint import atomic_write
+    from fastweights.adapt.timescale import plot_timescale, timescale_analysis
+    from fastweights.files import atomic_write
 
     if args.doc_len < 2 or args.max_docs < 1 or args.window < 1:
         raise UserError("--doc-len must be >= 2, --max-docs and --window >= 1")

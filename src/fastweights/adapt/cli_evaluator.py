@@ -30,7 +30,7 @@ LOWRANK_SEED = 0  # the fixed random factors B of --lowrank-rank (LowRankDynamic
 
 def load_model_and_tokenizer(args):
     """(model, tokenizer, run_config or None, checkpoint dir or None) from --checkpoint or --hf."""
-    from fastweights.train import resolve_device
+    from fastweights.distributed import resolve_device
 
     device = str(resolve_device(getattr(args, "device", "auto")))
     if getattr(args, "hf", None):
@@ -94,7 +94,7 @@ def encode_texts(tokenizer, texts: list[str], bos: bool = False) -> tuple[list[t
 
 
 def default_segment_len(tokenizer) -> int:
-    from fastweights.adapt.dynamic import DEFAULT_SEGMENT_LEN
+    from fastweights.adapt.update_rules import DEFAULT_SEGMENT_LEN
 
     # the paper's segments: 20 characters, 5 words (Krause et al. 2018); subword (GPT-2) models: 128 tokens,
     # as Transformer dynamic evaluation used
@@ -148,7 +148,7 @@ def _stats_path(args, ckpt: Path | None, spec: tuple | None) -> Path | None:
     if ckpt is None:
         return None
     if spec is None:
-        from fastweights.adapt.dynamic import GRAD_STATS_FILE
+        from fastweights.adapt.update_rules import GRAD_STATS_FILE
 
         return ckpt / GRAD_STATS_FILE
     if spec[0] == "sparse":
@@ -189,7 +189,7 @@ def _check_stats_kind(stats, path: Path, spec: tuple | None) -> None:
 
 
 def _weights_fingerprint(ckpt: Path | None) -> str | None:
-    from fastweights.checkpoint import weights_fingerprint
+    from fastweights.checkpoint_format import weights_fingerprint
 
     return weights_fingerprint(ckpt) if ckpt is not None else None
 
@@ -197,7 +197,7 @@ def _weights_fingerprint(ckpt: Path | None) -> str | None:
 def _collect_stats(model, tokenizer, cfg, args, segment_len, context, spec, path: Path | None, progress: bool,
                    ckpt: Path | None = None):
     """Collect MS_g (of what ``spec`` adapts) on the checkpoint's (or --data's) training text; save it to ``path``."""
-    from fastweights.adapt.dynamic import collect_grad_stats
+    from fastweights.adapt.update_rules import collect_grad_stats
     from fastweights.adapt.lowrank import collect_lowrank_grad_stats
     from fastweights.adapt.sparse import collect_sparse_grad_stats
 
@@ -234,9 +234,9 @@ def _schedule_name(spec: str | None) -> str | None:
 
 def _tuned_values(args, ckpt, rule: str, segment_len: int, spec: tuple | None) -> tuple[dict, str]:
     """lr and decay from the tuned file ``--tuned`` names (refused when tuned for another setting), else the defaults."""
-    from fastweights.adapt.dynamic import DEFAULT_DECAY, DEFAULT_LR
+    from fastweights.adapt.update_rules import DEFAULT_DECAY, DEFAULT_LR
     from fastweights.adapt.tune import TUNED_FILE, load_tuned
-    from fastweights.checkpoint import check_derived_file
+    from fastweights.checkpoint_format import check_derived_file
 
     # a tuned file is used only when named (--tuned): one left in a checkpoint never changes a run silently
     tuned_path = getattr(args, "tuned", None)
@@ -265,8 +265,8 @@ def _tuned_values(args, ckpt, rule: str, segment_len: int, spec: tuple | None) -
 
 def _grad_stats(args, model, tokenizer, cfg, ckpt, rule, segment_len, context, spec, progress):
     """The RMS rules' statistics for what ``spec`` adapts: loaded (and checked), or collected for a checkpoint."""
-    from fastweights.adapt.dynamic import GradStats
-    from fastweights.checkpoint import check_derived_file
+    from fastweights.adapt.update_rules import GradStats
+    from fastweights.checkpoint_format import check_derived_file
 
     path = _stats_path(args, ckpt, spec)
     if path is not None and path.is_file():
@@ -291,7 +291,8 @@ def build_evaluator(args, model, tokenizer, cfg, ckpt: Path | None, lr: float | 
 
     Reads (all optional) dynamic or rule, lr, decay, tuned, eps, segment_len, seq_len, stats, params,
     exclude_params, sparse_units, sparse_layer, lowrank_rank, lowrank_params, lr_schedule, checkpoint."""
-    from fastweights.adapt.dynamic import DEFAULT_EPS, PRIOR_RULES, DynamicEvaluator, canonical_rule
+    from fastweights.adapt.dynamic import DynamicEvaluator
+    from fastweights.adapt.update_rules import DEFAULT_EPS, PRIOR_RULES, canonical_rule
     from fastweights.adapt.lowrank import LowRankDynamicEvaluator
     from fastweights.adapt.sparse import SparseDynamicEvaluator
 

@@ -20,7 +20,7 @@ The first token of a fresh stream is context only (T - 1 predictions), as in ``e
 
 Update rules, their equations (paper eqs 4-8), MS_g and the learning-rate schedules live in
 :mod:`fastweights.adapt.update_rules`; the loss-against-position analysis (paper Figure 2) in
-:mod:`fastweights.adapt.timescale`. Both are re-exported here under their old names.
+:mod:`fastweights.adapt.timescale`.
 
 State (the DESIGN's "adapted parameters, a copy or a delta per sequence"): ``evaluate(tokens,
 state)`` returns a :class:`DynamicState` holding the adapted values, the model state and the
@@ -41,12 +41,9 @@ from typing import Iterable, Sequence
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fastweights.adapt.update_rules import (  # noqa: F401  (re-exported: the old import paths)
-    DEFAULT_DECAY, DEFAULT_EPS, DEFAULT_LR, DEFAULT_SEGMENT_LEN, GRAD_STATS_FILE, PRIOR_RULES, RULE_ALIASES, RULES,
-    SCHEDULES, UNITS, GradStats, UpdateRule, accumulate_grad_stats, canonical_rule, collect_grad_stats,
-    parse_schedule, rule_needs_stats, schedule_factor, select_parameters)
-from fastweights.adapt.timescale import loss_by_position, plot_timescale, timescale_analysis  # noqa: F401 (re-exported)
-from fastweights.adapt.update_rules import as_token_stream, carry_state, logits_and_state
+from fastweights.adapt.update_rules import (DEFAULT_DECAY, DEFAULT_EPS, DEFAULT_LR, DEFAULT_SEGMENT_LEN, PRIOR_RULES,
+                                           UNITS, GradStats, UpdateRule, as_token_stream, canonical_rule, carry_state,
+                                           logits_and_state, parse_schedule, schedule_factor, select_parameters)
 from fastweights.errors import UserError
 from fastweights.evaluate import EvalResult, score_tokens
 from fastweights.ops.nll import token_nll
@@ -75,13 +72,13 @@ class DynamicState:
 
 
 class DynamicEvaluator:
-    """Dynamic evaluation of ``model`` (ours, or a Hugging Face causal LM through ``adapt.hf``).
+    """Dynamic evaluation of ``model`` (ours, or a Hugging Face causal LM through ``hf.transformers_as_ours``).
 
     ``model(tokens [B, T], state) -> output with .logits [B, T, V] and .state`` is all it needs;
     an optional ``model.trim_state(state, keep)`` bounds a KV cache.
 
     Args:
-        rule: one of :data:`RULES` (default ``"rms-global-prior"``, paper eq. 8).
+        rule: one of :data:`~fastweights.adapt.update_rules.RULES` (default ``"rms-global-prior"``, paper eq. 8).
         lr, decay, eps: eta, lambda, epsilon of the rules (paper units, see the module docstring).
         segment_len: predictions per segment (n); one update per segment.
         context: attention context in tokens; after each segment the KV cache keeps

@@ -31,6 +31,7 @@ from fastweights.adapt.dynamic import DynamicEvaluator, DynamicState
 from fastweights.adapt.update_rules import as_token_stream
 from fastweights.errors import UserError
 from fastweights.evaluate import EvalResult
+from fastweights.ops.nll import log_probs, nll_at
 from fastweights.progress import Progress
 
 
@@ -92,7 +93,7 @@ class DynamicNeuralCache:
                 h = hidden[0].detach().float()  # [m, d]
                 if mem_h is None:
                     mem_h = h.new_zeros(0, h.shape[1])
-                logp = torch.log_softmax(logits[0] if logits.dtype == torch.float64 else logits[0].float(), -1)
+                logp = log_probs(logits[0])  # [m, V]
                 with torch.no_grad():
                     p = cache_mix(logp.detach().exp(), h.to(logp.dtype), y, mem_h.to(logp.dtype), mem_y, seen,
                                   self.window, self.flatness, self.mix, self.similarity, self.warmup_window)
@@ -106,7 +107,7 @@ class DynamicNeuralCache:
                 mem_h = torch.cat([mem_h, h])[-self.window :] if self.window else mem_h[:0]
                 mem_y = torch.cat([mem_y, y])[-self.window :] if self.window else mem_y[:0]
                 seen += m
-                model_nll = -logp.gather(-1, y[:, None])[:, 0]
+                model_nll = nll_at(logp, y)
                 model_state = ev._update(model_nll.mean(), leaves, deltas, sync, updates, new_state)
                 updates += 1
                 pos += m

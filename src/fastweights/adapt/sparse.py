@@ -43,7 +43,7 @@ class SparseAdaptation:
     """The hook h' = h + M h on units ``index`` of the output of ``decoder_layers(model)[layer]``.
 
     Args:
-        model: our LanguageModel or an ``adapt.hf.HFCausalLM``.
+        model: our LanguageModel or an ``hf.transformers_as_ours.HFCausalLM``.
         layer: block index (negative counts from the end).
         units: H (the first H units) or an explicit list of unit indices.
     Use ``with adaptation.attached(M):`` where M is [H, H] (shared by the batch) or [B, H, H].

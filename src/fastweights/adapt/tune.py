@@ -22,7 +22,8 @@ import math
 from pathlib import Path
 from typing import Callable, Sequence
 
-from fastweights.adapt.dynamic import DEFAULT_DECAY, DynamicEvaluator, canonical_rule
+from fastweights.adapt.dynamic import DynamicEvaluator
+from fastweights.adapt.update_rules import DEFAULT_DECAY, canonical_rule
 from fastweights.errors import UserError
 
 # dynamiceval.py --grid: lr x lambda, both scaled by segment_len / 5 (its bptt / 5)
@@ -145,7 +146,7 @@ def save_tuned(result: dict, path: str | Path, weights_sha256: str | None = None
     ``weights_sha256``: the fingerprint of the weights it was tuned for (a checkpoint's), so that the
     file is refused for other weights.
     """
-    from fastweights.checkpoint import atomic_write
+    from fastweights.files import atomic_write
 
     path = Path(path)
     payload = {"best": result["best"], "rule": result["settings"]["rule"], "settings": result["settings"],

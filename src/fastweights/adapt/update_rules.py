@@ -170,7 +170,7 @@ class GradStats:
         """Write a safetensors file (tensors by parameter name, settings in its metadata)."""
         from safetensors.torch import save_file
 
-        from fastweights.checkpoint import atomic_write
+        from fastweights.files import atomic_write
 
         path = Path(path)
         meta = {"format": "fastweights-grad-stats", "units": "MS_g (mean squared gradient, paper eq. 5)",

@@ -7,6 +7,5 @@
 * :mod:`fastweights.experiments.cli` -- the commands ``niah``, ``stream-eval``, ``adapt-test``, ``fwpkm-gates``.
 
 The memory switches they share with the tasks (``fastweights.tasks.niah``) live one floor down, in
-:mod:`fastweights.memory_switches`. ``fastweights.longctx`` and ``fastweights.longctx_cli`` are the old
-import paths, kept working.
+:mod:`fastweights.memory_switches`.
 """

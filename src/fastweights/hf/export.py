@@ -1,5 +1,4 @@
-"""``fastweights export-hf CHECKPOINT DIR``: a checkpoint out to a Hugging Face model directory
-(formerly ``fastweights.hf_export``, which still re-exports these names).
+"""``fastweights export-hf CHECKPOINT DIR``: a checkpoint out to a Hugging Face model directory.
 
     fastweights export-hf runs/demo hf/demo
 

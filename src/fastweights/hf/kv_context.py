@@ -1,5 +1,4 @@
-"""The KV cache of a Hugging Face causal LM during (dynamic) evaluation: what stays in context
-(formerly ``fastweights.adapt.hf_context``, which still re-exports these names).
+"""The KV cache of a Hugging Face causal LM during (dynamic) evaluation: what stays in context.
 
 Default: the whole stream, up to the model's position limit (``max_positions``). Nothing is evicted
 while the stream fits, so static evaluation equals the model's full-context perplexity (one forward

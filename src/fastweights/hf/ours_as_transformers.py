@@ -1,5 +1,4 @@
-"""Our model out to Hugging Face: fastweights models as ``transformers`` causal LMs (formerly
-``fastweights.models.hf``, which still re-exports these names).
+"""Our model out to Hugging Face: fastweights models as ``transformers`` causal LMs.
 
     import fastweights.hf.ours_as_transformers        # registers "fastweights" with the Auto classes
     from transformers import AutoModelForCausalLM, AutoTokenizer

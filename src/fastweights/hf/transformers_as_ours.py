@@ -1,5 +1,5 @@
 """Hugging Face in to us: ``transformers`` causal LMs on our model protocol, so dynamic evaluation and
-the neural cache wrap them (formerly ``fastweights.adapt.hf``, which still re-exports these names).
+the neural cache wrap them.
 
 ``HFCausalLM(AutoModelForCausalLM)`` behaves like :class:`fastweights.models.lm.LanguageModel`:
 

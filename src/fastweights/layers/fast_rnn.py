@@ -51,8 +51,7 @@ from torch.autograd.function import once_differentiable
 
 from fastweights.components import register_mixer
 from fastweights.errors import UserError
-from fastweights.ops.fast_rnn_kernel import (  # noqa: F401  (step_kernel: public here too, its old place)
-    _AttentionReadRNNKernel, _decay_weights, kernel_applies, step_kernel)
+from fastweights.ops.fast_rnn_kernel import _AttentionReadRNNKernel, _decay_weights, kernel_applies
 from fastweights.ops.linear_attention import no_autocast
 
 READ_MODES = ("auto", "matrix", "attention")

@@ -20,7 +20,7 @@ Iterative reading (the paper's n-iter protocol): read the bare context n - 1 tim
 and the question, then decode the answer. Fast-weight memories write once at the end of every read
 (``write_chunk="read"``: the memory's chunk is the context length, as the paper's evaluation sets
 C = the haystack length) and never while the question is read or the answer decoded (they are frozen,
-see :func:`fastweights.longctx.memory_writes`). The model state (KV cache, fast-weight matrices,
+see :func:`fastweights.memory_switches.memory_writes`). The model state (KV cache, fast-weight matrices,
 memory tables) carries from read to read (``reread="carry"``, as the released code's cache object);
 ``reread="memory"`` resets the mixers' states before each re-read so that only the memories carry.
 As in the paper, where the last read is context + question in one call whose outputs come before that
@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from fastweights.errors import UserError
+from fastweights.memory_switches import check_chunk_empty, memory_only_state, memory_writes, read_tokens
 from fastweights.progress import Progress
 
 N_NEEDLES = 5
@@ -331,8 +332,6 @@ class NiahOptions:
 def _decode_answer(model, tokenizer, question_ids: torch.Tensor, state, n_chars: int, budget: int,
                    opts: NiahOptions):
     """Greedy decoding after the question until ``n_chars`` non-blank characters (or ``budget`` tokens)."""
-    from fastweights.longctx import read_tokens
-
     logits, state = read_tokens(model, question_ids, state, opts.piece, opts.context or None, want_logits=True)
     generated: list[int] = []
     text = ""
@@ -366,8 +365,6 @@ def evaluate_sample(model, tokenizer, sample: NiahSample, opts: NiahOptions, sta
 
     The state after the sample is the one after its last answer (used when ``opts.carry``).
     """
-    from fastweights.longctx import check_chunk_empty, memory_only_state, memory_writes, read_tokens
-
     device = next(model.parameters()).device
     ctx = torch.as_tensor(np.asarray(tokenizer.encode(sample.context)), dtype=torch.long, device=device)
     question = torch.as_tensor(np.asarray(tokenizer.encode(sample.question)), dtype=torch.long, device=device)
@@ -468,7 +465,7 @@ def plot_niah(summary: dict, path: str | Path, title: str = "", metric: str = "e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fastweights.checkpoint import atomic_write
+    from fastweights.files import atomic_write
 
     iters, lengths, labels = summary["iters"], summary["lengths"], summary["depth_labels"]
     ncols = len(iters) + 1

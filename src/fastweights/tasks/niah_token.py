@@ -41,6 +41,7 @@ import regex
 import torch
 
 from fastweights.errors import UserError
+from fastweights.memory_switches import fast_memories
 
 N_KEYS = 512
 TRAIN_KEYS = 384  # keys <k000>..<k383> appear in training needles; <k384>..<k511> only in evaluation
@@ -262,7 +263,6 @@ def memory_probe(model, tokenizer, sample, iters: tuple[int, ...] = (1, 2), piec
     the target needle's, the largest cosine with a distractor's, and whether the target's is the larger.
     Returns ``[{"iters", "cos_target", "cos_distractor_max", "target_wins"}]``.
     """
-    from fastweights.longctx import fast_memories
     from fastweights.tasks.niah import NiahOptions, evaluate_sample
 
     mems = [m for m in fast_memories(model) if hasattr(m, "memory")]

@@ -261,27 +261,6 @@ def test_gate_values_are_the_layers_gates(tmp_path):
         gate_values(model("attention"), tok, "abc")
 
 
-# ----------------------------------------------------------------------------- old import paths
-
-
-def test_old_import_paths_still_give_the_moved_names():
-    import fastweights.experiments.cli as experiments_cli
-    import fastweights.longctx as longctx
-    import fastweights.longctx_cli as longctx_cli
-    from fastweights import memory_switches
-    from fastweights.experiments import continual_adaptation, fwpkm_gates, streaming
-
-    homes = (memory_switches, streaming, continual_adaptation, fwpkm_gates)
-    for name in longctx.__all__:
-        assert any(getattr(m, name, None) is getattr(longctx, name) for m in homes), name
-    # what tasks/niah.py, tasks/niah_token.py and the benchmarks import from the old path
-    for name in ("check_chunk_empty", "memory_only_state", "memory_writes", "read_tokens", "fast_memories",
-                 "current_rss_mb", "encode_documents", "peak_rss_mb", "stream_eval"):
-        assert getattr(longctx, name) is getattr(memory_switches if hasattr(memory_switches, name) else streaming, name)
-    for name in longctx_cli.__all__:
-        assert getattr(longctx_cli, name) is getattr(experiments_cli, name)
-
-
 # ----------------------------------------------------------------------------- commands
 
 
@@ -295,7 +274,7 @@ def _cli(argv):
 
 
 def test_commands_end_to_end(tmp_path, capsys):
-    from fastweights.checkpoint import save_model
+    from fastweights.checkpoint_format import save_model
 
     text = "the cat sat on the mat. the dog sat on the log. " * 30
     (tmp_path / "a.txt").write_text(text)
