@@ -31,6 +31,7 @@ from common import write_result
 from fastweights.config import make_config
 from fastweights.layers import fast_rnn
 from fastweights.models.lm import LanguageModel
+from fastweights.ops.fast_rnn_kernel import step_kernel
 from fastweights.train import make_optimizer
 
 FAST, LSTM = "shakespeare-char-fast-rnn", "shakespeare-char-lstm"
@@ -158,7 +159,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if fast_rnn.step_kernel() is None:
+    if step_kernel() is None:
         print("the fast-RNN step kernel is unavailable here (no C compiler?): both fast-RNN rows use torch")
     fast_model, fast_step, fast_info = build(FAST)
     lstm_model, lstm_step, lstm_info = build(LSTM)
@@ -175,7 +176,7 @@ def main() -> int:
         "step": "forward + cross-entropy + backward + grad clip + AdamW (the preset's train settings), random tokens",
         "clock": "process CPU time, one thread, models alternated round by round, median of the rounds",
         "threads": torch.get_num_threads(),
-        "kernel_available": fast_rnn.step_kernel() is not None,
+        "kernel_available": step_kernel() is not None,
         "presets": {FAST: fast_info, LSTM: lstm_info},
         "parameter_difference": f"{100 * param_diff:+.2f}% ({fast_info['parameters']:,} vs {lstm_info['parameters']:,})",
         "results": steps,

@@ -37,10 +37,11 @@ import torch
 from common import RESULTS, command_line, provenance, repo_relative, write_result
 
 from fastweights.adapt.cache import NeuralCache
-from fastweights.adapt.dynamic import (DynamicEvaluator, collect_grad_stats, plot_timescale,
-                                       timescale_analysis)
+from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.sparse import SparseDynamicEvaluator, collect_sparse_grad_stats
+from fastweights.adapt.timescale import plot_timescale, timescale_analysis
 from fastweights.adapt.tune import format_table, tune_dynamic
+from fastweights.adapt.update_rules import collect_grad_stats
 from fastweights.checkpoint import load_checkpoint
 from fastweights.config import make_config
 from fastweights.data import load_corpus, split_corpus

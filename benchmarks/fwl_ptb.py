@@ -38,8 +38,9 @@ import torch
 from common import write_result
 from ptb_dynamic_eval import DATA, MODEL_SETTINGS, PIP, SPLITS, load_penn, prepare
 
-from fastweights.adapt.dynamic import DynamicEvaluator, collect_grad_stats
+from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.tune import tune_dynamic
+from fastweights.adapt.update_rules import collect_grad_stats
 from fastweights.checkpoint import load_checkpoint
 from fastweights.config import make_config
 from fastweights.data.streams import TokenStream

@@ -51,8 +51,8 @@ from fastweights.checkpoint import load_checkpoint
 from fastweights.config import make_config
 from fastweights.data import load_corpus, split_corpus
 from fastweights.evaluate import score_tokens
-from fastweights.longctx import memory_writes
 from fastweights.memory_stats import windowed_addressing_stats
+from fastweights.memory_switches import memory_writes
 from fastweights.train import train
 
 ROOT = Path(__file__).resolve().parent.parent

