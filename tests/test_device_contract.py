@@ -23,12 +23,8 @@ from test_registry_causality import B, D, T, V, VARIANTS
 from test_registry_causality import build as build_fp64
 
 # components whose meta run is known to fail, with the reason; strict, so a fix turns the test red until
-# the entry is removed
-META_KNOWN = {
-    ("memory", "fwpkm"): "the per-row aggregated write (ops/pkm.py) calls torch.unique, whose output size depends "
-                         "on the data: a host sync per chunk on CUDA (ops/pkm.py is measured by stream_memory.json; "
-                         "a sync-free write, e.g. a sort and segment sum, is left for its next re-run)",
-}
+# the entry is removed (FwPKM's write left this list with issue 34: its shapes no longer depend on the data)
+META_KNOWN: dict[tuple[str, str], str] = {}
 # state leaves that may be kept in the compute dtype under autocast: caches of activations, not fast weights
 COMPUTE_DTYPE_STATE = {
     ("mixer", "attention"): ("",),  # the whole state is the KV cache

@@ -115,9 +115,18 @@ def test_aggregated_write_matches_dense_autograd(average):
     e = torch.randn(3, 4, 7, generator=g, dtype=F64)
     rows, grad, counts = pkm_aggregated_grad(idx, w, e, average=average)
     rows_r, grad_r, counts_r = pkm_aggregated_grad_reference(idx, w, e, n_rows, average=average)
-    assert torch.equal(rows, rows_r) and torch.equal(counts, counts_r)
+    # run-start form: all 60 reads, sorted; a row's gradient and count at its first occurrence, zero at repeats
+    assert rows.shape == (60,) and grad.shape == (60, 7) and counts.shape == (60,)
+    assert torch.equal(rows, idx.reshape(-1).sort().values)
+    start = torch.cat([torch.tensor([True]), rows[1:] != rows[:-1]])
+    assert torch.equal(counts > 0, start)
+    assert torch.equal(grad[~start], torch.zeros_like(grad[~start]))
+    assert torch.equal(rows[start], rows_r) and torch.equal(counts[start], counts_r)
     assert int(counts.max()) > 1
-    torch.testing.assert_close(grad, grad_r, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad[start], grad_r, rtol=1e-12, atol=1e-12)
+    # the table the write produces (index_add: repeats add zero) equals the dense gradient
+    dense = torch.zeros(n_rows, 7, dtype=F64).index_add(0, rows, grad)
+    torch.testing.assert_close(dense[rows_r], grad_r, rtol=1e-12, atol=1e-12)
     # by hand for one row: (1/N_r) sum_{reads of r} w e
     r = int(rows[0])
     mask = idx == r
@@ -135,31 +144,116 @@ def test_aggregated_write_is_twice_differentiable():
     assert torch.autograd.gradgradcheck(lambda w, e: pkm_aggregated_grad(idx, w, e)[1], (w, e))
 
 
+def _run_start_parts(g, n_rows, d, n_parts=4, reads=8):
+    """Parts as the layer writes them: pkm_aggregated_grad of random reads (repeated rows included),
+    plus one part of distinct ids (the form before issue 34, a special case of the run-start form)."""
+    parts = []
+    for i in range(n_parts):
+        idx = torch.randint(0, n_rows, (reads,), generator=g)
+        if i == n_parts - 1:
+            idx = torch.unique(idx)
+        e = torch.randn(idx.numel(), d, generator=g, dtype=F64)
+        rows, grad, _ = pkm_aggregated_grad(idx.unsqueeze(-1), torch.ones(idx.numel(), 1, dtype=F64), e)
+        parts.append((rows, grad.clone().requires_grad_()))
+    return parts
+
+
+@pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("lookup", ["search", "map"])
-def test_sparse_parts_add_and_merge_match_dense(lookup):
+def test_sparse_parts_add_and_merge_match_dense(lookup, static):
     """Both ways of finding a part's rows (binary search; the row -> position map used when the id
-    range is small) give the dense sum, and the same gradients."""
+    range is small), with data-independent shapes (GPU, compile) or gathering only the hits (CPU),
+    give the dense sum and the same gradients."""
     n_ids = None if lookup == "search" else 30
     g = torch.Generator().manual_seed(4)
     n_rows, d = 30, 3
+    parts = _run_start_parts(g, n_rows, d)
+    assert any(bool((r[1:] == r[:-1]).any()) for r, _ in parts)  # repeated ids inside a part
     dense = torch.zeros(n_rows, d, dtype=F64)
-    parts = []
-    for _ in range(4):
-        rows = torch.unique(torch.randint(0, n_rows, (8,), generator=g))  # sorted, distinct
-        delta = torch.randn(rows.numel(), d, generator=g, dtype=F64, requires_grad=True)
+    for i, (rows, delta) in enumerate(parts):
         dense = dense.index_add(0, rows, delta)
-        parts.append((rows, delta))
         ids = torch.randint(0, n_rows, (17,), generator=g)
         base = torch.randn(17, d, generator=g, dtype=F64)
-        torch.testing.assert_close(sparse_parts_add(base, ids, parts, n_ids), base + dense[ids], rtol=0, atol=1e-14)
+        got = sparse_parts_add(base, ids, parts[: i + 1], n_ids, static=static)
+        torch.testing.assert_close(got, base + dense[ids], rtol=0, atol=1e-14)
     merged_rows, merged = sparse_parts_merge(parts)
-    assert torch.equal(merged_rows, torch.unique(torch.cat([r for r, _ in parts])))
-    torch.testing.assert_close(merged, dense[merged_rows], rtol=0, atol=1e-14)
-    assert merged_rows.numel() < n_rows  # only touched rows are stored
+    assert merged_rows.numel() == sum(r.numel() for r, _ in parts)  # static size: the entries merged
+    assert torch.equal(merged_rows, torch.cat([r for r, _ in parts]).sort().values)
+    start = torch.cat([torch.tensor([True]), merged_rows[1:] != merged_rows[:-1]])
+    torch.testing.assert_close(merged[start], dense[merged_rows[start]], rtol=0, atol=1e-14)
+    assert torch.equal(merged[~start], torch.zeros_like(merged[~start]))
     ids = torch.arange(n_rows)
+    torch.testing.assert_close(sparse_parts_add(torch.zeros(n_rows, d, dtype=F64), ids, [(merged_rows, merged)],
+                                                n_ids, static=static), dense, rtol=0, atol=1e-14)
     assert torch.autograd.gradcheck(lambda *ds: sparse_parts_add(torch.zeros(n_rows, d, dtype=F64), ids,
-                                                                 [(r, x) for (r, _), x in zip(parts, ds)], n_ids),
+                                                                 [(r, x) for (r, _), x in zip(parts, ds)], n_ids,
+                                                                 static=static),
                                     tuple(p[1] for p in parts))
+
+
+def _graph_shapes_static(fn, *args):
+    """Compile ``fn`` with ``fullgraph=True`` (a graph break raises) and return (its result, the graph's
+    tensors whose size depends on the data: unbacked sizes, which on a GPU are a host sync)."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm  # run the captured graph as it is
+
+    torch._dynamo.reset()
+    try:
+        out = torch.compile(fn, fullgraph=True, backend=capture)(*args)
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 1
+    dynamic = [node.format_node() for node in graphs[0].graph.nodes
+               if isinstance(node.meta.get("example_value"), torch.Tensor)
+               and free_unbacked_symbols(node.meta["example_value"])]
+    return out, dynamic
+
+
+def test_write_compiles_in_one_graph_without_data_dependent_shapes():
+    """The FwPKM write (aggregated gradient, merge, read back) compiles with fullgraph=True, and no
+    tensor in its graph has a size that depends on the data: the CPU stand-in for "no host sync on a
+    GPU" (torch.unique, the write before issue 34, compiles too but with a data-dependent size)."""
+    g = torch.Generator().manual_seed(5)
+    idx = torch.randint(0, 40, (2, 6, 3), generator=g)
+    w = torch.rand(2, 6, 3, generator=g, dtype=F64)
+    e = torch.randn(2, 6, 4, generator=g, dtype=F64)
+    ids = torch.randint(0, 40, (11,), generator=g)
+    base = torch.randn(11, 4, generator=g, dtype=F64)
+
+    def write(idx, w, e, ids, base):
+        rows, grad, _ = pkm_aggregated_grad(idx, w, e)
+        parts = ((rows, -grad), (rows[:5], grad[:5]))
+        merged = sparse_parts_merge(parts)
+        return sparse_parts_add(base, ids, (merged,), 40) + sparse_parts_add(base, ids, parts)
+
+    out, dynamic = _graph_shapes_static(write, idx, w, e, ids, base)
+    assert dynamic == []
+    torch.testing.assert_close(out, write(idx, w, e, ids, base), rtol=0, atol=1e-14)
+    _, dynamic_unique = _graph_shapes_static(lambda x: torch.unique(x, return_counts=True)[1], idx)
+    assert dynamic_unique  # the check sees a data-dependent size where there is one
+
+
+@pytest.mark.parametrize("options", [{}, {"persistence": "per_sequence", "key_update": "mse"}])
+def test_fwpkm_layer_compiles_without_data_dependent_shapes(options):
+    """The whole FwPKM layer (reads, writes across three chunks) traces as one graph with static shapes
+    and gives the eager result, forward and backward."""
+    from fastweights.layers.fwpkm import FwPKM, FwPKMOptions
+
+    torch.manual_seed(0)
+    layer = FwPKM(8, FwPKMOptions(n_subkeys=6, d_key=8, d_value=8, topk=3, chunk_size=8, **options)).double()
+    x = torch.randn(2, 20, 8, dtype=F64, requires_grad=True)
+    y, dynamic = _graph_shapes_static(lambda x: layer(x)[0], x)
+    assert dynamic == []
+    (gx,) = torch.autograd.grad(y.square().sum(), x)
+    y_ref = layer(x)[0]
+    (gx_ref,) = torch.autograd.grad(y_ref.square().sum(), x)
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("score", ["idw", "dot"])

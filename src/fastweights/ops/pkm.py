@@ -25,10 +25,19 @@ L = sum_t <e_t, v_hat_t> (e_t = dL/dv_hat_t) divided by N_r, the number of reads
 
     grad_r = (1 / N_r) * sum_{(t, j): idx_tj = r} w_tj e_t
 
-computed here over the touched rows only (sort + index_add), never as a dense [N, d_v] tensor.
+computed here over the reads only, never as a dense [N, d_v] tensor, and with shapes that depend
+on the number of reads M alone (no data-dependent size, so no host sync on a GPU and one graph
+under ``torch.compile``): the M read ids are sorted, each read's contribution is added (index_add)
+onto the position of the first read of its row in that sorted list (found by a binary search of
+the sorted list in itself), so the result is M sorted ids with each distinct row's gradient at its
+first occurrence and zero at the repeats.
+
 Fast weights that change over a sequence are kept as a base table plus sparse row deltas, one
-per write (sorted row ids + delta rows); :func:`sparse_parts_add` reads them and
-:func:`sparse_parts_merge` compacts them, at a cost proportional to the rows touched.
+per write, each in that form ("run-start form": ids sorted, non-decreasing; the whole delta of a
+row at its first occurrence, zero at the repeats).  Summing a part into a table by index_add
+(repeats add zero) and looking a row up at its first occurrence (binary search, leftmost) both
+read it correctly.  :func:`sparse_parts_add` reads them and :func:`sparse_parts_merge` merges
+several into one, at a cost proportional to the reads, not to N.
 
 Layout: queries ``[B, T, H, d_k]``; sub-key tables ``[H, n, d_k/2]`` (shared) or
 ``[B, H, n, d_k/2]`` (one per sequence); slot ids in ``[0, n^2)``.  Every fast path has its
@@ -291,17 +300,22 @@ def pkm_aggregated_grad(
         average: divide each row's gradient by its read count N_r (eq 14).  Default True.
 
     Returns:
-        ``(rows [U], grad [U, d_v], counts [U])``: the distinct rows read (sorted), their
-        (count-averaged) gradients and read counts.  Only touched rows are formed, so memory and
-        time are O(reads * d_v) whatever N is.  Differentiable (twice) w.r.t. weights and out_grad.
+        ``(rows [M], grad [M, d_v], counts [M])`` for the M = ``indices.numel()`` reads, in run-start
+        form (module docstring): ``rows`` the read ids sorted; at the first occurrence of each
+        distinct row its (count-averaged) gradient and read count N_r, at its repeats zero.  Every
+        shape depends on M only (no host sync, one graph under ``torch.compile``); memory and time
+        are O(M d_v + M log M) whatever N is.  Differentiable (twice) w.r.t. weights and out_grad.
     """
     d_v = out_grad.shape[-1]
-    flat_idx = indices.reshape(-1)  # [R*m]
-    contrib = weights.unsqueeze(-1) * out_grad.unsqueeze(-2)  # [..., m, d_v]
-    rows, inverse, counts = torch.unique(flat_idx, sorted=True, return_inverse=True, return_counts=True)
-    grad = contrib.new_zeros(rows.shape[0], d_v).index_add(0, inverse, contrib.reshape(-1, d_v))  # [U, d_v]
+    flat_idx = indices.reshape(-1)  # [M]
+    contrib = (weights.unsqueeze(-1) * out_grad.unsqueeze(-2)).reshape(-1, d_v)  # [M, d_v], read order
+    rows, order = torch.sort(flat_idx, stable=True)  # [M]
+    run_start = torch.searchsorted(rows, rows)  # [M]: first position of each sorted id (leftmost)
+    target = torch.empty_like(order).scatter_(0, order, run_start)  # [M]: run start of each read, read order
+    counts = torch.zeros_like(rows).index_add_(0, target, torch.ones_like(rows))  # N_r at run starts, else 0
+    grad = contrib.new_zeros(rows.shape[0], d_v).index_add(0, target, contrib)  # [M, d_v]
     if average:
-        grad = grad / counts.unsqueeze(-1).to(grad.dtype)
+        grad = grad / counts.clamp_min(1).unsqueeze(-1).to(grad.dtype)
     return rows, grad, counts
 
 
@@ -327,37 +341,54 @@ def pkm_aggregated_grad_reference(
     return rows, grad, counts[rows]
 
 
-def sparse_parts_add(rows: torch.Tensor, ids: torch.Tensor, parts, n_ids: int | None = None) -> torch.Tensor:
+def static_shapes(t: torch.Tensor) -> bool:
+    """Whether ops on ``t`` must keep data-independent shapes: on an accelerator (or the meta device)
+    an op whose output size depends on the data (``nonzero``, ``unique``) is a host sync, and under
+    ``torch.compile`` a graph break.  On the CPU outside compilation such an op costs nothing extra."""
+    return t.device.type != "cpu" or torch.compiler.is_compiling()
+
+
+def sparse_parts_add(rows: torch.Tensor, ids: torch.Tensor, parts, n_ids: int | None = None,
+                     static: bool | None = None) -> torch.Tensor:
     """Add sparse row deltas to gathered rows: ``rows[i] + sum_p delta_p[ids[i]]`` (0 where absent).
 
     Args:
         rows: ``[R, d]`` rows already gathered from the base table.
         ids: ``[R]`` their row ids.
-        parts: sequence of ``(part_rows [U], part_delta [U, d])``, each with sorted distinct ids.
+        parts: sequence of ``(part_rows [U], part_delta [U, d])`` in run-start form (module
+            docstring: ids sorted, a row's delta at its first occurrence, zero at repeats), as
+            :func:`pkm_aggregated_grad` and :func:`sparse_parts_merge` return them.
         n_ids: the number of possible row ids (ids lie in ``[0, n_ids)``), or None.  When given and
-            at most 64 R, each part is looked up through a ``[n_ids]`` row -> position map (O(n_ids + R)
-            per part, no search); otherwise by binary search, O(R log U) per part.
-    Returns ``[R, d]``.  Only the hits are gathered (O(hits * d)), and autograd keeps index tensors and
-    the hit rows only (never a copy of a part).  Differentiable (twice) w.r.t. ``rows`` and every
-    ``part_delta``.
+            at most 64 R, each part is looked up through a ``[n_ids]`` row -> first position map
+            (O(n_ids + R) per part, no search); otherwise by binary search, O(R log U) per part.
+        static: shapes independent of the data (default: :func:`static_shapes`, i.e. on a GPU or
+            under ``torch.compile``): each part costs a gather of all R rows, weighted by 0/1 hits.
+            Otherwise (CPU) only the hits are gathered and added, O(hits d) per part.
+    Returns ``[R, d]``.  Differentiable (twice) w.r.t. ``rows`` and every ``part_delta``.
     """
-    if not parts:
-        return rows
+    static = static_shapes(ids) if static is None else static
     use_map = n_ids is not None and n_ids <= 64 * ids.numel()
     targets, sources = [], []
     for part_rows, part_delta in parts:
-        if part_rows.numel() == 0:
+        u = part_rows.numel()
+        if u == 0:
             continue
         if use_map:
-            where = torch.full((n_ids,), -1, dtype=torch.int32, device=ids.device)
-            where[part_rows] = torch.arange(part_rows.numel(), dtype=torch.int32, device=ids.device)
-            pos = where.index_select(0, ids)  # [R]: position of each id in the part, -1 if absent
-            hit = torch.nonzero(pos >= 0).squeeze(-1)  # [hits]
+            first = torch.full((n_ids,), u, dtype=torch.long, device=ids.device)  # u: absent
+            first.scatter_reduce_(0, part_rows, torch.arange(u, device=ids.device), reduce="amin")
+            pos = first.index_select(0, ids)  # [R]: first position of each id in the part, u if absent
+            hit = pos < u
+            pos = pos.clamp_(max=u - 1)
         else:
-            pos = torch.searchsorted(part_rows, ids).clamp_(max=part_rows.numel() - 1)  # [R]
-            hit = torch.nonzero(part_rows[pos] == ids).squeeze(-1)  # [hits]
-        targets.append(hit)
-        sources.append(part_delta.index_select(0, pos[hit]).to(rows.dtype))  # [hits, d]
+            pos = torch.searchsorted(part_rows, ids).clamp_(max=u - 1)  # [R]: leftmost match if present
+            hit = part_rows.index_select(0, pos) == ids
+        if static:  # rows + hit * delta[pos], one fused op
+            found = part_delta.index_select(0, pos).to(rows.dtype)  # [R, d]
+            rows = torch.addcmul(rows, found, hit.unsqueeze(-1).to(rows.dtype))
+        else:
+            where = torch.nonzero(hit).squeeze(-1)  # [hits]
+            targets.append(where)
+            sources.append(part_delta.index_select(0, pos[where]).to(rows.dtype))  # [hits, d]
     if not targets:
         return rows
     return rows.index_add(0, torch.cat(targets), torch.cat(sources))
@@ -366,12 +397,16 @@ def sparse_parts_add(rows: torch.Tensor, ids: torch.Tensor, parts, n_ids: int | 
 def sparse_parts_merge(parts) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge sparse row deltas ``[(rows [U_p], delta [U_p, d]), ...]`` into one ``(rows [M], delta [M, d])``.
 
-    Rows of the result are sorted and distinct; O(sum_p U_p * d).  Differentiable w.r.t. the deltas.
+    Any input with sorted or unsorted, repeated or distinct ids is summed (index_add semantics); the
+    result is in run-start form (module docstring) with M = sum_p U_p (static: no host sync).
+    O(M d + M log M).  Differentiable w.r.t. the deltas.
     """
     all_rows = torch.cat([r for r, _ in parts])
-    merged, inverse = torch.unique(all_rows, sorted=True, return_inverse=True)
-    deltas = torch.cat([d for _, d in parts])  # [sum U_p, d]
-    return merged, deltas.new_zeros(merged.shape[0], deltas.shape[-1]).index_add(0, inverse, deltas)
+    deltas = torch.cat([d for _, d in parts])  # [M, d]
+    merged, order = torch.sort(all_rows, stable=True)
+    run_start = torch.searchsorted(merged, merged)
+    target = torch.empty_like(order).scatter_(0, order, run_start)  # run start of each input entry
+    return merged, deltas.new_zeros(deltas.shape).index_add(0, target, deltas)
 
 
 def topk_masked_softmax(sub_scores: torch.Tensor, k: int) -> torch.Tensor:
