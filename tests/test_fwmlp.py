@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from fastweights.errors import UserError
-from fastweights.layers.fwmlp import (PARAM_NAMES, FwMLP, FwMLPOptions, fast_mlp_grads, fwmlp_memory_reference,
-                                      swiglu_forward)
 from fastweights.components import MEMORIES, lookup
+from fastweights.errors import UserError
+from fastweights.layers.fast_memory_reference import fwmlp_memory_reference
+from fastweights.layers.fwmlp import PARAM_NAMES, FwMLP, FwMLPOptions, fast_mlp_grads, swiglu_forward
 
 F64 = torch.float64
 D = 10

@@ -6,10 +6,11 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from fastweights.errors import UserError
-from fastweights.layers.fwpkm import FwPKM, FwPKMOptions, zscore
-from fastweights.layers.fwpkm_reference import fwpkm_memory_reference
 from fastweights.components import MEMORIES, build_options, lookup
+from fastweights.errors import UserError
+from fastweights.layers.fast_memory import zscore
+from fastweights.layers.fast_memory_reference import fwpkm_memory_reference
+from fastweights.layers.fwpkm import FwPKM, FwPKMOptions
 
 F64 = torch.float64
 D_MODEL = 12

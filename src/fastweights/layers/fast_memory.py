@@ -1,5 +1,5 @@
-"""The memory machinery shared by FwPKM and FwMLP (Zhao & Jones 2026, arXiv 2601.00671): the slow
-projections around a fast-weight memory and the helpers both memories use.
+"""What FwPKM and FwMLP share (Zhao & Jones 2026, arXiv 2601.00671): the slow projections around a
+fast-weight memory, the options both take, and the protocol by which both read and write.
 
 Per token h_t (the residual stream entering the layer)::
 
@@ -10,10 +10,37 @@ Per token h_t (the residual stream entering the layer)::
 
 where v_hat_t is the memory's read (FwPKM: a product-key lookup, ``layers/fwpkm.py``; FwMLP: a fast
 MLP, ``layers/fwmlp.py``). RMSNorm here is the offset form of the paper's Qwen3-Next backbone, scale
-(1 + w) with w from zero. Fast-weight arithmetic runs in fp32 (fp64 for fp64 inputs, for exactness
-tests). ``PERSISTENCE`` names the memories' state policies (FwPKM's docstring defines them);
-``FastMemoryOptions`` holds the options both memories take, and ``reference_schedule`` the order of
-reads and writes that both slow references follow.
+(1 + w) with w from zero.
+
+The protocol (the paper's sections 2-3 and its released code; docs/product-key-memory.md compares them):
+
+* Token t is read with the memory as written so far; after every chunk of C read tokens the memory is
+  written, query t paired with the value of token t + L (``lookahead`` L). Chunks are counted along the
+  stream: a write happens exactly when C tokens have been read since the last one, whatever the call
+  boundaries are (:func:`piece_sizes`), so streaming calls of any length equal one call.
+* ``boundary="carry"`` (default): the last L queries of a chunk have no target yet; they stay queued
+  and are written with the next chunk (re-read with the memory of that moment), so no pair is lost at a
+  chunk boundary -- what the released inference queue does. ``"drop"`` discards them, as the released
+  training forward does (:meth:`FastMemoryOptions.carried`).
+* Training backpropagates through every inner update (``second_order``; False detaches them): each
+  write is a plain differentiable expression. ``frozen`` never writes (the paper's frozen-memory check).
+* Fast weights live in fp32 (fp64 for fp64 inputs, for exactness tests) and their arithmetic runs with
+  autocast disabled.
+* The initial fast weights are buffers (not Parameters): the outer optimiser never sees them, as in
+  the released code, which drops them from AdamW. Neither memory adds an outer loss (``aux_loss`` is None).
+
+State and reset (``persistence``, :data:`PERSISTENCE`):
+
+* ``"stream"`` (default): one memory shared by the batch; ``state=None`` starts from the initial fast
+  weights, so a caller resets per document by passing ``state=None`` at its start, or never by
+  carrying the returned state.
+* ``"official"``: as the released code, the final fast weights are also written back into the module
+  after every forward, and ``state=None`` starts from them: memory persists across batches and is
+  never reset (call the layer's ``reset_memory`` to reset it).
+* ``"per_sequence"``: every sequence of the batch has its own fast weights (TTT/LaCT style).
+
+The slow references both memories are tested against, written from the equations, are in
+``layers/fast_memory_reference.py``.
 """
 
 from __future__ import annotations
@@ -52,6 +79,37 @@ class FastMemoryOptions:
     second_order: bool = True
     frozen: bool = False
     norm_eps: float = 1e-6
+
+    def carried(self) -> int:
+        """Queued tokens kept for the next write at a chunk boundary: L with ``boundary="carry"``, else 0."""
+        return self.lookahead if (self.boundary == "carry" and self.lookahead > 0) else 0
+
+
+def validate_options(name: str, o: FastMemoryOptions, checks: list[tuple[bool, str]]) -> None:
+    """UserError ``"NAME: message"`` for the first failed check: the memory's own ``checks``, then those of
+    the options every fast memory takes."""
+    checks = checks + [
+        (o.lookahead >= 0, f"lookahead must be >= 0, got {o.lookahead}"),
+        (o.chunk_size > o.lookahead, f"chunk_size ({o.chunk_size}) must exceed lookahead ({o.lookahead})"),
+        (o.boundary in ("carry", "drop"), f"boundary must be 'carry' or 'drop', got {o.boundary!r}"),
+        (o.persistence in PERSISTENCE, f"persistence must be one of {', '.join(PERSISTENCE)}, got {o.persistence!r}"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise UserError(f"{name}: {msg}")
+
+
+def piece_sizes(T: int, n_read: int, chunk_size: int, frozen: bool) -> list[int]:
+    """How a call of ``T`` tokens is cut: up to each chunk end (where a write follows), then the rest.
+
+    ``n_read``: tokens read since the last write before this call; a frozen memory never writes, so its
+    call is one piece."""
+    takes, done = [], 0
+    while done < T:
+        take = T - done if frozen else min(T - done, chunk_size - n_read)
+        takes.append(take)
+        done, n_read = done + take, (n_read + take) % chunk_size
+    return takes
 
 
 def state_pytree(cls):
@@ -156,27 +214,3 @@ class FastMemoryIO(nn.Module):
         gain = (1.0 + self.out_norm.weight).to(self.out_proj.weight.dtype)
         return F.linear(self.out_norm.normalize(o), self.out_proj.weight * gain, self.out_proj.bias)
 
-
-def reference_schedule(T: int, o: FastMemoryOptions):
-    """The order of reads and writes of the slow references (``fwpkm_memory_reference``,
-    ``fwmlp_memory_reference``), from the paper: token t is read with the memory as written so far;
-    after every C read tokens the queued pairs are written, query t with the value of token t + L, and
-    with ``boundary="carry"`` the last L queued tokens wait in the queue for their values. Yields
-    ``(t, pairs)`` after token t is read: ``pairs`` the ``(query position, value position)`` pairs to
-    write before token t + 1 is read (empty when nothing is written then; always empty when frozen)."""
-    L, C = o.lookahead, o.chunk_size
-    pending: list[int] = []  # token positions queued for the next write
-    n_read = 0
-    for t in range(T):
-        if o.frozen:
-            yield t, []
-            continue
-        pending.append(t)
-        n_read += 1
-        if n_read < C:
-            yield t, []
-            continue
-        yield t, [(tq, pending[j + L]) for j, tq in enumerate(pending[: len(pending) - L])]
-        keep = L if (o.boundary == "carry" and L > 0) else 0
-        pending = pending[len(pending) - keep:]
-        n_read = 0

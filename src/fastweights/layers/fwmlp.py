@@ -17,7 +17,8 @@ gradients to +-1 by default, but the released FwMLP configs turn the clip off; h
 The gradient is written out by hand (backpropagation through the SwiGLU, cached activations), so
 the update is an ordinary differentiable expression: training backpropagates through every inner
 update without nested autograd.  Chunking, the boundary carry, persistence modes and the state
-protocol are those of :class:`fastweights.layers.fwpkm.FwPKM`.
+protocol are those both fast memories follow (``layers/fast_memory.py``); the slow reference the tests
+hold this layer to is :func:`fastweights.layers.fast_memory_reference.fwmlp_memory_reference`.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from torch import nn
 
 from fastweights.components import register_memory
 from fastweights.errors import UserError
-from fastweights.layers.fast_memory import (PERSISTENCE, FastMemoryIO, FastMemoryOptions, fast_dtype, reference_schedule,
-                                            state_pytree)
+from fastweights.layers.fast_memory import (FastMemoryIO, FastMemoryOptions, fast_dtype, piece_sizes, state_pytree,
+                                            validate_options)
 from fastweights.ops.linear_attention import no_autocast
 
 PARAM_NAMES = ("w_up", "b_up", "w_gate", "b_gate", "w_down", "b_down")
@@ -46,7 +47,7 @@ class FwMLPOptions(FastMemoryOptions):
     ``d_key`` fast-MLP input width (the query), ``d_value`` its output, ``hidden`` its hidden width,
     ``chunk_size`` C, ``lr`` eta, ``grad_clip`` (0 = off), ``lookahead``, ``boundary``
     "carry"/"drop", ``value_norm``, ``gating``, ``gate_weighted_loss`` (off in the paper),
-    ``gate_form``, ``persistence``, ``second_order``, ``frozen``: as for FwPKM.
+    ``gate_form``, ``persistence``, ``second_order``, ``frozen``: as for FwPKM (``layers/fast_memory.py``).
     """
 
     hidden: int = 2304
@@ -187,8 +188,7 @@ class FwMLP(nn.Module):
         with no_autocast(q.device):
             q, v, g = q.to(dtype), v.to(dtype), g.to(dtype)
             t = 0
-            while t < T:
-                take = T - t if self.frozen else min(T - t, C - st.n_read)
+            for take in piece_sizes(T, st.n_read, C, self.frozen):
                 sl = slice(t, t + take)
                 acts = swiglu_forward(st.weights, q[:, sl])
                 outs.append(acts.y)
@@ -228,7 +228,7 @@ class FwMLP(nn.Module):
                 if o.grad_clip > 0:
                     grads = {k: g.clamp(-o.grad_clip, o.grad_clip) for k, g in grads.items()}
                 weights = {k: st.weights[k] - o.lr * grads[k] for k in PARAM_NAMES}
-        carry = L if (o.boundary == "carry" and L > 0) else 0
+        carry = o.carried()
         return replace(st, weights=weights, pending_x=st.pending_x[:, P - carry:],
                        pending_v=st.pending_v[:, P - carry:], pending_g=st.pending_g[:, P - carry:],
                        n_stale=carry, acts=None, n_read=0, writes=st.writes + 1)
@@ -269,48 +269,8 @@ def fast_mlp_grads(weights: dict[str, torch.Tensor], acts: _Acts, dy: torch.Tens
 
 
 def _validate(o: FwMLPOptions) -> None:
-    checks = [
+    validate_options("fwmlp", o, [
         (o.d_key >= 1 and o.hidden >= 1, "d_key and hidden must be >= 1"),
         (o.d_value >= 2, f"d_value must be >= 2, got {o.d_value}"),
-        (o.lookahead >= 0, f"lookahead must be >= 0, got {o.lookahead}"),
-        (o.chunk_size > o.lookahead, f"chunk_size ({o.chunk_size}) must exceed lookahead ({o.lookahead})"),
-        (o.boundary in ("carry", "drop"), f"boundary must be 'carry' or 'drop', got {o.boundary!r}"),
-        (o.persistence in PERSISTENCE, f"persistence must be one of {', '.join(PERSISTENCE)}, got {o.persistence!r}"),
         (o.grad_clip >= 0, f"grad_clip must be >= 0, got {o.grad_clip}"),
-    ]
-    for ok, msg in checks:
-        if not ok:
-            raise UserError("fwmlp: " + msg)
-
-
-def fwmlp_memory_reference(q: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                           weights: dict[str, torch.Tensor], options: FwMLPOptions):
-    """Slow reference of :meth:`FwMLP.memory` (one shared MLP, fresh state), from the equations.
-
-    Token-by-token reads; after every C tokens the loss of the queued pairs is differentiated by
-    autograd (``create_graph`` when grad is enabled).  ``weights`` are unbatched ``[out, in]``/``[out]``.
-    Returns ``(v_hat [B, T, d_v], final weights)``.
-    """
-    o = options
-    B, T, _ = q.shape
-    W = {k: w.clone() for k, w in weights.items()}
-    create = torch.is_grad_enabled()
-
-    def mlp(W, x):  # x [d_in] -> [d_out]
-        return W["w_down"] @ ((W["w_up"] @ x + W["b_up"]) * F.silu(W["w_gate"] @ x + W["b_gate"])) + W["b_down"]
-
-    outs = []
-    for t, pairs in reference_schedule(T, o):
-        outs.append(torch.stack([mlp(W, q[b, t]) for b in range(B)]))
-        if pairs:
-            with torch.enable_grad():
-                Wg = {k: (w if w.requires_grad else w.detach().requires_grad_()) for k, w in W.items()}
-                losses = [g[b, tq] * (mlp(Wg, q[b, tq]) - v[b, tv]).pow(2).mean()
-                          for b in range(B) for tq, tv in pairs]
-                loss = torch.stack(losses).mean()
-                grads = torch.autograd.grad(loss, [Wg[k] for k in PARAM_NAMES], create_graph=create)
-            if o.grad_clip > 0:
-                grads = [gr.clamp(-o.grad_clip, o.grad_clip) for gr in grads]
-            W = {k: W[k] - o.lr * gr for k, gr in zip(PARAM_NAMES, grads)}
-    v_hat = torch.stack(outs, 1) if outs else q.new_zeros(B, 0, W["b_down"].shape[0])
-    return v_hat, W
+    ])

@@ -2,13 +2,10 @@
 
 A product-key memory (Lample et al. 2019) whose keys and values are *fast* weights: they are
 rewritten while the model reads, after every chunk of C tokens, so a chunk only ever reads memory
-written by earlier chunks.  Per token h_t (the residual stream entering the layer)::
+written by earlier chunks.  Per token h_t (the residual stream entering the layer), with q_t, v_t, g_t
+and the output y_t of eqs 8-10 and 12 (``layers/fast_memory.py``)::
 
-    (8)  q_t = Linear^q(RMSNorm^q(h_t))                    in R^{H d_k}
-    (9)  v_t = Linear^v(RMSNorm^v(h_t)),  v_t <- (v_t - mean(v_t)) / (std(v_t) + 1e-6)
-    (10) g_t = sigmoid(Linear^g(RMSNorm^g(h_t)))            one scalar per token
     (11) v_hat_t = sum_{(i,j) in I_t} s'_ij V[i n + j]     (product-key top-k, IDW scores, eq 20)
-    (12) o_t = g_t v_hat_t + (1 - g_t) v_t,   y_t = Linear^o(RMSNorm^o(o_t))
 
 After each chunk, with lookahead L (= 1) pairing query t with the value of token t + L::
 
@@ -22,39 +19,21 @@ After each chunk, with lookahead L (= 1) pairing query t with the value of token
 "rewrite" is the scale the released code applies (derived in the project spec, section 4): with
 near-uniform weights s' ~ 1/(kH) a unit step moves v_hat onto its target.
 
-Project semantics (the paper's are in its sections 2-3 and the released code; docs/product-key-memory.md compares them):
+Chunking along the stream, the boundary carry, second-order training, fp32 fast weights and the
+``persistence`` modes are the protocol both fast memories follow (``layers/fast_memory.py``). What is
+FwPKM's own (the paper's choices are in its sections 2-3 and the released code;
+docs/product-key-memory.md compares them):
 
-* Chunks are counted along the stream: a write happens exactly when C tokens have been read since
-  the last one, whatever the call boundaries are, so streaming calls of any length equal one call.
-* ``boundary="carry"`` (default): the last L queries of a chunk have no target yet; they stay queued
-  and are written with the next chunk (re-read with the tables of that moment), so no pair is lost
-  at a chunk boundary -- what the released inference queue does.  ``"drop"`` discards them, as the
-  released training forward does.
 * The addressing loss averages over the queries written in this chunk (the pairs' query side).
 * The value write touches only the rows read, and each write is kept as a sparse row delta on top
   of the initial table (never a dense copy of the N x d_v table, never a dense gradient of it);
   reads gather the base rows and add the hits of each delta.  Past ``max_parts`` writes the deltas
   are merged into one; under ``torch.no_grad`` deltas grown large are folded into a private dense
   copy of the table.
-* Training backpropagates through every inner update (second order): the write is a plain
-  differentiable expression (gather, index_add), and the key gradient is written out analytically.
-* Fast weights live in fp32 and their arithmetic runs with autocast disabled.
+* The write is differentiable as gather and index_add, and the key gradient is written out
+  analytically, so training backpropagates through every inner update without nested autograd.
 * The slow reference written from the equations, which the tests hold this layer to, is
-  :func:`fastweights.layers.fwpkm_reference.fwpkm_memory_reference`.
-
-State and reset (``persistence``):
-
-* ``"stream"`` (default): one memory shared by the batch; ``state=None`` starts from the initial
-  tables, so a caller resets per document by passing ``state=None`` at its start, or never by
-  carrying the returned state.
-* ``"official"``: as the released code, the final tables are also written back into the module
-  after every forward, and ``state=None`` starts from them: memory persists across batches and is
-  never reset (call :meth:`FwPKM.reset_memory` to reset it).
-* ``"per_sequence"``: every sequence of the batch has its own tables (TTT/LaCT style).
-
-The initial tables are buffers (not Parameters): the outer optimiser never sees them, as in the
-released code, which drops them from AdamW.  The layer sets ``aux_loss = None``: the addressing
-loss is not an outer loss, it only drives the inner key update (18).
+  :func:`fastweights.layers.fast_memory_reference.fwpkm_memory_reference`.
 """
 
 from __future__ import annotations
@@ -66,10 +45,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastweights.errors import UserError
 from fastweights.components import register_memory
-from fastweights.layers.fast_memory import (  # noqa: F401  (OffsetRMSNorm, zscore: re-exported, old import path)
-    PERSISTENCE, FastMemoryIO, FastMemoryOptions, OffsetRMSNorm, fast_dtype, state_pytree, zscore)
+from fastweights.errors import UserError
+from fastweights.layers.fast_memory import (FastMemoryIO, FastMemoryOptions, fast_dtype, piece_sizes, state_pytree,
+                                            validate_options)
 from fastweights.ops.linear_attention import no_autocast
 from fastweights.ops.pkm import (
     gather_rows,
@@ -95,7 +74,7 @@ class FwPKMOptions(FastMemoryOptions):
     MSE gradient, mean-reduced as in the code: the paper's "w/o addr loss" ablation) or "none";
     ``key_lr`` and ``addressing_weight`` scale the key step.
     Ablations: ``lookahead`` (0 = target v_t), ``score`` "idw"/"dot", ``value_norm``, ``gating``,
-    ``gate_weighted_loss``; ``boundary`` "carry"/"drop" (module docstring); ``gate_form``.
+    ``gate_weighted_loss``; ``boundary`` "carry"/"drop" (``layers/fast_memory.py``); ``gate_form``.
     State: ``persistence`` "stream"/"official"/"per_sequence"; ``second_order`` False detaches the
     inner updates (gradients then flow only through the current chunk's reads); ``frozen`` True
     never writes (the paper's frozen-memory check, D.2).
@@ -320,11 +299,7 @@ class FwPKM(nn.Module):
         if st.batch != B:
             raise UserError(f"FwPKM state is for batch size {st.batch}, got input of batch size {B}")
         C = self.options.chunk_size
-        takes, done, n_read = [], 0, st.n_read  # the pieces: up to each chunk end (a write), then the rest
-        while done < T:
-            take = T - done if self.frozen else min(T - done, C - n_read)
-            takes.append(take)
-            done, n_read = done + take, (n_read + take) % C
+        takes = piece_sizes(T, st.n_read, C, self.frozen)
         outs = []
         with no_autocast(q.device):
             # split once (not slice per piece): autograd then joins the pieces' gradients in one cat
@@ -401,7 +376,7 @@ class FwPKM(nn.Module):
                 keys1, keys2, parts = self._update(st, reads.head(n_pairs), n_pairs)
                 if len(parts) > self.max_parts:
                     parts = (sparse_parts_merge(parts),)  # bound the per-read cost of many deltas
-        carry = L if (o.boundary == "carry" and L > 0) else 0
+        carry = o.carried()
         new = replace(
             st, keys1=keys1, keys2=keys2, parts=parts,
             pending_q=st.pending_q[:, P - carry:], pending_v=st.pending_v[:, P - carry:],
@@ -508,22 +483,15 @@ class FwPKM(nn.Module):
 
 
 def _validate(o: FwPKMOptions) -> None:
-    checks = [
+    validate_options("fwpkm", o, [
         (o.n_subkeys >= 1, f"n_subkeys must be >= 1, got {o.n_subkeys}"),
         (o.d_key >= 2 and o.d_key % 2 == 0, f"d_key must be even and >= 2, got {o.d_key}"),
         (o.d_value >= 2, f"d_value must be >= 2 (z-scoring needs 2 features), got {o.d_value}"),
         (o.heads >= 1, f"heads must be >= 1, got {o.heads}"),
         (1 <= o.topk <= o.n_subkeys, f"topk must be in [1, n_subkeys={o.n_subkeys}], got {o.topk}"),
-        (o.lookahead >= 0, f"lookahead must be >= 0, got {o.lookahead}"),
-        (o.chunk_size > o.lookahead, f"chunk_size ({o.chunk_size}) must exceed lookahead ({o.lookahead})"),
         (o.score in ("idw", "dot"), f"score must be 'idw' or 'dot', got {o.score!r}"),
         (o.update_scale in ("rewrite", "literal"),
          f"update_scale must be 'rewrite' or 'literal', got {o.update_scale!r}"),
         (o.key_update in ("addressing", "mse", "none"),
          f"key_update must be addressing/mse/none, got {o.key_update!r}"),
-        (o.boundary in ("carry", "drop"), f"boundary must be 'carry' or 'drop', got {o.boundary!r}"),
-        (o.persistence in PERSISTENCE, f"persistence must be one of {', '.join(PERSISTENCE)}, got {o.persistence!r}"),
-    ]
-    for ok, msg in checks:
-        if not ok:
-            raise UserError("fwpkm: " + msg)
+    ])

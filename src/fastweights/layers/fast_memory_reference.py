@@ -1,7 +1,9 @@
-"""Slow reference of the FwPKM memory (Zhao & Jones 2026, arXiv 2601.00671), written straight from the
-paper's equations, for the tests that hold :meth:`fastweights.layers.fwpkm.FwPKM.memory` to it.
+"""Slow references of the two fast memories (Zhao & Jones 2026, arXiv 2601.00671), written straight
+from the paper's equations, for the tests that hold :meth:`fastweights.layers.fwpkm.FwPKM.memory` and
+:meth:`fastweights.layers.fwmlp.FwMLP.memory` to them.
 
-Per chunk of C tokens (lookahead L pairs query t with the value of token t + L)::
+:func:`reference_schedule` is the order of reads and writes both follow. FwPKM, per chunk of C tokens
+(lookahead L pairs query t with the value of token t + L)::
 
     (11) v_hat_t = sum_{(i,j) in top-k} softmax(s)_ij V[i n + j]        s_ij = s^1_i + s^2_j
     (19) L_mem = sum_t 1/2 g_t ||v_{t+L} - v_hat_t||^2
@@ -9,15 +11,45 @@ Per chunk of C tokens (lookahead L pairs query t with the value of token t + L):
     (16) p_bar^m = mean_t softmax_topk(s^m_t),   (17) L_addr = -H(p_bar^1) - H(p_bar^2)
     (18) K^m <- K^m - eta_K w_addr dL_addr/dK^m
 
+FwMLP: v_hat_t = W_d (u_t * silu(a_t)) + b_d, and after each chunk plain SGD on the mean squared error
+of the queued pairs.
+
 Dense tables, one token at a time, gradients by autograd: slow, and obviously the equations.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from fastweights.layers.fast_memory import reference_schedule
+from fastweights.layers.fast_memory import FastMemoryOptions
+from fastweights.layers.fwmlp import PARAM_NAMES, FwMLPOptions
 from fastweights.layers.fwpkm import FwPKMOptions
+
+
+def reference_schedule(T: int, o: FastMemoryOptions):
+    """The order of reads and writes of the slow references (``fwpkm_memory_reference``,
+    ``fwmlp_memory_reference``), from the paper: token t is read with the memory as written so far;
+    after every C read tokens the queued pairs are written, query t with the value of token t + L, and
+    with ``boundary="carry"`` the last L queued tokens wait in the queue for their values. Yields
+    ``(t, pairs)`` after token t is read: ``pairs`` the ``(query position, value position)`` pairs to
+    write before token t + 1 is read (empty when nothing is written then; always empty when frozen)."""
+    L, C = o.lookahead, o.chunk_size
+    pending: list[int] = []  # token positions queued for the next write
+    n_read = 0
+    for t in range(T):
+        if o.frozen:
+            yield t, []
+            continue
+        pending.append(t)
+        n_read += 1
+        if n_read < C:
+            yield t, []
+            continue
+        yield t, [(tq, pending[j + L]) for j, tq in enumerate(pending[: len(pending) - L])]
+        keep = L if (o.boundary == "carry" and L > 0) else 0
+        pending = pending[len(pending) - keep:]
+        n_read = 0
 
 
 def fwpkm_memory_reference(
@@ -99,3 +131,36 @@ def _masked_softmax_reference(s: torch.Tensor, k: int) -> torch.Tensor:
     """Softmax over the entries >= the k-th largest of each row, zero elsewhere."""
     kth = s.detach().sort(dim=-1, descending=True).values[..., k - 1: k]
     return torch.softmax(torch.where(s >= kth, s, torch.full_like(s, float("-inf"))), dim=-1)
+
+
+def fwmlp_memory_reference(q: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                           weights: dict[str, torch.Tensor], options: FwMLPOptions):
+    """Slow reference of :meth:`FwMLP.memory` (one shared MLP, fresh state), from the equations.
+
+    Token-by-token reads; after every C tokens the loss of the queued pairs is differentiated by
+    autograd (``create_graph`` when grad is enabled).  ``weights`` are unbatched ``[out, in]``/``[out]``.
+    Returns ``(v_hat [B, T, d_v], final weights)``.
+    """
+    o = options
+    B, T, _ = q.shape
+    W = {k: w.clone() for k, w in weights.items()}
+    create = torch.is_grad_enabled()
+
+    def mlp(W, x):  # x [d_in] -> [d_out]
+        return W["w_down"] @ ((W["w_up"] @ x + W["b_up"]) * F.silu(W["w_gate"] @ x + W["b_gate"])) + W["b_down"]
+
+    outs = []
+    for t, pairs in reference_schedule(T, o):
+        outs.append(torch.stack([mlp(W, q[b, t]) for b in range(B)]))
+        if pairs:
+            with torch.enable_grad():
+                Wg = {k: (w if w.requires_grad else w.detach().requires_grad_()) for k, w in W.items()}
+                losses = [g[b, tq] * (mlp(Wg, q[b, tq]) - v[b, tv]).pow(2).mean()
+                          for b in range(B) for tq, tv in pairs]
+                loss = torch.stack(losses).mean()
+                grads = torch.autograd.grad(loss, [Wg[k] for k in PARAM_NAMES], create_graph=create)
+            if o.grad_clip > 0:
+                grads = [gr.clamp(-o.grad_clip, o.grad_clip) for gr in grads]
+            W = {k: W[k] - o.lr * gr for k, gr in zip(PARAM_NAMES, grads)}
+    v_hat = torch.stack(outs, 1) if outs else q.new_zeros(B, 0, W["b_down"].shape[0])
+    return v_hat, W
