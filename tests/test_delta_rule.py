@@ -232,14 +232,15 @@ def test_qk_l2norm_equals_prenormalised():
 def test_select_backend_truth_table():
     common = dict(gated=False, needs_grad=True)
     assert select_backend("torch", device_type="cuda", dtype=torch.bfloat16, fla_ok=True, **common) == "torch"
+    assert select_backend("compiled", device_type="cpu", dtype=torch.float32, fla_ok=False, **common) == "compiled"
     assert select_backend("auto", device_type="cuda", dtype=torch.bfloat16, fla_ok=True, **common) == "fla"
     assert select_backend("auto", device_type="cuda", dtype=torch.float16, fla_ok=True, **common) == "fla"
     assert select_backend("auto", device_type="cuda", dtype=torch.float32, fla_ok=True, **common) == "torch"
     assert select_backend("auto", device_type="cpu", dtype=torch.bfloat16, fla_ok=True, **common) == "torch"
     assert select_backend("auto", device_type="cuda", dtype=torch.bfloat16, fla_ok=False, **common) == "torch"
-    # Hopper + old Triton: fla refuses the gated backward, so auto keeps it for inference only
+    # Hopper + old Triton: fla refuses the gated backward, so auto trains through the compiled form
     hopper = dict(device_type="cuda", dtype=torch.bfloat16, fla_ok=True, fla_refuses_gated_backward=True)
-    assert select_backend("auto", gated=True, needs_grad=True, **hopper) == "torch"
+    assert select_backend("auto", gated=True, needs_grad=True, **hopper) == "compiled"
     assert select_backend("auto", gated=True, needs_grad=False, **hopper) == "fla"
     assert select_backend("auto", gated=False, needs_grad=True, **hopper) == "fla"
     assert select_backend("fla", device_type="cuda", dtype=torch.float32, fla_ok=True, **common) == "fla"
@@ -247,7 +248,7 @@ def test_select_backend_truth_table():
         select_backend("fla", device_type="cuda", dtype=torch.bfloat16, fla_ok=False, **common)
     with pytest.raises(UserError):
         select_backend("fla", device_type="cpu", dtype=torch.bfloat16, fla_ok=True, **common)
-    with pytest.raises(UserError):
+    with pytest.raises(UserError, match="unknown backend"):
         select_backend("triton", device_type="cpu", dtype=torch.float32, fla_ok=False, **common)
 
 
@@ -258,6 +259,37 @@ def test_auto_on_cpu_is_torch_and_fla_is_a_clear_error():
     assert torch.equal(a, b)
     with pytest.raises(UserError, match="fla"):
         delta_rule(q, k, v, beta, backend="fla")  # not importable here, or not CUDA
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("with_s0", [False, True])
+def test_compiled_form_equals_recurrent(gated, with_s0, monkeypatch):
+    """The compiled fallback (the chunkwise form's parallel parts through torch.compile, fullgraph) against
+    the per-step reference in fp64, outputs and every gradient. Traced with backend="aot_eager" here (the
+    graph capture and autograd are what the CPU can check quickly; the GPU run compiles with inductor)."""
+    monkeypatch.setattr(dr, "COMPILE_OPTIONS", {"backend": "aot_eager"})
+    monkeypatch.setattr(dr, "_COMPILED", {})
+    q, k, v, beta, g, s0 = make(t=37)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, beta, g, s0)]
+    ref_leaves = [x.clone().requires_grad_() for x in (q, k, v, beta, g, s0)]
+    w = torch.randn(2, 37, 2, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+    def run(fn, xs, **kw):
+        q_, k_, v_, b_, g_, s_ = xs
+        o, s = fn(q_, k_, v_, b_, initial_state=s_ if with_s0 else None, output_final_state=True,
+                  log_decay=g_ if gated else None, **kw)
+        (o * w).sum().backward(inputs=[x for i, x in enumerate(xs) if (gated or i != 4) and (with_s0 or i != 5)],
+                               retain_graph=True)
+        s.sum().backward(inputs=[x for i, x in enumerate(xs) if (gated or i != 4) and (with_s0 or i != 5)])
+        return o, s
+
+    o1, s1 = run(delta_rule, leaves, chunk_size=16, backend="compiled")
+    o2, s2 = run(delta_rule_recurrent, ref_leaves)
+    assert len(dr._COMPILED) == 4  # the forward's two parallel parts and the backward's two
+    assert rel_err(o1, o2) < 1e-10 and rel_err(s1, s2) < 1e-10
+    for i, (a, b) in enumerate(zip(leaves, ref_leaves)):
+        if b.grad is not None:
+            assert rel_err(a.grad, b.grad) < 1e-9, i
 
 
 def test_fla_adapter_maps_arguments(monkeypatch):
@@ -271,14 +303,16 @@ def test_fla_adapter_maps_arguments(monkeypatch):
         calls.append(("gated", kw))
         return kw["v"], None
 
-    monkeypatch.setattr(dr, "_fla_functions", lambda: (fake_delta, fake_gated))
+    fla_backend = importlib.import_module("fastweights.ops.fla_backend")
+    monkeypatch.setattr(fla_backend, "_fla_functions", lambda: (fake_delta, fake_gated))
     q, k, v, beta, g, s0 = make(t=4, dtype=torch.float32)
     dr._delta_rule_fla(q, k, v, beta, 0.5, s0, True, None, False)
     dr._delta_rule_fla(q, k, v, beta, 0.5, s0, False, g, True)
     (name0, kw0), (name1, kw1) = calls
     assert name0 == "delta" and kw0["scale"] == 0.5 and kw0["initial_state"] is s0 and kw0["output_final_state"]
-    assert name1 == "gated" and torch.equal(kw1["g"], g) and kw1["use_qk_l2norm_in_kernel"] is True
-    assert kw0["beta"] is beta and kw1["beta"] is beta
+    assert name1 == "gated" and kw1["g"].dtype == torch.float32 and kw1["use_qk_l2norm_in_kernel"] is True
+    torch.testing.assert_close(kw1["g"], g.float())
+    assert kw0["beta"] is beta and kw1["beta"] is beta  # fp32 outside autocast: passed as they are
 
 
 def test_bad_inputs_raise_user_error():

@@ -6,7 +6,7 @@ import torch
 from fastweights.errors import UserError
 from fastweights.layers.fwp import FastWeightProgrammer, FWPOptions
 from fastweights.layers.gdn import GatedDeltaNet, GDNOptions
-from fastweights.models.registry import MIXERS, build_options, lookup
+from fastweights.components import MIXERS, build_options, lookup
 
 D_MODEL, HEADS = 16, 2
 
@@ -140,3 +140,7 @@ def test_default_options_and_bad_options():
             FastWeightProgrammer(d_model=D_MODEL, n_heads=HEADS, options=FWPOptions(**bad))
     with pytest.raises(UserError):
         GatedDeltaNet(d_model=D_MODEL, n_heads=HEADS, options=GDNOptions(expand_v=0.3))
+    with pytest.raises(UserError, match="unknown backend 'triton'"):
+        FastWeightProgrammer(d_model=D_MODEL, n_heads=HEADS, options=FWPOptions(backend="triton"))
+    with pytest.raises(UserError, match="unknown backend 'cuda'"):
+        GatedDeltaNet(d_model=D_MODEL, n_heads=HEADS, options=GDNOptions(backend="cuda"))

@@ -27,6 +27,12 @@ recurrence is stable (lmtool-fwp: "crucial for stable training").
 State (dict, carried across calls; one call equals several with the state carried):
     "S": [B, H, d_dot, d_head] fp32 fast weight; "z": [B, H, d_dot] key sum (sum rule with normalize).
 
+Backends of the delta rules (``backend``, see :mod:`fastweights.ops.fla_backend`): on CUDA under
+autocast, or with fp16/bf16 weights, "auto" runs flash-linear-attention's kernels: phi_q, phi_k, beta
+and the decay are computed in fp32 (as everywhere here) and q, k, v, beta are cast to the autocast
+dtype right before the kernel, the fast weight S staying fp32; where fla refuses the gated backward
+(Hopper with Triton < 3.7.1) training runs the chunkwise form compiled with torch.compile.
+
 FAVOR+'s random matrix is a buffer (saved with the model); with ``redraw=True`` it is redrawn at each
 training forward (as lmtool-fwp), never at evaluation, so streaming evaluation stays consistent.
 """
@@ -43,6 +49,7 @@ import torch.nn.functional as F
 from fastweights.components import register_mixer
 from fastweights.errors import UserError
 from fastweights.ops.delta_rule import delta_rule
+from fastweights.ops.fla_backend import BACKENDS
 from fastweights.ops.feature_maps import (
     FEATURE_MAPS,
     apply_feature_map,
@@ -69,7 +76,7 @@ class FWPOptions:
     normalize: bool = False  # sum rule only: divide the read by z_t^T phi(q_t) (Katharopoulos et al.)
     head_dim: int = 0  # 0 -> d_model // n_heads
     chunk_size: int = 32  # 32 measured fastest on CPU (T = 128..2048); fla ignores it
-    backend: str = "auto"  # delta rules: auto | torch | fla
+    backend: str = "auto"  # delta rules: auto | torch | compiled | fla
 
 
 def gdn_log_decay(a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
@@ -113,6 +120,8 @@ class FastWeightProgrammer(nn.Module):
         head_dim = opt.head_dim or d_model // n_heads
         if head_dim < 1:
             raise UserError(f"fwp: head_dim must be positive (d_model={d_model}, n_heads={n_heads})")
+        if opt.backend not in BACKENDS:
+            raise UserError(f"fwp: unknown backend {opt.backend!r}; choose one of {', '.join(BACKENDS)}")
         if opt.nu < 1 or opt.n_features < 1 or opt.chunk_size < 1:
             raise UserError("fwp: nu, n_features and chunk_size must be positive")
         self.options = opt

@@ -12,8 +12,11 @@ Per head, with the state S in R^{K x V} ([B, H, K, V]):
     S_t       = a_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,     o_t = S_t^T q_t / sqrt(K)
     y         = W_o [RMSNorm(o_t) * SiLU(W_g x_t)]   (per-head RMSNorm; with use_gate=False, RMSNorm only)
 
-The recurrence is :func:`fastweights.ops.delta_rule.delta_rule` with ``log_decay=g`` (chunkwise WY form,
-or flash-linear-attention on CUDA).
+The recurrence is :func:`fastweights.ops.delta_rule.delta_rule` with ``log_decay=g``: the chunkwise WY
+form, or on CUDA under autocast (or with fp16/bf16 weights) flash-linear-attention's kernel, handed q,
+k, v, beta in the autocast dtype (beta and g computed in fp32, g passed in fp32) and the fp32 state,
+as :mod:`fastweights.ops.fla_backend` describes; where fla refuses the gated backward (Hopper with
+Triton < 3.7.1) training runs the chunkwise form compiled with torch.compile.
 
 State (dict): "S" [B, H, K, V] fp32 fast weight, and with the short convolution "conv"
 [B, conv_size - 1, 2 H K + H V], the last inputs of the convolution, so that one call equals several.
@@ -32,6 +35,7 @@ from fastweights.errors import UserError
 from fastweights.layers.common import causal_conv1d
 from fastweights.layers.fwp import gdn_log_decay, init_gdn_gate
 from fastweights.ops.delta_rule import delta_rule
+from fastweights.ops.fla_backend import BACKENDS
 from fastweights.ops.linear_attention import compute_dtype
 
 
@@ -46,7 +50,7 @@ class GDNOptions:
     use_gate: bool = True  # output gate SiLU(W_g x) after the RMSNorm
     norm_eps: float = 1e-5
     chunk_size: int = 32  # 32 measured fastest on CPU (T = 128..2048); fla ignores it
-    backend: str = "auto"  # auto | torch | fla
+    backend: str = "auto"  # auto | torch | compiled | fla
 
 
 @register_mixer("gdn", GDNOptions)
@@ -60,6 +64,8 @@ class GatedDeltaNet(nn.Module):
         head_v = int(round(head_k * opt.expand_v))
         if head_k < 1 or head_v < 1 or abs(head_k * opt.expand_v - head_v) > 1e-6:
             raise UserError(f"gdn: head_dim={head_k} with expand_v={opt.expand_v} must give positive integer dims")
+        if opt.backend not in BACKENDS:
+            raise UserError(f"gdn: unknown backend {opt.backend!r}; choose one of {', '.join(BACKENDS)}")
         if opt.use_short_conv and opt.conv_size < 1:
             raise UserError("gdn: conv_size must be >= 1")
         self.options = opt

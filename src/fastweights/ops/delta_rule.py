@@ -43,24 +43,33 @@ the recurrence itself to be stable: with beta |k|^2 > 2 the true recurrence dive
 implementation. ``qk_l2norm=True`` L2-normalises q and k inside the op (fla's
 ``use_qk_l2norm_in_kernel``).
 
-Backends: ``backend="torch"`` is this file; ``"fla"`` calls flash-linear-attention's
-``chunk_delta_rule`` / ``chunk_gated_delta_rule`` (CUDA, fp16/bf16); ``"auto"`` uses fla when it is
-importable, the inputs are CUDA fp16/bf16 and fla accepts the call, else torch. fla 0.6 refuses the
-gated backward on Hopper GPUs with Triton older than 3.7.1, so "auto" does not pick fla there when a
-gradient is needed.
+Backends: ``backend="torch"`` is this file's chunkwise form; ``"compiled"`` the same with its
+parallel per-chunk parts (the C x C matrices, the solve, the outputs, the backward's per-chunk
+gradients) compiled by ``torch.compile`` and the scans over chunks eager; ``"fla"`` calls
+flash-linear-attention's ``chunk_delta_rule`` / ``chunk_gated_delta_rule`` (CUDA, fp16/bf16, or fp32
+under autocast, cast to the autocast dtype right before the kernel, the state fp32);
+``"auto"`` uses fla when it is importable, the tensors are on CUDA and the kernel dtype is
+fp16/bf16, and the compiled form where fla refuses (its gated backward on Hopper GPUs with Triton
+older than 3.7.1), else torch. The contract with fla and the choice are in
+:mod:`fastweights.ops.fla_backend`; each distinct choice is logged once per process.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
 import warnings
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from fastweights.errors import UserError
+from fastweights.ops.fla_backend import (  # noqa: F401  (select_backend, fla_available: part of this module's names)
+    fla_available,
+    fla_delta_rule as _delta_rule_fla,
+    fla_refuses_gated_backward as _fla_refuses,
+    kernel_dtype,
+    log_choice_once,
+    select_backend,
+)
 from fastweights.ops.linear_attention import (
     causal_mask,
     check_inputs,
@@ -77,7 +86,7 @@ from fastweights.ops.linear_attention import (
 
 __all__ = ["delta_rule", "delta_rule_recurrent", "select_backend", "fla_available"]
 
-BACKENDS = ("auto", "torch", "fla")
+BACKENDS = ("auto", "torch", "compiled", "fla")  # as fastweights.ops.fla_backend.BACKENDS
 
 
 # ----------------------------------------------------------------------------- reference
@@ -171,6 +180,124 @@ def _scan_states(parts, s0):
     return unflat(torch.stack(starts, dim=1)), unflat(torch.stack(pseudo, dim=1)), unflat(state)
 
 
+def _chunk_output(qb, p, starts, pseudo):
+    """O = Qb S + P U~ for all chunks at once, ``[B, H, N, C, V]``."""
+    return qb @ starts + p @ pseudo
+
+
+def _bwd_prepare(q, k, log_decay, d_o):
+    """Backward, before the reverse scan: the C x C matrices and decay factors, recomputed."""
+    t_ = lambda x: x.transpose(-1, -2)  # noqa: E731
+    kk = k @ t_(k)  # [B, H, N, C, C]
+    if log_decay is not None:
+        gamma_mat, b_in, b_last, to_end = decay_terms(log_decay)
+        pre = {"kk_g": kk * gamma_mat, "qb": q * b_in.unsqueeze(-1), "kd": k * to_end.unsqueeze(-1),
+               "b_k": k * b_in.unsqueeze(-1), "gamma_mat": gamma_mat, "b_in": b_in, "b_last": b_last,
+               "to_end": to_end}
+    else:
+        pre = {"kk_g": kk, "qb": q, "kd": k, "b_k": k, "gamma_mat": None, "b_in": None, "b_last": None,
+               "to_end": None}
+    pre["kk"] = kk
+    if d_o is not None:
+        qk = q @ t_(k)
+        p = qk * (pre["gamma_mat"] if log_decay is not None else causal_mask(q.shape[-2], q.device, q.dtype))
+        pre.update(qk=qk, pt_do=t_(p) @ d_o, qbt_do=t_(pre["qb"]) @ d_o)  # [B, H, N, C, V], [B, H, N, K, V]
+    return pre
+
+
+def _bwd_scan(pre, w, starts, d_final, with_do):
+    """Reverse pass over chunks: dS_next of every chunk ``[B, H, N, K, V]`` and dS of the initial state."""
+    b, h = starts.shape[:2]
+    d_state = (d_final if d_final is not None else torch.zeros_like(starts[:, :, 0])).flatten(0, 1)  # [BH, K, V]
+    kd_f, w_f = _flat(pre["kd"]), _flat(w)
+    b_last_f = None if pre["b_last"] is None else _flat(pre["b_last"])
+    if with_do:
+        pt_do_f, qbt_do_f = _flat(pre["pt_do"]), _flat(pre["qbt_do"])
+    d_next = [None] * starts.shape[2]
+    for i in reversed(range(starts.shape[2])):
+        d_next[i] = d_state
+        decayed = d_state if b_last_f is None else b_last_f[:, i, None, None] * d_state
+        if not with_do:
+            d_pseudo_i = torch.bmm(kd_f[:, i], d_state)  # [BH, C, V]
+            carried = decayed
+        else:
+            d_pseudo_i = torch.baddbmm(pt_do_f[:, i], kd_f[:, i], d_state)
+            carried = decayed + qbt_do_f[:, i]
+        d_state = torch.baddbmm(carried, w_f[:, i].transpose(-1, -2), d_pseudo_i, alpha=-1)
+    return torch.stack(d_next, dim=1).unflatten(0, (b, h)), d_state.unflatten(0, (b, h))
+
+
+def _bwd_chunks(q, k, v, beta, log_decay, starts, l_inv, x, pseudo, d_o, d_next, pre):
+    """Backward, after the reverse scan: every chunk's input gradients in parallel (class docstring)."""
+    c = k.shape[-2]
+    dv = v.shape[-1]
+    gated = log_decay is not None
+    t_ = lambda x: x.transpose(-1, -2)  # noqa: E731
+    kk, kk_g, b_k, gamma_mat, b_in, to_end = (pre[n] for n in ("kk", "kk_g", "b_k", "gamma_mat", "b_in", "to_end"))
+    d_pseudo = pre["kd"] @ d_next  # [B, H, N, C, V]
+    if d_o is not None:
+        d_pseudo = d_pseudo + pre["pt_do"]
+    d_kd = pseudo @ t_(d_next)  # [B, H, N, C, K]
+    d_x = torch.cat([d_pseudo, -(d_pseudo @ t_(starts))], dim=-1)  # [dU, dW], [B, H, N, C, V + K]
+    d_r = t_(l_inv) @ d_x  # dR = L^{-T} dX
+    d_a = -(d_r @ t_(x)) * causal_mask(c, k.device, k.dtype, strict=True)  # [B, H, N, C, C]
+    d_rv, d_rk = d_r.split([dv, d_r.shape[-1] - dv], dim=-1)
+    d_v = beta.unsqueeze(-1) * d_rv
+    d_beta = (d_rv * v).sum(-1) + (d_rk * b_k).sum(-1) + (d_a * kk_g).sum(-1)
+    d_k = (beta * b_in).unsqueeze(-1) * d_rk if gated else beta.unsqueeze(-1) * d_rk
+    d_kk_g = beta.unsqueeze(-1) * d_a
+    d_kk = d_kk_g * gamma_mat if gated else d_kk_g
+    d_k = d_k + (d_kk + t_(d_kk)) @ k
+    d_k = d_k + (to_end.unsqueeze(-1) * d_kd if gated else d_kd)  # from Kd
+    d_q = None
+    if d_o is not None:
+        d_p = d_o @ t_(pseudo)  # [B, H, N, C, C]
+        d_qb = d_o @ t_(starts)  # [B, H, N, C, K]
+        d_qk = d_p * (gamma_mat if gated else causal_mask(c, k.device, k.dtype))
+        d_q = d_qk @ k + (b_in.unsqueeze(-1) * d_qb if gated else d_qb)
+        d_k = d_k + t_(d_qk) @ q
+    d_g = None
+    if gated:
+        # gradient w.r.t. the within-chunk cumulative log decay gamma, then through the cumsum
+        d_gamma_mat = d_kk_g * kk  # from A (strictly lower)
+        d_b = beta * (d_rk * k).sum(-1)  # from R
+        if d_o is not None:
+            d_gamma_mat = d_gamma_mat + d_p * pre["qk"]
+            d_b = d_b + (d_qb * q).sum(-1)
+        d_diff = d_gamma_mat * gamma_mat  # Gamma = exp(gamma_i - gamma_j), zero above the diagonal
+        d_gamma = d_diff.sum(-1) - d_diff.sum(-2) + d_b * b_in
+        d_to_end = (d_kd * k).sum(-1) * to_end  # to_end = exp(gamma_C - gamma_t)
+        d_gamma = d_gamma - d_to_end
+        d_last = d_to_end.sum(-1) + (starts * d_next).sum((-1, -2)) * pre["b_last"]  # b_last = exp(gamma_C)
+        d_gamma = torch.cat([d_gamma[..., :-1], (d_gamma[..., -1] + d_last).unsqueeze(-1)], dim=-1)
+        d_g = d_gamma.flip(-1).cumsum(-1).flip(-1)  # gamma = cumsum(g)
+    return d_q, d_k, d_v, d_beta, d_g
+
+
+_COMPILED: dict = {}
+
+
+def _impl(fn, compiled: bool):
+    """``fn`` itself, or (``compiled``) ``torch.compile(fn)`` built on first use: the parallel, per-chunk
+    parts of the forward and backward compile into fused kernels; the scans over chunks stay eager (a
+    loop of T/C small matmuls, which compiled would unroll into a graph that grows with T)."""
+    if not compiled:
+        return fn
+    if fn not in _COMPILED:
+        inner = torch.compile(fn, fullgraph=True, dynamic=False, **COMPILE_OPTIONS)
+
+        def run(*args):
+            with warnings.catch_warnings():  # Dynamo traces through causal_mask's lru_cache (a pure function)
+                warnings.filterwarnings("ignore", message=".*functools.lru_cache.*")
+                return inner(*args)
+
+        _COMPILED[fn] = run
+    return _COMPILED[fn]
+
+
+COMPILE_OPTIONS: dict = {}  # extra torch.compile arguments (the CPU tests trace with backend="aot_eager")
+
+
 class _ChunkedDeltaRule(torch.autograd.Function):
     """Chunkwise delta rule with a hand-written backward that needs no state per step.
 
@@ -185,23 +312,22 @@ class _ChunkedDeltaRule(torch.autograd.Function):
 
     and the chain rule through R = [diag(beta) V, diag(beta b) K], A = diag(beta) (K K^T * Gamma),
     P = Q K^T * Gamma * M, Qb = diag(b) Q, Kd = diag(b_C / b) K, Gamma_ij = exp(gamma_i - gamma_j),
-    b = exp(gamma), gamma = cumsum(g).
+    b = exp(gamma), gamma = cumsum(g). ``compiled`` runs the parallel parts through ``torch.compile``.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, beta, log_decay, s0):
+    def forward(ctx, q, k, v, beta, log_decay, s0, compiled):
         # q, k [B, H, N, C, K]; v [B, H, N, C, V]; beta, log_decay [B, H, N, C]; s0 [B, H, K, V] or None.
-        b, h, n, c, dk = k.shape
-        dv = v.shape[-1]
+        b, h, _, _, dk = k.shape
         has_s0 = s0 is not None
         if not has_s0:
-            s0 = k.new_zeros(b, h, dk, dv)
-        parts = _wy_parts(q, k, v, beta, log_decay)
+            s0 = k.new_zeros(b, h, dk, v.shape[-1])
+        parts = _impl(_wy_parts, compiled)(q, k, v, beta, log_decay)
         starts, pseudo, final = _scan_states(parts, s0)
-        o = parts["qb"] @ starts + parts["p"] @ pseudo  # [B, H, N, C, V]
+        o = _impl(_chunk_output, compiled)(parts["qb"], parts["p"], starts, pseudo)  # [B, H, N, C, V]
         # All O(T * (D + C)) besides the chunk-boundary states; nothing of size T * K * V.
         ctx.save_for_backward(q, k, v, beta, log_decay, starts, parts["l_inv"], parts["x"], pseudo)
-        ctx.has_s0 = has_s0
+        ctx.has_s0, ctx.compiled = has_s0, compiled
         ctx.set_materialize_grads(False)  # an unused output (often o or the final state) gets None: skip its work
         return o, final
 
@@ -210,97 +336,16 @@ class _ChunkedDeltaRule(torch.autograd.Function):
     def backward(ctx, d_o, d_final):
         q, k, v, beta, log_decay, starts, l_inv, x, pseudo = ctx.saved_tensors
         if d_o is None and d_final is None:
-            return (None,) * 6
-        c = k.shape[-2]
-        dv = v.shape[-1]
-        gated = log_decay is not None
-        t_ = lambda x: x.transpose(-1, -2)  # noqa: E731
-        causal = causal_mask(c, k.device, k.dtype)
-        # --- recompute the chunk matrices (cheap compared with the state work)
-        kk = k @ t_(k)  # [B, H, N, C, C]
-        if gated:
-            gamma_mat, b_in, b_last, to_end = decay_terms(log_decay)
-            kk_g = kk * gamma_mat
-            qb, kd = q * b_in.unsqueeze(-1), k * to_end.unsqueeze(-1)
-        else:
-            kk_g, qb, kd, b_last = kk, q, k, None
-        b_k = k * b_in.unsqueeze(-1) if gated else k
-        w = x[..., dv:]  # x = [U, W]
-        if d_o is not None:
-            qk = q @ t_(k)
-            p = qk * (gamma_mat if gated else causal)
-
-        # --- reverse pass over chunks: dS_next for every chunk, and the grad of the initial state
-        if d_o is not None:
-            pt_do = t_(p) @ d_o  # [B, H, N, C, V]
-            qbt_do = t_(qb) @ d_o  # [B, H, N, K, V]
-        b, h = starts.shape[:2]
-        d_state = (d_final if d_final is not None else torch.zeros_like(starts[:, :, 0])).flatten(0, 1)  # [BH, K, V]
-        kd_f, w_f = _flat(kd), _flat(w)
-        b_last_f = None if b_last is None else _flat(b_last)
-        if d_o is not None:
-            pt_do_f, qbt_do_f = _flat(pt_do), _flat(qbt_do)
-        d_next = [None] * starts.shape[2]
-        for i in reversed(range(starts.shape[2])):
-            d_next[i] = d_state
-            decayed = d_state if b_last_f is None else b_last_f[:, i, None, None] * d_state
-            if d_o is None:
-                d_pseudo_i = torch.bmm(kd_f[:, i], d_state)  # [BH, C, V]
-                carried = decayed
-            else:
-                d_pseudo_i = torch.baddbmm(pt_do_f[:, i], kd_f[:, i], d_state)
-                carried = decayed + qbt_do_f[:, i]
-            d_state = torch.baddbmm(carried, w_f[:, i].transpose(-1, -2), d_pseudo_i, alpha=-1)
-        d_state = d_state.unflatten(0, (b, h))
+            return (None,) * 7
+        pre = _impl(_bwd_prepare, ctx.compiled)(q, k, log_decay, d_o)
+        d_next, d_state = _bwd_scan(pre, x[..., v.shape[-1]:], starts, d_final, d_o is not None)  # x = [U, W]
         d_s0 = d_state if (ctx.has_s0 and ctx.needs_input_grad[5]) else None
-        d_next = torch.stack(d_next, dim=1).unflatten(0, (b, h))  # [B, H, N, K, V]
-
-        # --- all chunks in parallel
-        d_pseudo = kd @ d_next  # [B, H, N, C, V]
-        if d_o is not None:
-            d_pseudo = d_pseudo + pt_do
-        d_kd = pseudo @ t_(d_next)  # [B, H, N, C, K]
-        d_x = torch.cat([d_pseudo, -(d_pseudo @ t_(starts))], dim=-1)  # [dU, dW], [B, H, N, C, V + K]
-        d_r = t_(l_inv) @ d_x  # dR = L^{-T} dX
-        d_a = -(d_r @ t_(x)) * causal_mask(c, k.device, k.dtype, strict=True)  # [B, H, N, C, C]
-        d_rv, d_rk = d_r.split([dv, d_r.shape[-1] - dv], dim=-1)
-        d_v = beta.unsqueeze(-1) * d_rv
-        d_beta = (d_rv * v).sum(-1) + (d_rk * b_k).sum(-1) + (d_a * kk_g).sum(-1)
-        d_k = (beta * b_in).unsqueeze(-1) * d_rk if gated else beta.unsqueeze(-1) * d_rk
-        d_kk_g = beta.unsqueeze(-1) * d_a
-        d_kk = d_kk_g * gamma_mat if gated else d_kk_g
-        d_k = d_k + (d_kk + t_(d_kk)) @ k
-        d_k = d_k + (to_end.unsqueeze(-1) * d_kd if gated else d_kd)  # from Kd
-        d_q = None
-        if d_o is not None:
-            d_p = d_o @ t_(pseudo)  # [B, H, N, C, C]
-            d_qb = d_o @ t_(starts)  # [B, H, N, C, K]
-            d_qk = d_p * (gamma_mat if gated else causal)
-            d_q = d_qk @ k + (b_in.unsqueeze(-1) * d_qb if gated else d_qb)
-            d_k = d_k + t_(d_qk) @ q
-
-        d_g = None
-        if gated:
-            # gradient w.r.t. the within-chunk cumulative log decay gamma, then through the cumsum
-            d_gamma_mat = d_kk_g * kk  # from A (strictly lower)
-            d_b = beta * (d_rk * k).sum(-1)  # from R
-            if d_o is not None:
-                d_gamma_mat = d_gamma_mat + d_p * qk
-                d_b = d_b + (d_qb * q).sum(-1)
-            d_diff = d_gamma_mat * gamma_mat  # Gamma = exp(gamma_i - gamma_j), zero above the diagonal
-            d_gamma = d_diff.sum(-1) - d_diff.sum(-2) + d_b * b_in
-            d_to_end = (d_kd * k).sum(-1) * to_end  # to_end = exp(gamma_C - gamma_t)
-            d_gamma = d_gamma - d_to_end
-            d_last = d_to_end.sum(-1) + (starts * d_next).sum((-1, -2)) * b_last  # b_last = exp(gamma_C)
-            d_gamma = torch.cat([d_gamma[..., :-1], (d_gamma[..., -1] + d_last).unsqueeze(-1)], dim=-1)
-            d_g = d_gamma.flip(-1).cumsum(-1).flip(-1)  # gamma = cumsum(g)
-
+        grads = _impl(_bwd_chunks, ctx.compiled)(q, k, v, beta, log_decay, starts, l_inv, x, pseudo, d_o, d_next, pre)
         needs = ctx.needs_input_grad
-        grads = (d_q, d_k, d_v, d_beta, d_g)
-        return (*(g if need else None for g, need in zip(grads, needs[:5])), d_s0)
+        return (*(g if need else None for g, need in zip(grads, needs[:5])), d_s0, None)
 
 
-def _delta_rule_torch(q, k, v, beta, scale, initial_state, log_decay, chunk_size):
+def _delta_rule_torch(q, k, v, beta, scale, initial_state, log_decay, chunk_size, compiled=False):
     cd = compute_dtype(q)
     b, t, h, _ = q.shape
     if t == 0:
@@ -310,102 +355,11 @@ def _delta_rule_torch(q, k, v, beta, scale, initial_state, log_decay, chunk_size
     bc = scalars_to_chunks(beta.to(cd), chunk)  # [B, H, N, C]; padding beta = 0 writes nothing
     gc = None if log_decay is None else scalars_to_chunks(log_decay.to(cd), chunk)  # padding g = 0
     s0 = None if initial_state is None else initial_state.to(cd)
-    o, final = _ChunkedDeltaRule.apply(qc, kc, vc, bc, gc, s0)
+    o, final = _ChunkedDeltaRule.apply(qc, kc, vc, bc, gc, s0, compiled)
     return from_chunks(o, t), final
 
 
-# ----------------------------------------------------------------------------- backend choice
-
-
-@functools.lru_cache(maxsize=1)
-def _fla_functions():
-    """fla's chunk kernels, or None when flash-linear-attention (or Triton) cannot be imported."""
-    try:
-        delta = importlib.import_module("fla.ops.delta_rule")
-        gated = importlib.import_module("fla.ops.gated_delta_rule")
-        return delta.chunk_delta_rule, gated.chunk_gated_delta_rule
-    except Exception:  # ImportError, or Triton failing to initialise without a GPU
-        return None
-
-
-def fla_available() -> bool:
-    """Whether flash-linear-attention's delta-rule kernels can be imported."""
-    return _fla_functions() is not None
-
-
-def _version_tuple(text: str) -> tuple[int, ...]:
-    parts = []
-    for piece in text.split("+")[0].split("."):
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
-
-
-def _fla_refuses_gated_backward(device: torch.device) -> bool:
-    """fla 0.6 refuses the gated delta-rule backward on Hopper (sm_90) with Triton < 3.7.1."""
-    if device.type != "cuda":
-        return False
-    try:
-        major, _ = torch.cuda.get_device_capability(device)
-        import triton
-
-        return major == 9 and _version_tuple(triton.__version__) < (3, 7, 1)
-    except Exception:
-        return True  # cannot tell: do not risk it
-
-
-def select_backend(
-    backend: str,
-    *,
-    device_type: str,
-    dtype: torch.dtype,
-    gated: bool,
-    needs_grad: bool,
-    fla_ok: bool,
-    fla_refuses_gated_backward: bool = False,
-) -> str:
-    """Decide "torch" or "fla" for a delta-rule call (pure function, so the logic is testable on CPU).
-
-    ``"torch"`` forces the PyTorch form; ``"fla"`` forces flash-linear-attention and raises UserError
-    when it is not importable or the tensors are not on CUDA; ``"auto"`` picks fla only for CUDA
-    fp16/bf16 inputs with fla importable, and not for a gated call that needs a gradient where fla
-    refuses the gated backward.
-    """
-    if backend not in BACKENDS:
-        raise UserError(f"delta_rule: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if backend == "torch":
-        return "torch"
-    if backend == "fla":
-        if not fla_ok:
-            raise UserError(
-                "delta_rule: backend='fla' needs flash-linear-attention and triton "
-                "(pip install flash-linear-attention), which cannot be imported here"
-            )
-        if device_type != "cuda":
-            raise UserError(f"delta_rule: backend='fla' runs on CUDA tensors only, got {device_type} tensors")
-        return "fla"
-    use_fla = (
-        fla_ok
-        and device_type == "cuda"
-        and dtype in (torch.float16, torch.bfloat16)
-        and not (gated and needs_grad and fla_refuses_gated_backward)
-    )
-    return "fla" if use_fla else "torch"
-
-
-def _delta_rule_fla(q, k, v, beta, scale, initial_state, output_final_state, log_decay, qk_l2norm):
-    chunk_delta, chunk_gated = _fla_functions()
-    common = dict(
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=qk_l2norm,
-    )
-    if log_decay is None:
-        return chunk_delta(q=q, k=k, v=v, beta=beta, **common)
-    return chunk_gated(q=q, k=k, v=v, g=log_decay.float(), beta=beta, **common)
+# ----------------------------------------------------------------------------- the op
 
 
 _warned_fallback = False
@@ -437,11 +391,12 @@ def delta_rule(
         output_final_state: also return the final state ``[B, H, K, V]`` (fp32; fp64 for fp64 inputs).
         log_decay: optional ``[B, T, H]`` log decay g_t <= 0 (a_t = exp(g_t)): the gated delta rule.
         chunk_size: chunk length C (default 64); T need not be a multiple of it.
-        backend: "auto" | "torch" | "fla" (see the module docstring).
+        backend: "auto" | "torch" | "compiled" | "fla" (see the module docstring).
         qk_l2norm: L2-normalise q and k (in fp32) before the rule.
 
     Returns:
-        ``(o [B, T, H, V] in q's dtype, final state or None)``.
+        ``(o [B, T, H, V], final state or None)``: o in q's dtype, except from fla, which returns it in
+        the kernel dtype (under autocast the autocast dtype, as the matmul after it would cast it).
     """
     global _warned_fallback
     out_dtype = q.dtype
@@ -450,15 +405,14 @@ def delta_rule(
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, beta, log_decay, initial_state)
     )
+    choice = dict(device_type=q.device.type, dtype=kernel_dtype(q), gated=log_decay is not None,
+                  needs_grad=needs_grad)
+    fla_ok = backend in ("auto", "fla") and fla_available()
     chosen = select_backend(
-        backend,
-        device_type=q.device.type,
-        dtype=q.dtype,
-        gated=log_decay is not None,
-        needs_grad=needs_grad,
-        fla_ok=fla_available() if backend != "torch" else False,
-        fla_refuses_gated_backward=_fla_refuses_gated_backward(q.device) if log_decay is not None else False,
+        backend, **choice, fla_ok=fla_ok,
+        fla_refuses_gated_backward=fla_ok and log_decay is not None and needs_grad and _fla_refuses(q.device),
     )
+    log_choice_once(backend, chosen, **choice)
     if chosen == "fla":
         try:
             return _delta_rule_fla(q, k, v, beta, scale, initial_state, output_final_state, log_decay, qk_l2norm)
@@ -473,5 +427,6 @@ def delta_rule(
             cd = compute_dtype(q)
             q = F.normalize(q.to(cd), dim=-1, eps=1e-6)
             k = F.normalize(k.to(cd), dim=-1, eps=1e-6)
-        o, final = _delta_rule_torch(q, k, v, beta, resolve_scale(scale, k), initial_state, log_decay, chunk_size)
+        o, final = _delta_rule_torch(q, k, v, beta, resolve_scale(scale, k), initial_state, log_decay, chunk_size,
+                                     compiled=chosen == "compiled")
     return o.to(out_dtype), (final if output_final_state else None)

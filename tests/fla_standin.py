@@ -1,0 +1,98 @@
+"""A stand-in for flash-linear-attention's two delta-rule kernels, so that the dispatch to fla can be tested
+on a CPU (issue 34): ``install(monkeypatch)`` puts modules ``fla.ops.delta_rule`` and
+``fla.ops.gated_delta_rule`` into ``sys.modules`` and lets the backend choice treat CPU tensors as
+fla's device.
+
+Each stand-in kernel checks fla's input contract (``fastweights.ops.fla_backend``'s docstring):
+
+    q, k [B, T, H, K], v [B, T, H, V], beta [B, T, H]: one dtype, fp16 or bf16
+    g [B, T, H] fp32;  initial_state [B, H, K, V] fp32 (or None)
+
+records the call, and computes with the project's per-step reference in fp32 (differentiable), returning
+``o`` in the inputs' dtype and the final state in fp32, as fla does.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+
+import torch
+import torch.nn.functional as F
+
+from fastweights.ops.delta_rule import delta_rule_recurrent
+
+LOW = (torch.float16, torch.bfloat16)
+
+
+class Contract(AssertionError):
+    pass
+
+
+def _check(q, k, v, beta, g, initial_state):
+    b, t, h, dk = q.shape
+    problems = []
+    if q.dtype not in LOW:
+        problems.append(f"q is {q.dtype}, fla takes fp16/bf16")
+    for name, x in (("k", k), ("v", v), ("beta", beta)):
+        if x.dtype != q.dtype:
+            problems.append(f"{name} is {x.dtype}, q is {q.dtype}")
+    if k.shape != q.shape or v.shape[:3] != (b, t, h) or beta.shape != (b, t, h):
+        problems.append(f"layout: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} beta {tuple(beta.shape)}")
+    if g is not None and (g.dtype != torch.float32 or g.shape != (b, t, h)):
+        problems.append(f"g must be fp32 [B, T, H], got {g.dtype} {tuple(g.shape)}")
+    if initial_state is not None and (initial_state.dtype != torch.float32
+                                      or initial_state.shape != (b, h, dk, v.shape[-1])):
+        problems.append(f"initial_state must be fp32 [B, H, K, V], got {initial_state.dtype} "
+                        f"{tuple(initial_state.shape)}")
+    if problems:
+        raise Contract("; ".join(problems))
+
+
+def _run(rule, q, k, v, beta, g, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, **extra):
+    _check(q, k, v, beta, g, initial_state)
+    CALLS.append({"rule": rule, "q": q, "k": k, "v": v, "beta": beta, "g": g, "initial_state": initial_state,
+                  "scale": scale, "output_final_state": output_final_state, "l2norm": use_qk_l2norm_in_kernel,
+                  "extra": extra, "grad": torch.is_grad_enabled() and q.requires_grad})
+    qf, kf = q.float(), k.float()
+    if use_qk_l2norm_in_kernel:
+        qf, kf = F.normalize(qf, dim=-1, eps=1e-6), F.normalize(kf, dim=-1, eps=1e-6)
+    o, final = delta_rule_recurrent(qf, kf, v.float(), beta.float(), scale=scale, initial_state=initial_state,
+                                    output_final_state=output_final_state, log_decay=g)
+    return o.to(q.dtype), final
+
+
+def chunk_delta_rule(*, q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
+                     use_qk_l2norm_in_kernel=False, **extra):
+    return _run("delta", q, k, v, beta, None, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                **extra)
+
+
+def chunk_gated_delta_rule(*, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, **extra):
+    return _run("gated", q, k, v, beta, g, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                **extra)
+
+
+CALLS: list[dict] = []
+
+
+def install(monkeypatch) -> list[dict]:
+    """Make ``fla`` importable as this stand-in and CPU tensors fla's device; returns the call log."""
+    fla_backend = importlib.import_module("fastweights.ops.fla_backend")
+    mods = {name: types.ModuleType(name) for name in ("fla", "fla.ops", "fla.ops.delta_rule", "fla.ops.gated_delta_rule")}
+    mods["fla.ops.delta_rule"].chunk_delta_rule = chunk_delta_rule
+    mods["fla.ops.gated_delta_rule"].chunk_gated_delta_rule = chunk_gated_delta_rule
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    fla_backend._fla_functions.cache_clear()
+    monkeypatch.setattr(fla_backend, "FLA_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(fla_backend, "_logged", set())
+    CALLS.clear()
+    return CALLS
+
+
+def uninstall() -> None:
+    """Forget the stand-in once monkeypatch has restored ``sys.modules`` (fla's import is cached)."""
+    importlib.import_module("fastweights.ops.fla_backend")._fla_functions.cache_clear()
