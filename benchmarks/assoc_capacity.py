@@ -29,6 +29,7 @@ import common  # benchmarks/common.py (the script's folder is on sys.path)
 import torch
 
 from fastweights.tasks.assoc import AssocConfig, plot_capacity, train_assoc
+from fastweights.experiments import probes
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -95,6 +96,15 @@ def acceptance(results: list[dict]) -> dict:
             "pass": s_delta["final_eval_loss"] < 0.5 * s_sum["final_eval_loss"],
         }
     return out
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/common.py)."""
+    # the retrieval model of every (rule, feature map) the sweep trains, and the task's sampler
+    runs = {(rule, fm, setting) for setting, rule, fm, _, _ in SWEEP}
+    return ([probes.probe("assoc_model", rule=r, feature_map=fm, setting=st) for r, fm, st in sorted(runs)]
+            + [probes.probe("task", name="assoc")])
+
 
 
 def main() -> int:

@@ -27,6 +27,7 @@ import torch
 
 from common import provenance  # noqa: E402  (benchmarks/ is the script's folder, on sys.path)
 from fastweights.tasks.ba_retrieval import RetrievalNet, make_splits, train_retrieval
+from fastweights.experiments import probes
 
 
 def one_run(job: dict) -> dict:
@@ -55,6 +56,12 @@ def one_run(job: dict) -> dict:
         flush=True,
     )
     return {**job, **result}
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/common.py)."""
+    return [probes.probe("retrieval_net", model=m) for m in ("fast-rnn", "lstm")] + [probes.probe("task", name="ba_retrieval")]
+
 
 
 def main() -> int:

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from fastweights.ops.delta_rule import delta_rule, delta_rule_recurrent, fla_available
+from fastweights.experiments import probes
 
 
 def make_inputs(b, t, h, d, *, device="cpu", dtype=torch.float32, gated=False, seed=0):
@@ -242,6 +243,12 @@ def cuda_benchmark(args) -> dict:
         ref = result["runs"]["fla_chunk_delta_rule"]["fwd_bwd_s"]
         result["time_ratio_vs_fla"] = {k: v["fwd_bwd_s"] / ref for k, v in result["runs"].items()}
     return result
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/common.py)."""
+    return [probes.probe("ops", op="delta_rule"), probes.probe("ops", op="gated_delta_rule")]
+
 
 
 def main() -> int:

@@ -35,6 +35,7 @@ from fastweights.adapt.update_rules import collect_grad_stats
 from fastweights.config import make_config
 from fastweights.data import build_tokenizer, load_corpus, split_corpus, text_pieces
 from fastweights.models.lm import LanguageModel
+from fastweights.experiments import probes
 
 
 DATA = "tinyshakespeare"  # the corpus of the shakespeare-char preset and of the demo model (fastweights data list)
@@ -44,6 +45,13 @@ def timed(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/common.py)."""
+    config = probes.preset_model_config("shakespeare-char")
+    return [probes.probe("dynamic", config=config, rule="rms-global-prior")]
+
 
 
 def main() -> int:

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from common import command_line, provenance
 
 from fastweights.layers.fast_rnn import FastWeightRNN
+from fastweights.experiments import probes
 
 LAM, ETA = 0.95, 0.5
 
@@ -219,6 +220,12 @@ def machine() -> dict:
         "note": "shared machine (other jobs ran at the same time): absolute times are noisy; "
         "compare the ratios, measured in the same run with interleaved rounds",
     }
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/common.py)."""
+    return [probes.probe("layer", role="mixer", name="fast_rnn")]
+
 
 
 def main() -> int:

@@ -33,6 +33,7 @@ from fastweights.layers import fast_rnn
 from fastweights.models.lm import LanguageModel
 from fastweights.ops.fast_rnn_kernel import step_kernel
 from fastweights.train import make_optimizer
+from fastweights.experiments import probes
 
 FAST, LSTM = "shakespeare-char-fast-rnn", "shakespeare-char-lstm"
 VOCAB = 66  # the char vocabulary of tinyshakespeare (65 characters + unknown), as the presets count it
@@ -150,6 +151,12 @@ def mixer_breakdown(fast_model, lstm_model, info: dict, rounds: int) -> dict:
             "fast_rnn_recurrence_only_kernel": rec,
             "note": "one_mixer_forward_backward includes the mixer's input and output projections; "
                     "fast_rnn_recurrence_only_kernel is fast_rnn_attention alone (the compiled kernel)"}
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/common.py)."""
+    return probes.preset_probes(FAST) + probes.preset_probes(LSTM)
+
 
 
 def main() -> int:

@@ -38,6 +38,7 @@ from fastweights.config import make_config
 from fastweights.data import load_corpus
 from fastweights.evaluate import score_tokens
 from fastweights.models.lm import LanguageModel
+from fastweights.experiments import probes
 
 
 DATA = "tinyshakespeare"  # the corpus of both presets (fastweights data list)
@@ -53,6 +54,12 @@ def build(preset: str, overrides: list[str], vocab: int, device) -> LanguageMode
     cfg.model.vocab_size = vocab
     torch.manual_seed(0)
     return LanguageModel(cfg.model).to(device)
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/common.py)."""
+    return probes.preset_probes("shakespeare-char") + probes.preset_probes("shakespeare-char-fwl")
+
 
 
 def main():

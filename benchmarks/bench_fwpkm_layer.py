@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common import write_result
+from fastweights.experiments import probes
 
 PAPER = dict(d_model=768, n_subkeys=512, d_key=512, d_value=512, heads=1, topk=8, chunk_size=512, seq_len=4096)
 
@@ -147,6 +148,12 @@ def run_case(kind: str, batch: int, n_subkeys: int | None, mode: str, repeat: in
     if dev.type == "cuda":
         out["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated()
     return out
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/common.py)."""
+    return [probes.probe("layer", role="memory", name="fwpkm")]
+
 
 
 def main():

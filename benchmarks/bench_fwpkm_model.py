@@ -26,6 +26,7 @@ from common import timeit, write_result
 
 from fastweights.config import ModelConfig
 from fastweights.models.lm import LanguageModel
+from fastweights.experiments import probes
 
 
 def build(a, with_memory: bool) -> LanguageModel:
@@ -49,6 +50,13 @@ def step_fn(model, x, y):
         loss.backward()
         opt.step()
     return step
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/common.py)."""
+    return [probes.probe("model", config={"mixer": "attention", "memory": "fwpkm", "memory_layers": [1],
+                                          "d_model": 32, "n_layers": 2, "n_heads": 2})]
+
 
 
 def main():

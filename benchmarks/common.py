@@ -3,11 +3,17 @@ to this repository, the JSON output under benchmarks/results/, and CPU-or-wall t
 
 Scripts import it as ``common``: ``python benchmarks/X.py`` puts the script's folder first on
 ``sys.path``, so no script adds it; the library code they measure is the installed ``fastweights``.
+
+Every script defines ``probe_specs() -> list[dict]``: the behaviour probes
+(:mod:`fastweights.experiments.probes`) of the code it measures. :func:`provenance` runs them and
+records their fingerprints, so that ``report.py`` can tell later whether that code still behaves as
+it did when the result was measured.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -36,19 +42,40 @@ def git_state() -> dict:
     return _provenance.git_state(REPO)
 
 
-def provenance(argv: list[str] | None = None) -> dict:
-    """What every result JSON records (command, date, commit, machine). Scripts that write their JSON
-    themselves merge this in."""
-    return _provenance.provenance(REPO, argv)
+def script_probe_specs() -> list[dict]:
+    """The probes the running script declares (its module-level ``probe_specs()``)."""
+    main = sys.modules.get("__main__")
+    specs = getattr(main, "probe_specs", None)
+    if specs is None:
+        raise RuntimeError(f"{getattr(main, '__file__', 'the running script')} declares no probe_specs(): every "
+                           "benchmark names the behaviour probes of the code it measures (see common.py)")
+    return specs()
 
 
-def write_result(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
-    record = {**provenance(), **payload}
-    atomic_write(path, lambda p: p.write_text(json.dumps(record, indent=2) + "\n"))  # whole or not at all
+def provenance(argv: list[str] | None = None, probes: list[dict] | None = None) -> dict:
+    """What every result JSON records: command, date, commit, machine, and the fingerprinted probes
+    (``probes``, default the running script's ``probe_specs()``). Scripts that write their JSON
+    themselves merge this in and write it with :func:`write_json`."""
+    from fastweights.experiments.probes import fingerprinted
+
+    specs = script_probe_specs() if probes is None else probes
+    return {**_provenance.provenance(REPO, argv), "probes": fingerprinted(specs)}
+
+
+def write_json(path: Path, record: dict) -> Path:
+    """Write a result ``record`` at ``path`` whole or not at all, recording the file it is
+    (``result_file``, relative to the repository)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {**record, "result_file": repo_relative(path.resolve())}
+    atomic_write(path, lambda p: p.write_text(json.dumps(record, indent=2) + "\n"))
     print(f"wrote {path}")
     return path
+
+
+def write_result(name: str, payload: dict, probes: list[dict] | None = None) -> Path:
+    """Write ``benchmarks/results/<name>.json``: :func:`provenance` (with ``probes``) and ``payload``."""
+    return write_json(RESULTS / f"{name}.json", {**provenance(probes=probes), **payload})
 
 
 def bench_clock(device) -> tuple:

@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from fastweights.ops.delta_rule import delta_rule
+from fastweights.experiments import probes
 
 dr = sys.modules["fastweights.ops.delta_rule"]  # the module (fastweights.ops.delta_rule is the function)
 
@@ -501,6 +502,12 @@ def recorded_command(argv: list[str]) -> str:
         elif not w.startswith("--out-dir="):
             words.append(w)
     return common.command_line([sys.argv[0], *words])
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/common.py)."""
+    return probes.registry_probes() + [s for p in PRESETS for s in probes.preset_probes(p)]
+
 
 
 def main(argv=None) -> int:

@@ -14,6 +14,14 @@ import json
 from pathlib import Path
 
 from common import write_result
+from fastweights.experiments import probes
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/common.py)."""
+    config = probes.preset_model_config("shakespeare-char")  # the demo's model (fastweights/demo.py)
+    return probes.model_probes(config) + [probes.probe("dynamic", config=config, rule="rms-global-prior")]
+
 
 
 def main():

@@ -47,6 +47,7 @@ from fastweights.config import make_config
 from fastweights.data import load_corpus, split_corpus
 from fastweights.errors import UserError
 from fastweights.generate import generate_tokens
+from fastweights.experiments import probes
 
 # documents of the held-out plays corpus (--data, default the bundled shakespeare-heldout)
 TEST_PLAYS = ["hamlet_gut.txt", "macbeth_gut.txt", "othello_gut.txt"]
@@ -82,6 +83,14 @@ def load_texts(plays_spec: str, spanish_spec: str) -> tuple[dict[str, str], str]
 
 def bpc(nll: float, tokens: int) -> float:
     return nll / tokens / LN2
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/common.py)."""
+    config = probes.preset_model_config("shakespeare-char")
+    return probes.model_probes(config) + [probes.probe("dynamic", config=config, rule=r)
+                                          for r in ("sgd", "rms", "rms-global-prior")]
+
 
 
 def main() -> int:

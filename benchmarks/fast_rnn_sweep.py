@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 from common import git_state, repo_relative, write_result
+from fastweights.experiments import probes
 
 PRESET = "shakespeare-char-fast-rnn"
 O = "model.options.fast_rnn."
@@ -123,6 +124,12 @@ def measure(name: str, run: Path) -> dict:
           f"{rec['heldout_windows_bits_per_char']:.3f}  streamed {rec['heldout_streamed_bits_per_char']:.3f}"
           + (f"  read/input {min(ratios):.3g}-{max(ratios):.3g}" if ratios else ""), flush=True)
     return rec
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/common.py)."""
+    return [s for _, overrides in VARIANTS.values() for s in probes.preset_probes(PRESET, overrides, ("carry",))]
+
 
 
 def main() -> int:

@@ -31,6 +31,15 @@ from common import write_result
 from fastweights.adapt.cli import demo_dynamic, load_texts
 from fastweights.checkpoint import load_checkpoint, read_run_config
 from fastweights.evaluate import evaluate_documents
+from fastweights.experiments import probes
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/common.py)."""
+    base = probes.preset_model_config("shakespeare-char")
+    return (probes.model_probes(base) + probes.preset_probes("shakespeare-char-fwl")
+            + [probes.probe("dynamic", config=base, rule="rms-global-prior")])
+
 
 
 def main() -> int:

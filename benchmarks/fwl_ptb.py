@@ -46,6 +46,7 @@ from fastweights.config import make_config
 from fastweights.data.streams import TokenStream
 from fastweights.errors import UserError
 from fastweights.evaluate import score_tokens
+from fastweights.experiments import probes
 
 # segment_len 16: four segments per 64-word window, so the segment decays train (gamma first enters in the
 # third segment); at the default 32 they never move and the running update drifts over a long stream
@@ -104,6 +105,12 @@ def dynamic_eval_of_base(ckpt: Path, data: Path, files: dict, segment_len: int =
     return {"checkpoint": str(ckpt), "rule": "rms-global-prior", "settings": ev.metadata(),
             "static": math.exp(s.nll / s.tokens), "dynamic": {"rms-global-prior": math.exp(d.nll / d.tokens)},
             "scored": d.tokens, "cpu_seconds": time.process_time() - cpu0}
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/common.py)."""
+    return [s for overrides in VARIANTS.values() for s in probes.preset_probes(None, [*MODEL_SETTINGS, *overrides])]
+
 
 
 def main() -> int:

@@ -46,6 +46,7 @@ from fastweights.data import load_corpus, split_corpus
 from fastweights.evaluate import evaluate_documents
 from fastweights.layers.fwl import tune_test_time_step_size
 from fastweights.train import prepare_data, train
+from fastweights.experiments import probes
 
 VARIANTS = {
     "base": ("shakespeare-char", []),
@@ -109,6 +110,12 @@ def run_variant(name: str, a) -> dict:
         rec["fwl_decays"] = {k: float(g.detach()) for k, g in model.head.decays().items()}
     print(name, {k: rec[k] for k in ("steps", "val_bits_window", "test_bits_stream")}, flush=True)
     return rec
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/common.py)."""
+    return [s for preset, overrides in VARIANTS.values() for s in probes.preset_probes(preset, overrides)]
+
 
 
 def main():

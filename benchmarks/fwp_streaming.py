@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from common import write_result
+from fastweights.experiments import probes
 
 PRESET = "shakespeare-char-fwp-delta-dpfp"
 DATA = "tinyshakespeare"
@@ -77,6 +78,13 @@ def score(run: Path, quiet: bool) -> dict:
         out[label] = {"bits_per_char": r["bits_per_token"], "tokens": r["tokens"], "cpu_s": time.process_time() - t,
                       "curve": r["curve"], "state_norm": r["state_norm"]}
     return out
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/common.py)."""
+    return [s for _, overrides in VARIANTS.values()
+            for s in probes.preset_probes(PRESET, overrides, ("carry", "memory", "windows"))]
+
 
 
 def main() -> int:

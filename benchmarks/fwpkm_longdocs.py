@@ -54,6 +54,7 @@ from fastweights.evaluate import score_tokens
 from fastweights.memory_stats import windowed_addressing_stats
 from fastweights.memory_switches import memory_writes
 from fastweights.train import train
+from fastweights.experiments import probes
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {
@@ -146,6 +147,12 @@ def addressing(reads, mems, window_factor: int = 1) -> dict:
         layers.append(stats)
     mean = {k: sum(s[k] for s in layers) / len(layers) for k in ("collision", "coverage", "kld")}
     return {"mean_over_layers": mean, "layers": layers}
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/common.py)."""
+    return [s for preset, overrides in VARIANTS.values() for s in probes.preset_probes(preset, overrides, ("carry",))]
+
 
 
 def main():

@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 from common import RESULTS, git_state, repo_relative, write_result
+from fastweights.experiments import probes
 from heldout_plays import HELDOUT, SEQ_LEN, STRIDE, heldout_documents
 
 TRAIN_CORPUS = "shakespeare-train"
@@ -105,31 +106,6 @@ STREAMING_LIMITS = {
                            "at its windowed score with the same setting; FwMLP whose memory persists across "
                            "training batches is the fwmlp row"),
 }
-
-# The code each entry's numbers measure (result_sources.SOURCES["benchmarks/leaderboard.py"] is their union):
-# a row trained at a later commit keeps its own files current (``source_commits`` in the JSON).
-S = "src/fastweights/"
-SHARED_SOURCES = [S + "models/lm.py", S + "layers/common.py", S + "experiments/streaming.py",
-                  "benchmarks/heldout_plays.py"]
-_FWP = [S + "layers/fwp.py", S + "ops/delta_rule.py", S + "ops/linear_attention.py", S + "ops/feature_maps.py"]
-_FWL = [S + "layers/attention.py", S + "layers/fwl.py", S + "ops/fwl.py"]
-_FAST_RNN = [S + "layers/fast_rnn.py", S + "ops/fast_rnn_kernel.py", S + "ops/fast_rnn_kernel.c"]
-_FWMLP = [S + "layers/attention.py", S + "layers/fwmlp.py", S + "layers/fast_memory.py"]
-ENTRY_SOURCES = {
-    "attention": [S + "layers/attention.py"], "swa": [S + "layers/attention.py"],
-    "fwp-sum": _FWP, "fwp-delta": _FWP, "fwp-gated-delta": _FWP,
-    "gdn": [S + "layers/gdn.py", S + "ops/delta_rule.py"],
-    "fast-rnn": _FAST_RNN, "ln-rnn": _FAST_RNN,
-    "lstm": [S + "layers/lstm.py"],
-    "fwl": _FWL,
-    # train.carry_state / carry_reset live in the trainer, whose plumbing no result counts as its source
-    # (result_sources.py); tests/test_carry_state.py holds them to what they claim
-    "fwl-carry": _FWL, "fwl-carry-reset": _FWL, "fwl-lanes": _FWL,
-    "fwpkm": [S + "layers/attention.py", S + "layers/fwpkm.py", S + "layers/fast_memory.py", S + "ops/pkm.py"],
-    "fwmlp": _FWMLP, "fwmlp-per-sequence": _FWMLP,
-    "dynamic-eval": [S + "layers/attention.py", S + "adapt/dynamic.py", S + "adapt/update_rules.py"],
-}
-
 
 def run_dir(out: Path, name: str, seed: int) -> Path:
     return out / name / f"seed{seed}"
@@ -233,7 +209,9 @@ def entry_row(name: str, seed: int, minutes: float, out: Path, chars: int) -> di
         rec = dict(json.loads((run_dir(out, DYNAMIC_BASE, seed) / "train_record.json").read_text()))
     else:
         rec = train(name, seed, minutes, out)
-    row = {"entry": name, "seed": seed, **rec, **score(name, seed, out, chars)}
+    # the probes of the code this row measured, fingerprinted now, when it is scored (the aggregate keeps them)
+    row = {"entry": name, "seed": seed, **rec, **score(name, seed, out, chars),
+           "probes": probes.fingerprinted(entry_probe_specs(name))}
     row["streamed_minus_windows_bits"] = row["streamed"]["bits_per_char"] - row["windows"]["bits_per_char"]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(row, indent=2) + "\n")
@@ -288,24 +266,31 @@ def _oldest(commits: set[str]) -> str | None:
     return r.stdout.strip() or None
 
 
-def measured_commits(rows: dict[str, list[dict]]) -> tuple[dict, dict[str, str]]:
-    """(git record, source_commits): the oldest row commit for everything, and per source path of an entry
-    the oldest commit of the rows that measured it where that is later."""
-    per_path: dict[str, set[str]] = {}
-    every = set()
-    for name, rs in rows.items():
-        for r in rs:
-            c = (r.get("git") or {}).get("commit")
-            every.add(c)
-            for p in ENTRY_SOURCES[name]:
-                per_path.setdefault(p, set()).add(c)
-    oldest = _oldest(every)
-    source_commits = {p: c for p, cs in per_path.items() if (c := _oldest(cs)) and c != oldest}
+def measured_commits(rows: dict[str, list[dict]]) -> dict:
+    """The git record of a table of rows trained at several commits: the oldest row commit."""
+    every = {(r.get("git") or {}).get("commit") for rs in rows.values() for r in rs}
     # a row trained while another process rewrote the results of this benchmark records them as dirty: not code
     dirty = sorted({p for rs in rows.values() for r in rs for p in (r.get("git") or {}).get("dirty_paths") or []
                     if not p.startswith("benchmarks/results/")})
-    return {"commit": oldest, "dirty": bool(dirty), "dirty_paths": dirty[:20],
-            "aggregated_at": git_state().get("commit")}, source_commits
+    return {"commit": _oldest(every), "dirty": bool(dirty), "dirty_paths": dirty[:20],
+            "aggregated_at": git_state().get("commit")}
+
+
+def measured_probes(rows: dict[str, list[dict]]) -> list[dict]:
+    """Every probe the rows recorded when they were scored (a spec measured with two fingerprints keeps
+    both: one of them is then stale). A row without probes predates them and must be scored again."""
+    out, seen = [], set()
+    for name, rs in rows.items():
+        for r in rs:
+            if not r.get("probes"):
+                raise SystemExit(f"error: the {name} seed {r.get('seed')} row records no probes (scored before rows "
+                                 "recorded them): delete its row.json and run again to score it")
+            for p in r["probes"]:
+                key = json.dumps(p, sort_keys=True)
+                if key not in seen:
+                    seen.add(key)
+                    out.append(p)
+    return out
 
 
 def _mean_std(xs: list[float]) -> tuple[float, float | None]:
@@ -369,9 +354,8 @@ def aggregate(out: Path, a) -> None:
     png = RESULTS / "leaderboard.png"
     plot_stream(plot_runs, png, title="held-out Shakespeare plays, streamed with the state carried: loss by position",
                 unit="bits")
-    git, source_commits = measured_commits(rows)
     write_result("leaderboard", {
-        "git": git, "source_commits": source_commits,
+        "git": measured_commits(rows),
         "complete": complete, "missing": [n for n in ENTRIES if n not in rows],
         "reproduce": "python benchmarks/leaderboard.py  (resumable; two processes may split --entries)",
         "top_entries_for_seeds": want_top,
@@ -390,7 +374,23 @@ def aggregate(out: Path, a) -> None:
                               f"{t['windows_bits_per_char']:.3f})",
                       "value": t["streamed_bits_per_char"], "unit": "bits/char",
                       "target": "streamed <= windows + 0.05"} for t in table],
-    })
+    }, probes=measured_probes(rows))
+
+
+def entry_probe_specs(name: str) -> list[dict]:
+    """The behaviour probes of one entry: its model, streamed with the state carried and in windows
+    (dynamic-eval: its base model and the rule)."""
+    if ENTRIES[name][1] is None:
+        base = probes.preset_model_config(ENTRIES[DYNAMIC_BASE][1], ENTRIES[DYNAMIC_BASE][2])
+        return probes.model_probes(base, ("carry", "windows")) + [
+            probes.probe("dynamic", config=base, rule="rms-global-prior")]
+    _, preset, overrides = ENTRIES[name]
+    return probes.preset_probes(preset, [o for o in overrides if not o.startswith("train.")], ("carry", "windows"))
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/common.py): every entry's."""
+    return [s for name in ENTRIES for s in entry_probe_specs(name)]
 
 
 def main() -> int:

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from common import write_result
+from fastweights.experiments import probes
 
 DATA = "tinyshakespeare"  # the corpus of the shakespeare-char presets this script compares (fastweights data list)
 
@@ -48,6 +49,13 @@ def run_preset(run: str, minutes: float, out_root: Path, extra: list[str]) -> di
     return {"preset": run, "parameters": summary["parameters"], "steps": summary["steps"],
             "train_seconds": summary["elapsed_s"], "val_bits_per_char": summary["val_bits_per_token"],
             "test_bits_per_char": test["bits_per_char"], "sample": sample}
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/common.py)."""
+    return [s for p in ("shakespeare-char",) for s in probes.preset_probes(p)] + probes.preset_probes(
+        "shakespeare-char", ["model.short_conv=4"])
+
 
 
 def main():

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from common import REPO, write_result
+from fastweights.experiments import probes
 
 S = "src/fastweights/"
 LEAK, REG = "tests/test_leaks.py", "tests/test_registry_causality.py"
@@ -135,6 +136,15 @@ def _children_cpu() -> float:
     now = t.children_user + t.children_system
     delta, _last_children[0] = now - _last_children[0], now
     return delta
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/common.py)."""
+    sites: dict[str, list[str]] = {}
+    for _, path, edits, _, _ in MUTATIONS:
+        sites.setdefault(path, []).extend(old for old, _ in edits)
+    return [probes.probe("source", path=path, texts=texts) for path, texts in sorted(sites.items())]
+
 
 
 def main() -> int:

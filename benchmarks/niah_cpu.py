@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from common import RESULTS, repo_relative, write_result
+from fastweights.experiments import probes
 
 DATA = "tinyshakespeare"  # the haystack: the text the preset's corpus niah-tinyshakespeare is built from
 
@@ -71,6 +72,12 @@ def answer_digit_accuracy(ckpt: Path, chars: int = 40_000) -> dict:
     return {"question_answer_digits": float(hits["question"][0] / hits["question"][1]),
             "needle_digits_chance": float(hits["needle"][0] / hits["needle"][1]),
             "questions": hits["question"][1] // VALUE_DIGITS, "chars": len(text)}
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/common.py)."""
+    return probes.preset_probes("niah-cpu") + [probes.probe("task", name="niah")]
+
 
 
 def main() -> int:

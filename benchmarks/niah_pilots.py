@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from common import write_result
+from fastweights.experiments import probes
 from niah_cpu import DATA, answer_digit_accuracy
 
 
@@ -69,6 +70,12 @@ def memory_value_probe(model, tok, chars: int = 4096, seed: int = 7, haystack: s
                                                       max(r["max_cos_other_needles"] for r in near)],
                               "target_beats_others": sum(r["cos_target"] > r["max_cos_other_needles"] for r in near)}
             if near else None}
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/common.py)."""
+    return probes.preset_probes("niah-cpu") + [probes.probe("task", name="niah")]
+
 
 
 def main() -> int:

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 from common import RESULTS, write_result
+from fastweights.experiments import probes
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_MEMORY = ['model.memory=""', "model.memory_layers=[]"]
@@ -296,6 +297,13 @@ def diagnostics(names: list[str], a) -> dict:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out))
     return out
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/common.py)."""
+    return ([s for overrides in VARIANTS.values() for s in probes.preset_probes("niah-token", overrides)]
+            + [probes.probe("task", name="niah")])
+
 
 
 def main() -> int:

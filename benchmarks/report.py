@@ -20,8 +20,9 @@ and the claim's rule.
     (the shown digits must be the JSON value rounded to them; key paths as in EXTRACT);
   * a decimal number without a source inside ``<!-- numbers:start -->`` ... ``<!-- numbers:end -->``, and in
     the prose of docs/*.md outside them unless it is marked as not a result (``uncited_prose_problems``);
-  * the provenance rules of ``result_sources.py``: a JSON without its git commit (unless a listed legacy
-    result), a command that does not write the stored file, a JSON older than the code it measures.
+  * the evidence rules of ``evidence.py``: a JSON without its command, git commit, ``result_file`` or
+    behaviour probes; and a results/TO_RERUN.md (the stale results, generated here) out of date.
+A stale result (its probes changed) is no error: the tables mark it and TO_RERUN.md lists it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-import result_sources  # benchmarks/result_sources.py, the script's folder (on sys.path when run)
+import evidence  # benchmarks/evidence.py, the script's folder (on sys.path when run)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -247,7 +248,7 @@ def table(stems: list[str] | None = None) -> str:
                                          for stem, what, key, unit, target in EXTRACT if stem == path.stem]
         for h in heads:
             value = _fmt(h["value"]) + (f" {h['unit']}" if h.get("unit") else "")
-            mark = result_sources.status(path)
+            mark = evidence.status(path)
             source = f"`{path.relative_to(ROOT)}`" + (f" ({mark})" if mark else "")
             rows.append(f"| {h['what']} | {value} | {h.get('target', '')} | {source} |")
     return "\n".join(rows)
@@ -314,7 +315,7 @@ def claims_table() -> str:
         rec = json.loads(path.read_text())
         keys = c.key if isinstance(c.key, dict) else {"": c.key}
         values = {label: _get(rec, key) for label, key in keys.items()}
-        mark = result_sources.status(path)
+        mark = evidence.status(path)
         said = verdict(values, c.rule, c.unit) + (f"; {mark}" if mark else "")
         rows.append(f"| {c.claim} | {c.paper} | {_shown(values, c.unit)} | {said} | `{path.relative_to(ROOT)}` |")
     return "\n".join(rows)
@@ -378,7 +379,7 @@ def render_board(page: str, name: str) -> str:
     head, rest = page.split(BOARD_START, 1)
     if BOARD_END not in rest:
         raise SystemExit(f"{name}: {BOARD_START} has no {BOARD_END}")
-    mark = result_sources.status(path)
+    mark = evidence.status(path)
     text = markdown_table(json.loads(path.read_text())) + (f"\n\n({mark})" if mark else "")
     return f"{head}{BOARD_START}\n{text}\n{BOARD_END}{rest.split(BOARD_END, 1)[1]}"
 
@@ -533,6 +534,12 @@ def main() -> int:
         if not (ROOT / name).is_file() or marker not in (ROOT / name).read_text():
             raise SystemExit(f"{name} must hold a {marker} block")
     stale = []
+    rerun = evidence.rerun_page()
+    if not evidence.RERUN_PAGE.exists() or evidence.RERUN_PAGE.read_text() != rerun:
+        stale.append(evidence.RERUN_PAGE)
+        if not args.check:
+            evidence.RERUN_PAGE.write_text(rerun)
+            print(f"updated {evidence.RERUN_PAGE.relative_to(ROOT)}")
     for path in pages():
         old = path.read_text()
         if START not in old and CLAIMS_START not in old and BOARD_START not in old:
@@ -548,7 +555,7 @@ def main() -> int:
         for path in pages():
             problems += cited_number_problems(path.read_text(), str(path.relative_to(ROOT)))
         prose, notes = prose_problems()
-        problems += prose + result_sources.problems()
+        problems += prose + evidence.problems()
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
         for p in problems:

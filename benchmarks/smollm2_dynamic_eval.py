@@ -65,6 +65,7 @@ from fastweights.adapt.update_rules import collect_grad_stats
 from fastweights.data import load_corpus, to_utf8
 from fastweights.errors import UserError
 from fastweights.ops.nll import token_nll
+from fastweights.experiments import probes
 
 # The bundled texts: (key, short title, full title, "CORPUS:DOCUMENT" of a registered corpus, marker the excerpt
 # starts at, role). --data / --tune-data / --stats-data name others the same way ("CORPUS:DOCUMENT@MARKER").
@@ -157,6 +158,13 @@ def one_pass_losses(lm, ids: torch.Tensor, chunk: int = 512) -> torch.Tensor:
     for a in range(0, h.shape[0], chunk):
         out.append(token_nll(lm.hf.lm_head(h[a : a + chunk]), ids[a + 1 : a + chunk + 1]))
     return torch.cat(out)
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/common.py)."""
+    # the rules through the Hugging Face wrapper, on a tiny GPT-2 (the SmolLM2 weights are not at hand)
+    return [probes.probe("hf_dynamic", rule=r) for r in ("sgd", "rms", "rms-global-prior")]
+
 
 
 def main() -> int:

@@ -23,6 +23,7 @@ import subprocess
 import sys
 
 from common import write_result
+from fastweights.experiments import probes
 
 FWPKM = dict(d_model=64, n_layers=2, n_heads=4, memory="fwpkm", memory_layers=[1],
              options={"fwpkm": dict(n_subkeys=64, d_key=64, d_value=64, topk=8, chunk_size=256)})
@@ -53,6 +54,12 @@ def child(name: str, tokens: int, data: str, threads: int) -> dict:
             "tokens_per_s": res.tokens / res.elapsed_s, "loss_nats": res.loss,
             "rss_mb_after_model_load": rss_loaded, "rss_mb_during_stream_max": res.rss_mb["max_sampled"],
             "peak_rss_mb": peak_rss_mb(), "curve_bins": len(res.curve.to_dict()["position"])}
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/common.py)."""
+    return [s for config in MODELS.values() for s in probes.model_probes(config, ("carry",))]
+
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ from common import bench_clock, timeit, write_result
 
 from fastweights.config import ModelConfig
 from fastweights.models.lm import LanguageModel
+from fastweights.experiments import probes
 
 
 class NanoBlock(nn.Module):
@@ -60,6 +61,12 @@ def step_fn(model, opt, x, y, ours):
         loss.backward()
         opt.step()
     return step
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/common.py)."""
+    return probes.preset_probes("shakespeare-char")
+
 
 
 def main():

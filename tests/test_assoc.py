@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fastweights.errors import UserError
+from fastweights.experiments.assoc_command import register_task
 from fastweights.tasks.assoc import (
     AssocConfig,
     AssocData,
@@ -15,7 +16,6 @@ from fastweights.tasks.assoc import (
     parse_keys,
     parse_model,
     plot_capacity,
-    register_task,
     retrieval_loss,
     symbol,
     train_assoc,

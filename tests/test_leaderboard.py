@@ -1,6 +1,8 @@
 """benchmarks/leaderboard.py (issue 21): its README table, its provenance across commits, its bad input."""
 
 import json
+
+import pytest
 import subprocess
 import sys
 from pathlib import Path
@@ -10,44 +12,36 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import leaderboard  # noqa: E402
 import report  # noqa: E402
-import result_sources  # noqa: E402
 
 
 def _row(name, seed, commit, streamed, windows):
     return {"entry": name, "seed": seed, "git": {"commit": commit}, "steps": 10, "parameters": 816_768,
             "train_tokens_per_cpu_s": 1000.0, "train_max_rss_mb": 700.0, "score_max_rss_mb": 400.0,
             "val_bits_per_char": windows, "streamed": {"bits_per_char": streamed, "tokens_per_cpu_s": 5000.0},
-            "windows": {"bits_per_char": windows, "tokens_per_cpu_s": 6000.0}}
+            "windows": {"bits_per_char": windows, "tokens_per_cpu_s": 6000.0},
+            "probes": [{"kind": "model", "args": {"entry": name}, "fingerprint": "0123456789abcdef"}]}
 
 
-def test_sources_are_the_union_of_the_entries():
-    union = set(leaderboard.SHARED_SOURCES) | {p for ps in leaderboard.ENTRY_SOURCES.values() for p in ps}
-    assert union == set(result_sources.SOURCES["benchmarks/leaderboard.py"])
-    assert set(leaderboard.ENTRY_SOURCES) == set(leaderboard.ENTRIES)
-    for p in union:
-        assert (ROOT / p).is_file(), p
-
-
-def test_rows_from_two_commits_keep_each_entrys_files_at_its_own_commit():
+def test_rows_from_two_commits_record_the_oldest_and_keep_every_rows_probes():
     log = subprocess.run(["git", "-C", str(ROOT), "rev-list", "--max-count=2", "HEAD"], capture_output=True,
                          text=True, check=True).stdout.split()
     new, old = log[0], log[1]
-    rows = {"attention": [_row("attention", 0, old, 2.0, 2.1)], "fast-rnn": [_row("fast-rnn", 0, new, 2.3, 2.2)]}
-    git, source_commits = leaderboard.measured_commits(rows)
-    assert git["commit"] == old  # everything counts from the oldest run ...
-    assert source_commits == {p: new for p in leaderboard.ENTRY_SOURCES["fast-rnn"]}  # ... but the later run's own files
+    a, b = _row("attention", 0, old, 2.0, 2.1), _row("fast-rnn", 0, new, 2.3, 2.2)
+    a["probes"] = [{"kind": "model", "args": {"x": 1}, "fingerprint": "aa"}]
+    b["probes"] = [{"kind": "model", "args": {"x": 2}, "fingerprint": "bb"}, a["probes"][0]]
+    rows = {"attention": [a], "fast-rnn": [b]}
+    assert leaderboard.measured_commits(rows)["commit"] == old  # everything counts from the oldest run
+    assert leaderboard.measured_probes(rows) == [a["probes"][0], b["probes"][0]]  # each probe once
+    del b["probes"]
+    with pytest.raises(SystemExit, match="records no probes"):
+        leaderboard.measured_probes(rows)
 
 
-def test_a_source_commit_keeps_only_its_own_path_current(tmp_path):
-    first = subprocess.run(["git", "-C", str(ROOT), "rev-list", "--max-parents=0", "HEAD"], capture_output=True,
-                           text=True, check=True).stdout.split()[0]
-    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
-                          check=True).stdout.strip()
-    rec = {"command": "python benchmarks/leaderboard.py", "git": {"commit": head}}
-    path = tmp_path / "leaderboard.json"
-    assert result_sources.staleness(path, rec) is None
-    rec["source_commits"] = {"src/fastweights/layers/fast_rnn.py": first}  # measured long ago: stale
-    assert "fast_rnn.py" in result_sources.staleness(path, rec)
+def test_each_entry_probes_its_own_model():
+    specs = {name: leaderboard.entry_probe_specs(name) for name in leaderboard.ENTRIES}
+    assert specs["gdn"] != specs["attention"] and specs["fwl"] != specs["attention"]
+    assert specs["fwl-carry"] == specs["fwl"]  # a training setting: the same model
+    assert any(s["kind"] == "dynamic" for s in specs["dynamic-eval"])
 
 
 def test_markdown_table_ranks_by_streamed_score_and_flags_a_collapse():
@@ -123,8 +117,8 @@ def test_results_rewritten_by_a_parallel_run_are_not_dirty_code():
     clean, results_only, code = (_row("lstm", 0, head, 2.0, 2.1) for _ in range(3))
     results_only["git"]["dirty_paths"] = ["benchmarks/results/leaderboard.json"]
     code["git"]["dirty_paths"] = ["src/fastweights/layers/lstm.py"]
-    assert not leaderboard.measured_commits({"lstm": [clean, results_only]})[0]["dirty"]
-    git = leaderboard.measured_commits({"lstm": [clean, code]})[0]
+    assert not leaderboard.measured_commits({"lstm": [clean, results_only]})["dirty"]
+    git = leaderboard.measured_commits({"lstm": [clean, code]})
     assert git["dirty"] and git["dirty_paths"] == ["src/fastweights/layers/lstm.py"]
 
 

@@ -236,13 +236,16 @@ def analyze(base_dir: Path, model_dir: Path, data: str | None = None, split: str
 
 def cmd_analyze(args) -> int:
     from fastweights.distributed import resolve_device
+    from fastweights.checkpoint import read_run_config
+    from fastweights.experiments.probes import run_probes
     from fastweights.provenance import write_cli_result
 
     result = analyze(Path(args.base), Path(args.model), data=args.data, split=args.split, seq_len=args.seq_len,
                      stride=args.stride, max_chars=args.max_chars, freq_from=args.freq_from,
                      device=str(resolve_device(args.device)), progress=not args.quiet)
     out = Path(args.out)
-    write_cli_result(out / "analysis.json", result, getattr(args, "argv", None))  # with command, date, commit, machine
+    measured = [p for d in (args.base, args.model) for p in run_probes(read_run_config(Path(d)))]
+    write_cli_result(out / "analysis.json", result, getattr(args, "argv", None), measured)  # with command, commit, probes
     plot_analysis(result, out / "analysis.png")
     o = result["overall"]
     print(f"{result['data']}: {o['tokens']} tokens, base {o['base_bits']:.4f} -> model {o['model_bits']:.4f} "

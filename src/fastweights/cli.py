@@ -18,7 +18,7 @@ from fastweights.errors import UserError
 # `fastweights task NAME` with register_task(task_subparsers). Missing modules are skipped.
 COMMAND_MODULES = ["fastweights.adapt.cli", "fastweights.memory_stats", "fastweights.analysis", "fastweights.hf.export",
                    "fastweights.experiments.cli"]
-TASK_MODULES = ["fastweights.tasks.assoc", "fastweights.tasks.ba_retrieval"]
+TASK_MODULES = ["fastweights.experiments.assoc_command", "fastweights.tasks.ba_retrieval"]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -104,12 +104,14 @@ def cli_provenance(argv: list[str] | None = None) -> dict:
     return provenance(Path.cwd(), argv, program="fastweights", git={"commit": None, "dirty": None, "version": installed})
 
 
-def write_cli_result(path: Path, payload: dict, argv: list[str] | None = None) -> None:
+def write_cli_result(path: Path, payload: dict, argv: list[str] | None, probes: list[dict]) -> None:
     """Write ``payload`` as JSON at ``path`` after :func:`cli_provenance` (``argv``: the command's words,
-    as ``fastweights.cli.main`` keeps them in ``args.argv``), whole or not at all."""
+    as ``fastweights.cli.main`` keeps them in ``args.argv``), the file's own path (``result_file``) and the
+    fingerprinted behaviour ``probes`` of the code the command measured
+    (:func:`fastweights.experiments.probes.fingerprinted`), whole or not at all."""
     import json
 
     from fastweights.files import atomic_write
 
-    record = {**cli_provenance(argv), **payload}
+    record = {**cli_provenance(argv), "result_file": Path(path).as_posix(), "probes": probes, **payload}
     atomic_write(Path(path), lambda p: p.write_text(json.dumps(record, indent=2) + "\n"))

@@ -34,7 +34,10 @@ import torch
 import fastweights.tasks.niah  # noqa: F401  (registers the corpus "niah-tinyshakespeare" used by configs/niah-cpu.toml)
 import fastweights.tasks.niah_token  # noqa: F401  (registers "niah-token-tinyshakespeare", configs/niah-token.toml)
 from fastweights.errors import UserError
+from fastweights.experiments.probes import fingerprinted, probe, run_probes
 from fastweights.provenance import write_cli_result
+
+PROBED_MODES = ("carry", "reset", "memory", "windows")  # stream modes a result's probes re-run (frozen: as carry)
 from fastweights.validate import nonneg_float, nonneg_int, positive_int, seed
 
 
@@ -250,7 +253,8 @@ def cmd_niah(args) -> int:
             "seed": args.seed, "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(opts).items()},
             "train_seq_len": cfg.train.seq_len}
     doc = records_to_json(records, summary, meta)
-    write_cli_result(out.with_suffix(".json"), doc, getattr(args, "argv", None))
+    write_cli_result(out.with_suffix(".json"), doc, getattr(args, "argv", None),
+                     run_probes(cfg) + fingerprinted([probe("task", name="niah")]))
     plot_niah(summary, out.with_suffix(".png"), title=f"NIAH: {Path(args.checkpoint).name} ({_describe(cfg)})")
     for s in samples[: args.show]:
         recs = [r for r in records if r["seed"] == s.seed]
@@ -294,7 +298,7 @@ def run_stream_eval(args) -> int:
     quiet = getattr(args, "quiet", False)
     data = getattr(args, "data", None)
     split = getattr(args, "split", None) or "test"
-    runs = []
+    runs, measured = [], []
     for k, path in enumerate(ckpts):
         model, tok, cfg = _load(path, getattr(args, "device", "auto"))
         seq_len = getattr(args, "seq_len", 0) or cfg.train.seq_len
@@ -306,6 +310,7 @@ def run_stream_eval(args) -> int:
                                 cfg.data.val_fraction, cfg.data.test_fraction)[split]
         built = _evaluator(args, model, tok, cfg, path, seq_len)
         ev, info = built if built else (None, None)
+        measured += run_probes(cfg, tuple(m for m in modes if m in PROBED_MODES), ev.rule if ev is not None else None)
         label = labels[k] if labels else f"{Path(path).name} ({_describe(cfg)})"
         for mode in modes:
             res = stream_eval(model, encode_documents(docs, tok, getattr(args, "max_chars", 0) or 0), mode, seq_len,
@@ -320,7 +325,7 @@ def run_stream_eval(args) -> int:
                      dynamic=(ev.metadata() | info) if ev is not None and mode != "frozen" else None)
             runs.append(d)
     doc = {"data": data or f"{cfg.data.corpus}:{split}", "modes": modes, "runs": runs}
-    write_cli_result(out.with_suffix(".json"), doc, getattr(args, "argv", None))
+    write_cli_result(out.with_suffix(".json"), doc, getattr(args, "argv", None), measured)
     plot_stream(runs, out.with_suffix(".png"), unit="bits" if tok.name in ("char", "byte") else "nats")
     if getattr(args, "json", False):
         print(json.dumps({**doc, "runs": [{k: v for k, v in r.items() if k not in ("curve", "documents", "state_norm")} for r in runs]},
@@ -371,7 +376,8 @@ def cmd_adapt_test(args) -> int:
     res = adapt_test(model, domains, seq_len, args.stride, args.eval_state, ev, progress=not args.quiet)
     res.update(checkpoint=str(args.checkpoint), model=_describe(cfg),
                dynamic=(ev.metadata() | info) if ev is not None else None)
-    write_cli_result(out.with_suffix(".json"), res, getattr(args, "argv", None))
+    write_cli_result(out.with_suffix(".json"), res, getattr(args, "argv", None),
+                     run_probes(cfg, dynamic_rule=ev.rule if ev is not None else None))
     plot_adapt(res, out.with_suffix(".png"), title=f"continual adaptation: {Path(args.checkpoint).name} ({_describe(cfg)})"
                + (f" + dynamic {ev.rule}" if ev else ""))
     if args.json:
@@ -404,7 +410,7 @@ def cmd_gates(args) -> int:
     doc = {"checkpoint": str(args.checkpoint), "tokens": tokens,
            "gates": {str(k): [round(float(x), 5) for x in v] for k, v in gates.items()},
            "mean_gate": {str(k): float(v.mean()) for k, v in gates.items()}}
-    write_cli_result(out.with_suffix(".json"), doc, getattr(args, "argv", None))
+    write_cli_result(out.with_suffix(".json"), doc, getattr(args, "argv", None), run_probes(cfg))
     if args.json:
         print(json.dumps({k: doc[k] for k in ("checkpoint", "mean_gate")}, indent=2))
     else:

@@ -1,0 +1,431 @@
+"""Behaviour probes: the evidence that a stored result still measures the code as it is.
+
+A result (``benchmarks/results/*.json``, or a file a ``fastweights`` command writes) records the
+probes of the code path it measured, each as a spec and a fingerprint::
+
+    "probes": [{"kind": "model", "args": {"config": {...}}, "fingerprint": "3f9c..."}, ...]
+
+A probe is a seconds-long, deterministic fp64 run of exactly that code path (a model built from the
+measured configuration with seeded random weights, a layer, a dynamic-evaluation rule, a scorer, a
+task generator) on fixed inputs; its fingerprint hashes the outputs and the gradients. ``report.py``
+recomputes every stored probe: a result whose fingerprint changed measured code that no longer
+behaves the same, and is marked stale with the command that re-runs it. A refactor that leaves the
+behaviour alone (a renamed variable, a moved function, a new import) leaves every result current; a
+one-character change in an operator a result reaches only through an import changes its probe.
+
+Fingerprints round each tensor to 1e-8 of its largest magnitude before hashing, so a different
+summation order on another CPU (last-bit differences in fp64) does not read as a change of behaviour.
+Probes run on one thread, on the CPU, under a fixed seed.
+
+Kinds (``args`` are JSON, so a result names its probes completely):
+    model     {"config": model config}          logits, loss and every gradient, two calls with state carried
+    stream    {"config", "mode"}                the streaming scorer (``stream_eval``) on one document
+    dynamic   {"config", "rule", ...}           dynamic evaluation's per-token losses (and updates)
+    hf_dynamic {"rule", ...}                    the same through the Hugging Face wrapper (a tiny GPT-2)
+    layer     {"role", "name", "options"}       one registered component, two calls, outputs and gradients
+    ops       {"op"}                            an operator family's fast paths (delta rule, linear attention, FWL)
+    task      {"name"}                          a synthetic task's generator (the data a benchmark trains on)
+    assoc_model {"rule", "feature_map", ...}    the associative-retrieval model (Schlag et al. section 6.1)
+    retrieval_net {"model", ...}                Ba et al.'s associative-retrieval network (fast-rnn, lstm, irnn)
+    source    {"path", "texts"}                 which of the given source lines exist (mutation sites)
+    corpus    {"name", "tokenizer", "chars"}    a bundled corpus as read and tokenized
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+PROBE_VOCAB = 96  # vocabulary of probe models (a tokenizer's size changes no code path)
+PROBE_CHUNK = 8  # chunk/segment sizes above this are shrunk so the probe's few tokens cross boundaries
+# option values shrunk in probes: the same code path at a size that runs in milliseconds
+PROBE_CAPS = {"chunk_size": PROBE_CHUNK, "segment_len": PROBE_CHUNK, "chunk": PROBE_CHUNK, "window": PROBE_CHUNK,
+              "n_subkeys": 8, "d_key": 8, "d_value": 8, "hidden": 16, "topk": 4}
+_RELATIVE_RESOLUTION = 1e-8
+
+
+# ----------------------------------------------------------------------------- fingerprints
+
+
+def tensor_digest(t: torch.Tensor, h) -> None:
+    """Feed ``t`` to hash ``h``: its shape and its values rounded to 1e-8 of its largest magnitude."""
+    t = t.detach().to(torch.float64).cpu()
+    h.update(repr(tuple(t.shape)).encode())
+    if t.numel() == 0:
+        return
+    scale = float(t.abs().max())
+    if not np.isfinite(scale):
+        h.update(b"nonfinite")
+        h.update(torch.nan_to_num(t, nan=0.0, posinf=1.0, neginf=-1.0).isfinite().numpy().tobytes())
+        return
+    if scale == 0.0:
+        h.update(b"zero")
+        return
+    q = torch.round(t / (scale * _RELATIVE_RESOLUTION)).to(torch.int64)
+    h.update(f"{scale:.6e}".encode())
+    h.update(q.numpy().tobytes())
+
+
+def fingerprint_of(outputs: dict[str, Any]) -> str:
+    """A short hash of a dict of tensors / numbers / strings (keys sorted)."""
+    h = hashlib.sha256()
+    for key in sorted(outputs):
+        h.update(key.encode())
+        value = outputs[key]
+        if isinstance(value, torch.Tensor):
+            tensor_digest(value, h)
+        elif isinstance(value, np.ndarray):
+            tensor_digest(torch.from_numpy(np.ascontiguousarray(value)).to(torch.float64), h)
+        else:
+            h.update(json.dumps(value, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _deterministic(seed: int = 0):
+    threads = torch.get_num_threads()
+    dtype = torch.get_default_dtype()
+    rng = torch.get_rng_state()
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        torch.set_default_dtype(dtype)
+        torch.set_rng_state(rng)
+
+
+def _tokens(n: int, seed: int, batch: int | None = None) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    shape = (n,) if batch is None else (batch, n)
+    return torch.randint(0, PROBE_VOCAB, shape, generator=g)
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def probe_config(config: dict):
+    """The ModelConfig a probe builds: the measured one, with the probe vocabulary, no dropout, and
+    chunk/segment/window sizes above PROBE_CHUNK shrunk to it (the same code path, reached in few tokens)."""
+    from fastweights.config import ModelConfig, from_dict
+
+    cfg = json.loads(json.dumps(config))  # a private copy
+    cfg["vocab_size"] = PROBE_VOCAB
+    cfg["dropout"] = 0.0
+    from fastweights import components
+
+    model = from_dict(ModelConfig, cfg, prefix="model")
+    used = {("mixer", model.mixer_of(i)) for i in range(model.n_layers)}
+    if model.head != "linear":  # the plain unembedding is no registered component
+        used.add(("head", model.head))
+    if model.memory:
+        used.add(("memory", model.memory))
+    options = dict(cfg.get("options") or {})
+    for role, name in used:
+        table = {"mixer": components.MIXERS, "memory": components.MEMORIES, "head": components.HEADS}[role]
+        options[name] = capped_options(components.lookup(table, role, name), options.get(name))
+    cfg["options"] = {k: v for k, v in options.items() if v is not None}
+    return from_dict(ModelConfig, cfg, prefix="model")
+
+
+def capped_options(entry, options: dict | None) -> dict | None:
+    """A component's ``options`` with every size in PROBE_CAPS (given or default) capped."""
+    if entry.options_cls is None:
+        return options
+    out = dict(options or {})
+    defaults = dataclasses.asdict(entry.options_cls())
+    for key, cap in PROBE_CAPS.items():
+        value = out.get(key, defaults.get(key))
+        if isinstance(value, int) and not isinstance(value, bool) and value > cap:
+            out[key] = cap
+    return out
+
+
+def probe_model_of(config: dict) -> torch.nn.Module:
+    from fastweights.models.lm import LanguageModel
+
+    return LanguageModel(probe_config(config)).double()
+
+
+def _model(config: dict, tokens: int = 24) -> dict:
+    model = probe_model_of(config).train()
+    x = _tokens(2 * tokens + 1, 1, batch=2)
+    inp, tgt = x[:, :-1], x[:, 1:]
+    out1 = model(inp[:, :tokens])
+    out2 = model(inp[:, tokens:], state=out1.state)
+    logits = torch.cat([out1.logits, out2.logits], 1)
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+    full = model(inp, targets=tgt)  # the training forward (its loss includes any auxiliary loss)
+    total = loss + full.loss
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    grads = torch.autograd.grad(total, [p for _, p in params], allow_unused=True)
+    result = {"logits": logits, "loss": full.loss, "full_logits": full.logits}
+    for (name, _), g in zip(params, grads):
+        result[f"grad.{name}"] = torch.zeros(()) if g is None else g
+    return result
+
+
+def _stream(config: dict, mode: str = "carry", seq_len: int = 16) -> dict:
+    from fastweights.experiments.streaming import stream_eval
+
+    model = probe_model_of(config).eval()
+    doc = _tokens(70, 2).numpy()
+    with torch.no_grad():
+        res = stream_eval(model, [("probe", iter([doc[:40], doc[40:]]))], mode=mode, seq_len=seq_len, bin_width=8)
+    losses = [d["loss"] for d in res.documents]
+    return {"nll": torch.tensor(res.nll, dtype=torch.float64), "tokens": res.tokens,
+            "document_losses": torch.tensor(losses, dtype=torch.float64)}
+
+
+def _dynamic(config: dict | None, rule: str, lr: float | None = None, segment_len: int = 5, **kw) -> dict:
+    from fastweights.adapt.dynamic import DynamicEvaluator
+    from fastweights.adapt.update_rules import collect_grad_stats, rule_needs_stats
+
+    model = probe_model_of(config).eval() if config is not None else _tiny_gpt2()
+    settings = dict(kw)
+    if lr is not None:
+        settings["lr"] = lr
+    if rule_needs_stats(rule):
+        settings["grad_stats"] = collect_grad_stats(model, _tokens(200, 3), batch_size=4, seq_len=segment_len,
+                                                    max_batches=3)
+    ev = DynamicEvaluator(model, rule=rule, segment_len=segment_len, **settings)
+    tokens = _tokens(41, 4)
+    first, state = ev.evaluate(tokens[:23], final=False)
+    second, _ = ev.evaluate(tokens[23:], state=state)
+    static = ev.static(tokens)
+    return {"dynamic": torch.tensor(first.token_losses + second.token_losses, dtype=torch.float64),
+            "static": torch.tensor(static.token_losses, dtype=torch.float64)}
+
+
+def _tiny_gpt2() -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from fastweights.hf.transformers_as_ours import HFCausalLM
+
+    cfg = GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=PROBE_VOCAB, n_positions=64, bos_token_id=0,
+                     eos_token_id=0)
+    return HFCausalLM(GPT2LMHeadModel(cfg).double().eval())
+
+
+def _hf_dynamic(rule: str, **kw) -> dict:
+    return _dynamic(None, rule, **kw)
+
+
+# ----------------------------------------------------------------------------- layers and operators
+
+
+def _layer(role: str, name: str, options: dict | None = None, d_model: int = 16) -> dict:
+    from fastweights import components
+
+    table = {"mixer": components.MIXERS, "memory": components.MEMORIES, "head": components.HEADS}[role]
+    entry = components.lookup(table, role, name)
+    opts = components.build_options(entry, capped_options(entry, options))
+    kwargs = {"d_model": d_model, **({"n_heads": 2} if role == "mixer" else {})}  # as LanguageModel builds them
+    layer = (entry.cls(**kwargs, options=opts) if opts is not None else entry.cls(**kwargs)).double().train()
+    x = torch.randn(2, 22, d_model, dtype=torch.float64, requires_grad=True)
+    y1, state = layer(x[:, :13])
+    y2, _ = layer(x[:, 13:], state)
+    y = torch.cat([y1, y2], 1)
+    w = torch.randn_like(y)
+    params = [(n, p) for n, p in layer.named_parameters() if p.requires_grad]
+    grads = torch.autograd.grad((y * w).sum() + (y ** 2).sum(), [x] + [p for _, p in params], allow_unused=True)
+    out = {"y": y, "grad_x": grads[0]}
+    for (n, _), g in zip(params, grads[1:]):
+        out[f"grad.{n}"] = torch.zeros(()) if g is None else g
+    return out
+
+
+def _ops(op: str) -> dict:
+    import importlib
+
+    dr = importlib.import_module("fastweights.ops.delta_rule")
+    la = importlib.import_module("fastweights.ops.linear_attention")
+
+    b, h, t, d = 2, 2, 21, 8
+    q, k, v = (torch.randn(b, h, t, d, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    beta = torch.rand(b, h, t, dtype=torch.float64, requires_grad=True)
+    log_decay = -torch.rand(b, h, t, dtype=torch.float64)
+    kn = torch.nn.functional.normalize(k, dim=-1)
+    runs: dict[str, Callable[[], torch.Tensor]] = {
+        "delta_rule": lambda: dr.delta_rule(q, kn, v, beta, chunk_size=8, backend="torch", output_final_state=True),
+        "gated_delta_rule": lambda: dr.delta_rule(q, kn, v, beta, log_decay=log_decay, chunk_size=8, backend="torch",
+                                                  output_final_state=True),
+        "linear_attention": lambda: la.linear_attention(q, k.abs(), v, chunk_size=8, output_final_state=True,
+                                                        normalize=True),
+        "gated_rule": lambda: la.gated_rule(q, k.abs(), v, beta, chunk_size=8, output_final_state=True),
+    }
+    if op not in runs:
+        raise ValueError(f"unknown ops probe {op!r}; known: {sorted(runs)}")
+    y, final = runs[op]()
+    loss = (y ** 2).sum() + (final ** 2).sum()
+    grads = torch.autograd.grad(loss, [q, k, v, beta], allow_unused=True)
+    out = {"y": y, "final": final}
+    for name, g in zip("qkvb", grads):
+        out[f"grad_{name}"] = torch.zeros(()) if g is None else g
+    return out
+
+
+# ----------------------------------------------------------------------------- tasks, sources, corpora
+
+
+def _task(name: str) -> dict:
+    if name == "assoc":
+        from fastweights.tasks.assoc import AssocData
+
+        data = AssocData(20, 2, np.random.default_rng(0))
+        return {k: v for k, v in vars(data).items() if isinstance(v, (np.ndarray, torch.Tensor, int, list))}
+    if name == "ba_retrieval":
+        from fastweights.tasks.ba_retrieval import generate
+
+        x, y = generate(16, 8, np.random.default_rng(0))
+        return {"x": x, "y": y}
+    if name in ("niah", "niah_token"):
+        from fastweights.data.tokenizers import ByteTokenizer
+        from fastweights.tasks.niah import Haystack, make_sample
+
+        text = "It was the best of times, it was the worst of times. " * 40
+        tok = ByteTokenizer()
+        sample = make_sample(Haystack(text, "probe"), tok, 300, depth=0.5, seed=3)
+        return {k: v for k, v in vars(sample).items() if isinstance(v, (str, int, float, list))}
+    raise ValueError(f"unknown task probe {name!r}")
+
+
+def _source(path: str, texts: list[str]) -> dict:
+    from fastweights.provenance import package_checkout
+
+    root = package_checkout() or Path.cwd()
+    file = root / path
+    content = file.read_text() if file.exists() else ""
+    return {"present": [t in content for t in texts]}
+
+
+def _corpus(name: str, tokenizer: str = "char", chars: int = 4000) -> dict:
+    from fastweights.data import load_corpus
+    from fastweights.data.corpus import text_pieces
+    from fastweights.data.tokenizers import build_tokenizer
+
+    docs = load_corpus(name)
+    text = ""
+    for piece in text_pieces(docs[:1]):
+        text += piece
+        if len(text) >= chars:
+            break
+    text = text[:chars]
+    return {"documents": len(docs), "text": text, "ids": build_tokenizer(tokenizer, text).encode(text)}
+
+
+def _with_grads(module: torch.nn.Module, loss: torch.Tensor, out: dict) -> dict:
+    params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
+    for (n, _), g in zip(params, grads):
+        out[f"grad.{n}"] = torch.zeros(()) if g is None else g
+    return out
+
+
+def _assoc_model(rule: str, feature_map: str, nu: int = 1, setting: int = 1, n_keys: int = 12, **kw) -> dict:
+    from fastweights.tasks.assoc import AssocData, AssocModel, retrieval_loss
+
+    model = AssocModel(n_keys, rule=rule, feature_map=feature_map, nu=nu, **kw).double()
+    keys, values, queries, targets = AssocData(n_keys, setting, np.random.default_rng(0)).batch(3)
+    y = model(keys, values, queries)
+    loss = retrieval_loss(y, targets).mean()
+    return _with_grads(model, loss, {"y": y, "loss": loss})
+
+
+def _retrieval_net(model: str, hidden: int = 12, fast_rnn: dict | None = None) -> dict:
+    from fastweights.tasks.ba_retrieval import RetrievalNet, generate
+
+    net = RetrievalNet(model, hidden, embed=10, mlp=10, fast_rnn=fast_rnn).double()
+    x, y = generate(4, 4, np.random.default_rng(0))
+    logits = net(torch.as_tensor(x))
+    loss = torch.nn.functional.cross_entropy(logits, torch.as_tensor(y).long().reshape(-1))
+    return _with_grads(net, loss, {"logits": logits, "loss": loss})
+
+
+KINDS: dict[str, Callable[..., dict]] = {
+    "assoc_model": _assoc_model, "retrieval_net": _retrieval_net, "model": _model, "stream": _stream, "dynamic": _dynamic, "hf_dynamic": _hf_dynamic, "layer": _layer,
+    "ops": _ops, "task": _task, "source": _source, "corpus": _corpus,
+}
+
+
+# ----------------------------------------------------------------------------- the public functions
+
+
+def probe(kind: str, **args) -> dict:
+    """A probe spec (JSON): ``probe("model", config=cfg)``."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown probe kind {kind!r}; known: {sorted(KINDS)}")
+    return {"kind": kind, "args": json.loads(json.dumps(args))}
+
+
+def run_probe(spec: dict) -> str:
+    """The fingerprint of ``spec`` ({"kind", "args"}) under the code as it is now."""
+    kind = spec["kind"]
+    if kind not in KINDS:
+        raise ValueError(f"unknown probe kind {kind!r}; known: {sorted(KINDS)}")
+    with _deterministic():
+        return fingerprint_of(KINDS[kind](**spec.get("args", {})))
+
+
+def fingerprinted(specs: list[dict]) -> list[dict]:
+    """``specs`` with their fingerprints, as a result records them (a spec named twice runs once; one that
+    already carries a fingerprint, measured earlier, keeps it)."""
+    out, seen = [], {}
+    for spec in specs:
+        if "fingerprint" in spec:
+            out.append(spec)
+            continue
+        key = json.dumps(spec, sort_keys=True)
+        if key not in seen:
+            seen[key] = run_probe(spec)
+            out.append({**spec, "fingerprint": seen[key]})
+    return out
+
+
+def model_probes(config: dict, stream_modes: tuple[str, ...] = ()) -> list[dict]:
+    """The probes of a model configuration: the model itself, and the streaming scorer in ``stream_modes``."""
+    return [probe("model", config=config)] + [probe("stream", config=config, mode=m) for m in stream_modes]
+
+
+def preset_model_config(preset: str, overrides: list[str] | None = None) -> dict:
+    """The model section of a preset (with ``--set``-style overrides) as a plain dict."""
+    from fastweights.config import make_config
+
+    return dataclasses.asdict(make_config(preset, list(overrides or [])).model)
+
+
+def preset_probes(preset: str | None, overrides: list[str] | tuple = (), stream_modes: tuple[str, ...] = ()) -> list[dict]:
+    """:func:`model_probes` of a preset (None: the defaults) with ``--set``-style overrides."""
+    return model_probes(preset_model_config(preset, list(overrides)), stream_modes)
+
+
+def registry_probes() -> list[dict]:
+    """A layer probe of every registered mixer and memory with its default options."""
+    from fastweights import components
+
+    components.load_providers()
+    return ([probe("layer", role="mixer", name=n) for n in sorted(components.MIXERS)]
+            + [probe("layer", role="memory", name=n) for n in sorted(components.MEMORIES)])
+
+
+def checkpoint_probes(config: dict, stream_modes: tuple[str, ...] = (), dynamic_rule: str | None = None) -> list[dict]:
+    """The probes of a trained run's model (its ``config.json``'s model section), for results the
+    ``fastweights`` command writes about a checkpoint."""
+    specs = model_probes(config, stream_modes)
+    if dynamic_rule:
+        specs.append(probe("dynamic", config=config, rule=dynamic_rule))
+    return specs
+
+
+def run_probes(cfg, stream_modes: tuple[str, ...] = (), dynamic_rule: str | None = None) -> list[dict]:
+    """The fingerprinted probes of a trained run (its :class:`~fastweights.config.RunConfig`), as a
+    ``fastweights`` command that measured it records them."""
+    return fingerprinted(checkpoint_probes(dataclasses.asdict(cfg.model), stream_modes, dynamic_rule))

@@ -1,0 +1,104 @@
+"""Evidence by behaviour (benchmarks/evidence.py, fastweights.experiments.probes): a result is stale when
+the code it measured behaves differently, found by re-running its probes, never by a list of files."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastweights.experiments import probes
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import evidence  # noqa: E402
+
+
+def _result(**over):
+    spec = probes.probe("ops", op="delta_rule")
+    rec = {"command": "python benchmarks/bench_delta_rule.py", "git": {"commit": "abc"},
+           "result_file": "benchmarks/results/r.json", "probes": probes.fingerprinted([spec])}
+    rec.update(over)
+    return rec
+
+
+def test_a_probe_is_deterministic_and_sees_a_change_of_behaviour():
+    spec = probes.probe("ops", op="gated_delta_rule")
+    assert probes.run_probe(spec) == probes.run_probe(spec)
+    assert probes.run_probe(spec) != probes.run_probe(probes.probe("ops", op="delta_rule"))
+
+
+def test_fingerprints_ignore_last_bit_noise_but_not_a_real_difference():
+    x = torch.randn(50, dtype=torch.float64)
+    noisy = x * (1 + 1e-15 * torch.randn(50, dtype=torch.float64))
+    assert probes.fingerprint_of({"y": x}) == probes.fingerprint_of({"y": noisy})
+    assert probes.fingerprint_of({"y": x}) != probes.fingerprint_of({"y": x * (1 + 1e-6)})
+
+
+def test_problems_name_what_a_result_lacks(tmp_path):
+    def problems(rec, name="r.json"):
+        for p in tmp_path.glob("*.json"):
+            p.unlink()
+        (tmp_path / name).write_text(json.dumps(rec))
+        return " ".join(evidence.problems(tmp_path))
+
+    assert problems(_result()) == ""
+    assert "no command" in problems(_result(command=""))
+    assert "no git commit" in problems(_result(git={}))
+    assert "no result_file" in problems(_result(result_file=None))
+    assert "a copy" in problems(_result(), name="copy.json")
+    assert "no behaviour probes" in problems(_result(probes=[]))
+
+
+def test_a_result_whose_probe_changed_is_stale_and_listed_with_its_command(tmp_path):
+    rec = _result()
+    assert evidence.staleness(rec) is None
+    rec["probes"][0]["fingerprint"] = "0" * 16  # measured when the operator behaved otherwise
+    assert "behaviour changed: ops delta_rule" in evidence.staleness(rec)
+    (tmp_path / "r.json").write_text(json.dumps(rec))
+    page = evidence.rerun_page(tmp_path)
+    assert "`r`" in page and "python benchmarks/bench_delta_rule.py" in page
+
+
+def test_every_stored_result_records_probes_and_its_file():
+    assert evidence.problems() == []
+
+
+def _stale_results_with(tmp_path, path: str, old: str, new: str) -> list[str]:
+    """The stored results that are stale when ``path`` in a copy of the source tree has ``old`` replaced by
+    ``new`` (run in a fresh process on the copy)."""
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "src", src, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    file = src / path
+    text = file.read_text()
+    assert text.count(old) >= 1, f"{old!r} not in {path}: update the test's edit"
+    file.write_text(text.replace(old, new))
+    script = ("import json, sys; sys.path.insert(0, 'benchmarks'); import evidence, fastweights;"
+              "assert fastweights.__file__.startswith(sys.argv[1]), fastweights.__file__;"
+              "print(json.dumps([evidence.result_key(p) for p in evidence.result_paths()"
+              " if evidence.staleness(json.loads(p.read_text()))]))")
+    env = {**os.environ, "PYTHONPATH": str(src), "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run([sys.executable, "-c", script, str(src)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_a_behaviour_preserving_refactor_leaves_every_result_current(tmp_path):
+    # a local variable renamed in a measured layer: no result goes stale
+    stale = _stale_results_with(tmp_path, "fastweights/layers/fwpkm.py", "bound", "init_limit")
+    assert stale == []
+
+
+@pytest.mark.slow
+def test_a_one_character_change_in_an_imported_operator_marks_the_results_that_reach_it(tmp_path):
+    # the delta rule reaches ops/linear_attention.py only through an import; its default query scale changes
+    stale = _stale_results_with(tmp_path, "fastweights/ops/linear_attention.py", "** -0.5", "** -0.4")
+    assert "bench_delta_rule" in stale
+    assert "bench_fwpkm_layer" not in stale  # a result that never reaches the operator stays current
