@@ -280,11 +280,13 @@ _COMPILED: dict = {}
 def _impl(fn, compiled: bool):
     """``fn`` itself, or (``compiled``) ``torch.compile(fn)`` built on first use: the parallel, per-chunk
     parts of the forward and backward compile into fused kernels; the scans over chunks stay eager (a
-    loop of T/C small matmuls, which compiled would unroll into a graph that grows with T)."""
+    loop of T/C small matmuls, which compiled would unroll into a graph that grows with T). Shapes are
+    torch.compile's default: the first compiled static, a second one of other sizes dynamic, so new
+    batch sizes and lengths do not recompile each time."""
     if not compiled:
         return fn
     if fn not in _COMPILED:
-        inner = torch.compile(fn, fullgraph=True, dynamic=False, **COMPILE_OPTIONS)
+        inner = torch.compile(fn, fullgraph=True, **COMPILE_OPTIONS)
 
         def run(*args):
             with warnings.catch_warnings():  # Dynamo traces through causal_mask's lru_cache (a pure function)
