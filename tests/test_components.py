@@ -1,8 +1,9 @@
 """The component contract (``fastweights.components``, issue 20): a new mechanism is one new file.
 
 A toy mixer written into a new module of ``fastweights.layers`` (here: a temporary directory added to
-the package's path) is found by name with no other edit: configs build it, the registry-wide causality
-and pieces checks and the device checks run on it, and a Hugging Face export round-trips it. A module
+the package's path) is found by name with no other edit: configs build it, the memory estimate counts its
+state (measured on the meta device: it declares nothing), the registry-wide causality, pieces, bounded
+state and device checks run on it, and a Hugging Face export round-trips it. A module
 that fails to import fails the scan, naming itself. The import graph keeps its floors.
 """
 
@@ -41,11 +42,12 @@ class ToyRunningMean(nn.Module):
         self.scale = (options or ToyOptions()).scale
         self.proj = nn.Linear(d_model, d_model, bias=False)
 
-    def forward(self, x, state=None):  # x [B, T, C]; state: (sum [B, C], count)
-        total, count = (torch.zeros_like(x[:, 0]), 0) if state is None else state
-        sums = total.unsqueeze(1) + x.cumsum(1)  # [B, T, C]
+    def forward(self, x, state=None):  # x [B, T, C]; state: (mean so far [B, C], count)
+        mean, count = (torch.zeros_like(x[:, 0]), 0) if state is None else state
+        sums = count * mean.unsqueeze(1) + x.cumsum(1)  # [B, T, C]
         n = count + torch.arange(1, x.shape[1] + 1, device=x.device, dtype=x.dtype).view(1, -1, 1)
-        return self.scale * self.proj(sums / n), (sums[:, -1], count + x.shape[1])
+        means = sums / n
+        return self.scale * self.proj(means), (means[:, -1], count + x.shape[1])
 '''
 
 
@@ -85,10 +87,21 @@ def test_a_new_module_is_a_new_mixer_with_no_other_edit(layers_dir, tmp_path_fac
         first = model(x[:, :4])
         second = model(x[:, 4:], first.state)
     torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), full.logits, rtol=1e-5, atol=1e-6)
-    # the registry-wide causality / pieces checks and the device checks, run on it as on every component
+    # its state counted by the memory estimate, not 0 (measured on the meta device: it declares no state_floats)
+    from fastweights.model_size import state_floats
+
+    assert state_floats(ModelConfig(vocab_size=11, d_model=8, n_layers=1, n_heads=2, mixer="toy_running_mean"),
+                        9)["carried"] == 8  # the mean [C] per sequence (the count is not a float)
+    # the registry-wide checks, run on it as on every component: the estimate against the state it returns,
+    # causality, pieces == one call, a bounded state along a stream, the meta device and bf16 autocast
     import test_device_contract as device
     import test_registry_causality as contract
+    import test_state_size as size
+    import test_stream_stability as stability
 
+    size.test_the_memory_estimate_counts_the_state_the_model_returns("mixer", "toy_running_mean", {})
+    stability.test_bounded_designs_keep_their_state_at_twenty_times_the_training_length("mixer", "toy_running_mean",
+                                                                                         {})
     contract.test_causal_and_responsive_at_every_cut("mixer", "toy_running_mean", {})
     contract.test_pieces_equal_one_call_and_the_state_continues("mixer", "toy_running_mean", {})
     device.test_forward_backward_on_the_meta_device("mixer", "toy_running_mean", {})

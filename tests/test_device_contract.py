@@ -10,8 +10,9 @@ No GPU is lent to this project, so two stand-ins:
   same steps in fp32, and the fast-weight state (what the component learns while it reads) kept in fp32.
   Caches of activations (a KV cache, a convolution's last inputs) may follow the compute dtype.
 
-The components and their variants are those of ``test_registry_causality.VARIANTS``, which fails when a
-registered name has no entry there, so a new component is covered here without an edit.
+The components and their variants are those of ``test_registry_causality.VARIANTS``, the variants every
+registered component declares, so a new component is covered here without an edit; the state fields that
+may follow the compute dtype are what it declares as ``compute_dtype_state``.
 """
 
 import pytest
@@ -19,18 +20,22 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves
 
+from fastweights import components as registry
 from test_registry_causality import B, D, T, V, VARIANTS
 from test_registry_causality import build as build_fp64
 
 # components whose meta run is known to fail, with the reason; strict, so a fix turns the test red until
 # the entry is removed (FwPKM's write left this list with issue 34: its shapes no longer depend on the data)
 META_KNOWN: dict[tuple[str, str], str] = {}
-# state leaves that may be kept in the compute dtype under autocast: caches of activations, not fast weights
-COMPUTE_DTYPE_STATE = {
-    ("mixer", "attention"): ("",),  # the whole state is the KV cache
-    ("mixer", "gdn"): ("conv",),  # the short convolution's last inputs; the fast weight S stays fp32
-    ("mixer", "lstm"): ("",),  # PyTorch's fused nn.LSTM runs its cell in the autocast dtype
-}
+
+
+def compute_dtype_state(kind: str, name: str) -> tuple[str, ...]:
+    """State fields that may be kept in the compute dtype under autocast: caches of activations, not fast
+    weights ("" = the whole state), as the component declares them."""
+    return registry.declared(registry.lookup(registry.KINDS[kind], kind, name), "compute_dtype_state")
+
+
+COMPUTE_DTYPE_STATE = {key: compute_dtype_state(*key) for key in VARIANTS}  # benchmarks/cuda_check.py reads it
 
 
 def cases(known: dict | None = None):
@@ -104,7 +109,7 @@ def test_bf16_autocast_trains_with_fp32_fast_weights(kind, name, raw):
     assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in layer.parameters())
     for a, b in zip(fp32, bf16):  # bf16 keeps 8 bits of mantissa: a few 1e-3 relative per step here
         assert abs(a - b) <= 0.05 * abs(a), (fp32, bf16)
-    allowed = COMPUTE_DTYPE_STATE.get((kind, name), ())
+    allowed = compute_dtype_state(kind, name)
     for where, leaf in state_leaves(state):
         if leaf.is_floating_point() and not ("" in allowed or where in allowed):
             assert leaf.dtype == torch.float32, f"{kind} {name}: state {where!r} is {leaf.dtype} under bf16 autocast"

@@ -23,32 +23,20 @@ import fastweights.hf.ours_as_transformers as hf_module  # noqa: E402
 from fastweights.models.lm import LanguageModel  # noqa: E402
 
 VOCAB = 13
-# Options that make the memories / heads tiny (their defaults are the papers' sizes). A component
-# registered later without an entry here is built with its defaults, and test_components_are_tiny
-# says when those are too large to test.
-TINY_OPTIONS = {
-    "pkm": dict(n_subkeys=4, d_key=8, d_value=8, heads=1, topk=2),
-    "fwpkm": dict(n_subkeys=4, d_key=8, d_value=8, heads=1, topk=2, chunk_size=4),
-    "fwmlp": dict(d_key=8, d_value=8, hidden=16, chunk_size=4),
-    "fwl": dict(segment_len=4, chunk_size=8),
-}
 MAX_ELEMENTS = 100_000  # parameters + buffers of one test model
+# every registered component (kind, name); each is built with the tiny options it declares (its defaults
+# are the papers' sizes), and test_components_are_tiny says when those are too large to test
+COMPONENTS = [(kind, e.name) for kind, e in registry.registered()]
 
 
-def _components():
-    registry.load_providers()
-    cases = [("mixer", n) for n in sorted(registry.MIXERS)]
-    cases += [("head", n) for n in sorted(registry.HEADS)]
-    cases += [("memory", n) for n in sorted(registry.MEMORIES)]
-    return cases
-
-
-COMPONENTS = _components()
+def tiny_options(kind: str, name: str) -> dict:
+    """The options ``name`` declares for a small test model (``tiny_options`` on its class)."""
+    return dict(registry.declared(registry.lookup(registry.KINDS[kind], kind, name), "tiny_options"))
 
 
 def tiny_config(kind: str, name: str, **overrides) -> ModelConfig:
     fields = {"mixer": {"mixer": name}, "head": {"head": name}, "memory": {"memory": name, "memory_layers": [0]}}[kind]
-    options = {name: TINY_OPTIONS[name]} if name in TINY_OPTIONS else {}
+    options = {name: tiny_options(kind, name)} if tiny_options(kind, name) else {}
     # init_std 0.3: logits far from uniform, so greedy decoding does not repeat one token
     base = dict(vocab_size=VOCAB, d_model=16, n_layers=1, n_heads=2, init_std=0.3, options=options)
     return ModelConfig(**{**base, **fields, **overrides})
@@ -63,7 +51,7 @@ def tiny_model(kind: str, name: str, seed: int = 0, **overrides) -> LanguageMode
 def test_components_are_tiny(kind, name):
     lm = tiny_model(kind, name)
     n = sum(p.numel() for p in lm.parameters()) + sum(b.numel() for b in lm.buffers())
-    assert n <= MAX_ELEMENTS, f"{kind} {name!r} has {n} elements at tiny dims: add it to TINY_OPTIONS"
+    assert n <= MAX_ELEMENTS, f"{kind} {name!r} has {n} elements at tiny dims: declare tiny_options on its class"
 
 
 def test_config_round_trip(tmp_path):
@@ -151,9 +139,9 @@ def test_batched_sampling_runs_and_respects_prompt():
 def test_beam_search_reorders_state():
     # reference: beam search that recomputes the whole prefix at every step (no cache)
     # every kind of per-sequence state: fast weight matrix, KV cache, FWL head, FwMLP writing every 4 tokens
-    fwmlp = {**TINY_OPTIONS["fwmlp"], "persistence": "per_sequence"}
+    fwmlp = {**tiny_options("memory", "fwmlp"), "persistence": "per_sequence"}
     lm = tiny_model("mixer", "fwp", seed=5, n_layers=2, layer_mixers=["fwp", "attention"], head="fwl",
-                    memory="fwmlp", memory_layers=[1], options={"fwl": TINY_OPTIONS["fwl"], "fwmlp": fwmlp})
+                    memory="fwmlp", memory_layers=[1], options={"fwl": tiny_options("head", "fwl"), "fwmlp": fwmlp})
     hf = FastWeightsForCausalLM.from_language_model(lm)
     prompt = torch.tensor([[3, 1, 4, 1, 5]])
     kw = dict(max_new_tokens=6, num_beams=3, do_sample=False, num_return_sequences=3)

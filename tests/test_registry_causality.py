@@ -1,10 +1,11 @@
-"""Every registered mixer, head and memory, with every rule / feature-map / path / persistence / update
-variant: causal at several cut points, later outputs respond to earlier inputs, streamed pieces equal
-one call, and a returned state is a value (continuing it twice gives the same outputs); what FwPKM and
-FwMLP ``persistence="official"`` add across calls is checked on its own (issue 22, scope 2). Default
-environment only: the torch backends, no optional package.
+"""Every registered mixer, head and memory, with every variant it declares (``test_variants`` on its class:
+rule / feature-map / path / persistence / update): causal at several cut points, later outputs respond to
+earlier inputs, streamed pieces equal one call, and a returned state is a value (continuing it twice gives
+the same outputs); what FwPKM and FwMLP ``persistence="official"`` add across calls is checked on its own
+(issue 22, scope 2). Default environment only: the torch backends, no optional package.
 
-A component registered later without an entry in VARIANTS fails ``test_every_registered_name_is_covered``.
+The cases come from the registry (``fastweights.components``), so a new component is checked here with
+no edit of this file; one that declares no variants is checked with its default options.
 """
 
 import pytest
@@ -16,54 +17,9 @@ D, HEADS, V, T, B = 12, 2, 9, 16, 2
 CUTS = (1, 4, 7, 13)  # first token, a chunk boundary (chunk_size 4), inside a chunk, near the end
 PIECES = ((1, 5, 11), (8,), (3, 4, 12))
 
-FWP_MAPS = {"elu1": {}, "dpfp": {"nu": 2}, "favor": {"n_features": 5}, "identity": {"sum_norm": False, "l2_norm": True}}
-FWP = {f"{rule}-{fm}": {"rule": rule, "feature_map": fm, "chunk_size": 4, **extra}
-       for rule in ("sum", "gated", "delta", "gated_delta") for fm, extra in FWP_MAPS.items()}
-FWP["sum-dpfp-normalize"] = {"rule": "sum", "feature_map": "dpfp", "normalize": True, "chunk_size": 4}
+# (kind, name) -> {variant id: options}, as the components declare them
+VARIANTS = {(kind, e.name): registry.declared(e, "test_variants") for kind, e in registry.registered()}
 
-# (kind, name) -> {variant id: options}; mixes: whether an output depends on earlier positions at all
-VARIANTS = {
-    ("mixer", "attention"): {"full": {}, "window4": {"window": 4}},
-    ("mixer", "fwp"): FWP,
-    ("mixer", "fast_rnn"): {"matrix": {"read_mode": "matrix", "hidden": 8},
-                            "attention-2steps": {"read_mode": "attention", "hidden": 8, "inner_steps": 2},
-                            "no-ln-preliminary": {"read_mode": "matrix", "hidden": 8, "ln_preliminary": False},
-                            "ln-rnn": {"hidden": 8, "fast_weights": False}},
-    ("mixer", "lstm"): {"default": {"hidden": 8}},
-    ("mixer", "gdn"): {"conv-gate": {"chunk_size": 4, "backend": "torch"},
-                       "plain": {"chunk_size": 4, "backend": "torch", "use_short_conv": False, "use_gate": False,
-                                 "expand_v": 2.0}},
-    ("head", "fwl"): {"default-path": {"hidden": 4, "segment_len": 5, "chunk_size": 64, "step_size_init": 0.3},
-                      "chunked-path": {"hidden": 4, "segment_len": 5, "chunk_size": 4, "step_size_init": 0.3},
-                      "no-segments": {"hidden": 4, "segment_len": 0, "chunk_size": 64, "step_size_init": 0.3},
-                      "slow-biases": {"hidden": 4, "segment_len": 5, "fast_biases": False, "step_size_init": 0.3},
-                      "bias-only": {"hidden": 4, "bias_only": True, "step_size_init": 0.3}},
-    ("memory", "pkm"): {"dot": {"n_subkeys": 4, "d_key": 4, "d_value": 6, "heads": 2, "topk": 3},
-                        "idw": {"n_subkeys": 4, "d_key": 4, "d_value": 6, "heads": 1, "topk": 2, "score": "idw"}},
-    # variant id "<persistence>[-rest]": the persistence is the id's first word
-    ("memory", "fwpkm"): {p: {"n_subkeys": 3, "d_key": 4, "d_value": 6, "topk": 2, "chunk_size": 4, "persistence": p,
-                              **extra}
-                          for p, extra in (("stream", {}), ("per_sequence", {"lookahead": 2}),
-                                           ("stream-dot-drop", {"score": "dot", "boundary": "drop"}),
-                                           ("official", {}),
-                                           ("stream-mse-keys", {"key_update": "mse"}),
-                                           ("per_sequence-mse-keys-literal", {"key_update": "mse",
-                                                                              "update_scale": "literal"}),
-                                           ("stream-no-key-update", {"key_update": "none"}),
-                                           ("stream-literal", {"update_scale": "literal"}),
-                                           ("stream-gate-mean8", {"gate_form": "mean8"}))},
-    ("memory", "fwmlp"): {p: {"d_key": 4, "d_value": 6, "hidden": 5, "chunk_size": 4, "lr": 0.5, "persistence": p,
-                              **extra}
-                          for p, extra in (("stream", {}), ("per_sequence", {"lookahead": 0}),
-                                           ("stream-clip-drop", {"grad_clip": 0.05, "boundary": "drop"}),
-                                           ("official", {}),
-                                           ("stream-gate-mean8", {"gate_form": "mean8"}),
-                                           ("stream-gate-weighted", {"gate_weighted_loss": True}))},
-}
-POSITIONWISE = {("memory", "pkm")}
-# memories that write once per chunk (4 tokens here, targets up to 2 tokens ahead): an input reaches
-# later outputs only from the chunk after its write, so the response is checked at cuts with one after it
-CHUNK_WRITES = {("memory", "fwpkm"), ("memory", "fwmlp")}
 EXACT = 1e-13  # a masked matmul may reorder a sum of exact zeros and the rest: 1e-17, never a leak's size
 # a later output "responds" when it moves by more than this after a unit change of one earlier input (or a
 # head's label). Every variant moves some later output by >= 2.7e-3 (smallest: fwl bias-only; labels >= 0.3),
@@ -71,7 +27,6 @@ EXACT = 1e-13  # a masked matmul may reorder a sum of exact zeros and the rest: 
 # vanishing scale (e.g. a write multiplied by ~0), which the former 1e-8 let through.
 RESPONDS = 1e-4
 MARGIN = 1e-2  # written vs initial tables move every chunk's outputs by >= 0.2 here (fwmlp 0.23, fwpkm 0.81)
-TABLES = {"mixer": registry.MIXERS, "head": registry.HEADS, "memory": registry.MEMORIES}
 
 
 # known library bugs, as strict xfails of one check (an XPASS after the fix fails: drop the entry then)
@@ -88,19 +43,10 @@ def cases(test=None):
 
 
 def build(kind, name, raw):
-    entry = registry.lookup(TABLES[kind], kind, name)
-    raw = dict(raw)
-    if name in ("fwpkm", "fwmlp"):
-        raw["persistence"] = raw["persistence"].split("-")[0]
+    entry = registry.lookup(registry.KINDS[kind], kind, name)
     options = registry.build_options(entry, raw)
     torch.manual_seed(0)
-    if kind == "mixer":
-        layer = entry.cls(d_model=D, n_heads=HEADS, options=options)
-    elif kind == "head":
-        layer = entry.cls(d_model=D, vocab_size=V, options=options)
-    else:
-        layer = entry.cls(d_model=D, options=options)
-    layer = layer.double().eval()
+    layer = registry.build(kind, entry, options, d_model=D, n_heads=HEADS, vocab_size=V).double().eval()
     if getattr(options, "persistence", None) == "official":
         layer.initial_tables = {k: t.clone() for k, t in layer.state_dict().items()}
     return layer
@@ -142,20 +88,15 @@ def written_tables(name, st) -> dict:
     return {k: w[0] for k, w in st.weights.items()}
 
 
-def test_every_registered_name_is_covered():
-    """Every component of the package (a module of fastweights.layers) has variants here; components a
-    user registers from their own code (as docs/architecture.md does) are theirs to test."""
-    registry.load_providers()
-    for kind, table in TABLES.items():
-        ours = {n for n, e in table.items() if e.cls.__module__.startswith("fastweights.layers.")}
-        assert {n for k, n in VARIANTS if k == kind} == ours, kind
-
-
 @pytest.mark.parametrize("kind,name,raw", list(cases()))
 def test_causal_and_responsive_at_every_cut(kind, name, raw):
     layer = build(kind, name, raw)
     x, tok = inputs()
-    y, _ = call(kind, layer, x, tok)
+    y, state = call(kind, layer, x, tok)
+    # a part that carries no state reads each position alone (else pieces could not equal one call); a fast
+    # memory writes once per chunk (4 tokens here, targets up to 2 tokens ahead): an input reaches later
+    # outputs only from the chunk after its write, so the response is checked at cuts with one after it
+    positionwise, chunk_writes = state is None, isinstance(layer, registry.FastMemory)
     g = torch.Generator().manual_seed(1)
     for c in CUTS:
         # the future varies (inputs and, for a head, the tokens whose labels it learns from): the past may not
@@ -170,9 +111,9 @@ def test_causal_and_responsive_at_every_cut(kind, name, raw):
         y3, _ = call(kind, layer, x3, tok)
         assert diff(y3[:, : c - 1], y[:, : c - 1]) <= EXACT
         later = diff(y3[:, c:], y[:, c:])
-        if (kind, name) in POSITIONWISE:
+        if positionwise:
             assert later == 0.0
-        elif (kind, name) not in CHUNK_WRITES or c <= T - 8:
+        elif not chunk_writes or c <= T - 8:
             assert later > RESPONDS, f"cut {c}: no later output depends on position {c - 1} ({later:.2e})"
     if kind == "head":  # a label (token c) reaches the outputs from c on, never before
         for c in CUTS:
@@ -213,7 +154,7 @@ def test_a_returned_state_is_a_value(kind, name, raw):
     assert diff(again, first) == 0.0
 
 
-@pytest.mark.parametrize("name", ["fwpkm", "fwmlp"])
+@pytest.mark.parametrize("name", [n for (k, n), v in VARIANTS.items() if k == "memory" and "official" in v])
 def test_official_persistence_writes_back_and_continues(name):
     """What ``persistence="official"`` promises across calls (the checks above restore its initial
     tables before each fresh stream): a call's outputs are those of ``"stream"``; the module then

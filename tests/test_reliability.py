@@ -1,8 +1,8 @@
 """Reliability and security of run directories: no pickle is executed, derived files are tied to the
 weights they came from, the run lock, SIGINT/SIGTERM saving, divergence, a directory without a
 manifest, the unknown-symbol warning, a signal before training starts or during the final validation, fresh
-output names and one-line warnings, and the state counted by the memory estimate. (kill -9:
-test_fault_injection.py; bad input: test_bad_input.py.)"""
+output names and one-line warnings. (kill -9: test_fault_injection.py; bad input: test_bad_input.py; the
+state counted by the memory estimate: test_state_size.py.)"""
 
 from __future__ import annotations
 
@@ -355,75 +355,3 @@ def test_eval_stream_without_out_writes_fresh_names(run, doc, tmp_path, monkeypa
     assert len(stems) == 2 and all(f"{s}.json" in made and f"{s}.png" in made for s in stems), made
     assert all(s.startswith("stream-") for s in stems)
     assert (tmp_path / "runs" / "stream.json").read_text() == "earlier"
-
-
-MECHANISMS = {  # overrides of the tiny preset: one per kind of state the memory estimate counts
-    "attention": [],
-    "sliding-window": ["model.options.attention.window=8"],
-    "fwp-delta": ['model.mixer="fwp"', "model.options.fwp.chunk_size=8"],
-    "fwp-sum-normalize": ['model.mixer="fwp"', 'model.options.fwp.rule="sum"', "model.options.fwp.normalize=true",
-                          'model.options.fwp.feature_map="elu1"'],
-    "gdn": ['model.mixer="gdn"'],
-    "fast_rnn": ['model.mixer="fast_rnn"', "model.options.fast_rnn.hidden=20"],
-    "lstm": ['model.mixer="lstm"'],
-    "short-conv": ["model.short_conv=4"],
-    "fwl": ['model.head="fwl"', "model.options.fwl.hidden=16", "model.options.fwl.expansion=2"],
-    "fwl-bias-only": ['model.head="fwl"', "model.options.fwl.bias_only=true"],
-    "fwpkm": ['model.memory="fwpkm"', "model.memory_layers=[1]", "model.options.fwpkm.n_subkeys=8",
-              "model.options.fwpkm.d_key=8", "model.options.fwpkm.d_value=16", "model.options.fwpkm.chunk_size=8",
-              "model.options.fwpkm.topk=2"],
-    "fwpkm-per-sequence": ['model.memory="fwpkm"', "model.memory_layers=[1]", "model.options.fwpkm.n_subkeys=8",
-                           "model.options.fwpkm.d_key=8", "model.options.fwpkm.d_value=16",
-                           "model.options.fwpkm.chunk_size=8", "model.options.fwpkm.topk=2",
-                           'model.options.fwpkm.persistence="per_sequence"'],
-    "fwmlp": ['model.memory="fwmlp"', "model.memory_layers=[0]", "model.options.fwmlp.d_key=8",
-              "model.options.fwmlp.d_value=16", "model.options.fwmlp.hidden=24", "model.options.fwmlp.chunk_size=8"],
-}
-
-
-def _tensor_floats(tree, skip: str = "") -> int:
-    """Floating-point elements in a state, leaving out the fields named ``skip``."""
-    import dataclasses
-
-    if isinstance(tree, torch.Tensor):
-        return tree.numel() if tree.is_floating_point() else 0
-    if isinstance(tree, dict):
-        return sum(_tensor_floats(v, skip) for k, v in tree.items() if k != skip)
-    if isinstance(tree, (list, tuple)):
-        return sum(_tensor_floats(v, skip) for v in tree)
-    if dataclasses.is_dataclass(tree):
-        return sum(_tensor_floats(getattr(tree, f.name), skip) for f in dataclasses.fields(tree) if f.name != skip)
-    return 0
-
-
-@pytest.mark.parametrize("name", list(MECHANISMS))
-def test_the_memory_estimate_counts_the_state_the_model_returns(name):
-    """model_size.state_floats, computed from the config, against the state a training call returns."""
-    import warnings
-
-    from fastweights.config import make_config
-    from fastweights.model_size import estimate_memory, state_floats
-    from fastweights.models.lm import LanguageModel
-
-    cfg = make_config("tiny", ["model.vocab_size=11", *MECHANISMS[name]])
-    torch.manual_seed(0)
-    model = LanguageModel(cfg.model)
-    rows, T = 3, cfg.train.seq_len
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # fwl: windows shorter than 3 segments
-        state = model(torch.randint(0, 11, (rows, T))).state
-    real = _tensor_floats(state, skip="parts")  # FwPKM's row deltas of each write: bounded below
-    est = state_floats(cfg.model, T)
-    assert abs(rows * est["carried"] + est["shared"] - real) <= 0.05 * real, (est, real)
-    if name.startswith("fwpkm"):
-        deltas = _tensor_floats(state) - real
-        assert 0 < deltas <= rows * est["backward"], (deltas, est)
-    cfg.train.batch_size = rows
-    mem = estimate_memory(cfg)
-    assert mem["state_bytes"] == 4 * (rows * (est["carried"] + est["backward"]) + est["shared"]
-                                      + est["backward_shared"])
-    assert mem["total_bytes"] == mem["parameter_bytes"] + mem["activation_bytes"] + mem["state_bytes"]
-    if name.startswith(("fwp", "gdn")):  # the chunked kernels keep a state per chunk for the backward pass
-        assert est["backward"] > 0
-    if name == "fwmlp":  # each second-order write makes new shared weights
-        assert est["backward_shared"] == 4 * est["shared"]

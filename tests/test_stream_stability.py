@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fastweights import components as registry
 from fastweights.config import ModelConfig
 from fastweights.experiments.streaming import state_norms
 from fastweights.models.lm import LanguageModel
@@ -40,44 +41,24 @@ def stream_norms(kind: str, name: str, options: dict, seed: int = 0) -> tuple[li
     return norms, finite
 
 
-# designs whose state is bounded by construction: L2-normalised keys with beta in (0, 1) make the delta
-# update a contraction along each key (DeltaNet); a decay forgets (gated rules, fast-weights RNN)
-BOUNDED = {
-    "fwp-delta-l2": ("mixer", "fwp", {"rule": "delta", "feature_map": "identity", "sum_norm": False, "l2_norm": True}),
-    "fwp-gated-delta-l2": ("mixer", "fwp", {"rule": "gated_delta", "feature_map": "identity", "sum_norm": False,
-                                   "l2_norm": True}),
-    "fwp-gated-delta-dpfp": ("mixer", "fwp", {"rule": "gated_delta", "feature_map": "dpfp"}),
-    "fwp-gated-dpfp": ("mixer", "fwp", {"rule": "gated", "feature_map": "dpfp"}),
-    "gdn": ("mixer", "gdn", {"backend": "torch"}),
-    "fast-rnn": ("mixer", "fast_rnn", {"hidden": 32}),
-    "fast-rnn-preset-eta": ("mixer", "fast_rnn", {"hidden": 32, "eta": 0.0005}),
-    "ln-rnn": ("mixer", "fast_rnn", {"hidden": 32, "fast_weights": False}),
-    "lstm": ("mixer", "lstm", {"hidden": 16}),
-    "attention": ("mixer", "attention", {}),
-    "fwl-head": ("head", "fwl", {"hidden": 16}),
-    "fwpkm-memory": ("memory", "fwpkm", {"n_subkeys": 8, "d_key": 16, "d_value": 16, "topk": 4, "chunk_size": 16}),
-    "fwmlp-memory": ("memory", "fwmlp", {"d_key": 16, "d_value": 16, "hidden": 32, "chunk_size": 16}),
-}
-# the designs whose state keeps growing: the sum rule (no forgetting at all) and the delta rule with
-# sum-normalised non-negative features, whose keys are short (|phi(k)|^2 ~ 1 / d_dot), so each write
-# erases little and the state keeps growing along the stream long after the training length
-GROWING = {
-    "fwp-sum-dpfp": ("mixer", "fwp", {"rule": "sum", "feature_map": "dpfp"}),
-    "fwp-delta-dpfp-sum-norm": ("mixer", "fwp", {"rule": "delta", "feature_map": "dpfp"}),
-}
+def declared_cases(fact: str) -> list:
+    """Every registered component's variants of ``fact`` (``bounded_variants``: whose state is bounded by
+    construction, by default its tiny options; ``growing_variants``: known to keep growing), as params."""
+    return [pytest.param(kind, e.name, raw, id=f"{kind}-{e.name}-{vid}")
+            for kind, e in registry.registered() for vid, raw in registry.declared(e, fact).items()]
 
 
-@pytest.mark.parametrize("case", sorted(BOUNDED))
-def test_bounded_designs_keep_their_state_at_twenty_times_the_training_length(case):
-    norms, finite = stream_norms(*BOUNDED[case])
-    assert finite, f"{case}: non-finite logits along the stream"
-    assert max(norms[WINDOWS // 2 :]) <= 1.2 * max(norms[: WINDOWS // 2]), f"{case}: still growing: {norms}"
+@pytest.mark.parametrize("kind,name,options", declared_cases("bounded_variants"))
+def test_bounded_designs_keep_their_state_at_twenty_times_the_training_length(kind, name, options):
+    norms, finite = stream_norms(kind, name, options)
+    assert finite, f"{kind} {name} {options}: non-finite logits along the stream"
+    assert max(norms[WINDOWS // 2 :]) <= 1.2 * max(norms[: WINDOWS // 2]), f"{name} {options}: still growing: {norms}"
 
 
-@pytest.mark.parametrize("case", sorted(GROWING))
-def test_unbounded_designs_grow(case):
+@pytest.mark.parametrize("kind,name,options", declared_cases("growing_variants"))
+def test_unbounded_designs_grow(kind, name, options):
     # the measured reason their streamed scores collapse (docs/fast-weight-programmers.md); if a change makes
-    # them bounded, move them to BOUNDED
-    norms, finite = stream_norms(*GROWING[case])
+    # them bounded, move them to the component's bounded_variants
+    norms, finite = stream_norms(kind, name, options)
     assert finite
     assert norms[-1] > 1.2 * max(norms[: WINDOWS // 2]), norms

@@ -36,6 +36,20 @@ A mechanism registers itself in its own file under ``fastweights/layers/``::
 
 Every module of ``fastweights.layers`` is imported the first time a name is looked up, so a new file
 there is found with no list to edit, and a module that fails to import fails loudly, naming itself.
+
+What the project's checks and the memory estimate need to know of a component it declares on its class,
+in its own file (see ``FACTS``; each has a default, so a component that declares nothing is still checked):
+
+    test_variants        {id: options} run by every registry-wide check (causality, pieces == one call,
+                         the meta device, bf16 autocast, the memory estimate against the state it returns)
+    tiny_options         options that make it small in a whole test model (defaults are the papers' sizes)
+    bounded_variants     {id: options} whose carried state stays bounded along a stream far past the
+                         training length; ``growing_variants``: those known to keep growing
+    compute_dtype_state  state fields that may follow the autocast dtype (caches of activations, never
+                         fast weights; "" is the whole state)
+    state_floats(options, *, d_model, n_heads, vocab_size, seq_len) -> {"carried", "shared", "backward",
+                         "backward_shared"}: floats of state in one training call (``model_size``); without
+                         it the state is measured by a dry run on the meta device (``state_floats`` below)
 Configs pick components by name; options come from ``[model.options.<name>]`` and are validated by the
 options dataclass. Mixers are built as ``cls(d_model=..., n_heads=..., options=...)``, memories as
 ``cls(d_model=..., options=...)``, heads as ``cls(d_model=..., vocab_size=..., options=...)``.
@@ -193,3 +207,68 @@ def build_options(entry: Entry, raw: dict[str, Any] | None):
             raise UserError(f"{entry.name!r} takes no options, got {sorted(raw)}")
         return None
     return from_dict(entry.options_cls, raw or {}, prefix=f"model.options.{entry.name}")
+
+
+# ----------------------------------------------------------------------------- what a component declares
+
+KINDS = {"mixer": MIXERS, "head": HEADS, "memory": MEMORIES}
+STATE_KEYS = ("carried", "shared", "backward", "backward_shared")
+# the facts a component may declare as class attributes, with the value a component that declares none gets
+FACTS: dict[str, Any] = {"test_variants": {"default": {}}, "tiny_options": {}, "growing_variants": {},
+                         "compute_dtype_state": ()}
+
+
+def declared(entry: Entry, fact: str):
+    """A declared fact of ``entry``'s class, or its default (``bounded_variants``: the tiny options)."""
+    if fact == "bounded_variants":
+        return getattr(entry.cls, fact, {"default": declared(entry, "tiny_options")})
+    return getattr(entry.cls, fact, FACTS[fact])
+
+
+def registered() -> list[tuple[str, Entry]]:
+    """(kind, entry) of every registered component, kinds in ``KINDS`` order, names sorted."""
+    load_providers()
+    return [(kind, table[name]) for kind, table in KINDS.items() for name in sorted(table)]
+
+
+def build(kind: str, entry: Entry, options, *, d_model: int, n_heads: int, vocab_size: int):
+    """The component ``entry`` built as a model builds it (``options``: its options dataclass or None)."""
+    kwargs = {"mixer": {"n_heads": n_heads}, "head": {"vocab_size": vocab_size}, "memory": {}}[kind]
+    kwargs = {"d_model": d_model, **kwargs, **({} if options is None else {"options": options})}
+    return entry.cls(**kwargs)
+
+
+def state_floats(kind: str, name: str, raw: dict | None, *, d_model: int, n_heads: int, vocab_size: int,
+                 seq_len: int) -> dict[str, int]:
+    """Floats of ``name``'s state in one training call of ``seq_len`` tokens (keys ``STATE_KEYS``): its
+    declared ``state_floats``, or measured on the meta device from the states of calls on one and two
+    sequences (per sequence: "carried"; once per batch: "shared"; what only the backward pass keeps is not
+    measurable so, and counted 0). A state that cannot be measured is an error, never 0."""
+    import torch
+
+    entry = lookup(KINDS[kind], kind, name)
+    options = build_options(entry, raw)
+    dims = {"d_model": d_model, "n_heads": n_heads, "vocab_size": vocab_size}
+    if hasattr(entry.cls, "state_floats"):
+        got = entry.cls.state_floats(options, seq_len=seq_len, **dims)
+        return {k: int(got.get(k, 0)) for k in STATE_KEYS}
+    try:
+        with torch.device("meta"):
+            part = build(kind, entry, options, **dims)
+            floats = []
+            for rows in (1, 2):
+                x = torch.empty(rows, seq_len, d_model)
+                out = part(x, torch.zeros(rows, seq_len, dtype=torch.long)) if kind == "head" else part(x)
+                floats.append(_floats(out[1]))
+    except Exception as e:  # noqa: BLE001 - any failure: the state is unknown, which must not read as 0
+        raise UserError(f"{kind} {name!r} declares no state_floats and its state could not be measured on the "
+                        f"meta device ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); declare "
+                        "state_floats on its class") from None
+    return {"carried": floats[1] - floats[0], "shared": 2 * floats[0] - floats[1], "backward": 0,
+            "backward_shared": 0}
+
+
+def _floats(state) -> int:
+    from torch.utils._pytree import tree_leaves
+
+    return sum(t.numel() for t in tree_leaves(state) if hasattr(t, "is_floating_point") and t.is_floating_point())

@@ -33,95 +33,36 @@ def meta_model(model_cfg, vocab_size: int | None = None):
 # ----------------------------------------------------------------------------- memory
 
 
-def _options(name: str, raw_options: dict):
-    from fastweights import components as registry
-
-    registry.load_providers()
-    for table in (registry.MIXERS, registry.HEADS, registry.MEMORIES):
-        if name in table:
-            return registry.build_options(table[name], (raw_options or {}).get(name))
-    return None
-
-
 def state_floats(model_cfg, seq_len: int) -> dict:
     """Floats of fast-weight and memory state in one training call of ``seq_len`` tokens from a fresh state,
-    computed from the config (``tests/test_reliability.py`` compares them with the states models return).
+    summed over the model's parts: each part's own ``state_floats`` (declared in its file under ``layers/``,
+    or measured on the meta device: ``components.state_floats``), and a block's short convolution.
 
-    ``carried``: per sequence, the state a call returns (the KV cache of attention, FWP/GDN's S [H, K, V],
-    the fast RNN's matrix, LSTM cells, the FWL head's per-position updates, a short convolution's inputs,
-    FwMLP weights and FwPKM keys with ``persistence = "per_sequence"``); ``shared``: once per batch (FwPKM's
-    value table, and FwMLP weights and FwPKM keys shared by the sequences of a batch). Kept for the
-    backward pass besides, per sequence (``backward``) or per batch (``backward_shared``): the chunk-start
-    states of the chunked FWP/GDN kernels, and what each write of a second-order FwPKM/FwMLP adds (FwPKM's
-    row deltas, bounded; FwMLP's new weights). Other intermediate values of the mechanisms are not counted.
+    ``carried``: per sequence, the state a call returns (e.g. the KV cache of attention, FWP/GDN's S [H, K, V]);
+    ``shared``: once per batch (e.g. FwPKM's value table); kept for the backward pass besides, per sequence
+    (``backward``) or per batch (``backward_shared``), e.g. the chunk-start states of the chunked kernels.
+    ``tests/test_state_size.py`` compares them with the states models return.
     """
-    from math import ceil
+    from fastweights import components
 
-    m, T = model_cfg, seq_len
-    d, H = m.d_model, m.n_heads
-    carried = shared = backward = backward_shared = 0
+    m = model_cfg
+    dims = {"d_model": m.d_model, "n_heads": m.n_heads, "vocab_size": m.vocab_size or 256, "seq_len": seq_len}
+    total = dict.fromkeys(components.STATE_KEYS, 0)
+
+    def add(kind: str, name: str) -> None:
+        part = components.state_floats(kind, name, (m.options or {}).get(name), **dims)
+        for k in total:
+            total[k] += part[k]
+
     for i in range(m.n_layers):
-        mixer = m.mixer_of(i)
-        o = _options(mixer, m.options)
-        if mixer == "attention":
-            hd = o.head_dim or d // H
-            carried += 2 * H * hd * (min(T, o.window - 1) if o.window else T)  # keys and values
-        elif mixer == "fwp":
-            from fastweights.ops.feature_maps import feature_dim
-
-            hd = o.head_dim or d // H
-            d_dot = feature_dim(o.feature_map, hd, nu=o.nu, n_features=o.n_features)
-            carried += H * d_dot * hd + (H * d_dot if o.normalize else 0)
-            backward += ceil(T / o.chunk_size) * H * d_dot * hd
-        elif mixer == "gdn":
-            hk = o.head_dim or d // H
-            hv = int(round(hk * o.expand_v))
-            carried += H * hk * hv + ((o.conv_size - 1) * H * (2 * hk + hv) if o.use_short_conv else 0)
-            backward += ceil(T / o.chunk_size) * H * hk * hv
-        elif mixer == "fast_rnn":  # h, and the fast matrix A folded from up to `hidden` stored states
-            hidden = o.hidden or d
-            if not o.fast_weights:
-                carried += hidden
-            elif o.read_mode == "matrix":
-                carried += hidden + hidden * hidden
-            elif T <= hidden:  # the attention read keeps the states of the call
-                carried += hidden + T * hidden
-            else:  # ... folding them into A whenever `hidden` are stored
-                carried += hidden + hidden * hidden + ((T - 1) % hidden + 1) * hidden
-        elif mixer == "lstm":
-            carried += 2 * (o.hidden or d)
+        add("mixer", m.mixer_of(i))
         if m.short_conv:
-            carried += (m.short_conv - 1) * d
-        if m.memory in ("fwpkm", "fwmlp") and i in m.memory_layers:
-            o = _options(m.memory, m.options)
-            per_sequence = o.persistence == "per_sequence"
-            writes = ceil(T / o.chunk_size) if o.second_order and not o.frozen else 0  # kept for the backward pass
-            if m.memory == "fwpkm":
-                # the value table is shared (each sequence's writes are sparse row deltas on it); the keys are
-                # per sequence with persistence = "per_sequence" (tables folded per sequence happen without
-                # autograd only, when streaming)
-                shared += o.n_subkeys**2 * o.d_value
-                keys = o.heads * o.n_subkeys * o.d_key  # two halves of d_key / 2
-                carried, shared = (carried + keys, shared) if per_sequence else (carried, shared + keys)
-                # each write's row deltas: at most C k H rows per sequence, and never more than the table
-                backward += writes * min(o.n_subkeys**2, o.chunk_size * o.topk * o.heads) * o.d_value
-            else:
-                table = o.hidden * (2 * o.d_key + o.d_value) + 2 * o.hidden + o.d_value  # up, gate, down
-                if per_sequence:
-                    carried += table
-                    backward += writes * table  # each write makes new weights
-                else:
-                    shared += table
-                    backward_shared += writes * table
-    if m.head == "fwl":  # the input of the last position and every position's rank-one update factors
-        o = _options("fwl", m.options)
-        if o.bias_only:
-            carried += d + T * (m.vocab_size or 256)
-        else:
-            s, e = o.hidden or d, o.expansion
-            # U [d, e s], W [e s, s], the LayerNorm's gain and bias, and the fast biases a [e s], b [s]
-            carried += d + T * (d + 2 * e * s + s + 2 * s + ((e + 1) * s if o.fast_biases else 0))
-    return {"carried": carried, "shared": shared, "backward": backward, "backward_shared": backward_shared}
+            total["carried"] += (m.short_conv - 1) * m.d_model
+        if m.memory and i in m.memory_layers:
+            add("memory", m.memory)
+    if m.head != "linear":
+        add("head", m.head)
+    return total
 
 
 def estimate_memory(cfg, world: int = 1) -> dict:

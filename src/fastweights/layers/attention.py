@@ -31,6 +31,16 @@ class AttentionOptions:
 
 @register_mixer("attention", AttentionOptions)
 class CausalSelfAttention(nn.Module):
+
+    # facts for the project's checks and the memory estimate (fastweights.components, "what a component declares")
+    test_variants = {"full": {}, "window4": {"window": 4}}
+    compute_dtype_state = ("",)  # the whole state is the KV cache
+
+    @staticmethod
+    def state_floats(o, *, d_model, n_heads, seq_len, **_):  # the KV cache: keys and values
+        hd = o.head_dim or d_model // n_heads
+        return {"carried": 2 * n_heads * hd * (min(seq_len, o.window - 1) if o.window else seq_len)}
+
     def __init__(self, d_model: int, n_heads: int, options: AttentionOptions | None = None):
         super().__init__()
         options = options or AttentionOptions()

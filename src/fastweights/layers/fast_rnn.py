@@ -445,6 +445,25 @@ class FastRNNMixer(nn.Module):
     Parameters: C (d_model x H + H), W (H x H), LN (2H), output projection (H x d_model).
     """
 
+    # facts for the project's checks and the memory estimate (fastweights.components, "what a component declares")
+    test_variants = {"matrix": {"read_mode": "matrix", "hidden": 8},
+                     "attention-2steps": {"read_mode": "attention", "hidden": 8, "inner_steps": 2},
+                     "no-ln-preliminary": {"read_mode": "matrix", "hidden": 8, "ln_preliminary": False},
+                     "ln-rnn": {"hidden": 8, "fast_weights": False}}
+    bounded_variants = {"default": {"hidden": 32}, "preset-eta": {"hidden": 32, "eta": 0.0005},  # a decay forgets
+                        "ln-rnn": {"hidden": 32, "fast_weights": False}}
+
+    @staticmethod
+    def state_floats(o, *, d_model, seq_len, **_):  # h, and the fast matrix A folded from up to `hidden` states
+        hidden, T = o.hidden or d_model, seq_len
+        if not o.fast_weights:
+            return {"carried": hidden}
+        if o.read_mode == "matrix":
+            return {"carried": hidden + hidden * hidden}
+        if T <= hidden:  # the attention read keeps the states of the call, folding them into A per `hidden`
+            return {"carried": hidden + T * hidden}
+        return {"carried": hidden + hidden * hidden + ((T - 1) % hidden + 1) * hidden}
+
     def __init__(self, d_model: int, n_heads: int, options: FastRNNOptions | None = None):
         super().__init__()
         o = asdict(options or FastRNNOptions())

@@ -97,6 +97,24 @@ class FastWeightLayer(nn.Module):
     and that of the last position is the next call's first token (kept pending in the state).
     """
 
+    # facts for the project's checks and the memory estimate (fastweights.components, "what a component declares")
+    test_variants = {"default-path": {"hidden": 4, "segment_len": 5, "chunk_size": 64, "step_size_init": 0.3},
+                     "chunked-path": {"hidden": 4, "segment_len": 5, "chunk_size": 4, "step_size_init": 0.3},
+                     "no-segments": {"hidden": 4, "segment_len": 0, "chunk_size": 64, "step_size_init": 0.3},
+                     "slow-biases": {"hidden": 4, "segment_len": 5, "fast_biases": False, "step_size_init": 0.3},
+                     "bias-only": {"hidden": 4, "bias_only": True, "step_size_init": 0.3}}
+    tiny_options = {"segment_len": 4, "chunk_size": 8}
+    bounded_variants = {"default": {"hidden": 16}}
+
+    @staticmethod
+    def state_floats(o, *, d_model, vocab_size, seq_len, **_):  # the last input, each position's update factors
+        if o.bias_only:
+            return {"carried": d_model + seq_len * vocab_size}
+        s, e = o.hidden or d_model, o.expansion
+        # U [d, e s], W [e s, s], the LayerNorm's gain and bias, and the fast biases a [e s], b [s]
+        per_position = d_model + 2 * e * s + s + 2 * s + ((e + 1) * s if o.fast_biases else 0)
+        return {"carried": d_model + seq_len * per_position}
+
     def __init__(self, d_model: int, vocab_size: int, options: FWLOptions | None = None):
         super().__init__()
         opt = options or FWLOptions()

@@ -121,6 +121,25 @@ class FwMLP(nn.Module):
 
     placement = "before_mixer"
 
+    # facts for the project's checks and the memory estimate (fastweights.components, "what a component declares");
+    # a test variant's id starts with its persistence
+    test_variants = {vid: {"d_key": 4, "d_value": 6, "hidden": 5, "chunk_size": 4, "lr": 0.5,
+                           "persistence": vid.split("-")[0], **extra}
+                     for vid, extra in (("stream", {}), ("per_sequence", {"lookahead": 0}),
+                                        ("stream-clip-drop", {"grad_clip": 0.05, "boundary": "drop"}), ("official", {}),
+                                        ("stream-gate-mean8", {"gate_form": "mean8"}),
+                                        ("stream-gate-weighted", {"gate_weighted_loss": True}))}
+    tiny_options = {"d_key": 8, "d_value": 8, "hidden": 16, "chunk_size": 4}
+    bounded_variants = {"default": {"d_key": 16, "d_value": 16, "hidden": 32, "chunk_size": 16}}
+
+    @staticmethod
+    def state_floats(o, *, seq_len, **_):  # the weights up, gate, down; each second-order write makes new ones
+        table = o.hidden * (2 * o.d_key + o.d_value) + 2 * o.hidden + o.d_value
+        writes = math.ceil(seq_len / o.chunk_size) if o.second_order and not o.frozen else 0
+        if o.persistence == "per_sequence":
+            return {"carried": table, "backward": writes * table}
+        return {"shared": table, "backward_shared": writes * table}
+
     def __init__(self, d_model: int, options: FwMLPOptions | None = None):
         super().__init__()
         o = options or FwMLPOptions()

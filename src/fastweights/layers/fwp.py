@@ -102,6 +102,31 @@ class FastWeightProgrammer(nn.Module):
     docstring for the equations and :class:`FWPOptions` for the options.
     """
 
+    # facts for the project's checks and the memory estimate (fastweights.components, "what a component declares")
+    test_variants = {f"{rule}-{fm}": {"rule": rule, "feature_map": fm, "chunk_size": 4, **extra}
+                     for rule in ("sum", "gated", "delta", "gated_delta")
+                     for fm, extra in (("elu1", {}), ("dpfp", {"nu": 2}), ("favor", {"n_features": 5}),
+                                       ("identity", {"sum_norm": False, "l2_norm": True}))}
+    test_variants["sum-dpfp-normalize"] = {"rule": "sum", "feature_map": "dpfp", "normalize": True, "chunk_size": 4}
+    # L2-normalised keys with beta in (0, 1) make the delta update a contraction along each key (DeltaNet);
+    # a decay forgets (the gated rules)
+    bounded_variants = {"delta-l2": {"rule": "delta", "feature_map": "identity", "sum_norm": False, "l2_norm": True},
+                        "gated-delta-l2": {"rule": "gated_delta", "feature_map": "identity", "sum_norm": False,
+                                           "l2_norm": True},
+                        "gated-delta-dpfp": {"rule": "gated_delta", "feature_map": "dpfp"},
+                        "gated-dpfp": {"rule": "gated", "feature_map": "dpfp"}}
+    # the sum rule forgets nothing; the delta rule with sum-normalised non-negative features has short keys
+    # (|phi(k)|^2 ~ 1 / d_dot), so each write erases little and the state keeps growing along a stream
+    growing_variants = {"sum-dpfp": {"rule": "sum", "feature_map": "dpfp"},
+                        "delta-dpfp-sum-norm": {"rule": "delta", "feature_map": "dpfp"}}
+
+    @staticmethod
+    def state_floats(o, *, d_model, n_heads, seq_len, **_):  # S [H, d_dot, hd] (+ z), and S at each chunk start
+        hd = o.head_dim or d_model // n_heads
+        d_dot = feature_dim(o.feature_map, hd, nu=o.nu, n_features=o.n_features)
+        return {"carried": n_heads * d_dot * hd + (n_heads * d_dot if o.normalize else 0),
+                "backward": math.ceil(seq_len / o.chunk_size) * n_heads * d_dot * hd}
+
     def __init__(self, d_model: int, n_heads: int, options: FWPOptions | None = None):
         super().__init__()
         opt = options or FWPOptions()

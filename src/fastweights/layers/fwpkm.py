@@ -204,6 +204,33 @@ class FwPKM(nn.Module):
 
     placement = "before_mixer"
 
+    # facts for the project's checks and the memory estimate (fastweights.components, "what a component declares");
+    # a test variant's id starts with its persistence
+    test_variants = {vid: {"n_subkeys": 3, "d_key": 4, "d_value": 6, "topk": 2, "chunk_size": 4,
+                           "persistence": vid.split("-")[0], **extra}
+                     for vid, extra in (("stream", {}), ("per_sequence", {"lookahead": 2}),
+                                        ("stream-dot-drop", {"score": "dot", "boundary": "drop"}), ("official", {}),
+                                        ("stream-mse-keys", {"key_update": "mse"}),
+                                        ("per_sequence-mse-keys-literal", {"key_update": "mse",
+                                                                           "update_scale": "literal"}),
+                                        ("stream-no-key-update", {"key_update": "none"}),
+                                        ("stream-literal", {"update_scale": "literal"}),
+                                        ("stream-gate-mean8", {"gate_form": "mean8"}))}
+    tiny_options = {"n_subkeys": 4, "d_key": 8, "d_value": 8, "heads": 1, "topk": 2, "chunk_size": 4}
+    bounded_variants = {"default": {"n_subkeys": 8, "d_key": 16, "d_value": 16, "topk": 4, "chunk_size": 16}}
+
+    @staticmethod
+    def state_floats(o, *, seq_len, **_):
+        # the value table is shared (each sequence's writes are sparse row deltas on it); the keys are per sequence
+        # with persistence = "per_sequence"; each second-order write keeps its row deltas for the backward pass:
+        # at most C k H rows per sequence, and never more than the table
+        writes = math.ceil(seq_len / o.chunk_size) if o.second_order and not o.frozen else 0
+        keys = o.heads * o.n_subkeys * o.d_key  # two halves of d_key / 2
+        per_sequence = o.persistence == "per_sequence"
+        return {"carried": keys if per_sequence else 0,
+                "shared": o.n_subkeys**2 * o.d_value + (0 if per_sequence else keys),
+                "backward": writes * min(o.n_subkeys**2, o.chunk_size * o.topk * o.heads) * o.d_value}
+
     def __init__(self, d_model: int, options: FwPKMOptions | None = None):
         super().__init__()
         o = options or FwPKMOptions()

@@ -57,6 +57,20 @@ class GDNOptions:
 class GatedDeltaNet(nn.Module):
     """Gated DeltaNet mixer: ``x [B, T, d_model] -> (y [B, T, d_model], state)``."""
 
+    # facts for the project's checks and the memory estimate (fastweights.components, "what a component declares")
+    test_variants = {"conv-gate": {"chunk_size": 4, "backend": "torch"},
+                     "plain": {"chunk_size": 4, "backend": "torch", "use_short_conv": False, "use_gate": False,
+                               "expand_v": 2.0}}
+    bounded_variants = {"default": {"backend": "torch"}}
+    compute_dtype_state = ("conv",)  # the short convolution's last inputs; the fast weight S stays fp32
+
+    @staticmethod
+    def state_floats(o, *, d_model, n_heads, seq_len, **_):  # S [H, hk, hv], conv inputs; S at each chunk start
+        hk = o.head_dim or d_model // n_heads
+        hv = int(round(hk * o.expand_v))
+        conv = (o.conv_size - 1) * n_heads * (2 * hk + hv) if o.use_short_conv else 0
+        return {"carried": n_heads * hk * hv + conv, "backward": -(-seq_len // o.chunk_size) * n_heads * hk * hv}
+
     def __init__(self, d_model: int, n_heads: int, options: GDNOptions | None = None):
         super().__init__()
         opt = options or GDNOptions()

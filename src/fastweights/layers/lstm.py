@@ -77,6 +77,15 @@ class LSTMMixer(nn.Module):
     4H (d_model + H + 2), output projection H x d_model.
     """
 
+    # facts for the project's checks and the memory estimate (fastweights.components, "what a component declares")
+    test_variants = {"default": {"hidden": 8}}
+    bounded_variants = {"default": {"hidden": 16}}
+    compute_dtype_state = ("",)  # PyTorch's fused nn.LSTM runs its cell in the autocast dtype
+
+    @staticmethod
+    def state_floats(o, *, d_model, **_):  # h and c
+        return {"carried": 2 * (o.hidden or d_model)}
+
     def __init__(self, d_model: int, n_heads: int, options: LSTMOptions | None = None):
         super().__init__()
         o = options or LSTMOptions()

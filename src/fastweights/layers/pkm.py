@@ -68,6 +68,16 @@ class PKM(nn.Module):
 
     placement = "replace_mlp"
 
+    # facts for the project's checks and the memory estimate (fastweights.components, "what a component declares")
+    test_variants = {"dot": {"n_subkeys": 4, "d_key": 4, "d_value": 6, "heads": 2, "topk": 3},
+                     "idw": {"n_subkeys": 4, "d_key": 4, "d_value": 6, "heads": 1, "topk": 2, "score": "idw"}}
+    tiny_options = {"n_subkeys": 4, "d_key": 8, "d_value": 8, "heads": 1, "topk": 2}
+    bounded_variants: dict = {}  # no state to bound
+
+    @staticmethod
+    def state_floats(o, **_):  # positionwise: no state
+        return {}
+
     def __init__(self, d_model: int, options: PKMOptions | None = None):
         super().__init__()
         o = options or PKMOptions()
