@@ -132,6 +132,23 @@ def test_registry_components_satisfy_their_protocols():
     assert isinstance(lm.blocks[0].mixer, components.TrimsState)  # attention bounds its KV cache
 
 
+@pytest.mark.parametrize("kind,name", [(k, e.name) for k, e in components.registered()])
+def test_what_a_component_declares_is_well_formed(kind, name):
+    """Every declared option set builds (unknown keys fail here, naming the component), the dtype exceptions are
+    field names, and a declared state size uses the estimate's keys (``components`` "what a component declares")."""
+    entry = components.lookup(components.KINDS[kind], kind, name)
+    assert components.declared(entry, "test_variants"), f"{name}: no test variants"
+    sets = [components.declared(entry, "tiny_options")]
+    for fact in ("test_variants", "bounded_variants", "growing_variants"):
+        sets += list(components.declared(entry, fact).values())
+    for raw in sets:
+        components.build_options(entry, raw)
+    assert all(isinstance(f, str) for f in components.declared(entry, "compute_dtype_state"))
+    got = components.state_floats(kind, name, components.declared(entry, "tiny_options"), d_model=16, n_heads=2,
+                                  vocab_size=11, seq_len=32)
+    assert all(v >= 0 for v in got.values()), got  # a key it does not know raises
+
+
 # ----------------------------------------------------------------------------- floors of the import graph
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "fastweights"

@@ -251,6 +251,9 @@ def state_floats(kind: str, name: str, raw: dict | None, *, d_model: int, n_head
     dims = {"d_model": d_model, "n_heads": n_heads, "vocab_size": vocab_size}
     if hasattr(entry.cls, "state_floats"):
         got = entry.cls.state_floats(options, seq_len=seq_len, **dims)
+        if set(got) - set(STATE_KEYS):  # a misspelt key would otherwise count as 0
+            raise ValueError(f"{kind} {name!r}: state_floats returned {sorted(set(got) - set(STATE_KEYS))}, "
+                             f"not among {STATE_KEYS}")
         return {k: int(got.get(k, 0)) for k in STATE_KEYS}
     try:
         with torch.device("meta"):
