@@ -30,7 +30,7 @@ RERUN_PAGE = RESULTS / "TO_RERUN.md"
 
 
 def result_paths(results: Path = RESULTS) -> list[Path]:
-    """Every result JSON: in ``results`` or one folder down (``fastweights analyze`` writes DIR/analysis.json)."""
+    """Every result JSON: in ``results`` or one folder down (``fastweights inspect compare`` writes DIR/analysis.json)."""
     return sorted(results.glob("*.json")) + sorted(results.glob("*/*.json"))
 
 

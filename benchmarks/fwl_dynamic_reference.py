@@ -22,13 +22,13 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 from common import write_result
 
-from fastweights.adapt.cli import demo_dynamic, load_texts
+from fastweights.adapt.evaluate import demo_dynamic
+from fastweights.adapt.setup import load_texts
 from fastweights.checkpoint import load_checkpoint, read_run_config
 from fastweights.evaluate import evaluate_documents
 from fastweights.experiments import probes
@@ -56,7 +56,7 @@ def main() -> int:
             print(f"error: {path} is not a checkpoint directory (no config.json)", file=sys.stderr)
             return 2
     base_cfg = read_run_config(Path(a.base))
-    texts = load_texts(SimpleNamespace(data=None), base_cfg, "test")
+    texts = load_texts(None, base_cfg, "test")
     corpus = Path(str(base_cfg.data.corpus)).name
 
     stream = {}

@@ -10,10 +10,10 @@ A variant whose checkpoint already exists under ``--out`` is not trained again (
 read from the run directory), so a cut-short run resumes where it stopped.
 
 Each checkpoint is then scored on the test split twice, at batch 1 in calls of 64 characters
-(``fastweights stream-eval``):
+(``fastweights eval --stream``):
 
     carry     one stream, the state carried the whole way (what a user streaming a play gets)
-    windows   the mixer state reset every 128 characters, the training length (stream-eval's "memory"
+    windows   the mixer state reset every 128 characters, the training length (``eval --stream``'s "memory"
               mode: what the validation numbers measure)
 
 and the largest layer's state norm is recorded along the stream. Writes

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 HELDOUT = ("hamlet_gut.txt", "julius_caesar_gut.txt", "macbeth_gut.txt", "othello_gut.txt")
 STRIDE = 64
-SEQ_LEN = 128  # the presets' training length: the windows of stream-eval's "windows" mode
+SEQ_LEN = 128  # the presets' training length: the windows of ``eval --stream``'s "windows" mode
 
 
 def heldout_documents(tokenizer, chars: int):

@@ -12,13 +12,13 @@ Hamlet, Julius Caesar, Macbeth and Othello (one spelling of each, ``shakespeare-
 131,072 characters by default), read in order at batch 1 in calls of 64 characters, twice:
 
     windows   every state (context, memories, FWL's fast weights) reset every 128 characters, the training
-              length (stream-eval's "windows" mode): independent windows, what validation measures
+              length (``eval --stream``'s "windows" mode): independent windows, what validation measures
     streamed  one stream, the whole state carried across calls and plays (what a user streaming text
               gets; attention keeps a KV cache of 64 characters between calls)
 
 Dynamic evaluation (Krause et al. 2018) is an entry on top of the attention baseline's checkpoint:
 rms-global-prior with MS_g collected on the training split and (lr, decay) tuned on the validation split
-(``fastweights collect-grad-stats`` / ``tune-dynamic``), scored streamed (the adapted weights carried);
+(``fastweights dynamic stats`` / ``dynamic tune``), scored streamed (the adapted weights carried);
 its "windows" score is the static model's.
 
 Per entry and seed: parameters, training steps, training tokens/s (process CPU time, periodic
@@ -157,17 +157,17 @@ def dynamic_evaluator(model, run: Path, base: Path):
     stats, tuned = run / "grad_stats.safetensors", run / "dynamic_tuned.json"
     fw = [sys.executable, "-m", "fastweights"]
     if not stats.exists():
-        child([*fw, "collect-grad-stats", "--checkpoint", str(base), "--quiet", "--max-batches", "64",
+        child([*fw, "dynamic", "stats", "--checkpoint", str(base), "--quiet", "--max-batches", "64",
                "--out", str(stats)])
     if not tuned.exists():
-        child([*fw, "tune-dynamic", "--checkpoint", str(base), "--quiet", "--rule", "rms-global-prior",
+        child([*fw, "dynamic", "tune", "--checkpoint", str(base), "--quiet", "--rule", "rms-global-prior",
                "--stats", str(stats), "--tune-chars", "20000", "--save", str(tuned)])
     t = json.loads(tuned.read_text())
     lr, decay = t["best"]["lr"], t["best"]["decay"]
     ev = DynamicEvaluator(model, rule="rms-global-prior", lr=lr, decay=decay, context=SEQ_LEN,
                           segment_len=int(t["settings"]["segment_len"]), grad_stats=stats)
     return ev, {"rule": "rms-global-prior", "lr": lr, "decay": decay, "segment_len": ev.segment_len,
-                "tuned_on": "validation split of shakespeare-train (tune-dynamic --tune-chars 20000)"}
+                "tuned_on": "validation split of shakespeare-train (dynamic tune --tune-chars 20000)"}
 
 
 def score(name: str, seed: int, out: Path, chars: int) -> dict:

@@ -11,7 +11,7 @@ n-iter protocol), at lengths from the training length (1K) to 4x it.
         --set train.threads=1 --set 'train.budget_clock="cpu"'
     python benchmarks/niah_cpu.py --fwpkm runs/niah-cpu --attention runs/niah-cpu-attn [--samples 30] [--data tinyshakespeare]
 
-Each checkpoint is scored by ``fastweights niah --json`` in its own process (one thread), with the
+Each checkpoint is scored by ``fastweights task niah --json`` in its own process (one thread), with the
 haystack ``--data`` (a registered corpus name, default ``tinyshakespeare``: the text the preset's corpus
 ``niah-tinyshakespeare`` is generated from); the heatmaps go next to the JSON. The training-skill check
 reads the held-out split of each checkpoint's own training corpus (recorded in the checkpoint).
@@ -102,7 +102,7 @@ def main() -> int:
             return 2
         short = label.split()[0]
         prefix = RESULTS / f"{a.name}_{short}"
-        cmd = ["fastweights", "niah", "--checkpoint", str(ckpt), "--haystack", a.data, "--lengths", a.lengths,
+        cmd = ["fastweights", "task", "niah", "--checkpoint", str(ckpt), "--haystack", a.data, "--lengths", a.lengths,
                "--iters", a.iters,
                "--samples", str(a.samples), "--seed", str(a.seed), "--threads", "1", "--quiet", "--json",
                "--out", str(prefix)]

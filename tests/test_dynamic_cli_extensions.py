@@ -1,5 +1,5 @@
 """The command line of the issue 18 extensions: --lr-schedule, --lowrank-rank / --lowrank-params (with their
-gradient statistics) and dynamic-eval --cache-on-dynamic, on test_dynamic_eval's tiny checkpoint."""
+gradient statistics) and dynamic eval --cache-on-dynamic, on test_dynamic_eval's tiny checkpoint."""
 
 import json
 
@@ -34,7 +34,7 @@ def two_docs(checkpoint):
 
 
 def test_lr_schedule(checkpoint, capsys):
-    base = ["dynamic-eval", "--checkpoint", str(checkpoint), "--data", str(checkpoint / "doc.txt"), *SGD]
+    base = ["dynamic", "eval", "--checkpoint", str(checkpoint), "--data", str(checkpoint / "doc.txt"), *SGD]
     default = run_json(capsys, *base)
     constant = run_json(capsys, *base, "--lr-schedule", "constant")
     warmup = run_json(capsys, *base, "--lr-schedule", "warmup:4")
@@ -44,41 +44,39 @@ def test_lr_schedule(checkpoint, capsys):
     assert "lr_schedule" not in constant["settings"] and warmup["settings"]["lr_schedule"] == "warmup:4"
 
 
-@pytest.mark.parametrize("command", ["dynamic-eval", "tune-dynamic", "timescale", "dynamic-generate"])
+@pytest.mark.parametrize("command", ["eval", "tune", "timescale", "generate"])
 def test_bad_lr_schedule_is_one_line_exit_2(checkpoint, command, capsys):
-    err = error_line(capsys, command, "--checkpoint", str(checkpoint), "--rule", "sgd", "--lr-schedule", "cosine:3")
+    err = error_line(capsys, "dynamic", command, "--checkpoint", str(checkpoint), "--rule", "sgd", "--lr-schedule", "cosine:3")
     assert "--lr-schedule" in err and "warmup:W" in err
 
 
 def test_tuned_file_records_the_schedule(checkpoint, tmp_path, capsys):
     ck, doc, tuned = str(checkpoint), str(checkpoint / "doc.txt"), str(tmp_path / "tuned.json")
-    assert main(["tune-dynamic", "--checkpoint", ck, "--data", doc, "--rule", "sgd", "--segment-len", "10", "--lrs",
+    assert main(["dynamic", "tune", "--checkpoint", ck, "--data", doc, "--rule", "sgd", "--segment-len", "10", "--lrs",
                  "0.1,0.5", "--lr-schedule", "rsqrt:2", "--save", tuned, "--quiet"]) == 0
     capsys.readouterr()
-    base = ["dynamic-eval", "--checkpoint", ck, "--data", doc, "--rule", "sgd", "--segment-len", "10", "--tuned", tuned]
+    base = ["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--rule", "sgd", "--segment-len", "10", "--tuned", tuned]
     assert "lr_schedule rsqrt:2 (this run: constant)" in error_line(capsys, *base)  # tuned for another schedule
     m = run_json(capsys, *base, "--lr-schedule", "rsqrt:2", "--json", "--quiet")
     assert m["settings"]["lr_schedule"] == "rsqrt:2" and m["settings"]["lr_source"] == f"tuned file {tuned}"
 
 
 def test_reset_never_carries_the_schedule(checkpoint, two_docs, capsys):
-    from types import SimpleNamespace
-
-    from fastweights.adapt.cli import encode_texts, load_texts
+    from fastweights.adapt.setup import encode_texts, load_texts
     from fastweights.adapt.dynamic import DynamicEvaluator
     from fastweights.checkpoint import load_checkpoint
 
-    m = run_json(capsys, "dynamic-eval", "--checkpoint", str(checkpoint), "--data", str(two_docs), *SGD,
+    m = run_json(capsys, "dynamic", "eval", "--checkpoint", str(checkpoint), "--data", str(two_docs), *SGD,
                  "--lr-schedule", "warmup:6", "--reset", "never", "--cache-on-dynamic", "--cache-mix", "0")
     model, tok, cfg = load_checkpoint(checkpoint)
-    docs, _ = encode_texts(tok, load_texts(SimpleNamespace(data=str(two_docs)), cfg, "test"))
+    docs, _ = encode_texts(tok, load_texts(str(two_docs), cfg, "test"))
     ev = DynamicEvaluator(model, rule="sgd", lr=0.5, segment_len=10, context=32, lr_schedule="warmup:6")
     assert m["dynamic"]["nll"] == pytest.approx(ev.evaluate_documents(docs, reset="never").nll, rel=1e-9)
     assert m["dynamic_cache"]["nll"] == m["dynamic"]["nll"]  # mix 0, carried the same way
 
 
 def test_lowrank(checkpoint, capsys):
-    base = ["dynamic-eval", "--checkpoint", str(checkpoint), "--data", str(checkpoint / "doc.txt"), *SGD,
+    base = ["dynamic", "eval", "--checkpoint", str(checkpoint), "--data", str(checkpoint / "doc.txt"), *SGD,
             "--lowrank-rank", "2"]
     m = run_json(capsys, *base)
     s = m["settings"]
@@ -98,9 +96,9 @@ def test_lowrank(checkpoint, capsys):
     (["--lowrank-rank", "2", "--params", "blocks.1.*"], "--lowrank-params"),
 ])
 def test_lowrank_conflicts(checkpoint, extra, message, capsys):
-    for command in ("dynamic-eval", "collect-grad-stats"):
-        argv = [command, "--checkpoint", str(checkpoint), *extra]
-        assert message in error_line(capsys, *(argv + ["--rule", "sgd"] if command == "dynamic-eval" else argv))
+    for command in ("eval", "stats"):
+        argv = ["dynamic", command, "--checkpoint", str(checkpoint), *extra]
+        assert message in error_line(capsys, *(argv + ["--rule", "sgd"] if command == "eval" else argv))
 
 
 def test_lowrank_gradient_statistics(checkpoint, tmp_path, capsys):
@@ -108,16 +106,16 @@ def test_lowrank_gradient_statistics(checkpoint, tmp_path, capsys):
 
     ck, doc = str(checkpoint), str(checkpoint / "doc.txt")
     small = ["--max-batches", "2", "--batch-size", "2", "--seq-len", "10", "--quiet"]
-    assert main(["collect-grad-stats", "--checkpoint", ck, "--lowrank-rank", "2", *small]) == 0
+    assert main(["dynamic", "stats", "--checkpoint", ck, "--lowrank-rank", "2", *small]) == 0
     assert "grad_stats_lowrank_r2.safetensors" in capsys.readouterr().out
     stats = GradStats.load(checkpoint / "grad_stats_lowrank_r2.safetensors")
     assert stats.extra["lowrank_rank"] == 2 and all(n.startswith("lowrank.") for n in stats.ms)
-    base = ["dynamic-eval", "--checkpoint", ck, "--data", doc, "--rule", "rms", "--lr", "1e-3", "--segment-len", "10",
+    base = ["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--rule", "rms", "--lr", "1e-3", "--segment-len", "10",
             "--json", "--quiet"]
     m = run_json(capsys, *base, "--lowrank-rank", "2")  # the checkpoint's low-rank statistics, by default
     assert m["settings"]["grad_stats"]["lowrank_rank"] == 2 and m["settings"]["grad_stats"]["batches"] == 2
     full = tmp_path / "full.safetensors"
-    assert main(["collect-grad-stats", "--checkpoint", ck, "--out", str(full), *small]) == 0
+    assert main(["dynamic", "stats", "--checkpoint", ck, "--out", str(full), *small]) == 0
     lowrank = str(checkpoint / "grad_stats_lowrank_r2.safetensors")
     err = error_line(capsys, *base, "--lowrank-rank", "2", "--stats", str(full))
     assert "full-weight statistics" in err and "needs low-rank statistics (rank 2" in err and "--lowrank-rank 2" in err
@@ -133,7 +131,7 @@ def test_lowrank_gradient_statistics(checkpoint, tmp_path, capsys):
 
 def test_cache_on_dynamic_and_per_token(checkpoint, two_docs, tmp_path, capsys):
     ck = str(checkpoint)
-    base = ["dynamic-eval", "--checkpoint", ck, "--data", str(two_docs), *SGD, "--cache-window", "50"]
+    base = ["dynamic", "eval", "--checkpoint", ck, "--data", str(two_docs), *SGD, "--cache-window", "50"]
     plain = run_json(capsys, *base)
     assert "dynamic_cache" not in plain and "cache" not in plain
     m = run_json(capsys, *base, "--cache-on-dynamic", "--cache", "--cache-mix", "0.3")
@@ -152,7 +150,7 @@ def test_cache_on_dynamic_and_per_token(checkpoint, two_docs, tmp_path, capsys):
         assert sum(sum(d[row]) for d in rec["documents"]) == pytest.approx(m[row]["nll"], rel=1e-6)
         assert rec[total] == pytest.approx(m[row]["nll"], rel=1e-6)
         assert all(len(d[row]) == d["tokens"] for d in rec["documents"])
-    assert main(["dynamic-eval", "--checkpoint", ck, "--data", str(two_docs), "--rule", "sgd", "--lr", "0.5",
+    assert main(["dynamic", "eval", "--checkpoint", ck, "--data", str(two_docs), "--rule", "sgd", "--lr", "0.5",
                  "--cache-on-dynamic", "--lr-schedule", "warmup:2", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "schedule warmup:2" in out and "  dynamic+cache: bits_per_char" in out
@@ -162,9 +160,9 @@ def test_lowrank_timescale_and_generate(checkpoint, tmp_path, capsys):
     ck, doc = str(checkpoint), str(checkpoint / "doc.txt")
     flags = ["--rule", "sgd", "--lr", "0.5", "--lowrank-rank", "2", "--lr-schedule", "rsqrt:3", "--quiet"]
     out = tmp_path / "ts"
-    assert main(["timescale", "--checkpoint", ck, "--data", doc, "--doc-len", "60", "--window", "20",
+    assert main(["dynamic", "timescale", "--checkpoint", ck, "--data", doc, "--doc-len", "60", "--window", "20",
                  "--out", str(out), *flags]) == 0
     s = json.loads(out.with_suffix(".json").read_text())["settings"]
     assert s["lowrank_rank"] == 2 and s["lr_schedule"] == "rsqrt:3"
-    assert main(["dynamic-generate", "--checkpoint", ck, "--prompt", "the cat ", "--max-tokens", "12", *flags]) == 0
+    assert main(["dynamic", "generate", "--checkpoint", ck, "--prompt", "the cat ", "--max-tokens", "12", *flags]) == 0
     assert "== dynamic" in capsys.readouterr().out

@@ -395,44 +395,44 @@ def test_cli_dynamic_eval_tune_stats_timescale(checkpoint, capsys):
     from fastweights.cli import main
 
     ck, doc = str(checkpoint), str(checkpoint / "doc.txt")
-    assert main(["dynamic-eval", "--checkpoint", ck, "--data", doc, "--rule", "sgd", "--lr", "0", "--json", "--quiet"]) == 0
+    assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--rule", "sgd", "--lr", "0", "--json", "--quiet"]) == 0
     m = json.loads(capsys.readouterr().out)
     assert m["static"]["bits_per_char"] == m["dynamic"]["bits_per_char"]
     assert m["static"]["tokens"] == len((checkpoint / "doc.txt").read_text()) - 1
     # rms rule without statistics: collected from the checkpoint's training split and saved next to it
-    assert main(["dynamic-eval", "--checkpoint", ck, "--data", doc, "--lr", "1e-3", "--json", "--quiet",
+    assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--lr", "1e-3", "--json", "--quiet",
                  "--cache"]) == 0
     m = json.loads(capsys.readouterr().out)
     assert (checkpoint / "grad_stats.safetensors").is_file() and m["settings"]["rule"] == "rms-global-prior"
     assert "cache" in m and m["settings"]["grad_stats"]["batch_size"] == 100
-    assert main(["tune-dynamic", "--checkpoint", ck, "--data", doc, "--lrs", "1e-4,1e-3", "--decays", "0.01",
+    assert main(["dynamic", "tune", "--checkpoint", ck, "--data", doc, "--lrs", "1e-4,1e-3", "--decays", "0.01",
                  "--quiet"]) == 0  # without --save nothing is written
     assert "not saved" in capsys.readouterr().out and not (checkpoint / "dynamic_tuned.json").exists()
     tuned = checkpoint / "dynamic_tuned.json"
-    assert main(["tune-dynamic", "--checkpoint", ck, "--data", doc, "--lrs", "1e-4,1e-3", "--decays", "0.01",
+    assert main(["dynamic", "tune", "--checkpoint", ck, "--data", doc, "--lrs", "1e-4,1e-3", "--decays", "0.01",
                  "--quiet", "--save", str(tuned)]) == 0
     assert "best:" in capsys.readouterr().out and tuned.is_file()
     best = json.loads(tuned.read_text())["best"]
     # a tuned file in the checkpoint is not used without being named
-    assert main(["dynamic-eval", "--checkpoint", ck, "--data", doc, "--json", "--quiet"]) == 0
+    assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--json", "--quiet"]) == 0
     out = capsys.readouterr()
     s = json.loads(out.out)["settings"]
     assert s["lr"] == 5e-5 and s["lr_source"].startswith("default") and "--tuned" in out.err
-    assert main(["dynamic-eval", "--checkpoint", ck, "--data", doc, "--tuned", str(tuned), "--quiet"]) == 0
+    assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--tuned", str(tuned), "--quiet"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert f"tuned file {tuned}" in first  # the first line names the file used
-    assert main(["dynamic-eval", "--checkpoint", ck, "--data", doc, "--tuned", str(tuned), "--json", "--quiet"]) == 0
+    assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--tuned", str(tuned), "--json", "--quiet"]) == 0
     s = json.loads(capsys.readouterr().out)["settings"]
     assert (s["lr"], s["decay"]) == (best["lr"], best["decay"])
-    assert main(["dynamic-eval", "--checkpoint", ck, "--data", doc, "--tuned", str(tuned), "--segment-len", "10",
+    assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--tuned", str(tuned), "--segment-len", "10",
                  "--quiet"]) == 2  # tuned for another segment length: refused, not silently replaced
     assert "another setting" in capsys.readouterr().err
     out = checkpoint / "ts"
-    assert main(["timescale", "--checkpoint", ck, "--data", doc, "--doc-len", "60", "--window", "20",
+    assert main(["dynamic", "timescale", "--checkpoint", ck, "--data", doc, "--doc-len", "60", "--window", "20",
                  "--lr", "1e-3", "--out", str(out), "--quiet"]) == 0
     assert (checkpoint / "ts.png").is_file() and json.loads((checkpoint / "ts.json").read_text())["documents"] == 2
     assert "static" in capsys.readouterr().out
-    assert main(["dynamic-eval", "--checkpoint", ck, "--data", doc, "--sparse-units", "4", "--lr", "1e-3",
+    assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--sparse-units", "4", "--lr", "1e-3",
                  "--json", "--quiet"]) == 0
     assert json.loads(capsys.readouterr().out)["settings"]["adapted_parameters"] == 16
 
@@ -441,12 +441,12 @@ def test_cli_user_errors(checkpoint, capsys):
     from fastweights.cli import main
 
     ck, doc = str(checkpoint), str(checkpoint / "doc.txt")
-    assert main(["dynamic-eval", "--checkpoint", ck, "--data", doc, "--rule", "adam"]) == 2
-    assert main(["dynamic-eval", "--checkpoint", ck, "--data", doc, "--rule", "rms", "--stats", "missing.st"]) == 2
-    assert main(["dynamic-eval", "--checkpoint", ck, "--data", doc, "--rule", "sgd", "--segment-len", "64"]) == 2
-    assert main(["tune-dynamic", "--checkpoint", ck, "--data", doc, "--lrs", "a,b"]) == 2
-    assert main(["dynamic-eval", "--checkpoint", ck, "--data", doc, "--rule", "sgd", "--sinks", "2"]) == 2
-    assert main(["dynamic-eval", "--checkpoint", ck, "--data", doc, "--rule", "sgd", "--tuned", "missing.json"]) == 2
+    assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--rule", "adam"]) == 2
+    assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--rule", "rms", "--stats", "missing.st"]) == 2
+    assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--rule", "sgd", "--segment-len", "64"]) == 2
+    assert main(["dynamic", "tune", "--checkpoint", ck, "--data", doc, "--lrs", "a,b"]) == 2
+    assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--rule", "sgd", "--sinks", "2"]) == 2
+    assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--rule", "sgd", "--tuned", "missing.json"]) == 2
     err = capsys.readouterr().err
     assert err.count("error:") == 6 and "Traceback" not in err
 
@@ -454,11 +454,12 @@ def test_cli_user_errors(checkpoint, capsys):
 def test_demo_helper_and_eval_arguments(checkpoint, capsys):
     import argparse
 
-    from fastweights.adapt.cli import add_dynamic_arguments, demo_dynamic, run_eval_dynamic
+    from fastweights.adapt.evaluate import demo_dynamic, evaluate_static_and_dynamic
+    from fastweights.cli.dynamic import add_dynamic_arguments, dynamic_settings
 
     res = demo_dynamic(checkpoint, tune_chars=300, test_chars=300, stats_batches=2)
     assert 0 < res["static"]["tokens"] <= 299 and res["search"]["grid"] and "% lower" in capsys.readouterr().out
-    # what `fastweights eval --dynamic RULE` would parse, handed to run_eval_dynamic
+    # what `fastweights eval --dynamic RULE` would parse, mapped to the settings the library takes
     p = argparse.ArgumentParser()
     p.add_argument("--seq-len", type=int, default=0)
     add_dynamic_arguments(p)
@@ -466,5 +467,5 @@ def test_demo_helper_and_eval_arguments(checkpoint, capsys):
     from fastweights.checkpoint import load_checkpoint
 
     model, tok, cfg = load_checkpoint(checkpoint)
-    out = run_eval_dynamic(args, model, tok, cfg, ["the cat sat on the mat. " * 4])
+    out = evaluate_static_and_dynamic(dynamic_settings(args), model, tok, cfg, ["the cat sat on the mat. " * 4])
     assert out["static"]["loss_nats"] == out["dynamic"]["loss_nats"] and out["settings"]["segment_len"] == 10

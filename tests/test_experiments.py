@@ -12,7 +12,7 @@ from fastweights.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from fastweights.data import CharTokenizer, Document
 from fastweights.errors import UserError
 from fastweights.evaluate import score_tokens
-from fastweights.experiments.continual_adaptation import adapt_test, format_adapt_table, make_domain, plot_adapt
+from fastweights.adapt.continual import adapt_test, format_adapt_table, make_domain, plot_adapt
 from fastweights.experiments.fwpkm_gates import gate_values, plot_gate_map
 from fastweights.experiments.streaming import PositionCurve, encode_documents, plot_stream, state_norms, stream_eval
 from fastweights.memory_switches import memory_only_state, memory_writes
@@ -267,10 +267,7 @@ def test_gate_values_are_the_layers_gates(tmp_path):
 def _cli(argv):
     from fastweights import cli
 
-    modules = cli.COMMAND_MODULES + ([] if "fastweights.experiments.cli" in cli.COMMAND_MODULES else ["fastweights.experiments.cli"])
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cli, "COMMAND_MODULES", modules)
-        return cli.main(argv)
+    return cli.main(argv)
 
 
 def test_commands_end_to_end(tmp_path, capsys):
@@ -287,25 +284,25 @@ def test_commands_end_to_end(tmp_path, capsys):
     save_model(f, ckpt, RunConfig(model=f.config, data=DataConfig(corpus=str(tmp_path / "a.txt")),
                                   train=TrainConfig(seq_len=32)), tok)
     out = tmp_path / "stream"
-    assert _cli(["stream-eval", "--checkpoint", str(ckpt), "--data", str(tmp_path / "a.txt"), "--modes",
+    assert _cli(["eval", "--stream", "--checkpoint", str(ckpt), "--data", str(tmp_path / "a.txt"), "--modes",
                  "carry,frozen,memory", "--bin", "100", "--out", str(out), "--quiet"]) == 0
     doc = json.loads(out.with_suffix(".json").read_text())
     assert [r["mode"] for r in doc["runs"]] == ["carry", "frozen", "memory"] and out.with_suffix(".png").is_file()
     assert doc["runs"][0]["tokens"] == len(text) - 1 and doc["runs"][0]["rss_mb"]["peak_process"] > 0
-    assert _cli(["stream-eval", "--checkpoint", str(ckpt), "--modes", "nope", "--quiet"]) == 2
+    assert _cli(["eval", "--stream", "--checkpoint", str(ckpt), "--modes", "nope", "--quiet"]) == 2
 
     out = tmp_path / "adapt"
-    assert _cli(["adapt-test", "--checkpoint", str(ckpt), "--domain", f"cats={tmp_path / 'a.txt'}", "--domain",
+    assert _cli(["continual", "--checkpoint", str(ckpt), "--domain", f"cats={tmp_path / 'a.txt'}", "--domain",
                  f"lads={tmp_path / 'b.txt'}", "--adapt-tokens", "300", "--eval-tokens", "100", "--out", str(out),
                  "--quiet"]) == 0
     res = json.loads(out.with_suffix(".json").read_text())
     assert res["domains"] == ["cats", "lads"] and len(res["delta"]) == 3 and out.with_suffix(".png").is_file()
     # the provenance every result records: the command as given to the CLI (not pytest's), the commit, the machine
-    assert res["command"].startswith("fastweights adapt-test --checkpoint") and res["command"].endswith("--quiet")
+    assert res["command"].startswith("fastweights continual --checkpoint") and res["command"].endswith("--quiet")
     assert res["git"]["commit"] and res["machine"]["cores"] >= 1
     assert "after lads" in capsys.readouterr().out
-    assert _cli(["adapt-test", "--checkpoint", str(ckpt), "--domain", "nameless", "--quiet"]) == 2
+    assert _cli(["continual", "--checkpoint", str(ckpt), "--domain", "nameless", "--quiet"]) == 2
 
     out = tmp_path / "gates.png"
-    assert _cli(["fwpkm-gates", "--checkpoint", str(ckpt), "--text", "the cat sat on the log.", "--out", str(out)]) == 0
+    assert _cli(["inspect", "gates", "--checkpoint", str(ckpt), "--text", "the cat sat on the log.", "--out", str(out)]) == 0
     assert out.is_file() and "1" in json.loads(out.with_suffix(".json").read_text())["gates"]

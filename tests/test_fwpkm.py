@@ -1,5 +1,5 @@
 """FwPKM: chunked update vs the straight-from-the-spec reference, streaming, causality, second order,
-persistence modes, and the addressing metrics of fastweights.memory_stats."""
+persistence modes, and the addressing metrics of fastweights.addressing."""
 
 
 import pytest
@@ -388,7 +388,7 @@ def test_registry_and_user_errors():
 
 
 def test_read_log_and_tracer_hooks():
-    from fastweights.memory_stats import SlotTracer
+    from fastweights.addressing import SlotTracer
 
     layer = make(dtype=torch.float32)
     layer.record_reads = True
@@ -449,7 +449,7 @@ def test_model_with_fwpkm_streams_and_trains():
 
 
 def test_addressing_stats_on_hand_made_counts():
-    from fastweights.memory_stats import addressing_stats, windowed_addressing_stats
+    from fastweights.addressing import addressing_stats, windowed_addressing_stats
 
     counts = torch.tensor([3, 1, 0, 0, 2, 0, 0, 2])  # N = 8, 8 reads
     s = addressing_stats(counts)
@@ -470,7 +470,7 @@ def test_addressing_stats_on_hand_made_counts():
 
 
 def test_slot_tracer_returns_the_last_write_before_a_read():
-    from fastweights.memory_stats import SlotTracer
+    from fastweights.addressing import SlotTracer
 
     tr = SlotTracer()
     rows = torch.tensor([[[3, 4], [3, 5]]])  # one sequence, two queries, two reads each
@@ -483,7 +483,7 @@ def test_slot_tracer_returns_the_last_write_before_a_read():
     assert tr.lookup(9) == []
 
 
-def test_memory_stats_cli_and_trace(tmp_path, capsys):
+def test_addressing_cli_and_trace(tmp_path, capsys):
     import json
 
     from fastweights.checkpoint_format import save_model
@@ -498,7 +498,7 @@ def test_memory_stats_cli_and_trace(tmp_path, capsys):
     cfg.model = model.config
     cfg.train.seq_len = 32
     save_model(model, tmp_path / "ck", cfg, tok)
-    rc = main(["memory-stats", "--checkpoint", str(tmp_path / "ck"), "--text", text, "--window", "40",
+    rc = main(["inspect", "addressing", "--checkpoint", str(tmp_path / "ck"), "--text", text, "--window", "40",
                "--trace", "60", "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
@@ -510,8 +510,8 @@ def test_memory_stats_cli_and_trace(tmp_path, capsys):
     assert len(slots) == 2  # H k = 1 x 2 reads
     stored = [e for r in slots for e in r["stored"]]
     assert stored and all(e["target_pos"] < 60 and e["target_pos"] == e["query_pos"] + 1 for e in stored)
-    assert main(["memory-stats", "--checkpoint", str(tmp_path / "missing"), "--text", "abc"]) == 2
-    assert main(["memory-stats", "--checkpoint", str(tmp_path / "ck"), "--text", text, "--window", "0"]) == 2
+    assert main(["inspect", "addressing", "--checkpoint", str(tmp_path / "missing"), "--text", "abc"]) == 2
+    assert main(["inspect", "addressing", "--checkpoint", str(tmp_path / "ck"), "--text", text, "--window", "0"]) == 2
 
 
 @pytest.mark.parametrize("gate_form", ["linear", "mean8"])

@@ -252,11 +252,10 @@ def test_niah_command_writes_json_and_png(hay, tok, tmp_path, capsys):
     model = fwpkm_model(tok)
     cfg = RunConfig(model=model.config, data=DataConfig(), train=TrainConfig(seq_len=64))
     save_model(model, ckpt, cfg, tok)
-    modules = cli.COMMAND_MODULES + ([] if "fastweights.experiments.cli" in cli.COMMAND_MODULES else ["fastweights.experiments.cli"])
     out = tmp_path / "niah"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cli, "COMMAND_MODULES", modules)
-        argv = ["niah", "--checkpoint", str(ckpt), "--lengths", "250", "--samples", "2", "--iters", "1,2",
+        mp.chdir(tmp_path)
+        argv = ["task", "niah", "--checkpoint", str(ckpt), "--lengths", "250", "--samples", "2", "--iters", "1,2",
                 "--depths", "0,1", "--out", str(out), "--quiet", "--piece", "128"]
         assert cli.main(argv) == 0
         doc = json.loads(out.with_suffix(".json").read_text())

@@ -123,11 +123,10 @@ def test_niah_command_picks_the_token_format(tok, tmp_path):
     model = tiny_word_model(tok)
     save_model(model, ckpt, RunConfig(model=model.config, data=DataConfig(tokenizer="word"),
                                       train=TrainConfig(seq_len=64)), tok)
-    modules = cli.COMMAND_MODULES + ([] if "fastweights.experiments.cli" in cli.COMMAND_MODULES else ["fastweights.experiments.cli"])
     out = tmp_path / "niah"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cli, "COMMAND_MODULES", modules)
-        argv = ["niah", "--checkpoint", str(ckpt), "--lengths", "128,256", "--samples", "3", "--iters", "1,2",
+        mp.chdir(tmp_path)
+        argv = ["task", "niah", "--checkpoint", str(ckpt), "--lengths", "128,256", "--samples", "3", "--iters", "1,2",
                 "--out", str(out), "--quiet", "--piece", "64"]
         assert cli.main(argv) == 0
         first = out.with_suffix(".json").read_text()

@@ -35,12 +35,12 @@ def test_provenance_records_the_commit_and_the_machine():
 
 def test_a_fastweights_command_records_the_checkout_it_runs_from(monkeypatch):
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    rec = cli_provenance(["adapt-test", "--out", str(ROOT / "benchmarks" / "results" / "x")])
-    assert rec["command"] == "fastweights adapt-test --out benchmarks/results/x" and rec["git"]["commit"] == head
+    rec = cli_provenance(["continual", "--out", str(ROOT / "benchmarks" / "results" / "x")])
+    assert rec["command"] == "fastweights continual --out benchmarks/results/x" and rec["git"]["commit"] == head
     # an installed copy (not a source checkout): no commit, the installed version instead
     monkeypatch.setattr(provenance_module, "package_checkout", lambda: None)
-    rec = cli_provenance(["niah", "--out", "/elsewhere/x"])
-    assert rec["git"]["commit"] is None and "version" in rec["git"] and rec["command"] == "fastweights niah --out /elsewhere/x"
+    rec = cli_provenance(["task", "niah", "--out", "/elsewhere/x"])
+    assert rec["git"]["commit"] is None and "version" in rec["git"] and rec["command"] == "fastweights task niah --out /elsewhere/x"
 
 
 def test_benchmark_scripts_import_without_sys_path_changes():

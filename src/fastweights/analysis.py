@@ -1,6 +1,6 @@
 """Where does one model beat another? Per-token NLL improvement by position, token frequency and repeats.
 
-    fastweights analyze --base runs/base --model runs/fwl [--data FILE] [--out runs/analysis]
+    fastweights inspect compare --base runs/base --model runs/fwl [--data FILE] [--out runs/analysis]
 
 Both checkpoints score the same documents token by token (streaming, state carried, as ``fastweights
 eval``). For each predicted token the improvement is ``NLL_base - NLL_model`` (positive = the model is
@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from fastweights.errors import UserError
-from fastweights.validate import nonneg_int, positive_int
 
 LN2 = math.log(2)
 
@@ -229,47 +228,3 @@ def analyze(base_dir: Path, model_dir: Path, data: str | None = None, split: str
               "stride": stride or max(1, seq_len // 2), "frequency_from": freq_from}
     result.update(nll_improvement(base_nll, model_nll, positions, freqs, priors))
     return result
-
-
-# ----------------------------------------------------------------------------- CLI
-
-
-def cmd_analyze(args) -> int:
-    from fastweights.distributed import resolve_device
-    from fastweights.checkpoint import read_run_config
-    from fastweights.experiments.probes import run_probes
-    from fastweights.provenance import write_cli_result
-
-    result = analyze(Path(args.base), Path(args.model), data=args.data, split=args.split, seq_len=args.seq_len,
-                     stride=args.stride, max_chars=args.max_chars, freq_from=args.freq_from,
-                     device=str(resolve_device(args.device)), progress=not args.quiet)
-    out = Path(args.out)
-    measured = [p for d in (args.base, args.model) for p in run_probes(read_run_config(Path(d)))]
-    write_cli_result(out / "analysis.json", result, getattr(args, "argv", None), measured)  # with command, commit, probes
-    plot_analysis(result, out / "analysis.png")
-    o = result["overall"]
-    print(f"{result['data']}: {o['tokens']} tokens, base {o['base_bits']:.4f} -> model {o['model_bits']:.4f} "
-          f"bits/token ({o['improvement_bits']:+.4f}); {o['repeat_share']:.0%} of tokens occurred before")
-    for key in ("by_position", "by_frequency", "by_prior_count"):
-        print(f"  {key}: " + ", ".join(f"{r['bucket']}: {r['improvement_bits']:+.3f}" for r in result[key]))
-    print(f"wrote {out / 'analysis.json'} and {out / 'analysis.png'}")
-    return 0
-
-
-def register_cli(sub) -> None:
-    """Add ``fastweights analyze``."""
-    p = sub.add_parser("analyze", help="per-token NLL improvement of one checkpoint over another, by position, "
-                                       "token frequency and earlier occurrences (JSON + PNG)")
-    p.add_argument("--base", required=True, help="checkpoint directory of the reference model")
-    p.add_argument("--model", required=True, help="checkpoint directory of the model compared with it")
-    p.add_argument("--data", help="text to score (file, directory, corpus name); default: the model's split")
-    p.add_argument("--split", default="test", choices=["train", "val", "test"])
-    p.add_argument("--seq-len", type=nonneg_int, default=0, help="context length (default: the model's training seq_len)")
-    p.add_argument("--stride", type=positive_int, default=None, help="tokens per call (default seq_len // 2)")
-    p.add_argument("--max-chars", type=nonneg_int, default=0, help="score only the first N characters (0 = all)")
-    p.add_argument("--freq-from", default="train", choices=["train", "eval"],
-                   help="token frequencies from the base's training split or from the scored text")
-    p.add_argument("--out", default="runs/analysis", help="directory for analysis.json and analysis.png")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--quiet", action="store_true")
-    p.set_defaults(func=cmd_analyze)

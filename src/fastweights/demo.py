@@ -31,7 +31,7 @@ def run_demo(out: Path, minutes: float = 5.0) -> int:
     print(f"   test: {test_bpc:.3f} bits/char over {res.tokens:,} characters")
 
     print("== dynamic evaluation: the model keeps learning from the test text it scores")
-    from fastweights.adapt.cli import demo_dynamic
+    from fastweights.adapt.evaluate import demo_dynamic
 
     dyn = demo_dynamic(out, tune_chars=3000, test_chars=10000, stats_batches=30)  # ~1 min on 2 cores
 

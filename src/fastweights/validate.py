@@ -1,6 +1,6 @@
 """Validation of settings: every config field (ranges, divisibility, positive counts, mechanism names
-and the keys of every options table) and argparse types for command-line numbers, used by every
-command's parser (the memory estimate is in :mod:`fastweights.model_size`).
+and the keys of every options table); the command line's number types are in :mod:`fastweights.cli.types`
+(the size estimate is in :mod:`fastweights.model_size`).
 
 Everything here raises :class:`~fastweights.errors.UserError` with a message that names the
 setting, so the command line prints one line and exits with status 2 before any file is written.
@@ -8,7 +8,6 @@ setting, so the command line prints one line and exits with status 2 before any 
 
 from __future__ import annotations
 
-import argparse
 import math
 
 from fastweights.errors import UserError
@@ -144,28 +143,3 @@ def validate_config(cfg, need_vocab: bool = False, saved: bool = False) -> None:
     validate_model_config(cfg.model, need_vocab, check_options=not saved)
     validate_data_config(cfg.data)
     validate_train_config(cfg.train, starting=not saved)
-
-
-# ----------------------------------------------------------------------------- command-line numbers
-
-
-def _number(kind, test, rule: str):
-    def parse(text: str):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
-        if not test(v):
-            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
-        return v
-
-    parse.__name__ = kind.__name__  # argparse names the type in its messages
-    return parse
-
-
-nonneg_int = _number(int, lambda v: v >= 0, ">= 0")
-positive_int = _number(int, lambda v: v >= 1, ">= 1")
-nonneg_float = _number(float, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
-positive_float = _number(float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
-fraction = _number(float, lambda v: math.isfinite(v) and 0 <= v <= 1, "in [0, 1]")
-seed = _number(int, lambda v: 0 <= v < 2**63, "in [0, 2**63 - 1]")  # what torch.Generator.manual_seed takes

@@ -121,7 +121,7 @@ class DynamicEvaluator:
 
     def _stats_for(self, stats: GradStats | None) -> list[torch.Tensor]:
         if stats is None:
-            raise UserError("rule needs gradient statistics: pass grad_stats (see `fastweights collect-grad-stats`)")
+            raise UserError("rule needs gradient statistics: pass grad_stats (see `fastweights dynamic stats`)")
         missing = [n for n in self.names if n not in stats.ms]
         if missing:
             raise UserError(f"the gradient statistics lack {len(missing)} adapted parameter(s), e.g. {missing[0]!r}; "

@@ -1,4 +1,4 @@
-"""Per-token losses of ``dynamic-eval --per-token PATH``: every prediction's static and dynamic NLL.
+"""Per-token losses of ``dynamic eval --per-token PATH``: every prediction's static and dynamic NLL.
 
 The file is JSON::
 
@@ -22,7 +22,7 @@ import torch
 
 def per_token_record(docs: list[torch.Tensor], static: list[list[float]], dynamic: list[list[float]],
                      result: dict | None = None) -> dict:
-    """The JSON-ready record; ``result`` (``run_eval_dynamic``'s dict) contributes its settings."""
+    """The JSON-ready record; ``result`` (``adapt.evaluate.evaluate_static_and_dynamic``'s dict) contributes its settings."""
     if not (len(docs) == len(static) == len(dynamic)):
         raise ValueError("one static and one dynamic loss list per document are needed")
     out = []

@@ -141,7 +141,7 @@ def format_table(result: dict) -> str:
 
 
 def save_tuned(result: dict, path: str | Path, weights_sha256: str | None = None) -> Path:
-    """Write the tuning result (best setting first) as JSON; ``dynamic-eval`` reads it as its default.
+    """Write the tuning result (best setting first) as JSON; ``dynamic eval --tuned FILE`` reads it.
 
     ``weights_sha256``: the fingerprint of the weights it was tuned for (a checkpoint's), so that the
     file is refused for other weights.
@@ -181,5 +181,5 @@ def load_tuned(path: str | Path) -> dict | None:
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"{path}: unreadable tuning result ({e})") from None
     except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
-        raise UserError(f"{path} is not a tuning result written by tune-dynamic ({e})") from None
+        raise UserError(f"{path} is not a tuning result written by `fastweights dynamic tune` ({e})") from None
     return d

@@ -186,7 +186,7 @@ class GradStats:
 
         path = Path(path)
         if not path.is_file():
-            raise UserError(f"gradient statistics {path} not found; create them with `fastweights collect-grad-stats`")
+            raise UserError(f"gradient statistics {path} not found; create them with `fastweights dynamic stats`")
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
@@ -194,7 +194,7 @@ class GradStats:
         except (SafetensorError, OSError, ValueError) as e:
             raise UserError(f"gradient statistics {path}: unreadable ({e})") from None
         if meta.get("format") != "fastweights-grad-stats":
-            raise UserError(f"{path} is not a gradient-statistics file (written by `fastweights collect-grad-stats`)")
+            raise UserError(f"{path} is not a gradient-statistics file (written by `fastweights dynamic stats`)")
         s = json.loads(meta.get("settings", "{}"))
         extra = {k: v for k, v in s.items() if k not in ("batches", "batch_size", "seq_len", "context")}
         return cls(ms, s.get("batches", 0), s.get("batch_size", 0), s.get("seq_len", 0), s.get("context"), extra)
@@ -325,7 +325,7 @@ class UpdateRule:
         rms = self.rule.startswith("rms")
         if rms and ms is None:
             raise UserError(f"rule {self.rule} needs gradient statistics (MS_g) collected on training data: "
-                            "run `fastweights collect-grad-stats` or use rule sgd / sgd-global-prior")
+                            "run `fastweights dynamic stats` or use rule sgd / sgd-global-prior")
         # coef = lr * step_scale: a number (sgd rules) or one tensor per parameter (rms rules)
         # (computed in fp64, then stored in the dtype of the deltas by .to())
         self.coef: list | float = [self.lr / (m.double().sqrt() + self.eps) for m in ms] if rms else self.lr

@@ -1,4 +1,4 @@
-"""The FwPKM gate map (``fastweights fwpkm-gates``): the gate g_t of every FwPKM layer at every token of
+"""The FwPKM gate map (``fastweights inspect gates``): the gate g_t of every FwPKM layer at every token of
 a text, read with memory writes on, drawn as a heatmap laid out like the text.
 """
 

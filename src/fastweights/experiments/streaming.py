@@ -1,4 +1,4 @@
-"""Streaming perplexity along documents (``fastweights stream-eval``, ``fastweights eval --stream``).
+"""Streaming perplexity along documents (``fastweights eval --stream``).
 
 In the spirit of the FwPKM paper's PPL protocol and the time-scale analysis of dynamic evaluation
 (Krause et al. 2018, Fig. 2). Documents are read in order at batch 1, in calls of ``stride`` tokens;

@@ -148,19 +148,3 @@ from fastweights.hf.ours_as_transformers import FastWeightsConfig, FastWeightsFo
 
 __all__ = ["FastWeightsConfig", "FastWeightsForCausalLM"]
 '''
-
-
-def cmd_export_hf(args) -> int:
-    files = export_hf(args.checkpoint, args.dir, force=args.force)
-    print(f"exported {args.checkpoint} -> {args.dir} ({', '.join(files)})")
-    return 0
-
-
-def register_cli(sub) -> None:
-    """Add ``fastweights export-hf CHECKPOINT DIR``."""
-    p = sub.add_parser("export-hf", help="write a checkpoint as a Hugging Face model directory (AutoModelForCausalLM / "
-                                         "AutoTokenizer, after `import fastweights.hf.ours_as_transformers`)")
-    p.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint directory")
-    p.add_argument("dir", metavar="DIR", help="output directory (created; must be empty unless --force)")
-    p.add_argument("--force", action="store_true", help="write into a non-empty DIR")
-    p.set_defaults(func=cmd_export_hf)

@@ -22,11 +22,8 @@ test error, LSTM 60.81%, IRNN 62.11% (unverified against the PDF).
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -34,7 +31,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fastweights.errors import UserError
-from fastweights.validate import fraction, nonneg_float, nonneg_int, positive_float, positive_int, seed
 from fastweights.layers.fast_rnn import FastWeightRNN
 from fastweights.layers.lstm import LSTMLayer
 
@@ -279,108 +275,3 @@ def train_retrieval(
         "test_error": error_rate(net, *splits["test"]),
         "curve": curve,
     }
-
-
-# ----------------------------------------------------------------------------- CLI
-
-
-def register_task(task_subparsers) -> None:
-    """Add ``ba-retrieval`` to the ``fastweights task`` subcommands."""
-    p = task_subparsers.add_parser(
-        "ba-retrieval",
-        help="associative retrieval of Ba et al. 2016 (e.g. c9k8j3f1??c -> 9)",
-        description="Train the paper's task network on associative retrieval and report the test error.",
-    )
-    p.add_argument("--model", default="fast-rnn", choices=MODELS, help="recurrent layer (default fast-rnn)")
-    p.add_argument("--hidden", type=int, default=20, help="recurrent units R (default 20)")
-    p.add_argument("--keys", type=int, default=4, help="key-value pairs K per sequence (default 4)")
-    p.add_argument("--steps", type=int, default=45_000, help="maximum Adam updates (default 45000)")
-    p.add_argument("--max-minutes", type=nonneg_float, default=0.0, help="wall-clock limit of training; 0 = none")
-    p.add_argument("--target-val-error", type=fraction, default=0.01,
-                   help="stop once the validation error is at most this fraction (default 0.01)")
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--lr", type=positive_float, default=1e-3, help="Adam learning rate (default 1e-3)")
-    p.add_argument("--decay-fraction", type=fraction, default=0.2,
-                   help="decay the learning rate linearly to 0 over this final fraction of --steps (default 0.2)")
-    p.add_argument("--grad-clip", type=nonneg_float, default=5.0, help="gradient-norm clip; 0 = off (default 5)")
-    p.add_argument("--eval-every", type=int, default=500, help="steps between validation passes (default 500)")
-    p.add_argument("--seed", type=seed, default=0, help="initialisation and batch-order seed")
-    p.add_argument("--data-seed", type=seed, default=1234, help="seed of the generated splits")
-    p.add_argument("--train-size", type=int, default=SPLIT_SIZES["train"])
-    p.add_argument("--val-size", type=int, default=SPLIT_SIZES["val"])
-    p.add_argument("--test-size", type=int, default=SPLIT_SIZES["test"])
-    p.add_argument("--digit-head", action="store_true", help="10-way digit output instead of the 37-token vocabulary")
-    p.add_argument("--lam", type=fraction, default=0.95, help="fast-rnn: decay lambda (default 0.95)")
-    p.add_argument("--eta", type=nonneg_float, default=0.5, help="fast-rnn: fast learning rate eta (default 0.5)")
-    p.add_argument("--inner-steps", type=positive_int, default=1, help="fast-rnn: inner-loop steps S (default 1)")
-    p.add_argument("--no-layer-norm", action="store_true", help="fast-rnn: ablate LayerNorm")
-    p.add_argument("--no-fast-weights", action="store_true", help="fast-rnn: ablate the fast weights (LN-RNN)")
-    p.add_argument("--threads", type=nonneg_int, default=1, help="torch CPU threads (default 1)")
-    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
-    p.add_argument("--out", type=Path, default=None, help="also write the JSON result to this file")
-    p.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run ``fastweights task ba-retrieval``; returns the exit status."""
-    # the counts are checked here (one line naming the flag); the other numbers by their argparse types
-    for name in ("hidden", "keys", "steps", "batch_size", "eval_every", "train_size", "val_size", "test_size"):
-        if getattr(args, name) < 1:
-            raise UserError(f"ba-retrieval: --{name.replace('_', '-')} must be >= 1")
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    sizes = {"train": args.train_size, "val": args.val_size, "test": args.test_size}
-    splits = make_splits(args.data_seed, args.keys, sizes)
-    torch.manual_seed(args.seed)
-    fast = dict(
-        lam=args.lam,
-        eta=args.eta,
-        inner_steps=args.inner_steps,
-        layer_norm=not args.no_layer_norm,
-        fast_weights=not args.no_fast_weights,
-    )
-    net = RetrievalNet(args.model, args.hidden, digit_head=args.digit_head, fast_rnn=fast if args.model == "fast-rnn" else None)
-    log = None if args.json else (lambda line: print(line, flush=True))
-    if log:
-        log(f"{args.model} R={args.hidden} K={args.keys}: {sum(p.numel() for p in net.parameters())} parameters; "
-            f"example {decode(splits['train'][0][0])} -> {VOCAB[int(splits['train'][1][0])]}")
-    result = train_retrieval(
-        net,
-        splits,
-        steps=args.steps,
-        max_minutes=args.max_minutes,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        decay_fraction=args.decay_fraction,
-        grad_clip=args.grad_clip,
-        eval_every=args.eval_every,
-        target_val_error=args.target_val_error,
-        seed=args.seed,
-        log=log,
-    )
-    report = {
-        "task": "ba-retrieval",
-        "model": args.model,
-        "hidden": args.hidden,
-        "keys": args.keys,
-        "seed": args.seed,
-        "data_seed": args.data_seed,
-        "split_sizes": sizes,
-        "parameters": sum(p.numel() for p in net.parameters()),
-        "batch_size": args.batch_size,
-        "lr": args.lr,
-        "threads": torch.get_num_threads(),
-        **({"fast_rnn": fast} if args.model == "fast-rnn" else {}),
-        **result,
-        "test_accuracy": 1.0 - result["test_error"],
-    }
-    report["options"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(f"test error {100 * result['test_error']:.2f}% (best val error {100 * result['val_error']:.2f}% at step "
-              f"{result['best_step']}; {result['steps']} steps, {result['train_seconds']:.0f}s)")
-    return 0

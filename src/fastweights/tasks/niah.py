@@ -566,7 +566,7 @@ _register_corpus()
 
 
 def records_to_json(records: list[dict], summary: dict, meta: dict) -> dict:
-    """The JSON document ``fastweights niah`` writes."""
+    """The JSON document ``fastweights task niah`` writes."""
     by_iters = {str(n): {"overall": v["overall"], "by_length": {str(L): a for L, a in v["by_length"].items()}}
                 for n, v in summary["by_iters"].items()}
     return {**meta, "summary": {**summary, "by_iters": by_iters}, "records": records}

@@ -1,10 +1,11 @@
-"""Loading, gradient statistics and evaluator building behind the dynamic-evaluation commands (``adapt.cli``).
+"""Setting up dynamic evaluation: loading a model and its texts, gradient statistics, and the evaluator
+a :class:`DynamicSettings` describes (the ``fastweights dynamic ...`` commands map their flags to one).
 
-:func:`build_evaluator` maps parsed arguments to a ``DynamicEvaluator`` (full weights, ``--params``),
-a ``SparseDynamicEvaluator`` (``--sparse-units``) or a ``LowRankDynamicEvaluator`` (``--lowrank-rank``),
-with the learning-rate schedule of ``--lr-schedule``, lr and decay from the command line or a named
-tuned file, and, for the RMS rules, gradient statistics of the same kind: ``--stats FILE`` or the
-checkpoint's file for that kind (``grad_stats.safetensors``, ``grad_stats_sparse_l{L}_u{H}...``,
+:func:`build_evaluator` builds a ``DynamicEvaluator`` (full weights, ``params``), a
+``SparseDynamicEvaluator`` (``sparse_units``) or a ``LowRankDynamicEvaluator`` (``lowrank_rank``),
+with the learning-rate schedule ``lr_schedule``, lr and decay given or from a named tuned file, and,
+for the RMS rules, gradient statistics of the same kind: the ``stats`` file or the checkpoint's file
+for that kind (``grad_stats.safetensors``, ``grad_stats_sparse_l{L}_u{H}...``,
 ``grad_stats_lowrank_r{R}[_{hash of the projections' globs}]...``), collected on the checkpoint's
 training split when missing. Statistics of another kind (full-weight ones for a low-rank run, another
 rank, other projections) are refused.
@@ -14,8 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -25,34 +26,67 @@ DEFAULT_STATS_BATCHES = 500
 LOWRANK_SEED = 0  # the fixed random factors B of --lowrank-rank (LowRankDynamicEvaluator's default seed)
 
 
+@dataclass
+class DynamicSettings:
+    """What dynamic evaluation adapts and how (the flags of ``fastweights dynamic ...`` and ``--dynamic RULE``).
+
+    lr / decay None: from the ``tuned`` file when named, else dynamiceval.py's defaults; segment_len 0:
+    20 for char/byte models, 128 for subword ones; context 0: the training seq_len (Hugging Face models:
+    the model's own); stats None: the checkpoint's file of the kind adapted, collected on ``stats_data``
+    (None: the checkpoint's training split) in ``stats_batches`` batches of ``stats_batch_size`` x
+    ``stats_seq_len`` (0: segment_len) targets when missing. ``sparse_units`` and ``lowrank_rank`` (0: off)
+    adapt one sparse matrix or low-rank deltas instead of the weights ``params`` / ``exclude_params`` select."""
+
+    rule: str = "rms-global-prior"
+    lr: float | None = None
+    decay: float | None = None
+    tuned: str | None = None
+    eps: float | None = None
+    lr_schedule: str | None = None
+    segment_len: int = 0
+    context: int = 0
+    stats: str | None = None
+    params: str | None = None
+    exclude_params: str | None = None
+    sparse_units: int = 0
+    sparse_layer: int | None = None
+    lowrank_rank: int = 0
+    lowrank_params: str | None = None
+    stats_data: str | None = None
+    stats_batch_size: int = 100
+    stats_batches: int = DEFAULT_STATS_BATCHES
+    stats_seq_len: int = 0
+
+
 # ----------------------------------------------------------------------------- loading
 
 
-def load_model_and_tokenizer(args):
-    """(model, tokenizer, run_config or None, checkpoint dir or None) from --checkpoint or --hf."""
+def load_model_and_tokenizer(checkpoint: str | Path | None = None, hf: str | None = None, device: str = "auto",
+                             sinks: int | None = None):
+    """(model, tokenizer, run_config or None, checkpoint dir or None) from a checkpoint or a Hugging Face model."""
     from fastweights.distributed import resolve_device
 
-    device = str(resolve_device(getattr(args, "device", "auto")))
-    if getattr(args, "hf", None):
+    device = str(resolve_device(device))
+    if hf:
         from fastweights.hf.transformers_as_ours import load_hf_model
 
-        sinks = getattr(args, "sinks", None)
-        model, tok = load_hf_model(args.hf, device=device, **({} if sinks is None else {"sinks": sinks}))
+        model, tok = load_hf_model(hf, device=device, **({} if sinks is None else {"sinks": sinks}))
         return model, tok, None, None
-    if getattr(args, "sinks", None) is not None:
+    if sinks is not None:
         raise UserError("--sinks applies to Hugging Face models (--hf); a checkpoint's context is its seq_len window")
     from fastweights.checkpoint import load_checkpoint
 
-    model, tok, cfg = load_checkpoint(Path(args.checkpoint), map_location=device)
-    return model, tok, cfg, Path(args.checkpoint)
+    model, tok, cfg = load_checkpoint(Path(checkpoint), map_location=device)
+    return model, tok, cfg, Path(checkpoint)
 
 
-def load_texts(args, cfg, split: str, max_chars: int = 0) -> list[str]:
-    """--data (all of it) or the checkpoint corpus' ``split``; the first ``max_chars`` characters."""
+def load_texts(data: str | None, cfg, split: str, max_chars: int = 0) -> list[str]:
+    """``data`` (a file, directory or corpus name: all of it) or the checkpoint corpus' ``split``; the first
+    ``max_chars`` characters."""
     from fastweights.data import load_corpus, split_corpus
 
-    if getattr(args, "data", None):
-        docs = load_corpus(args.data, text_field=cfg.data.text_field if cfg else "text")
+    if data:
+        docs = load_corpus(data, text_field=cfg.data.text_field if cfg else "text")
         texts = [d.text for d in docs]
     elif cfg is not None:
         docs = load_corpus(cfg.data.corpus, text_field=cfg.data.text_field)
@@ -111,19 +145,19 @@ def default_context(model, cfg) -> int | None:
 # ----------------------------------------------------------------------------- what is adapted, its statistics
 
 
-def adaptation_spec(args, model) -> tuple | None:
+def adaptation_spec(settings: DynamicSettings, model) -> tuple | None:
     """What is adapted instead of the full weights: ``("sparse", layer, units)``, ``("lowrank", rank,
     modules)`` (modules: the comma-joined globs) or None (the weights --params / --exclude-params select)."""
-    units = getattr(args, "sparse_units", 0) or 0
-    rank = getattr(args, "lowrank_rank", 0) or 0
-    modules = getattr(args, "lowrank_params", None)
+    units = settings.sparse_units or 0
+    rank = settings.lowrank_rank or 0
+    modules = settings.lowrank_params
     if modules and rank <= 0:
         raise UserError("--lowrank-params needs --lowrank-rank N (N >= 1)")
     if rank > 0:
         if units > 0:
             raise UserError("--lowrank-rank and --sparse-units exclude each other: adapt low-rank MLP deltas or "
                             "one sparse matrix, not both")
-        if getattr(args, "params", None) or getattr(args, "exclude_params", None):
+        if settings.params or settings.exclude_params:
             raise UserError("--params / --exclude-params select full weights; with --lowrank-rank choose the "
                             "adapted projections with --lowrank-params GLOBS")
         from fastweights.adapt.lowrank import DEFAULT_MODULES
@@ -135,16 +169,17 @@ def adaptation_spec(args, model) -> tuple | None:
     from fastweights.adapt.sparse import decoder_layers
 
     n = len(decoder_layers(model))
-    layer = getattr(args, "sparse_layer", None)
+    layer = settings.sparse_layer
     layer = n // 2 if layer is None else layer
     if not -n <= layer < n:
         raise UserError(f"--sparse-layer {layer} out of range for {n} blocks")
     return "sparse", layer % n, units
 
 
-def _stats_path(args, ckpt: Path | None, spec: tuple | None) -> Path | None:
-    if getattr(args, "stats", None):
-        return Path(args.stats)
+def stats_path(stats: str | None, ckpt: Path | None, spec: tuple | None) -> Path | None:
+    """The statistics file: ``stats`` when given, else the checkpoint's file for what ``spec`` adapts."""
+    if stats:
+        return Path(stats)
     if ckpt is None:
         return None
     if spec is None:
@@ -185,35 +220,33 @@ def _check_stats_kind(stats, path: Path, spec: tuple | None) -> None:
     flags = ("" if spec is None else f" --sparse-units {spec[2]} --sparse-layer {spec[1]}" if spec[0] == "sparse"
              else f" --lowrank-rank {spec[1]} --lowrank-params '{spec[2]}'")
     raise UserError(f"gradient statistics {path} are {_describe_kind(have)}; this run needs {_describe_kind(want)}: "
-                    f"collect them with `fastweights collect-grad-stats ...{flags}`")
+                    f"collect them with `fastweights dynamic stats ...{flags}`")
 
 
-def _weights_fingerprint(ckpt: Path | None) -> str | None:
+def weights_fingerprint(ckpt: Path | None) -> str | None:
     from fastweights.checkpoint_format import weights_fingerprint
 
     return weights_fingerprint(ckpt) if ckpt is not None else None
 
 
-def _collect_stats(model, tokenizer, cfg, args, segment_len, context, spec, path: Path | None, progress: bool,
-                   ckpt: Path | None = None):
+def collect_stats(model, tokenizer, cfg, settings: DynamicSettings, segment_len, context, spec, path: Path | None,
+                  progress: bool, ckpt: Path | None = None):
     """Collect MS_g (of what ``spec`` adapts) on the checkpoint's (or --data's) training text; save it to ``path``."""
     from fastweights.adapt.update_rules import collect_grad_stats
     from fastweights.adapt.lowrank import collect_lowrank_grad_stats
     from fastweights.adapt.sparse import collect_sparse_grad_stats
 
-    texts = load_texts(SimpleNamespace(data=getattr(args, "train_data", None)), cfg, "train")
+    texts = load_texts(settings.stats_data, cfg, "train")
     ids = torch.cat([torch.as_tensor(tokenizer.encode(t), dtype=torch.long) for t in texts])
-    common = dict(batch_size=getattr(args, "batch_size", 100), seq_len=getattr(args, "stats_seq_len", 0) or segment_len,
-                  max_batches=getattr(args, "max_batches", DEFAULT_STATS_BATCHES) or None, context=context,
-                  progress=progress)
+    common = dict(batch_size=settings.stats_batch_size, seq_len=settings.stats_seq_len or segment_len,
+                  max_batches=settings.stats_batches or None, context=context, progress=progress)
     if spec is None:
-        stats = collect_grad_stats(model, ids, include=getattr(args, "params", None),
-                                   exclude=getattr(args, "exclude_params", None), **common)
+        stats = collect_grad_stats(model, ids, include=settings.params, exclude=settings.exclude_params, **common)
     elif spec[0] == "sparse":
         stats = collect_sparse_grad_stats(model, ids, spec[1], spec[2], **common)
     else:
         stats = collect_lowrank_grad_stats(model, ids, spec[2], spec[1], seed=LOWRANK_SEED, **common)
-    fingerprint = _weights_fingerprint(ckpt)
+    fingerprint = weights_fingerprint(ckpt)
     if fingerprint is not None:
         stats.extra["weights_sha256"] = fingerprint
     if path is not None:
@@ -232,30 +265,30 @@ def _schedule_name(spec: str | None) -> str | None:
     return None if kind == "constant" else f"{kind}:{span:g}"
 
 
-def _tuned_values(args, ckpt, rule: str, segment_len: int, spec: tuple | None) -> tuple[dict, str]:
+def _tuned_values(settings: DynamicSettings, ckpt, rule: str, segment_len: int, spec: tuple | None) -> tuple[dict, str]:
     """lr and decay from the tuned file ``--tuned`` names (refused when tuned for another setting), else the defaults."""
     from fastweights.adapt.update_rules import DEFAULT_DECAY, DEFAULT_LR
     from fastweights.adapt.tune import TUNED_FILE, load_tuned
     from fastweights.checkpoint_format import check_derived_file
 
     # a tuned file is used only when named (--tuned): one left in a checkpoint never changes a run silently
-    tuned_path = getattr(args, "tuned", None)
+    tuned_path = settings.tuned
     if not tuned_path:
         if ckpt is not None and (ckpt / TUNED_FILE).is_file():
             print(f"note: {ckpt / TUNED_FILE} is not used unless named with --tuned", file=sys.stderr)
         return ({"lr": DEFAULT_LR, "decay": DEFAULT_DECAY},
-                "default of dynamiceval.py (untuned: tune-dynamic --save FILE, then --tuned FILE)")
+                "default of dynamiceval.py (untuned: dynamic tune --save FILE, then --tuned FILE)")
     tuned = load_tuned(tuned_path)
     if tuned is None:
         raise UserError(f"--tuned {tuned_path}: no such file")
     check_derived_file(tuned.get("weights_sha256"), ckpt, Path(tuned_path),
-                       f"tune again with `fastweights tune-dynamic --checkpoint {ckpt} --save FILE`")
-    settings = tuned["settings"]
+                       f"tune again with `fastweights dynamic tune --checkpoint {ckpt} --save FILE`")
+    saved = tuned["settings"]
     want = {"rule": rule, "segment_len": segment_len,
             "sparse_units": spec[2] if spec is not None and spec[0] == "sparse" else None,
             "lowrank_rank": spec[1] if spec is not None and spec[0] == "lowrank" else None,
-            "lr_schedule": _schedule_name(getattr(args, "lr_schedule", None)) or "constant"}
-    have = {"rule": tuned.get("rule"), **{k: settings.get(k) for k in want if k != "rule"}}
+            "lr_schedule": _schedule_name(settings.lr_schedule) or "constant"}
+    have = {"rule": tuned.get("rule"), **{k: saved.get(k) for k in want if k != "rule"}}
     have["lr_schedule"] = have["lr_schedule"] or "constant"  # the metadata leaves the constant schedule out
     diff = [f"{k} {have[k]} (this run: {want[k]})" for k in want if have[k] != want[k]]
     if diff:
@@ -263,50 +296,48 @@ def _tuned_values(args, ckpt, rule: str, segment_len: int, spec: tuple | None) -
     return {"lr": tuned["best"]["lr"], "decay": tuned["best"]["decay"]}, f"tuned file {tuned_path}"
 
 
-def _grad_stats(args, model, tokenizer, cfg, ckpt, rule, segment_len, context, spec, progress):
+def _grad_stats(settings: DynamicSettings, model, tokenizer, cfg, ckpt, rule, segment_len, context, spec, progress):
     """The RMS rules' statistics for what ``spec`` adapts: loaded (and checked), or collected for a checkpoint."""
     from fastweights.adapt.update_rules import GradStats
     from fastweights.checkpoint_format import check_derived_file
 
-    path = _stats_path(args, ckpt, spec)
+    path = stats_path(settings.stats, ckpt, spec)
     if path is not None and path.is_file():
         stats = GradStats.load(path)
         check_derived_file(stats.extra.get("weights_sha256"), ckpt, path,
-                           f"collect them again with `fastweights collect-grad-stats --checkpoint {ckpt}`")
+                           f"collect them again with `fastweights dynamic stats --checkpoint {ckpt}`")
         _check_stats_kind(stats, path, spec)
         return stats
-    if getattr(args, "stats", None):
-        raise UserError(f"gradient statistics {args.stats} not found")
+    if settings.stats:
+        raise UserError(f"gradient statistics {settings.stats} not found")
     if cfg is not None:
         print(f"collecting gradient statistics on the training split -> {path}", file=sys.stderr)
-        return _collect_stats(model, tokenizer, cfg, args, segment_len, context, spec, path, progress, ckpt)
-    raise UserError(f"rule {rule} needs gradient statistics: run `fastweights collect-grad-stats --hf ... "
+        return collect_stats(model, tokenizer, cfg, settings, segment_len, context, spec, path, progress, ckpt)
+    raise UserError(f"rule {rule} needs gradient statistics: run `fastweights dynamic stats --hf ... "
                     "--data TEXT --out FILE` (any generic text of the language will do, e.g. --data novels) "
                     "and pass --stats FILE, or use --rule sgd")
 
 
-def build_evaluator(args, model, tokenizer, cfg, ckpt: Path | None, lr: float | None = None,
+def build_evaluator(settings: DynamicSettings, model, tokenizer, cfg, ckpt: Path | None, lr: float | None = None,
                     decay: float | None = None, progress: bool = False):
-    """A DynamicEvaluator (Sparse-, LowRank-) from parsed arguments; returns (evaluator, info).
-
-    Reads (all optional) dynamic or rule, lr, decay, tuned, eps, segment_len, seq_len, stats, params,
-    exclude_params, sparse_units, sparse_layer, lowrank_rank, lowrank_params, lr_schedule, checkpoint."""
+    """The DynamicEvaluator (Sparse-, LowRank-) ``settings`` describe; returns (evaluator, info: where lr and
+    decay came from). ``lr`` / ``decay`` given here take precedence over the settings'."""
     from fastweights.adapt.dynamic import DynamicEvaluator
     from fastweights.adapt.update_rules import DEFAULT_EPS, PRIOR_RULES, canonical_rule
     from fastweights.adapt.lowrank import LowRankDynamicEvaluator
     from fastweights.adapt.sparse import SparseDynamicEvaluator
 
-    rule = canonical_rule(getattr(args, "dynamic", None) or getattr(args, "rule", None) or "rms-global-prior")
-    schedule = getattr(args, "lr_schedule", None)
+    rule = canonical_rule(settings.rule or "rms-global-prior")
+    schedule = settings.lr_schedule
     _schedule_name(schedule)  # a bad spec fails before any work
-    segment_len = getattr(args, "segment_len", 0) or default_segment_len(tokenizer)
-    context = getattr(args, "seq_len", 0) or default_context(model, cfg)
-    spec = adaptation_spec(args, model)
-    lr = lr if lr is not None else getattr(args, "lr", None)
-    decay = decay if decay is not None else getattr(args, "decay", None)
+    segment_len = settings.segment_len or default_segment_len(tokenizer)
+    context = settings.context or default_context(model, cfg)
+    spec = adaptation_spec(settings, model)
+    lr = lr if lr is not None else settings.lr
+    decay = decay if decay is not None else settings.decay
     sources = {"lr": "command line" if lr is not None else None, "decay": "command line" if decay is not None else None}
     if lr is None or decay is None:
-        fallback, where = _tuned_values(args, ckpt, rule, segment_len, spec)
+        fallback, where = _tuned_values(settings, ckpt, rule, segment_len, spec)
         if lr is None:
             lr, sources["lr"] = fallback["lr"], where
         if decay is None:
@@ -314,13 +345,12 @@ def build_evaluator(args, model, tokenizer, cfg, ckpt: Path | None, lr: float | 
     info = {"lr_source": sources["lr"], **({"decay_source": sources["decay"]} if rule in PRIOR_RULES else {})}
     stats = None
     if rule.startswith("rms"):
-        stats = _grad_stats(args, model, tokenizer, cfg, ckpt, rule, segment_len, context, spec, progress)
-    eps = getattr(args, "eps", None)
+        stats = _grad_stats(settings, model, tokenizer, cfg, ckpt, rule, segment_len, context, spec, progress)
+    eps = settings.eps
     kw = dict(rule=rule, lr=lr, decay=decay, eps=DEFAULT_EPS if eps is None else eps, segment_len=segment_len,
               context=context, grad_stats=stats, lr_schedule=schedule)
     if spec is None:
-        ev = DynamicEvaluator(model, include=getattr(args, "params", None),
-                              exclude=getattr(args, "exclude_params", None), **kw)
+        ev = DynamicEvaluator(model, include=settings.params, exclude=settings.exclude_params, **kw)
     elif spec[0] == "sparse":
         ev = SparseDynamicEvaluator(model, layer=spec[1], units=spec[2], **kw)
     else:

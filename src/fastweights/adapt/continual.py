@@ -1,4 +1,4 @@
-"""Continual adaptation across domains (``fastweights adapt-test``; the FwPKM paper's continual-learning protocol).
+"""Continual adaptation across domains (``fastweights continual``; the FwPKM paper's continual-learning protocol).
 
 The model reads the adaptation text of domain 1, 2, ... in sequence with memory writes on (or with
 dynamic evaluation updating the slow weights); after every stage the held-out text of *every* domain
@@ -100,12 +100,12 @@ def adapt_test(model, domains: Sequence[Domain], seq_len: int, stride: int | Non
     if eval_state not in ("memory", "all"):
         raise UserError(f"eval_state must be 'memory' or 'all', got {eval_state!r}")
     if not domains:
-        raise UserError("adapt-test needs at least one domain")
+        raise UserError("continual adaptation needs at least one domain")
     stride = stride or max(1, seq_len // 2)
     keep = seq_len - stride
     n_adapt = sum(d.adapt.numel() - 1 for d in domains)
     n_eval = sum(d.eval.numel() - 1 for d in domains) * (len(domains) + 1)
-    bar = Progress(n_adapt + n_eval, "tok", desc="adapt-test", enabled=progress)
+    bar = Progress(n_adapt + n_eval, "tok", desc="continual", enabled=progress)
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()

@@ -14,20 +14,17 @@ Trace mode: a :class:`SlotTracer` attached to an FwPKM layer remembers, for ever
 (query position, lookahead-target position, weight) of the tokens that wrote it at its last
 write; :func:`trace_position` lists, for one scored token, the slots it read and what they stored.
 
-Command line: ``fastweights memory-stats --checkpoint DIR --data PATH [--trace POS ...]``.
+Command line: ``fastweights inspect addressing --checkpoint DIR --data PATH [--trace POS ...]``.
 """
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
 from fastweights.components import GatedMemory, SlotMemory
 from fastweights.errors import UserError
-from fastweights.validate import nonneg_int, positive_int
 
 
 def addressing_stats(counts: torch.Tensor) -> dict[str, float]:
@@ -194,96 +191,3 @@ def trace_position(reads: torch.Tensor, weights: torch.Tensor | None, tracer: Sl
         rows.append({"slot": slot, "read_weight": None if weights is None else round(float(weights[position, j]), 4),
                      "stored": stored})
     return rows
-
-
-# ---------------------------------------------------------------------------- command line
-
-
-def cmd_memory_stats(args) -> int:
-    from fastweights.checkpoint import load_checkpoint
-    from fastweights.data import load_corpus
-    from fastweights.distributed import resolve_device
-
-    _check_window(args.window)
-    model, tokenizer, cfg = load_checkpoint(Path(args.checkpoint), map_location=str(resolve_device(args.device)))
-    if args.text is not None:
-        texts = [args.text]
-    else:
-        texts = [d.text for d in load_corpus(args.data or cfg.data.corpus, text_field=cfg.data.text_field)]
-    ids: list[int] = []
-    for t in texts:  # one stream in document order, as the paper's 8M-token evaluation sets
-        ids.extend(int(i) for i in tokenizer.encode(t))
-    if args.max_tokens:
-        ids = ids[: args.max_tokens]
-    if len(ids) < 2:
-        raise UserError("the text has fewer than two tokens")
-    seq_len = args.seq_len or cfg.train.seq_len
-    tokens = torch.tensor(ids, dtype=torch.long)
-    reads, tracers, loss = collect_reads(model, tokens, seq_len, args.stride, trace=bool(args.trace))
-    layers = {}
-    for name, (idx, _, gates) in reads.items():
-        n_slots = dict(memory_layers(model))[name].n_slots
-        stats = windowed_addressing_stats(idx, n_slots, args.window)
-        stats.pop("per_window")
-        if gates is not None:
-            stats["gate_mean"] = float(gates.float().mean())
-        layers[name] = stats
-    fw = [s for name, s in layers.items() if type(dict(memory_layers(model))[name]).__name__ == "FwPKM"]
-    summary = {"checkpoint": str(args.checkpoint), "tokens": len(ids), "window": args.window, "loss_nats": loss,
-               "layers": layers}
-    if fw:
-        summary["fwpkm_mean"] = {k: sum(s[k] for s in fw) / len(fw) for k in ("collision", "coverage", "kld")}
-    decode = lambda t: tokenizer.decode(list(t))  # noqa: E731
-    if args.trace:
-        summary["trace"] = {}
-        for pos in args.trace:
-            summary["trace"][str(pos)] = {
-                "token": decode([ids[pos]]) if 0 <= pos < len(ids) else None,
-                "layers": {name: trace_position(reads[name][0], reads[name][1], tr, ids, pos, decode)
-                           for name, tr in tracers.items()},
-            }
-    if args.out:
-        Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
-    if args.json:
-        print(json.dumps(summary, indent=2))
-    else:
-        print(f"{len(ids)} tokens, loss {loss:.4f} nats, windows of {args.window} tokens")
-        for name, s in layers.items():
-            note = " (text shorter than one window)" if s["partial"] else ""
-            gate = f"  mean gate {s['gate_mean']:.3f}" if "gate_mean" in s else ""
-            print(f"  {name}: collision {100 * s['collision']:.1f}%  coverage {100 * s['coverage']:.1f}%  "
-                  f"KLD {s['kld']:.3f}{gate}  over {s['windows']} window(s){note}")
-        for pos, t in summary.get("trace", {}).items():
-            print(f"token {pos} {t['token']!r}:")
-            for name, rows in t["layers"].items():
-                print(f"  {name}")
-                for r in rows:
-                    stored = "; ".join(
-                        f"{e['query_token']!r}->{e['target_token']!r} @{e['target_pos']}: {e['context']!r}"
-                        for e in r["stored"][:3]) or "(initial value: never written before this read)"
-                    print(f"    slot {r['slot']}: {stored}")
-    return 0
-
-
-def register_cli(sub) -> None:
-    """Add ``fastweights memory-stats``."""
-    p = sub.add_parser("memory-stats", help="addressing statistics (collision, coverage, KLD) of PKM/FwPKM "
-                                            "layers over a text, and a trace of what retrieved slots stored")
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory")
-    p.add_argument("--data", help="file, directory or corpus name (default: the checkpoint's corpus)")
-    p.add_argument("--text", help="score this literal text instead of --data (e.g. a prompt plus a generation)")
-    p.add_argument("--window", type=positive_int, default=32768, help="tokens per statistics window (paper: 32768)")
-    p.add_argument("--seq-len", type=nonneg_int, default=0, help="context length for attention layers (default: training)")
-    p.add_argument("--stride", type=positive_int, default=None, help="tokens per model call (default: seq_len / 2)")
-    p.add_argument("--max-tokens", type=nonneg_int, default=0, help="score only the first N tokens (0 = all)")
-    p.add_argument("--trace", type=nonneg_int, nargs="*", default=None,
-                   help="token positions to trace: list the slots each read and what they stored at their last write")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--out", help="also write the JSON summary to this file")
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(func=cmd_memory_stats)
-
-
-def _check_window(window: int) -> None:
-    if window < 1:
-        raise UserError(f"--window must be a positive number of tokens, got {window}")

@@ -1,0 +1,94 @@
+"""The command line, grouped by job (``fastweights --help``):
+
+    make a model     train | prepare | data list | demo
+    score and sample eval (--stream, --dynamic) | generate
+    keep learning    dynamic eval|tune|stats|timescale|generate | continual
+    experiments      task assoc|ba-retrieval|niah | inspect compare|addressing|gates
+    share            export-hf
+
+Every argparse module lives in this package and nothing outside it imports from it: each command parses
+its flags, maps them to the library's settings once, and calls the library. Bad input (a missing path, an
+unknown preset, a corrupt checkpoint) prints one line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fastweights.errors import UserError
+
+# (heading, commands) in the order `fastweights --help` lists them
+JOBS = (("make a model", ("train", "prepare", "data", "demo")),
+        ("score and sample", ("eval", "generate")),
+        ("keep learning while reading", ("dynamic", "continual")),
+        ("experiments", ("task", "inspect")),
+        ("share", ("export-hf",)))
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit status 2 (argparse's default prints the usage too)
+        raise UserError(f"{self.prog}: {message}")
+
+
+class _GroupedHelp(argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def _command_list(sub) -> str:
+    helps = {a.dest: a.help for a in sub._choices_actions}
+    width = max(len(n) for n in helps) + 2
+    out = []
+    for heading, names in JOBS:
+        out.append(f"{heading}:")
+        out.extend(f"  {n:<{width}}{helps[n]}" for n in names)
+    missing = set(helps) - {n for _, names in JOBS for n in names}
+    assert not missing, f"commands without a heading in JOBS: {sorted(missing)}"
+    return "\n".join(out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from fastweights.cli import continual, dynamic, eval as eval_, inspect, tasks, train
+
+    p = _Parser(prog="fastweights", description="Language models whose weights change with the text they read.",
+                formatter_class=_GroupedHelp,
+                epilog="`fastweights COMMAND --help` shows a command's options.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND",
+                           title="commands")
+    train.register(sub, _Parser)
+    eval_.register(sub)
+    dynamic.register(sub, _Parser)
+    continual.register(sub)
+    tasks.register(sub, _Parser)
+    inspect.register(sub, _Parser)
+    listing = _command_list(sub)
+    sub.help = "one of the commands above"
+    sub._choices_actions.clear()  # listed once, by job, in the description
+    p.description += "\n\n" + listing
+    return p
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    return f"warning: {message}\n"  # the command line shows what to change, not which file warned
+
+
+def main(argv: list[str] | None = None) -> int:
+    import warnings
+
+    warnings.formatwarning = _one_line_warning
+    try:
+        args = build_parser().parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)  # what result files record as the command
+        return int(args.func(args) or 0)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:  # a training run saves first (fastweights.train.RunInterrupted says which step)
+        print(str(e) or "interrupted", file=sys.stderr)
+        return getattr(e, "exit_code", 130)
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

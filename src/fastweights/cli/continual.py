@@ -1,0 +1,74 @@
+"""``fastweights continual``: continual adaptation across domains (``adapt.continual``): the NLL on every
+domain after each adaptation stage.
+
+    fastweights continual --checkpoint runs/a --domain shakespeare=shakespeare-heldout --domain spanish=don-quijote \\
+        --out runs/adapt                                                       # -> adapt.json, adapt.png
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fastweights.cli.common import common_flags, describe, load, output_prefix, set_threads
+from fastweights.cli.types import nonneg_int, positive_int
+from fastweights.errors import UserError
+from fastweights.experiments.probes import run_probes
+from fastweights.provenance import write_cli_result
+
+
+def register(sub) -> None:
+    a = sub.add_parser("continual", help="continual adaptation across domains: NLL on every domain after each stage")
+    common_flags(a)
+    a.add_argument("--domain", action="append", required=True, metavar="NAME=PATH",
+                   help="a domain's text (file, directory or corpus name); repeat, in adaptation order")
+    a.add_argument("--adapt-tokens", type=positive_int, default=20000, help="adaptation tokens per domain (from its start)")
+    a.add_argument("--eval-tokens", type=positive_int, default=5000, help="held-out tokens per domain (from its end)")
+    a.add_argument("--seq-len", type=nonneg_int, default=0, help="context length (default: the training seq_len)")
+    a.add_argument("--stride", type=positive_int, default=None, help="predictions per call (default seq_len // 2)")
+    a.add_argument("--eval-state", default="memory", choices=["memory", "all"],
+                   help="score from the post-stage memories only (mixers fresh), or from the whole state")
+    a.add_argument("--out", default="runs/adapt", help="output prefix: writes PREFIX.json and PREFIX.png")
+    from fastweights.cli.dynamic import add_dynamic_arguments
+
+    add_dynamic_arguments(a.add_argument_group("dynamic evaluation on top (see `fastweights dynamic eval`)"), reset=False)
+    a.set_defaults(func=cmd_continual)
+
+
+def cmd_continual(args) -> int:
+    from fastweights.data import load_corpus
+    from fastweights.adapt.continual import adapt_test, format_adapt_table, make_domain, plot_adapt
+
+    set_threads(args)
+    out = output_prefix(args, "runs/adapt")
+    model, tok, cfg = load(args.checkpoint, args.device)
+    seq_len = args.seq_len or cfg.train.seq_len
+    domains = []
+    for spec in args.domain:
+        if "=" not in spec:
+            raise UserError(f"--domain {spec!r} must be NAME=PATH")
+        name, path = spec.split("=", 1)
+        text = "\n\n".join(d.text for d in load_corpus(path, text_field=cfg.data.text_field))
+        domains.append(make_domain(name.strip(), text, tok, args.adapt_tokens, args.eval_tokens))
+    if len({d.name for d in domains}) != len(domains):
+        raise UserError("--domain names must be distinct")
+    ev, info = None, None
+    if args.dynamic:
+        from fastweights.adapt.setup import build_evaluator
+        from fastweights.cli.dynamic import dynamic_settings
+
+        ev, info = build_evaluator(dynamic_settings(args, context=seq_len), model, tok, cfg, Path(args.checkpoint),
+                                   progress=not args.quiet)
+    res = adapt_test(model, domains, seq_len, args.stride, args.eval_state, ev, progress=not args.quiet)
+    res.update(checkpoint=str(args.checkpoint), model=describe(cfg),
+               dynamic=(ev.metadata() | info) if ev is not None else None)
+    write_cli_result(out.with_suffix(".json"), res, getattr(args, "argv", None),
+                     run_probes(cfg, dynamic_rule=ev.rule if ev is not None else None))
+    plot_adapt(res, out.with_suffix(".png"), title=f"continual adaptation: {Path(args.checkpoint).name} ({describe(cfg)})"
+               + (f" + dynamic {ev.rule}" if ev else ""))
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    print(format_adapt_table(res))
+    print(f"-> {out.with_suffix('.json')}, {out.with_suffix('.png')}")
+    return 0

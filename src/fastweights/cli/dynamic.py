@@ -1,0 +1,362 @@
+"""``fastweights dynamic eval | tune | stats | timescale | generate``: dynamic evaluation (Krause et al. 2018).
+
+    fastweights dynamic stats --checkpoint runs/demo               # MS_g on the training split
+    fastweights dynamic tune --checkpoint runs/demo --save runs/demo/dynamic_tuned.json  # lr x decay on validation
+    fastweights dynamic eval --checkpoint runs/demo --data play.txt --tuned runs/demo/dynamic_tuned.json
+    fastweights dynamic eval --hf gpt2-dir --data doc.txt --rule sgd --lr 1e-4
+    fastweights dynamic timescale --checkpoint runs/demo --data spanish.txt --out runs/timescale
+
+Each model source is either ``--checkpoint DIR`` (ours) or ``--hf NAME_OR_PATH`` (a ``transformers``
+causal LM: a directory, a ``.gguf`` file, a hub name, or ``smollm2-135m``). With a checkpoint,
+gradient statistics live next to it (``grad_stats.safetensors``) and are used by default; missing
+statistics are collected from the checkpoint's training split on first use. Tuned settings are
+written only where ``dynamic tune --save`` says and used only when named (``--tuned FILE``).
+Hugging Face models keep the whole stream in context by default (``hf.kv_context``).
+
+Besides full dynamic evaluation: ``--sparse-units`` (paper section 6), ``--lowrank-rank`` (low-rank MLP
+deltas, ``adapt.lowrank``; excludes ``--sparse-units``), ``--lr-schedule`` (within the stream), and
+``dynamic eval --cache-on-dynamic`` (the neural cache on the adapted model, ``adapt.dynamic_cache``).
+
+Each command maps its flags to an :class:`~fastweights.adapt.setup.DynamicSettings` once
+(:func:`dynamic_settings`) and calls the library (``adapt.setup``, ``adapt.evaluate``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from fastweights.adapt.evaluate import ComparisonOptions, evaluate_static_and_dynamic, headline_key
+from fastweights.adapt.setup import (DEFAULT_STATS_BATCHES, DynamicSettings, adaptation_spec, build_evaluator,
+                                     collect_stats, default_context, default_segment_len, encode_texts, evaluator_like,
+                                     load_model_and_tokenizer, load_texts, stats_path, weights_fingerprint)
+from fastweights.cli.types import floats, fraction, nonneg_float, nonneg_int, positive_float, positive_int, seed
+from fastweights.errors import UserError
+
+HF_STATS_CONTEXT = 1024  # dynamic stats' default KV-cache bound for Hugging Face models (x --batch-size streams)
+
+
+# ----------------------------------------------------------------------------- shared arguments
+
+
+def _model_args(p, data_help: str) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="checkpoint directory of a fastweights model")
+    src.add_argument("--hf", metavar="NAME_OR_PATH",
+                     help="Hugging Face causal LM: a directory, a .gguf file, a hub name, or smollm2-135m")
+    p.add_argument("--data", help=data_help)
+    p.add_argument("--max-chars", type=nonneg_int, default=0, help="use only the first N characters of the text (0: all)")
+    p.add_argument("--bos", action="store_true",
+                   help="prepend the tokenizer's BOS token so the first token is scored too (Hugging Face models)")
+    p.add_argument("--sinks", type=nonneg_int, default=None,
+                   help="Hugging Face models: first tokens a bounded KV cache never evicts (attention sinks; default 4, "
+                        "0: plain sliding window)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+
+
+def _schedule(text: str) -> str:
+    """argparse type of --lr-schedule: constant, warmup:W or rsqrt:S."""
+    from fastweights.adapt.update_rules import parse_schedule
+
+    try:
+        parse_schedule(text)
+    except UserError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _lowrank_args(p) -> None:
+    p.add_argument("--lowrank-rank", type=nonneg_int, default=0,
+                   help="low-rank dynamic evaluation: adapt rank-N deltas W + A B of the projections --lowrank-params "
+                        "selects (A from zero, B fixed random; 0: off)")
+    p.add_argument("--lowrank-params", metavar="GLOBS",
+                   help="module globs of the low-rank projections, comma-separated (default '*mlp.*': the MLPs)")
+
+
+def _rule_args(p, with_lr: bool = True, rule_flag: str = "--rule", with_context: bool = True) -> None:
+    from fastweights.adapt.update_rules import DEFAULT_EPS, RULES
+
+    if rule_flag == "--rule":
+        p.add_argument("--rule", default="rms-global-prior", help=f"update rule: {', '.join(RULES)}")
+    else:
+        p.add_argument(rule_flag, metavar="RULE", default=None,
+                       help=f"also evaluate dynamically with this update rule ({', '.join(RULES)})")
+    if with_lr:
+        p.add_argument("--lr", type=nonneg_float, default=None, help="learning rate eta (default: tuned file, else 5e-5)")
+        p.add_argument("--decay", type=nonneg_float, default=None, help="prior decay lambda (default: tuned file, else 0.002)")
+        p.add_argument("--tuned", metavar="FILE",
+                       help="lr and decay from this `dynamic tune --save` file (a tuned file is used only when named)")
+    p.add_argument("--eps", type=positive_float, default=DEFAULT_EPS, help="epsilon of the RMS rules")
+    p.add_argument("--lr-schedule", type=_schedule, default="constant", metavar="SPEC",
+                   help="learning rate within the stream: constant (default), warmup:W (linear ramp over the first W "
+                        "updates) or rsqrt:S (lr / sqrt(1 + i / S) at update i)")
+    p.add_argument("--segment-len", type=nonneg_int, default=0,
+                   help="predictions per update (default 20 for char/byte models, 128 for subword models)")
+    if with_context:
+        p.add_argument("--context", "--seq-len", dest="seq_len", type=nonneg_int, default=0,
+                       help="attention context in tokens (default: the training seq_len; Hugging Face models: the "
+                            "whole stream up to the model's position limit)")
+    p.add_argument("--stats", help="gradient statistics file (default: grad_stats*.safetensors in the checkpoint)")
+    p.add_argument("--params", help="adapt only parameters matching these globs, comma-separated (e.g. 'blocks.3.*')")
+    p.add_argument("--exclude-params", help="do not adapt parameters matching these globs (e.g. 'embed.*')")
+    p.add_argument("--sparse-units", type=nonneg_int, default=0,
+                   help="sparse dynamic evaluation: adapt an HxH matrix on the first H units of one block's output")
+    p.add_argument("--sparse-layer", type=int, default=None, help="block for sparse adaptation (default: the middle one)")
+    _lowrank_args(p)
+
+
+SETTING_FLAGS = ("lr", "decay", "tuned", "eps", "lr_schedule", "segment_len", "stats", "params", "exclude_params",
+                 "sparse_units", "sparse_layer", "lowrank_rank", "lowrank_params")
+
+
+def dynamic_settings(args, rule: str | None = None, context: int | None = None) -> DynamicSettings:
+    """The parsed dynamic-evaluation flags as :class:`DynamicSettings` (``--dynamic RULE`` or ``--rule``;
+    the context: ``context`` when given, else ``--context`` / ``--seq-len``)."""
+    given = {k: getattr(args, k) for k in SETTING_FLAGS if getattr(args, k, None) is not None}
+    rule = rule or getattr(args, "dynamic", None) or getattr(args, "rule", None) or "rms-global-prior"
+    return DynamicSettings(rule=rule, context=context if context is not None else getattr(args, "seq_len", 0) or 0,
+                           **given)
+
+
+def comparison_options(args) -> ComparisonOptions:
+    """The parsed flags of ``dynamic eval`` (or ``eval --dynamic``) as :class:`ComparisonOptions`."""
+    from dataclasses import fields
+
+    return ComparisonOptions(**{f.name: getattr(args, f.name) for f in fields(ComparisonOptions) if hasattr(args, f.name)})
+
+
+def _load(args):
+    return load_model_and_tokenizer(getattr(args, "checkpoint", None), getattr(args, "hf", None),
+                                    getattr(args, "device", "auto"), getattr(args, "sinks", None))
+
+
+def add_dynamic_arguments(parser, reset: bool = True) -> None:
+    """Add ``--dynamic RULE`` and the dynamic-evaluation options to another command's parser.
+
+    For ``fastweights eval`` and ``fastweights continual``: they already have ``--seq-len`` (the context),
+    so that flag is not added; ``--reset`` only where ``reset`` (``eval``). ``args.dynamic`` None: not asked for.
+    """
+    _rule_args(parser, rule_flag="--dynamic", with_context=False)
+    if reset:
+        parser.add_argument("--reset", default="per_document", choices=["per_document", "never"],
+                            help="dynamic evaluation: start each document from the trained weights, or carry the "
+                                 "adaptation")
+
+
+def register(top, parser_class) -> None:
+    """Add ``fastweights dynamic eval | tune | stats | timescale | generate``."""
+    group = top.add_parser("dynamic", help="dynamic evaluation, the slow weights learning from the text: eval, tune, "
+                                           "stats, timescale, generate")
+    sub = group.add_subparsers(dest="dynamic_command", metavar="eval|tune|stats|timescale|generate", required=True,
+                               parser_class=parser_class)
+    d = sub.add_parser("eval", help="score text statically and with dynamic evaluation, side by side")
+    _model_args(d, "text to score (file, directory, corpus name); default: the checkpoint's test split")
+    d.add_argument("--split", default="test", choices=["train", "val", "test"])
+    _rule_args(d)
+    d.add_argument("--reset", default="per_document", choices=["per_document", "never"],
+                   help="start every document from the trained weights, or carry the adaptation across documents")
+    d.add_argument("--batch-docs", type=positive_int, default=1,
+                   help="evaluate this many documents at once, each with its own adapted weights")
+    d.add_argument("--cache", action="store_true", help="also report the neural cache baseline (Grave et al. 2017)")
+    d.add_argument("--cache-window", type=positive_int, default=500)
+    d.add_argument("--cache-flatness", type=nonneg_float, default=1.0)
+    d.add_argument("--cache-mix", type=fraction, default=0.1)
+    d.add_argument("--cache-similarity", default="dot", choices=["dot", "cosine"])
+    d.add_argument("--cache-on-dynamic", action="store_true",
+                   help="also report the neural cache on top of dynamic evaluation (the --cache-* settings; "
+                        "documents one at a time)")
+    d.add_argument("--json", action="store_true")
+    d.add_argument("--per-token", metavar="PATH",
+                   help="write every prediction's static and dynamic (and dynamic+cache) loss (nats) as JSON to PATH")
+    d.set_defaults(func=cmd_dynamic_eval)
+
+    t = sub.add_parser("tune", help="grid-search the dynamic-evaluation lr and decay on validation text")
+    _model_args(t, "validation text (default: the checkpoint's validation split)")
+    _rule_args(t, with_lr=False)
+    t.add_argument("--lrs", help="comma-separated learning rates: search this grid (default: automatic search)")
+    t.add_argument("--decays", help="comma-separated decays (with --lrs: the grid's decays)")
+    t.add_argument("--official-grid", action="store_true",
+                   help="dynamiceval.py's grid (6 lrs x 4 decays, scaled by segment/5) instead of the search")
+    t.add_argument("--tune-chars", type=nonneg_int, default=20000,
+                   help="characters of validation text to tune on (a small subset suffices; 0: all)")
+    t.add_argument("--save", metavar="FILE",
+                   help="write the result here (not written without it); dynamic eval --tuned FILE uses it")
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(func=cmd_tune_dynamic)
+
+    c = sub.add_parser("stats", help="mean squared gradients on training text, for the RMS rules")
+    _model_args(c, "TRAINING text (default: the checkpoint's training split; required with --hf)")
+    c.add_argument("--batch-size", type=positive_int, default=100, help="parallel streams per batch (dynamiceval.py: 100)")
+    c.add_argument("--seq-len", type=nonneg_int, default=0, help="targets per stream per batch (default: the segment length)")
+    c.add_argument("--context", type=nonneg_int, default=0,
+                   help=f"attention context in tokens (default: the training seq_len; Hugging Face models: "
+                        f"{HF_STATS_CONTEXT}, the first tokens kept)")
+    c.add_argument("--max-batches", type=nonneg_int, default=DEFAULT_STATS_BATCHES, help="0: the whole text")
+    c.add_argument("--params")
+    c.add_argument("--exclude-params")
+    c.add_argument("--sparse-units", type=nonneg_int, default=0)
+    c.add_argument("--sparse-layer", type=int, default=None)
+    _lowrank_args(c)
+    c.add_argument("--out", help="output file (default: next to the checkpoint)")
+    c.set_defaults(func=cmd_collect_grad_stats)
+
+    s = sub.add_parser("timescale", help="loss against position, static vs dynamic (the paper's Figure 2): PNG + JSON")
+    _model_args(s, "text to analyse (default: the checkpoint's test split)")
+    _rule_args(s)
+    s.add_argument("--doc-len", type=positive_int, default=10000, help="tokens per sequence (the paper: 10,000 characters)")
+    s.add_argument("--max-docs", type=positive_int, default=20, help="sequences to average over")
+    s.add_argument("--window", type=positive_int, default=100, help="positions averaged per point")
+    s.add_argument("--out", default="runs/timescale", help="output prefix: writes PREFIX.png and PREFIX.json")
+    s.set_defaults(func=cmd_timescale)
+
+    g = sub.add_parser("generate", help="sample while adapting: read a text, then generate and update")
+    _model_args(g, "text to read (and adapt on) before sampling")
+    _rule_args(g)
+    g.add_argument("--prompt", default="", help="text appended after --data as the prompt")
+    g.add_argument("--max-tokens", type=nonneg_int, default=300)
+    g.add_argument("--temperature", type=nonneg_float, default=0.8)
+    g.add_argument("--top-k", type=nonneg_int, default=0)
+    g.add_argument("--seed", type=seed, default=0)
+    g.add_argument("--static-too", action="store_true", help="also sample from the static model for comparison")
+    g.set_defaults(func=cmd_dynamic_generate)
+
+
+
+def cmd_dynamic_eval(args) -> int:
+    model, tok, cfg, ckpt = _load(args)
+    texts = load_texts(args.data, cfg, args.split, args.max_chars)
+    res = evaluate_static_and_dynamic(dynamic_settings(args), model, tok, cfg, texts, ckpt, comparison_options(args),
+                                      progress=not args.quiet)
+    res["data"] = args.data or f"{cfg.data.corpus}:{args.split}"
+    res["model"] = args.checkpoint or f"hf:{args.hf}"
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    key = headline_key(tok)
+    s = res["settings"]
+    from fastweights.adapt.update_rules import PRIOR_RULES
+
+    has_prior = s["rule"] in PRIOR_RULES  # sgd and rms have no decay towards the trained weights
+    decay = f"decay {s['decay']:.3g}, " if has_prior else ""
+    sched = f"schedule {s['lr_schedule']}, " if "lr_schedule" in s else ""
+    lowrank = (f"rank-{s['lowrank_rank']} deltas on {s['lowrank_projections']} projections ({s['lowrank_modules']}), "
+               if "lowrank_rank" in s else "")
+    sources = f"lr: {s['lr_source']}" + (f"; decay: {s['decay_source']}" if has_prior else "")
+    print(f"{res['data']}: {res['static']['tokens']} tokens, {res['documents']} document(s); rule {s['rule']}, "
+          f"lr {s['lr']:.3g}, {decay}{sched}{lowrank}segment {s['segment_len']}, context {s['context']} ({sources})")
+    rows = [(name, label) for name, label in (("static", "static"), ("dynamic", "dynamic"), ("cache", "cache"),
+                                              ("dynamic_cache", "dynamic+cache")) if name in res]
+    width = max(len(label) for _, label in rows)
+    static_loss = res["static"]["loss_nats"]
+    for name, label in rows:
+        gain = 1 - res[name]["loss_nats"] / static_loss if static_loss > 0 else 0.0
+        lower = f", {100 * gain:.2f}% lower" if name != "static" else ""
+        print(f"  {label:<{width}}: {key} {res[name][key]:.4f}  (loss {res[name]['loss_nats']:.4f} nats/token{lower})")
+    if "per_token_file" in res:
+        print(f"  per-token losses -> {res['per_token_file']}")
+    return 0
+
+
+def cmd_tune_dynamic(args) -> int:
+    from fastweights.adapt.tune import format_table, official_grid, save_tuned, tune_dynamic
+
+    model, tok, cfg, ckpt = _load(args)
+    texts = load_texts(args.data, cfg, "val", args.tune_chars)
+    docs, _ = encode_texts(tok, texts, args.bos)
+    first, _ = build_evaluator(dynamic_settings(args), model, tok, cfg, ckpt, lr=0.0, decay=0.0, progress=not args.quiet)
+    lrs, decays = floats(args.lrs, "--lrs"), floats(args.decays, "--decays")
+    if args.official_grid:
+        lrs, decays = official_grid(first.segment_len)
+    res = tune_dynamic(lambda lr, decay: evaluator_like(first, lr, decay), docs, lrs, decays, progress=not args.quiet)
+    path = args.save
+    if path:
+        save_tuned(res, path, weights_sha256=weights_fingerprint(ckpt))
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        print(format_table(res))
+        print(f"saved to {path} (use it with dynamic eval --tuned {path})" if path else
+              "not saved (pass --save FILE to keep it for dynamic eval --tuned FILE)")
+    return 0
+
+
+def cmd_collect_grad_stats(args) -> int:
+    model, tok, cfg, ckpt = _load(args)
+    if args.hf and not args.data:
+        raise UserError("--data (training text) is required with --hf")
+    if args.batch_size < 1:
+        raise UserError("--batch-size must be >= 1")
+    segment_len = args.seq_len or default_segment_len(tok)
+    context = args.context or default_context(model, cfg)
+    if cfg is None and not args.context:  # HF: whole-stream caches for --batch-size streams would not fit in memory
+        context = min(context, HF_STATS_CONTEXT)
+    settings = DynamicSettings(params=args.params, exclude_params=args.exclude_params, sparse_units=args.sparse_units,
+                               sparse_layer=args.sparse_layer, lowrank_rank=args.lowrank_rank,
+                               lowrank_params=args.lowrank_params, stats_data=args.data, stats_batch_size=args.batch_size,
+                               stats_batches=args.max_batches, stats_seq_len=segment_len)
+    spec = adaptation_spec(settings, model)
+    out = Path(args.out) if args.out else stats_path(None, ckpt, spec)
+    if out is None:
+        raise UserError("--out is required with --hf")
+    stats = collect_stats(model, tok, cfg, settings, segment_len, context, spec, out, not args.quiet, ckpt)
+    print(f"gradient statistics of {len(stats.ms)} tensors over {stats.batches} batches of "
+          f"{stats.batch_size} x {stats.seq_len} tokens -> {out}")
+    return 0
+
+
+def cmd_timescale(args) -> int:
+    from fastweights.adapt.timescale import plot_timescale, timescale_analysis
+    from fastweights.files import atomic_write
+
+    if args.doc_len < 2 or args.max_docs < 1 or args.window < 1:
+        raise UserError("--doc-len must be >= 2, --max-docs and --window >= 1")
+    model, tok, cfg, ckpt = _load(args)
+    texts = load_texts(args.data, cfg, "test", args.max_chars)
+    ids = torch.cat([torch.as_tensor(tok.encode(t), dtype=torch.long) for t in texts])
+    n = min(args.max_docs, ids.numel() // args.doc_len)
+    if n == 0:
+        raise UserError(f"the text has {ids.numel()} tokens, fewer than one sequence of --doc-len {args.doc_len}")
+    docs = [ids[i * args.doc_len : (i + 1) * args.doc_len] for i in range(n)]  # consecutive sequences
+    if args.bos:  # each sequence starts with BOS, so its first token is scored too
+        if getattr(tok, "bos_id", None) is None:
+            raise UserError("--bos: this tokenizer has no BOS token")
+        docs = [torch.cat([torch.tensor([tok.bos_id]), d]) for d in docs]
+    ev, info = build_evaluator(dynamic_settings(args), model, tok, cfg, ckpt, progress=not args.quiet)
+    res = timescale_analysis(ev, docs, args.window, progress=not args.quiet)
+    res["settings"] = ev.metadata() | info
+    res["data"] = args.data or f"{cfg.data.corpus}:test"
+    res["unit"] = "bits per token" + (" (= per character)" if tok.name == "char" else "")
+    prefix = Path(args.out)
+    png = plot_timescale(res, prefix.with_suffix(".png"), title=f"{res['data']}: {n} sequences of {args.doc_len} tokens")
+    res["png"] = str(png)
+    atomic_write(prefix.with_suffix(".json"), lambda p: p.write_text(json.dumps(res, indent=2) + "\n"))
+    print(f"static {res['static_mean_bits']:.4f}, dynamic {res['dynamic_mean_bits']:.4f} bits/token over {n} "
+          f"sequences of {args.doc_len}; wrote {png} and {prefix.with_suffix('.json')}")
+    return 0
+
+
+def cmd_dynamic_generate(args) -> int:
+    from fastweights.generate import generate_tokens
+
+    model, tok, cfg, ckpt = _load(args)
+    text = ("".join(load_texts(args.data, cfg, "test", args.max_chars)) if args.data else "") + args.prompt
+    if not text:
+        raise UserError("give --data and/or --prompt to read before sampling")
+    ids = torch.as_tensor(tok.encode(text), dtype=torch.long)
+    ev, _ = build_evaluator(dynamic_settings(args), model, tok, cfg, ckpt, progress=not args.quiet)
+    out, _ = ev.generate(ids, args.max_tokens, args.temperature, args.top_k, args.seed)
+    print("== dynamic (adapted on the text, still updating while sampling)")
+    print(tok.decode(out))
+    if args.static_too:
+        ctx = ev.context or (ids.numel() + args.max_tokens + 1)
+        static = list(generate_tokens(model, ids[-(ctx - 1):].tolist(), args.max_tokens, args.temperature, args.top_k,
+                                      args.seed, context=ctx))
+        print("== static")
+        print(tok.decode(static))
+    return 0
+
+

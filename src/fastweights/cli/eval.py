@@ -1,0 +1,153 @@
+"""``fastweights eval`` (plain, ``--stream``, ``--dynamic RULE``) and ``fastweights generate``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from fastweights.cli.dynamic import add_dynamic_arguments
+from fastweights.cli.stream import add_stream_arguments, run_stream_eval
+from fastweights.cli.types import nonneg_float, nonneg_int, positive_int, seed
+from fastweights.errors import UserError
+
+STREAM_ONLY = ("modes", "bin", "max_tokens", "max_chars", "labels", "out", "overwrite", "threads")
+
+
+def register(sub) -> None:
+    e = sub.add_parser("eval", help="score text with a checkpoint (bits per char/byte or perplexity)")
+    e.add_argument("--checkpoint", action="append", required=True,
+                   help="checkpoint directory (with --stream: repeat to compare models on the same text)")
+    e.add_argument("--data", help="text to score (file, directory, corpus name); default: the checkpoint's test split")
+    e.add_argument("--split", default="test", choices=["train", "val", "test"])
+    e.add_argument("--seq-len", type=nonneg_int, default=0, help="context length (default: the training seq_len)")
+    e.add_argument("--stride", type=positive_int, default=None, help="tokens scored per call (default seq_len // 2)")
+    e.add_argument("--device", default="auto")
+    e.add_argument("--stream", action="store_true",
+                   help="per-position loss curves along long documents: fast weights carried, reset or frozen "
+                        "(--modes), PNG + JSON")
+    e.add_argument("--json", action="store_true")
+    e.add_argument("--quiet", action="store_true")
+    add_stream_arguments(e)  # --modes --bin --out ... (with --stream)
+    add_dynamic_arguments(e.add_argument_group("dynamic evaluation (--dynamic RULE; see `fastweights dynamic eval`)"))
+    e.set_defaults(func=cmd_eval)
+
+    g = sub.add_parser("generate", help="sample text from a checkpoint")
+    g.add_argument("--checkpoint", required=True)
+    g.add_argument("--prompt", default="\n")
+    g.add_argument("--max-tokens", type=nonneg_int, default=200)
+    g.add_argument("--temperature", type=nonneg_float, default=0.8, help="0: greedy")
+    g.add_argument("--top-k", type=nonneg_int, default=0, help="0: all tokens")
+    g.add_argument("--seed", type=seed, default=0, help="sampling seed, in [0, 2**63 - 1]")
+    g.add_argument("--device", default="auto")
+    g.set_defaults(func=cmd_generate)
+
+
+def _eval_texts(args, cfg):
+    """Documents to score: --data (file/dir/corpus name, all of it) or the checkpoint's --split."""
+    from fastweights.adapt.setup import load_texts
+
+    return load_texts(args.data, cfg, args.split)
+
+
+def _eval_prepared(model, tokenizer, cfg, args, seq_len):
+    """Score a split of a `fastweights prepare` directory straight from its memory map."""
+    import numpy as np
+    import torch
+
+    from fastweights.evaluate import score_tokens
+    from fastweights.progress import Progress
+    from fastweights.train import prepare_data
+
+    stream = getattr(prepare_data(cfg, Path(cfg.data.corpus), tokenizer, progress=False), args.split)
+    bar = Progress(len(stream) - 1, "tok", desc="eval", enabled=not args.quiet)
+    result, _ = score_tokens(model, torch.from_numpy(np.asarray(stream.tokens, dtype=np.int64)), seq_len,
+                             args.stride, progress=bar)
+    bar.close()
+    return result
+
+
+def cmd_eval(args) -> int:
+    from fastweights.checkpoint import load_checkpoint
+    from fastweights.evaluate import evaluate_documents
+    from fastweights.distributed import resolve_device
+
+    if args.stream:
+        return run_stream_eval(args)
+    if len(args.checkpoint) > 1:
+        raise UserError("--checkpoint is given more than once: several checkpoints need --stream")
+    args.checkpoint = args.checkpoint[0]
+    given = [f"--{k.replace('_', '-')}" for k in STREAM_ONLY if getattr(args, k) not in (None, False, 0, "carry,reset,frozen", 256)]
+    if given:
+        raise UserError(f"{given[0]} applies to --stream")
+    model, tokenizer, cfg = load_checkpoint(Path(args.checkpoint), map_location=str(resolve_device(args.device)))
+    seq_len = args.seq_len or cfg.train.seq_len
+    if args.stride is not None and args.stride > seq_len:
+        raise UserError(f"--stride {args.stride} must be at most the context length ({seq_len}, --seq-len)")
+    if args.dynamic:
+        from fastweights.adapt.evaluate import evaluate_static_and_dynamic
+        from fastweights.cli.dynamic import comparison_options, dynamic_settings
+
+        res = evaluate_static_and_dynamic(dynamic_settings(args), model, tokenizer, cfg, _eval_texts(args, cfg),
+                                          Path(args.checkpoint), comparison_options(args), progress=not args.quiet)
+        key = next(k for k in ("bits_per_char", "bits_per_byte", "perplexity") if k in res["static"])
+        print(json.dumps(res, indent=2) if args.json else
+              f"static {res['static'][key]:.4f}  dynamic ({args.dynamic}) {res['dynamic'][key]:.4f} {key} "
+              f"({100 * res['relative_improvement']:.1f}% lower)")
+        return 0
+    if not args.data and (Path(cfg.data.corpus) / "prepared.json").is_file():
+        result = _eval_prepared(model, tokenizer, cfg, args, seq_len)
+    else:
+        texts = _eval_texts(args, cfg)
+        _warn_unknown(tokenizer, texts, "the evaluation text")
+        result = evaluate_documents(model, tokenizer, texts, seq_len, args.stride, progress=not args.quiet)
+    if result.tokens == 0:
+        raise UserError("nothing to score: the evaluation text has fewer than two tokens")
+    metrics = result.metrics(tokenizer.name)
+    metrics.update(checkpoint=str(args.checkpoint), data=args.data or f"{cfg.data.corpus}:{args.split}")
+    if args.json:
+        print(json.dumps(metrics, indent=2))
+    else:
+        key = "bits_per_char" if tokenizer.name in ("char",) else ("bits_per_byte" if tokenizer.name == "byte" else "perplexity")
+        print(f"{metrics['data']}: {key} {metrics[key]:.4f} ({metrics['tokens']} tokens, loss {metrics['loss_nats']:.4f} nats)")
+    return 0
+
+
+def _warn_unknown(tokenizer, texts, what: str) -> None:
+    from fastweights.data.tokenizers import unknown_symbols_warning
+
+    line = unknown_symbols_warning(tokenizer, texts, what)
+    if line:
+        print(line, file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------- generate
+
+
+def cmd_generate(args) -> int:
+    from fastweights.checkpoint import load_checkpoint
+    from fastweights.generate import generate_tokens
+    from fastweights.distributed import resolve_device
+
+    model, tokenizer, cfg = load_checkpoint(Path(args.checkpoint), map_location=str(resolve_device(args.device)))
+    _warn_unknown(tokenizer, [args.prompt], "the prompt")
+    prompt = tokenizer.encode(args.prompt)
+    prompt = [int(t) for t in prompt]
+    if not prompt:
+        raise UserError("--prompt must not be empty")
+    if args.max_tokens < 0:
+        raise UserError("--max-tokens must be >= 0")
+    out = sys.stdout
+    out.write(args.prompt)
+    ids: list[int] = []
+    shown = ""
+    for tok in generate_tokens(model, prompt, args.max_tokens, args.temperature, args.top_k, args.seed,
+                               context=cfg.train.seq_len):
+        ids.append(tok)
+        text = tokenizer.decode(ids)  # decode the whole continuation: multi-token characters stay intact
+        if not text.endswith("\ufffd"):
+            out.write(text[len(shown):])
+            out.flush()
+            shown = text
+    out.write(tokenizer.decode(ids)[len(shown):] + "\n")
+    return 0

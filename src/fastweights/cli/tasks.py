@@ -1,0 +1,301 @@
+"""``fastweights task assoc | ba-retrieval | niah``: the synthetic tasks of the papers (``fastweights.tasks``).
+
+- ``assoc``: associative retrieval of Schlag et al. 2021, section 6.1 (:mod:`fastweights.tasks.assoc`): train
+  the retrieval model over a sweep of key counts, print or write the results;
+- ``ba-retrieval``: associative retrieval of Ba et al. 2016 (:mod:`fastweights.tasks.ba_retrieval`);
+- ``niah``: needle in a haystack with n-iter re-reading (:mod:`fastweights.tasks.niah`, ``niah_token``)::
+
+    fastweights task niah --checkpoint runs/niah-cpu --lengths 1024,2048,4096 --iters 1,2 --samples 20 \\
+        --haystack tinyshakespeare --out runs/niah-cpu/niah              # -> niah.json, niah.png
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+import fastweights.tasks.niah  # noqa: F401  (registers the corpus "niah-tinyshakespeare" used by configs/niah-cpu.toml)
+import fastweights.tasks.niah_token  # noqa: F401  (registers "niah-token-tinyshakespeare", configs/niah-token.toml)
+from fastweights.cli.common import common_flags, describe, load, output_prefix, set_threads
+from fastweights.cli.types import fraction, ints, nonneg_float, nonneg_int, positive_float, positive_int, seed
+from fastweights.errors import UserError
+from fastweights.experiments.probes import fingerprinted, probe, run_probes
+from fastweights.provenance import write_cli_result
+from fastweights.tasks.assoc import FEATURE_MAPS, RULES, AssocConfig, parse_keys, parse_model, plot_capacity, run_sweep
+from fastweights.tasks.ba_retrieval import MODELS, SPLIT_SIZES
+
+
+def cmd_assoc(args) -> int:
+    """``fastweights task assoc``: train, print a table (or JSON), optionally write JSON and a plot."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    models = [parse_model(m) for m in args.model] if args.model else [
+        {"rule": args.rule, "feature_map": args.feature_map, "nu": args.nu, "n_features": args.n_features}
+    ]
+    for m in models:
+        if m["rule"] not in RULES:
+            raise UserError(f"assoc: unknown rule {m['rule']!r}; choose one of {', '.join(RULES)}")
+    base = AssocConfig(
+        setting=args.setting, hidden=args.hidden, batch_size=args.batch_size, lr=args.lr,
+        max_steps=args.max_steps, max_minutes=args.max_minutes, eval_every=args.eval_every,
+        eval_sequences=args.eval_sequences, stop_loss=args.stop_loss, patience=args.patience, seed=args.seed,
+    )
+    results = run_sweep(base, parse_keys(args.keys), models, progress=not args.quiet)
+    if args.out:
+        measured = fingerprinted([probe("assoc_model", setting=args.setting, **m) for m in models]
+                                 + [probe("task", name="assoc")])
+        write_cli_result(Path(args.out), {"results": results}, getattr(args, "argv", None), measured)
+    if args.plot:
+        plot_capacity(results, Path(args.plot))
+    if args.json:
+        print(json.dumps(results[0] if len(results) == 1 else results, indent=2))
+    else:
+        print(f"{'model':<16} {'S':>5} {'final loss':>11} {'steps':>7} {'stopped':>12} {'sec':>7}")
+        for r in results:
+            print(f"{r['label']:<16} {r['keys']:>5} {r['final_eval_loss']:>11.4f} {r['steps']:>7} "
+                  f"{r['stopped']:>12} {r['seconds']:>7.1f}")
+    return 0
+
+
+def register(top, parser_class) -> None:
+    """Add ``fastweights task assoc | ba-retrieval | niah``."""
+    task = top.add_parser("task", help="synthetic tasks from the papers: assoc, ba-retrieval, niah")
+    sub = task.add_subparsers(dest="task", metavar="assoc|ba-retrieval|niah", required=True, parser_class=parser_class)
+    _register_assoc(sub)
+    _register_ba_retrieval(sub)
+    _register_niah(sub)
+
+
+def _register_assoc(sub) -> None:
+    p = sub.add_parser(
+        "assoc", help="synthetic associative retrieval (Schlag et al. 2021, sec. 6.1): capacity of fast weights",
+        description="Train the paper's small fast weight model on associative retrieval; report the final eval loss.",
+    )
+    p.add_argument("--setting", type=int, choices=(1, 2), default=1,
+                   help="1: S unique keys, length S; 2: keys with replacement, length 2S (overwrites)")
+    p.add_argument("--keys", default="20", help="number of keys S: 60, 20,40,60 or 20:100:20 (default 20)")
+    p.add_argument("--rule", choices=RULES, default="sum")
+    p.add_argument("--feature-map", choices=FEATURE_MAPS, default="elu1")
+    p.add_argument("--nu", type=positive_int, default=1, help="DPFP order (d_dot = 128 nu)")
+    p.add_argument("--n-features", type=positive_int, default=64, help="FAVOR+ random features m (d_dot = 2m)")
+    p.add_argument("--model", action="append", default=[],
+                   help="RULE:MAP (e.g. sum:elu1, delta:dpfp1, sum:favor64); repeat for several; overrides --rule etc.")
+    p.add_argument("--hidden", type=positive_int, default=64)
+    p.add_argument("--batch-size", type=positive_int, default=32)
+    p.add_argument("--lr", type=positive_float, default=1e-3)
+    p.add_argument("--max-steps", type=positive_int, default=100_000)
+    p.add_argument("--max-minutes", type=nonneg_float, default=0.0, help="wall-clock budget per run (0 = none)")
+    p.add_argument("--eval-every", type=positive_int, default=100)
+    p.add_argument("--eval-sequences", type=positive_int, default=20)
+    p.add_argument("--stop-loss", type=nonneg_float, default=0.001)
+    p.add_argument("--patience", type=nonneg_int, default=10)
+    p.add_argument("--seed", type=seed, default=1)
+    p.add_argument("--threads", type=nonneg_int, default=1, help="torch CPU threads (default 1; 0 = torch's default)")
+    p.add_argument("--json", action="store_true", help="print the result(s) as JSON")
+    p.add_argument("--out", help="write the results (with the command) as JSON to this path")
+    p.add_argument("--plot", help="write the capacity plot (final loss vs S) as PNG to this path")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.set_defaults(func=cmd_assoc)
+
+
+def _register_ba_retrieval(sub) -> None:
+    p = sub.add_parser(
+        "ba-retrieval",
+        help="associative retrieval of Ba et al. 2016 (e.g. c9k8j3f1??c -> 9)",
+        description="Train the paper's task network on associative retrieval and report the test error.",
+    )
+    p.add_argument("--model", default="fast-rnn", choices=MODELS, help="recurrent layer (default fast-rnn)")
+    p.add_argument("--hidden", type=int, default=20, help="recurrent units R (default 20)")
+    p.add_argument("--keys", type=int, default=4, help="key-value pairs K per sequence (default 4)")
+    p.add_argument("--steps", type=int, default=45_000, help="maximum Adam updates (default 45000)")
+    p.add_argument("--max-minutes", type=nonneg_float, default=0.0, help="wall-clock limit of training; 0 = none")
+    p.add_argument("--target-val-error", type=fraction, default=0.01,
+                   help="stop once the validation error is at most this fraction (default 0.01)")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="Adam learning rate (default 1e-3)")
+    p.add_argument("--decay-fraction", type=fraction, default=0.2,
+                   help="decay the learning rate linearly to 0 over this final fraction of --steps (default 0.2)")
+    p.add_argument("--grad-clip", type=nonneg_float, default=5.0, help="gradient-norm clip; 0 = off (default 5)")
+    p.add_argument("--eval-every", type=int, default=500, help="steps between validation passes (default 500)")
+    p.add_argument("--seed", type=seed, default=0, help="initialisation and batch-order seed")
+    p.add_argument("--data-seed", type=seed, default=1234, help="seed of the generated splits")
+    p.add_argument("--train-size", type=int, default=SPLIT_SIZES["train"])
+    p.add_argument("--val-size", type=int, default=SPLIT_SIZES["val"])
+    p.add_argument("--test-size", type=int, default=SPLIT_SIZES["test"])
+    p.add_argument("--digit-head", action="store_true", help="10-way digit output instead of the 37-token vocabulary")
+    p.add_argument("--lam", type=fraction, default=0.95, help="fast-rnn: decay lambda (default 0.95)")
+    p.add_argument("--eta", type=nonneg_float, default=0.5, help="fast-rnn: fast learning rate eta (default 0.5)")
+    p.add_argument("--inner-steps", type=positive_int, default=1, help="fast-rnn: inner-loop steps S (default 1)")
+    p.add_argument("--no-layer-norm", action="store_true", help="fast-rnn: ablate LayerNorm")
+    p.add_argument("--no-fast-weights", action="store_true", help="fast-rnn: ablate the fast weights (LN-RNN)")
+    p.add_argument("--threads", type=nonneg_int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON result to this file")
+    p.set_defaults(func=cmd_ba_retrieval)
+
+
+def cmd_ba_retrieval(args) -> int:
+    """``fastweights task ba-retrieval``; returns the exit status."""
+    from fastweights.tasks.ba_retrieval import VOCAB, RetrievalNet, decode, make_splits, train_retrieval
+
+    # the counts are checked here (one line naming the flag); the other numbers by their argparse types
+    for name in ("hidden", "keys", "steps", "batch_size", "eval_every", "train_size", "val_size", "test_size"):
+        if getattr(args, name) < 1:
+            raise UserError(f"ba-retrieval: --{name.replace('_', '-')} must be >= 1")
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    sizes = {"train": args.train_size, "val": args.val_size, "test": args.test_size}
+    splits = make_splits(args.data_seed, args.keys, sizes)
+    torch.manual_seed(args.seed)
+    fast = dict(
+        lam=args.lam,
+        eta=args.eta,
+        inner_steps=args.inner_steps,
+        layer_norm=not args.no_layer_norm,
+        fast_weights=not args.no_fast_weights,
+    )
+    net = RetrievalNet(args.model, args.hidden, digit_head=args.digit_head, fast_rnn=fast if args.model == "fast-rnn" else None)
+    log = None if args.json else (lambda line: print(line, flush=True))
+    if log:
+        log(f"{args.model} R={args.hidden} K={args.keys}: {sum(p.numel() for p in net.parameters())} parameters; "
+            f"example {decode(splits['train'][0][0])} -> {VOCAB[int(splits['train'][1][0])]}")
+    result = train_retrieval(
+        net,
+        splits,
+        steps=args.steps,
+        max_minutes=args.max_minutes,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        decay_fraction=args.decay_fraction,
+        grad_clip=args.grad_clip,
+        eval_every=args.eval_every,
+        target_val_error=args.target_val_error,
+        seed=args.seed,
+        log=log,
+    )
+    report = {
+        "task": "ba-retrieval",
+        "model": args.model,
+        "hidden": args.hidden,
+        "keys": args.keys,
+        "seed": args.seed,
+        "data_seed": args.data_seed,
+        "split_sizes": sizes,
+        "parameters": sum(p.numel() for p in net.parameters()),
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "threads": torch.get_num_threads(),
+        **({"fast_rnn": fast} if args.model == "fast-rnn" else {}),
+        **result,
+        "test_accuracy": 1.0 - result["test_error"],
+    }
+    report["options"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"test error {100 * result['test_error']:.2f}% (best val error {100 * result['val_error']:.2f}% at step "
+              f"{result['best_step']}; {result['steps']} steps, {result['train_seconds']:.0f}s)")
+    return 0
+
+
+def _register_niah(sub) -> None:
+    n = sub.add_parser("niah", help="needle in a haystack with n-iter re-reading: accuracy by depth x length (PNG + JSON)")
+    common_flags(n)
+    n.add_argument("--haystack", default="tinyshakespeare",
+                   help="haystack text: a file, a directory of .txt files, or a corpus name (default tinyshakespeare)")
+    n.add_argument("--lengths", default="1024,2048,4096", help="context lengths in tokens, comma-separated")
+    n.add_argument("--depths", default="uniform", help="'uniform' or target depths in [0, 1], e.g. 0,0.25,0.5,0.75,1")
+    n.add_argument("--depth-bins", type=positive_int, default=5, help="rows of the heatmap with --depths uniform")
+    n.add_argument("--samples", type=positive_int, default=10, help="samples per length (or per length and depth)")
+    n.add_argument("--iters", default="1", help="n-iter protocol: reads of the context before the question, e.g. 1,2,3,4")
+    n.add_argument("--seed", type=seed, default=0)
+    n.add_argument("--write-chunk", default="read", choices=["read", "model"],
+                   help="memories write once per read (the paper) or every trained chunk")
+    n.add_argument("--reread", default="carry", choices=["carry", "memory"],
+                   help="between reads carry the whole state, or only the memories (mixer states reset)")
+    n.add_argument("--piece", type=positive_int, default=512, help="tokens per forward call")
+    n.add_argument("--context", type=nonneg_int, default=0, help="KV-cache tokens kept between calls (0: unbounded)")
+    n.add_argument("--carry", action="store_true", help="carry the state from sample to sample (the released code)")
+    n.add_argument("--max-new-tokens", type=nonneg_int, default=0, help="decoding budget (0: automatic)")
+    n.add_argument("--out", default="runs/niah", help="output prefix: writes PREFIX.json and PREFIX.png")
+    n.add_argument("--show", type=nonneg_int, default=0, help="print the first N prompts with the model's answers")
+    n.add_argument("--format", default="auto", choices=["auto", "char", "token"],
+                   help="needle format: 'char' (ID-3fa9 / 6 digits), 'token' (one-token keys and values, "
+                        "fastweights.tasks.niah_token); 'auto' picks token for a model trained on it")
+    n.add_argument("--frozen-memory", action="store_true",
+                   help="memories never write (the paper's frozen-memory check, App. D.2)")
+    n.add_argument("--keys", default="heldout", choices=["heldout", "train"],
+                   help="token format: keys never used in training needles (default) or the training keys")
+    n.set_defaults(func=cmd_niah)
+
+
+def cmd_niah(args) -> int:
+    from fastweights.tasks.niah import (Haystack, NiahOptions, evaluate_niah, make_samples, parse_depths, plot_niah,
+                                        records_to_json, summarize, check_tokenizer)
+
+    from fastweights.tasks import niah_token
+
+    set_threads(args)
+    out = output_prefix(args, "runs/niah")
+    model, tok, cfg = load(args.checkpoint, args.device)
+    token_format = args.format == "token" or (args.format == "auto" and niah_token.is_token_format(tok))
+    if token_format and not niah_token.is_token_format(tok):
+        raise UserError("--format token needs a word-level model trained on the token needle format "
+                        "(e.g. the niah-token preset); this model's tokenizer lacks its reserved tokens")
+    if not token_format:
+        check_tokenizer(tok)
+    lengths = ints(args.lengths, "--lengths")
+    iters = tuple(sorted(set(ints(args.iters, "--iters"))))
+    depths = parse_depths(args.depths)
+    if args.samples < 1:
+        raise UserError("--samples must be >= 1")
+    if args.depth_bins < 1:
+        raise UserError("--depth-bins must be >= 1")
+    opts = NiahOptions(iters=iters, write_chunk=args.write_chunk, reread=args.reread, piece=args.piece,
+                       context=args.context, carry=args.carry, max_new_tokens=args.max_new_tokens,
+                       frozen_memory=args.frozen_memory)
+    opts.validate()
+    if token_format:  # the default haystack's last tenth: text the token-format training never used
+        haystack = niah_token.eval_haystack(args.haystack)
+        samples = niah_token.make_samples(haystack, lengths, depths, args.samples, args.seed, keys=args.keys)
+        if args.keys == "heldout":  # never trained: drawn from the trained keys' embeddings (see the function)
+            niah_token.init_heldout_keys(model, tok, seed=args.seed)
+    else:
+        haystack = Haystack.load(args.haystack)
+        samples = make_samples(haystack, tok, lengths, depths, args.samples, args.seed)
+    records = evaluate_niah(model, tok, samples, opts, progress=not args.quiet)
+    summary = summarize(records, depths, args.depth_bins)
+    meta = {"checkpoint": str(args.checkpoint), "model": describe(cfg),
+            "haystack": haystack.name, "format": "token" if token_format else "char",
+            **({"keys": args.keys, "heldout_key_embeddings": "mean + std * N(0, 1) of the trained keys'"
+                if args.keys == "heldout" else "trained"} if token_format else {}), "lengths": lengths, "depths": depths, "samples_per_cell": args.samples,
+            "seed": args.seed, "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(opts).items()},
+            "train_seq_len": cfg.train.seq_len}
+    doc = records_to_json(records, summary, meta)
+    write_cli_result(out.with_suffix(".json"), doc, getattr(args, "argv", None),
+                     run_probes(cfg) + fingerprinted([probe("task", name="niah")]))
+    plot_niah(summary, out.with_suffix(".png"), title=f"NIAH: {Path(args.checkpoint).name} ({describe(cfg)})")
+    for s in samples[: args.show]:
+        recs = [r for r in records if r["seed"] == s.seed]
+        print(f"--- {s.seed}: context {s.tokens} tokens, target depth {s.target_depth:.2f}")
+        print(s.context[-300:].replace("\n", " ") + s.question)
+        print("    answer", s.answer, "| model", ", ".join(f"{r['iters']}-iter {r['prediction']!r}" for r in recs))
+    if args.json:
+        print(json.dumps({k: v for k, v in doc.items() if k != "records"}, indent=2))
+        return 0
+    print(f"NIAH {Path(args.checkpoint).name} ({describe(cfg)}), {args.samples} samples per cell, haystack {args.haystack}")
+    second = "candidate" if token_format else "digits"  # a one-token answer has no digits to count
+    print(f"{'length':>8}  " + "  ".join(f"{n}-iter exact/{second[:5]}" for n in summary["iters"]))
+    for L in summary["lengths"]:
+        cells = []
+        for n in summary["iters"]:
+            a = summary["by_iters"][n]["by_length"][L]
+            cells.append(f"{a['exact']:>6.2f} / {a[second]:.2f}  ")
+        print(f"{L:>8}  " + "  ".join(cells))
+    print(f"-> {out.with_suffix('.json')}, {out.with_suffix('.png')}")
+    return 0

@@ -1,0 +1,144 @@
+"""``fastweights train | prepare | data list | demo | export-hf``: make a model, its data, and share it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fastweights.cli.types import positive_float
+from fastweights.errors import UserError
+
+
+def register(sub, parser_class) -> None:
+    from fastweights.data.tokenizers import TOKENIZER_KINDS
+
+    t = sub.add_parser("train", help="train a model from a preset")
+    t.add_argument("--preset", help="preset name (configs/NAME.toml) or path to a .toml file; default shakespeare-char")
+    t.add_argument("--data", help="corpus: a registered name, a text file, a directory or a .jsonl file")
+    t.add_argument("--out", help="output directory (checkpoint, metrics, plots); default: a new runs/PRESET-DATE-TIME")
+    t.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config field")
+    t.add_argument("--resume", action="store_true", help="continue the run saved in --out")
+    t.add_argument("--overwrite", action="store_true",
+                   help="replace the run in --out (its checkpoint, logs and the files derived from its weights)")
+    t.add_argument("--force-memory", action="store_true",
+                   help="train even when the estimated memory exceeds what the machine has available")
+    t.add_argument("--fsdp", action="store_true", help="under torchrun: shard with FSDP2 (fully_shard per block) instead of DDP")
+    t.add_argument("--log", choices=["jsonl", "tensorboard"], help="also log to TensorBoard (metrics.jsonl is always written)")
+    t.add_argument("--json", action="store_true", help="print the summary as JSON")
+    t.add_argument("--quiet", action="store_true", help="no progress line")
+    t.set_defaults(func=cmd_train)
+
+    pr = sub.add_parser("prepare", help="tokenise a corpus once into memory-mapped train/val/test files")
+    pr.add_argument("--data", required=True, help="corpus: registered name, text file, directory or .jsonl")
+    pr.add_argument("--tokenizer", default="gpt2", choices=list(TOKENIZER_KINDS))
+    pr.add_argument("--out", required=True, help="directory for the token files (then train with --data DIR)")
+    pr.add_argument("--set", action="append", metavar="data.KEY=VALUE", help="override a data field (split, fractions)")
+    pr.add_argument("--json", action="store_true")
+    pr.add_argument("--quiet", action="store_true")
+    pr.set_defaults(func=cmd_prepare)
+
+    d = sub.add_parser("demo", help="train a char-level Shakespeare model on the CPU, evaluate it, sample")
+    d.add_argument("--out", default="runs/demo")
+    d.add_argument("--minutes", type=positive_float, default=5.0, help="training time budget")
+    d.set_defaults(func=cmd_demo)
+
+    data = sub.add_parser("data", help="corpora shipped with the package: list")
+    data_sub = data.add_subparsers(dest="data_command", metavar="list", required=True, parser_class=parser_class)
+    dl = data_sub.add_parser("list", help="registered corpus names: documents, characters, packed size, licence")
+    dl.add_argument("--json", action="store_true", help="print the rows as JSON")
+    dl.set_defaults(func=cmd_data_list)
+
+    x = sub.add_parser("export-hf", help="write a checkpoint as a Hugging Face model directory",
+                       description="Write a checkpoint as a Hugging Face model directory (AutoModelForCausalLM / "
+                                   "AutoTokenizer, after `import fastweights.hf.ours_as_transformers`).")
+    x.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint directory")
+    x.add_argument("dir", metavar="DIR", help="output directory (created; must be empty unless --force)")
+    x.add_argument("--force", action="store_true", help="write into a non-empty DIR")
+    x.set_defaults(func=cmd_export_hf)
+
+
+def _run_config(args):
+    from fastweights.config import apply_overrides, from_dict, load_preset, RunConfig
+
+    if args.resume and args.preset is None:
+        from fastweights.checkpoint import read_run_config
+
+        d = read_run_config(Path(args.out)).to_dict()
+    else:
+        d = load_preset(args.preset or "shakespeare-char")
+    if args.data:
+        d.setdefault("data", {})["corpus"] = args.data
+    if getattr(args, "log", None):
+        d.setdefault("train", {})["log"] = args.log
+    apply_overrides(d, args.set or [])
+    return from_dict(RunConfig, d)
+
+
+def cmd_train(args) -> int:
+    from fastweights.train import train
+
+    if args.resume and args.overwrite:
+        raise UserError("--resume and --overwrite exclude each other")
+    if args.out is None:
+        if args.resume:
+            raise UserError("--resume needs --out (the run directory to continue)")
+        import time
+
+        stem = Path(args.preset).stem if args.preset else "shakespeare-char"
+        base = Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        out, n = base, 2
+        while out.exists() or out.is_symlink():  # a new directory, never a reused one (two runs in one second)
+            out, n = base.with_name(f"{base.name}-{n}"), n + 1
+        args.out = str(out)
+    cfg = _run_config(args)
+    summary = train(cfg, Path(args.out), resume=args.resume, progress=not args.quiet, fsdp=args.fsdp,
+                    overwrite=args.overwrite, force_memory=args.force_memory)
+    if summary.get("processes", 1) > 1 and int(__import__("os").environ.get("RANK", "0")) != 0:
+        return 0
+    print(json.dumps(summary, indent=2) if args.json else
+          f"done: {summary['steps']} steps, val {summary['val_bits_per_token']:.4f} bits/token -> {args.out}")
+    return 0
+
+
+def cmd_prepare(args) -> int:
+    from fastweights.config import RunConfig, apply_overrides, from_dict
+    from fastweights.train import prepare_corpus
+
+    d = {"data": {"corpus": args.data, "tokenizer": args.tokenizer}}
+    apply_overrides(d, args.set or [])
+    cfg = from_dict(RunConfig, d)
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not (out / "prepared.json").exists():
+        raise UserError(f"--out {out} exists and is not a prepared-data directory")
+    info = prepare_corpus(cfg, out, progress=not args.quiet)
+    print(json.dumps(info, indent=2) if args.json else
+          f"prepared {sum(info['tokens'].values()):,} {info['tokenizer']} tokens in {out}; train with --data {out}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from fastweights.demo import run_demo
+
+    return run_demo(Path(args.out), minutes=args.minutes)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def cmd_data_list(args) -> int:
+    """``fastweights data list``: the corpus names a preset or ``--data`` can use, with their sizes and licences."""
+    from fastweights.data.bundled import BUNDLED, corpus_rows, format_rows
+    from fastweights.data.corpus import CORPORA
+
+    generated = {name: getattr(loader, "__module__", "?") for name, loader in CORPORA.items() if name not in BUNDLED}
+    rows = corpus_rows(generated)
+    print(json.dumps(rows, indent=2) if args.json else format_rows(rows))
+    return 0
+
+
+def cmd_export_hf(args) -> int:
+    from fastweights.hf.export import export_hf
+
+    files = export_hf(args.checkpoint, args.dir, force=args.force)
+    print(f"exported {args.checkpoint} -> {args.dir} ({', '.join(files)})")
+    return 0
