@@ -175,3 +175,59 @@ def test_cpu_clock_budget_counts_this_process_only(tmp_path):
     s = json.loads((out / "summary.json").read_text())
     assert s["stopped_by_time_budget"] and s["budget_clock"] == "cpu"
     assert 0 < s["steps"] < 100000 and s["elapsed_s"] >= 0.1
+
+
+# ----------------------------------------------------------------------------- the command tree and its floor
+
+
+def test_help_lists_at_most_twelve_commands_by_job(capsys):
+    from fastweights.cli import JOBS, build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    out = capsys.readouterr().out
+    names = [n for _, group in JOBS for n in group]
+    assert len(names) <= 12 and len(set(names)) == len(names)
+    for heading, group in JOBS:
+        assert f"\n{heading}:\n" in out
+        for name in group:  # one line each
+            assert len([line for line in out.splitlines() if line.startswith(f"  {name} ")]) == 1, name
+
+
+@pytest.mark.parametrize("group, commands", [("dynamic", ["eval", "tune", "stats", "timescale", "generate"]),
+                                             ("task", ["assoc", "ba-retrieval", "niah"]),
+                                             ("inspect", ["compare", "addressing", "gates"]), ("data", ["list"])])
+def test_groups_hold_their_commands(group, commands):
+    from fastweights.cli import build_parser
+
+    for name in commands:
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args([group, name, "--help"])
+        assert e.value.code == 0
+
+
+def test_stream_options_need_stream(trained, capsys):
+    assert main(["eval", "--checkpoint", str(trained), "--modes", "carry"]) == 2
+    assert "--modes applies to --stream" in capsys.readouterr().err
+    assert main(["eval", "--checkpoint", str(trained), "--checkpoint", str(trained)]) == 2
+    assert "need --stream" in capsys.readouterr().err
+
+
+def test_nothing_outside_cli_imports_it_or_argparse():
+    """The command line is the top floor: library code takes settings, never a parsed namespace."""
+    import ast
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parent.parent / "src" / "fastweights"
+    found = []
+    for path in src.rglob("*.py"):
+        rel = path.relative_to(src)
+        if rel.parts[0] == "cli" or rel.name == "__main__.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names += [f"{node.module}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{rel}: {n}" for n in names
+                      if n == "argparse" or n.startswith("fastweights.cli") or n.endswith("SimpleNamespace")]
+    assert not found, found
