@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fnmatch
 import json
 import logging
 import math
@@ -424,6 +425,8 @@ def parse_args(argv):
     p.add_argument("--tiny", action="store_true", help="toy sizes (a dry run of every path)")
     p.add_argument("--out", help="write here instead of benchmarks/results/cuda_scale.json")
     p.add_argument("--budget-s", type=float, default=420.0, help="an item that would start after this is skipped")
+    p.add_argument("--items", help="comma-separated globs over item names (part/key, e.g. 'kernels/T8192/*,"
+                                   "fwpkm_layer/*_B1'): run only those, in the order of the globs")
     a = p.parse_args(argv)
     try:
         a.device = torch.device(a.device)
@@ -543,26 +546,33 @@ def main(argv=None) -> int:
         print(f"  {part} {key}: {detail} [{res['item_wall_s']} s]", flush=True)
         save()
 
-    print("1. models", flush=True)
-    run("models", "ours_hybrid", lambda: train_model("ours", cfg, device))
-    run("models", "fla_gdn_hybrid", lambda: train_model("fla", cfg, device))
+    plan = [("models", "ours_hybrid", lambda: train_model("ours", cfg, device), None),
+            ("models", "fla_gdn_hybrid", lambda: train_model("fla", cfg, device), None)]
     if refuses:
-        run("models", "fla_gdn_hybrid_guard_bypassed", lambda: train_model("fla", cfg, device, bypass=True))
-    run("models", "ours_hybrid_fwpkm", lambda: train_model("ours_fwpkm", cfg, device))
-    print("2. kernels", flush=True)
-    for key, meta, thunk in kernel_items(cfg, device, fla_ok or device.type == "cpu", refuses):
-        run("kernels", key, thunk, meta)
-    print("3. FwPKM layer: ours vs lucidrains", flush=True)
+        plan.append(("models", "fla_gdn_hybrid_guard_bypassed", lambda: train_model("fla", cfg, device, bypass=True),
+                     None))
+    plan.append(("models", "ours_hybrid_fwpkm", lambda: train_model("ours_fwpkm", cfg, device), None))
+    plan += [("kernels", key, thunk, meta)
+             for key, meta, thunk in kernel_items(cfg, device, fla_ok or device.type == "cpu", refuses)]
     for batch in (1, 8):
         for impl in ("ours", "lucidrains"):
             def thunk(impl=impl, batch=batch):
                 step, n_params = fwpkm_layer_step(impl, cfg, batch, device)
                 return {**measure(step, device, 1, max(2, cfg["repeat"] - 2)), "slow_parameters": n_params}
 
-            run("fwpkm_layer", f"{impl}_B{batch}", thunk, {"B": batch, "T": cfg["seq_len"]})
+            plan.append(("fwpkm_layer", f"{impl}_B{batch}", thunk, {"B": batch, "T": cfg["seq_len"]}))
     if refuses:
-        run("models", "ours_hybrid_fla_kernels_guard_bypassed",
-            lambda: train_model("ours_fla_bypassed", cfg, device, bypass=True))
+        plan.append(("models", "ours_hybrid_fla_kernels_guard_bypassed",
+                     lambda: train_model("ours_fla_bypassed", cfg, device, bypass=True), None))
+    if a.items:
+        globs = [g.strip() for g in a.items.split(",") if g.strip()]
+        chosen = []
+        for g in globs:
+            chosen += [item for item in plan if fnmatch.fnmatch(f"{item[0]}/{item[1]}", g) and item not in chosen]
+        plan = chosen
+    rec["items_planned"] = [f"{part}/{key}" for part, key, _, _ in plan]
+    for part, key, thunk, meta in plan:
+        run(part, key, thunk, meta)
     save(final=True)
     print(json.dumps(rec["ratios"], indent=1), flush=True)
     print(f"wrote {path}; wall {rec['wall_s']} s", flush=True)
