@@ -48,7 +48,12 @@ class LSTMLayer(nn.Module):
     def forward(self, x: Tensor, state: LSTMState | None = None) -> tuple[Tensor, LSTMState]:
         # nn.LSTM keeps its state as [num_layers, B, H]; ours is batch-first [B, H]
         hx = None if state is None else (state.h.unsqueeze(0).contiguous(), state.c.unsqueeze(0).contiguous())
-        if self.lstm.training or x.device.type == "cpu" or not torch.is_grad_enabled():
+        if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+            # oneDNN has a bf16 LSTM only on CPUs with bf16 instructions; elsewhere it fails ("could not create
+            # a primitive descriptor for the LSTM forward"). Run it in fp32, as autocast does for the ops it keeps.
+            with torch.autocast("cpu", enabled=False):
+                hs, (h, c) = self.lstm(x.float(), None if hx is None else tuple(t.float() for t in hx))
+        elif self.lstm.training or x.device.type == "cpu" or not torch.is_grad_enabled():
             hs, (h, c) = self.lstm(x, hx)
         else:
             # cuDNN's RNN backward refuses a forward run in eval mode ("cudnn RNN backward can only be called
