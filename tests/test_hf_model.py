@@ -271,7 +271,7 @@ def test_export_hf_refuses_non_empty_dir_and_checkpoint(tmp_path, monkeypatch, c
 
 
 def test_exported_directory_loads_for_dynamic_evaluation_in_a_fresh_process(tmp_path, monkeypatch):
-    """`fastweights dynamic-eval --hf DIR` on an export-hf directory: the loader registers our model type."""
+    """`fastweights dynamic eval --hf DIR` on an export-hf directory: the loader registers our model type."""
     import subprocess
     import sys
 
@@ -280,7 +280,7 @@ def test_exported_directory_loads_for_dynamic_evaluation_in_a_fresh_process(tmp_
     assert _cli(["export-hf", str(ck), str(out)], monkeypatch) == 0
     text = TEXT * 3
     code = ("import sys; from fastweights.cli import main; "
-            "sys.exit(main(['dynamic-eval', '--hf', sys.argv[1], '--data', sys.argv[2], '--json', '--quiet', "
+            "sys.exit(main(['dynamic', 'eval', '--hf', sys.argv[1], '--data', sys.argv[2], '--json', '--quiet', "
             "'--rule', 'sgd', '--lr', '0.01', '--segment-len', '4', '--context', '8']))")
     (tmp_path / "doc.txt").write_text(text)
     r = subprocess.run([sys.executable, "-c", code, str(out), str(tmp_path / "doc.txt")], capture_output=True,

@@ -112,9 +112,7 @@ def test_trainer_state_round_trip_without_pickle(tmp_path):
 
 
 def test_derived_files_are_tied_to_their_weights(run, tmp_path, capsys):
-    from types import SimpleNamespace
-
-    from fastweights.adapt.cli import build_evaluator
+    from fastweights.adapt.setup import DynamicSettings, build_evaluator
     from fastweights.adapt.update_rules import GradStats
     from fastweights.adapt.tune import save_tuned
     from fastweights.checkpoint import load_checkpoint
@@ -124,9 +122,9 @@ def test_derived_files_are_tied_to_their_weights(run, tmp_path, capsys):
     ckpt = _copy(run, tmp_path, "derived")
     doc = tmp_path / "doc.txt"
     doc.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 3)
-    base = ["dynamic-eval", "--checkpoint", str(ckpt), "--data", str(doc), "--quiet", "--segment-len", "10"]
-    # statistics made by collect-grad-stats record the weights; dynamic-eval uses them
-    assert main(["collect-grad-stats", "--checkpoint", str(ckpt), "--max-batches", "2", "--batch-size", "2",
+    base = ["dynamic", "eval", "--checkpoint", str(ckpt), "--data", str(doc), "--quiet", "--segment-len", "10"]
+    # statistics made by `dynamic stats` record the weights; `dynamic eval` uses them
+    assert main(["dynamic", "stats", "--checkpoint", str(ckpt), "--max-batches", "2", "--batch-size", "2",
                  "--seq-len", "10", "--quiet"]) == 0
     assert main([*base, "--json"]) == 0
     capsys.readouterr()
@@ -142,7 +140,7 @@ def test_derived_files_are_tied_to_their_weights(run, tmp_path, capsys):
     tuned = ckpt / "dynamic_tuned.json"
     save_tuned(result, tuned, weights_sha256="cd" * 32)
     model, tok, cfg = load_checkpoint(ckpt)
-    args = SimpleNamespace(tuned=str(tuned), rule="sgd", segment_len=10, checkpoint=str(ckpt), quiet=True)
+    args = DynamicSettings(tuned=str(tuned), rule="sgd", segment_len=10)
     with pytest.raises(UserError, match="dynamic_tuned.json was made from other weights"):
         build_evaluator(args, model, tok, cfg, ckpt)
     save_tuned(result, tuned, weights_sha256=weights_fingerprint(ckpt))
