@@ -32,7 +32,7 @@ from common import repo_relative, write_result
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.sparse import SparseDynamicEvaluator, collect_sparse_grad_stats
 from fastweights.adapt.update_rules import collect_grad_stats
-from fastweights.config import make_config
+from fastweights.core.config import make_config
 from fastweights.data import build_tokenizer, load_corpus, split_corpus, text_pieces
 from fastweights.models.lm import LanguageModel
 from fastweights.experiments import probes
@@ -71,7 +71,7 @@ def main() -> int:
         torch.set_num_threads(args.threads)
 
     if args.checkpoint:
-        from fastweights.checkpoint import load_checkpoint
+        from fastweights.models.loading import load_checkpoint
 
         model, tok, cfg = load_checkpoint(Path(args.checkpoint))
     else:

@@ -28,11 +28,11 @@ import torch
 
 from common import write_result
 
-from fastweights.config import make_config
+from fastweights.core.config import make_config
 from fastweights.layers import fast_rnn
 from fastweights.models.lm import LanguageModel
 from fastweights.ops.fast_rnn_kernel import step_kernel
-from fastweights.train import make_optimizer
+from fastweights.loops.train import make_optimizer
 from fastweights.experiments import probes
 
 FAST, LSTM = "shakespeare-char-fast-rnn", "shakespeare-char-lstm"

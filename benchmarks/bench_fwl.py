@@ -12,7 +12,7 @@ machine hits all alike:
 
 - ``window``: ``model(tokens)`` on ``[batch, seq_len]`` windows in eval mode without autograd (how the
   trainer scores validation text) -- the target metric, ratio >= 0.85;
-- ``stream``: :func:`fastweights.evaluate.score_tokens` over one long random document, ``seq_len``
+- ``stream``: :func:`fastweights.loops.evaluate.score_tokens` over one long random document, ``seq_len``
   context and ``seq_len // 2`` stride, the state carried (how ``fastweights eval`` scores a document);
 - ``train``: forward + backward (second-order through the FWL) + AdamW step on ``[batch, seq_len]``.
 
@@ -34,9 +34,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from common import bench_clock, timeit, write_result
 
-from fastweights.config import make_config
+from fastweights.core.config import make_config
 from fastweights.data import load_corpus
-from fastweights.evaluate import score_tokens
+from fastweights.loops.evaluate import score_tokens
 from fastweights.models.lm import LanguageModel
 from fastweights.experiments import probes
 

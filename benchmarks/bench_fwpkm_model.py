@@ -24,7 +24,7 @@ import torch
 
 from common import timeit, write_result
 
-from fastweights.config import ModelConfig
+from fastweights.core.config import ModelConfig
 from fastweights.models.lm import LanguageModel
 from fastweights.experiments import probes
 

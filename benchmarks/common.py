@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmark scripts: the provenance record of :mod:`fastweights.provenance` bound
+"""Helpers shared by the benchmark scripts: the provenance record of :mod:`fastweights.core.provenance` bound
 to this repository, the JSON output under benchmarks/results/, and CPU-or-wall timing.
 
 Scripts import it as ``common``: ``python benchmarks/X.py`` puts the script's folder first on
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-import fastweights.provenance as _provenance
-from fastweights.files import atomic_write
-from fastweights.provenance import machine  # noqa: F401  (part of this module's names)
+import fastweights.core.provenance as _provenance
+from fastweights.core.files import atomic_write
+from fastweights.core.provenance import machine  # noqa: F401  (part of this module's names)
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"

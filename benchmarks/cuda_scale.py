@@ -55,7 +55,7 @@ import common  # benchmarks/common.py (the script's folder is on sys.path)
 import torch
 import torch.nn.functional as F
 
-from fastweights.config import ModelConfig
+from fastweights.core.config import ModelConfig
 from fastweights.layers.fwp import FastWeightProgrammer, FWPOptions
 from fastweights.layers.fwpkm import FwPKM, FwPKMOptions
 from fastweights.layers.gdn import GatedDeltaNet, GDNOptions
@@ -477,7 +477,7 @@ def provenance_record(argv) -> dict:
     try:
         rec = common.provenance()
     except Exception as e:  # the provenance helper must not cost the GPU run
-        from fastweights import provenance as prov
+        from fastweights.core import provenance as prov
 
         rec = {**prov.provenance(common.REPO), "provenance_error": err_text(e)}
     rec["command"] = recorded_command(argv)

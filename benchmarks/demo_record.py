@@ -19,7 +19,7 @@ from fastweights.experiments import probes
 
 def probe_specs() -> list[dict]:
     """The behaviour probes of the code this benchmark measures (see benchmarks/common.py)."""
-    config = probes.preset_model_config("shakespeare-char")  # the demo's model (fastweights/demo.py)
+    config = probes.preset_model_config("shakespeare-char")  # the demo's model (fastweights/experiments/demo.py)
     return probes.model_probes(config) + [probes.probe("dynamic", config=config, rule="rms-global-prior")]
 
 

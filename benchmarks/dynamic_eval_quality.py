@@ -42,11 +42,11 @@ from fastweights.adapt.sparse import SparseDynamicEvaluator, collect_sparse_grad
 from fastweights.adapt.timescale import plot_timescale, timescale_analysis
 from fastweights.adapt.tune import format_table, tune_dynamic
 from fastweights.adapt.update_rules import collect_grad_stats
-from fastweights.checkpoint import load_checkpoint
-from fastweights.config import make_config
+from fastweights.models.loading import load_checkpoint
+from fastweights.core.config import make_config
 from fastweights.data import load_corpus, split_corpus
-from fastweights.errors import UserError
-from fastweights.generate import generate_tokens
+from fastweights.core.errors import UserError
+from fastweights.loops.generate import generate_tokens
 from fastweights.experiments import probes
 
 # documents of the held-out plays corpus (--data, default the bundled shakespeare-heldout)
@@ -124,7 +124,7 @@ def main() -> int:
         summary_file = ckpt / "summary.json"  # written by training: steps, validation loss, time
         summary = json.loads(summary_file.read_text()) if summary_file.is_file() else None
     else:
-        from fastweights.train import train
+        from fastweights.loops.train import train
 
         ckpt = Path(args.out)
         cfg = make_config("shakespeare-char", [f"train.max_minutes={args.train_minutes}", 'train.budget_clock="cpu"',

@@ -97,7 +97,7 @@ def read_over_input(model, tokens) -> list[float]:
 def measure(name: str, run: Path) -> dict:
     import torch
 
-    from fastweights.checkpoint import load_checkpoint
+    from fastweights.models.loading import load_checkpoint
     from fastweights.data import load_corpus
     from fastweights.experiments.streaming import stream_eval
 

@@ -29,8 +29,8 @@ from common import write_result
 
 from fastweights.adapt.evaluate import demo_dynamic
 from fastweights.adapt.setup import load_texts
-from fastweights.checkpoint import load_checkpoint, read_run_config
-from fastweights.evaluate import evaluate_documents
+from fastweights.models.loading import load_checkpoint, read_run_config
+from fastweights.loops.evaluate import evaluate_documents
 from fastweights.experiments import probes
 
 

@@ -41,11 +41,11 @@ from ptb_dynamic_eval import DATA, MODEL_SETTINGS, PIP, SPLITS, load_penn, prepa
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.tune import tune_dynamic
 from fastweights.adapt.update_rules import collect_grad_stats
-from fastweights.checkpoint import load_checkpoint
-from fastweights.config import make_config
+from fastweights.models.loading import load_checkpoint
+from fastweights.core.config import make_config
 from fastweights.data.streams import TokenStream
-from fastweights.errors import UserError
-from fastweights.evaluate import score_tokens
+from fastweights.core.errors import UserError
+from fastweights.loops.evaluate import score_tokens
 from fastweights.experiments import probes
 
 # segment_len 16: four segments per 64-word window, so the segment decays train (gamma first enters in the
@@ -56,7 +56,7 @@ VARIANTS = {"base": [], "fwl": ['model.head="fwl"', "model.options.fwl.segment_l
 
 def run_variant(job: dict) -> dict:
     torch.set_num_threads(1)
-    from fastweights.train import train
+    from fastweights.loops.train import train
 
     overrides = [*MODEL_SETTINGS, f"data.corpus={job['data']!r}", 'data.tokenizer="word"',
                  f"train.max_steps={job['steps']}", "train.max_minutes=0", "train.threads=1",

@@ -4,7 +4,7 @@ and without the FWL, compared on held-out bits per character.
     python benchmarks/fwl_quality.py --minutes 2.5 --threads 1 [--variants base fwl tto] [--out runs/fwl_quality] [--data NAME]
     python benchmarks/fwl_quality.py --steps 200 --variants base fwl --name fwl_quality_equal_steps
 
-Variants (each trained with ``fastweights.train.train`` from its preset, ``train.max_minutes`` =
+Variants (each trained with ``fastweights.loops.train.train`` from its preset, ``train.max_minutes`` =
 ``--minutes`` of CPU time (``train.budget_clock = "cpu"``), ``train.threads`` = ``--threads``, everything else
 as the preset; the corpus is ``--data``, a registered name, default ``tinyshakespeare``, the presets' own):
 
@@ -40,12 +40,12 @@ import torch
 
 from common import write_result
 
-from fastweights.checkpoint import load_checkpoint
-from fastweights.config import make_config
+from fastweights.models.loading import load_checkpoint
+from fastweights.core.config import make_config
 from fastweights.data import load_corpus, split_corpus
-from fastweights.evaluate import evaluate_documents
+from fastweights.loops.evaluate import evaluate_documents
 from fastweights.layers.fwl import tune_test_time_step_size
-from fastweights.train import prepare_data, train
+from fastweights.loops.train import prepare_data, train
 from fastweights.experiments import probes
 
 VARIANTS = {

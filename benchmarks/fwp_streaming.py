@@ -63,7 +63,7 @@ def train(name: str, overrides: list[str], minutes: float, out: Path, data: str)
 
 
 def score(run: Path, quiet: bool) -> dict:
-    from fastweights.checkpoint import load_checkpoint
+    from fastweights.models.loading import load_checkpoint
     from fastweights.data import load_corpus, split_corpus
     from fastweights.experiments.streaming import encode_documents, stream_eval
 

@@ -20,7 +20,7 @@ document (as ``fastweights eval``: calls of seq_len / 2 tokens, memory writes ev
 can carry what it read earlier in the address.  FwPKM models are scored with writes (normal) and
 frozen (``FwPKM.frozen``: reads the initial tables, never writes; App. D.2); to save compute only
 the main models (fwpkm-addressing, fwpkm-shared) get the frozen pass.  Addressing statistics
-(collision, coverage, KLD; ``fastweights.addressing``) come from the slots read during the normal
+(collision, coverage, KLD; ``fastweights.experiments.addressing``) come from the slots read during the normal
 held-out pass, per window of N / (H k) tokens (so a window makes about N reads, as the paper's
 32K-token windows with N = 512^2 and top-8), averaged over windows, documents and the two FwPKM layers.
 
@@ -47,13 +47,13 @@ import torch
 
 from common import write_result
 
-from fastweights.checkpoint import load_checkpoint
-from fastweights.config import make_config
+from fastweights.models.loading import load_checkpoint
+from fastweights.core.config import make_config
 from fastweights.data import load_corpus, split_corpus
-from fastweights.evaluate import score_tokens
-from fastweights.addressing import windowed_addressing_stats
-from fastweights.memory_switches import memory_writes
-from fastweights.train import train
+from fastweights.loops.evaluate import score_tokens
+from fastweights.experiments.addressing import windowed_addressing_stats
+from fastweights.models.memory_switches import memory_writes
+from fastweights.loops.train import train
 from fastweights.experiments import probes
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -174,7 +174,7 @@ def score(name: str, seed: int, out: Path, chars: int) -> dict:
     """Held-out bits/char of one trained entry, windows and streamed, in this process on one thread."""
     import torch
 
-    from fastweights.checkpoint import load_checkpoint
+    from fastweights.models.loading import load_checkpoint
     from fastweights.experiments.streaming import peak_rss_mb, stream_eval
 
     torch.set_num_threads(1)

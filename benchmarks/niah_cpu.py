@@ -41,7 +41,7 @@ def answer_digit_accuracy(ckpt: Path, chars: int = 40_000) -> dict:
     """Did the model learn the skill it was trained for? Greedy next-character accuracy on the answer
     digits of the questions in the held-out (test) span of its own training corpus, against the same
     accuracy on the needles' digits, which nothing earlier predicts (chance level)."""
-    from fastweights.checkpoint import load_checkpoint
+    from fastweights.models.loading import load_checkpoint
     from fastweights.data import load_corpus, split_corpus
     from fastweights.tasks.niah import KEY_HEX, NEEDLE_TEMPLATE, VALUE_DIGITS  # (importing registers the corpora)
 

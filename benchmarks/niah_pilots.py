@@ -85,7 +85,7 @@ def main() -> int:
     ap.add_argument("--data", default=DATA, help=f"haystack of the memory probe's text: a registered corpus (default {DATA})")
     ap.add_argument("--name", default="niah_pilots")
     a = ap.parse_args()
-    from fastweights.checkpoint import load_checkpoint
+    from fastweights.models.loading import load_checkpoint
 
     torch.set_num_threads(1)
     rows, headline = [], []

@@ -144,7 +144,7 @@ def probe(name: str, a) -> dict:
     target and with the closest distractor's, and the share of questions where the target's is larger."""
     import torch
 
-    from fastweights.checkpoint import load_checkpoint
+    from fastweights.models.loading import load_checkpoint
     from fastweights.tasks import niah_token as nt
 
     torch.set_num_threads(1)
@@ -166,7 +166,7 @@ def heldout_key_diagnosis(a) -> dict:
     exact match at 2x the training length with never-trained key rows, with drawn rows, and with training keys."""
     import torch
 
-    from fastweights.checkpoint import load_checkpoint
+    from fastweights.models.loading import load_checkpoint
     from fastweights.tasks import niah_token as nt
     from fastweights.tasks.niah import NiahOptions, evaluate_niah, summarize
 
@@ -203,7 +203,7 @@ def slots_sweep(a) -> dict:
 
     import torch
 
-    from fastweights.checkpoint import load_checkpoint
+    from fastweights.models.loading import load_checkpoint
     from fastweights.models.lm import LanguageModel
     from fastweights.tasks import niah_token as nt
     from fastweights.tasks.niah import NiahOptions, evaluate_niah, summarize

@@ -60,7 +60,7 @@ def main():
                 f.write(text)
         size_mb = corpus.stat().st_size / 2**20
         py = sys.executable
-        base_s, base_mb = run([py, "-c", "import fastweights.train, torch"])
+        base_s, base_mb = run([py, "-c", "import fastweights.loops.train, torch"])
         prep_s, prep_mb = run([py, "-m", "fastweights", "prepare", "--data", str(corpus), "--tokenizer", a.tokenizer,
                                "--out", str(tmp / "prepared"), "--quiet"])
         train_s, train_mb = run([py, "-m", "fastweights", "train", "--preset", "tiny", "--data", str(tmp / "prepared"),

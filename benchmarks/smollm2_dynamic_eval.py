@@ -63,7 +63,7 @@ from common import write_result
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.update_rules import collect_grad_stats
 from fastweights.data import load_corpus, to_utf8
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 from fastweights.ops.nll import token_nll
 from fastweights.experiments import probes
 

@@ -36,7 +36,7 @@ def child(name: str, tokens: int, data: str, threads: int) -> dict:
     import torch
 
     torch.set_num_threads(threads)
-    from fastweights.config import ModelConfig
+    from fastweights.core.config import ModelConfig
     from fastweights.data import CharTokenizer, load_corpus
     from fastweights.experiments.streaming import current_rss_mb, encode_documents, peak_rss_mb, stream_eval
     from fastweights.models.lm import LanguageModel

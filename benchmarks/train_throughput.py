@@ -16,7 +16,7 @@ from torch import nn
 
 from common import bench_clock, timeit, write_result
 
-from fastweights.config import ModelConfig
+from fastweights.core.config import ModelConfig
 from fastweights.models.lm import LanguageModel
 from fastweights.experiments import probes
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastweights.analysis import (
+from fastweights.experiments.analysis import (
     analyze,
     features,
     nll_improvement,
@@ -15,10 +15,10 @@ from fastweights.analysis import (
     pow2_bucket,
     prior_counts,
 )
-from fastweights.checkpoint_format import save_model
-from fastweights.config import ModelConfig, RunConfig
+from fastweights.checkpoints.format import save_model
+from fastweights.core.config import ModelConfig, RunConfig
 from fastweights.data import build_tokenizer
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 from fastweights.models.lm import LanguageModel
 
 
@@ -92,7 +92,7 @@ def test_compare_command_end_to_end(tmp_path):
     assert (out / "analysis.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the overall numbers are those of scoring the test split with each model (fastweights eval's streaming)
     from fastweights.data import load_corpus, split_corpus
-    from fastweights.evaluate import evaluate_documents
+    from fastweights.loops.evaluate import evaluate_documents
 
     cfg_texts = [d.text for d in split_corpus(load_corpus(str(corpus)), "span", 0.05, 0.05)["test"]]
     for m, key in ((base, "base_bits"), (model, "model_bits")):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 from fastweights.cli import build_parser
 from fastweights.tasks.assoc import (
     AssocConfig,

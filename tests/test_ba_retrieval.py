@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 from fastweights.tasks.ba_retrieval import (
     DIGIT0,
     QUERY_MARK,

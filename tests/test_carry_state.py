@@ -9,7 +9,7 @@ import torch
 from fastweights.cli import main
 from fastweights.data.streams import TokenStream
 from fastweights.models.lm import LanguageModel
-from fastweights.train import drops_carried_state
+from fastweights.loops.train import drops_carried_state
 
 TINY = ["--preset", "tiny", "--quiet", "--set", "train.eval_every=0", "--set", "train.carry_state=true"]
 

@@ -34,7 +34,7 @@ import pytest
 from fastweights.cli import main
 from fastweights.data import CORPORA, load_corpus, split_corpus
 from fastweights.data.bundled import BUNDLED, EXTERNAL, HELDOUT_PLAYS, PTB_PIP, read_asset
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
 # The development machines' data folder the corpora were copied from; only used, when present, to

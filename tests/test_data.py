@@ -25,7 +25,7 @@ from fastweights.data import (
     split_corpus,
     text_pieces,
 )
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 
 class CodePointTokenizer:

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 from fastweights.ops.delta_rule import delta_rule, delta_rule_recurrent, select_backend
 from fastweights.ops.feature_maps import dpfp, sum_normalize
 from fastweights.ops.linear_attention import gated_rule_recurrent

@@ -64,7 +64,7 @@ def test_tuned_file_records_the_schedule(checkpoint, tmp_path, capsys):
 def test_reset_never_carries_the_schedule(checkpoint, two_docs, capsys):
     from fastweights.adapt.setup import encode_texts, load_texts
     from fastweights.adapt.dynamic import DynamicEvaluator
-    from fastweights.checkpoint import load_checkpoint
+    from fastweights.models.loading import load_checkpoint
 
     m = run_json(capsys, "dynamic", "eval", "--checkpoint", str(checkpoint), "--data", str(two_docs), *SGD,
                  "--lr-schedule", "warmup:6", "--reset", "never", "--cache-on-dynamic", "--cache-mix", "0")

@@ -12,10 +12,10 @@ from fastweights.adapt.sparse import SparseAdaptation, SparseDynamicEvaluator, c
 from fastweights.adapt.timescale import loss_by_position, timescale_analysis
 from fastweights.adapt.tune import format_table, tune_dynamic
 from fastweights.adapt.update_rules import GradStats, UpdateRule, collect_grad_stats, select_parameters
-from fastweights.config import ModelConfig
-from fastweights.errors import UserError
-from fastweights.evaluate import score_tokens
-from fastweights.generate import generate_tokens
+from fastweights.core.config import ModelConfig
+from fastweights.core.errors import UserError
+from fastweights.loops.evaluate import score_tokens
+from fastweights.loops.generate import generate_tokens
 from fastweights.models.lm import LanguageModel, detach_state
 
 V = 13
@@ -373,8 +373,8 @@ def test_tuner_grid_and_search():
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from fastweights.checkpoint_format import save_model
-    from fastweights.config import RunConfig
+    from fastweights.checkpoints.format import save_model
+    from fastweights.core.config import RunConfig
     from fastweights.data import CharTokenizer
 
     d = tmp_path_factory.mktemp("ckpt")
@@ -464,7 +464,7 @@ def test_demo_helper_and_eval_arguments(checkpoint, capsys):
     p.add_argument("--seq-len", type=int, default=0)
     add_dynamic_arguments(p)
     args = p.parse_args(["--dynamic", "sgd", "--lr", "0", "--segment-len", "10"])
-    from fastweights.checkpoint import load_checkpoint
+    from fastweights.models.loading import load_checkpoint
 
     model, tok, cfg = load_checkpoint(checkpoint)
     out = evaluate_static_and_dynamic(dynamic_settings(args), model, tok, cfg, ["the cat sat on the mat. " * 4])

@@ -11,8 +11,8 @@ from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.dynamic_cache import DynamicNeuralCache
 from fastweights.adapt.lowrank import LowRankAdaptation, LowRankDynamicEvaluator, collect_lowrank_grad_stats
 from fastweights.adapt.update_rules import GradStats, parse_schedule, schedule_factor
-from fastweights.errors import UserError
-from fastweights.evaluate import score_tokens
+from fastweights.core.errors import UserError
+from fastweights.loops.evaluate import score_tokens
 from test_dynamic_eval import V, tiny_model, tokens  # the same tiny model and repetitive stream (conftest: one thread)
 
 

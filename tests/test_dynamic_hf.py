@@ -11,8 +11,8 @@ from fastweights.adapt.cache import NeuralCache  # noqa: E402
 from fastweights.adapt.dynamic import DynamicEvaluator  # noqa: E402
 from fastweights.hf.transformers_as_ours import HFCausalLM, load_hf_model  # noqa: E402
 from fastweights.adapt.sparse import SparseDynamicEvaluator  # noqa: E402
-from fastweights.errors import UserError  # noqa: E402
-from fastweights.evaluate import score_tokens  # noqa: E402
+from fastweights.core.errors import UserError  # noqa: E402
+from fastweights.loops.evaluate import score_tokens  # noqa: E402
 
 V, POSITIONS = 50, 64
 

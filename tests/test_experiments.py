@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from fastweights.adapt.dynamic import DynamicEvaluator
-from fastweights.config import DataConfig, ModelConfig, RunConfig, TrainConfig
+from fastweights.core.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from fastweights.data import CharTokenizer, Document
-from fastweights.errors import UserError
-from fastweights.evaluate import score_tokens
+from fastweights.core.errors import UserError
+from fastweights.loops.evaluate import score_tokens
 from fastweights.adapt.continual import adapt_test, format_adapt_table, make_domain, plot_adapt
 from fastweights.experiments.fwpkm_gates import gate_values, plot_gate_map
 from fastweights.experiments.streaming import PositionCurve, encode_documents, plot_stream, state_norms, stream_eval
-from fastweights.memory_switches import memory_only_state, memory_writes
+from fastweights.models.memory_switches import memory_only_state, memory_writes
 from fastweights.models.lm import LanguageModel
 
 V = 29
@@ -271,7 +271,7 @@ def _cli(argv):
 
 
 def test_commands_end_to_end(tmp_path, capsys):
-    from fastweights.checkpoint_format import save_model
+    from fastweights.checkpoints.format import save_model
 
     text = "the cat sat on the mat. the dog sat on the log. " * 30
     (tmp_path / "a.txt").write_text(text)

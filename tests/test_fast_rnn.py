@@ -7,7 +7,7 @@ The attention form has two implementations with hand-written backward passes, th
 import pytest
 import torch
 
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 from fastweights.layers.fast_rnn import (
     FastRNNMixer,
     FastRNNOptions,
@@ -283,7 +283,7 @@ def test_auto_read_mode():
 
 @pytest.mark.parametrize("read_mode", ["attention", "matrix"])
 def test_language_model_state_carry(read_mode):
-    from fastweights.config import ModelConfig
+    from fastweights.core.config import ModelConfig
     from fastweights.models.lm import LanguageModel, detach_state
 
     torch.manual_seed(0)
@@ -371,7 +371,7 @@ def _read_over_input(eta: float) -> float:
     import sys
     from pathlib import Path
 
-    from fastweights.config import make_config
+    from fastweights.core.config import make_config
     from fastweights.models.lm import LanguageModel
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))

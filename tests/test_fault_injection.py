@@ -10,7 +10,7 @@ SIGKILL at a random instant, checks the directory it left, and starts the next o
 ``--resume``, until 24 kills have landed; the last run goes to the end. Forking keeps each start
 to milliseconds, so 24 real kills of real processes fit in seconds. The save pauses a few
 milliseconds at each of its phases (the test hook ``FASTWEIGHTS_TEST_SAVE_PAUSE`` in
-``fastweights.checkpoint``), so that many kills land inside a save.
+``fastweights.models.loading``), so that many kills land inside a save.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def test_kill_9_at_random_instants_leaves_a_complete_checkpoint_that_resumes_bit
 def _check_saves(root: Path) -> None:
     """In a training process: after every save that returns, the run directory holds no temporary (neither
     this save's nor one a killed process left); each save appends a line to ROOT/saves.txt."""
-    import fastweights.train as train_module
-    from fastweights.checkpoint_format import PENDING, TMP_PREFIX
+    import fastweights.loops.train as train_module
+    from fastweights.checkpoints.format import PENDING, TMP_PREFIX
 
     real = train_module.save_model
 
@@ -105,7 +105,7 @@ def _reference(root: Path) -> Path:
     """An uninterrupted run; every checkpoint it writes is copied to ref-steps/<step>/."""
     import shutil
 
-    import fastweights.train as train_module
+    import fastweights.loops.train as train_module
 
     import gc
 
@@ -146,8 +146,8 @@ def _check(run: Path, ref_steps: Path) -> int | None:
     """The checkpoint in ``run`` equals the reference's at its step, weights and trainer state; returns the step."""
     from safetensors.torch import load_file
 
-    from fastweights.checkpoint import load_checkpoint, load_for_resume
-    from fastweights.checkpoint_format import PENDING, Checkpoint, parse_trainer_state
+    from fastweights.models.loading import load_checkpoint, load_for_resume
+    from fastweights.checkpoints.format import PENDING, Checkpoint, parse_trainer_state
 
     if not (run / "checkpoint.json").is_file() and not (run / PENDING / "checkpoint.json").is_file():
         assert not (run / "model.safetensors").exists(), "weights without a manifest"
@@ -189,7 +189,7 @@ def script(root: Path) -> None:
     import matplotlib.pyplot  # noqa: F401
 
     import fastweights.cli  # noqa: F401
-    from fastweights.checkpoint_format import PENDING, TMP_PREFIX
+    from fastweights.checkpoints.format import PENDING, TMP_PREFIX
 
     ref_steps = _reference(root)
     rng = random.Random(19)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 from fastweights.ops.feature_maps import (
     apply_feature_map,
     dpfp,

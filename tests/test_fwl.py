@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastweights.config import ModelConfig
-from fastweights.errors import UserError
+from fastweights.core.config import ModelConfig
+from fastweights.core.errors import UserError
 from fastweights.layers.fwl import FastWeightLayer, FWLOptions
 from fastweights.models.lm import LanguageModel
 from fastweights.ops.fwl import (
@@ -396,11 +396,11 @@ def test_model_causality(chunk_size):
 
 
 def test_model_trains_second_order(tmp_path):
-    """A tiny model with head = "fwl" trains through fastweights.train (second-order by default): the
+    """A tiny model with head = "fwl" trains through fastweights.loops.train (second-order by default): the
     loss is finite, the step sizes and decays move, and the checkpoint reloads to the same logits."""
-    from fastweights.config import make_config
-    from fastweights.checkpoint import load_checkpoint
-    from fastweights.train import train
+    from fastweights.core.config import make_config
+    from fastweights.models.loading import load_checkpoint
+    from fastweights.loops.train import train
 
     cfg = make_config("tiny", ["model.head=\"fwl\"", "model.options.fwl.segment_len=8", "train.max_steps=4",
                                "train.eval_every=0", "train.eval_tokens=512", "train.device=\"cpu\"",

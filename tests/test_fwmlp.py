@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fastweights.components import MEMORIES, lookup
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 from fastweights.layers.fast_memory_reference import fwmlp_memory_reference
 from fastweights.layers.fwmlp import PARAM_NAMES, FwMLP, FwMLPOptions, fast_mlp_grads, swiglu_forward
 
@@ -192,7 +192,7 @@ def test_registry_and_user_errors():
 
 
 def test_in_a_model_streams_and_trains():
-    from fastweights.config import ModelConfig
+    from fastweights.core.config import ModelConfig
     from fastweights.models.lm import LanguageModel, detach_state
 
     torch.manual_seed(0)

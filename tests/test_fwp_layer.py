@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 from fastweights.layers.fwp import FastWeightProgrammer, FWPOptions
 from fastweights.layers.gdn import GatedDeltaNet, GDNOptions
 from fastweights.components import MIXERS, build_options, lookup

@@ -1,5 +1,5 @@
 """FwPKM: chunked update vs the straight-from-the-spec reference, streaming, causality, second order,
-persistence modes, and the addressing metrics of fastweights.addressing."""
+persistence modes, and the addressing metrics of fastweights.experiments.addressing."""
 
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 from torch.func import functional_call
 
 from fastweights.components import MEMORIES, build_options, lookup
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 from fastweights.layers.fast_memory import zscore
 from fastweights.layers.fast_memory_reference import fwpkm_memory_reference
 from fastweights.layers.fwpkm import FwPKM, FwPKMOptions
@@ -388,7 +388,7 @@ def test_registry_and_user_errors():
 
 
 def test_read_log_and_tracer_hooks():
-    from fastweights.addressing import SlotTracer
+    from fastweights.experiments.addressing import SlotTracer
 
     layer = make(dtype=torch.float32)
     layer.record_reads = True
@@ -411,7 +411,7 @@ def test_read_log_and_tracer_hooks():
 
 
 def _model(memory="fwpkm", vocab_size=23, **opts):
-    from fastweights.config import ModelConfig
+    from fastweights.core.config import ModelConfig
     from fastweights.models.lm import LanguageModel
 
     base = dict(n_subkeys=6, d_key=8, d_value=8, topk=2, chunk_size=4) if memory == "fwpkm" else {}
@@ -449,7 +449,7 @@ def test_model_with_fwpkm_streams_and_trains():
 
 
 def test_addressing_stats_on_hand_made_counts():
-    from fastweights.addressing import addressing_stats, windowed_addressing_stats
+    from fastweights.experiments.addressing import addressing_stats, windowed_addressing_stats
 
     counts = torch.tensor([3, 1, 0, 0, 2, 0, 0, 2])  # N = 8, 8 reads
     s = addressing_stats(counts)
@@ -470,7 +470,7 @@ def test_addressing_stats_on_hand_made_counts():
 
 
 def test_slot_tracer_returns_the_last_write_before_a_read():
-    from fastweights.addressing import SlotTracer
+    from fastweights.experiments.addressing import SlotTracer
 
     tr = SlotTracer()
     rows = torch.tensor([[[3, 4], [3, 5]]])  # one sequence, two queries, two reads each
@@ -486,9 +486,9 @@ def test_slot_tracer_returns_the_last_write_before_a_read():
 def test_addressing_cli_and_trace(tmp_path, capsys):
     import json
 
-    from fastweights.checkpoint_format import save_model
+    from fastweights.checkpoints.format import save_model
     from fastweights.cli import main
-    from fastweights.config import RunConfig
+    from fastweights.core.config import RunConfig
     from fastweights.data import build_tokenizer
 
     text = "the cat sat on the mat. the dog sat on the log. " * 3

@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("transformers")
 
 from fastweights.adapt.dynamic import DynamicEvaluator  # noqa: E402
-from fastweights.evaluate import score_tokens  # noqa: E402
+from fastweights.loops.evaluate import score_tokens  # noqa: E402
 from fastweights.hf.kv_context import keep_indices, reencode_budget, trim_with_sinks  # noqa: E402
 from fastweights.hf.transformers_as_ours import HFCausalLM  # noqa: E402
 

@@ -13,10 +13,10 @@ pytest.importorskip("transformers")
 
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from fastweights.checkpoint_format import save_model  # noqa: E402
-from fastweights.config import ModelConfig, RunConfig  # noqa: E402
+from fastweights.checkpoints.format import save_model  # noqa: E402
+from fastweights.core.config import ModelConfig, RunConfig  # noqa: E402
 from fastweights.data.tokenizers import build_tokenizer  # noqa: E402
-from fastweights.generate import generate_tokens  # noqa: E402
+from fastweights.loops.generate import generate_tokens  # noqa: E402
 from fastweights import components as registry  # noqa: E402
 from fastweights.hf.ours_as_transformers import FastWeightsCache, FastWeightsConfig, FastWeightsForCausalLM  # noqa: E402
 import fastweights.hf.ours_as_transformers as hf_module  # noqa: E402

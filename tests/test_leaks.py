@@ -17,7 +17,7 @@ import torch
 
 from fastweights.adapt import cache as cache_mod
 from fastweights.adapt.cache import NeuralCache
-from fastweights.config import ModelConfig
+from fastweights.core.config import ModelConfig
 from fastweights.models.lm import LanguageModel
 from fastweights.ops import fwl as fwl_mod
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 from fastweights.ops.linear_attention import (
     gated_rule,
     gated_rule_recurrent,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 from fastweights.layers.lstm import LSTMLayer, LSTMMixer, LSTMOptions, LSTMState
 from fastweights.components import MIXERS, build_options, lookup
 
@@ -64,7 +64,7 @@ def test_bad_hidden_raises_user_error():
 
 
 def test_language_model_state_carry():
-    from fastweights.config import ModelConfig
+    from fastweights.core.config import ModelConfig
     from fastweights.models.lm import LanguageModel, detach_state
 
     torch.manual_seed(0)

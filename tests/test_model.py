@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fastweights.config import ModelConfig
+from fastweights.core.config import ModelConfig
 from fastweights.layers.attention import AttentionOptions, CausalSelfAttention
 from fastweights.models.lm import LanguageModel
 
@@ -105,7 +105,7 @@ def test_short_conv_matches_its_equation():
 
 
 def test_short_conv_bad_width_is_a_user_error():
-    from fastweights.errors import UserError
+    from fastweights.core.errors import UserError
 
     with pytest.raises(UserError, match="short_conv"):
         LanguageModel(tiny_config(short_conv=1))
@@ -135,7 +135,7 @@ def test_save_load_round_trip(tmp_path):
 
 
 def test_hybrid_layer_mixers_and_bad_config():
-    from fastweights.errors import UserError
+    from fastweights.core.errors import UserError
 
     with pytest.raises(UserError, match="layer_mixers"):
         LanguageModel(tiny_config(layer_mixers=["attention"]))

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from fastweights.adapt.cache import NeuralCache, cache_mix, cache_mix_reference
-from fastweights.config import ModelConfig
-from fastweights.errors import UserError
-from fastweights.evaluate import score_tokens
+from fastweights.core.config import ModelConfig
+from fastweights.core.errors import UserError
+from fastweights.loops.evaluate import score_tokens
 from fastweights.models.lm import LanguageModel
 
 V = 11

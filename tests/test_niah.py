@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from fastweights.config import DataConfig, ModelConfig, RunConfig, TrainConfig
+from fastweights.core.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from fastweights.data import CharTokenizer
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 from fastweights.models.lm import LanguageModel, ModelOutput
 from fastweights.tasks.niah import (Haystack, NiahOptions, check_tokenizer, evaluate_niah, evaluate_sample, make_sample,
                                     make_samples, parse_depths, plot_niah, score_answer, summarize, training_text)
@@ -246,7 +246,7 @@ def test_fresh_state_per_sample_unless_carried(hay, tok):
 
 def test_niah_command_writes_json_and_png(hay, tok, tmp_path, capsys):
     from fastweights import cli
-    from fastweights.checkpoint_format import save_model
+    from fastweights.checkpoints.format import save_model
 
     ckpt = tmp_path / "ckpt"
     model = fwpkm_model(tok)

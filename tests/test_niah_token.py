@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-from fastweights.config import DataConfig, ModelConfig, RunConfig, TrainConfig
+from fastweights.core.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from fastweights.data import build_tokenizer
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 from fastweights.models.lm import LanguageModel
 from fastweights.tasks import niah_token as nt
 from fastweights.tasks.niah import NiahOptions, evaluate_sample
@@ -117,7 +117,7 @@ def test_one_and_two_reads_on_a_token_sample(tok):
 
 def test_niah_command_picks_the_token_format(tok, tmp_path):
     from fastweights import cli
-    from fastweights.checkpoint_format import save_model
+    from fastweights.checkpoints.format import save_model
 
     ckpt = tmp_path / "ckpt"
     model = tiny_word_model(tok)

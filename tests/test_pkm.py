@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 from fastweights.layers.pkm import PKM, PKMOptions
 from fastweights.components import MEMORIES, build_options, lookup
 from fastweights.ops.pkm import pkm_topk_reference
@@ -79,7 +79,7 @@ def test_read_log_records_slots():
 
 
 def test_registry_model_and_user_errors():
-    from fastweights.config import ModelConfig
+    from fastweights.core.config import ModelConfig
     from fastweights.models.lm import LanguageModel
 
     entry = lookup(MEMORIES, "memory", "pkm")

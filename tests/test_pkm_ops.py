@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 from fastweights.ops.pkm import (
     gather_rows,
     marginal_entropy_topk_grad,

@@ -3,7 +3,7 @@
 import io
 import time
 
-from fastweights.progress import Progress
+from fastweights.core.progress import Progress
 
 
 def _line(bar: Progress, now_offset: float) -> str:

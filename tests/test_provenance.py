@@ -1,4 +1,4 @@
-"""What result files record (fastweights.provenance), and the benchmark scripts that record it: each is
+"""What result files record (fastweights.core.provenance), and the benchmark scripts that record it: each is
 run as ``python benchmarks/X.py`` and imports the installed package and its sibling ``common`` without
 adding anything to ``sys.path`` (issue 20)."""
 
@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import fastweights.provenance as provenance_module
-from fastweights.provenance import cli_provenance, command_line, git_state, provenance, repo_relative
+import fastweights.core.provenance as provenance_module
+from fastweights.core.provenance import cli_provenance, command_line, git_state, provenance, repo_relative
 
 ROOT = Path(__file__).resolve().parent.parent
 # Scripts that still add their folder to sys.path, with why (each entry must still be true, so the list

@@ -93,7 +93,7 @@ def test_a_crafted_trainer_state_safetensors_is_refused(run, tmp_path, capsys):
 
 
 def test_trainer_state_round_trip_without_pickle(tmp_path):
-    from fastweights.checkpoint_format import parse_trainer_state, save_trainer_state
+    from fastweights.checkpoints.format import parse_trainer_state, save_trainer_state
 
     rng = random.Random(3)
     state = {"step": 7, "history": [{"step": 5, "val_loss": float("nan")}], "rng": {"python": rng.getstate(),
@@ -115,9 +115,9 @@ def test_derived_files_are_tied_to_their_weights(run, tmp_path, capsys):
     from fastweights.adapt.setup import DynamicSettings, build_evaluator
     from fastweights.adapt.update_rules import GradStats
     from fastweights.adapt.tune import save_tuned
-    from fastweights.checkpoint import load_checkpoint
-    from fastweights.checkpoint_format import weights_fingerprint
-    from fastweights.errors import UserError
+    from fastweights.models.loading import load_checkpoint
+    from fastweights.checkpoints.format import weights_fingerprint
+    from fastweights.core.errors import UserError
 
     ckpt = _copy(run, tmp_path, "derived")
     doc = tmp_path / "doc.txt"
@@ -158,7 +158,7 @@ def test_derived_files_are_tied_to_their_weights(run, tmp_path, capsys):
 
 
 def test_run_lock(run, tmp_path, capsys):
-    from fastweights.run_dir import RunLock
+    from fastweights.checkpoints.run_dir import RunLock
 
     out = tmp_path / "locked"
     with RunLock(out):
@@ -240,7 +240,7 @@ def test_truncate_metrics_drops_a_validation_written_after_the_checkpoint(tmp_pa
     writes it again, so the old record goes (found by the kill -9 test under load)."""
     import json as _json
 
-    from fastweights.run_dir import truncate_metrics
+    from fastweights.checkpoints.run_dir import truncate_metrics
 
     recs = [{"step": 39, "loss": 1.0}, {"step": 40, "loss": 0.9}, {"step": 40, "val_loss": 2.0},
             {"step": 41, "loss": 0.8}]
@@ -255,7 +255,7 @@ def test_truncate_metrics_drops_a_validation_written_after_the_checkpoint(tmp_pa
                          ids=["SIGINT-new-out", "SIGTERM-existing-out"])
 def test_a_signal_before_training_starts_leaves_out_as_it_was(signum, code, existed, tmp_path, monkeypatch, capsys):
     """Ctrl-C (or SIGTERM) while the corpus is encoded: what this run created goes, what was there stays."""
-    import fastweights.train as train_module
+    import fastweights.loops.train as train_module
 
     real = train_module.prepare_data
 
@@ -285,7 +285,7 @@ def test_a_signal_before_training_starts_leaves_out_as_it_was(signum, code, exis
 
 def test_a_signal_during_the_final_validation_is_reported(tmp_path, monkeypatch, capsys):
     """The validation and the save finish; the run then exits 130 naming the checkpoint it saved."""
-    import fastweights.train as train_module
+    import fastweights.loops.train as train_module
 
     real = train_module.estimate_loss
     calls = []

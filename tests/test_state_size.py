@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from fastweights import components as registry
-from fastweights.config import ModelConfig, make_config
-from fastweights.errors import UserError
-from fastweights.model_size import estimate_memory, state_floats
+from fastweights.core.config import ModelConfig, make_config
+from fastweights.core.errors import UserError
+from fastweights.models.size import estimate_memory, state_floats
 from fastweights.models.lm import LanguageModel
 
 V, ROWS, T = 11, 3, 24

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fastweights import components as registry
-from fastweights.config import ModelConfig
+from fastweights.core.config import ModelConfig
 from fastweights.experiments.streaming import state_norms
 from fastweights.models.lm import LanguageModel
 

@@ -19,7 +19,7 @@ from fastweights.data import (
 )
 from fastweights.data.corpus import Document
 from fastweights.data.tokenizers import bytes_to_unicode
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 SPANISH = ("En un lugar de la Mancha, de cuyo nombre no quiero acordarme, no ha mucho tiempo que vivía un "
            "hidalgo de los de lanza en astillero, adarga antigua, rocín flaco y galgo corredor. ¿Qué? ¡Sí! Ñandú")

@@ -17,7 +17,7 @@ from fastweights.data import (
     text_pieces,
 )
 from fastweights.data.corpus import Document
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 # PTB-style text (Mikolov's files: leading space, one sentence per line, <unk> and N already in it)
 PTB_LIKE = (" the cat sat on the mat \n the dog sat N times \n a <unk> ran to the cat \n"
@@ -136,8 +136,8 @@ def test_errors():
 
 
 def test_token_stream_and_training_select_word(tmp_path):
-    from fastweights.config import make_config
-    from fastweights.train import train
+    from fastweights.core.config import make_config
+    from fastweights.loops.train import train
 
     tok = WordTokenizer.from_text(PTB_LIKE)
     stream = encode_to_file([PTB_LIKE, PTB_LIKE], tok, tmp_path / "s.bin", doc_separator=tok.eos_id)

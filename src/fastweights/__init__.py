@@ -10,4 +10,4 @@ stopped, so one long call equals many short calls with the state carried.
 
 __version__ = "0.1.0"
 
-from fastweights.errors import UserError  # noqa: F401
+from fastweights.core.errors import UserError  # noqa: F401

@@ -64,7 +64,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 from torch import Tensor
 
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 # ----------------------------------------------------------------------------- the contract
 
@@ -200,7 +200,7 @@ def lookup(table: dict, kind: str, name: str) -> Entry:
 
 def build_options(entry: Entry, raw: dict[str, Any] | None):
     """Options dataclass for ``entry`` from a dict, failing clearly on unknown keys or types."""
-    from fastweights.config import from_dict
+    from fastweights.core.config import from_dict
 
     if entry.options_cls is None:
         if raw:

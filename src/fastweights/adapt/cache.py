@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from fastweights.adapt.update_rules import as_token_stream, carry_state
-from fastweights.errors import UserError
-from fastweights.evaluate import EvalResult
-from fastweights.progress import Progress
+from fastweights.core.errors import UserError
+from fastweights.loops.evaluate import EvalResult
+from fastweights.core.progress import Progress
 
 
 def _similarity(q: torch.Tensor, k: torch.Tensor, similarity: str) -> torch.Tensor:

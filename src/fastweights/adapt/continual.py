@@ -7,7 +7,7 @@ post-stage state untouched. Stage 0 is the model before any adaptation. The tabl
 per (stage, domain) and its change from stage 0.
 
 Mechanisms without a write step cannot be frozen while scoring (the mixers, the FWL head); the
-result lists them (:func:`~fastweights.memory_switches.unfrozen_fast_parts`) so that it can say so.
+result lists them (:func:`~fastweights.models.memory_switches.unfrozen_fast_parts`) so that it can say so.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from fastweights.errors import UserError
-from fastweights.memory_switches import _trim, memory_only_state, memory_writes, unfrozen_fast_parts
-from fastweights.progress import Progress
+from fastweights.core.errors import UserError
+from fastweights.models.memory_switches import _trim, memory_only_state, memory_writes, unfrozen_fast_parts
+from fastweights.core.progress import Progress
 
 
 # ----------------------------------------------------------------------------- continual adaptation
@@ -66,7 +66,7 @@ def make_domain(name: str, text: str, tokenizer, adapt_tokens: int, eval_tokens:
 
 def _score(model, ids: torch.Tensor, state, seq_len: int, stride: int, evaluator=None, values=None) -> float:
     """Mean NLL of ``ids`` from ``state`` with updates off (memories frozen, adapted weights fixed)."""
-    from fastweights.evaluate import score_tokens
+    from fastweights.loops.evaluate import score_tokens
 
     device = next(model.parameters()).device
     with memory_writes(model, frozen=True):
@@ -95,7 +95,7 @@ def adapt_test(model, domains: Sequence[Domain], seq_len: int, stride: int | Non
     "mean_delta"}`` (nats per token).
     """
     from fastweights.adapt.dynamic import DynamicState
-    from fastweights.evaluate import score_tokens
+    from fastweights.loops.evaluate import score_tokens
 
     if eval_state not in ("memory", "all"):
         raise UserError(f"eval_state must be 'memory' or 'all', got {eval_state!r}")
@@ -173,7 +173,7 @@ def plot_adapt(result: dict, path: str | Path, title: str = "") -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fastweights.files import save_figure
+    from fastweights.core.files import save_figure
 
     stages = result["stages"]
     fig, ax = plt.subplots(figsize=(1.4 * len(stages) + 3, 4))

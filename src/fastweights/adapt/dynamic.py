@@ -44,10 +44,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from fastweights.adapt.update_rules import (DEFAULT_DECAY, DEFAULT_EPS, DEFAULT_LR, DEFAULT_SEGMENT_LEN, PRIOR_RULES,
                                            UNITS, GradStats, UpdateRule, as_token_stream, canonical_rule, carry_state,
                                            logits_and_state, parse_schedule, schedule_factor, select_parameters)
-from fastweights.errors import UserError
-from fastweights.evaluate import EvalResult, score_tokens
+from fastweights.core.errors import UserError
+from fastweights.loops.evaluate import EvalResult, score_tokens
 from fastweights.ops.nll import token_nll
-from fastweights.progress import Progress
+from fastweights.core.progress import Progress
 
 
 # ----------------------------------------------------------------------------- the evaluator

@@ -29,10 +29,10 @@ import torch
 from fastweights.adapt.cache import cache_mix, forward_hidden
 from fastweights.adapt.dynamic import DynamicEvaluator, DynamicState
 from fastweights.adapt.update_rules import as_token_stream
-from fastweights.errors import UserError
-from fastweights.evaluate import EvalResult
+from fastweights.core.errors import UserError
+from fastweights.loops.evaluate import EvalResult
 from fastweights.ops.nll import log_probs, nll_at
-from fastweights.progress import Progress
+from fastweights.core.progress import Progress
 
 
 @dataclass

@@ -12,7 +12,7 @@ import torch
 
 from fastweights.adapt.setup import (DynamicSettings, build_evaluator, encode_texts, evaluator_like, load_texts,
                                      weights_fingerprint)
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 
 @dataclass
@@ -54,7 +54,7 @@ def _score_documents(evaluate, docs, reset: str, keep: bool, bar, start):
     """Documents one after the other through ``evaluate`` (an evaluator's or a DynamicNeuralCache's): the
     summed result and each document's token losses. ``reset="never"`` carries the adapted values and the
     schedule's update count into the next document (``start(state, doc)`` builds its start state)."""
-    from fastweights.evaluate import EvalResult
+    from fastweights.loops.evaluate import EvalResult
 
     total, losses, state = EvalResult(0.0, 0), [], None
     for d in docs:
@@ -101,8 +101,8 @@ def evaluate_static_and_dynamic(settings: DynamicSettings, model, tokenizer, cfg
     "relative_improvement", "settings": the evaluator's metadata, "documents", "reset"}; metrics as
     ``EvalResult.metrics`` plus "nll" (total nats); the cache rows add their "settings".
     """
-    from fastweights.evaluate import EvalResult
-    from fastweights.progress import Progress
+    from fastweights.loops.evaluate import EvalResult
+    from fastweights.core.progress import Progress
 
     opt = options or ComparisonOptions()
     ev, info = build_evaluator(settings, model, tokenizer, cfg, ckpt, progress=progress)
@@ -167,7 +167,7 @@ def _write_per_token(path, docs, losses: dict, result: dict) -> Path:
     """``adapt.per_token``'s file; with the cache on dynamic evaluation, each document's "dynamic_cache"
     losses too (summing to "dynamic_cache_nll", the row's total NLL)."""
     from fastweights.adapt.per_token import per_token_record
-    from fastweights.files import atomic_write
+    from fastweights.core.files import atomic_write
 
     rec = per_token_record(docs, losses["static"], losses["dynamic"], result)
     if "dynamic_cache" in losses:
@@ -191,7 +191,7 @@ def demo_dynamic(checkpoint: str | Path, tune_chars: int = 5000, test_chars: int
     when ``verbose``.
     """
     from fastweights.adapt.tune import TUNED_FILE, save_tuned, tune_dynamic
-    from fastweights.checkpoint import load_checkpoint
+    from fastweights.models.loading import load_checkpoint
 
     ckpt = Path(checkpoint)
     model, tok, cfg = load_checkpoint(ckpt)

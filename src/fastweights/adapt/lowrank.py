@@ -37,7 +37,7 @@ from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.update_rules import (DEFAULT_DECAY, DEFAULT_EPS, DEFAULT_LR, DEFAULT_SEGMENT_LEN, GradStats,
                                             _patterns, accumulate_grad_stats, logits_and_state)
 from fastweights.adapt.sparse import _frozen
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 DEFAULT_MODULES = "*mlp.*"  # the MLP projections (ours: blocks.i.mlp.gate_up/down; Llama: mlp.gate/up/down_proj)
 DEFAULT_RANK = 8

@@ -40,7 +40,7 @@ def per_token_record(docs: list[torch.Tensor], static: list[list[float]], dynami
 
 def write_per_token(path: str | Path, docs, static, dynamic, result: dict | None = None) -> Path:
     """Write :func:`per_token_record` to ``path`` (atomically); returns the path."""
-    from fastweights.files import atomic_write
+    from fastweights.core.files import atomic_write
 
     path = Path(path)
     rec = per_token_record(docs, static, dynamic, result)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 DEFAULT_STATS_BATCHES = 500
 LOWRANK_SEED = 0  # the fixed random factors B of --lowrank-rank (LowRankDynamicEvaluator's default seed)
@@ -64,7 +64,7 @@ class DynamicSettings:
 def load_model_and_tokenizer(checkpoint: str | Path | None = None, hf: str | None = None, device: str = "auto",
                              sinks: int | None = None):
     """(model, tokenizer, run_config or None, checkpoint dir or None) from a checkpoint or a Hugging Face model."""
-    from fastweights.distributed import resolve_device
+    from fastweights.core.distributed import resolve_device
 
     device = str(resolve_device(device))
     if hf:
@@ -74,7 +74,7 @@ def load_model_and_tokenizer(checkpoint: str | Path | None = None, hf: str | Non
         return model, tok, None, None
     if sinks is not None:
         raise UserError("--sinks applies to Hugging Face models (--hf); a checkpoint's context is its seq_len window")
-    from fastweights.checkpoint import load_checkpoint
+    from fastweights.models.loading import load_checkpoint
 
     model, tok, cfg = load_checkpoint(Path(checkpoint), map_location=device)
     return model, tok, cfg, Path(checkpoint)
@@ -224,7 +224,7 @@ def _check_stats_kind(stats, path: Path, spec: tuple | None) -> None:
 
 
 def weights_fingerprint(ckpt: Path | None) -> str | None:
-    from fastweights.checkpoint_format import weights_fingerprint
+    from fastweights.checkpoints.format import weights_fingerprint
 
     return weights_fingerprint(ckpt) if ckpt is not None else None
 
@@ -269,7 +269,7 @@ def _tuned_values(settings: DynamicSettings, ckpt, rule: str, segment_len: int, 
     """lr and decay from the tuned file ``--tuned`` names (refused when tuned for another setting), else the defaults."""
     from fastweights.adapt.update_rules import DEFAULT_DECAY, DEFAULT_LR
     from fastweights.adapt.tune import TUNED_FILE, load_tuned
-    from fastweights.checkpoint_format import check_derived_file
+    from fastweights.checkpoints.format import check_derived_file
 
     # a tuned file is used only when named (--tuned): one left in a checkpoint never changes a run silently
     tuned_path = settings.tuned
@@ -299,7 +299,7 @@ def _tuned_values(settings: DynamicSettings, ckpt, rule: str, segment_len: int, 
 def _grad_stats(settings: DynamicSettings, model, tokenizer, cfg, ckpt, rule, segment_len, context, spec, progress):
     """The RMS rules' statistics for what ``spec`` adapts: loaded (and checked), or collected for a checkpoint."""
     from fastweights.adapt.update_rules import GradStats
-    from fastweights.checkpoint_format import check_derived_file
+    from fastweights.checkpoints.format import check_derived_file
 
     path = stats_path(settings.stats, ckpt, spec)
     if path is not None and path.is_file():

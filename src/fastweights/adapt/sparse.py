@@ -27,7 +27,7 @@ from torch import nn
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.update_rules import (DEFAULT_DECAY, DEFAULT_EPS, DEFAULT_LR, DEFAULT_SEGMENT_LEN, GradStats,
                                             accumulate_grad_stats, logits_and_state)
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

@@ -13,9 +13,9 @@ from typing import Sequence
 import torch
 
 from fastweights.adapt.update_rules import as_token_stream
-from fastweights.errors import UserError
-from fastweights.files import save_figure
-from fastweights.progress import Progress
+from fastweights.core.errors import UserError
+from fastweights.core.files import save_figure
+from fastweights.core.progress import Progress
 
 
 def loss_by_position(per_doc_losses: list[list[float]], window: int = 100) -> dict:

@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.update_rules import DEFAULT_DECAY, canonical_rule
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 # dynamiceval.py --grid: lr x lambda, both scaled by segment_len / 5 (its bptt / 5)
 OFFICIAL_LRS = (3e-5, 4e-5, 5e-5, 6e-5, 7e-5, 1e-4)
@@ -146,7 +146,7 @@ def save_tuned(result: dict, path: str | Path, weights_sha256: str | None = None
     ``weights_sha256``: the fingerprint of the weights it was tuned for (a checkpoint's), so that the
     file is refused for other weights.
     """
-    from fastweights.files import atomic_write
+    from fastweights.core.files import atomic_write
 
     path = Path(path)
     payload = {"best": result["best"], "rule": result["settings"]["rule"], "settings": result["settings"],

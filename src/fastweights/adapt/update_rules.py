@@ -49,9 +49,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 from fastweights.ops.nll import token_nll
-from fastweights.progress import Progress
+from fastweights.core.progress import Progress
 
 RULES = ("sgd", "sgd-global-prior", "rms", "rms-prior", "rms-global-prior")
 PRIOR_RULES = ("sgd-global-prior", "rms-prior", "rms-global-prior")  # the rules that decay towards theta_g
@@ -170,7 +170,7 @@ class GradStats:
         """Write a safetensors file (tensors by parameter name, settings in its metadata)."""
         from safetensors.torch import save_file
 
-        from fastweights.files import atomic_write
+        from fastweights.core.files import atomic_write
 
         path = Path(path)
         meta = {"format": "fastweights-grad-stats", "units": "MS_g (mean squared gradient, paper eq. 5)",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 # (heading, commands) in the order `fastweights --help` lists them
 JOBS = (("make a model", ("train", "prepare", "data", "demo")),
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as e:  # a training run saves first (fastweights.train.RunInterrupted says which step)
+    except KeyboardInterrupt as e:  # a training run saves first (fastweights.loops.train.RunInterrupted says which step)
         print(str(e) or "interrupted", file=sys.stderr)
         return getattr(e, "exit_code", 130)
     except BrokenPipeError:

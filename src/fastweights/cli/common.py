@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from fastweights.cli.types import nonneg_int
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 
 def common_flags(p, several: bool = False) -> None:
@@ -30,8 +30,8 @@ def set_threads(args):
 
 
 def load(path, device: str = "auto"):
-    from fastweights.checkpoint import load_checkpoint
-    from fastweights.distributed import resolve_device
+    from fastweights.models.loading import load_checkpoint
+    from fastweights.core.distributed import resolve_device
 
     return load_checkpoint(Path(path), map_location=str(resolve_device(device)))
 

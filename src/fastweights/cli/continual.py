@@ -12,9 +12,9 @@ from pathlib import Path
 
 from fastweights.cli.common import common_flags, describe, load, output_prefix, set_threads
 from fastweights.cli.types import nonneg_int, positive_int
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 from fastweights.experiments.probes import run_probes
-from fastweights.provenance import write_cli_result
+from fastweights.core.provenance import write_cli_result
 
 
 def register(sub) -> None:

@@ -34,7 +34,7 @@ from fastweights.adapt.setup import (DEFAULT_STATS_BATCHES, DynamicSettings, ada
                                      collect_stats, default_context, default_segment_len, encode_texts, evaluator_like,
                                      load_model_and_tokenizer, load_texts, stats_path, weights_fingerprint)
 from fastweights.cli.types import floats, fraction, nonneg_float, nonneg_int, positive_float, positive_int, seed
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 HF_STATS_CONTEXT = 1024  # dynamic stats' default KV-cache bound for Hugging Face models (x --batch-size streams)
 
@@ -310,7 +310,7 @@ def cmd_collect_grad_stats(args) -> int:
 
 def cmd_timescale(args) -> int:
     from fastweights.adapt.timescale import plot_timescale, timescale_analysis
-    from fastweights.files import atomic_write
+    from fastweights.core.files import atomic_write
 
     if args.doc_len < 2 or args.max_docs < 1 or args.window < 1:
         raise UserError("--doc-len must be >= 2, --max-docs and --window >= 1")
@@ -340,7 +340,7 @@ def cmd_timescale(args) -> int:
 
 
 def cmd_dynamic_generate(args) -> int:
-    from fastweights.generate import generate_tokens
+    from fastweights.loops.generate import generate_tokens
 
     model, tok, cfg, ckpt = _load(args)
     text = ("".join(load_texts(args.data, cfg, "test", args.max_chars)) if args.data else "") + args.prompt

@@ -9,7 +9,7 @@ from pathlib import Path
 from fastweights.cli.dynamic import add_dynamic_arguments
 from fastweights.cli.stream import add_stream_arguments, run_stream_eval
 from fastweights.cli.types import nonneg_float, nonneg_int, positive_int, seed
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 STREAM_ONLY = ("modes", "bin", "max_tokens", "max_chars", "labels", "out", "overwrite", "threads")
 
@@ -55,9 +55,9 @@ def _eval_prepared(model, tokenizer, cfg, args, seq_len):
     import numpy as np
     import torch
 
-    from fastweights.evaluate import score_tokens
-    from fastweights.progress import Progress
-    from fastweights.train import prepare_data
+    from fastweights.loops.evaluate import score_tokens
+    from fastweights.core.progress import Progress
+    from fastweights.loops.train import prepare_data
 
     stream = getattr(prepare_data(cfg, Path(cfg.data.corpus), tokenizer, progress=False), args.split)
     bar = Progress(len(stream) - 1, "tok", desc="eval", enabled=not args.quiet)
@@ -68,9 +68,9 @@ def _eval_prepared(model, tokenizer, cfg, args, seq_len):
 
 
 def cmd_eval(args) -> int:
-    from fastweights.checkpoint import load_checkpoint
-    from fastweights.evaluate import evaluate_documents
-    from fastweights.distributed import resolve_device
+    from fastweights.models.loading import load_checkpoint
+    from fastweights.loops.evaluate import evaluate_documents
+    from fastweights.core.distributed import resolve_device
 
     if args.stream:
         return run_stream_eval(args)
@@ -125,9 +125,9 @@ def _warn_unknown(tokenizer, texts, what: str) -> None:
 
 
 def cmd_generate(args) -> int:
-    from fastweights.checkpoint import load_checkpoint
-    from fastweights.generate import generate_tokens
-    from fastweights.distributed import resolve_device
+    from fastweights.models.loading import load_checkpoint
+    from fastweights.loops.generate import generate_tokens
+    from fastweights.core.distributed import resolve_device
 
     model, tokenizer, cfg = load_checkpoint(Path(args.checkpoint), map_location=str(resolve_device(args.device)))
     _warn_unknown(tokenizer, [args.prompt], "the prompt")

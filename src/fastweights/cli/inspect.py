@@ -1,8 +1,8 @@
 """``fastweights inspect compare | addressing | gates``: look inside trained checkpoints.
 
-- ``compare``: per-token NLL improvement of one checkpoint over another (:mod:`fastweights.analysis`);
+- ``compare``: per-token NLL improvement of one checkpoint over another (:mod:`fastweights.experiments.analysis`);
 - ``addressing``: product-key addressing statistics of PKM/FwPKM layers over a text and a trace of what
-  retrieved slots stored (:mod:`fastweights.addressing`);
+  retrieved slots stored (:mod:`fastweights.experiments.addressing`);
 - ``gates``: the FwPKM gate value of every token of a text as a heatmap (``experiments.fwpkm_gates``).
 """
 
@@ -13,13 +13,13 @@ from pathlib import Path
 
 import torch
 
-from fastweights.addressing import collect_reads, memory_layers, trace_position, windowed_addressing_stats
-from fastweights.analysis import analyze, plot_analysis
+from fastweights.experiments.addressing import collect_reads, memory_layers, trace_position, windowed_addressing_stats
+from fastweights.experiments.analysis import analyze, plot_analysis
 from fastweights.cli.common import common_flags, load, output_prefix, set_threads
 from fastweights.cli.types import nonneg_int, positive_int
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 from fastweights.experiments.probes import run_probes
-from fastweights.provenance import write_cli_result
+from fastweights.core.provenance import write_cli_result
 
 
 def register(top, parser_class) -> None:
@@ -33,8 +33,8 @@ def register(top, parser_class) -> None:
 
 
 def cmd_compare(args) -> int:
-    from fastweights.distributed import resolve_device
-    from fastweights.checkpoint import read_run_config
+    from fastweights.core.distributed import resolve_device
+    from fastweights.models.loading import read_run_config
 
     result = analyze(Path(args.base), Path(args.model), data=args.data, split=args.split, seq_len=args.seq_len,
                      stride=args.stride, max_chars=args.max_chars, freq_from=args.freq_from,
@@ -71,9 +71,9 @@ def _register_compare(sub) -> None:
 
 
 def cmd_addressing(args) -> int:
-    from fastweights.checkpoint import load_checkpoint
+    from fastweights.models.loading import load_checkpoint
     from fastweights.data import load_corpus
-    from fastweights.distributed import resolve_device
+    from fastweights.core.distributed import resolve_device
 
     _check_window(args.window)
     model, tokenizer, cfg = load_checkpoint(Path(args.checkpoint), map_location=str(resolve_device(args.device)))

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from fastweights.cli.common import describe, load, output_prefix, set_threads
 from fastweights.cli.types import nonneg_int, positive_int
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 from fastweights.experiments.probes import run_probes
-from fastweights.provenance import write_cli_result
+from fastweights.core.provenance import write_cli_result
 
 PROBED_MODES = ("carry", "reset", "memory", "windows")  # stream modes a result's probes re-run (frozen: as carry)
 
@@ -108,7 +108,7 @@ def run_stream_eval(args) -> int:
 
 
 def _not_frozen(model, mode: str) -> list[str]:
-    from fastweights.memory_switches import fast_memories, unfrozen_fast_parts
+    from fastweights.models.memory_switches import fast_memories, unfrozen_fast_parts
 
     if mode != "frozen":
         return []

@@ -20,9 +20,9 @@ import fastweights.tasks.niah  # noqa: F401  (registers the corpus "niah-tinysha
 import fastweights.tasks.niah_token  # noqa: F401  (registers "niah-token-tinyshakespeare", configs/niah-token.toml)
 from fastweights.cli.common import common_flags, describe, load, output_prefix, set_threads
 from fastweights.cli.types import fraction, ints, nonneg_float, nonneg_int, positive_float, positive_int, seed
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 from fastweights.experiments.probes import fingerprinted, probe, run_probes
-from fastweights.provenance import write_cli_result
+from fastweights.core.provenance import write_cli_result
 from fastweights.tasks.assoc import FEATURE_MAPS, RULES, AssocConfig, parse_keys, parse_model, plot_capacity, run_sweep
 from fastweights.tasks.ba_retrieval import MODELS, SPLIT_SIZES
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from fastweights.cli.types import positive_float
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 
 def register(sub, parser_class) -> None:
@@ -58,10 +58,10 @@ def register(sub, parser_class) -> None:
 
 
 def _run_config(args):
-    from fastweights.config import apply_overrides, from_dict, load_preset, RunConfig
+    from fastweights.core.config import apply_overrides, from_dict, load_preset, RunConfig
 
     if args.resume and args.preset is None:
-        from fastweights.checkpoint import read_run_config
+        from fastweights.models.loading import read_run_config
 
         d = read_run_config(Path(args.out)).to_dict()
     else:
@@ -75,7 +75,7 @@ def _run_config(args):
 
 
 def cmd_train(args) -> int:
-    from fastweights.train import train
+    from fastweights.loops.train import train
 
     if args.resume and args.overwrite:
         raise UserError("--resume and --overwrite exclude each other")
@@ -101,8 +101,8 @@ def cmd_train(args) -> int:
 
 
 def cmd_prepare(args) -> int:
-    from fastweights.config import RunConfig, apply_overrides, from_dict
-    from fastweights.train import prepare_corpus
+    from fastweights.core.config import RunConfig, apply_overrides, from_dict
+    from fastweights.loops.train import prepare_corpus
 
     d = {"data": {"corpus": args.data, "tokenizer": args.tokenizer}}
     apply_overrides(d, args.set or [])
@@ -117,7 +117,7 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from fastweights.demo import run_demo
+    from fastweights.experiments.demo import run_demo
 
     return run_demo(Path(args.out), minutes=args.minutes)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 
 def _number(kind, test, rule: str):

@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Callable
 
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 ASSET_PACKAGE = "fastweights.data"
 

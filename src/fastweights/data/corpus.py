@@ -54,7 +54,7 @@ from typing import Callable, Iterable, Iterator, Union
 import regex
 
 from fastweights.data.bundled import BUNDLED, BundledCorpus
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 # Pieces handed to tokenizers: big enough that per-piece overhead vanishes, small enough that the
 # ids of one piece (a Python list inside the GPT-2 encoder) stay a few tens of MB.

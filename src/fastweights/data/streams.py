@@ -33,7 +33,7 @@ import torch
 
 from fastweights.data.corpus import PIECE_CHARS, Document, FileDocument, content_digest
 from fastweights.data.tokenizers import Tokenizer, check_fingerprint
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 _FORMAT = "fastweights-tokens"
 _FORMAT_VERSION = 1
@@ -177,7 +177,7 @@ def encode_to_file(texts: Iterable, tokenizer: Tokenizer, path: str | os.PathLik
     Args:
         doc_separator: an id written between consecutive documents (e.g. GPT-2's ``eot_id``); None
             writes the documents back to back.
-        progress: print characters/s and ETA to stderr (``fastweights.progress.Progress``).
+        progress: print characters/s and ETA to stderr (``fastweights.core.progress.Progress``).
         piece_chars: characters encoded at a time (memory bound; does not change the result).
     """
     path = Path(path)
@@ -190,7 +190,7 @@ def encode_to_file(texts: Iterable, tokenizer: Tokenizer, path: str | os.PathLik
     tmp_side = path.with_name(f"{path.name}.json.{os.getpid()}.tmp")
     bar = None
     if progress:
-        from fastweights.progress import Progress
+        from fastweights.core.progress import Progress
 
         # a total only when it is free: a list of in-memory texts or documents (not a generator)
         known = isinstance(texts, (list, tuple)) and all(isinstance(t, (str, Document, FileDocument)) for t in texts)

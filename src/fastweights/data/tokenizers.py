@@ -45,7 +45,7 @@ import numpy as np
 import regex
 
 from fastweights.data.corpus import to_utf8
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 TOKENIZER_FILE = "tokenizer.json"
 _FORMAT = "fastweights-tokenizer"

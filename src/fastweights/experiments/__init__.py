@@ -9,5 +9,5 @@
 Continual adaptation across domains (``fastweights continual``) is :mod:`fastweights.adapt.continual`.
 
 The memory switches they share with the tasks (``fastweights.tasks.niah``) live one floor down, in
-:mod:`fastweights.memory_switches`.
+:mod:`fastweights.models.memory_switches`.
 """

@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 from fastweights.components import GatedMemory
-from fastweights.errors import UserError
-from fastweights.memory_switches import memory_writes, read_tokens
+from fastweights.core.errors import UserError
+from fastweights.models.memory_switches import memory_writes, read_tokens
 
 
 # ----------------------------------------------------------------------------- FwPKM gate map
@@ -56,7 +56,7 @@ def plot_gate_map(tokens: Sequence[str], gates: dict, path: str | Path, width: i
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fastweights.files import save_figure
+    from fastweights.core.files import save_figure
 
     T = len(tokens)
     rows = max(1, math.ceil(T / width))

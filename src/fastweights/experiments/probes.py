@@ -115,7 +115,7 @@ def _tokens(n: int, seed: int, batch: int | None = None) -> torch.Tensor:
 def probe_config(config: dict):
     """The ModelConfig a probe builds: the measured one, with the probe vocabulary, no dropout, and
     chunk/segment/window sizes above PROBE_CHUNK shrunk to it (the same code path, reached in few tokens)."""
-    from fastweights.config import ModelConfig, from_dict
+    from fastweights.core.config import ModelConfig, from_dict
 
     cfg = json.loads(json.dumps(config))  # a private copy
     cfg["vocab_size"] = PROBE_VOCAB
@@ -299,7 +299,7 @@ def _task(name: str) -> dict:
 
 
 def _source(path: str, texts: list[str]) -> dict:
-    from fastweights.provenance import package_checkout
+    from fastweights.core.provenance import package_checkout
 
     root = package_checkout() or Path.cwd()
     file = root / path
@@ -397,7 +397,7 @@ def model_probes(config: dict, stream_modes: tuple[str, ...] = ()) -> list[dict]
 
 def preset_model_config(preset: str, overrides: list[str] | None = None) -> dict:
     """The model section of a preset (with ``--set``-style overrides) as a plain dict."""
-    from fastweights.config import make_config
+    from fastweights.core.config import make_config
 
     return dataclasses.asdict(make_config(preset, list(overrides or [])).model)
 
@@ -426,6 +426,6 @@ def checkpoint_probes(config: dict, stream_modes: tuple[str, ...] = (), dynamic_
 
 
 def run_probes(cfg, stream_modes: tuple[str, ...] = (), dynamic_rule: str | None = None) -> list[dict]:
-    """The fingerprinted probes of a trained run (its :class:`~fastweights.config.RunConfig`), as a
+    """The fingerprinted probes of a trained run (its :class:`~fastweights.core.config.RunConfig`), as a
     ``fastweights`` command that measured it records them."""
     return fingerprinted(checkpoint_probes(dataclasses.asdict(cfg.model), stream_modes, dynamic_rule))

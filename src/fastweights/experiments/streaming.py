@@ -3,7 +3,7 @@
 In the spirit of the FwPKM paper's PPL protocol and the time-scale analysis of dynamic evaluation
 (Krause et al. 2018, Fig. 2). Documents are read in order at batch 1, in calls of ``stride`` tokens;
 the KV cache keeps ``seq_len - stride`` tokens between calls (constant memory). The first token of
-every document is context only. Modes (memories and context: see :mod:`fastweights.memory_switches`):
+every document is context only. Modes (memories and context: see :mod:`fastweights.models.memory_switches`):
 
     carry    the whole state carries across calls and document boundaries
     reset    the whole state starts fresh at every document
@@ -44,10 +44,10 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from fastweights.errors import UserError
-from fastweights.memory_switches import _trim, memory_only_state, memory_writes
+from fastweights.core.errors import UserError
+from fastweights.models.memory_switches import _trim, memory_only_state, memory_writes
 from fastweights.ops.nll import token_nll
-from fastweights.progress import Progress
+from fastweights.core.progress import Progress
 
 STREAM_MODES = ("carry", "reset", "frozen", "memory", "windows")
 SEGMENTED = ("memory", "windows")  # modes that cut the stream into segments of seq_len predictions
@@ -382,7 +382,7 @@ def plot_stream(runs: Sequence[dict], path: str | Path, title: str = "", unit: s
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fastweights.files import save_figure
+    from fastweights.core.files import save_figure
 
     scale = 1 / math.log(2) if unit == "bits" else 1.0
     styles = {"carry": "-", "reset": "--", "frozen": ":", "memory": "-.", "windows": (0, (1, 3))}

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 UNK_TOKEN = "<unk>"
 _REPLACEMENT_CHAR = "\ufffd"
@@ -110,7 +110,7 @@ def export_hf(checkpoint: str | Path, directory: str | Path, force: bool = False
     whose own ``config.json`` / ``tokenizer.json`` would be overwritten). Returns the file names written.
     """
     _require_hf()
-    from fastweights.checkpoint import load_checkpoint
+    from fastweights.models.loading import load_checkpoint
     from fastweights.hf.ours_as_transformers import FastWeightsForCausalLM
 
     checkpoint, directory = Path(checkpoint), Path(directory)

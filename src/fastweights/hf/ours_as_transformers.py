@@ -9,7 +9,7 @@
 (``fastweights export-hf CHECKPOINT DIR`` writes such a directory; see :mod:`fastweights.hf.export`.)
 
 - :class:`FastWeightsConfig` (``model_type = "fastweights"``) carries every field of
-  :class:`fastweights.config.ModelConfig` (same names, same defaults), so any mixer, head or memory
+  :class:`fastweights.core.config.ModelConfig` (same names, same defaults), so any mixer, head or memory
   in the registry, with its ``options`` tables, round-trips through ``config.json``.
 - :class:`FastWeightsForCausalLM` wraps :class:`fastweights.models.lm.LanguageModel` as ``self.model``
   (the state-dict keys are the LanguageModel's with a ``model.`` prefix), so the wrapped model can
@@ -17,7 +17,7 @@
 - The generation cache is :class:`FastWeightsCache`: it holds the model's explicit state
   ``{"layers": [...], "head": ...}`` (fast-weight matrices, RNN states, KV caches of attention
   layers) and the number of tokens it has read. ``generate()`` feeds the prompt once, then one token
-  per step, carrying that state, exactly as :func:`fastweights.generate.generate_tokens` does, so
+  per step, carrying that state, exactly as :func:`fastweights.loops.generate.generate_tokens` does, so
   greedy decoding gives the same tokens.
 
 Differences from a Transformer-with-KV-cache that a user may meet:
@@ -41,10 +41,10 @@ Differences from a Transformer-with-KV-cache that a user may meet:
 
 Loading: ``from_pretrained`` builds the model on the CPU (not on the meta device, because the parts
 compute values at construction that are not in the weights file, e.g. rotary frequencies) and then
-loads the weights over it, as :func:`fastweights.checkpoint.load_model` does.
+loads the weights over it, as :func:`fastweights.models.loading.load_model` does.
 
 ``transformers`` is the optional ``[hf]`` extra; importing this module without it raises a
-one-line :class:`~fastweights.errors.UserError`.
+one-line :class:`~fastweights.core.errors.UserError`.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fastweights.config import ModelConfig, from_dict
-from fastweights.errors import UserError
+from fastweights.core.config import ModelConfig, from_dict
+from fastweights.core.errors import UserError
 from fastweights.models.lm import LanguageModel
 
 try:
@@ -79,7 +79,7 @@ _MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
 class FastWeightsConfig(PretrainedConfig):
     """Hugging Face config of a fastweights language model.
 
-    Fields are those of :class:`fastweights.config.ModelConfig` (``vocab_size``, ``d_model``,
+    Fields are those of :class:`fastweights.core.config.ModelConfig` (``vocab_size``, ``d_model``,
     ``n_layers``, ``n_heads``, ``mlp_hidden``, ``mixer``, ``layer_mixers``, ``tie_embeddings``,
     ``dropout``, ``head``, ``memory``, ``memory_layers``, ``short_conv``, ``init_std``,
     ``options``) with the same defaults, plus the usual ``use_cache`` and ``bos/eos/pad_token_id``, and

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 from fastweights.models.lm import ModelOutput
 
 from fastweights.hf.kv_context import (DEFAULT_SINKS, context_metadata, needs_reencoding, reencode_budget,

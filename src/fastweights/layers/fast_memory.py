@@ -53,7 +53,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 PERSISTENCE = ("stream", "official", "per_sequence")
 

@@ -50,7 +50,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from fastweights.components import register_mixer
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 from fastweights.ops.fast_rnn_kernel import _AttentionReadRNNKernel, _decay_weights, kernel_applies
 from fastweights.ops.linear_attention import no_autocast
 

@@ -56,7 +56,7 @@ import torch
 from torch import Tensor, nn
 
 from fastweights.components import register_head
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 from fastweights.ops.fwl import BLOCK_FAST, fold_deltas, fwl_parallel, segment_pieces, slow_pass
 from fastweights.ops.linear_attention import no_autocast
 

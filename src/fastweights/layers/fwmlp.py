@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastweights.components import register_memory
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 from fastweights.layers.fast_memory import (FastMemoryIO, FastMemoryOptions, fast_dtype, piece_sizes, state_pytree,
                                             validate_options)
 from fastweights.ops.linear_attention import no_autocast

@@ -47,7 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fastweights.components import register_mixer
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 from fastweights.ops.delta_rule import delta_rule
 from fastweights.ops.fla_backend import BACKENDS
 from fastweights.ops.feature_maps import (

@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fastweights.components import register_mixer
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 from fastweights.layers.common import causal_conv1d
 from fastweights.layers.fwp import gdn_log_decay, init_gdn_gate
 from fastweights.ops.delta_rule import delta_rule

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from fastweights.components import register_mixer
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 
 class LSTMState(NamedTuple):

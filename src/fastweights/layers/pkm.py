@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastweights.components import register_memory
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 from fastweights.ops.pkm import pkm_read, pkm_search, softmax_short
 
 

@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastweights.checkpoint_format import load_model_as, save_model
-from fastweights.config import ModelConfig, from_dict
-from fastweights.errors import UserError
+from fastweights.checkpoints.format import load_model_as, save_model
+from fastweights.core.config import ModelConfig, from_dict
+from fastweights.core.errors import UserError
 from fastweights.layers.common import RMSNorm, ShortConv, SwiGLU, swiglu_hidden
 from fastweights.components import (
     HEADS,

@@ -37,7 +37,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 FEATURE_MAPS = ("elu1", "dpfp", "favor", "identity")
 

@@ -30,7 +30,7 @@ import logging
 
 import torch
 
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 BACKENDS = ("auto", "torch", "compiled", "fla")
 LOW_PRECISION = (torch.float16, torch.bfloat16)

@@ -38,7 +38,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 __all__ = [
     "linear_attention",

@@ -51,7 +51,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 SCORES = ("idw", "dot")
 

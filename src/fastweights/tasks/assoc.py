@@ -51,7 +51,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 from fastweights.ops.delta_rule import delta_rule
 from fastweights.ops.feature_maps import apply_feature_map, feature_dim, orthogonal_random_features, sum_normalize
 from fastweights.ops.linear_attention import gated_rule, linear_attention
@@ -253,7 +253,7 @@ def train_assoc(cfg: AssocConfig, progress: bool = True) -> dict:
     start = time.perf_counter()
     bar = None
     if progress:
-        from fastweights.progress import Progress
+        from fastweights.core.progress import Progress
 
         bar = Progress(cfg.max_steps, unit="step", desc=f"assoc S={cfg.keys} {cfg.label()}")
     for step in range(1, cfg.max_steps + 1):
@@ -315,7 +315,7 @@ def plot_capacity(results: list[dict], path: Path, title: str | None = None) -> 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fastweights.files import save_figure
+    from fastweights.core.files import save_figure
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for label in dict.fromkeys(r["label"] for r in results):

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 from fastweights.layers.fast_rnn import FastWeightRNN
 from fastweights.layers.lstm import LSTMLayer
 

@@ -20,7 +20,7 @@ Iterative reading (the paper's n-iter protocol): read the bare context n - 1 tim
 and the question, then decode the answer. Fast-weight memories write once at the end of every read
 (``write_chunk="read"``: the memory's chunk is the context length, as the paper's evaluation sets
 C = the haystack length) and never while the question is read or the answer decoded (they are frozen,
-see :func:`fastweights.memory_switches.memory_writes`). The model state (KV cache, fast-weight matrices,
+see :func:`fastweights.models.memory_switches.memory_writes`). The model state (KV cache, fast-weight matrices,
 memory tables) carries from read to read (``reread="carry"``, as the released code's cache object);
 ``reread="memory"`` resets the mixers' states before each re-read so that only the memories carry.
 As in the paper, where the last read is context + question in one call whose outputs come before that
@@ -46,9 +46,9 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from fastweights.errors import UserError
-from fastweights.memory_switches import check_chunk_empty, memory_only_state, memory_writes, read_tokens
-from fastweights.progress import Progress
+from fastweights.core.errors import UserError
+from fastweights.models.memory_switches import check_chunk_empty, memory_only_state, memory_writes, read_tokens
+from fastweights.core.progress import Progress
 
 N_NEEDLES = 5
 KEY_HEX = 4
@@ -465,7 +465,7 @@ def plot_niah(summary: dict, path: str | Path, title: str = "", metric: str = "e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fastweights.files import atomic_write
+    from fastweights.core.files import atomic_write
 
     iters, lengths, labels = summary["iters"], summary["lengths"], summary["depth_labels"]
     ncols = len(iters) + 1

@@ -40,8 +40,8 @@ from functools import lru_cache
 import regex
 import torch
 
-from fastweights.errors import UserError
-from fastweights.memory_switches import fast_memories
+from fastweights.core.errors import UserError
+from fastweights.models.memory_switches import fast_memories
 
 N_KEYS = 512
 TRAIN_KEYS = 384  # keys <k000>..<k383> appear in training needles; <k384>..<k511> only in evaluation

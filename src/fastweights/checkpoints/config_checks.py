@@ -1,8 +1,8 @@
 """Validation of settings: every config field (ranges, divisibility, positive counts, mechanism names
 and the keys of every options table); the command line's number types are in :mod:`fastweights.cli.types`
-(the size estimate is in :mod:`fastweights.model_size`).
+(the size estimate is in :mod:`fastweights.models.size`).
 
-Everything here raises :class:`~fastweights.errors.UserError` with a message that names the
+Everything here raises :class:`~fastweights.core.errors.UserError` with a message that names the
 setting, so the command line prints one line and exits with status 2 before any file is written.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 
 def _need(ok: bool, key: str, value, rule: str) -> None:
@@ -134,7 +134,7 @@ def validate_train_config(t, starting: bool = True) -> None:
 
 
 def validate_config(cfg, need_vocab: bool = False, saved: bool = False) -> None:
-    """Check every field of a RunConfig (``fastweights.model_size.meta_model`` then checks the values of the
+    """Check every field of a RunConfig (``fastweights.models.size.meta_model`` then checks the values of the
     options of the mechanisms the model uses by building it on the meta device).
 
     ``saved``: the config of a checkpoint being read. Rules that only concern starting a run (``train.eval_tokens``

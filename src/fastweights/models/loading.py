@@ -4,7 +4,7 @@
 :func:`load_for_resume` build a :class:`~fastweights.models.lm.LanguageModel` and the tokenizer from a
 checkpoint directory. How that directory is written and verified (the manifest with every file's size
 and SHA-256, the save that a kill cannot tear, the trainer state without pickle) is
-:mod:`fastweights.checkpoint_format`, which sits below ``models/`` (so that
+:mod:`fastweights.checkpoints.format`, which sits below ``models/`` (so that
 ``LanguageModel.save_pretrained`` / ``from_pretrained`` use it without an import cycle); import its
 names (``save_model``, ``write_checkpoint``, ...) from there.
 """
@@ -16,10 +16,10 @@ from pathlib import Path
 
 from safetensors.torch import load as load_safetensors_bytes
 
-from fastweights.checkpoint_format import (MANIFEST, TRAINER_STATE, Checkpoint, load_model_as, model_from,
+from fastweights.checkpoints.format import (MANIFEST, TRAINER_STATE, Checkpoint, load_model_as, model_from,
                                            open_checkpoint, parse_trainer_state, run_config_from)
-from fastweights.config import RunConfig
-from fastweights.errors import UserError
+from fastweights.core.config import RunConfig
+from fastweights.core.errors import UserError
 from fastweights.models.lm import LanguageModel
 
 

@@ -111,7 +111,7 @@ def write_cli_result(path: Path, payload: dict, argv: list[str] | None, probes: 
     (:func:`fastweights.experiments.probes.fingerprinted`), whole or not at all."""
     import json
 
-    from fastweights.files import atomic_write
+    from fastweights.core.files import atomic_write
 
     record = {**cli_provenance(argv), "result_file": Path(path).as_posix(), "probes": probes, **payload}
     atomic_write(Path(path), lambda p: p.write_text(json.dumps(record, indent=2) + "\n"))

@@ -6,7 +6,7 @@ overridden from the command line::
 
     fastweights train --preset tiny --set train.max_steps=50 --set model.d_model=64
 
-Unknown keys and values of the wrong type raise :class:`~fastweights.errors.UserError` naming the
+Unknown keys and values of the wrong type raise :class:`~fastweights.core.errors.UserError` naming the
 offending key.
 """
 
@@ -21,7 +21,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 
 @dataclass

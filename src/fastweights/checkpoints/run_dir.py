@@ -15,9 +15,9 @@ import shutil
 import socket
 from pathlib import Path
 
-from fastweights.checkpoint_format import MANIFEST, PENDING, TMP_PREFIX, TRAINER_STATE
-from fastweights.errors import UserError
-from fastweights.files import atomic_write
+from fastweights.checkpoints.format import MANIFEST, PENDING, TMP_PREFIX, TRAINER_STATE
+from fastweights.core.errors import UserError
+from fastweights.core.files import atomic_write
 
 LOCK = ".lock"
 # files a training run writes, and files computed from its weights by other commands
@@ -168,7 +168,7 @@ def _try_lock(fd: int) -> bool:
     try:
         import fcntl
     except ImportError:  # pragma: no cover - no flock: fall back to the recorded pid being alive
-        from fastweights.files import pid_alive
+        from fastweights.core.files import pid_alive
 
         pid = _read_owner(fd).get("pid")
         return not (isinstance(pid, int) and pid != os.getpid() and pid_alive(pid))

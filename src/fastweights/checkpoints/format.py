@@ -20,7 +20,7 @@ cannot be resumed.
 
 This module knows no model class, so that ``models/lm.py`` (``LanguageModel.save_pretrained`` /
 ``from_pretrained``) can use it from below; the loaders that build a ``LanguageModel`` and the
-tokenizer (:func:`fastweights.checkpoint.load_checkpoint`, ``load_model``, ``load_for_resume``) are in
+tokenizer (:func:`fastweights.models.loading.load_checkpoint`, ``load_model``, ``load_for_resume``) are in
 ``checkpoint.py``.
 """
 
@@ -39,9 +39,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save_file
 
-from fastweights.config import RunConfig, from_dict
-from fastweights.errors import UserError
-from fastweights.files import fsync_dir, fsync_file, pid_alive
+from fastweights.core.config import RunConfig, from_dict
+from fastweights.core.errors import UserError
+from fastweights.core.files import fsync_dir, fsync_file, pid_alive
 
 MANIFEST = "checkpoint.json"
 PENDING = ".ckpt-next"
@@ -362,7 +362,7 @@ def check_derived_file(recorded: str | None, checkpoint: Path | None, path: Path
 
 def run_config_from(ckpt: Checkpoint) -> RunConfig:
     """The validated run configuration of a checkpoint's ``config.json``."""
-    from fastweights.validate import validate_config
+    from fastweights.checkpoints.config_checks import validate_config
 
     if not ckpt.has("config.json"):
         raise UserError(f"checkpoint {ckpt.directory} has no config.json")

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 LN2 = math.log(2)
 
@@ -110,7 +110,7 @@ def nll_improvement(base_nll: np.ndarray, model_nll: np.ndarray, positions: np.n
 
 def score_documents(model, docs: list[torch.Tensor], seq_len: int, stride: int | None, progress=None) -> np.ndarray:
     """Per-token NLL (nats) of every predicted token of every document, concatenated (``[sum(len - 1)]``)."""
-    from fastweights.evaluate import score_tokens
+    from fastweights.loops.evaluate import score_tokens
 
     out = []
     for ids in docs:
@@ -152,7 +152,7 @@ def plot_analysis(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fastweights.files import save_figure
+    from fastweights.core.files import save_figure
 
     panels = [("by_position", "position in document"), ("by_frequency", "training frequency of the token"),
               ("by_prior_count", "earlier occurrences in the document")]
@@ -181,9 +181,9 @@ def analyze(base_dir: Path, model_dir: Path, data: str | None = None, split: str
             stride: int | None = None, max_chars: int = 0, freq_from: str = "train", device: str = "cpu",
             progress: bool = True) -> dict:
     """Load two checkpoints, score the same text with both and bucket the per-token NLL improvement."""
-    from fastweights.checkpoint import load_checkpoint
+    from fastweights.models.loading import load_checkpoint
     from fastweights.data import load_corpus, split_corpus
-    from fastweights.progress import Progress
+    from fastweights.core.progress import Progress
 
     if freq_from not in ("train", "eval"):
         raise UserError(f"--freq-from must be train or eval, got {freq_from!r}")

@@ -24,7 +24,7 @@ from collections import defaultdict
 import torch
 
 from fastweights.components import GatedMemory, SlotMemory
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 
 def addressing_stats(counts: torch.Tensor) -> dict[str, float]:
@@ -139,7 +139,7 @@ def collect_reads(model, tokens: torch.Tensor, seq_len: int, stride: int | None 
     g_t ``[T - 1]`` (None for PKM); ``tracers[name]`` the :class:`SlotTracer` of each FwPKM layer
     (when ``trace``); and the mean next-token loss (nats).
     """
-    from fastweights.evaluate import score_tokens
+    from fastweights.loops.evaluate import score_tokens
 
     layers = memory_layers(model)
     if not layers:

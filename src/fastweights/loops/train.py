@@ -20,14 +20,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastweights.checkpoint_format import save_model
-from fastweights.distributed import (all_finite, all_mean, barrier, close_distributed, from_rank0, full_state,
+from fastweights.checkpoints.format import save_model
+from fastweights.core.distributed import (all_finite, all_mean, barrier, close_distributed, from_rank0, full_state,
                                      init_distributed, load_full_state, wrap_model)
-from fastweights.config import RunConfig
-from fastweights.errors import UserError
-from fastweights.files import atomic_write, save_figure
+from fastweights.core.config import RunConfig
+from fastweights.core.errors import UserError
+from fastweights.core.files import atomic_write, save_figure
 from fastweights.models.lm import LanguageModel, detach_state
-from fastweights.progress import Progress
+from fastweights.core.progress import Progress
 
 
 def autocast(device: torch.device):
@@ -207,7 +207,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
     would draw, gradients synchronise only on the last micro-step of an accumulation, and rank 0 logs
     and writes checkpoints. A run can be resumed on a different number of processes.
 
-    The directory is locked while the run trains (see :mod:`fastweights.run_dir`). A directory that
+    The directory is locked while the run trains (see :mod:`fastweights.checkpoints.run_dir`). A directory that
     holds another run is replaced when ``overwrite`` (the Python default; ``fastweights train``
     refuses unless ``--overwrite``), else refused; ``resume`` continues it. Settings are validated,
     and the training memory estimated, before anything is written; a run that fails before it starts
@@ -217,9 +217,9 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
     ``model.vocab_size`` 0 is taken from the tokenizer; another value must equal the tokenizer's size.
     A non-finite loss, gradient or weight raises :class:`TrainingDiverged`.
     """
-    from fastweights.model_size import meta_model
-    from fastweights.run_dir import Restore, RunLock, check_out_dir, describe_run
-    from fastweights.validate import validate_config
+    from fastweights.models.size import meta_model
+    from fastweights.checkpoints.run_dir import Restore, RunLock, check_out_dir, describe_run
+    from fastweights.checkpoints.config_checks import validate_config
 
     out_dir = Path(out_dir)
     tc = cfg.train
@@ -267,10 +267,10 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
 
 
 def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_memory, dist, device, summary_writer, restore):
-    from fastweights.checkpoint import load_for_resume
-    from fastweights.checkpoint_format import check_weights, finish_pending, remove_stale_temporaries
-    from fastweights.run_dir import remove_run, truncate_metrics
-    from fastweights.model_size import check_memory
+    from fastweights.models.loading import load_for_resume
+    from fastweights.checkpoints.format import check_weights, finish_pending, remove_stale_temporaries
+    from fastweights.checkpoints.run_dir import remove_run, truncate_metrics
+    from fastweights.models.size import check_memory
 
     tc = cfg.train
     # what max_minutes (and the elapsed times logged) count: wall-clock seconds, or this process's CPU

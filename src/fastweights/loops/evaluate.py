@@ -16,7 +16,7 @@ import torch
 
 from fastweights.components import TrimsState
 from fastweights.ops.nll import token_nll
-from fastweights.progress import Progress
+from fastweights.core.progress import Progress
 
 
 @dataclass

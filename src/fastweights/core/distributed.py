@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 
 def resolve_device(name: str) -> torch.device:

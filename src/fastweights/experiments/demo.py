@@ -7,15 +7,15 @@ import json
 import math
 from pathlib import Path
 
-from fastweights.config import make_config
+from fastweights.core.config import make_config
 
 
 def run_demo(out: Path, minutes: float = 5.0) -> int:
-    from fastweights.checkpoint import load_checkpoint
+    from fastweights.models.loading import load_checkpoint
     from fastweights.data import load_corpus, split_corpus
-    from fastweights.evaluate import evaluate_documents
-    from fastweights.generate import generate_tokens
-    from fastweights.train import train
+    from fastweights.loops.evaluate import evaluate_documents
+    from fastweights.loops.generate import generate_tokens
+    from fastweights.loops.train import train
 
     cfg = make_config("shakespeare-char", [f"train.max_minutes={minutes}"])
     print(f"== training a char-level Transformer on tinyshakespeare for up to {minutes:g} minutes (CPU)")

@@ -18,7 +18,7 @@ Mechanisms without a write step cannot be frozen: the mixers (their state is the
 and the FWL head (its fast weights change at every token inside the forward; it has no switch),
 which :func:`unfrozen_fast_parts` lists so that results can say so.
 
-A low floor: imports torch, :mod:`fastweights.components` and :mod:`fastweights.errors`, nothing
+A low floor: imports torch, :mod:`fastweights.components` and :mod:`fastweights.core.errors`, nothing
 from the models, adaptation, the loops or the command line.
 """
 
@@ -30,7 +30,7 @@ import dataclasses
 import torch
 
 from fastweights.components import FastHead, FastMemory, TrimsState
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 
 # ----------------------------------------------------------------------------- state parts and switches

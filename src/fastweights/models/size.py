@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from fastweights.errors import UserError
+from fastweights.core.errors import UserError
 
 
 def meta_model(model_cfg, vocab_size: int | None = None):

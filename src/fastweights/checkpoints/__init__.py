@@ -1,0 +1,1 @@
+"""Run directories and checkpoints: the on-disk format, loading, config checks."""

@@ -1,0 +1,1 @@
+"""The loops over a model: training, scoring, generation."""
