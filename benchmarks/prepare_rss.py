@@ -1,11 +1,11 @@
-"""Peak memory of `fastweights prepare` on a ~100 MB text file, and of training from the result.
+"""Peak RSS of `fastweights prepare` on a ~100 MB text file, and of training from the result.
 
     python benchmarks/prepare_rss.py [--mb 100] [--tokenizer gpt2] [--data tinyshakespeare]
 
 The ~100 MB file is the text of ``--data`` (a registered corpus, default ``tinyshakespeare``) repeated.
 
 Each step runs in its own process; its peak resident set size comes from getrusage. Writes
-benchmarks/results/prepare_rss.json. The point: memory stays bounded (far below the corpus
+benchmarks/results/prepare_rss.json. The point: RAM stays bounded (far below the corpus
 size times the 8 bytes an int64 token list would take) because text is encoded piece by piece
 into a memory-mapped file, and training samples windows from the memory map.
 """
