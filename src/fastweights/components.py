@@ -48,7 +48,7 @@ in its own file (see ``FACTS``; each has a default, so a component that declares
     compute_dtype_state  state fields that may follow the autocast dtype (caches of activations, never
                          fast weights; "" is the whole state)
     state_floats(options, *, d_model, n_heads, vocab_size, seq_len) -> {"carried", "shared", "backward",
-                         "backward_shared"}: floats of state in one training call (``model_size``); without
+                         "backward_shared"}: floats of state in one training call (``models.size``); without
                          it the state is measured by a dry run on the meta device (``state_floats`` below)
 Configs pick components by name; options come from ``[model.options.<name>]`` and are validated by the
 options dataclass. Mixers are built as ``cls(d_model=..., n_heads=..., options=...)``, memories as

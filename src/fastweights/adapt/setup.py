@@ -83,7 +83,7 @@ def load_model_and_tokenizer(checkpoint: str | Path | None = None, hf: str | Non
 def load_texts(data: str | None, cfg, split: str, max_chars: int = 0) -> list[str]:
     """``data`` (a file, directory or corpus name: all of it) or the checkpoint corpus' ``split``; the first
     ``max_chars`` characters."""
-    from fastweights.data import load_corpus, split_corpus
+    from fastweights.data import first_chars, load_corpus, split_corpus
 
     if data:
         docs = load_corpus(data, text_field=cfg.data.text_field if cfg else "text")
@@ -93,15 +93,7 @@ def load_texts(data: str | None, cfg, split: str, max_chars: int = 0) -> list[st
         texts = [d.text for d in split_corpus(docs, cfg.data.split, cfg.data.val_fraction, cfg.data.test_fraction)[split]]
     else:
         raise UserError("--data is required with --hf")
-    if max_chars and max_chars > 0:
-        out, left = [], max_chars
-        for t in texts:
-            if left <= 0:
-                break
-            out.append(t[:left])
-            left -= len(out[-1])
-        texts = out
-    texts = [t for t in texts if t]
+    texts = [t for t in first_chars(texts, max_chars) if t]
     if not texts:
         raise UserError("the text to score is empty")
     return texts

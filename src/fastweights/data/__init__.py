@@ -18,6 +18,7 @@ from fastweights.data.corpus import (
     Document,
     FileDocument,
     content_digest,
+    first_chars,
     load_corpus,
     split_corpus,
     text_pieces,
@@ -50,7 +51,7 @@ def _register_external_corpora() -> None:
 _register_external_corpora()
 
 __all__ = [
-    "CORPORA", "AnyDocument", "Document", "FileDocument", "content_digest", "load_corpus", "split_corpus",
+    "CORPORA", "AnyDocument", "Document", "FileDocument", "content_digest", "first_chars", "load_corpus", "split_corpus",
     "text_pieces", "to_utf8", "TokenStream", "cached_stream", "encode_to_file", "TOKENIZER_KINDS",
     "TRAINED_KINDS", "ByteTokenizer", "CharTokenizer", "WordTokenizer", "GPT2Tokenizer", "Tokenizer", "build_tokenizer", "check_fingerprint",
     "load_tokenizer",

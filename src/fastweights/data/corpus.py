@@ -531,7 +531,22 @@ def content_digest(docs: Iterable[AnyDocument | str]) -> str:
     return h.hexdigest()
 
 
+def first_chars(texts: Iterable[str], max_chars: int | None) -> list[str]:
+    """The first ``max_chars`` characters of the texts in order (the last text kept cut short); all of
+    them when ``max_chars`` is 0 or None."""
+    texts = list(texts)
+    if not max_chars or max_chars <= 0:
+        return texts
+    kept, left = [], max_chars
+    for t in texts:
+        if left <= 0:
+            break
+        kept.append(t[:left])
+        left -= len(kept[-1])
+    return kept
+
+
 __all__ = [
     "CORPORA", "Document", "FileDocument", "AnyDocument", "load_corpus", "split_corpus", "text_pieces",
-    "safe_pieces", "content_digest", "to_utf8", "PIECE_CHARS", "LAZY_FILE_BYTES",
+    "safe_pieces", "content_digest", "first_chars", "to_utf8", "PIECE_CHARS", "LAZY_FILE_BYTES",
 ]

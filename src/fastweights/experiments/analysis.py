@@ -182,7 +182,7 @@ def analyze(base_dir: Path, model_dir: Path, data: str | None = None, split: str
             progress: bool = True) -> dict:
     """Load two checkpoints, score the same text with both and bucket the per-token NLL improvement."""
     from fastweights.models.loading import load_checkpoint
-    from fastweights.data import load_corpus, split_corpus
+    from fastweights.data import first_chars, load_corpus, split_corpus
     from fastweights.core.progress import Progress
 
     if freq_from not in ("train", "eval"):
@@ -199,14 +199,7 @@ def analyze(base_dir: Path, model_dir: Path, data: str | None = None, split: str
         docs = load_corpus(cfg.data.corpus, text_field=cfg.data.text_field)
         texts = [d.text for d in split_corpus(docs, cfg.data.split, cfg.data.val_fraction, cfg.data.test_fraction)[split]]
         where = f"{cfg.data.corpus}:{split}"
-    if max_chars:
-        kept, left = [], max_chars
-        for t in texts:
-            if left <= 0:
-                break
-            kept.append(t[:left])
-            left -= len(kept[-1])
-        texts = kept
+    texts = first_chars(texts, max_chars)
     encoded = [torch.as_tensor(np.asarray(tok.encode(t), dtype=np.int64)) for t in texts]
     vocab = cfg.model.vocab_size
     if freq_from == "train":
@@ -219,7 +212,7 @@ def analyze(base_dir: Path, model_dir: Path, data: str | None = None, split: str
     if stride is not None and not 0 < stride <= seq_len:
         raise UserError(f"--stride must be in [1, seq_len = {seq_len}], got {stride}")
     n = sum(max(0, len(e) - 1) for e in encoded)
-    bar = Progress(2 * n, "tok", desc="analyze", enabled=progress)
+    bar = Progress(2 * n, "tok", desc="compare", enabled=progress)
     base_nll = score_documents(base, encoded, seq_len, stride, bar)
     model_nll = score_documents(model, encoded, seq_len, stride, bar)
     bar.close()

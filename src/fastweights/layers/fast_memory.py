@@ -112,6 +112,16 @@ def piece_sizes(T: int, n_read: int, chunk_size: int, frozen: bool) -> list[int]
     return takes
 
 
+def call_state(layer, q: torch.Tensor, state):
+    """``(dtype, state)`` a fast-memory call starts from: the fast dtype of ``q`` and ``state``, or the layer's
+    fresh state when None; raises UserError when the state is for another batch size than ``q [B, T, ...]``."""
+    dtype = fast_dtype(q)
+    st = state if state is not None else layer.init_state(q.shape[0], q.device, dtype)
+    if st.batch != q.shape[0]:
+        raise UserError(f"{type(layer).__name__} state is for batch size {st.batch}, got input of batch size {q.shape[0]}")
+    return dtype, st
+
+
 def state_pytree(cls):
     """Register a state dataclass as a pytree node (every field a child), so generic state
     utilities such as ``tree_map(detach, state)`` reach the tensors inside it."""

@@ -31,9 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastweights.components import register_memory
-from fastweights.core.errors import UserError
-from fastweights.layers.fast_memory import (FastMemoryIO, FastMemoryOptions, fast_dtype, piece_sizes, state_pytree,
-                                            validate_options)
+from fastweights.layers.fast_memory import (FastMemoryIO, FastMemoryOptions, call_state, fast_dtype, piece_sizes,
+                                            state_pytree, validate_options)
 from fastweights.ops.linear_attention import no_autocast
 
 PARAM_NAMES = ("w_up", "b_up", "w_gate", "b_gate", "w_down", "b_down")
@@ -198,10 +197,7 @@ class FwMLP(nn.Module):
                state: FwMLPState | None = None) -> tuple[torch.Tensor, FwMLPState]:
         """Fast core: q ``[B, T, d_key]``, v ``[B, T, d_value]``, g ``[B, T]`` -> (v_hat ``[B, T, d_value]``, state)."""
         B, T = q.shape[:2]
-        dtype = fast_dtype(q)
-        st = state if state is not None else self.init_state(B, q.device, dtype)
-        if st.batch != B:
-            raise UserError(f"FwMLP state is for batch size {st.batch}, got input of batch size {B}")
+        dtype, st = call_state(self, q, state)
         C = self.options.chunk_size
         outs = []
         with no_autocast(q.device):

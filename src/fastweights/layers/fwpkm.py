@@ -46,9 +46,8 @@ import torch
 from torch import nn
 
 from fastweights.components import register_memory
-from fastweights.core.errors import UserError
-from fastweights.layers.fast_memory import (FastMemoryIO, FastMemoryOptions, fast_dtype, piece_sizes, state_pytree,
-                                            validate_options)
+from fastweights.layers.fast_memory import (FastMemoryIO, FastMemoryOptions, call_state, fast_dtype, piece_sizes,
+                                            state_pytree, validate_options)
 from fastweights.ops.linear_attention import no_autocast
 from fastweights.ops.pkm import (
     gather_rows,
@@ -130,8 +129,12 @@ class FwPKMState:
     keys1, keys2: ``[Bk, H, n, d_k/2]`` fp32 (Bk = 1 shared, = B per sequence).
     base: value table the deltas apply to: ``[N, d_v]`` (the layer's initial table until the first
     fold) or ``[B N, d_v]`` once a per-sequence memory is folded.  parts: the writes since, each a
-    sparse row delta ``(rows [U] sorted ids, delta [U, d_v] fp32)``; the value table is
-    ``base + sum_p scatter(rows_p, delta_p)``.
+    sparse row delta ``(rows [M], delta [M, d_v] fp32)`` in the run-start form of ``ops/pkm.py``
+    (:func:`~fastweights.ops.pkm.pkm_aggregated_grad`, :func:`~fastweights.ops.pkm.sparse_parts_merge`):
+    ``rows`` are the ids read by the write's tokens, sorted, with repeats (M counts reads, not
+    distinct rows; a merged part holds the reads of the writes it merged); a row's whole change
+    stands at its first occurrence, zero at its repeats.  The value table is ``base`` with each part
+    added by ``index_add(0, rows_p, delta_p)`` (the repeats add zero).
     pending_*: queued tokens (q ``[B, P, H, d_k]``, v ``[B, P, d_v]``, g ``[B, P]``, positions ``[P]``);
     the first ``n_stale`` were read before the last write and are re-read (with the tables of the
     next write) together with the next tokens read; ``reads`` holds the reads of the others.
@@ -141,7 +144,7 @@ class FwPKMState:
     keys1: torch.Tensor
     keys2: torch.Tensor
     base: torch.Tensor
-    parts: tuple  # ((rows [U], delta [U, d_v]), ...)
+    parts: tuple  # ((rows [M], delta [M, d_v]), ...): run-start form, M reads per write
     batch: int
     per_sequence: bool
     rows_total: int  # distinct row ids: N (shared) or B N (per sequence)
@@ -168,7 +171,8 @@ class FwPKMState:
 
     @property
     def delta_rows(self) -> int:
-        """Rows held in the sparse deltas (a row written by several writes counts once per write)."""
+        """Entries held in the sparse deltas: the reads of every write since the last fold, repeats
+        included (not distinct rows: a row read twice by one write counts twice)."""
         return sum(r.numel() for r, _ in self.parts)
 
     def dense_values(self) -> torch.Tensor:
@@ -199,7 +203,8 @@ class FwPKM(nn.Module):
     (stream positions, slot ids ``[B, t, H k]``, weights) to ``read_log`` and the gates
     ``[B, t]`` to ``gate_log``; set ``tracer`` to an object with
     ``record_write(rows, weights, query_pos, target_pos, per_sequence, n_slots)`` (see
-    :class:`fastweights.memory_stats.SlotTracer`) to log what each write stored.
+    :class:`fastweights.experiments.addressing.SlotTracer`, used by ``fastweights inspect addressing``)
+    to log what each write stored.
     """
 
     placement = "before_mixer"
@@ -321,10 +326,7 @@ class FwPKM(nn.Module):
             v_hat ``[B, T, d_v]`` fp32 (token t reads the tables as written before its chunk), state.
         """
         B, T = q.shape[:2]
-        dtype = fast_dtype(q)
-        st = state if state is not None else self.init_state(B, q.device, dtype)
-        if st.batch != B:
-            raise UserError(f"FwPKM state is for batch size {st.batch}, got input of batch size {B}")
+        dtype, st = call_state(self, q, state)
         C = self.options.chunk_size
         takes = piece_sizes(T, st.n_read, C, self.frozen)
         outs = []

@@ -63,7 +63,8 @@ class PKM(nn.Module):
 
     ``y, state = layer(x, state=None)`` with x, y ``[B, T, d_model]``; the layer keeps no state
     (``state`` is returned unchanged).  Set ``record_reads = True`` to append each call's slot ids
-    and weights (``[B, T, H k]``) to ``read_log`` for :mod:`fastweights.memory_stats`.
+    and weights (``[B, T, H k]``) to ``read_log`` for :mod:`fastweights.experiments.addressing`
+    (``fastweights inspect addressing``).
     """
 
     placement = "replace_mlp"

@@ -41,7 +41,7 @@ def state_floats(model_cfg, seq_len: int) -> dict:
     ``carried``: per sequence, the state a call returns (e.g. the KV cache of attention, FWP/GDN's S [H, K, V]);
     ``shared``: once per batch (e.g. FwPKM's value table); kept for the backward pass besides, per sequence
     (``backward``) or per batch (``backward_shared``), e.g. the chunk-start states of the chunked kernels.
-    ``tests/test_state_size.py`` compares them with the states models return.
+    ``tests/contracts/test_state_size.py`` compares them with the states models return.
     """
     from fastweights import components
 

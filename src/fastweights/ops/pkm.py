@@ -41,7 +41,7 @@ several into one, at a cost proportional to the reads, not to N.
 
 Layout: queries ``[B, T, H, d_k]``; sub-key tables ``[H, n, d_k/2]`` (shared) or
 ``[B, H, n, d_k/2]`` (one per sequence); slot ids in ``[0, n^2)``.  Every fast path has its
-brute-force reference below it (``*_reference``), and ``tests/test_pkm_ops.py`` holds them together.
+brute-force reference below it (``*_reference``), and ``tests/ops/test_pkm_ops.py`` holds them together.
 """
 
 from __future__ import annotations
@@ -71,21 +71,16 @@ class ProductKeySearch(NamedTuple):
     sub_top: torch.Tensor
     sub_indices: torch.Tensor
 
-    @property
-    def sub_top1(self) -> torch.Tensor:
-        return self.sub_top[:, :, : self.sub_top.shape[2] // 2]
+    sub_top1 = property(lambda self: _half(self.sub_top, 0))
+    sub_top2 = property(lambda self: _half(self.sub_top, 1))
+    sub_indices1 = property(lambda self: _half(self.sub_indices, 0))
+    sub_indices2 = property(lambda self: _half(self.sub_indices, 1))
 
-    @property
-    def sub_top2(self) -> torch.Tensor:
-        return self.sub_top[:, :, self.sub_top.shape[2] // 2 :]
 
-    @property
-    def sub_indices1(self) -> torch.Tensor:
-        return self.sub_indices[:, :, : self.sub_indices.shape[2] // 2]
-
-    @property
-    def sub_indices2(self) -> torch.Tensor:
-        return self.sub_indices[:, :, self.sub_indices.shape[2] // 2 :]
+def _half(x: torch.Tensor, m: int) -> torch.Tensor:
+    """Half ``m`` (0: first, 1: second) of a ``[B, T, 2H, k]`` tensor: its entries ``m H .. m H + H - 1``."""
+    h = x.shape[2] // 2
+    return x[:, :, h:] if m else x[:, :, :h]
 
 
 def _check_score(score: str) -> None:
