@@ -223,14 +223,9 @@ class DynamicEvaluator:
                 y = seq[None, pos + 1 : pos + m + 1].to(self.device)
                 logits, new_state = forward(x, model_state)
                 tok_nll = token_nll(logits, y)  # [1, m]
-                # 1. score: record the segment's losses before any update has seen its tokens
-                scored = tok_nll.detach()
-                result.nll += scored.sum().item()
-                result.tokens += m
-                if keep_token_losses:
-                    result.token_losses.extend(scored.flatten().tolist())
-                # 2-3. gradient of the segment-mean NLL (back to the segment start only), then update
-                model_state = self._update(tok_nll.mean(), leaves, deltas, sync, updates, new_state)
+                # 1. score the segment's losses, 2-3. then update on its mean NLL
+                model_state = self._score_and_update(result, tok_nll.detach(), keep_token_losses, tok_nll.mean(),
+                                                     leaves, deltas, sync, updates, new_state)
                 updates += 1
                 pos += m
                 if progress is not None:
@@ -239,13 +234,19 @@ class DynamicEvaluator:
         prev = state.scored if state is not None else 0
         return result, DynamicState(new_values, model_state, seq[pos:].clone(), prev + result.tokens, updates)
 
-    def _update(self, segment_loss: torch.Tensor, leaves, deltas, sync, update_index: int, new_state):
-        """Steps 2-3 of the loop for one scored segment; returns the model state to carry.
+    def _score_and_update(self, result: EvalResult, scored: torch.Tensor, keep_token_losses: bool,
+                          segment_loss: torch.Tensor, leaves, deltas, sync, update_index: int, new_state):
+        """Steps 1-3 of the loop for one segment; returns the model state to carry.
 
-        The gradient of ``segment_loss`` (the segment-mean NLL) reaches back to the segment start
+        1. The segment's detached token losses ``scored`` are added to ``result`` before any update
+        has seen its tokens. 2-3. The gradient of ``segment_loss`` (the segment-mean NLL) reaches back to the segment start
         only; the rule updates ``deltas`` with the schedule's factor for update ``update_index``;
         ``sync`` writes them into the model; the new model state is carried detached (and bounded).
         """
+        result.nll += scored.sum().item()
+        result.tokens += scored.numel()
+        if keep_token_losses:
+            result.token_losses.extend(scored.flatten().tolist())
         grads = torch.autograd.grad(segment_loss, leaves, allow_unused=True)
         self.update_rule.apply(deltas, grads, schedule_factor(self.schedule, update_index))
         sync()

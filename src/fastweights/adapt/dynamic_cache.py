@@ -98,17 +98,13 @@ class DynamicNeuralCache:
                     p = cache_mix(logp.detach().exp(), h.to(logp.dtype), y, mem_h.to(logp.dtype), mem_y, seen,
                                   self.window, self.flatness, self.mix, self.similarity, self.warmup_window)
                     tok = -torch.log(p.gather(1, y[:, None])[:, 0])
-                # 1. score (the mixture), before any update or cache entry has seen the segment
-                result.nll += tok.sum().item()
-                result.tokens += m
-                if keep_token_losses:
-                    result.token_losses.extend(tok.tolist())
-                # 2. the cache gains the segment's pairs; 3. the model is updated on its own loss
+                # 1. score (the mixture), before any update or cache entry has seen the segment, and update
+                # the model on its own loss (not the mixture's); then the cache gains the segment's pairs
+                model_state = ev._score_and_update(result, tok, keep_token_losses, nll_at(logp, y).mean(),
+                                                   leaves, deltas, sync, updates, new_state)
                 mem_h = torch.cat([mem_h, h])[-self.window :] if self.window else mem_h[:0]
                 mem_y = torch.cat([mem_y, y])[-self.window :] if self.window else mem_y[:0]
                 seen += m
-                model_nll = nll_at(logp, y)
-                model_state = ev._update(model_nll.mean(), leaves, deltas, sync, updates, new_state)
                 updates += 1
                 pos += m
                 if progress is not None:

@@ -92,6 +92,7 @@ BACKENDS = ("auto", "torch", "compiled", "fla")  # as fastweights.ops.fla_backen
 # ----------------------------------------------------------------------------- reference
 
 
+# slow reference, kept independent of the fast path it checks; same signature, so tests call both alike
 def delta_rule_recurrent(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -490,6 +490,7 @@ def fwl_parallel(
     return logits, sp.logits, writes
 
 
+# slow reference, kept independent of the fast path it checks; it takes fwl_parallel's leading arguments
 def fwl_recurrent_reference(
     h: Tensor,
     labels: Tensor,

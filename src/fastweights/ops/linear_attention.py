@@ -192,6 +192,7 @@ def _sum_rule_scale(scale: float | None, k: torch.Tensor, normalize: bool, log_d
     return 1.0 if normalize else resolve_scale(scale, k)
 
 
+# slow reference, kept independent of the fast path it checks; same signature, so tests call both alike
 def linear_attention_recurrent(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -315,6 +316,7 @@ def _gated_rule_decay(beta: torch.Tensor) -> torch.Tensor:
     return torch.log1p(-beta.clamp(max=1.0 - torch.finfo(cd).eps))
 
 
+# slow reference, kept independent of the fast path it checks; same signature, so tests call both alike
 def gated_rule_recurrent(
     q: torch.Tensor,
     k: torch.Tensor,

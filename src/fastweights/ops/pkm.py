@@ -215,6 +215,7 @@ def pkm_topk(
     return softmax_short(res.scores), res.indices
 
 
+# slow reference, kept independent of the fast path it checks; same signature, so tests call both alike
 def pkm_topk_reference(
     q: torch.Tensor,
     keys1: torch.Tensor,
@@ -314,6 +315,7 @@ def pkm_aggregated_grad(
     return rows, grad, counts
 
 
+# slow dense reference, kept independent of the sparse fast path it checks (plus n_rows: the table size)
 def pkm_aggregated_grad_reference(
     indices: torch.Tensor,
     weights: torch.Tensor,
