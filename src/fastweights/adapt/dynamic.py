@@ -223,8 +223,10 @@ class DynamicEvaluator:
                 y = seq[None, pos + 1 : pos + m + 1].to(self.device)
                 logits, new_state = forward(x, model_state)
                 tok_nll = token_nll(logits, y)  # [1, m]
-                # 1. score the segment's losses, 2-3. then update on its mean NLL
-                model_state = self._score_and_update(result, tok_nll.detach(), keep_token_losses, tok_nll.mean(),
+                # 1. score: record the segment's losses before any update has seen its tokens
+                scored = tok_nll.detach()
+                # 2-3. then update on the segment-mean NLL
+                model_state = self._score_and_update(result, scored, keep_token_losses, tok_nll.mean(),
                                                      leaves, deltas, sync, updates, new_state)
                 updates += 1
                 pos += m
