@@ -20,8 +20,8 @@ def register(sub, parser_class) -> None:
     t.add_argument("--resume", action="store_true", help="continue the run saved in --out")
     t.add_argument("--overwrite", action="store_true",
                    help="replace the run in --out (its checkpoint, logs and the files derived from its weights)")
-    t.add_argument("--force-memory", action="store_true",
-                   help="train even when the estimated memory exceeds what the machine has available")
+    t.add_argument("--force-ram", action="store_true",
+                   help="train even when the estimated RAM (GPU: device memory) exceeds what the machine has available")
     t.add_argument("--fsdp", action="store_true", help="under torchrun: shard with FSDP2 (fully_shard per block) instead of DDP")
     t.add_argument("--log", choices=["jsonl", "tensorboard"], help="also log to TensorBoard (metrics.jsonl is always written)")
     t.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -92,7 +92,7 @@ def cmd_train(args) -> int:
         args.out = str(out)
     cfg = _run_config(args)
     summary = train(cfg, Path(args.out), resume=args.resume, progress=not args.quiet, fsdp=args.fsdp,
-                    overwrite=args.overwrite, force_memory=args.force_memory)
+                    overwrite=args.overwrite, force_ram=args.force_ram)
     if summary.get("processes", 1) > 1 and int(__import__("os").environ.get("RANK", "0")) != 0:
         return 0
     print(json.dumps(summary, indent=2) if args.json else

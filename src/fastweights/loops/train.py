@@ -199,7 +199,7 @@ class TrainingDiverged(UserError):
 
 
 def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = True, fsdp: bool = False,
-          overwrite: bool = True, force_memory: bool = False) -> dict:
+          overwrite: bool = True, force_ram: bool = False) -> dict:
     """Train ``cfg`` into ``out_dir``; returns a summary dict (also written as ``summary.json``).
 
     Under ``torchrun --nproc_per_node N`` every process joins one data-parallel job: ``train.batch_size``
@@ -244,7 +244,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
             if held is not None and not resume and not overwrite:
                 raise UserError(f"--out {out_dir} already holds {held}: pass --resume to continue it, --overwrite "
                                 "to replace it (its derived files too), or choose another --out")
-        return _train(cfg, out_dir, resume, progress and dist.main, fsdp, overwrite, force_memory, dist, device,
+        return _train(cfg, out_dir, resume, progress and dist.main, fsdp, overwrite, force_ram, dist, device,
                       summary_writer, restore)
     except UserError:
         if restore is not None and restore.armed:
@@ -266,11 +266,11 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
         close_distributed(dist)
 
 
-def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_memory, dist, device, summary_writer, restore):
+def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_ram, dist, device, summary_writer, restore):
     from fastweights.models.loading import load_for_resume
     from fastweights.checkpoints.format import check_weights, finish_pending, remove_stale_temporaries
     from fastweights.checkpoints.run_dir import remove_run, truncate_metrics
-    from fastweights.models.size import check_memory
+    from fastweights.models.size import check_ram
 
     tc = cfg.train
     # what max_minutes (and the elapsed times logged) count: wall-clock seconds, or this process's CPU
@@ -302,7 +302,7 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_memory, dist, 
                         f"tokenizer) or set it to {data.tokenizer.vocab_size}")
     cfg.model.vocab_size = data.tokenizer.vocab_size
     cfg.data.tokenizer = data.tokenizer.name  # a prepared corpus brings its own tokenizer
-    memory = check_memory(cfg, device, dist.world, force_memory)
+    ram = check_ram(cfg, device, dist.world, force_ram)
 
     model = LanguageModel(cfg.model).to(device)
     wrapped = wrap_model(model, dist, device, fsdp)
@@ -468,7 +468,7 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_memory, dist, 
                "elapsed_s": elapsed_before + clock() - t0, "stopped_by_time_budget": stopped_by_budget,
                "parameters": model.num_parameters(), "tokenizer": data.tokenizer.name, "device": str(device),
                "processes": dist.world, "budget_clock": tc.budget_clock,
-               "estimated_memory_bytes": memory["total_bytes"]}
+               "estimated_ram_bytes": ram["total_bytes"]}
     if signum is not None:
         import signal
 

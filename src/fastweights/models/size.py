@@ -65,8 +65,8 @@ def state_floats(model_cfg, seq_len: int) -> dict:
     return total
 
 
-def estimate_memory(cfg, world: int = 1) -> dict:
-    """A rough estimate of one process's training memory in bytes (an approximation, not a promise).
+def estimate_ram(cfg, world: int = 1) -> dict:
+    """A rough estimate of one process's training RAM (on a GPU: device memory) in bytes (an approximation, not a promise).
 
     Parameters, gradients and AdamW's two moments in fp32 (16 bytes per parameter); activations kept
     for the backward pass: per token and layer about 16 d_model + 3 mlp_hidden floats, the logits three
@@ -90,7 +90,7 @@ def estimate_memory(cfg, world: int = 1) -> dict:
             "state_bytes": 4 * state, "total_bytes": 16 * params + 4 * floats + 4 * state}
 
 
-def available_memory(device) -> int | None:
+def available_ram(device) -> int | None:
     """Free memory of ``device`` in bytes (CUDA: free device memory; CPU: MemAvailable), None if unknown."""
     try:
         if getattr(device, "type", str(device)) == "cuda":
@@ -109,9 +109,9 @@ def available_memory(device) -> int | None:
         return None
 
 
-def check_memory(cfg, device, world: int = 1, force: bool = False) -> dict:
-    est = estimate_memory(cfg, world)
-    free = available_memory(device)
+def check_ram(cfg, device, world: int = 1, force: bool = False) -> dict:
+    est = estimate_ram(cfg, world)
+    free = available_ram(device)
     est["available_bytes"] = free
     if free is not None and est["total_bytes"] > free and not force:
         gib = 2**30
@@ -122,5 +122,5 @@ def check_memory(cfg, device, world: int = 1, force: bool = False) -> dict:
             f"{est['parameter_bytes'] / gib:.1f} GiB with gradients and AdamW; activations "
             f"{est['activation_bytes'] / gib:.1f} GiB; fast-weight and memory state {est['state_bytes'] / gib:.1f} "
             f"GiB) but {device} has {free / gib:.1f} GiB available; make the model or batch smaller, or pass "
-            "--force-memory to try anyway")
+            "--force-ram to try anyway")
     return est
