@@ -91,6 +91,8 @@ def truncate_metrics(path: Path, step: int, validated: bool = True) -> None:
     validation record at ``step`` was written after that checkpoint (the final validation follows the last
     save), so the resumed run writes it again and the old one is dropped."""
     path = Path(path)
+    if path.is_symlink():
+        raise UserError(f"{path} is a symbolic link; refusing to rewrite it through the link (remove the link)")
     if not path.is_file():
         return
     keep = []
@@ -124,7 +126,7 @@ class RunLock:
 
     def _acquire(self) -> "RunLock":
         for _ in range(10):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_nofollow(self.path, os.O_RDWR | os.O_CREAT, what="the lock file")
             if not _try_lock(fd):
                 owner = _read_owner(fd)
                 os.close(fd)
@@ -132,7 +134,7 @@ class RunLock:
                                 f"on {owner.get('host', '?')}, lock file {self.path}); wait for it to end or "
                                 "choose another --out")
             try:
-                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+                same = os.fstat(fd).st_ino == os.lstat(self.path).st_ino
             except FileNotFoundError:
                 same = False
             if not same:  # the previous owner removed the file between our open and lock: try again
@@ -162,6 +164,18 @@ class RunLock:
 
     def __exit__(self, *exc):
         self.release()
+
+
+def open_nofollow(path: Path, flags: int, what: str = "") -> int:
+    """``os.open`` that refuses a symlink at ``path`` (``O_NOFOLLOW``): nothing in ``--out`` is written through
+    a link that a run directory from elsewhere may hold."""
+    try:
+        return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError as e:
+        if os.path.islink(path):
+            raise UserError(f"{path} is a symbolic link; refusing to write {what or 'it'} through it "
+                            "(remove the link)") from None
+        raise
 
 
 def _try_lock(fd: int) -> bool:

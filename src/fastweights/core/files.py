@@ -54,6 +54,8 @@ def atomic_write(path: Path, write) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
+        if os.path.islink(tmp):  # never write through a link planted at the temporary name
+            os.unlink(tmp)
         write(tmp)
         fsync_file(tmp)
         os.replace(tmp, path)

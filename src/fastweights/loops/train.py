@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -269,7 +270,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
 def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_ram, dist, device, summary_writer, restore):
     from fastweights.models.loading import load_for_resume
     from fastweights.checkpoints.format import check_weights, finish_pending, remove_stale_temporaries
-    from fastweights.checkpoints.run_dir import remove_run, truncate_metrics
+    from fastweights.checkpoints.run_dir import open_nofollow, remove_run, truncate_metrics
     from fastweights.models.size import check_ram
 
     tc = cfg.train
@@ -343,7 +344,7 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_ram, dist, dev
     log_path = out_dir / "metrics.jsonl"
     if dist.main:
         out_dir.mkdir(parents=True, exist_ok=True)
-        log = log_path.open("a")
+        log = os.fdopen(open_nofollow(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "metrics"), "a")
 
     def write_log(rec: dict) -> None:
         if log is not None:
