@@ -6,8 +6,8 @@ steps, our delta rule against flash-linear-attention, and ``fastweights train`` 
 
 Three parts, each failure recorded with its message instead of stopping the run:
 
-1. components: every mixer, head and memory with every variant that ``tests/test_device_contract.py``
-   enumerates (``test_registry_causality.VARIANTS``, built by that test's ``build``: fixed seed, CPU, fp32)
+1. components: every mixer, head and memory with every variant that ``tests/contracts/test_device_contract.py``
+   enumerates (``helpers.VARIANTS`` in tests/, built by ``helpers.build_component``: fixed seed, CPU, fp32)
    is copied to the device; forward + backward of two calls (the second reading the state the first
    returned) on the same random input on both devices. Recorded: the largest absolute difference of each
    output, input gradient, carried state and parameter gradient, relative to that tensor's largest CPU
@@ -53,7 +53,7 @@ dr = sys.modules["fastweights.ops.delta_rule"]  # the module (fastweights.ops.de
 
 TESTS = common.REPO / "tests"
 FP32_REL_TOL = 1e-4  # CPU vs CUDA, fp32 (TF32 off): max |cuda - cpu| / max |cpu| per tensor
-BF16_LOSS_TOL = 0.05  # bf16-autocast loss vs fp32 loss, relative, per step (as tests/test_device_contract.py)
+BF16_LOSS_TOL = 0.05  # bf16-autocast loss vs fp32 loss, relative, per step (as tests/contracts/test_device_contract.py)
 BF16_OUT_TOL = 2e-2  # delta rule, bf16 vs fp32 reference: ||a - ref|| / ||ref|| of the output
 BF16_GRAD_TOL = 5e-2  # same for the input gradients
 PRESETS = ("shakespeare-char", "shakespeare-char-fwp-gated-delta-l2", "shakespeare-char-fwp-delta-dpfp")
@@ -75,11 +75,12 @@ def err_text(e: BaseException) -> str:
 
 
 def registry_helpers():
-    """The device-contract test's enumeration and construction (tests/ must be importable)."""
-    if str(TESTS) not in sys.path:
-        sys.path.append(str(TESTS))
+    """The device-contract test's enumeration and construction (tests/ and tests/contracts/ must be importable)."""
+    for folder in (TESTS, TESTS / "contracts"):
+        if str(folder) not in sys.path:
+            sys.path.append(str(folder))
+    import helpers as reg
     import test_device_contract as contract
-    import test_registry_causality as reg
 
     return reg, contract
 
@@ -256,7 +257,7 @@ def component_summary(rows: list[dict]) -> dict:
                               "fp32_rel of the CPU's (max |device - cpu| / max |cpu| per tensor), TF32 off; bf16: "
                               "3 Adam steps under autocast, finite, each loss within bf16_loss_rel of fp32's, "
                               "fp32 parameters, fast-weight state fp32 (activation caches excepted, as in "
-                              "tests/test_device_contract.py)"},
+                              "tests/contracts/test_device_contract.py)"},
         "shape": {"B": reg.B, "T": reg.T, "d_model": reg.D, "vocab": reg.V, "calls": 2},
         "variants": len(rows), "checked": len(done), "passed": sum(bool(r["pass"]) for r in done),
         "failed": [f"{r['component']} {r['variant']}" for r in done if not r["pass"]],

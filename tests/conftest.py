@@ -1,16 +1,19 @@
-"""Test-wide settings.
+"""Test-wide settings and shared fixtures (builders live in helpers.py).
 
 One torch thread: the tests use tiny tensors, where a second OpenMP thread only adds
 synchronisation, and on a busy machine spinning threads can slow tiny matmuls a hundredfold.
 """
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # for subprocesses the tests start
 torch.set_num_threads(1)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import helpers` from every folder of tests/
 
 
 @pytest.fixture(autouse=True)
@@ -19,3 +22,37 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """One trained run of the ``tiny`` preset (20 steps), shared by the command-line tests: read it, or copy
+    it before changing anything in it."""
+    from fastweights.cli import main
+
+    out = tmp_path_factory.mktemp("tiny-run") / "run"
+    assert main(["train", "--preset", "tiny", "--quiet", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def char_checkpoint(tmp_path_factory):
+    """An untrained tiny char-level checkpoint (2 layers, d_model 16) with its corpus and a ``doc.txt``
+    beside it; a fresh copy per module, which may write into it (statistics, tuned settings)."""
+    from fastweights.checkpoints.format import save_model
+    from fastweights.core.config import ModelConfig, RunConfig
+    from fastweights.data import CharTokenizer
+    from fastweights.models.lm import LanguageModel
+
+    d = tmp_path_factory.mktemp("ckpt")
+    text = ("the cat sat on the mat. the dog sat on the log. " * 40)
+    (d / "corpus.txt").write_text(text)
+    tok = CharTokenizer.from_text(text)
+    cfg = RunConfig()
+    cfg.model = ModelConfig(vocab_size=tok.vocab_size, d_model=16, n_layers=2, n_heads=2)
+    cfg.data.corpus = str(d / "corpus.txt")
+    cfg.train.seq_len = 32
+    torch.manual_seed(0)
+    save_model(LanguageModel(cfg.model), d, cfg, tok)
+    (d / "doc.txt").write_text("the cat sat on the log. the dog sat on the mat. " * 3)
+    return d

@@ -9,8 +9,8 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "cuda_scale.py"
 ITEMS = "models/ours_hybrid*,kernels/T32/*,fwpkm_layer/*_B1"
 

@@ -7,8 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from helpers import BENCHMARKS, ROOT
+
+sys.path.insert(0, str(BENCHMARKS))
 
 import leaderboard  # noqa: E402
 import report  # noqa: E402

@@ -35,8 +35,8 @@ from fastweights.cli import main
 from fastweights.data import CORPORA, load_corpus, split_corpus
 from fastweights.data.bundled import BUNDLED, EXTERNAL, HELDOUT_PLAYS, PTB_PIP, read_asset
 from fastweights.core.errors import UserError
+from helpers import ROOT as REPO
 
-REPO = Path(__file__).resolve().parent.parent
 # The development machines' data folder the corpora were copied from; only used, when present, to
 # check that the bundled copies load exactly as the folders did.
 SHARED_DATA = REPO.parent / "shared" / "data"

@@ -12,13 +12,11 @@ import pytest
 import torch
 
 from fastweights import components as registry
+from helpers import B, D, T, V, VARIANTS, variant_cases
+from helpers import build_component as build
 
-D, HEADS, V, T, B = 12, 2, 9, 16, 2
 CUTS = (1, 4, 7, 13)  # first token, a chunk boundary (chunk_size 4), inside a chunk, near the end
 PIECES = ((1, 5, 11), (8,), (3, 4, 12))
-
-# (kind, name) -> {variant id: options}, as the components declare them
-VARIANTS = {(kind, e.name): registry.declared(e, "test_variants") for kind, e in registry.registered()}
 
 EXACT = 1e-13  # a masked matmul may reorder a sum of exact zeros and the rest: 1e-17, never a leak's size
 # a later output "responds" when it moves by more than this after a unit change of one earlier input (or a
@@ -34,22 +32,7 @@ KNOWN_BUGS: dict = {}  # (FwPKM official's state aliasing its value buffer was o
 
 
 def cases(test=None):
-    for (kind, name), variants in VARIANTS.items():
-        for vid, raw in variants.items():
-            cid = f"{kind}-{name}-{vid}"
-            bug = KNOWN_BUGS.get((test, cid))
-            marks = [pytest.mark.xfail(strict=True, reason=bug)] if bug else []
-            yield pytest.param(kind, name, raw, id=cid, marks=marks)
-
-
-def build(kind, name, raw):
-    entry = registry.lookup(registry.KINDS[kind], kind, name)
-    options = registry.build_options(entry, raw)
-    torch.manual_seed(0)
-    layer = registry.build(kind, entry, options, d_model=D, n_heads=HEADS, vocab_size=V).double().eval()
-    if getattr(options, "persistence", None) == "official":
-        layer.initial_tables = {k: t.clone() for k, t in layer.state_dict().items()}
-    return layer
+    return variant_cases(KNOWN_BUGS, key=lambda kind, name, vid: (test, f"{kind}-{name}-{vid}"))
 
 
 def official(layer) -> bool:

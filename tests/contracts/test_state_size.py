@@ -15,12 +15,12 @@ from torch import nn
 from fastweights import components as registry
 from fastweights.core.config import ModelConfig, make_config
 from fastweights.core.errors import UserError
-from fastweights.models.size import estimate_memory, state_floats
+from fastweights.models.size import estimate_ram, state_floats
 from fastweights.models.lm import LanguageModel
+from helpers import variant_cases
 
 V, ROWS, T = 11, 3, 24
-CASES = [pytest.param(kind, e.name, raw, id=f"{kind}-{e.name}-{vid}")
-         for kind, e in registry.registered() for vid, raw in registry.declared(e, "test_variants").items()]
+CASES = list(variant_cases())
 
 
 def tensor_floats(tree, skip: str = "") -> int:
@@ -45,7 +45,7 @@ def training_state(cfg: ModelConfig, rows: int, seq_len: int):
 
 
 @pytest.mark.parametrize("kind,name,raw", CASES)
-def test_the_memory_estimate_counts_the_state_the_model_returns(kind, name, raw):
+def test_the_ram_estimate_counts_the_state_the_model_returns(kind, name, raw):
     """Per sequence ("carried") and per batch ("shared"), within 5% of a training call's state; what a write
     keeps only for the backward pass (a state's ``parts``: FwPKM's row deltas) within "backward"."""
     part = {"mixer": {"mixer": name}, "head": {"head": name}, "memory": {"memory": name, "memory_layers": [1]}}[kind]
@@ -64,7 +64,7 @@ def test_a_short_convolution_is_counted_and_the_estimate_adds_up():
     assert abs(ROWS * est["carried"] + est["shared"] - real) <= 0.05 * real, (est, real)
     assert est["backward"] > 0  # the chunked kernel keeps a state per chunk for the backward pass
     cfg.train.batch_size = ROWS
-    mem = estimate_memory(cfg)
+    mem = estimate_ram(cfg)
     assert mem["state_bytes"] == 4 * (ROWS * (est["carried"] + est["backward"]) + est["shared"]
                                       + est["backward_shared"])
     assert mem["total_bytes"] == mem["parameter_bytes"] + mem["activation_bytes"] + mem["state_bytes"]

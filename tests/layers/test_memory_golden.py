@@ -7,8 +7,8 @@ option set those benchmarks use (the ``niah-token`` preset's memory with its abl
 benchmark's memory, and the FwMLP baseline) on a small size, the outputs of two calls with the state
 carried, and the gradients of a fixed function of the outputs with respect to the input and every
 parameter, written by the code the results were measured with. A change in behaviour fails here;
-a change meant to alter behaviour regenerates the file (``python tests/test_memory_golden.py
---write``) in the same commit, and then the benchmarks it covers are stale by their own rule.
+a change meant to alter behaviour regenerates the file (``PYTHONPATH=tests python
+tests/layers/test_memory_golden.py --write``) in the same commit, and then the benchmarks it covers are stale by their own rule.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import torch
 
 from fastweights.layers.fwmlp import FwMLP, FwMLPOptions
 from fastweights.layers.fwpkm import FwPKM, FwPKMOptions
+from helpers import DATA
 
-GOLDEN = Path(__file__).parent / "data" / "memory_golden.pt"
+GOLDEN = DATA / "memory_golden.pt"
 D_MODEL, BATCH, T1, T2 = 8, 2, 20, 14  # two calls: 20 then 14 tokens (chunk 8: boundaries inside both calls)
 SMALL = dict(n_subkeys=6, d_key=8, d_value=8, topk=3, chunk_size=8)
 # option sets of the published runs (niah_token: the preset and its ablations; stream_memory: the default

@@ -19,6 +19,7 @@ from fastweights.layers.fast_rnn import (
 )
 from fastweights.components import MIXERS, build_options, lookup
 from fastweights.ops.fast_rnn_kernel import step_kernel
+from helpers import BENCHMARKS
 
 BACKENDS = [
     "torch",
@@ -374,7 +375,7 @@ def _read_over_input(eta: float) -> float:
     from fastweights.core.config import make_config
     from fastweights.models.lm import LanguageModel
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    sys.path.insert(0, str(BENCHMARKS))
     from fast_rnn_sweep import read_over_input
 
     cfg = make_config("shakespeare-char-fast-rnn", ["model.vocab_size=66", f"model.options.fast_rnn.eta={eta}"])

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import fastweights.core.provenance as provenance_module
 from fastweights.core.provenance import cli_provenance, command_line, git_state, provenance, repo_relative
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 # Scripts that still add their folder to sys.path, with why (each entry must still be true, so the list
 # only shrinks): written while the other scripts were changed, by work in progress elsewhere.
 STILL_INSERTING: dict[str, str] = {}

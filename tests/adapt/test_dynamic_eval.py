@@ -12,30 +12,21 @@ from fastweights.adapt.sparse import SparseAdaptation, SparseDynamicEvaluator, c
 from fastweights.adapt.timescale import loss_by_position, timescale_analysis
 from fastweights.adapt.tune import format_table, tune_dynamic
 from fastweights.adapt.update_rules import GradStats, UpdateRule, collect_grad_stats, select_parameters
-from fastweights.core.config import ModelConfig
 from fastweights.core.errors import UserError
 from fastweights.loops.evaluate import score_tokens
 from fastweights.loops.generate import generate_tokens
-from fastweights.models.lm import LanguageModel, detach_state
+from fastweights.models.lm import detach_state
+from helpers import motif_tokens, tiny_lm
 
 V = 13
 
 
 def tiny_model(dtype=torch.float32, seed=0, **kw):
-    torch.manual_seed(seed)
-    cfg = dict(vocab_size=V, d_model=16, n_layers=2, n_heads=2)
-    cfg.update(kw)
-    return LanguageModel(ModelConfig(**cfg)).to(dtype).eval()
+    return tiny_lm(V, seed=seed, dtype=dtype, **kw)
 
 
 def tokens(n, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    # a repetitive stream (a short random motif with noise), so adaptation has something to learn
-    motif = torch.randint(0, V, (7,), generator=g)
-    seq = motif.repeat(n // 7 + 1)[:n].clone()
-    noise = torch.rand(n, generator=g) < 0.2
-    seq[noise] = torch.randint(0, V, (int(noise.sum()),), generator=g)
-    return seq
+    return motif_tokens(n, V, seed)
 
 
 def fake_stats(model, seed=2):
@@ -371,44 +362,24 @@ def test_tuner_grid_and_search():
 # ----------------------------------------------------------------------------- command line
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    from fastweights.checkpoints.format import save_model
-    from fastweights.core.config import RunConfig
-    from fastweights.data import CharTokenizer
-
-    d = tmp_path_factory.mktemp("ckpt")
-    text = ("the cat sat on the mat. the dog sat on the log. " * 40)
-    (d / "corpus.txt").write_text(text)
-    tok = CharTokenizer.from_text(text)
-    cfg = RunConfig()
-    cfg.model = ModelConfig(vocab_size=tok.vocab_size, d_model=16, n_layers=2, n_heads=2)
-    cfg.data.corpus = str(d / "corpus.txt")
-    cfg.train.seq_len = 32
-    torch.manual_seed(0)
-    save_model(LanguageModel(cfg.model), d, cfg, tok)
-    (d / "doc.txt").write_text("the cat sat on the log. the dog sat on the mat. " * 3)
-    return d
-
-
-def test_cli_dynamic_eval_tune_stats_timescale(checkpoint, capsys):
+def test_cli_dynamic_eval_tune_stats_timescale(char_checkpoint, capsys):
     from fastweights.cli import main
 
-    ck, doc = str(checkpoint), str(checkpoint / "doc.txt")
+    ck, doc = str(char_checkpoint), str(char_checkpoint / "doc.txt")
     assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--rule", "sgd", "--lr", "0", "--json", "--quiet"]) == 0
     m = json.loads(capsys.readouterr().out)
     assert m["static"]["bits_per_char"] == m["dynamic"]["bits_per_char"]
-    assert m["static"]["tokens"] == len((checkpoint / "doc.txt").read_text()) - 1
+    assert m["static"]["tokens"] == len((char_checkpoint / "doc.txt").read_text()) - 1
     # rms rule without statistics: collected from the checkpoint's training split and saved next to it
     assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--lr", "1e-3", "--json", "--quiet",
                  "--cache"]) == 0
     m = json.loads(capsys.readouterr().out)
-    assert (checkpoint / "grad_stats.safetensors").is_file() and m["settings"]["rule"] == "rms-global-prior"
+    assert (char_checkpoint / "grad_stats.safetensors").is_file() and m["settings"]["rule"] == "rms-global-prior"
     assert "cache" in m and m["settings"]["grad_stats"]["batch_size"] == 100
     assert main(["dynamic", "tune", "--checkpoint", ck, "--data", doc, "--lrs", "1e-4,1e-3", "--decays", "0.01",
                  "--quiet"]) == 0  # without --save nothing is written
-    assert "not saved" in capsys.readouterr().out and not (checkpoint / "dynamic_tuned.json").exists()
-    tuned = checkpoint / "dynamic_tuned.json"
+    assert "not saved" in capsys.readouterr().out and not (char_checkpoint / "dynamic_tuned.json").exists()
+    tuned = char_checkpoint / "dynamic_tuned.json"
     assert main(["dynamic", "tune", "--checkpoint", ck, "--data", doc, "--lrs", "1e-4,1e-3", "--decays", "0.01",
                  "--quiet", "--save", str(tuned)]) == 0
     assert "best:" in capsys.readouterr().out and tuned.is_file()
@@ -427,20 +398,20 @@ def test_cli_dynamic_eval_tune_stats_timescale(checkpoint, capsys):
     assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--tuned", str(tuned), "--segment-len", "10",
                  "--quiet"]) == 2  # tuned for another segment length: refused, not silently replaced
     assert "another setting" in capsys.readouterr().err
-    out = checkpoint / "ts"
+    out = char_checkpoint / "ts"
     assert main(["dynamic", "timescale", "--checkpoint", ck, "--data", doc, "--doc-len", "60", "--window", "20",
                  "--lr", "1e-3", "--out", str(out), "--quiet"]) == 0
-    assert (checkpoint / "ts.png").is_file() and json.loads((checkpoint / "ts.json").read_text())["documents"] == 2
+    assert (char_checkpoint / "ts.png").is_file() and json.loads((char_checkpoint / "ts.json").read_text())["documents"] == 2
     assert "static" in capsys.readouterr().out
     assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--sparse-units", "4", "--lr", "1e-3",
                  "--json", "--quiet"]) == 0
     assert json.loads(capsys.readouterr().out)["settings"]["adapted_parameters"] == 16
 
 
-def test_cli_user_errors(checkpoint, capsys):
+def test_cli_user_errors(char_checkpoint, capsys):
     from fastweights.cli import main
 
-    ck, doc = str(checkpoint), str(checkpoint / "doc.txt")
+    ck, doc = str(char_checkpoint), str(char_checkpoint / "doc.txt")
     assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--rule", "adam"]) == 2
     assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--rule", "rms", "--stats", "missing.st"]) == 2
     assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--rule", "sgd", "--segment-len", "64"]) == 2
@@ -451,13 +422,13 @@ def test_cli_user_errors(checkpoint, capsys):
     assert err.count("error:") == 6 and "Traceback" not in err
 
 
-def test_demo_helper_and_eval_arguments(checkpoint, capsys):
+def test_demo_helper_and_eval_arguments(char_checkpoint, capsys):
     import argparse
 
     from fastweights.adapt.evaluate import demo_dynamic, evaluate_static_and_dynamic
     from fastweights.cli.dynamic import add_dynamic_arguments, dynamic_settings
 
-    res = demo_dynamic(checkpoint, tune_chars=300, test_chars=300, stats_batches=2)
+    res = demo_dynamic(char_checkpoint, tune_chars=300, test_chars=300, stats_batches=2)
     assert 0 < res["static"]["tokens"] <= 299 and res["search"]["grid"] and "% lower" in capsys.readouterr().out
     # what `fastweights eval --dynamic RULE` would parse, mapped to the settings the library takes
     p = argparse.ArgumentParser()
@@ -466,6 +437,6 @@ def test_demo_helper_and_eval_arguments(checkpoint, capsys):
     args = p.parse_args(["--dynamic", "sgd", "--lr", "0", "--segment-len", "10"])
     from fastweights.models.loading import load_checkpoint
 
-    model, tok, cfg = load_checkpoint(checkpoint)
+    model, tok, cfg = load_checkpoint(char_checkpoint)
     out = evaluate_static_and_dynamic(dynamic_settings(args), model, tok, cfg, ["the cat sat on the mat. " * 4])
     assert out["static"]["loss_nats"] == out["dynamic"]["loss_nats"] and out["settings"]["segment_len"] == 10

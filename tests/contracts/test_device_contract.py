@@ -10,7 +10,7 @@ No GPU is lent to this project, so two stand-ins:
   same steps in fp32, and the fast-weight state (what the component learns while it reads) kept in fp32.
   Caches of activations (a KV cache, a convolution's last inputs) may follow the compute dtype.
 
-The components and their variants are those of ``test_registry_causality.VARIANTS``, the variants every
+The components and their variants are those of ``helpers.VARIANTS``, the variants every
 registered component declares, so a new component is covered here without an edit; the state fields that
 may follow the compute dtype are what it declares as ``compute_dtype_state``.
 """
@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves
 
 from fastweights import components as registry
-from test_registry_causality import B, D, T, V, VARIANTS
-from test_registry_causality import build as build_fp64
+from helpers import B, D, T, V, VARIANTS, variant_cases
+from helpers import build_component as build_fp64
 
 # components whose meta run is known to fail, with the reason; strict, so a fix turns the test red until
 # the entry is removed (FwPKM's write left this list with issue 34: its shapes no longer depend on the data)
@@ -38,16 +38,8 @@ def compute_dtype_state(kind: str, name: str) -> tuple[str, ...]:
 COMPUTE_DTYPE_STATE = {key: compute_dtype_state(*key) for key in VARIANTS}  # benchmarks/cuda_check.py reads it
 
 
-def cases(known: dict | None = None):
-    for (kind, name), variants in VARIANTS.items():
-        why = (known or {}).get((kind, name))
-        marks = [pytest.mark.xfail(strict=True, reason=why)] if why else []
-        for vid, raw in variants.items():
-            yield pytest.param(kind, name, raw, id=f"{kind}-{name}-{vid}", marks=marks)
-
-
 def build(kind, name, raw):
-    """The registry test's construction (same options handling and seed), with fp32 parameters."""
+    """The registry contracts' construction (same options handling and seed), with fp32 parameters."""
     return build_fp64(kind, name, raw).float()
 
 
@@ -55,7 +47,7 @@ def call(layer, kind, x, tokens, state=None):
     return layer(x, tokens, state) if kind == "head" else layer(x, state)
 
 
-@pytest.mark.parametrize("kind,name,raw", list(cases(META_KNOWN)))
+@pytest.mark.parametrize("kind,name,raw", list(variant_cases(META_KNOWN)))
 def test_forward_backward_on_the_meta_device(kind, name, raw):
     with torch.device("meta"):
         layer = build(kind, name, raw)
@@ -101,7 +93,7 @@ def train(kind, name, raw, bf16: bool, device: torch.device = torch.device("cpu"
     return losses, state, layer
 
 
-@pytest.mark.parametrize("kind,name,raw", list(cases()))
+@pytest.mark.parametrize("kind,name,raw", list(variant_cases()))
 def test_bf16_autocast_trains_with_fp32_fast_weights(kind, name, raw):
     fp32, _, _ = train(kind, name, raw, bf16=False)
     bf16, state, layer = train(kind, name, raw, bf16=True)

@@ -13,8 +13,9 @@ import torch
 
 from fastweights.experiments import probes
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from helpers import BENCHMARKS, ROOT
+
+sys.path.insert(0, str(BENCHMARKS))
 
 import evidence  # noqa: E402
 

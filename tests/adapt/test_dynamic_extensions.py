@@ -13,7 +13,17 @@ from fastweights.adapt.lowrank import LowRankAdaptation, LowRankDynamicEvaluator
 from fastweights.adapt.update_rules import GradStats, parse_schedule, schedule_factor
 from fastweights.core.errors import UserError
 from fastweights.loops.evaluate import score_tokens
-from test_dynamic_eval import V, tiny_model, tokens  # the same tiny model and repetitive stream (conftest: one thread)
+from helpers import motif_tokens, tiny_lm
+
+V = 13
+
+
+def tiny_model(dtype=torch.float32, seed=0):
+    return tiny_lm(V, seed=seed, dtype=dtype)
+
+
+def tokens(n, seed=1):
+    return motif_tokens(n, V, seed)
 
 
 def fake_stats(names_shapes, seed=2):

@@ -9,6 +9,9 @@ that fails to import fails the scan, naming itself. The import graph keeps its f
 
 import ast
 import importlib.util
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +22,9 @@ import fastweights.layers
 from fastweights import components
 from fastweights.core.config import ModelConfig
 from fastweights.models.lm import LanguageModel
+from helpers import PACKAGE, ROOT
+
+TESTS = ROOT / "tests"
 
 TOY = '''
 """A toy mixer: the running mean of the inputs so far, projected (y_t = W mean_{s<=t} x_s)."""
@@ -93,24 +99,27 @@ def test_a_new_module_is_a_new_mixer_with_no_other_edit(layers_dir, tmp_path_fac
     assert state_floats(ModelConfig(vocab_size=11, d_model=8, n_layers=1, n_heads=2, mixer="toy_running_mean"),
                         9)["carried"] == 8  # the mean [C] per sequence (the count is not a float)
     # the registry-wide checks, run on it as on every component: the estimate against the state it returns,
-    # causality, pieces == one call, a bounded state along a stream, the meta device and bf16 autocast
-    import test_device_contract as device
-    import test_registry_causality as contract
-    import test_state_size as size
-    import test_stream_stability as stability
-
-    size.test_the_memory_estimate_counts_the_state_the_model_returns("mixer", "toy_running_mean", {})
-    stability.test_bounded_designs_keep_their_state_at_twenty_times_the_training_length("mixer", "toy_running_mean",
-                                                                                         {})
-    contract.test_causal_and_responsive_at_every_cut("mixer", "toy_running_mean", {})
-    contract.test_pieces_equal_one_call_and_the_state_continues("mixer", "toy_running_mean", {})
-    device.test_forward_backward_on_the_meta_device("mixer", "toy_running_mean", {})
-    device.test_bf16_autocast_trains_with_fp32_fast_weights("mixer", "toy_running_mean", {})
-    # a Hugging Face export round-trips it (the [hf] extra)
-    if importlib.util.find_spec("transformers") is not None:
-        import test_hf_model as hf
-
-        hf.test_save_load_identical_logits_and_cache("mixer", "toy_running_mean", tmp_path_factory.mktemp("hf"))
+    # causality, pieces == one call, a bounded state along a stream, the meta device, bf16 autocast and the
+    # Hugging Face export; their files, run by pytest in a fresh process whose fastweights.layers holds the
+    # toy module, enumerate it from the registry with no edit, as they enumerate every built-in component
+    checks = ["contracts/test_state_size.py::test_the_ram_estimate_counts_the_state_the_model_returns",
+              "contracts/test_stream_stability.py::test_bounded_designs_keep_their_state_at_twenty_times_the_training_length",
+              "contracts/test_registry_causality.py::test_causal_and_responsive_at_every_cut",
+              "contracts/test_registry_causality.py::test_pieces_equal_one_call_and_the_state_continues",
+              "contracts/test_device_contract.py::test_forward_backward_on_the_meta_device",
+              "contracts/test_device_contract.py::test_bf16_autocast_trains_with_fp32_fast_weights"]
+    if importlib.util.find_spec("transformers") is not None:  # a Hugging Face export round-trips it (the [hf] extra)
+        checks.append("hf/test_hf_model.py::test_save_load_identical_logits_and_cache")
+    files = sorted({str(TESTS / c.split("::")[0]) for c in checks})
+    code = ("import sys, pytest, fastweights.layers\n"
+            "fastweights.layers.__path__.append(sys.argv[1])\n"
+            "sys.exit(pytest.main(['-p', 'no:cacheprovider', '-rA', '-k', 'toy_running_mean', *sys.argv[2:]]))")
+    proc = subprocess.run([sys.executable, "-c", code, str(layers_dir), *files], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "COLUMNS": "1000"})  # whole node ids
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    passed = re.findall(r"^PASSED tests/(\S+?)\[(\S+)\]", proc.stdout, re.M)
+    for check in checks:
+        assert any(test == check and "toy_running_mean" in case for test, case in passed), (check, proc.stdout[-3000:])
 
 
 def test_a_broken_layer_module_fails_the_scan_naming_itself(layers_dir):
@@ -151,7 +160,7 @@ def test_what_a_component_declares_is_well_formed(kind, name):
 
 # ----------------------------------------------------------------------------- floors of the import graph
 
-SRC = Path(__file__).resolve().parent.parent / "src" / "fastweights"
+SRC = PACKAGE
 LOW = ("fastweights.ops", "fastweights.layers", "fastweights.components", "fastweights.models.memory_switches",
        "fastweights.core.files", "fastweights.checkpoints.format")
 HIGH = ("fastweights.models", "fastweights.adapt", "fastweights.loops.train", "fastweights.loops.evaluate", "fastweights.loops.generate",

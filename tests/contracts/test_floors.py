@@ -6,8 +6,8 @@ module may reach is decided once, not discovered by an import cycle later.
 
 import ast
 from pathlib import Path
+from helpers import PACKAGE
 
-PACKAGE = Path(__file__).resolve().parent.parent / "src" / "fastweights"
 FLOORS = [
     ("core",),  # errors, files, progress, config, devices, provenance
     ("ops",),  # the operators: linear attention, delta rule, FWL, PKM, NLL, the fast-RNN kernel

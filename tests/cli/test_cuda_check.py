@@ -7,8 +7,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "cuda_check.py"
 
 

@@ -7,7 +7,7 @@ learns from x_j before scoring it (a cache updated before the segment is scored,
 in FWL, a fast memory read after its own write) raises its own probability: the sum moves off 1.
 
 Every check has a positive control that injects exactly such a leak and shows the check catches it.
-Dynamic evaluation's own test (tests/test_dynamic_eval.py, the model this file follows) stays there.
+Dynamic evaluation's own test (tests/adapt/test_dynamic_eval.py, the model this file follows) stays there.
 """
 
 import math

@@ -1,14 +1,11 @@
 """The command line of the issue 18 extensions: --lr-schedule, --lowrank-rank / --lowrank-params (with their
-gradient statistics) and dynamic eval --cache-on-dynamic, on test_dynamic_eval's tiny checkpoint."""
+gradient statistics) and dynamic eval --cache-on-dynamic, on conftest's tiny char-level ``char_checkpoint``."""
 
 import json
 
 import pytest
 
 from fastweights.cli import main
-import test_dynamic_eval
-
-checkpoint = test_dynamic_eval.checkpoint  # the tiny char-level checkpoint fixture (a copy per module)
 SGD = ["--rule", "sgd", "--lr", "0.5", "--segment-len", "10", "--json", "--quiet"]
 
 
@@ -25,16 +22,16 @@ def error_line(capsys, *argv):
 
 
 @pytest.fixture(scope="module")
-def two_docs(checkpoint):
-    d = checkpoint / "two_docs"
+def two_docs(char_checkpoint):
+    d = char_checkpoint / "two_docs"
     d.mkdir()
     (d / "a.txt").write_text("the cat sat on the log. the dog sat on the mat. " * 3)
     (d / "b.txt").write_text("the dog sat on the cat. " * 4)
     return d
 
 
-def test_lr_schedule(checkpoint, capsys):
-    base = ["dynamic", "eval", "--checkpoint", str(checkpoint), "--data", str(checkpoint / "doc.txt"), *SGD]
+def test_lr_schedule(char_checkpoint, capsys):
+    base = ["dynamic", "eval", "--checkpoint", str(char_checkpoint), "--data", str(char_checkpoint / "doc.txt"), *SGD]
     default = run_json(capsys, *base)
     constant = run_json(capsys, *base, "--lr-schedule", "constant")
     warmup = run_json(capsys, *base, "--lr-schedule", "warmup:4")
@@ -45,13 +42,13 @@ def test_lr_schedule(checkpoint, capsys):
 
 
 @pytest.mark.parametrize("command", ["eval", "tune", "timescale", "generate"])
-def test_bad_lr_schedule_is_one_line_exit_2(checkpoint, command, capsys):
-    err = error_line(capsys, "dynamic", command, "--checkpoint", str(checkpoint), "--rule", "sgd", "--lr-schedule", "cosine:3")
+def test_bad_lr_schedule_is_one_line_exit_2(char_checkpoint, command, capsys):
+    err = error_line(capsys, "dynamic", command, "--checkpoint", str(char_checkpoint), "--rule", "sgd", "--lr-schedule", "cosine:3")
     assert "--lr-schedule" in err and "warmup:W" in err
 
 
-def test_tuned_file_records_the_schedule(checkpoint, tmp_path, capsys):
-    ck, doc, tuned = str(checkpoint), str(checkpoint / "doc.txt"), str(tmp_path / "tuned.json")
+def test_tuned_file_records_the_schedule(char_checkpoint, tmp_path, capsys):
+    ck, doc, tuned = str(char_checkpoint), str(char_checkpoint / "doc.txt"), str(tmp_path / "tuned.json")
     assert main(["dynamic", "tune", "--checkpoint", ck, "--data", doc, "--rule", "sgd", "--segment-len", "10", "--lrs",
                  "0.1,0.5", "--lr-schedule", "rsqrt:2", "--save", tuned, "--quiet"]) == 0
     capsys.readouterr()
@@ -61,22 +58,22 @@ def test_tuned_file_records_the_schedule(checkpoint, tmp_path, capsys):
     assert m["settings"]["lr_schedule"] == "rsqrt:2" and m["settings"]["lr_source"] == f"tuned file {tuned}"
 
 
-def test_reset_never_carries_the_schedule(checkpoint, two_docs, capsys):
+def test_reset_never_carries_the_schedule(char_checkpoint, two_docs, capsys):
     from fastweights.adapt.setup import encode_texts, load_texts
     from fastweights.adapt.dynamic import DynamicEvaluator
     from fastweights.models.loading import load_checkpoint
 
-    m = run_json(capsys, "dynamic", "eval", "--checkpoint", str(checkpoint), "--data", str(two_docs), *SGD,
+    m = run_json(capsys, "dynamic", "eval", "--checkpoint", str(char_checkpoint), "--data", str(two_docs), *SGD,
                  "--lr-schedule", "warmup:6", "--reset", "never", "--cache-on-dynamic", "--cache-mix", "0")
-    model, tok, cfg = load_checkpoint(checkpoint)
+    model, tok, cfg = load_checkpoint(char_checkpoint)
     docs, _ = encode_texts(tok, load_texts(str(two_docs), cfg, "test"))
     ev = DynamicEvaluator(model, rule="sgd", lr=0.5, segment_len=10, context=32, lr_schedule="warmup:6")
     assert m["dynamic"]["nll"] == pytest.approx(ev.evaluate_documents(docs, reset="never").nll, rel=1e-9)
     assert m["dynamic_cache"]["nll"] == m["dynamic"]["nll"]  # mix 0, carried the same way
 
 
-def test_lowrank(checkpoint, capsys):
-    base = ["dynamic", "eval", "--checkpoint", str(checkpoint), "--data", str(checkpoint / "doc.txt"), *SGD,
+def test_lowrank(char_checkpoint, capsys):
+    base = ["dynamic", "eval", "--checkpoint", str(char_checkpoint), "--data", str(char_checkpoint / "doc.txt"), *SGD,
             "--lowrank-rank", "2"]
     m = run_json(capsys, *base)
     s = m["settings"]
@@ -95,20 +92,20 @@ def test_lowrank(checkpoint, capsys):
     (["--lowrank-params", "*mlp.*"], "needs --lowrank-rank"),
     (["--lowrank-rank", "2", "--params", "blocks.1.*"], "--lowrank-params"),
 ])
-def test_lowrank_conflicts(checkpoint, extra, message, capsys):
+def test_lowrank_conflicts(char_checkpoint, extra, message, capsys):
     for command in ("eval", "stats"):
-        argv = ["dynamic", command, "--checkpoint", str(checkpoint), *extra]
+        argv = ["dynamic", command, "--checkpoint", str(char_checkpoint), *extra]
         assert message in error_line(capsys, *(argv + ["--rule", "sgd"] if command == "eval" else argv))
 
 
-def test_lowrank_gradient_statistics(checkpoint, tmp_path, capsys):
+def test_lowrank_gradient_statistics(char_checkpoint, tmp_path, capsys):
     from fastweights.adapt.update_rules import GradStats
 
-    ck, doc = str(checkpoint), str(checkpoint / "doc.txt")
+    ck, doc = str(char_checkpoint), str(char_checkpoint / "doc.txt")
     small = ["--max-batches", "2", "--batch-size", "2", "--seq-len", "10", "--quiet"]
     assert main(["dynamic", "stats", "--checkpoint", ck, "--lowrank-rank", "2", *small]) == 0
     assert "grad_stats_lowrank_r2.safetensors" in capsys.readouterr().out
-    stats = GradStats.load(checkpoint / "grad_stats_lowrank_r2.safetensors")
+    stats = GradStats.load(char_checkpoint / "grad_stats_lowrank_r2.safetensors")
     assert stats.extra["lowrank_rank"] == 2 and all(n.startswith("lowrank.") for n in stats.ms)
     base = ["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--rule", "rms", "--lr", "1e-3", "--segment-len", "10",
             "--json", "--quiet"]
@@ -116,7 +113,7 @@ def test_lowrank_gradient_statistics(checkpoint, tmp_path, capsys):
     assert m["settings"]["grad_stats"]["lowrank_rank"] == 2 and m["settings"]["grad_stats"]["batches"] == 2
     full = tmp_path / "full.safetensors"
     assert main(["dynamic", "stats", "--checkpoint", ck, "--out", str(full), *small]) == 0
-    lowrank = str(checkpoint / "grad_stats_lowrank_r2.safetensors")
+    lowrank = str(char_checkpoint / "grad_stats_lowrank_r2.safetensors")
     err = error_line(capsys, *base, "--lowrank-rank", "2", "--stats", str(full))
     assert "full-weight statistics" in err and "needs low-rank statistics (rank 2" in err and "--lowrank-rank 2" in err
     assert "rank 2" in error_line(capsys, *base, "--lowrank-rank", "3", "--stats", lowrank)
@@ -126,11 +123,11 @@ def test_lowrank_gradient_statistics(checkpoint, tmp_path, capsys):
     # missing statistics of our own checkpoint: collected on its training split and kept for the next run
     m = run_json(capsys, *base, "--lowrank-rank", "3", "--lowrank-params", "*down*")
     assert m["settings"]["grad_stats"]["lowrank_modules"] == "*down*"
-    assert len(list(checkpoint.glob("grad_stats_lowrank_r3_*.safetensors"))) == 1
+    assert len(list(char_checkpoint.glob("grad_stats_lowrank_r3_*.safetensors"))) == 1
 
 
-def test_cache_on_dynamic_and_per_token(checkpoint, two_docs, tmp_path, capsys):
-    ck = str(checkpoint)
+def test_cache_on_dynamic_and_per_token(char_checkpoint, two_docs, tmp_path, capsys):
+    ck = str(char_checkpoint)
     base = ["dynamic", "eval", "--checkpoint", ck, "--data", str(two_docs), *SGD, "--cache-window", "50"]
     plain = run_json(capsys, *base)
     assert "dynamic_cache" not in plain and "cache" not in plain
@@ -156,8 +153,8 @@ def test_cache_on_dynamic_and_per_token(checkpoint, two_docs, tmp_path, capsys):
     assert "schedule warmup:2" in out and "  dynamic+cache: bits_per_char" in out
 
 
-def test_lowrank_timescale_and_generate(checkpoint, tmp_path, capsys):
-    ck, doc = str(checkpoint), str(checkpoint / "doc.txt")
+def test_lowrank_timescale_and_generate(char_checkpoint, tmp_path, capsys):
+    ck, doc = str(char_checkpoint), str(char_checkpoint / "doc.txt")
     flags = ["--rule", "sgd", "--lr", "0.5", "--lowrank-rank", "2", "--lr-schedule", "rsqrt:3", "--quiet"]
     out = tmp_path / "ts"
     assert main(["dynamic", "timescale", "--checkpoint", ck, "--data", doc, "--doc-len", "60", "--window", "20",

@@ -1,6 +1,6 @@
 """The delta rule's hand-over to flash-linear-attention, checked on a CPU with a stand-in fla (issue 34, scope 1).
 
-``tests/fla_standin.py`` checks fla's input contract (q, k, v, beta in fp16/bf16, g and the state fp32,
+``tests/ops/fla_standin.py`` checks fla's input contract (q, k, v, beta in fp16/bf16, g and the state fp32,
 [B, T, H, D] / [B, H, K, V] layouts) and computes with the per-step reference. Here: which backend runs
 for which inputs (fp32, bf16, fp32 under autocast, gated with and without a gradient where fla refuses
 its gated backward), that the ``fwp`` and ``gdn`` layers under autocast hand fla their fp32 features

@@ -6,6 +6,7 @@ import math
 import pytest
 
 from fastweights.cli import main
+from helpers import PACKAGE
 
 TINY = ["--preset", "tiny", "--quiet"]
 
@@ -218,7 +219,7 @@ def test_nothing_outside_cli_imports_it_or_argparse():
     import ast
     from pathlib import Path
 
-    src = Path(__file__).resolve().parent.parent / "src" / "fastweights"
+    src = PACKAGE
     found = []
     for path in src.rglob("*.py"):
         rel = path.relative_to(src)
