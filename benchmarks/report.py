@@ -15,11 +15,15 @@ The claims table (``<!-- claims:start -->`` ... ``<!-- claims:end -->``, in the 
 paper's headline claims (CLAIMS) beside the closest result we have, with a verdict computed from the value
 and the claim's rule.
 
-``--check`` also fails (issue 22) on
-  * a number in prose that disagrees with its cited source: ``0.805 <!-- src: bench_fwpkm_model ratio -->``
-    (the shown digits must be the JSON value rounded to them; key paths as in EXTRACT);
-  * a decimal number without a source inside ``<!-- numbers:start -->`` ... ``<!-- numbers:end -->``, and in
-    the prose of docs/*.md outside them unless it is marked as not a result (``uncited_prose_problems``);
+Pages: README.md, docs/*.md and docs/experiments/*.md (one write-up per benchmark).
+
+``--check`` also fails (issues 22, 30) on
+  * a cited number that disagrees with its source: ``0.805 <!-- src: bench_fwpkm_model ratio -->`` (the shown
+    digits must be the JSON value rounded to them; key paths as in EXTRACT), on any page;
+  * a decimal number without a source inside ``<!-- numbers:start -->`` ... ``<!-- numbers:end -->``;
+  * a citation marker in the prose of a user's-guide page (docs/*.md but results.md) outside a numbers region:
+    markers live in the generated tables, the README's claims table, numbers regions and the measurement write-ups
+    (docs/results.md, docs/experiments/*.md); a user's guide links to those (``marker_in_prose_problems``);
   * the evidence rules of ``evidence.py``: a JSON without its command, git commit, ``result_file`` or
     behaviour probes; and a results/TO_RERUN.md (the stale results, generated here) out of date.
 A stale result (its probes changed) is no error: the tables mark it and TO_RERUN.md lists it.
@@ -236,7 +240,8 @@ def _fmt(v) -> str:
 
 
 def table(stems: list[str] | None = None) -> str:
-    """Rows from every result file, or from the named ones (file stems) in that order."""
+    """Rows from every result file (the first row of each anchored as STEM), or from the named ones (file stems)
+    in that order."""
     rows = ["| result | value | target | source (command in the JSON) |", "|---|---|---|---|"]
     if stems:
         missing = [s for s in stems if not (RESULTS / f"{s}.json").exists()]
@@ -246,10 +251,12 @@ def table(stems: list[str] | None = None) -> str:
         rec = json.loads(path.read_text())
         heads = rec.get("headline") or [{"what": what, "value": _get(rec, key), "unit": unit, "target": target}
                                          for stem, what, key, unit, target in EXTRACT if stem == path.stem]
-        for h in heads:
+        for i, h in enumerate(heads):
             value = _fmt(h["value"]) + (f" {h['unit']}" if h.get("unit") else "")
             mark = evidence.status(path)
             source = f"`{path.relative_to(ROOT)}`" + (f" ({mark})" if mark else "")
+            if not stems and i == 0:  # the full table (docs/results.md): pages link a file's rows as results.md#STEM
+                source = f'<a id="{path.stem}"></a>{source}'
             rows.append(f"| {h['what']} | {value} | {h.get('target', '')} | {source} |")
     return "\n".join(rows)
 
@@ -425,77 +432,36 @@ def cited_number_problems(page: str, name: str) -> list[str]:
     return out
 
 
-# Outside numbers regions (issue 22): in the prose of docs/*.md a decimal number must cite its JSON key as
-# above, unless it is not a result. Not scanned: fenced code blocks, generated results / claims tables,
-# HTML comments, inline code, links and URLs, file names, arXiv ids and version strings. Not results:
-#   * a paragraph (a list item, or a table with the marker on the line above it) holding the marker
-#     ``<!-- not-results -->`` or ``<!-- not-results: why -->``: config values, sizes of inputs, thresholds;
-#   * a number in a sentence (or a table row) that names where in a paper it comes from: "Table 1",
-#     "Fig. 2", "Figure 3", "Eq. 4", "App. C", "the paper", "paper's", "papers'". Our own numbers in such
-#     a sentence must still be cited: the check cannot tell them apart.
-# A page listed in UNCITED_PENDING is reported but does not fail (and fails once it is clean, so the list
-# only shrinks).
-PROSE_PAGES = "docs/*.md"
-UNCITED_PENDING: dict[str, str] = {}
-NOT_RESULTS = re.compile(r"<!-- not-results(?::[^>]*)? -->")
-PAPER_SOURCE = re.compile(r"\b(?:Table|Tab\.|Fig\.|Figure|Eq\.|App\.|Appendix)\s?[A-Z]?\.?\d|\b[Aa]pp\.\s?[A-Z]\b"
-                          r"|\b[Tt]he [Pp]aper\b|\b[Pp]aper's|\b[Pp]apers'")  # (no inline (?i: group: it reads as a drive path)
-_UNSCANNED = [
-    re.compile(r"^[ \t]*```.*?^[ \t]*```[ \t]*$", re.S | re.M),  # fenced code, also indented in a list item
-    REGION,  # checked strictly above
-    re.compile(re.escape(START) + r".*?" + re.escape(END), re.S),  # generated tables
-    re.compile(re.escape(CLAIMS_START) + r".*?" + re.escape(CLAIMS_END), re.S),
-    re.compile(re.escape(BOARD_START) + r".*?" + re.escape(BOARD_END), re.S),
-]
-_NOT_PROSE = re.compile(r"<!--.*?-->|`[^`\n]*`|\]\([^)\s]*\)|https?://\S+|[\w./-]+\.(?:json|py|md|png|toml)\b"
-                        r"|\barXiv:?\s?\d{4}\.\d{4,5}|\d+(?:\.\d+){2,}", re.S)
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z(*\[\"])|\n(?=[ \t]*\|)")  # also: each table row on its own
-_PARAGRAPH = re.compile(r"\n[ \t]*\n|\n(?=[ \t]*(?:[-*+]|\d+\.)[ \t])")  # a blank line, or a list item's start
+# Where citation markers live (issue 30). Markers are required in the generated tables (their source column), in
+# the README's claims table and in numbers regions (above: there every decimal must cite its key). The measurement
+# write-ups (docs/results.md and docs/experiments/*.md) may also cite numbers in their prose; every marker anywhere
+# is checked against its JSON (cited_number_problems). The user's-guide pages (every other page of docs/) carry no
+# markers in prose: they state a measured number by linking to its row of docs/results.md or to an experiments
+# page, or inside a numbers region; a marker in their prose outside one is a problem (marker_in_prose_problems).
+GUIDE_PAGES = "docs/*.md"
+WRITEUPS = {"docs/results.md"}  # and docs/experiments/*.md, which GUIDE_PAGES does not match
+_NOT_SCANNED = re.compile(r"^[ \t]*```.*?^[ \t]*```[ \t]*$|`[^`\n]*`", re.S | re.M)  # fenced and inline code
 
 
-def uncited_prose_problems(page: str, name: str) -> list[str]:
-    """Decimal numbers in prose outside numbers regions that cite no source and are not marked as not results."""
+def marker_in_prose_problems(page: str, name: str) -> list[str]:
+    """Citation markers in the prose of a user's-guide page, outside numbers regions and code."""
     def blank(m: re.Match) -> str:
-        return re.sub(r"[^\n]", " ", m.group(0))  # keep offsets and line numbers
+        return re.sub(r"[^\n]", " ", m.group(0))  # keep line numbers
 
-    text = page
-    for pattern in _UNSCANNED:
-        text = pattern.sub(blank, text)
-    text = CITE.sub(blank, text)
-    text = re.sub(r"<!--(?! not-results).*?-->", blank, text, flags=re.S)  # before paragraphs: it may span several
-    out, start = [], 0
-    for sep in list(_PARAGRAPH.finditer(text)) + [None]:
-        end = sep.start() if sep else len(text)
-        para = text[start:end]
-        if not NOT_RESULTS.search(para):
-            para = _NOT_PROSE.sub(blank, para)
-            bounds = [0] + [m.end() for m in _SENTENCE_END.finditer(para)] + [len(para)]
-            for lo, hi in zip(bounds, bounds[1:]):
-                if PAPER_SOURCE.search(para[lo:hi]):
-                    continue
-                for m in NUMBER.finditer(para, lo, hi):
-                    line = page.count("\n", 0, start + m.start()) + 1
-                    out.append(f"{name}:{line}: the number {m.group(0)} cites no source (add <!-- src: STEM KEY --> "
-                               "after it, or mark its paragraph <!-- not-results --> if it is not a result)")
-        start = sep.end() if sep else end
-    return out
+    text = _NOT_SCANNED.sub(blank, REGION.sub(blank, page))
+    return [f"{name}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(1)} cites {m.group(3)} in the prose of a "
+            "user's-guide page: link its row of docs/results.md or an experiments page, move it to docs/experiments/, "
+            "or put it in a <!-- numbers:start --> ... <!-- numbers:end --> region" for m in CITE.finditer(text)]
 
 
-def prose_problems(root: Path = ROOT) -> tuple[list[str], list[str]]:
-    """(problems, notes): uncited prose numbers of PROSE_PAGES; a page in UNCITED_PENDING gives notes, not problems."""
-    problems, notes = [], []
-    for path in sorted(root.glob(PROSE_PAGES)):
+def prose_problems(root: Path = ROOT) -> list[str]:
+    """marker_in_prose_problems of every user's-guide page (GUIDE_PAGES but WRITEUPS)."""
+    problems = []
+    for path in sorted(root.glob(GUIDE_PAGES)):
         name = str(path.relative_to(root))
-        found = uncited_prose_problems(path.read_text(), name)
-        if name not in UNCITED_PENDING:
-            problems += found
-        elif found:
-            notes.append(f"{name}: {len(found)} uncited numbers in prose, not failing yet: {UNCITED_PENDING[name]}")
-        else:
-            problems.append(f"{name} cites every prose number: remove it from UNCITED_PENDING in benchmarks/report.py")
-    problems += [f"UNCITED_PENDING names {n}, which is not a page of {PROSE_PAGES}"
-                 for n in UNCITED_PENDING if not (root / n).is_file()]
-    return problems, notes
+        if name not in WRITEUPS:
+            problems += marker_in_prose_problems(path.read_text(), name)
+    return problems
 
 
 def update_cited(page: str) -> str:
@@ -514,7 +480,7 @@ def update_cited(page: str) -> str:
 
 
 def pages() -> list[Path]:
-    return [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+    return [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md")) + sorted((ROOT / "docs" / "experiments").glob("*.md"))
 
 
 def main() -> int:
@@ -554,10 +520,7 @@ def main() -> int:
     if args.check:
         for path in pages():
             problems += cited_number_problems(path.read_text(), str(path.relative_to(ROOT)))
-        prose, notes = prose_problems()
-        problems += prose + evidence.problems()
-        for note in notes:
-            print(f"note: {note}", file=sys.stderr)
+        problems += prose_problems() + evidence.problems()
         for p in problems:
             print(p, file=sys.stderr)
     if args.check and stale:

@@ -1,4 +1,4 @@
-"""The docs/ pages run as written.
+"""The docs/ pages run as written (docs/*.md, the user's guides, and docs/experiments/*.md, the write-ups).
 
 - every ```python block of docs/*.md runs, each in a fresh namespace, in a temporary working directory;
 - every command line in a ```bash block is checked without running it: `fastweights ...` (also after
@@ -26,7 +26,7 @@ from fastweights.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-PAGES = sorted(DOCS.glob("*.md"))
+PAGES = sorted(DOCS.glob("*.md")) + sorted((DOCS / "experiments").glob("*.md"))  # guides, then write-ups
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
 MECHANISM_PAGES = {"language-model.md", "fast-weight-programmers.md", "fast-weight-layers.md", "fast-weights-rnn.md",
                    "dynamic-evaluation.md", "product-key-memory.md", "long-context.md", "huggingface-and-scale.md"}
@@ -36,7 +36,7 @@ def _blocks(lang: str) -> list[tuple[str, int, str]]:
     out = []
     for page in PAGES:
         found = [m.group(2) for m in FENCE.finditer(page.read_text()) if m.group(1) == lang]
-        out.extend((page.name, i, code) for i, code in enumerate(found))
+        out.extend((str(page.relative_to(DOCS)), i, code) for i, code in enumerate(found))
     return out
 
 
@@ -142,6 +142,31 @@ def test_relative_links_resolve():
             assert path.exists(), f"{page.relative_to(ROOT)} links to a missing {target}"
 
 
+def _anchors(page: Path) -> set[str]:
+    """The anchors of a page: its headings as GitHub slugs them, and its ``<a id="...">`` tags."""
+    text = FENCE.sub("", page.read_text())
+    heads = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+ (.*)$", text, re.M)}
+    return heads | set(re.findall(r'<a id="([^"]+)"', text))
+
+
+def test_links_into_docs_pages_name_existing_anchors():
+    """A guide links its measured rows as results.md#STEM (anchored by report.py) and sections by heading."""
+    link = re.compile(r"\]\(([^)\s#]*\.md)#([^)\s]+)\)")
+    for page in [*PAGES, ROOT / "README.md"]:
+        for target, anchor in link.findall(page.read_text()):
+            path = (page.parent / target).resolve()
+            if path.is_relative_to(DOCS.resolve()):
+                assert anchor in _anchors(path), f"{page.relative_to(ROOT)} links to a missing {target}#{anchor}"
+
+
+def test_every_guide_says_what_we_measured_with_links_to_results():
+    for name in MECHANISM_PAGES:
+        text = (DOCS / name).read_text()
+        assert "\n## What we measured\n" in text, f"docs/{name} has no 'What we measured' section"
+        section = text.split("\n## What we measured\n", 1)[1].split("\n## ", 1)[0]
+        assert "](results.md#" in section or "](language-model.md#" in section, f"docs/{name}: no link to results rows"
+
+
 def test_results_blocks_name_result_files_with_rows():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import report
@@ -151,4 +176,4 @@ def test_results_blocks_name_result_files_with_rows():
         for stems in opening.findall(page.read_text()):
             for stem in stems.split():
                 rows = report.table([stem]).splitlines()[2:]
-                assert rows, f"docs/{page.name}: benchmarks/results/{stem}.json gives no table rows"
+                assert rows, f"{page.relative_to(ROOT)}: benchmarks/results/{stem}.json gives no table rows"
