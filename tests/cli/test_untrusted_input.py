@@ -61,3 +61,117 @@ def test_atomic_write_replaces_a_planted_temporary_link(tmp_path):
     (tmp_path / f".summary.json.{os.getpid()}.tmp").symlink_to(victim)
     atomic_write(tmp_path / "summary.json", lambda p: p.write_text(json.dumps({"a": 1})))
     assert victim.read_text() == "precious\n" and json.loads((tmp_path / "summary.json").read_text()) == {"a": 1}
+
+
+# ----------------------------------------------------------------------------- Hugging Face model directories
+
+
+def _gpt2_dir(tmp_path, name="m", **save):
+    """A tiny random GPT-2 directory with the gpt2 tokenizer (no downloads)."""
+    import gzip
+    from importlib import resources
+
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, GPT2Tokenizer
+
+    assets = resources.files("fastweights") / "data" / "assets" / "gpt2"
+    (tmp_path / "vocab.json").write_bytes(gzip.decompress((assets / "vocab.json.gz").read_bytes()))
+    (tmp_path / "merges.txt").write_bytes(gzip.decompress((assets / "merges.txt.gz").read_bytes()))
+    tok = GPT2Tokenizer(str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"))
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=len(tok), n_positions=64))
+    return model, tok, tmp_path / name
+
+
+def _hf_eval(directory, doc, capsys, *extra):
+    rc = main(["dynamic", "eval", "--hf", str(directory), "--data", str(doc), "--rule", "sgd", "--lr", "1e-3",
+               "--segment-len", "8", "--quiet", *extra])
+    return rc, _err_line(capsys)
+
+
+@pytest.fixture
+def doc(tmp_path):
+    """A short document; transformers' warnings are silenced meanwhile (its log handler keeps the stderr of the
+    test that first imported it, which capsys has closed since: '--- Logging error ---' would be printed)."""
+    transformers = pytest.importorskip("transformers")
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    path = tmp_path / "doc.txt"
+    path.write_text("The cat sat on the mat. The dog sat on the log. " * 3)
+    yield path
+    transformers.logging.set_verbosity(level)
+
+
+def test_hf_pickled_weights_refused_in_one_line(tmp_path, doc, capsys):
+    pytest.importorskip("transformers")
+    model, tok, d = _gpt2_dir(tmp_path)
+    import torch
+
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    for f in d.glob("*.safetensors"):
+        f.unlink()
+    torch.save(model.state_dict(), d / "pytorch_model.bin")
+    assert (d / "pytorch_model.bin").is_file() and not list(d.glob("*.safetensors"))
+    rc, line = _hf_eval(d, doc, capsys)
+    assert rc == 2 and "pickled" in line and "pytorch_model.bin" in line
+
+
+def test_hf_non_finite_weights_refused(tmp_path, doc, capsys):
+    pytest.importorskip("transformers")
+    import torch
+
+    model, tok, d = _gpt2_dir(tmp_path)
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.weight[0, 0] = float("nan")
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    rc, line = _hf_eval(d, doc, capsys)
+    assert rc == 2 and "NaN or inf" in line and "c_fc" in line
+
+
+def test_hf_remote_code_never_runs(tmp_path, doc, capsys):
+    """A directory whose config.json names its own Python (auto_map): refused, the module never imported,
+    no question asked (stdin is not read: pytest would fail a read)."""
+    pytest.importorskip("transformers")
+    model, tok, d = _gpt2_dir(tmp_path)
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    marker = tmp_path / "code-ran"
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(model_type="evil_remote", architectures=["EvilForCausalLM"],
+               auto_map={"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilForCausalLM"})
+    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    rc, line = _hf_eval(d, doc, capsys)
+    assert rc == 2 and "custom code" in line
+    assert not marker.exists()
+
+
+def test_hf_export_loads_through_our_classes_without_remote_code(tiny_run, tmp_path, doc, capsys, monkeypatch):
+    pytest.importorskip("transformers")
+    import transformers.dynamic_module_utils as dmu
+
+    def refuse(*a, **k):
+        raise AssertionError("remote code loaded")
+
+    monkeypatch.setattr(dmu, "get_class_from_dynamic_module", refuse)
+    out = tmp_path / "hf"
+    assert main(["export-hf", str(tiny_run), str(out)]) == 0
+    capsys.readouterr()
+    rc = main(["dynamic", "eval", "--hf", str(out), "--data", str(doc), "--rule", "sgd", "--lr", "1e-3",
+               "--segment-len", "8", "--quiet", "--json"])
+    assert rc == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["dynamic"]["perplexity"] > 0
+
+
+def test_hf_unknown_hub_name_offline_fails_fast(doc, capsys, monkeypatch):
+    pytest.importorskip("transformers")
+    import time
+
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    t0 = time.monotonic()
+    rc, line = _hf_eval("no-such-org/no-such-model", doc, capsys)
+    assert rc == 2 and "not in the Hugging Face cache" in line and time.monotonic() - t0 < 20

@@ -30,7 +30,10 @@ a missing optional package is a one-line UserError with the install command.
 from __future__ import annotations
 
 import importlib.util
+import pickle
+import socket
 from pathlib import Path
+from urllib.parse import urlparse
 
 import numpy as np
 import torch
@@ -205,22 +208,65 @@ def load_hf_model(name_or_path: str, device: str | torch.device = "cpu", dtype: 
         source, kwargs["gguf_file"] = str(path.parent), path.name
     else:
         source = name
+        kwargs["use_safetensors"] = True  # never unpickle weights (a pickle can run code)
         if Path(name).exists():
             if not Path(name).is_dir():
                 raise UserError(f"--hf {name}: expected a model directory, a .gguf file or a model name")
+            _refuse_pickled_weights(Path(name))
             kwargs["local_files_only"] = True
+        else:
+            _require_cached_or_reachable(name)
     if "gguf_file" in kwargs:
         require("gguf", f"loading GGUF weights needs gguf and accelerate: {SMOLLM2_INSTALL}")
         require("accelerate", f"loading GGUF weights needs gguf and accelerate: {SMOLLM2_INSTALL}")
+    kwargs["trust_remote_code"] = False  # a model directory's Python never runs (ours loads through our classes)
     try:
         tok = AutoTokenizer.from_pretrained(source, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs, **({"dtype": dtype} if dtype else {}))
-    except (OSError, ValueError, EnvironmentError) as e:
+    except (OSError, ValueError, EnvironmentError, RuntimeError, KeyError, TypeError, pickle.UnpicklingError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"cannot load Hugging Face model {name!r}: {first}") from None
+    bad = next((k for k, v in model.state_dict().items() if v.is_floating_point() and not torch.isfinite(v).all()),
+               None)
+    if bad is not None:
+        raise UserError(f"Hugging Face model {name}: tensor {bad} holds NaN or inf values; these weights are unusable")
     model = model.to(device).eval()
     if isinstance(model, FastWeightsForCausalLM):
         # a directory written by `fastweights export-hf`: adapt the LanguageModel inside natively (its
         # state is the fast weights, not a KV cache of past keys/values)
         return model.model, HFTokenizer(tok, name=f"hf:{name}")
     return HFCausalLM(model, sinks=sinks), HFTokenizer(tok, name=f"hf:{name}")
+
+
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+
+
+def _refuse_pickled_weights(directory: Path) -> None:
+    """A model directory whose weights are only pickles (``pytorch_model.bin``): refused, never unpickled."""
+    if any(directory.glob("*.safetensors")):
+        return
+    pickled = sorted(p.name for p in directory.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+    if pickled:
+        raise UserError(f"--hf {directory}: the weights are pickled ({pickled[0]}), which can run code when loaded; "
+                        "refusing them (convert them to model.safetensors)")
+
+
+def _require_cached_or_reachable(name: str) -> None:
+    """A hub name that is neither in the local cache nor reachable (offline) fails now, not after retries."""
+    try:
+        from huggingface_hub import constants, try_to_load_from_cache
+
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return
+        offline, endpoint = constants.HF_HUB_OFFLINE, constants.ENDPOINT
+    except Exception:  # noqa: BLE001 - a name huggingface_hub rejects fails in from_pretrained with one line
+        return
+    why = "HF_HUB_OFFLINE is set" if offline else None
+    if why is None:
+        url = urlparse(endpoint)
+        try:
+            socket.create_connection((url.hostname, url.port or 443), timeout=5).close()
+        except OSError as e:
+            why = f"{url.hostname} cannot be reached ({e.strerror or e})"
+    if why:
+        raise UserError(f"--hf {name}: not a local directory or file, not in the Hugging Face cache, and {why}")
