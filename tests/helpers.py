@@ -2,6 +2,7 @@
 a repetitive token stream. A plain module (``tests/`` is on ``sys.path``, see ``conftest.py``): tests import
 from here, never from another test module."""
 
+import math
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository
@@ -75,3 +76,78 @@ def build_component(kind: str, name: str, raw: dict):
     if getattr(options, "persistence", None) == "official":
         layer.initial_tables = {k: t.clone() for k, t in layer.state_dict().items()}
     return layer
+
+
+# ----------------------------------------------------------------------------- streaming in pieces
+
+
+def in_pieces(layer, x, lengths, *aligned, state=None):
+    """``layer(x_piece, *aligned_pieces, state)`` over consecutive pieces of the given ``lengths`` along dim 1
+    (the last piece takes what is left), the state carried: (outputs concatenated along dim 1, last state)."""
+    outs, at = [], 0
+    for n in [*lengths, x.shape[1] - sum(lengths)]:
+        if n:
+            y, state = layer(x[:, at:at + n], *(a[:, at:at + n] for a in aligned), state)
+            outs.append(y)
+        at += n
+    return torch.cat(outs, 1), state
+
+
+def assert_lm_pieces_equal_one_call(model, tokens, cuts, atol=1e-10, rtol=0.0):
+    """A language model's logits over ``tokens`` in one call equal those of calls cut at ``cuts``, each
+    continuing the state the previous one returned."""
+    full = model(tokens).logits
+    logits, state = [], None
+    for lo, hi in zip((0, *cuts), (*cuts, tokens.shape[1])):
+        out = model(tokens[:, lo:hi], state)
+        logits.append(out.logits)
+        state = out.state
+    torch.testing.assert_close(torch.cat(logits, 1), full, rtol=rtol, atol=atol)
+
+
+# ----------------------------------------------------------------------------- operator inputs
+
+
+def rel_err(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def op_inputs(b, t, h, dk, dv, dtype=torch.float64, seed=0, unit_keys=False, positive=False):
+    """Random (q, k, v, beta, log_decay, s0) for the linear-attention and delta-rule operators: q, v ~ N(0, 1),
+    k ~ N(0, 1) / sqrt(dk) (L2-normalised rows with ``unit_keys``), q and k made non-negative with
+    ``positive``, beta ~ U(0, 1), log_decay ~ -U(0, 0.3), an initial state s0 ~ N(0, 1)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, t, h, dk, generator=g, dtype=dtype)
+    k = torch.randn(b, t, h, dk, generator=g, dtype=dtype)
+    k = torch.nn.functional.normalize(k, dim=-1) if unit_keys else k / dk**0.5
+    if positive:
+        q, k = q.abs(), k.abs()
+    v = torch.randn(b, t, h, dv, generator=g, dtype=dtype)
+    beta = torch.rand(b, t, h, generator=g, dtype=dtype)
+    log_decay = -torch.rand(b, t, h, generator=g, dtype=dtype) * 0.3
+    s0 = torch.randn(b, h, dk, dv, generator=g, dtype=dtype)
+    return q, k, v, beta, log_decay, s0
+
+
+# ----------------------------------------------------------------------------- scoring without leaks
+
+
+def own_token_probabilities(evaluate, x: torch.Tensor, j: int, vocab_size: int) -> tuple[list, list]:
+    """For every value of x_j: p(x_j | x_<j), and the losses before position j. ``evaluate(tokens)`` returns a
+    result whose ``token_losses[i]`` scores ``tokens[i + 1]``."""
+    probs, before = [], []
+    for c in range(vocab_size):
+        y = x.clone()
+        y[j] = c
+        losses = evaluate(y).token_losses
+        probs.append(math.exp(-losses[j - 1]))
+        before.append(losses[: j - 1])
+    return probs, before
+
+
+def assert_score_ignores_its_own_token(evaluate, x: torch.Tensor, j: int, vocab_size: int) -> None:
+    """p(x_j | x_<j) summed over every value of x_j is 1 (an update that saw x_j before scoring it would raise
+    its own probability and the sum would exceed 1), and the scores before j do not move when x_j changes."""
+    probs, before = own_token_probabilities(evaluate, x, j, vocab_size)
+    assert abs(sum(probs) - 1) < 1e-9
+    assert all(b == before[0] for b in before[1:])

@@ -16,11 +16,9 @@ from fastweights.cli import main
 TINY = ["--preset", "tiny", "--quiet"]
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bad-input") / "run"
-    assert main(["train", *TINY, "--out", str(out), "--set", "train.max_steps=4", "--set", "train.eval_every=0"]) == 0
-    return out
+@pytest.fixture
+def run(tiny_run):
+    return tiny_run  # conftest: the tiny preset trained once per session (the tests here leave it as it was)
 
 
 def _tree(path):
@@ -124,7 +122,7 @@ def test_out_dir_problems(run, tmp_path, capsys):
         (["--out", str(a_file)], "is a file", a_file),
         (["--out", str(a_file / "sub")], "is a file", a_file),
         (["--out", "/proc/fastweights-no-such/out"], "/proc/fastweights-no-such/out", None),
-        (["--out", str(run)], "already holds a checkpoint at step 4", run),  # neither --resume nor --overwrite
+        (["--out", str(run)], "already holds a checkpoint at step 20", run),  # neither --resume nor --overwrite
         (["--out", str(run), "--resume", "--overwrite"], "exclude each other", run),
         (["--out", str(tmp_path / "empty"), "--resume", "--preset", "tiny"], "no checkpoint", None),
         (["--resume"], "--resume needs --out", None),
@@ -138,9 +136,18 @@ def test_out_dir_problems(run, tmp_path, capsys):
     assert not (tmp_path / "empty").exists()
 
 
-def test_command_line_numbers(run, capsys):
-    ckpt = ["--checkpoint", str(run)]
+def test_command_line_names_paths_and_numbers(run, tmp_path, capsys):
+    ckpt, out = ["--checkpoint", str(run)], ["--out", str(tmp_path / "out")]
     cases = [
+        (["train", "--preset", "no-such-preset", *out], "unknown preset"),
+        (["train", *TINY, *out, "--set", "train.lr=fast"], "train.lr"),
+        (["train", *TINY, *out, "--set", "train.nope=1"], "unknown config key train.nope"),
+        (["train", *TINY, *out, "--set", "oops"], "section.key=value"),
+        (["train", *TINY, *out, "--set", "train.budget_clock=sundial"], "train.budget_clock"),
+        (["train", *TINY, *out, "--set", "train.log=paper"], "train.log"),
+        (["train", *TINY, *out, "--data", "/no/such/corpus.txt"], "/no/such/corpus.txt"),
+        (["eval", "--checkpoint", "/no/such/checkpoint"], "does not exist"),
+        (["eval"], "--checkpoint"),
         (["generate", *ckpt, "--temperature", "-1"], "--temperature"),
         (["generate", *ckpt, "--temperature", "nan"], "--temperature"),
         (["generate", *ckpt, "--top-k", "-1"], "--top-k"),
@@ -189,6 +196,7 @@ def test_command_line_numbers(run, capsys):
         assert main(argv) == 2, argv
         _one_line(capsys, needle)
     assert _tree(run) == before
+    assert not (tmp_path / "out").exists()  # no partial files
 
 
 def test_text_that_is_not_utf8(tmp_path, capsys):

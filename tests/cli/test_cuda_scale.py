@@ -8,7 +8,6 @@ import os
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 from helpers import ROOT
 
 SCRIPT = ROOT / "benchmarks" / "cuda_scale.py"

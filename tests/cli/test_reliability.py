@@ -27,11 +27,9 @@ TINY = ["--preset", "tiny", "--quiet"]
 SHORT = [*TINY, "--set", "train.max_steps=6", "--set", "train.eval_every=0"]
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("reliability") / "run"
-    assert main(["train", *SHORT, "--out", str(out)]) == 0
-    return out
+@pytest.fixture
+def run(tiny_run):
+    return tiny_run  # conftest: the tiny preset trained once per session (copied before any change)
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,8 @@ import torch
 
 from fastweights.adapt import cache as cache_mod
 from fastweights.adapt.cache import NeuralCache
-from fastweights.core.config import ModelConfig
-from fastweights.models.lm import LanguageModel
 from fastweights.ops import fwl as fwl_mod
+from helpers import tiny_lm
 
 V = 7
 T = 19
@@ -64,8 +63,7 @@ def model_nll(model):
 
 
 def tiny_model(**kw):
-    torch.manual_seed(0)
-    return LanguageModel(ModelConfig(vocab_size=V, d_model=12, n_layers=1, n_heads=2, **kw)).double().eval()
+    return tiny_lm(V, d_model=12, n_layers=1, dtype=torch.float64, **kw)
 
 
 # ----------------------------------------------------------------------------- neural cache
@@ -117,11 +115,8 @@ def test_leak_control_cache_updated_before_scoring_is_caught(j, monkeypatch):
 
 
 def fwl_model(chunk_size):
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=V, d_model=12, n_layers=1, n_heads=2, head="fwl",
-                      options={"fwl": {"segment_len": 6, "chunk_size": chunk_size, "step_size_init": 0.5,
-                                       "init_std": 0.5}})
-    return LanguageModel(cfg).double().eval()
+    return tiny_model(head="fwl", options={"fwl": {"segment_len": 6, "chunk_size": chunk_size, "step_size_init": 0.5,
+                                                   "init_std": 0.5}})
 
 
 def fwl_pieces_nll(model, cut):
@@ -179,10 +174,7 @@ MEMORY_OPTIONS = {
 
 
 def memory_model(name, **extra):
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=V, d_model=12, n_layers=1, n_heads=2, memory=name, memory_layers=[0],
-                      options={name: {**MEMORY_OPTIONS[name], **extra}})
-    return LanguageModel(cfg).double().eval()
+    return tiny_model(memory=name, memory_layers=[0], options={name: {**MEMORY_OPTIONS[name], **extra}})
 
 
 @pytest.mark.parametrize("name", list(MEMORY_OPTIONS))

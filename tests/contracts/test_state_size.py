@@ -17,7 +17,7 @@ from fastweights.core.config import ModelConfig, make_config
 from fastweights.core.errors import UserError
 from fastweights.models.size import estimate_ram, state_floats
 from fastweights.models.lm import LanguageModel
-from helpers import variant_cases
+from helpers import component_fields, variant_cases
 
 V, ROWS, T = 11, 3, 24
 CASES = list(variant_cases())
@@ -48,7 +48,7 @@ def training_state(cfg: ModelConfig, rows: int, seq_len: int):
 def test_the_ram_estimate_counts_the_state_the_model_returns(kind, name, raw):
     """Per sequence ("carried") and per batch ("shared"), within 5% of a training call's state; what a write
     keeps only for the backward pass (a state's ``parts``: FwPKM's row deltas) within "backward"."""
-    part = {"mixer": {"mixer": name}, "head": {"head": name}, "memory": {"memory": name, "memory_layers": [1]}}[kind]
+    part = component_fields(kind, name, memory_layer=1)
     cfg = ModelConfig(vocab_size=V, d_model=12, n_layers=2, n_heads=2, options={name: raw}, **part)
     state = training_state(cfg, ROWS, T)
     real = tensor_floats(state, skip="parts")

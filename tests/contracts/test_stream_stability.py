@@ -19,13 +19,14 @@ from fastweights import components as registry
 from fastweights.core.config import ModelConfig
 from fastweights.experiments.streaming import state_norms
 from fastweights.models.lm import LanguageModel
+from helpers import component_fields
 
 V, WINDOW, WINDOWS = 40, 32, 20
 
 
 def stream_norms(kind: str, name: str, options: dict, seed: int = 0) -> tuple[list[float], bool]:
     torch.manual_seed(seed)
-    part = {"mixer": {"mixer": name}, "head": {"head": name}, "memory": {"memory": name, "memory_layers": [1]}}[kind]
+    part = component_fields(kind, name, memory_layer=1)
     model = LanguageModel(ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=2, **part,
                                       options={name: options})).eval()
     x = torch.randint(0, V, (1, WINDOW * WINDOWS), generator=torch.Generator().manual_seed(seed))

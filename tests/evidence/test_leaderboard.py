@@ -5,7 +5,6 @@ import json
 import pytest
 import subprocess
 import sys
-from pathlib import Path
 
 from helpers import BENCHMARKS, ROOT
 

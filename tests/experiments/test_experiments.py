@@ -17,21 +17,16 @@ from fastweights.experiments.fwpkm_gates import gate_values, plot_gate_map
 from fastweights.experiments.streaming import PositionCurve, encode_documents, plot_stream, state_norms, stream_eval
 from fastweights.models.memory_switches import memory_only_state, memory_writes
 from fastweights.models.lm import LanguageModel
+from helpers import tiny_lm
 
 V = 29
 FWPKM = dict(n_subkeys=6, d_key=8, d_value=8, topk=2, chunk_size=8)
 
 
 def model(kind="attention", seed=0, **kw):
-    torch.manual_seed(seed)
-    cfg = dict(vocab_size=V, d_model=16, n_layers=2, n_heads=2)
-    if kind == "fwpkm":
-        cfg.update(memory="fwpkm", memory_layers=[1], options={"fwpkm": {**FWPKM, **kw}})
-    elif kind == "fwp":
-        cfg.update(mixer="fwp")
-    elif kind == "fwl":
-        cfg.update(head="fwl")
-    return LanguageModel(ModelConfig(**cfg)).eval()
+    fields = {"fwpkm": dict(memory="fwpkm", memory_layers=[1], options={"fwpkm": {**FWPKM, **kw}}),
+              "fwp": dict(mixer="fwp"), "fwl": dict(head="fwl")}.get(kind, {})
+    return tiny_lm(V, seed=seed, **fields)
 
 
 def ids(n, seed=1):

@@ -21,6 +21,7 @@ from fastweights import components as registry  # noqa: E402
 from fastweights.hf.ours_as_transformers import FastWeightsCache, FastWeightsConfig, FastWeightsForCausalLM  # noqa: E402
 import fastweights.hf.ours_as_transformers as hf_module  # noqa: E402
 from fastweights.models.lm import LanguageModel  # noqa: E402
+from helpers import component_fields
 
 VOCAB = 13
 MAX_ELEMENTS = 100_000  # parameters + buffers of one test model
@@ -35,7 +36,7 @@ def tiny_options(kind: str, name: str) -> dict:
 
 
 def tiny_config(kind: str, name: str, **overrides) -> ModelConfig:
-    fields = {"mixer": {"mixer": name}, "head": {"head": name}, "memory": {"memory": name, "memory_layers": [0]}}[kind]
+    fields = component_fields(kind, name)
     options = {name: tiny_options(kind, name)} if tiny_options(kind, name) else {}
     # init_std 0.3: logits far from uniform, so greedy decoding does not repeat one token
     base = dict(vocab_size=VOCAB, d_model=16, n_layers=1, n_heads=2, init_std=0.3, options=options)

@@ -19,7 +19,7 @@ from fastweights.layers.fast_rnn import (
 )
 from fastweights.components import MIXERS, build_options, lookup
 from fastweights.ops.fast_rnn_kernel import step_kernel
-from helpers import BENCHMARKS
+from helpers import BENCHMARKS, assert_lm_pieces_equal_one_call, in_pieces, tiny_lm
 
 BACKENDS = [
     "torch",
@@ -168,11 +168,8 @@ def test_state_carry_equals_one_call(options):
     rnn = FastWeightRNN(4, 5, **options).double()  # hidden 5 < T: the attention form folds its history
     x = torch.randn(2, 13, 4, dtype=torch.float64)
     y_full, s_full = rnn(x)
-    state, pieces = None, []
-    for a, b in [(0, 1), (1, 4), (4, 11), (11, 13)]:
-        y, state = rnn(x[:, a:b], state)
-        pieces.append(y)
-    torch.testing.assert_close(torch.cat(pieces, 1), y_full, rtol=0, atol=1e-10)
+    y, state = in_pieces(rnn, x, (1, 3, 7))  # then 2
+    torch.testing.assert_close(y, y_full, rtol=0, atol=1e-10)
     torch.testing.assert_close(state.h, s_full.h, rtol=0, atol=1e-10)
     if options.get("fast_weights", True):
         A_full = fold_history(s_full.A, s_full.history, rnn.lam, rnn.eta)
@@ -284,18 +281,9 @@ def test_auto_read_mode():
 
 @pytest.mark.parametrize("read_mode", ["attention", "matrix"])
 def test_language_model_state_carry(read_mode):
-    from fastweights.core.config import ModelConfig
-    from fastweights.models.lm import LanguageModel, detach_state
-
-    torch.manual_seed(0)
-    config = ModelConfig(vocab_size=11, d_model=16, n_layers=2, n_heads=2, mixer="fast_rnn",
-                         options={"fast_rnn": {"hidden": 6, "read_mode": read_mode}})
-    model = LanguageModel(config).double()
-    tokens = torch.randint(0, 11, (2, 15))
-    full = model(tokens).logits
-    out1 = model(tokens[:, :7])
-    out2 = model(tokens[:, 7:], detach_state(out1.state))
-    torch.testing.assert_close(torch.cat([out1.logits, out2.logits], 1), full, rtol=0, atol=1e-10)
+    model = tiny_lm(11, mixer="fast_rnn", options={"fast_rnn": {"hidden": 6, "read_mode": read_mode}},
+                    dtype=torch.float64, training=True)
+    assert_lm_pieces_equal_one_call(model, torch.randint(0, 11, (2, 15)), cuts=(7,))
     torch.testing.assert_close(model.blocks[0].mixer.rnn.W, 0.05 * torch.eye(6, dtype=torch.float64))  # LM init keeps it
 
 
@@ -370,7 +358,6 @@ def _read_over_input(eta: float) -> float:
     """benchmarks/fast_rnn_sweep.py's measure (mean |A_{t-1} h_t^(0)| over mean |W h_{t-1} + C x_t|, the two
     terms one LayerNorm adds before the ReLU) in the shakespeare-char-fast-rnn preset's first layer at init."""
     import sys
-    from pathlib import Path
 
     from fastweights.core.config import make_config
     from fastweights.models.lm import LanguageModel

@@ -22,6 +22,8 @@ from fastweights.ops.fwl import (
     upstream_grads_autograd,
 )
 
+from helpers import assert_lm_pieces_equal_one_call, in_pieces, tiny_lm
+
 DT = torch.float64
 
 
@@ -183,12 +185,8 @@ def test_streaming_pieces_equal_one_call(segment_len, split):
     h = torch.randn(2, t, 6, generator=g, dtype=DT)
     tokens = torch.randint(0, 7, (2, t), generator=g)
     full, _ = head(h, tokens)
-    outs, state, at = [], None, 0
-    for n in [*split, 2]:
-        y, state = head(h[:, at : at + n], tokens[:, at : at + n], state)
-        outs.append(y)
-        at += n
-    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=0, atol=1e-10)
+    y, state = in_pieces(head, h, split, tokens)  # then the last 2
+    torch.testing.assert_close(y, full, rtol=0, atol=1e-10)
     assert state["pos"] == t
 
 
@@ -205,27 +203,6 @@ def test_module_equals_sgd_reference():
     steps = {n: a.detach() for n, a in head.step_sizes.items()}
     ref = sgd_step_reference(h, labels, w, params, steps, 1.0)
     torch.testing.assert_close(logits, ref, rtol=0, atol=1e-10)
-
-
-@pytest.mark.parametrize("chunk_size", [3, 12])  # the chunked op (chunk < T) and the one masked block (chunk >= T)
-def test_strict_causality_of_labels_and_inputs(chunk_size):
-    """Changing the label of position j (token j+1) leaves outputs <= j bit-identical; changing h_j leaves
-    outputs < j unchanged. A diagonal (inclusive) mask would fail the first check."""
-    head = make_head(segment_len=4, chunk_size=chunk_size)
-    g = torch.Generator().manual_seed(4)
-    h = torch.randn(2, 12, 6, generator=g, dtype=DT)
-    tokens = torch.randint(0, 7, (2, 12), generator=g)
-    base, _ = head(h, tokens)
-    for j in (0, 4, 7, 10):
-        t2 = tokens.clone()
-        t2[:, j + 1] = (t2[:, j + 1] + 1) % 7
-        out, _ = head(h, t2)
-        assert torch.equal(out[:, : j + 1], base[:, : j + 1])
-        assert (out[:, j + 1 :] - base[:, j + 1 :]).abs().max() > 1e-6
-        h2 = h.clone()
-        h2[:, j] += 1.0
-        out, _ = head(h2, tokens)
-        torch.testing.assert_close(out[:, :j], base[:, :j], rtol=0, atol=0)
 
 
 def test_second_order_gradcheck():
@@ -361,10 +338,8 @@ def test_test_time_only_mode():
 
 
 def fwl_model(**opts):
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=11, d_model=16, n_layers=1, n_heads=2, head="fwl",
-                      options={"fwl": {"segment_len": 5, "chunk_size": 4, **opts}})
-    return LanguageModel(cfg).double().eval()
+    return tiny_lm(11, n_layers=1, head="fwl", options={"fwl": {"segment_len": 5, "chunk_size": 4, **opts}},
+                   dtype=DT)
 
 
 def test_model_generation_form_equals_parallel():
@@ -372,14 +347,7 @@ def test_model_generation_form_equals_parallel():
     the parallel logits; Z = 1."""
     model = fwl_model()
     tokens = torch.randint(0, 11, (2, 13), generator=torch.Generator().manual_seed(1))
-    full = model(tokens).logits
-    out = model(tokens[:, :3])
-    logits, state = [out.logits], out.state
-    for i in range(3, 13):
-        out = model(tokens[:, i : i + 1], state)
-        logits.append(out.logits)
-        state = out.state
-    torch.testing.assert_close(torch.cat(logits, 1), full, rtol=0, atol=1e-10)
+    assert_lm_pieces_equal_one_call(model, tokens, cuts=range(3, 13))
 
 
 @pytest.mark.parametrize("chunk_size", [4, 14])  # chunked path (chunk < T) and the default block (chunk >= T)

@@ -7,6 +7,7 @@ from fastweights.components import MEMORIES, lookup
 from fastweights.core.errors import UserError
 from fastweights.layers.fast_memory_reference import fwmlp_memory_reference
 from fastweights.layers.fwmlp import PARAM_NAMES, FwMLP, FwMLPOptions, fast_mlp_grads, swiglu_forward
+from helpers import in_pieces
 
 F64 = torch.float64
 D = 10
@@ -87,13 +88,8 @@ def test_per_sequence_equals_reference_on_each_row():
 def test_streaming_uneven_calls_equal_one_call(persistence):
     x = torch.randn(2, 19, D, dtype=F64)
     y_full, st_full = make(persistence=persistence)(x)
-    layer = make(persistence=persistence)
-    outs, st, t = [], None, 0
-    for n in (4, 1, 6, 3, 5):
-        y, st = layer(x[:, t:t + n], st)
-        outs.append(y)
-        t += n
-    torch.testing.assert_close(torch.cat(outs, 1), y_full, rtol=1e-11, atol=1e-12)
+    y, st = in_pieces(make(persistence=persistence), x, (4, 1, 6, 3))  # then 5
+    torch.testing.assert_close(y, y_full, rtol=1e-11, atol=1e-12)
     torch.testing.assert_close(st.weights["w_down"], st_full.weights["w_down"], rtol=1e-11, atol=1e-12)
     assert st.writes == st_full.writes == 3
 

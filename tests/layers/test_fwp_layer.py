@@ -1,4 +1,5 @@
-"""The "fwp" (fast weight programmer) and "gdn" (Gated DeltaNet) mixers on the state protocol."""
+"""The "fwp" (fast weight programmer) and "gdn" (Gated DeltaNet) mixers on the state protocol. Causality and
+streamed pieces == one call, for every rule x feature map and both gdn forms: contracts/test_registry_causality.py."""
 
 import pytest
 import torch
@@ -25,53 +26,6 @@ def build(name, raw, dtype=torch.float64):
     entry = lookup(MIXERS, "mixer", name)
     layer = entry.cls(d_model=D_MODEL, n_heads=HEADS, options=build_options(entry, raw))
     return layer.to(dtype)
-
-
-def run_pieces(layer, x, cuts):
-    state, outs = None, []
-    for lo, hi in zip((0, *cuts), (*cuts, x.shape[1])):
-        y, state = layer(x[:, lo:hi], state)
-        outs.append(y)
-    return torch.cat(outs, 1), state
-
-
-@pytest.mark.parametrize("raw", FWP_CONFIGS, ids=lambda r: f"{r['rule']}-{r['feature_map']}")
-def test_fwp_one_call_equals_pieces(raw):
-    layer = build("fwp", {**raw, "chunk_size": 8})
-    assert isinstance(layer, FastWeightProgrammer)
-    x = torch.randn(2, 29, D_MODEL, dtype=torch.float64)
-    y, state = layer(x)
-    y2, state2 = run_pieces(layer, x, (1, 5, 19))
-    assert y.shape == x.shape
-    torch.testing.assert_close(y2, y, rtol=1e-10, atol=1e-12)
-    for key in state:
-        torch.testing.assert_close(state2[key], state[key], rtol=1e-10, atol=1e-12)
-    assert state["S"].shape == (2, HEADS, layer.d_dot, layer.head_dim)
-
-
-@pytest.mark.parametrize("raw", [{}, {"use_short_conv": False, "use_gate": False, "expand_v": 2.0}],
-                         ids=["conv-gate", "plain"])
-def test_gdn_one_call_equals_pieces(raw):
-    layer = build("gdn", {**raw, "chunk_size": 8})
-    assert isinstance(layer, GatedDeltaNet)
-    x = torch.randn(2, 23, D_MODEL, dtype=torch.float64)
-    y, state = layer(x)
-    y2, state2 = run_pieces(layer, x, (1, 2, 3, 11))  # pieces shorter than the conv width too
-    torch.testing.assert_close(y2, y, rtol=1e-10, atol=1e-12)
-    for key in state:
-        torch.testing.assert_close(state2[key], state[key], rtol=1e-10, atol=1e-12)
-
-
-@pytest.mark.parametrize("name,raw", [("fwp", FWP_CONFIGS[3]), ("fwp", FWP_CONFIGS[1]), ("gdn", {})])
-def test_causal(name, raw):
-    layer = build(name, raw)
-    x = torch.randn(1, 30, D_MODEL, dtype=torch.float64)
-    y, _ = layer(x)
-    x2 = x.clone()
-    x2[:, 17:] += torch.randn_like(x2[:, 17:])
-    y2, _ = layer(x2)
-    torch.testing.assert_close(y2[:, :17], y[:, :17], rtol=0, atol=1e-13)
-    assert not torch.allclose(y2[:, 17:], y[:, 17:])
 
 
 @pytest.mark.parametrize("name,raw", [("fwp", c) for c in FWP_CONFIGS] + [("gdn", {})])

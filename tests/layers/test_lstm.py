@@ -6,20 +6,7 @@ import torch
 from fastweights.core.errors import UserError
 from fastweights.layers.lstm import LSTMLayer, LSTMMixer, LSTMOptions, LSTMState
 from fastweights.components import MIXERS, build_options, lookup
-
-
-def test_state_carry_equals_one_call():
-    torch.manual_seed(0)
-    lstm = LSTMLayer(4, 6).double()
-    x = torch.randn(3, 10, 4, dtype=torch.float64)
-    y_full, s_full = lstm(x)
-    state, pieces = None, []
-    for a, b in [(0, 1), (1, 6), (6, 10)]:
-        y, state = lstm(x[:, a:b], state)
-        pieces.append(y)
-    torch.testing.assert_close(torch.cat(pieces, 1), y_full, rtol=0, atol=1e-12)
-    torch.testing.assert_close(state.h, s_full.h, rtol=0, atol=1e-12)
-    torch.testing.assert_close(state.c, s_full.c, rtol=0, atol=1e-12)
+from helpers import assert_lm_pieces_equal_one_call, tiny_lm
 
 
 def test_matches_the_lstm_equations():
@@ -64,17 +51,8 @@ def test_bad_hidden_raises_user_error():
 
 
 def test_language_model_state_carry():
-    from fastweights.core.config import ModelConfig
-    from fastweights.models.lm import LanguageModel, detach_state
-
-    torch.manual_seed(0)
-    config = ModelConfig(vocab_size=11, d_model=16, n_layers=2, n_heads=2, mixer="lstm", options={"lstm": {"hidden": 10}})
-    model = LanguageModel(config).double()
-    tokens = torch.randint(0, 11, (2, 12))
-    full = model(tokens).logits
-    out1 = model(tokens[:, :5])
-    out2 = model(tokens[:, 5:], detach_state(out1.state))
-    torch.testing.assert_close(torch.cat([out1.logits, out2.logits], 1), full, rtol=0, atol=1e-10)
+    model = tiny_lm(11, mixer="lstm", options={"lstm": {"hidden": 10}}, dtype=torch.float64, training=True)
+    assert_lm_pieces_equal_one_call(model, torch.randint(0, 11, (2, 12)), cuts=(5,))
 
 
 def test_eval_mode_backward_runs_the_accelerator_lstm_in_training_mode():

@@ -14,7 +14,6 @@ tests/layers/test_memory_golden.py --write``) in the same commit, and then the b
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch

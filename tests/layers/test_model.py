@@ -6,27 +6,13 @@ import torch
 from fastweights.core.config import ModelConfig
 from fastweights.layers.attention import AttentionOptions, CausalSelfAttention
 from fastweights.models.lm import LanguageModel
+from helpers import assert_lm_pieces_equal_one_call
 
 
 def tiny_config(**kw):
     base = dict(vocab_size=37, d_model=32, n_layers=2, n_heads=4)
     base.update(kw)
     return ModelConfig(**base)
-
-
-@pytest.mark.parametrize("window", [0, 5])
-def test_attention_pieces_equal_one_call(window):
-    torch.manual_seed(0)
-    attn = CausalSelfAttention(32, 4, AttentionOptions(window=window)).double()
-    x = torch.randn(2, 23, 32, dtype=torch.float64)
-    y_full, _ = attn(x)
-    ys, state = [], None
-    for a, b in [(0, 1), (1, 8), (8, 9), (9, 23)]:
-        y, state = attn(x[:, a:b], state)
-        ys.append(y)
-    torch.testing.assert_close(torch.cat(ys, 1), y_full, rtol=1e-10, atol=1e-10)
-    if window:
-        assert state["k"].shape[2] == window - 1  # the cache stays bounded
 
 
 def test_sliding_window_matches_masked_reference():
@@ -57,13 +43,7 @@ def test_model_pieces_equal_one_call(window, short_conv):
     torch.manual_seed(0)
     cfg = tiny_config(options={"attention": {"window": window}}, short_conv=short_conv)
     model = LanguageModel(cfg).double().eval()
-    tokens = torch.randint(0, 37, (2, 20))
-    full = model(tokens).logits
-    out1 = model(tokens[:, :7])
-    out2 = model(tokens[:, 7:13], out1.state)
-    out3 = model(tokens[:, 13:], out2.state)
-    pieces = torch.cat([out1.logits, out2.logits, out3.logits], 1)
-    torch.testing.assert_close(pieces, full, rtol=1e-9, atol=1e-9)
+    assert_lm_pieces_equal_one_call(model, torch.randint(0, 37, (2, 20)), cuts=(7, 13), atol=1e-9, rtol=1e-9)
 
 
 @pytest.mark.parametrize("short_conv", [0, 4])

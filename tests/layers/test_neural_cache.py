@@ -5,17 +5,15 @@ import pytest
 import torch
 
 from fastweights.adapt.cache import NeuralCache, cache_mix, cache_mix_reference
-from fastweights.core.config import ModelConfig
 from fastweights.core.errors import UserError
 from fastweights.loops.evaluate import score_tokens
-from fastweights.models.lm import LanguageModel
+from helpers import tiny_lm
 
 V = 11
 
 
 def tiny_model(**options):
-    torch.manual_seed(0)
-    return LanguageModel(ModelConfig(vocab_size=V, d_model=16, n_layers=2, n_heads=2, options=options)).eval()
+    return tiny_lm(V, options=options)
 
 
 @pytest.mark.parametrize("similarity", ["dot", "cosine"])

@@ -10,6 +10,7 @@ from fastweights.core.errors import UserError
 from fastweights.ops.delta_rule import delta_rule, delta_rule_recurrent, select_backend
 from fastweights.ops.feature_maps import dpfp, sum_normalize
 from fastweights.ops.linear_attention import gated_rule_recurrent
+from helpers import op_inputs, rel_err
 
 # The module, not the function of the same name that fastweights.ops re-exports.
 dr = importlib.import_module("fastweights.ops.delta_rule")
@@ -17,19 +18,8 @@ dr = importlib.import_module("fastweights.ops.delta_rule")
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
 
 
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
 def make(b=2, t=37, h=2, dk=6, dv=4, dtype=torch.float64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, t, h, dk, generator=g, dtype=dtype)
-    k = F.normalize(torch.randn(b, t, h, dk, generator=g, dtype=dtype), dim=-1)
-    v = torch.randn(b, t, h, dv, generator=g, dtype=dtype)
-    beta = torch.rand(b, t, h, generator=g, dtype=dtype)
-    log_decay = -torch.rand(b, t, h, generator=g, dtype=dtype) * 0.3
-    s0 = torch.randn(b, h, dk, dv, generator=g, dtype=dtype)
-    return q, k, v, beta, log_decay, s0
+    return op_inputs(b, t, h, dk, dv, dtype, seed, unit_keys=True)  # the delta rule wants unit-norm keys
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

@@ -10,25 +10,13 @@ from fastweights.ops.linear_attention import (
     linear_attention,
     linear_attention_recurrent,
 )
+from helpers import op_inputs, rel_err
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
 
 
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
 def make(b=2, t=37, h=2, dk=5, dv=4, dtype=torch.float64, seed=0, positive=False):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, t, h, dk, generator=g, dtype=dtype)
-    k = torch.randn(b, t, h, dk, generator=g, dtype=dtype) / dk**0.5
-    if positive:
-        q, k = q.abs(), k.abs()
-    v = torch.randn(b, t, h, dv, generator=g, dtype=dtype)
-    beta = torch.rand(b, t, h, generator=g, dtype=dtype)
-    log_decay = -torch.rand(b, t, h, generator=g, dtype=dtype) * 0.3
-    s0 = torch.randn(b, h, dk, dv, generator=g, dtype=dtype)
-    return q, k, v, beta, log_decay, s0
+    return op_inputs(b, t, h, dk, dv, dtype, seed, positive=positive)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

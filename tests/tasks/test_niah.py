@@ -8,12 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from fastweights.core.config import DataConfig, ModelConfig, RunConfig, TrainConfig
+from fastweights.core.config import DataConfig, RunConfig, TrainConfig
 from fastweights.data import CharTokenizer
 from fastweights.core.errors import UserError
-from fastweights.models.lm import LanguageModel, ModelOutput
+from fastweights.models.lm import ModelOutput
 from fastweights.tasks.niah import (Haystack, NiahOptions, check_tokenizer, evaluate_niah, evaluate_sample, make_sample,
                                     make_samples, parse_depths, plot_niah, score_answer, summarize, training_text)
+from helpers import tiny_lm
 
 HEX, DIGITS = "0123456789abcdef", "0123456789"
 
@@ -30,12 +31,8 @@ def tok(hay):
 
 
 def fwpkm_model(tok, seed=0, **fw):
-    torch.manual_seed(seed)
     opts = dict(n_subkeys=6, d_key=8, d_value=8, topk=2, chunk_size=16)
-    opts.update(fw)
-    cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=16, n_layers=2, n_heads=2, memory="fwpkm", memory_layers=[1],
-                      options={"fwpkm": opts})
-    return LanguageModel(cfg).eval()
+    return tiny_lm(tok.vocab_size, seed=seed, memory="fwpkm", memory_layers=[1], options={"fwpkm": {**opts, **fw}})
 
 
 # ----------------------------------------------------------------------------- generator

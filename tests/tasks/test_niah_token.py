@@ -12,6 +12,7 @@ from fastweights.core.errors import UserError
 from fastweights.models.lm import LanguageModel
 from fastweights.tasks import niah_token as nt
 from fastweights.tasks.niah import NiahOptions, evaluate_sample
+from helpers import tiny_lm
 
 
 @pytest.fixture(scope="module")
@@ -98,12 +99,10 @@ def test_eval_samples_use_heldout_keys_and_are_deterministic(hay):
 
 
 def tiny_word_model(tok, seed=0):
-    torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=16, n_layers=2, n_heads=2, memory="fwpkm", memory_layers=[0],
-                      options={"fwpkm": dict(n_subkeys=8, d_key=8, d_value=8, topk=2, chunk_size=32,
-                                             persistence="per_sequence"),
-                               "attention": {"window": 8}})
-    return LanguageModel(cfg).eval()
+    return tiny_lm(tok.vocab_size, seed=seed, memory="fwpkm", memory_layers=[0],
+                   options={"fwpkm": dict(n_subkeys=8, d_key=8, d_value=8, topk=2, chunk_size=32,
+                                          persistence="per_sequence"),
+                            "attention": {"window": 8}})
 
 
 def test_one_and_two_reads_on_a_token_sample(tok):
