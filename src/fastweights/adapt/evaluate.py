@@ -12,7 +12,7 @@ import torch
 
 from fastweights.adapt.setup import (DynamicSettings, build_evaluator, encode_texts, evaluator_like, load_texts,
                                      weights_fingerprint)
-from fastweights.core.errors import UserError
+from fastweights.core.errors import UserError, refuse_non_finite
 
 
 @dataclass
@@ -158,6 +158,10 @@ def evaluate_static_and_dynamic(settings: DynamicSettings, model, tokenizer, cfg
     out["settings"] = ev.metadata() | info
     out["documents"] = len(docs)
     out["reset"] = reset
+    refuse_non_finite({"static": out["static"]}, "the model's scores overflow on this text (static evaluation)")
+    meta = out["settings"]
+    refuse_non_finite(out, f"dynamic evaluation diverged with rule {meta.get('rule')}, learning rate "
+                           f"{meta.get('lr', float('nan')):.3g} (try a smaller --lr)")
     if keep:
         out["per_token_file"] = str(_write_per_token(opt.per_token, docs, losses, out))
     return out

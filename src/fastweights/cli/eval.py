@@ -9,7 +9,7 @@ from pathlib import Path
 from fastweights.cli.dynamic import add_dynamic_arguments
 from fastweights.cli.stream import add_stream_arguments, run_stream_eval
 from fastweights.cli.types import nonneg_float, nonneg_int, positive_int, seed
-from fastweights.core.errors import UserError
+from fastweights.core.errors import UserError, refuse_non_finite
 
 STREAM_ONLY = ("modes", "bin", "max_tokens", "max_chars", "labels", "out", "overwrite", "threads")
 
@@ -104,6 +104,7 @@ def cmd_eval(args) -> int:
     if result.tokens == 0:
         raise UserError("nothing to score: the evaluation text has fewer than two tokens")
     metrics = result.metrics(tokenizer.name)
+    refuse_non_finite(metrics, "the model's scores overflow on this text")
     metrics.update(checkpoint=str(args.checkpoint), data=args.data or f"{cfg.data.corpus}:{args.split}")
     if args.json:
         print(json.dumps(metrics, indent=2))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from fastweights.cli.common import describe, load, output_prefix, set_threads
 from fastweights.cli.types import nonneg_int, positive_int
-from fastweights.core.errors import UserError
+from fastweights.core.errors import UserError, refuse_non_finite
 from fastweights.experiments.probes import run_probes
 from fastweights.core.provenance import write_cli_result
 
@@ -92,6 +92,9 @@ def run_stream_eval(args) -> int:
                      dynamic=(ev.metadata() | info) if ev is not None and mode != "frozen" else None)
             runs.append(d)
     doc = {"data": data or f"{cfg.data.corpus}:{split}", "modes": modes, "runs": runs}
+    refuse_non_finite(doc, "the model's scores overflow on this text" + (
+        f", or dynamic evaluation diverged with rule {ev.rule}, learning rate {ev.metadata()['lr']:.3g} (try a smaller "
+        "--lr)" if ev is not None else ""))
     write_cli_result(out.with_suffix(".json"), doc, getattr(args, "argv", None), measured)
     plot_stream(runs, out.with_suffix(".png"), unit="bits" if tok.name in ("char", "byte") else "nats")
     if getattr(args, "json", False):

@@ -6,3 +6,46 @@ class UserError(Exception):
 
     The command line turns it into one line on stderr and exit status 2, never a traceback.
     """
+
+
+_SCORE_WORDS = ("loss", "perplexity", "bits", "nll")
+
+
+def non_finite_score(obj, where: str = "") -> tuple[str, float] | None:
+    """The first loss / perplexity / bits value in a result (nested dicts, lists of dicts) that is NaN or
+    infinite, as ``(dotted.key, value)``; None when every one is finite. Lists of numbers count under such a key
+    (``nll`` per stage) and are skipped under others (curves)."""
+    import math
+
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            key = f"{where}.{k}" if where else str(k)
+            if any(w in str(k) for w in _SCORE_WORDS):
+                bad = next((x for x in _numbers(v) if not math.isfinite(x)), None)
+                if bad is not None:
+                    return key, bad
+            found = non_finite_score(v, key) if isinstance(v, (dict, list)) else None
+            if found:
+                return found
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            found = non_finite_score(v, f"{where}[{i}]") if isinstance(v, dict) else None
+            if found:
+                return found
+    return None
+
+
+def _numbers(v):
+    """The floats of a number or of nested lists of numbers."""
+    if isinstance(v, float):
+        yield v
+    elif isinstance(v, list):
+        for x in v:
+            yield from _numbers(x)
+
+
+def refuse_non_finite(result, cause: str) -> None:
+    """UserError (one line) naming the first non-finite score of ``result`` and ``cause``; nothing when all are finite."""
+    found = non_finite_score(result)
+    if found:
+        raise UserError(f"{found[0]} is {found[1]}, not a number to report: {cause}")
