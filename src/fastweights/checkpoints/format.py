@@ -331,19 +331,34 @@ class _Mismatch(UserError):
     pass
 
 
-def open_checkpoint(directory: Path, load, attempts: int = 4):
-    """``load(Checkpoint)``, retried when a file does not match because a save is swapping files in."""
+def open_checkpoint(directory: Path, load, attempts: int = 40):
+    """``load(Checkpoint)``, retried while a save is in progress: any refusal met while the manifest changed
+    since the read began, or while a staging directory exists, is read again (a reader never fails because a
+    save swapped files under it); a refusal of an unchanged, idle checkpoint is final."""
     for attempt in range(attempts):
+        before = _save_marker(Path(directory))
         try:
             return load(Checkpoint(directory))
-        except _Mismatch:
-            if attempt == attempts - 1 or not _being_written(Path(directory)):
+        except UserError:
+            if attempt == attempts - 1 or (_save_marker(Path(directory)) == before
+                                           and not _being_written(Path(directory))):
                 raise
-            time.sleep(0.2)
+            time.sleep(min(0.02 * (attempt + 1), 0.25))
+
+
+def _save_marker(directory: Path):
+    """What changes when a save commits: the manifest's identity (a save replaces the file) and the staging."""
+    try:
+        st = os.lstat(directory / MANIFEST)
+        manifest = (st.st_ino, st.st_mtime_ns, st.st_size)
+    except OSError:
+        manifest = None
+    return manifest, _being_written(directory)
 
 
 def _being_written(directory: Path) -> bool:
-    return (directory / PENDING).exists() or any(p.name.startswith(TMP_PREFIX) for p in directory.iterdir())
+    """A committed save is being swapped into place (staging under ``.ckpt-tmp-*`` touches no file a reader opens)."""
+    return (directory / PENDING).exists()
 
 
 def weights_fingerprint(directory: Path) -> str:
