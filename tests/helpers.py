@@ -151,3 +151,15 @@ def assert_score_ignores_its_own_token(evaluate, x: torch.Tensor, j: int, vocab_
     probs, before = own_token_probabilities(evaluate, x, j, vocab_size)
     assert abs(sum(probs) - 1) < 1e-9
     assert all(b == before[0] for b in before[1:])
+
+
+# ----------------------------------------------------------------------------- Hugging Face models (the [hf] extra)
+
+
+def tiny_gpt2(vocab_size: int, positions: int, layers: int = 2, dtype: torch.dtype = torch.float64, **config):
+    """A randomly initialised GPT-2 (32 wide, 2 heads; seed 0) in eval mode: no download."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=layers, n_embd=32, n_head=2, vocab_size=vocab_size, n_positions=positions, **config)
+    return GPT2LMHeadModel(cfg).to(dtype).eval()

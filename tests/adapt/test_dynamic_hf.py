@@ -13,17 +13,13 @@ from fastweights.hf.transformers_as_ours import HFCausalLM, load_hf_model  # noq
 from fastweights.adapt.sparse import SparseDynamicEvaluator  # noqa: E402
 from fastweights.core.errors import UserError  # noqa: E402
 from fastweights.loops.evaluate import score_tokens  # noqa: E402
+import helpers  # noqa: E402
 
 V, POSITIONS = 50, 64
 
 
 def tiny_gpt2(dtype=torch.float32):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=V, n_positions=POSITIONS, bos_token_id=0,
-                     eos_token_id=0)
-    return GPT2LMHeadModel(cfg).to(dtype).eval()
+    return helpers.tiny_gpt2(V, POSITIONS, dtype=dtype, bos_token_id=0, eos_token_id=0)
 
 
 def ids(n, seed=1):

@@ -11,6 +11,7 @@ from fastweights.adapt.dynamic import DynamicEvaluator  # noqa: E402
 from fastweights.loops.evaluate import score_tokens  # noqa: E402
 from fastweights.hf.kv_context import keep_indices, reencode_budget, trim_with_sinks  # noqa: E402
 from fastweights.hf.transformers_as_ours import HFCausalLM  # noqa: E402
+import helpers  # noqa: E402
 
 V = 50
 
@@ -25,11 +26,7 @@ def tiny_llama(positions=256, layers=2):
 
 
 def tiny_gpt2(positions=64, layers=2):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=layers, n_embd=32, n_head=2, vocab_size=V, n_positions=positions)
-    return GPT2LMHeadModel(cfg).to(torch.float64).eval()
+    return helpers.tiny_gpt2(V, positions, layers)
 
 
 def ids(n, seed=1):
