@@ -358,7 +358,8 @@ def test_cli_dynamic_eval_tune_stats_timescale(char_checkpoint, capsys):
     assert m["static"]["bits_per_char"] == m["dynamic"]["bits_per_char"]
     assert m["static"]["tokens"] == len((char_checkpoint / "doc.txt").read_text()) - 1
     # rms rule without statistics: collected from the checkpoint's training split and saved next to it
-    assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--lr", "1e-3", "--json", "--quiet",
+    # (lr 1e-4: at 1e-3 rms-global-prior diverges to nan on this untrained model, which is refused)
+    assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--lr", "1e-4", "--json", "--quiet",
                  "--cache"]) == 0
     m = json.loads(capsys.readouterr().out)
     assert (char_checkpoint / "grad_stats.safetensors").is_file() and m["settings"]["rule"] == "rms-global-prior"
