@@ -395,28 +395,65 @@ def run_config_from(ckpt: Checkpoint) -> RunConfig:
     return cfg
 
 
+def check_shapes(expected: dict, got: dict, where: str) -> None:
+    """Refuse tensor shapes ``got`` (name -> shape, from model.safetensors) that do not fit ``expected`` (the model
+    of config.json), one line naming the first mismatching tensor."""
+    for name, shape in expected.items():
+        if name not in got:
+            raise UserError(f"{where}: model.safetensors has no tensor {name} (shape {list(shape)}) that the "
+                            "model of config.json needs; config.json does not match the weights")
+        if tuple(got[name]) != tuple(shape):
+            raise UserError(f"{where}: tensor {name} has shape {list(got[name])} in model.safetensors "
+                            f"but the model of config.json needs {list(shape)}; config.json does not match the weights")
+    extra = [k for k in got if k not in expected]
+    if extra:
+        raise UserError(f"{where}: model.safetensors has a tensor {extra[0]} (shape {list(got[extra[0]])}) "
+                        "that the model of config.json does not have; config.json does not match the weights")
+
+
 def check_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
     """Refuse weights that do not fit ``model`` (one line naming the first mismatching tensor) or are not finite."""
-    expected = model.state_dict()
-    for name, t in expected.items():
-        if name not in tensors:
-            raise UserError(f"{where}: model.safetensors has no tensor {name} (shape {list(t.shape)}) that the "
-                            "model of config.json needs; config.json does not match the weights")
-        if tuple(tensors[name].shape) != tuple(t.shape):
-            raise UserError(f"{where}: tensor {name} has shape {list(tensors[name].shape)} in model.safetensors "
-                            f"but the model of config.json needs {list(t.shape)}; config.json does not match the weights")
-    extra = [k for k in tensors if k not in expected]
-    if extra:
-        raise UserError(f"{where}: model.safetensors has a tensor {extra[0]} (shape {list(tensors[extra[0]].shape)}) "
-                        "that the model of config.json does not have; config.json does not match the weights")
+    check_shapes({k: tuple(v.shape) for k, v in model.state_dict().items()},
+                 {k: tuple(v.shape) for k, v in tensors.items()}, where)
     for name, t in tensors.items():
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise UserError(f"{where}: tensor {name} holds NaN or inf values; these weights are unusable "
                             "(saved from a diverged run?)")
 
 
+def _header_shapes(data: bytes) -> dict:
+    """Tensor name -> shape from a safetensors file's header (nothing allocated); ValueError when malformed."""
+    n = int.from_bytes(data[:8], "little")
+    if len(data) < 8 or n > len(data) - 8:
+        raise ValueError("header longer than the file")
+    header = json.loads(data[8 : 8 + n])
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+
+
+def _meta_shapes(cfg: RunConfig, model_cls) -> dict | None:
+    """The state-dict shapes of the model config.json describes, built on the meta device (nothing allocated;
+    the global RNG untouched); None when a class cannot be built there (then the weights are checked after)."""
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            return {k: tuple(v.shape) for k, v in model_cls(cfg.model).state_dict().items()}
+    except Exception:  # noqa: BLE001 - the real build below reports a config that builds nothing
+        return None
+
+
 def model_from(ckpt: Checkpoint, cfg: RunConfig, map_location: str, model_cls):
     """``model_cls(cfg.model)`` with the checkpoint's weights, checked against its shapes and finite."""
+    if not ckpt.has("model.safetensors"):
+        raise UserError(f"checkpoint {ckpt.directory} has no model.safetensors")
+    data = ckpt.read("model.safetensors")
+    try:
+        shapes = _header_shapes(data)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"checkpoint {ckpt.directory}: corrupt model.safetensors ({e})") from None
+    expected = _meta_shapes(cfg, model_cls)  # config.json against the weights before the model is allocated
+    if expected is not None:
+        check_shapes(expected, shapes, f"checkpoint {ckpt.directory}")
     try:
         model = model_cls(cfg.model)
     except UserError as e:
@@ -424,10 +461,8 @@ def model_from(ckpt: Checkpoint, cfg: RunConfig, map_location: str, model_cls):
     except (ValueError, TypeError, AssertionError, ZeroDivisionError, RuntimeError, KeyError) as e:
         raise UserError(f"checkpoint {ckpt.directory}: config.json describes no buildable model "
                         f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
-    if not ckpt.has("model.safetensors"):
-        raise UserError(f"checkpoint {ckpt.directory} has no model.safetensors")
     try:
-        tensors = load_safetensors_bytes(ckpt.read("model.safetensors"))
+        tensors = load_safetensors_bytes(data)
     except (SafetensorError, ValueError) as e:
         raise UserError(f"checkpoint {ckpt.directory}: corrupt model.safetensors ({e})") from None
     check_weights(model, tensors, f"checkpoint {ckpt.directory}")

@@ -256,6 +256,11 @@ def cmd_niah(args) -> int:
         raise UserError("--samples must be >= 1")
     if args.depth_bins < 1:
         raise UserError("--depth-bins must be >= 1")
+    from fastweights.core.distributed import resolve_device
+    from fastweights.models.size import check_tokens_ram
+
+    check_tokens_ram(cfg, (sum(lengths) + args.max_new_tokens * len(lengths)) * len(depths) * args.samples,
+                     resolve_device(args.device), f"--lengths {max(lengths, default=0)} (every sample is kept)")
     opts = NiahOptions(iters=iters, write_chunk=args.write_chunk, reread=args.reread, piece=args.piece,
                        context=args.context, carry=args.carry, max_new_tokens=args.max_new_tokens,
                        frozen_memory=args.frozen_memory)

@@ -360,6 +360,8 @@ def _load_path(path: Path, text_field: str, encoding_check: bool, lazy_bytes: in
         if not files:
             raise UserError(f"corpus directory {path}: no .txt files in it")
         return [_load_text_file(p, p.relative_to(path).as_posix(), encoding_check, lazy_bytes) for p in files]
+    if not path.is_file():  # /dev/zero, a FIFO, a socket: endless or blocking, never read
+        raise UserError(f"corpus {path}: not a regular file or directory (a device, pipe or socket)")
     if path.name.endswith((".jsonl", ".jsonl.gz", ".jsonl.xz")):
         return _load_jsonl(path, text_field, encoding_check)
     return [_load_text_file(path, path.name, encoding_check, lazy_bytes)]

@@ -124,3 +124,23 @@ def check_ram(cfg, device, world: int = 1, force: bool = False) -> dict:
             f"GiB) but {device} has {free / gib:.1f} GiB available; make the model or batch smaller, or pass "
             "--force-ram to try anyway")
     return est
+
+
+TOKEN_BYTES = 256  # per token of a user-sized input: its text, ids, per-position records (a generous bound)
+
+
+def check_tokens_ram(cfg, tokens: int, device, what: str) -> int:
+    """Refuse, before anything is allocated, a command sized by a user's number (``niah --lengths``, a generation
+    budget) whose ``tokens`` need more than ``device`` has: the model's inference estimate (:func:`estimate_ram`
+    at batch 1 over its context) plus ``TOKEN_BYTES`` per token. Returns the estimate in bytes."""
+    import copy
+
+    one = copy.deepcopy(cfg)
+    one.train.batch_size = 1
+    need = estimate_ram(one)["total_bytes"] + TOKEN_BYTES * max(0, int(tokens))
+    free = available_ram(device)
+    if free is not None and need > free:
+        gib = 2**30
+        raise UserError(f"{what}: about {need / gib:,.1f} GiB for {int(tokens):,} tokens, but {device} has "
+                        f"{free / gib:.1f} GiB available; choose a smaller number")
+    return need

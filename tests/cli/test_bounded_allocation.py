@@ -1,0 +1,115 @@
+"""Bounded allocation (issue 32 item 5): config.json's shapes are checked against the safetensors header on the
+meta device before a model is allocated; user numbers (``task niah --lengths``) pass the RAM estimate before
+anything is built; corpora that are not regular files (/dev/zero) are refused. One line, exit 2, nothing written."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import string
+import time
+
+import pytest
+import torch
+
+from fastweights.cli import main
+
+
+def _err_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err
+    return err.splitlines()[-1] if err else ""
+
+
+def _resign(d) -> None:
+    """Rewrite checkpoint.json's sizes and hashes (what an attacker who edits a run directory does)."""
+    m = json.loads((d / "checkpoint.json").read_text())
+    for name in m["files"]:
+        data = (d / name).read_bytes()
+        m["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (d / "checkpoint.json").write_text(json.dumps(m))
+
+
+@pytest.fixture(scope="module")
+def printable_checkpoint(tmp_path_factory):
+    """An untrained char checkpoint whose vocabulary holds every printable character (NIAH needles encode)."""
+    from fastweights.checkpoints.format import save_model
+    from fastweights.core.config import ModelConfig, RunConfig
+    from fastweights.data import CharTokenizer
+    from fastweights.models.lm import LanguageModel
+
+    d = tmp_path_factory.mktemp("printable")
+    text = string.printable * 20
+    (d / "corpus.txt").write_text(text)
+    tok = CharTokenizer.from_text(text)
+    cfg = RunConfig()
+    cfg.model = ModelConfig(vocab_size=tok.vocab_size, d_model=16, n_layers=2, n_heads=2)
+    cfg.data.corpus = str(d / "corpus.txt")
+    cfg.train.seq_len = 32
+    torch.manual_seed(0)
+    save_model(LanguageModel(cfg.model), d / "ckpt", cfg, tok)
+    return d / "ckpt"
+
+
+def test_config_shapes_checked_against_the_header_before_allocating(printable_checkpoint, tmp_path, capsys,
+                                                                     monkeypatch):
+    from fastweights.models.lm import LanguageModel
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(printable_checkpoint, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model"]["vocab_size"] = 20_000_000  # 2.7 GB of embeddings if built before the check
+    (d / "config.json").write_text(json.dumps(cfg))
+    _resign(d)
+    built = []
+    init = LanguageModel.__init__
+
+    def record(self, *a, **k):
+        built.append(str(torch.get_default_device()))
+        init(self, *a, **k)
+
+    monkeypatch.setattr(LanguageModel, "__init__", record)
+    t0 = time.monotonic()
+    assert main(["eval", "--checkpoint", str(d), "--quiet"]) == 2
+    line = _err_line(capsys)
+    assert "config.json does not match the weights" in line and "20000000" in line
+    assert built and all(dev == "meta" for dev in built), built  # never built for real
+    assert time.monotonic() - t0 < 10
+
+
+def test_niah_lengths_checked_by_the_ram_estimate(printable_checkpoint, tmp_path, capsys):
+    t0 = time.monotonic()
+    assert main(["task", "niah", "--checkpoint", str(printable_checkpoint), "--lengths", "10000000000",
+                 "--out", str(tmp_path / "niah"), "--quiet"]) == 2
+    line = _err_line(capsys)
+    assert "--lengths 10000000000" in line and "GiB" in line and "available" in line
+    assert time.monotonic() - t0 < 30 and not list(tmp_path.iterdir())
+
+
+def test_check_tokens_ram_passes_ordinary_sizes():
+    from fastweights.core.config import ModelConfig, RunConfig
+    from fastweights.core.errors import UserError
+    from fastweights.models.size import TOKEN_BYTES, check_tokens_ram
+
+    cfg = RunConfig(model=ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2))
+    assert check_tokens_ram(cfg, 4096, "cpu", "--lengths 4096") >= 4096 * TOKEN_BYTES
+    with pytest.raises(UserError, match="choose a smaller number"):
+        check_tokens_ram(cfg, 10**15, "cpu", "--lengths")
+
+
+@pytest.mark.parametrize("argv", [
+    ["dynamic", "eval", "--checkpoint", "{ckpt}", "--data", "/dev/zero", "--quiet"],
+    ["eval", "--checkpoint", "{ckpt}", "--data", "/dev/zero", "--quiet"],
+    ["train", "--preset", "tiny", "--quiet", "--out", "{out}", "--set", "data.corpus=/dev/zero"],
+], ids=["dynamic-eval", "eval", "train"])
+def test_corpora_that_are_not_regular_files_are_refused(printable_checkpoint, tmp_path, capsys, argv):
+    import os
+
+    if not os.path.exists("/dev/zero"):
+        pytest.skip("no /dev/zero")
+    out = tmp_path / "out"
+    argv = [a.format(ckpt=printable_checkpoint, out=out) for a in argv]
+    assert main(argv) == 2
+    assert "not a regular file" in _err_line(capsys)
+    assert not out.exists()  # no directory, no .lock left behind
