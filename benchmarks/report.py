@@ -53,6 +53,16 @@ REQUIRED = {"README.md": CLAIMS_START, "docs/results.md": START + " -->"}
 
 # Rows for result files that carry no ``headline`` list: (file stem, what, dotted path, unit, target).
 EXTRACT = [
+    ("cuda_scale", "H100, 115M params, T=4096, bf16: FwPKM hybrid tokens/s over its GDN/attention backbone",
+     "ratios/fwpkm_hybrid_tokens_per_s_over_backbone", "x", ">= 0.6 (paper: 0.35)"),
+    ("cuda_scale", "H100, same size: our GDN/attention hybrid's step time over fla's GatedDeltaNetForCausalLM "
+     "(fla's gated-backward guard bypassed: timing only)", "ratios/ours_hybrid_step_over_fla_model_step", "x", "<= 1.1"),
+    ("cuda_scale_kernels", "H100, T=8192: gated delta rule fwd+bwd, our compiled chunked form over fla's kernel",
+     "ratios/T8192|gated_op_compiled_over_raw_fla", "x", "<= 2"),
+    ("cuda_scale_kernels", "H100, T=8192: gdn layer fwd+bwd over fla's raw gated kernel",
+     "ratios/T8192|gdn_layer_over_raw_fla_gated_kernel", "x", "<= 1.15"),
+    ("cuda_scale_kernels", "H100, T=8192: delta rule op (auto: fla, state in and out) over fla's raw kernel",
+     "ratios/T8192|delta_op_auto_over_raw_fla", "x", "<= 1.15"),
     ("bench_delta_rule", "delta rule fwd+bwd, chunked (C=64) vs per-step loop, CPU, B=1 T=2048 H=4 D=64 (median)",
      "speed/delta/speedup_fwd_bwd/C64_wall_median", "x", ">= 20x"),
     ("bench_delta_rule", "gated delta rule fwd+bwd, chunked (C=64) vs per-step loop, CPU (median)",
