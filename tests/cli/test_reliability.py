@@ -329,7 +329,8 @@ def test_train_without_out_makes_a_dated_directory_and_warnings_are_one_line(tmp
     (latest / "checkpoint.json").write_text("{}")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     argv = [sys.executable, "-m", "fastweights", "train", "--preset", "tiny", "--quiet", "--set", 'model.head="fwl"',
-            "--set", "train.max_steps=1", "--set", "train.eval_every=0", "--set", "train.eval_tokens=64"]
+            "--set", "train.max_steps=1", "--set", "train.eval_every=0", "--set", "train.eval_tokens=64",
+            "--set", "train.warmup_steps=0"]
     proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     made = sorted(p.name for p in (tmp_path / "runs").iterdir() if p.name != "latest")

@@ -70,8 +70,18 @@ def _run_config(args):
         d.setdefault("data", {})["corpus"] = args.data
     if getattr(args, "log", None):
         d.setdefault("train", {})["log"] = args.log
+    saved_tokenizer = d.get("data", {}).get("tokenizer") if args.resume and args.preset is None else None
     apply_overrides(d, args.set or [])
-    return from_dict(RunConfig, d)
+    if saved_tokenizer is not None and d.get("data", {}).get("tokenizer") != saved_tokenizer:
+        raise UserError(f"--resume: the run in {args.out} was trained with data.tokenizer={saved_tokenizer!r}; a "
+                        "resumed run keeps its tokenizer (start a new run for another one)")
+    cfg = from_dict(RunConfig, d)
+    if cfg.train.warmup_steps > cfg.train.max_steps:
+        import sys
+
+        print(f"warning: train.warmup_steps={cfg.train.warmup_steps} > train.max_steps={cfg.train.max_steps}: the "
+              f"learning rate never reaches train.lr={cfg.train.lr:g}", file=sys.stderr)
+    return cfg
 
 
 def cmd_train(args) -> int:

@@ -102,6 +102,11 @@ class TokenStream:
         stream = cls(path, tokens, meta)
         if tokenizer is not None:
             check_fingerprint(tokenizer, stream.tokenizer_fingerprint, f"token stream {path}")
+        vocab = tokenizer.vocab_size if tokenizer is not None else stream.vocab_size
+        top = max((int(tokens[i : i + (1 << 24)].max()) for i in range(0, length, 1 << 24)), default=-1)
+        if top >= vocab:  # ids the model's embedding cannot look up (a damaged or crafted file)
+            raise UserError(f"token stream {path} holds id {top}, outside the vocabulary of {vocab} symbols; "
+                            "delete it to re-encode")
         return stream
 
     def __len__(self) -> int:

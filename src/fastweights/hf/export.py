@@ -120,6 +120,11 @@ def export_hf(checkpoint: str | Path, directory: str | Path, force: bool = False
         raise UserError(f"export-hf: {directory} exists and is not a directory")
     if directory.is_dir() and any(directory.iterdir()) and not force:
         raise UserError(f"export-hf: {directory} is not empty (use --force to write into it)")
+    parent = directory.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"export-hf: cannot create {directory}: {parent} is a file, not a directory")
     model, tokenizer, run_config = load_checkpoint(checkpoint)
     hf_tok = hf_tokenizer(tokenizer)  # before writing anything: an unsupported tokenizer fails here
     # attention layers see the training context when generating, as in `fastweights generate`
@@ -130,7 +135,10 @@ def export_hf(checkpoint: str | Path, directory: str | Path, force: bool = False
     # and with trust_remote_code=True it loads the model through the installed fastweights package
     hf_model.config.auto_map = {"AutoConfig": f"{_REMOTE_MODULE}.FastWeightsConfig",
                                 "AutoModelForCausalLM": f"{_REMOTE_MODULE}.FastWeightsForCausalLM"}
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"export-hf: cannot create {directory}: {e.strerror or e}") from None
     hf_model.save_pretrained(directory)
     hf_tok.save_pretrained(directory)
     (directory / f"{_REMOTE_MODULE}.py").write_text(_REMOTE_CODE)

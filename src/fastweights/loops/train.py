@@ -243,8 +243,10 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
             lock.acquire()
             held = describe_run(out_dir)
             if held is not None and not resume and not overwrite:
-                raise UserError(f"--out {out_dir} already holds {held}: pass --resume to continue it, --overwrite "
-                                "to replace it (its derived files too), or choose another --out")
+                hint = "pass --resume to continue it, --overwrite" if "checkpoint" in held else "it has no checkpoint to " \
+                    "resume (a run that diverged or stopped before its first save); pass --overwrite"
+                raise UserError(f"--out {out_dir} already holds {held}: {hint} to replace it (its derived files too), "
+                                "or choose another --out")
         return _train(cfg, out_dir, resume, progress and dist.main, fsdp, overwrite, force_ram, dist, device,
                       summary_writer, restore)
     except UserError:

@@ -47,6 +47,11 @@ def _load_tokenizer_from(ckpt: Checkpoint):
 
 
 def _load_all(ckpt: Checkpoint, map_location: str):
+    if ckpt.manifest is None:
+        import sys
+
+        print(f"warning: {ckpt.directory} has no {MANIFEST}: its files are loaded unverified (no sizes or SHA-256 "
+              "to check them against)", file=sys.stderr)
     cfg = run_config_from(ckpt)
     model = model_from(ckpt, cfg, map_location, LanguageModel)
     tokenizer = _load_tokenizer_from(ckpt)
