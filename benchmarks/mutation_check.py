@@ -28,6 +28,7 @@ from fastweights.experiments import probes
 
 S = "src/fastweights/"
 LEAK, REG = "tests/contracts/test_leaks.py", "tests/contracts/test_registry_causality.py"
+MISSED = "tests/cli/test_missed_mutations.py"
 
 # the chunk loops' write, as lines (then a mutation can add a re-read after it)
 _PKM_WRITE = "\n".join(["                if not self.frozen and st.n_read == C:", "                    st = self._write(st)", ""])
@@ -97,6 +98,26 @@ MUTATIONS = [
     ("fwmlp_update_wrong_sign", S + "layers/fwmlp.py",
      [("weights = {k: st.weights[k] - o.lr * grads[k]", "weights = {k: st.weights[k] + o.lr * grads[k]")],
      ["tests/layers/test_fwmlp.py"], "FwMLP fast update climbs the loss"),
+    # issue 32: five bugs an independent audit found the suite missed, and grad_accum's validation
+    ("stream_carry_drops_dynamic_state", S + "experiments/streaming.py",
+     [('state if mode == "carry" else None,', "None,")],
+     [MISSED], "stream_eval carry mode starts each document's dynamic evaluation afresh (None, not the carried state)"),
+    ("memory_only_state_drops_fwl_head", S + "models/memory_switches.py",
+     [('return {"layers": layers, "head": state.get("head")}', 'return {"layers": layers, "head": None}')],
+     [MISSED], "memory_only_state drops the FWL head's fast weights (memory mode equals windows)"),
+    ("fast_rnn_eps_ignored", S + "layers/fast_rnn.py",
+     [("common = dict(ln_weight=ln_w, ln_bias=ln_b, eps=self.eps)", "common = dict(ln_weight=ln_w, ln_bias=ln_b, eps=1e-5)")],
+     [MISSED], "FastWeightRNN(eps=...) ignored: the LayerNorm epsilon is always 1e-5"),
+    ("resume_torch_rng_not_restored", S + "loops/train.py",
+     [('    torch.set_rng_state(s["torch"])\n', "")],
+     [MISSED], "resume leaves torch's global RNG unrestored (dropout masks differ from the straight run)"),
+    ("dynamic_context_equal_to_segment", S + "adapt/dynamic.py",
+     [("if context is not None and context <= segment_len:", "if context is not None and context < segment_len:")],
+     [MISSED], "DynamicEvaluator accepts context == segment_len, which its guard means to refuse"),
+    ("grad_accum_not_validated", S + "checkpoints/config_checks.py",
+     [('("seq_len", "batch_size", "grad_accum", "max_steps", "log_every", "eval_tokens")',
+       '("seq_len", "batch_size", "max_steps", "log_every", "eval_tokens")')],
+     [MISSED], "train.grad_accum=0 accepted (a ZeroDivisionError later instead of one line)"),
 ]
 
 
