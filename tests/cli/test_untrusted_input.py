@@ -175,3 +175,57 @@ def test_hf_unknown_hub_name_offline_fails_fast(doc, capsys, monkeypatch):
     t0 = time.monotonic()
     rc, line = _hf_eval("no-such-org/no-such-model", doc, capsys)
     assert rc == 2 and "not in the Hugging Face cache" in line and time.monotonic() - t0 < 20
+
+
+# ----------------------------------------------------------------------------- tokenizer.json
+
+
+def _resign(d) -> None:
+    import hashlib
+
+    m = json.loads((d / "checkpoint.json").read_text())
+    for name in m["files"]:
+        data = (d / name).read_bytes()
+        m["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (d / "checkpoint.json").write_text(json.dumps(m))
+
+
+@pytest.fixture(scope="module")
+def gpt2_checkpoint(tmp_path_factory):
+    import torch
+
+    from fastweights.checkpoints.format import save_model
+    from fastweights.core.config import ModelConfig, RunConfig
+    from fastweights.data.tokenizers import build_tokenizer
+    from fastweights.models.lm import LanguageModel
+
+    tok = build_tokenizer("gpt2", "hello world")
+    cfg = RunConfig(model=ModelConfig(vocab_size=tok.vocab_size, d_model=16, n_layers=1, n_heads=2))
+    cfg.data.tokenizer = "gpt2"
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("gpt2") / "ckpt"
+    save_model(LanguageModel(cfg.model), d, cfg, tok)
+    return d
+
+
+@pytest.mark.parametrize("vocab", ["/etc/passwd", "../../../../etc/passwd", "sub/vocab.json"])
+def test_tokenizer_files_outside_the_checkpoint_are_refused(gpt2_checkpoint, tmp_path, capsys, vocab):
+    d = tmp_path / "ckpt"
+    shutil.copytree(gpt2_checkpoint, d)
+    meta = json.loads((d / "tokenizer.json").read_text())
+    meta["files"] = {"vocab": vocab, "merges": "merges.txt"}
+    (d / "tokenizer.json").write_text(json.dumps(meta))
+    _resign(d)
+    assert main(["generate", "--checkpoint", str(d), "--prompt", "hi", "--max-tokens", "1"]) == 2
+    line = _err_line(capsys)
+    assert "not a file beside tokenizer.json" in line and str(d) in line
+
+
+def test_a_malformed_tokenizer_json_is_reported_under_the_checkpoint(gpt2_checkpoint, tmp_path, capsys):
+    d = tmp_path / "ckpt"
+    shutil.copytree(gpt2_checkpoint, d)
+    (d / "tokenizer.json").write_text("{ not json")
+    _resign(d)
+    assert main(["generate", "--checkpoint", str(d), "--prompt", "hi", "--max-tokens", "1"]) == 2
+    line = _err_line(capsys)
+    assert f"{d}/tokenizer.json is corrupt" in line and "/tmp/tmp" not in line.replace(str(d), "")

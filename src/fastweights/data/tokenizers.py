@@ -514,6 +514,9 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
             if files == "bundled":
                 tok = GPT2Tokenizer()
             else:
+                for f in (files["vocab"], files["merges"]):  # plain names beside tokenizer.json, never a path out
+                    if not isinstance(f, str) or Path(f).name != f or f in ("", ".", ".."):
+                        raise ValueError(f"files names {f!r}, not a file beside {TOKENIZER_FILE}")
                 tok = GPT2Tokenizer(path.parent / files["vocab"], path.parent / files["merges"])
         else:
             raise ValueError(f"unknown kind {kind!r}")

@@ -43,7 +43,10 @@ def _load_tokenizer_from(ckpt: Checkpoint):
         for name in ckpt.names():
             if name not in skip:
                 (Path(tmp) / name).write_bytes(ckpt.read(name))
-        return load_tokenizer(tmp)
+        try:
+            return load_tokenizer(tmp)
+        except UserError as e:  # name the checkpoint, not the temporary directory that is gone by now
+            raise UserError(str(e).replace(tmp, str(ckpt.directory))) from None
 
 
 def _load_all(ckpt: Checkpoint, map_location: str):
