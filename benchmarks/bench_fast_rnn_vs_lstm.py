@@ -29,7 +29,7 @@ import torch
 from common import write_result
 
 from fastweights.core.config import make_config
-from fastweights.layers import fast_rnn
+from fastweights.ops import fast_rnn
 from fastweights.models.lm import LanguageModel
 from fastweights.ops.fast_rnn_kernel import step_kernel
 from fastweights.loops.train import make_optimizer

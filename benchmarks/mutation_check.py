@@ -59,7 +59,7 @@ MUTATIONS = [
        "                self.update_rule.apply(deltas, torch.autograd.grad(tok_nll.mean(), leaves, allow_unused=True))\n"
        "                scored = token_nll(forward(x, model_state)[0], y).detach()\n")],
      ["tests/adapt/test_dynamic_eval.py"], "dynamic evaluation scores a segment after an update on that segment"),
-    ("fast_rnn_carried_matrix_dropped", S + "layers/fast_rnn.py",
+    ("fast_rnn_carried_matrix_dropped", S + "ops/fast_rnn.py",
      [("return folded if A is None else folded + (lam**n) * A", "return folded")],
      ["tests/layers/test_fast_rnn.py", REG], "fast-weights RNN: the carried fast matrix A is dropped when the history is folded"),
     ("gdn_conv_cache_not_carried", S + "layers/gdn.py",

@@ -13,10 +13,8 @@ from fastweights.layers.fast_rnn import (
     FastRNNOptions,
     FastRNNState,
     FastWeightRNN,
-    fast_rnn_attention,
-    fast_rnn_reference,
-    fold_history,
 )
+from fastweights.ops.fast_rnn import fast_rnn_attention, fast_rnn_reference, fold_history
 from fastweights.components import MIXERS, build_options, lookup
 from fastweights.ops.fast_rnn_kernel import step_kernel
 from helpers import BENCHMARKS, assert_lm_pieces_equal_one_call, in_pieces, tiny_lm

@@ -1,5 +1,5 @@
 /* The compiled time loop of the fast-weights RNN's attention-form recurrence (fastweights.ops.fast_rnn_kernel
-   loads it; the equations are in fastweights/layers/fast_rnn.py). Plain C99, no torch headers. */
+   loads it; the equations are in fastweights/layers/fast_rnn.py, the torch form in fastweights/ops/fast_rnn.py). Plain C99, no torch headers. */
 
 #include <math.h>
 #include <string.h>

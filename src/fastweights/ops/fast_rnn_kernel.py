@@ -1,6 +1,6 @@
 """The fast-weights RNN's attention-form recurrence with its time loop compiled (CPU, fp32/fp64).
 
-The equations, the torch implementation (:class:`fastweights.layers.fast_rnn._AttentionReadRNN`) and the
+The equations (:mod:`fastweights.layers.fast_rnn`), the torch implementation (:class:`fastweights.ops.fast_rnn._AttentionReadRNN`) and the
 reference written from the paper (``fast_rnn_reference``) are in :mod:`fastweights.layers.fast_rnn`; this
 file holds the kernel that runs the same arithmetic in C (``fast_rnn_kernel.c`` beside it): its build and
 cache (:func:`step_kernel`), the autograd function that calls it and its buffer pool.
