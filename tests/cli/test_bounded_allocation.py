@@ -113,3 +113,31 @@ def test_corpora_that_are_not_regular_files_are_refused(printable_checkpoint, tm
     assert main(argv) == 2
     assert "not a regular file" in _err_line(capsys)
     assert not out.exists()  # no directory, no .lock left behind
+
+
+def test_a_deep_model_too_big_is_refused_in_seconds(tmp_path, capsys):
+    t0 = time.monotonic()
+    out = tmp_path / "deep"
+    assert main(["train", "--preset", "tiny", "--quiet", "--out", str(out), "--set", "model.n_layers=100000"]) == 2
+    line = _err_line(capsys)
+    assert "model.n_layers=100000" in line and "GiB" in line and "--force-ram" in line
+    assert time.monotonic() - t0 < 60 and not out.exists()
+
+
+@pytest.mark.parametrize("mixer", ["attention", "fwp"])
+def test_the_extrapolated_estimate_is_the_estimate(mixer, monkeypatch):
+    """check_deep_model's extrapolation from one and two layers equals estimate_ram of the deep model itself."""
+    import copy
+
+    from fastweights.core.config import load_preset, from_dict, RunConfig
+    from fastweights.core.errors import UserError
+    from fastweights.models import size
+
+    cfg = from_dict(RunConfig, load_preset("tiny"))
+    cfg.model.mixer, cfg.model.n_layers = mixer, size.DEEP + 6
+    exact = size.estimate_ram(copy.deepcopy(cfg))["total_bytes"]
+    monkeypatch.setattr(size, "available_ram", lambda device: exact - 1)
+    with pytest.raises(UserError, match=f"about {exact / 2**30:,.1f} GiB"):
+        size.check_deep_model(cfg)
+    monkeypatch.setattr(size, "available_ram", lambda device: exact)
+    size.check_deep_model(cfg)  # exactly enough: passes

@@ -218,13 +218,14 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
     ``model.vocab_size`` 0 is taken from the tokenizer; another value must equal the tokenizer's size.
     A non-finite loss, gradient or weight raises :class:`TrainingDiverged`.
     """
-    from fastweights.models.size import meta_model
+    from fastweights.models.size import check_deep_model, meta_model
     from fastweights.checkpoints.run_dir import Restore, RunLock, check_out_dir, describe_run
     from fastweights.checkpoints.config_checks import validate_config
 
     out_dir = Path(out_dir)
     tc = cfg.train
     validate_config(cfg)  # every setting, before any file is written
+    check_deep_model(cfg, force_ram)  # a deep model too big is refused in seconds, before the meta build
     meta_model(cfg.model)  # and the mechanisms' own options, building nothing
     summary_writer = _tensorboard_writer_class() if tc.log == "tensorboard" else None  # refuse before writing files
     if tc.threads:

@@ -144,3 +144,33 @@ def check_tokens_ram(cfg, tokens: int, device, what: str) -> int:
         raise UserError(f"{what}: about {need / gib:,.1f} GiB for {int(tokens):,} tokens, but {device} has "
                         f"{free / gib:.1f} GiB available; choose a smaller number")
     return need
+
+
+DEEP = 64  # layers beyond which building even the meta model takes seconds (milliseconds per layer)
+
+
+def check_deep_model(cfg, force: bool = False) -> None:
+    """A deep model of identical layers (one mixer, no block memory) whose training estimate, extrapolated from
+    one and two layers (:func:`estimate_ram` is linear in ``n_layers`` for such models), exceeds the machine is
+    refused in seconds, before a meta build of every layer; otherwise nothing (``check_ram`` decides later)."""
+    import copy
+
+    m = cfg.model
+    if force or m.n_layers <= DEEP or m.layer_mixers or m.memory:
+        return
+    from fastweights.core.distributed import resolve_device
+
+    def total(n: int) -> int:
+        small = copy.deepcopy(cfg)
+        small.model.n_layers = n
+        return estimate_ram(small)["total_bytes"]
+
+    one, two = total(1), total(2)
+    need = one + (m.n_layers - 1) * (two - one)
+    device = resolve_device(cfg.train.device)
+    free = available_ram(device)
+    if free is not None and need > free:
+        gib = 2**30
+        raise UserError(f"model.n_layers={m.n_layers}: training needs about {need / gib:,.1f} GiB ({(two - one) / 2**20:,.1f} "
+                        f"MiB per layer) but {device} has {free / gib:.1f} GiB available; make the model or batch "
+                        "smaller, or pass --force-ram to try anyway")
