@@ -69,8 +69,9 @@ def test_a_directory_without_a_manifest_is_not_resumed_and_a_pickle_in_it_never_
     assert main(["train", "--resume", "--quiet", "--out", str(ckpt)]) == 2
     assert "holds no checkpoint to resume" in _err_line(capsys)
     assert not marker.exists()
-    # the weights of such a directory still load for eval (they are safetensors)
-    assert main(["eval", "--checkpoint", str(ckpt), "--quiet", "--json", "--data", doc]) == 0
+    # the weights of such a directory load for eval only when asked (they are safetensors: no code runs)
+    assert main(["eval", "--checkpoint", str(ckpt), "--quiet", "--json", "--data", doc]) == 2
+    assert main(["eval", "--checkpoint", str(ckpt), "--quiet", "--json", "--data", doc, "--unverified"]) == 0
 
 
 def test_a_crafted_trainer_state_safetensors_is_refused(run, tmp_path, capsys):

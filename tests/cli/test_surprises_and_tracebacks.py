@@ -50,11 +50,16 @@ def test_resume_refuses_another_tokenizer(run, tmp_path, capsys):
     assert json.loads((out / "config.json").read_text())["data"]["tokenizer"] == "char"
 
 
-def test_eval_without_manifest_warns_that_nothing_is_verified(run, doc, tmp_path, capsys):
+def test_a_checkpoint_without_manifest_is_refused_unless_unverified(run, doc, tmp_path, capsys):
     out = tmp_path / "m"
     shutil.copytree(run, out)
     (out / "checkpoint.json").unlink()
-    assert main(["eval", "--checkpoint", str(out), "--data", doc, "--quiet"]) == 0
+    for command in (["eval"], ["generate", "--max-tokens", "3"], ["dynamic", "eval", "--rule", "sgd"]):
+        args = [*command, "--checkpoint", str(out)] + (["--data", doc, "--quiet"] if command[0] != "generate" else [])
+        assert main(args) == 2, command
+        err = _err(capsys)
+        assert err.count("\n") == 0 and "has no checkpoint.json" in err and "--unverified" in err, err
+    assert main(["eval", "--checkpoint", str(out), "--data", doc, "--quiet", "--unverified"]) == 0
     assert "has no checkpoint.json: its files are loaded unverified" in _err(capsys)
 
 

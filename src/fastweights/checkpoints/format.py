@@ -15,7 +15,8 @@ after it is completed by the next reader or writer (:func:`finish_pending`).
 Reading (:func:`open_checkpoint`, behind :func:`load_checkpoint` and ``--resume``): the manifest
 (or a committed ``.ckpt-next/``) says which bytes belong to the checkpoint; a file whose size or
 SHA-256 differs is refused, naming it. Weights must match config.json's shapes and be finite.
-A directory without a manifest is read as it is (its weights load for eval and generate), but it
+A directory without a manifest is read as it is by this class; the loaders refuse it unless the
+command was given ``--unverified`` (:func:`fastweights.models.loading.unverified_checkpoints`), and it
 cannot be resumed.
 
 This module knows no model class, so that ``models/lm.py`` (``LanguageModel.save_pretrained`` /

@@ -61,11 +61,24 @@ def build_parser() -> argparse.ArgumentParser:
     continual.register(sub)
     tasks.register(sub, _Parser)
     inspect.register(sub, _Parser)
+    _add_unverified(sub)
     listing = _command_list(sub)
     sub.help = "one of the commands above"
     sub._choices_actions.clear()  # listed once, by job, in the description
     p.description += "\n\n" + listing
     return p
+
+
+def _add_unverified(sub) -> None:
+    """``--unverified`` on every command (and subcommand) that reads a checkpoint directory."""
+    for parser in sub.choices.values():
+        nested = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if nested:
+            _add_unverified(nested[0])
+        elif any("--checkpoint" in a.option_strings for a in parser._actions):
+            parser.add_argument("--unverified", action="store_true",
+                                help="load a checkpoint directory that has no checkpoint.json (its files then "
+                                     "cannot be checked against their recorded sizes and SHA-256)")
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
@@ -79,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         args.argv = list(sys.argv[1:] if argv is None else argv)  # what result files record as the command
-        return int(args.func(args) or 0)
+        from fastweights.models.loading import unverified_checkpoints
+
+        with unverified_checkpoints(getattr(args, "unverified", False)):
+            return int(args.func(args) or 0)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -11,6 +11,9 @@ names (``save_model``, ``write_checkpoint``, ...) from there.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import tempfile
 from pathlib import Path
 
@@ -49,12 +52,31 @@ def _load_tokenizer_from(ckpt: Checkpoint):
             raise UserError(str(e).replace(tmp, str(ckpt.directory))) from None
 
 
+# Whether a checkpoint without its manifest may be loaded (unverified): off unless a command's
+# ``--unverified`` turns it on for the duration of that command (:func:`unverified_checkpoints`).
+_ALLOW_UNVERIFIED = contextvars.ContextVar("allow_unverified_checkpoints", default=False)
+
+
+@contextlib.contextmanager
+def unverified_checkpoints(allowed: bool = True):
+    """Within the block, a checkpoint directory without its manifest loads with a warning instead of
+    being refused (what ``--unverified`` does)."""
+    token = _ALLOW_UNVERIFIED.set(bool(allowed))
+    try:
+        yield
+    finally:
+        _ALLOW_UNVERIFIED.reset(token)
+
+
 def _load_all(ckpt: Checkpoint, map_location: str):
     if ckpt.manifest is None:
+        if not _ALLOW_UNVERIFIED.get():
+            raise UserError(f"checkpoint {ckpt.directory} has no {MANIFEST} (the size and SHA-256 of each file), so "
+                            "nothing in it can be verified; if you trust the directory, pass --unverified to load it")
         import sys
 
-        print(f"warning: {ckpt.directory} has no {MANIFEST}: its files are loaded unverified (no sizes or SHA-256 "
-              "to check them against)", file=sys.stderr)
+        print(f"warning: {ckpt.directory} has no {MANIFEST}: its files are loaded unverified (--unverified)",
+              file=sys.stderr)
     cfg = run_config_from(ckpt)
     model = model_from(ckpt, cfg, map_location, LanguageModel)
     tokenizer = _load_tokenizer_from(ckpt)
