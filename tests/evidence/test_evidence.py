@@ -93,7 +93,9 @@ def _stale_results_with(tmp_path, path: str, old: str, new: str) -> list[str]:
 def test_a_behaviour_preserving_refactor_leaves_every_result_current(tmp_path):
     # a local variable renamed in a measured layer: no result goes stale
     stale = _stale_results_with(tmp_path, "fastweights/layers/fwpkm.py", "bound", "init_limit")
-    assert stale == []
+    already = [evidence.result_key(p) for p in evidence.result_paths()
+               if evidence.staleness(json.loads(p.read_text()))]  # results stale before the edit (TO_RERUN.md)
+    assert stale == already
 
 
 @pytest.mark.slow
