@@ -39,20 +39,8 @@ def tiny_run(tmp_path_factory):
 def char_checkpoint(tmp_path_factory):
     """An untrained tiny char-level checkpoint (2 layers, d_model 16) with its corpus and a ``doc.txt``
     beside it; a fresh copy per module, which may write into it (statistics, tuned settings)."""
-    from fastweights.checkpoints.format import save_model
-    from fastweights.core.config import ModelConfig, RunConfig
-    from fastweights.data import CharTokenizer
-    from fastweights.models.lm import LanguageModel
+    from helpers import untrained_char_checkpoint
 
-    d = tmp_path_factory.mktemp("ckpt")
-    text = ("the cat sat on the mat. the dog sat on the log. " * 40)
-    (d / "corpus.txt").write_text(text)
-    tok = CharTokenizer.from_text(text)
-    cfg = RunConfig()
-    cfg.model = ModelConfig(vocab_size=tok.vocab_size, d_model=16, n_layers=2, n_heads=2)
-    cfg.data.corpus = str(d / "corpus.txt")
-    cfg.train.seq_len = 32
-    torch.manual_seed(0)
-    save_model(LanguageModel(cfg.model), d, cfg, tok)
+    d = untrained_char_checkpoint(tmp_path_factory.mktemp("ckpt"), "the cat sat on the mat. the dog sat on the log. " * 40)
     (d / "doc.txt").write_text("the cat sat on the log. the dog sat on the mat. " * 3)
     return d

@@ -163,3 +163,62 @@ def tiny_gpt2(vocab_size: int, positions: int, layers: int = 2, dtype: torch.dty
     torch.manual_seed(0)
     cfg = GPT2Config(n_layer=layers, n_embd=32, n_head=2, vocab_size=vocab_size, n_positions=positions, **config)
     return GPT2LMHeadModel(cfg).to(dtype).eval()
+
+
+def stderr_text(capsys) -> str:
+    """What a command printed on stderr, stripped; never a traceback."""
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err, err
+    return err
+
+
+def resign_manifest(d: Path) -> None:
+    """Rewrite checkpoint.json's sizes and hashes (what an attacker who edits a run directory does)."""
+    import hashlib
+    import json
+
+    m = json.loads((d / "checkpoint.json").read_text())
+    for name in m["files"]:
+        data = (d / name).read_bytes()
+        m["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (d / "checkpoint.json").write_text(json.dumps(m))
+
+
+def untrained_char_checkpoint(d: Path, text: str, out: Path | None = None) -> Path:
+    """An untrained char-level checkpoint (2 layers, d_model 16, seq_len 32) of ``text``'s characters, its
+    corpus at ``d/corpus.txt``, saved at ``out`` (default ``d``)."""
+    from fastweights.checkpoints.format import save_model
+    from fastweights.core.config import RunConfig
+    from fastweights.data import CharTokenizer
+
+    (d / "corpus.txt").write_text(text)
+    tok = CharTokenizer.from_text(text)
+    cfg = RunConfig()
+    cfg.model = ModelConfig(vocab_size=tok.vocab_size, d_model=16, n_layers=2, n_heads=2)
+    cfg.data.corpus = str(d / "corpus.txt")
+    cfg.train.seq_len = 32
+    torch.manual_seed(0)
+    save_model(LanguageModel(cfg.model), out or d, cfg, tok)
+    return out or d
+
+
+def gpt2_tokenizer(directory: Path):
+    """transformers' GPT2Tokenizer from the package's bundled gpt2 files, written into ``directory``."""
+    import gzip
+    from importlib import resources
+
+    from transformers import GPT2Tokenizer
+
+    assets = resources.files("fastweights") / "data" / "assets" / "gpt2"
+    for name in ("vocab.json", "merges.txt"):
+        (directory / name).write_bytes(gzip.decompress((assets / f"{name}.gz").read_bytes()))
+    return GPT2Tokenizer(str(directory / "vocab.json"), str(directory / "merges.txt"))
+
+
+def tiny_training_run(out: Path, steps: int) -> Path:
+    """``fastweights train --preset tiny`` for ``steps`` steps without validation, into ``out``."""
+    from fastweights.cli import main
+
+    assert main(["train", "--preset", "tiny", "--quiet", "--set", f"train.max_steps={steps}",
+                 "--set", "train.eval_every=0", "--out", str(out)]) == 0
+    return out

@@ -42,10 +42,14 @@ def _report():
     return report
 
 
+def _stored(report, stem: str, key: str):
+    return report._get(json.loads((ROOT / "benchmarks" / "results" / f"{stem}.json").read_text()), key)
+
+
 def test_check_fails_on_a_cited_number_that_disagrees_or_a_number_without_source():
     report = _report()
     stem, path = "bench_delta_rule", "speed/delta/speedup_fwd_bwd/C64_wall_median"
-    value = report._get(json.loads((ROOT / "benchmarks" / "results" / f"{stem}.json").read_text()), path)
+    value = _stored(report, stem, path)
     good = f"a speed-up of {value:.1f}x <!-- src: {stem} {path} --> here"
     assert report.cited_number_problems(good, "p.md") == []
     wrong = f"a speed-up of {value + 1:.1f}x <!-- src: {stem} {path} --> here"
@@ -60,7 +64,7 @@ def test_check_fails_on_a_cited_number_that_disagrees_or_a_number_without_source
 def test_cited_percentages_ranges_and_file_names():
     report = _report()
     stem, key = "smollm2_dynamic_eval_context", "context_check/hamlet/bounded_2048_sinks/ratio_to_one_pass"
-    ratio = report._get(json.loads((ROOT / "benchmarks" / "results" / f"{stem}.json").read_text()), key)
+    ratio = _stored(report, stem, key)
     # a percentage shows the JSON's value times 100
     good = f"costs {100 * ratio:.1f}% <!-- src: {stem} {key} -->"
     assert report.cited_number_problems(good, "p.md") == []

@@ -110,15 +110,9 @@ def test_sparse_and_cache_on_a_transformers_model():
 
 
 def test_load_hf_model_from_a_local_directory(tmp_path):
-    import gzip
-    from importlib import resources
+    from helpers import gpt2_tokenizer
 
-    from transformers import GPT2Tokenizer
-
-    assets = resources.files("fastweights") / "data" / "assets" / "gpt2"
-    (tmp_path / "vocab.json").write_bytes(gzip.decompress((assets / "vocab.json.gz").read_bytes()))
-    (tmp_path / "merges.txt").write_bytes(gzip.decompress((assets / "merges.txt.gz").read_bytes()))
-    tok = GPT2Tokenizer(str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"))
+    tok = gpt2_tokenizer(tmp_path)
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)

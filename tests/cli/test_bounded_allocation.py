@@ -4,7 +4,6 @@ anything is built; corpora that are not regular files (/dev/zero) are refused. O
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import string
@@ -14,42 +13,19 @@ import pytest
 import torch
 
 from fastweights.cli import main
+from helpers import resign_manifest, stderr_text, untrained_char_checkpoint
 
 
 def _err_line(capsys) -> str:
-    err = capsys.readouterr().err.strip()
-    assert "Traceback" not in err
+    err = stderr_text(capsys)
     return err.splitlines()[-1] if err else ""
-
-
-def _resign(d) -> None:
-    """Rewrite checkpoint.json's sizes and hashes (what an attacker who edits a run directory does)."""
-    m = json.loads((d / "checkpoint.json").read_text())
-    for name in m["files"]:
-        data = (d / name).read_bytes()
-        m["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (d / "checkpoint.json").write_text(json.dumps(m))
 
 
 @pytest.fixture(scope="module")
 def printable_checkpoint(tmp_path_factory):
     """An untrained char checkpoint whose vocabulary holds every printable character (NIAH needles encode)."""
-    from fastweights.checkpoints.format import save_model
-    from fastweights.core.config import ModelConfig, RunConfig
-    from fastweights.data import CharTokenizer
-    from fastweights.models.lm import LanguageModel
-
     d = tmp_path_factory.mktemp("printable")
-    text = string.printable * 20
-    (d / "corpus.txt").write_text(text)
-    tok = CharTokenizer.from_text(text)
-    cfg = RunConfig()
-    cfg.model = ModelConfig(vocab_size=tok.vocab_size, d_model=16, n_layers=2, n_heads=2)
-    cfg.data.corpus = str(d / "corpus.txt")
-    cfg.train.seq_len = 32
-    torch.manual_seed(0)
-    save_model(LanguageModel(cfg.model), d / "ckpt", cfg, tok)
-    return d / "ckpt"
+    return untrained_char_checkpoint(d, string.printable * 20, d / "ckpt")
 
 
 def test_config_shapes_checked_against_the_header_before_allocating(printable_checkpoint, tmp_path, capsys,
@@ -61,7 +37,7 @@ def test_config_shapes_checked_against_the_header_before_allocating(printable_ch
     cfg = json.loads((d / "config.json").read_text())
     cfg["model"]["vocab_size"] = 20_000_000  # 2.7 GB of embeddings if built before the check
     (d / "config.json").write_text(json.dumps(cfg))
-    _resign(d)
+    resign_manifest(d)
     built = []
     init = LanguageModel.__init__
 

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from fastweights.cli import main
+from helpers import stderr_text
 from fastweights.core.errors import UserError, non_finite_score, refuse_non_finite
 
 DIVERGE = ["--lr", "1e30", "--quiet"]
@@ -21,8 +22,8 @@ def doc(tmp_path_factory):
 
 
 def _one_line(capsys) -> str:
-    err = capsys.readouterr().err.strip()
-    assert "Traceback" not in err and err.count("\n") == 0, err
+    err = stderr_text(capsys)
+    assert err.count("\n") == 0, err
     return err
 
 

@@ -9,16 +9,13 @@ import numpy as np
 import pytest
 
 from fastweights.cli import main
+from helpers import stderr_text, tiny_training_run
 
 TINY = ["--preset", "tiny", "--quiet"]
-SHORT = [*TINY, "--set", "train.max_steps=6", "--set", "train.eval_every=0"]
-
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("surprises") / "run"
-    assert main(["train", *SHORT, "--out", str(out)]) == 0
-    return out
+    return tiny_training_run(tmp_path_factory.mktemp("surprises") / "run", steps=6)
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +25,7 @@ def doc(tmp_path_factory):
     return str(path)
 
 
-def _err(capsys) -> str:
-    err = capsys.readouterr().err.strip()
-    assert "Traceback" not in err
-    return err
+_err = stderr_text
 
 
 def test_warmup_longer_than_the_run_is_warned(tmp_path, capsys):

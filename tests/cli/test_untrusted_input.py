@@ -12,16 +12,13 @@ import shutil
 import pytest
 
 from fastweights.cli import main
+from helpers import gpt2_tokenizer, resign_manifest, tiny_training_run
 
-TINY = ["--preset", "tiny", "--quiet"]
-SHORT = [*TINY, "--set", "train.max_steps=4", "--set", "train.eval_every=0"]
-
+SHORT = ["--preset", "tiny", "--quiet", "--set", "train.max_steps=4", "--set", "train.eval_every=0"]
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("untrusted") / "run"
-    assert main(["train", *SHORT, "--out", str(out)]) == 0
-    return out
+    return tiny_training_run(tmp_path_factory.mktemp("untrusted") / "run", steps=4)
 
 
 def _err_line(capsys) -> str:
@@ -68,16 +65,10 @@ def test_atomic_write_replaces_a_planted_temporary_link(tmp_path):
 
 def _gpt2_dir(tmp_path, name="m", **save):
     """A tiny random GPT-2 directory with the gpt2 tokenizer (no downloads)."""
-    import gzip
-    from importlib import resources
-
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, GPT2Tokenizer
+    from transformers import GPT2Config, GPT2LMHeadModel
 
-    assets = resources.files("fastweights") / "data" / "assets" / "gpt2"
-    (tmp_path / "vocab.json").write_bytes(gzip.decompress((assets / "vocab.json.gz").read_bytes()))
-    (tmp_path / "merges.txt").write_bytes(gzip.decompress((assets / "merges.txt.gz").read_bytes()))
-    tok = GPT2Tokenizer(str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"))
+    tok = gpt2_tokenizer(tmp_path)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=len(tok), n_positions=64))
     return model, tok, tmp_path / name
@@ -180,16 +171,6 @@ def test_hf_unknown_hub_name_offline_fails_fast(doc, capsys, monkeypatch):
 # ----------------------------------------------------------------------------- tokenizer.json
 
 
-def _resign(d) -> None:
-    import hashlib
-
-    m = json.loads((d / "checkpoint.json").read_text())
-    for name in m["files"]:
-        data = (d / name).read_bytes()
-        m["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (d / "checkpoint.json").write_text(json.dumps(m))
-
-
 @pytest.fixture(scope="module")
 def gpt2_checkpoint(tmp_path_factory):
     import torch
@@ -215,7 +196,7 @@ def test_tokenizer_files_outside_the_checkpoint_are_refused(gpt2_checkpoint, tmp
     meta = json.loads((d / "tokenizer.json").read_text())
     meta["files"] = {"vocab": vocab, "merges": "merges.txt"}
     (d / "tokenizer.json").write_text(json.dumps(meta))
-    _resign(d)
+    resign_manifest(d)
     assert main(["generate", "--checkpoint", str(d), "--prompt", "hi", "--max-tokens", "1"]) == 2
     line = _err_line(capsys)
     assert "not a file beside tokenizer.json" in line and str(d) in line
@@ -225,7 +206,7 @@ def test_a_malformed_tokenizer_json_is_reported_under_the_checkpoint(gpt2_checkp
     d = tmp_path / "ckpt"
     shutil.copytree(gpt2_checkpoint, d)
     (d / "tokenizer.json").write_text("{ not json")
-    _resign(d)
+    resign_manifest(d)
     assert main(["generate", "--checkpoint", str(d), "--prompt", "hi", "--max-tokens", "1"]) == 2
     line = _err_line(capsys)
     assert f"{d}/tokenizer.json is corrupt" in line and "/tmp/tmp" not in line.replace(str(d), "")
