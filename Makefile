@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python -m fastweights demo --out runs/demo
 
+# one worker per core (pytest-xdist): the tests run single-threaded, so two cores take about half the time
 test: $(STAMP)
-	$(BIN)/python -m pytest --timeout=600 --durations=10 tests
+	$(BIN)/python -m pytest -n auto --timeout=600 --durations=10 tests
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/train_throughput.py

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fastweights.core.errors import UserError
-from fastweights.cli import build_parser
+from fastweights.cli import main
 from fastweights.tasks.assoc import (
     AssocConfig,
     AssocData,
@@ -136,14 +136,12 @@ def test_parsers():
 
 
 def test_cli_json_and_plot(tmp_path, capsys):
-    parser = build_parser()
     out, plot = tmp_path / "r.json", tmp_path / "cap.png"
-    args = parser.parse_args([
+    assert main([
         "task", "assoc", "--setting", "2", "--keys", "4,6", "--model", "sum:elu1", "--model", "delta:dpfp1",
         "--max-steps", "20", "--eval-every", "10", "--eval-sequences", "2", "--json", "--quiet",
         "--out", str(out), "--plot", str(plot),
-    ])
-    assert args.func(args) == 0
+    ]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert [(r["label"], r["keys"]) for r in printed] == [("sum/elu1", 4), ("sum/elu1", 6),
                                                           ("delta/dpfp1", 4), ("delta/dpfp1", 6)]
