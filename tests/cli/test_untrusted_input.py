@@ -139,7 +139,7 @@ def test_hf_remote_code_never_runs(tmp_path, doc, capsys):
     assert not marker.exists()
 
 
-def test_hf_export_loads_through_our_classes_without_remote_code(tiny_run, tmp_path, doc, capsys, monkeypatch):
+def test_export_hf_loads_through_our_classes_without_remote_code(tiny_run, tmp_path, doc, capsys, monkeypatch):
     pytest.importorskip("transformers")
     import transformers.dynamic_module_utils as dmu
 
