@@ -37,6 +37,20 @@ def command_line(argv: list[str] | None = None, program: str | None = None) -> s
     return _provenance.command_line(REPO, argv, program)
 
 
+def command_line_without(argv: list[str], flag: str) -> str:
+    """:func:`command_line` of this script with ``argv`` less the option ``flag`` and its value (a device run's
+    output folder: the recorded command is the one that writes the stored file)."""
+    words, skip = [], False
+    for w in argv:
+        if skip:
+            skip = False
+        elif w == flag:
+            skip = True
+        elif not w.startswith(flag + "="):
+            words.append(w)
+    return command_line([sys.argv[0], *words])
+
+
 def git_state() -> dict:
     """The commit this repository is at and the tracked paths that differ from it."""
     return _provenance.git_state(REPO)

@@ -492,19 +492,6 @@ def parse_args(argv):
     return a
 
 
-def recorded_command(argv: list[str]) -> str:
-    """The command as a user would type it to write the stored file: ``--out-dir`` left out."""
-    words, skip = [], False
-    for w in argv:
-        if skip:
-            skip = False
-        elif w == "--out-dir":
-            skip = True
-        elif not w.startswith("--out-dir="):
-            words.append(w)
-    return common.command_line([sys.argv[0], *words])
-
-
 def probe_specs() -> list[dict]:
     """The behaviour probes of the code this benchmark measures (see benchmarks/common.py)."""
     return probes.registry_probes() + [s for p in PRESETS for s in probes.preset_probes(p)]
@@ -538,7 +525,7 @@ def main(argv=None) -> int:
                        f"(the copy's own git said {git.get('commit')})"}
     rec = {
         **common.provenance(),
-        "command": recorded_command(argv),
+        "command": common.command_line_without(argv, "--out-dir"),
         "git": git,
         "device": name,
         "quick": a.quick,

@@ -451,25 +451,13 @@ def parse_args(argv):
     return a
 
 
-def recorded_command(argv: list[str]) -> str:
-    words, skip = [], False
-    for w in argv:
-        if skip:
-            skip = False
-        elif w == "--out":
-            skip = True
-        elif not w.startswith("--out="):
-            words.append(w)
-    return common.command_line([sys.argv[0], *words])
-
-
 def probe_specs() -> list[dict]:
     """The behaviour probes of the code this benchmark measures (see benchmarks/common.py)."""
-    try:
-        from fastweights.experiments import probes
-    except ImportError:
-        return []
+    from fastweights.experiments import probes
+
+    # the kernels, and the hybrids' parts: gdn and attention mixers, the FwPKM memory at the paper's options
     return [probes.probe("ops", op="delta_rule"), probes.probe("ops", op="gated_delta_rule"),
+            probes.probe("layer", role="mixer", name="gdn"), probes.probe("layer", role="mixer", name="attention"),
             probes.probe("layer", role="memory", name="fwpkm", options=dict(PAPER_FWPKM))]
 
 
@@ -480,7 +468,7 @@ def provenance_record(argv) -> dict:
         from fastweights.core import provenance as prov
 
         rec = {**prov.provenance(common.REPO), "provenance_error": err_text(e)}
-    rec["command"] = recorded_command(argv)
+    rec["command"] = common.command_line_without(argv, "--out")
     if os.environ.get("FASTWEIGHTS_GIT_COMMIT"):
         rec["git"] = {"commit": os.environ["FASTWEIGHTS_GIT_COMMIT"], "dirty": None, "dirty_paths": [],
                       "note": "named by FASTWEIGHTS_GIT_COMMIT: the run used a copy of the working tree at this "
