@@ -9,7 +9,14 @@ Every component follows the explicit-state protocol::
     logits, state = head(h, tokens, state)     # heads: h [B, T, C], tokens [B, T] -> logits [B, T, V]
 
 ``state=None`` means fresh; passing the returned state back continues the sequence exactly, so one call
-over a text equals the same text in pieces. What else a component may offer is declared below as
+over a text equals the same text in pieces.
+
+Padding (issue 33): every registered mixer, memory and head also takes ``attention_mask`` [B, T] (bool or
+0/1; 1 = a real token, 0 = padding) as a keyword, ``part(x, state, attention_mask=mask)``; the model passes
+it only when some entry is 0 (:func:`call_part`), so a call without padding runs the code it always ran. A
+masked position is never written into any fast weight, memory, KV cache or recurrent state, moves no
+normaliser and no position counter, and its output is ignored: each row's real tokens get exactly what they
+get alone (``tests/contracts/test_padding.py``). Each component's file says how it does so. What else a component may offer is declared below as
 Protocols and checked with ``isinstance`` (never by probing attribute names):
 
     Memory        ``placement`` = "before_mixer" | "replace_mlp" (where the block puts it)
@@ -236,6 +243,23 @@ def build(kind: str, entry: Entry, options, *, d_model: int, n_heads: int, vocab
     kwargs = {"mixer": {"n_heads": n_heads}, "head": {"vocab_size": vocab_size}, "memory": {}}[kind]
     kwargs = {"d_model": d_model, **kwargs, **({} if options is None else {"options": options})}
     return entry.cls(**kwargs)
+
+
+def call_part(part, *args, attention_mask: Tensor | None = None):
+    """``part(*args)``, with ``attention_mask=`` passed only when given: a part written before masks existed (a
+    user's toy mixer) still runs unpadded batches, and one given padding it cannot take fails naming itself."""
+    if attention_mask is None:
+        return part(*args)
+    try:
+        import inspect
+
+        params = inspect.signature(part.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a builtin forward
+        params = {}
+    if "attention_mask" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        raise UserError(f"{type(part).__name__} does not take an attention_mask, so it cannot read a padded batch; "
+                        "use prompts of equal length")
+    return part(*args, attention_mask=attention_mask)
 
 
 def state_floats(kind: str, name: str, raw: dict | None, *, d_model: int, n_heads: int, vocab_size: int,

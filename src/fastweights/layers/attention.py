@@ -8,6 +8,14 @@ State (the "fast weights" of softmax attention are its KV cache):
     {"k": [B, H, L, D], "v": [B, H, L, D], "pos": int}
 where pos is the absolute position of the next token and L the cached length (at most W - 1 with a
 window, so memory stays constant when streaming).
+
+Padding (``attention_mask`` [B, T], 0 = padding): a padded key is never attended to, now or later (the
+state then also holds "mask" [B, L], which cached keys are real, kept from then on, trimmed with the cache),
+and each row's rotary positions count its real tokens only ("pos" becomes a [B] tensor of per-row
+positions), so a row's queries see exactly the keys, at the relative positions, that they see alone. The
+sliding window counts cached entries: exact for padding in front of a row's tokens (left padding, as in
+batched generation; the window then never reaches past the padding into real keys it would skip); padding
+between real tokens would take window slots.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastweights.components import register_mixer
-from fastweights.layers.common import RotaryEmbedding
+from fastweights.layers.common import RotaryEmbedding, real_positions
 
 
 @dataclass
@@ -55,14 +63,17 @@ class CausalSelfAttention(nn.Module):
         self.out.is_residual_proj = True
         self.rope = RotaryEmbedding(self.head_dim, options.rope_base)
 
-    def forward(self, x: torch.Tensor, state: dict | None = None):
+    def forward(self, x: torch.Tensor, state: dict | None = None, attention_mask: torch.Tensor | None = None):
         B, T, _ = x.shape
         H, D = self.n_heads, self.head_dim
         pos = state["pos"] if state is not None else 0
+        key_mask = state.get("mask") if state is not None else None  # [B, L] real cached keys, once padded
         qkv = self.qkv(x).view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)  # [3, B, H, T, D]
         # unbind rather than indexing: its backward is one stack, where each index's backward
         # zero-fills a tensor the size of qkv (~8% of a CPU training step)
         q, k, v = qkv.unbind(0)
+        if attention_mask is not None or key_mask is not None or isinstance(pos, torch.Tensor):
+            return self._forward_padded(q, k, v, state, attention_mask, key_mask, pos)
         q, k = self.rope(q, pos), self.rope(k, pos)
 
         if state is not None and state["k"].shape[2] > 0:
@@ -90,11 +101,45 @@ class CausalSelfAttention(nn.Module):
         }
         return self.out(o), new_state
 
+    def _forward_padded(self, q, k, v, state, mask, key_mask, pos):
+        """The forward of a padded call, or of one continuing a state a padded call returned (see the module
+        docstring): per-row positions, padded keys never attended to."""
+        B, H, T, D = q.shape
+        if mask is None:
+            mask = torch.ones(B, T, dtype=torch.bool, device=q.device)
+        positions = real_positions(mask, pos)  # [B, T]
+        q, k = self.rope(q, positions), self.rope(k, positions)
+        L = 0
+        if state is not None and state["k"].shape[2] > 0:
+            L = state["k"].shape[2]
+            k = torch.cat([state["k"], k], dim=2)
+            v = torch.cat([state["v"], v], dim=2)
+            if key_mask is None:
+                key_mask = torch.ones(B, L, dtype=torch.bool, device=q.device)
+        key_mask = mask if L == 0 else torch.cat([key_mask, mask], dim=1)  # [B, L + T]
+        qi = torch.arange(T, device=q.device)[:, None] + L
+        kj = torch.arange(L + T, device=q.device)[None, :]
+        allowed = kj <= qi
+        if self.window:
+            allowed = allowed & (kj > qi - self.window)
+        allowed = allowed.unsqueeze(0) & key_mask.unsqueeze(1)  # [B, T, L + T]
+        # a padded query may see no key at all (softmax of nothing is NaN): let it see itself; never read
+        allowed = allowed | ((kj == qi).unsqueeze(0) & ~mask.unsqueeze(-1))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.unsqueeze(1))
+        o = o.transpose(1, 2).reshape(B, T, H * D)
+        keep = self.window - 1 if self.window else k.shape[2]
+        cut = k.shape[2] - keep if keep > 0 else k.shape[2]
+        new_state = {"k": k[:, :, cut:], "v": v[:, :, cut:], "mask": key_mask[:, cut:],
+                     "pos": (torch.as_tensor(pos, device=q.device) + mask.sum(1)).long().expand(B).clone()}
+        return self.out(o), new_state
+
     @staticmethod
     def trim_state(state: dict, keep: int) -> dict:
         """Keep only the last ``keep`` cached keys/values (bounded context when streaming)."""
         if state["k"].shape[2] <= keep:
             return state
-        return {"k": state["k"][:, :, -keep:] if keep else state["k"][:, :, :0],
-                "v": state["v"][:, :, -keep:] if keep else state["v"][:, :, :0],
-                "pos": state["pos"]}
+        trimmed = {**state, "k": state["k"][:, :, -keep:] if keep else state["k"][:, :, :0],
+                   "v": state["v"][:, :, -keep:] if keep else state["v"][:, :, :0]}
+        if "mask" in state:
+            trimmed["mask"] = state["mask"][:, -keep:] if keep else state["mask"][:, :0]
+        return trimmed

@@ -1,4 +1,6 @@
-"""Building blocks shared by the model and the mechanisms: RMSNorm, SwiGLU MLP, rotary embeddings, short causal convolution."""
+"""Building blocks shared by the model and the mechanisms: RMSNorm, SwiGLU MLP, rotary embeddings, short causal
+convolution, and what padding (an ``attention_mask``, issue 33) needs: each row's real positions, a
+convolution that skips padding, and running a part row by row on each row's real tokens."""
 
 from __future__ import annotations
 
@@ -92,12 +94,17 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """x: [..., T, D] -> same shape, rotated for positions start..start+T-1."""
+    def forward(self, x: torch.Tensor, start: int | torch.Tensor) -> torch.Tensor:
+        """x: [..., T, D] -> same shape, rotated for positions start..start+T-1; or, with ``start`` a tensor of
+        positions [B, T] (each row's own, as under padding), x [B, H, T, D] rotated for those."""
         T, D = x.shape[-2], x.shape[-1]
-        t = torch.arange(start, start + T, device=x.device, dtype=torch.float32)
         compute = torch.float64 if x.dtype == torch.float64 else torch.float32  # no complex bf16
-        angles = torch.outer(t, self.inv_freq).to(compute)  # [T, D/2]
+        if isinstance(start, torch.Tensor):  # per-row positions [B, T]
+            t = start.to(device=x.device, dtype=torch.float32)
+            angles = (t.unsqueeze(-1) * self.inv_freq).to(compute).unsqueeze(1)  # [B, 1, T, D/2]
+        else:
+            t = torch.arange(start, start + T, device=x.device, dtype=torch.float32)
+            angles = torch.outer(t, self.inv_freq).to(compute)  # [T, D/2]
         rotation = torch.polar(torch.ones_like(angles), angles)  # complex64 / complex128
         xc = x.to(compute)
         if xc.stride(-1) != 1 or any(s % 2 for s in xc.stride()[:-1]):
@@ -106,15 +113,62 @@ class RotaryEmbedding(nn.Module):
         return torch.view_as_real(z * rotation).flatten(-2).to(x.dtype)  # [..., T, D/2, 2] -> [..., T, D]
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def real_positions(mask: torch.Tensor, start) -> torch.Tensor:
+    """Each real token's position in its row's stream, ``[B, T]`` long: ``start`` (an int or ``[B]``, the
+    row's tokens before this call) plus the real tokens before it in the call; a padded position gets the
+    position of the next real token (it is never read)."""
+    before = torch.cumsum(mask.long(), 1) - mask.long()
+    start = torch.as_tensor(start, device=mask.device).long()
+    return before + (start.view(-1, 1) if start.dim() else start)
+
+
+def compact_real(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's real entries moved to the end of the row, in order, padding (zeroed) in front:
+    ``(x' [B, T, ...], index [B, T])`` with ``x'[b, j] = x[b, index[b, j]]``. For a left-padded row this is the
+    row itself with its padding zeroed. The real token at ``i`` lands at ``T - n_b + (real tokens before
+    i)``; :func:`uncompact` puts values of those slots back at the real positions."""
+    order = torch.argsort(mask.to(torch.int8), dim=1, stable=True)  # padding first, then the real ones in order
+    keep = mask.gather(1, order)
+    idx = order.view(*order.shape, *([1] * (x.dim() - 2))).expand_as(x)
+    return x.gather(1, idx) * keep.view(*keep.shape, *([1] * (x.dim() - 2))).to(x.dtype), order
+
+
+def uncompact(y: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`compact_real`'s move: ``out[b, order[b, j]] = y[b, j]``."""
+    idx = order.view(*order.shape, *([1] * (y.dim() - 2))).expand_as(y)
+    return torch.empty_like(y).scatter(1, idx, y)
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor | None,
+                  mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal depthwise convolution ``y_t = sum_{i<W} weight[:, 0, W-1-i] * x_{t-i}`` of ``x [B, T, D]``.
 
     ``weight [D, 1, W]``; ``cache [B, W-1, D]`` holds the W - 1 inputs before ``x`` (None: zeros, the
     start of a sequence). Returns ``(y [B, T, D], new cache [B, W-1, D])``, so one call equals several.
+
+    ``mask`` [B, T] (True = real token; None = all real): the window of a real token spans the W - 1 real
+    inputs before it (the cache, then the row's earlier real tokens), as if the padding were not there; the
+    new cache holds the last real inputs. Done by moving each row's real inputs to the end of the row
+    (:func:`compact_real`), so a left-padded row is convolved as it stands; outputs at padding are zero.
     """
     width = weight.shape[-1]
     if cache is None:
         cache = x.new_zeros(x.shape[0], width - 1, x.shape[2])
+    if mask is not None:
+        # padding moved in front of the cache: it slides out of every real token's window (zeros in front
+        # of a fresh cache's zeros are what an unpadded row starts with)
+        xc, order = compact_real(x, mask)
+        pad = (~mask).sum(1)  # [B]
+        ext = torch.cat([cache.to(x.dtype), xc], dim=1)  # [B, W-1+T, D]: cache, zeroed padding, real inputs
+        T, n = x.shape[1], width - 1
+        j = torch.arange(n + T, device=x.device).unsqueeze(0)  # [1, W-1+T]
+        # the padding (at n..n+pad) goes in front: position j reads ext[j - pad] past the padding, zeros before
+        src = torch.where(j < pad.unsqueeze(1), j, torch.where(j < n + pad.unsqueeze(1), j - pad.unsqueeze(1), j))
+        ext = ext.gather(1, src.unsqueeze(-1).expand(-1, -1, x.shape[2]))
+        ext = ext * (j >= pad.unsqueeze(1)).unsqueeze(-1).to(ext.dtype)
+        y = F.conv1d(ext.transpose(1, 2), weight.to(x.dtype), groups=x.shape[2]).transpose(1, 2)
+        y = uncompact(y, order) * mask.unsqueeze(-1).to(y.dtype)
+        return y, ext[:, ext.shape[1] - n :]
     ext = torch.cat([cache.to(x.dtype), x], dim=1)  # [B, W-1+T, D]
     y = F.conv1d(ext.transpose(1, 2), weight.to(x.dtype), groups=x.shape[2])  # [B, D, T]
     return y.transpose(1, 2), ext[:, ext.shape[1] - (width - 1) :]
@@ -136,6 +190,27 @@ class ShortConv(nn.Module):
         self.weight = nn.Parameter(torch.empty(d_model, 1, width))
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)  # nn.Conv1d's default init
 
-    def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [B, T, D]`` -> (the conv's output ``[B, T, D]`` to add to the stream, new cache)."""
-        return causal_conv1d(x, self.weight, cache)
+    def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [B, T, D]`` -> (the conv's output ``[B, T, D]`` to add to the stream, new cache); padding
+        (``attention_mask`` 0) is skipped, see :func:`causal_conv1d`."""
+        return causal_conv1d(x, self.weight, cache, attention_mask)
+
+
+def per_row(run, x: torch.Tensor, mask: torch.Tensor, states: list) -> tuple[torch.Tensor, list]:
+    """``run(x_b [1, n_b, C], state_b) -> (y_b [1, n_b, C'], state_b')`` on each row's real tokens alone (``mask``
+    [B, T], True = real): ``(y [B, T, C'] with zeros at padding, [state_b', ...])``. The exact way to pad a part
+    whose positions or chunks cannot be shifted per row in one batched call (a row without real tokens
+    keeps its state)."""
+    ys, new_states = None, []
+    for b in range(x.shape[0]):
+        real = mask[b].nonzero().squeeze(1)
+        if real.numel() == 0:
+            new_states.append(states[b])
+            continue
+        y_b, s_b = run(x[b:b + 1, real], states[b])
+        if ys is None:
+            ys = y_b.new_zeros(x.shape[0], x.shape[1], *y_b.shape[2:])
+        ys[b, real] = y_b[0]
+        new_states.append(s_b)
+    return (x.new_zeros(x.shape) if ys is None else ys), new_states

@@ -22,6 +22,11 @@ Two read forms of the same model (``read`` option): ``matrix``, the explicit A u
 ``attention``, which never materialises A. Their functional forms, the reference written from the
 equations above and the hand-written backward passes are in :mod:`fastweights.ops.fast_rnn`; this file
 holds the module: state, options and the mixer.
+
+Padding (``attention_mask`` [B, T], 0 = padding): a padded call runs each row's real tokens alone from
+that row's state (``layers.common.per_row``), so a padded step neither moves h nor is written into A nor
+counts in the decay lam^(t-s); its output is zero. The rows' histories then have different lengths, so each
+is folded into its A (the same memory, :func:`~fastweights.ops.fast_rnn.fold_history`) to make one state.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from torch import Tensor, nn
 
 from fastweights.components import register_mixer
 from fastweights.core.errors import UserError
+from fastweights.layers.common import per_row
 from fastweights.ops.fast_rnn import fast_rnn_attention, fast_rnn_reference, fold_history
 from fastweights.ops.linear_attention import no_autocast
 
@@ -196,6 +202,30 @@ class FastRNNMixer(nn.Module):
         self.out_proj = nn.Linear(self.rnn.hidden, d_model, bias=False)
         self.out_proj.is_residual_proj = True  # scaled init in LanguageModel, like the attention output
 
-    def forward(self, x: Tensor, state: FastRNNState | None = None) -> tuple[Tensor, FastRNNState]:
-        hs, state = self.rnn(x, state)
+    def forward(self, x: Tensor, state: FastRNNState | None = None,
+                attention_mask: Tensor | None = None) -> tuple[Tensor, FastRNNState]:
+        if attention_mask is not None:
+            hs, state = self._padded(x, state, attention_mask)
+        else:
+            hs, state = self.rnn(x, state)
         return self.out_proj(hs.to(x.dtype)), state
+
+    def _padded(self, x: Tensor, state: FastRNNState | None, mask: Tensor) -> tuple[Tensor, FastRNNState | None]:
+        """Each row's real tokens alone (see the module docstring); the rows' states joined, histories folded."""
+        rnn = self.rnn
+
+        def row(s: FastRNNState | None, b: int) -> FastRNNState | None:
+            return None if s is None else FastRNNState(*(None if t is None else t[b:b + 1] for t in s))
+
+        hs, rows = per_row(rnn, x, mask, [row(state, b) for b in range(x.shape[0])])
+        if all(r is None for r in rows):
+            return hs, None
+        ref = next(r for r in rows if r is not None).h
+        h = torch.cat([ref.new_zeros(1, rnn.hidden) if r is None else r.h for r in rows])
+        if not rnn.fast_weights:
+            return hs, FastRNNState(h, None, None)
+        As = [None if r is None else fold_history(r.A, r.history, rnn.lam, rnn.eta) for r in rows]
+        if all(a is None for a in As):
+            return hs, FastRNNState(h, None, None)
+        zero = ref.new_zeros(1, rnn.hidden, rnn.hidden)
+        return hs, FastRNNState(h, torch.cat([zero if a is None else a for a in As]), None)

@@ -33,6 +33,12 @@ and the decay are computed in fp32 (as everywhere here) and q, k, v, beta are ca
 dtype right before the kernel, the fast weight S staying fp32; where fla refuses the gated backward
 (Hopper with Triton < 3.7.1) training runs the chunkwise form compiled with torch.compile.
 
+Padding (``attention_mask`` [B, T], 0 = padding): a padded step leaves the state as it was: its key
+feature phi_k is zeroed (no write, the normaliser z does not move; the sum rule's S + phi_k v^T and the
+delta rule's S + beta phi_k (v - S^T phi_k)^T are then S), its beta is 0 (the gated rule's (1 - beta) S
++ beta ... is S) and its log decay 0 (a decay of 1). The rules have no positions, so nothing else changes;
+a padded step's read is ignored.
+
 FAVOR+'s random matrix is a buffer (saved with the model); with ``redraw=True`` it is redrawn at each
 training forward (as lmtool-fwp), never at evaluation, so streaming evaluation stays consistent.
 """
@@ -187,8 +193,10 @@ class FastWeightProgrammer(nn.Module):
             phi = F.normalize(phi, dim=-1, eps=1e-6)
         return phi
 
-    def forward(self, x: torch.Tensor, state: dict | None = None) -> tuple[torch.Tensor, dict]:
-        """``x [B, T, d_model]``, ``state`` None (fresh) or the dict returned by the previous call."""
+    def forward(self, x: torch.Tensor, state: dict | None = None,
+                attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        """``x [B, T, d_model]``, ``state`` None (fresh) or the dict returned by the previous call;
+        ``attention_mask`` [B, T] (0 = padding, never written; see the module docstring)."""
         opt = self.options
         b, t, _ = x.shape
         h, d = self.n_heads, self.head_dim
@@ -199,6 +207,9 @@ class FastWeightProgrammer(nn.Module):
         proj = self.qkv(x).view(b, t, h, 3 * d + self.n_scalars)  # [B, T, H, 3d + scalars]
         q, k, v = proj[..., :d], proj[..., d : 2 * d], proj[..., 2 * d : 3 * d]  # [B, T, H, d] each
         phi_q, phi_k = self._phi(q), self._phi(k)  # [B, T, H, d_dot], fp32
+        real = None if attention_mask is None else attention_mask.view(b, t, 1)  # [B, T, 1] bool
+        if real is not None:
+            phi_k = phi_k * real.unsqueeze(-1).to(phi_k.dtype)  # a padded step writes nothing
         s0 = state["S"]
         if opt.rule == "sum":
             if opt.normalize:
@@ -215,6 +226,8 @@ class FastWeightProgrammer(nn.Module):
                 new_state = {"S": s}
         else:
             beta = torch.sigmoid(proj[..., 3 * d].to(phi_k.dtype))  # [B, T, H]
+            if real is not None:
+                beta = beta * real.to(beta.dtype)
             if opt.rule == "gated":
                 o, s = gated_rule(
                     phi_q, phi_k, v, beta, scale=d**-0.5, initial_state=s0, output_final_state=True,
@@ -224,6 +237,8 @@ class FastWeightProgrammer(nn.Module):
                 log_decay = None
                 if self.uses_decay:
                     log_decay = gdn_log_decay(proj[..., 3 * d + 1], self.A_log, self.dt_bias)  # [B, T, H]
+                    if real is not None:
+                        log_decay = log_decay * real.to(log_decay.dtype)  # no decay at a padded step
                 o, s = delta_rule(
                     phi_q, phi_k, v, beta, scale=d**-0.5, initial_state=s0, output_final_state=True,
                     log_decay=log_decay, chunk_size=opt.chunk_size, backend=opt.backend,

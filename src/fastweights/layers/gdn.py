@@ -18,6 +18,11 @@ k, v, beta in the autocast dtype (beta and g computed in fp32, g passed in fp32)
 as :mod:`fastweights.ops.fla_backend` describes; where fla refuses the gated backward (Hopper with
 Triton < 3.7.1) training runs the chunkwise form compiled with torch.compile.
 
+Padding (``attention_mask`` [B, T], 0 = padding): a padded step has beta = 0 and log decay 0, so
+S_t = 1 (I - 0) S_{t-1} + 0 = S_{t-1} (no write, no decay); the short convolution skips padding (a real
+token's window spans the real inputs before it, ``layers.common.causal_conv1d``); a padded step's output
+is ignored.
+
 State (dict): "S" [B, H, K, V] fp32 fast weight, and with the short convolution "conv"
 [B, conv_size - 1, 2 H K + H V], the last inputs of the convolution, so that one call equals several.
 """
@@ -112,8 +117,10 @@ class GatedDeltaNet(nn.Module):
             state["conv"] = torch.zeros(batch_size, width, self.qkv_dim, device=device, dtype=dtype)
         return state
 
-    def forward(self, x: torch.Tensor, state: dict | None = None) -> tuple[torch.Tensor, dict]:
-        """``x [B, T, d_model]``, ``state`` None (fresh) or the dict returned by the previous call."""
+    def forward(self, x: torch.Tensor, state: dict | None = None,
+                attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        """``x [B, T, d_model]``, ``state`` None (fresh) or the dict returned by the previous call;
+        ``attention_mask`` [B, T] (0 = padding, never written; see the module docstring)."""
         opt = self.options
         b, t, _ = x.shape
         h = self.n_heads
@@ -122,7 +129,7 @@ class GatedDeltaNet(nn.Module):
         qkv = self.qkv(x)  # [B, T, 2HK + HV]
         new_state = {}
         if opt.use_short_conv:
-            qkv, new_state["conv"] = causal_conv1d(qkv, self.conv_weight, state["conv"])
+            qkv, new_state["conv"] = causal_conv1d(qkv, self.conv_weight, state["conv"], attention_mask)
         qkv = F.silu(qkv)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(b, t, h, self.head_k)  # [B, T, H, K]
@@ -130,6 +137,9 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(b, t, h, self.head_v)  # [B, T, H, V]
         beta = torch.sigmoid(self.b_proj(x).to(compute_dtype(x)))  # [B, T, H]
         log_decay = gdn_log_decay(self.a_proj(x), self.A_log, self.dt_bias)  # [B, T, H]
+        if attention_mask is not None:  # a padded step: no write (beta 0), no decay (log decay 0)
+            real = attention_mask.view(b, t, 1)
+            beta, log_decay = beta * real.to(beta.dtype), log_decay * real.to(log_decay.dtype)
         # q and k are L2-normalised inside the op (in fp32, or inside fla's kernel on CUDA).
         o, new_state["S"] = delta_rule(
             q, k, v, beta, initial_state=state["S"], output_final_state=True, log_decay=log_decay,

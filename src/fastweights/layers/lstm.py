@@ -7,6 +7,10 @@
 
 The recurrence is PyTorch's ``nn.LSTM`` (cuDNN on CUDA, its C++ kernel on CPU); this
 file only adapts it to ``y, state = layer(x, state=None)`` with a batch-first state.
+
+Padding (``attention_mask`` [B, T], 0 = padding): ``nn.LSTM`` has no per-step mask, so a padded call runs
+each row's real tokens alone from that row's state (``layers.common.per_row``): a padded step neither
+moves h and c nor is read; its output is zero.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from torch import Tensor, nn
 
 from fastweights.components import register_mixer
 from fastweights.core.errors import UserError
+from fastweights.layers.common import per_row
 
 
 class LSTMState(NamedTuple):
@@ -98,6 +103,14 @@ class LSTMMixer(nn.Module):
         self.out_proj = nn.Linear(self.rnn.hidden, d_model, bias=False)
         self.out_proj.is_residual_proj = True  # scaled init in LanguageModel, like the attention output
 
-    def forward(self, x: Tensor, state: LSTMState | None = None) -> tuple[Tensor, LSTMState]:
+    def forward(self, x: Tensor, state: LSTMState | None = None,
+                attention_mask: Tensor | None = None) -> tuple[Tensor, LSTMState]:
+        if attention_mask is not None:
+            rows = [None if state is None else LSTMState(state.h[b:b + 1], state.c[b:b + 1])
+                    for b in range(x.shape[0])]
+            hs, rows = per_row(self.rnn, x, attention_mask, rows)
+            zero = x.new_zeros(1, self.rnn.hidden)
+            state = LSTMState(*(torch.cat([zero if r is None else r[i] for r in rows]) for i in range(2)))
+            return self.out_proj(hs.to(x.dtype)), state
         hs, state = self.rnn(x, state)
         return self.out_proj(hs), state

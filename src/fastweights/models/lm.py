@@ -40,6 +40,7 @@ from fastweights.components import (
     Memory,
     TrimsState,
     build_options,
+    call_part,
     lookup,
 )
 
@@ -69,19 +70,24 @@ class Block(nn.Module):
         self.memory_placement = memory.placement if memory is not None else None
         self.memory_norm = RMSNorm(d_model) if self.memory_placement == "before_mixer" else None
 
-    def forward(self, x: torch.Tensor, state: dict | None = None):
+    def forward(self, x: torch.Tensor, state: dict | None = None, attention_mask: torch.Tensor | None = None):
+        """``attention_mask`` [B, T] bool (True = real token) or None (no padding): handed to every part that
+        carries state (the short convolution, the memory, the mixer); the MLP reads each position alone."""
         state = state or {}
         new_state = {}
+        mask = attention_mask
         if self.short_conv is not None:
-            y, new_state["conv"] = self.short_conv(x, state.get("conv"))
+            y, new_state["conv"] = call_part(self.short_conv, x, state.get("conv"), attention_mask=mask)
             x = x + y
         if self.memory_placement == "before_mixer":
-            y, new_state["memory"] = self.memory(self.memory_norm(x), state.get("memory"))
+            y, new_state["memory"] = call_part(self.memory, self.memory_norm(x), state.get("memory"),
+                                               attention_mask=mask)
             x = x + y
-        y, new_state["mixer"] = self.mixer(self.mixer_norm(x), state.get("mixer"))
+        y, new_state["mixer"] = call_part(self.mixer, self.mixer_norm(x), state.get("mixer"), attention_mask=mask)
         x = x + y
         if self.memory_placement == "replace_mlp":
-            y, new_state["memory"] = self.memory(self.mlp_norm(x), state.get("memory"))
+            y, new_state["memory"] = call_part(self.memory, self.mlp_norm(x), state.get("memory"),
+                                               attention_mask=mask)
         else:
             y = self.mlp(self.mlp_norm(x))
         return x + y, new_state
@@ -98,8 +104,8 @@ class LinearHead(nn.Module):
         # wrappers such as FSDP replace parameters after construction
         self.tied_to = [tied_to] if tied_to is not None else None
 
-    def forward(self, h: torch.Tensor, tokens: torch.Tensor | None = None, state=None):
-        w = self.tied_to[0].weight if self.tied_to is not None else self.weight
+    def forward(self, h: torch.Tensor, tokens: torch.Tensor | None = None, state=None, attention_mask=None):
+        w = self.tied_to[0].weight  # position by position: padding changes nothing here if self.tied_to is not None else self.weight
         return F.linear(h, w), None
 
 
@@ -110,7 +116,15 @@ def _layer_state(state: dict | None, i: int):
 class LanguageModel(nn.Module):
     """Decoder-only LM assembled from a :class:`ModelConfig`.
 
-    ``forward(tokens [B, T], state=None, targets=None) -> ModelOutput(logits [B, T, V], loss, state)``
+    ``forward(tokens [B, T], state=None, targets=None, attention_mask=None) -> ModelOutput(logits [B, T, V],
+    loss, state)``
+
+    ``attention_mask`` [B, T] (1 / True = real token, 0 = padding, e.g. a left-padded batch of prompts):
+    every part is handed it (``components.call_part``), and a masked position is written into no state,
+    moves no position and no normaliser, and its logits are meaningless; the real positions of each row
+    get the logits, and the returned state the continuation, that the row's real tokens get alone
+    (``tests/contracts/test_padding.py``). Targets at masked positions are ignored in the loss. A mask
+    without zeros is the same as none (the unpadded code runs).
     """
 
     def __init__(self, config: ModelConfig):
@@ -177,18 +191,23 @@ class LanguageModel(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.embed.weight.numel() if exclude_embedding else n
 
-    def forward(self, tokens: torch.Tensor, state: dict | None = None, targets: torch.Tensor | None = None) -> ModelOutput:
+    def forward(self, tokens: torch.Tensor, state: dict | None = None, targets: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> ModelOutput:
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens.shape)}")
+        mask = padding_mask(attention_mask, tokens.shape)
         x = self.drop(self.embed(tokens))  # [B, T, C]
         layer_states = []
         for i, block in enumerate(self.blocks):
-            x, s = block(x, _layer_state(state, i))
+            x, s = block(x, _layer_state(state, i), attention_mask=mask)
             layer_states.append(s)
         h = self.norm(x)
-        logits, head_state = self.head(h, tokens, state["head"] if state is not None else None)
+        logits, head_state = call_part(self.head, h, tokens, state["head"] if state is not None else None,
+                                       attention_mask=mask)
         loss = None
         if targets is not None:
+            if mask is not None:
+                targets = targets.masked_fill(~mask, -100)
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
         aux = [m.aux_loss for m in self._aux_parts if m.aux_loss is not None]
         aux_loss = torch.stack(aux).sum() if aux else None
@@ -217,6 +236,17 @@ class LanguageModel(nn.Module):
     @classmethod
     def from_pretrained(cls, directory: str | Path, map_location: str = "cpu") -> "LanguageModel":
         return load_model_as(LanguageModel, Path(directory), map_location=map_location)
+
+
+def padding_mask(attention_mask: torch.Tensor | None, shape) -> torch.Tensor | None:
+    """``attention_mask`` [B, T] (1 / True = real token) as a bool tensor, or None when it has no zero (no
+    padding: the unpadded code runs, bit for bit)."""
+    if attention_mask is None:
+        return None
+    if tuple(attention_mask.shape) != tuple(shape):
+        raise ValueError(f"attention_mask must be [B, T] = {tuple(shape)}, got {tuple(attention_mask.shape)}")
+    mask = attention_mask.bool()
+    return None if bool(mask.all()) else mask
 
 
 def model_config_from_json(path: Path) -> ModelConfig:
