@@ -434,3 +434,49 @@ def test_segment_decays_train_only_from_the_third_segment(t, trained):
     grads = [r.grad for r in model.head.decay_logits.values()]
     assert any(g is not None and g.abs().max() > 0 for g in grads) == trained
     assert any("segment decays get no gradient" in str(w.message) for w in caught) == (not trained)
+
+
+@pytest.mark.parametrize("segment_len,start", [(0, 0), (4, 1)])
+def test_residual_branch_equals_reference(segment_len, start):
+    """(h + f(h)) E + c, the head of a pretrained model: the parallel form equals the per-step weights, and
+    the hand-written backward equals autograd (the formulas are unchanged: h does not depend on theta)."""
+    params = random_params(d=4, s=4)
+    steps = random_steps(BLOCK_FAST)
+    decays = {n: torch.tensor(0.5, dtype=DT) for n in BLOCK_FAST}
+    h, labels, w = random_inputs(t=11, d=4)
+    out, slow, _ = fwl_parallel(h, labels, w, params, steps, chunk_size=3, segment_len=segment_len, start=start,
+                                decays=decays, residual=True)
+    ref = fwl_recurrent_reference(h, labels, w, params, steps, segment_len=segment_len, start=start, decays=decays,
+                                  residual=True)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-10)
+    torch.testing.assert_close(slow - slow_pass(h, params).logits, h @ params["E"], rtol=0, atol=1e-10)
+    sp = slow_pass(h, params, residual=True)
+    manual = upstream_grads(sp, params, labels, w, 2.0)
+    auto = upstream_grads_autograd(h, params, labels, w, 2.0, residual=True)
+    for a, b in zip(manual, auto):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_residual_head_on_a_shared_unembedding_starts_as_the_identity():
+    g = torch.Generator().manual_seed(3)
+    out_layer = torch.nn.Linear(6, 9, bias=True).double()
+    # zero gain and zero step sizes: the branch and its update are both zero, the logits the pretrained ones
+    head = FastWeightLayer(6, 9, FWLOptions(residual=True, segment_len=4, step_size_init=0.0),
+                           unembedding=out_layer).double()
+    assert not any(p is out_layer.weight or p is out_layer.bias for p in head.parameters())
+    assert not any(k.startswith(("E", "c", "_shared")) for k in head.state_dict())
+    h = torch.randn(2, 10, 6, generator=g, dtype=DT)
+    tokens = torch.randint(0, 9, (2, 10), generator=g)
+    logits, _ = head(h, tokens)
+    torch.testing.assert_close(logits, out_layer(h), rtol=0, atol=1e-12)
+    with torch.no_grad():  # a step size moves the LN gain and bias even at gain 0 (their gradients do not vanish)
+        head.step_sizes["ln_bias"].fill_(0.3)
+    logits, _ = head(h, tokens)
+    torch.testing.assert_close(logits[:, 0], out_layer(h)[:, 0], rtol=0, atol=1e-12)
+    assert (logits - out_layer(h))[:, 1:].abs().max() > 1e-4
+    assert [n for n, _, _ in FastWeightLayer(6, 9, FWLOptions(residual=True, bias_only=True),
+                                             unembedding=out_layer).fast_parameters()] == ["c"]
+    with pytest.raises(UserError):
+        FastWeightLayer(6, 9, FWLOptions(residual=True, hidden=3))
+    with pytest.raises(UserError):
+        FastWeightLayer(6, 8, FWLOptions(residual=True), unembedding=out_layer)

@@ -25,6 +25,11 @@ batch size, the sequence length or the way a text is cut into calls. ``"fixed"``
 (it couples the rows of a batch and depends on B and T); it keeps the running mean of the training Z in a
 buffer and uses that fixed value in eval mode and generation.
 
+On a pretrained model (``residual=True``, built with the model's output layer as ``unembedding``) the
+head is a residual branch before that shared, slow unembedding: logits = (h + f_theta(h)) E + c with the
+LayerNorm gain starting at 0, so before any training the logits are exactly the pretrained model's
+(``fastweights.hf.fwl_head``).
+
 Segments (the recurrence is in :mod:`fastweights.ops.fwl`): segments of ``segment_len`` absolute
 positions (0 = one endless segment), one learned decay gamma = sigmoid(rho) per fast tensor (initialised
 to 0.9), no gradient into earlier segments with ``stopgrad_segments``. One call over a text equals any
@@ -83,6 +88,7 @@ class FWLOptions:
     chunk_size: int = 256  # calls up to this long: one exact masked block; longer: the chunked op with this chunk
     ln_eps: float = 1e-5  # LayerNorm epsilon, the same in the slow, hand-written backward and fast passes
     init_std: float = 0.05  # kernels ~ init_std * N(0, 1) as fwl/tf/fwl.py; biases 0, LN gain 1
+    residual: bool = False  # logits = (h + f(h)) E + c with the LN gain at 0: starts as the identity (pretrained models)
 
 
 # ----------------------------------------------------------------------------- the head
@@ -102,7 +108,8 @@ class FastWeightLayer(nn.Module):
                      "chunked-path": {"hidden": 4, "segment_len": 5, "chunk_size": 4, "step_size_init": 0.3},
                      "no-segments": {"hidden": 4, "segment_len": 0, "chunk_size": 64, "step_size_init": 0.3},
                      "slow-biases": {"hidden": 4, "segment_len": 5, "fast_biases": False, "step_size_init": 0.3},
-                     "bias-only": {"hidden": 4, "bias_only": True, "step_size_init": 0.3}}
+                     "bias-only": {"hidden": 4, "bias_only": True, "step_size_init": 0.3},
+                     "residual": {"residual": True, "segment_len": 5, "chunk_size": 64, "step_size_init": 0.3}}
     tiny_options = {"segment_len": 4, "chunk_size": 8}
     bounded_variants = {"default": {"hidden": 16}}
 
@@ -115,22 +122,36 @@ class FastWeightLayer(nn.Module):
         per_position = d_model + 2 * e * s + s + 2 * s + ((e + 1) * s if o.fast_biases else 0)
         return {"carried": d_model + seq_len * per_position}
 
-    def __init__(self, d_model: int, vocab_size: int, options: FWLOptions | None = None):
+    def __init__(self, d_model: int, vocab_size: int, options: FWLOptions | None = None,
+                 unembedding: nn.Module | None = None):
         super().__init__()
         opt = options or FWLOptions()
         _validate(opt)
         self.options = opt
         s = opt.hidden or d_model
+        if opt.residual and s != d_model:
+            raise UserError(f"model.options.fwl.residual adds the block's output to its input, so hidden must be 0 "
+                            f"or d_model ({d_model}), got {opt.hidden}")
         wide = opt.expansion * s
         std = opt.init_std
         self.U = nn.Parameter(torch.randn(d_model, wide) * std)
         self.a = nn.Parameter(torch.zeros(wide))
         self.W = nn.Parameter(torch.randn(wide, s) * std)
         self.b = nn.Parameter(torch.zeros(s))
-        self.ln_weight = nn.Parameter(torch.ones(s))
+        # residual: a zero gain makes the branch zero, so the head starts as the identity
+        self.ln_weight = nn.Parameter(torch.zeros(s) if opt.residual else torch.ones(s))
         self.ln_bias = nn.Parameter(torch.zeros(s))
-        self.E = nn.Parameter(torch.randn(s, vocab_size) * std)  # unembedding, not tied to the input embedding
-        self.c = nn.Parameter(torch.zeros(vocab_size))
+        if unembedding is None:
+            self.E = nn.Parameter(torch.randn(s, vocab_size) * std)  # unembedding, not tied to the input embedding
+            self.c = nn.Parameter(torch.zeros(vocab_size))
+            self._shared_unembedding = None
+        else:
+            # a pretrained model's output layer (weight [V, s], bias [V] or None), shared and slow: kept out of
+            # the head's parameters and state dict (its owner, the backbone, saves and moves it)
+            if tuple(unembedding.weight.shape) != (vocab_size, s):
+                raise UserError(f"fwl: the unembedding is {tuple(unembedding.weight.shape)}, expected ({vocab_size}, {s})")
+            object.__setattr__(self, "_shared_unembedding", unembedding)
+            self.register_buffer("zero_bias", torch.zeros(vocab_size), persistent=False)
         if opt.bias_only:
             self.fast_names = ("c",)
         else:
@@ -151,21 +172,29 @@ class FastWeightLayer(nn.Module):
 
     # ------------------------------------------------------------------ parameters
 
+    def unembedding(self) -> tuple[Tensor, Tensor]:
+        """``(E [s, V], c [V])``: the head's own output layer, or the shared pretrained one (E a transposed view)."""
+        if self._shared_unembedding is None:
+            return self.E, self.c
+        lin = self._shared_unembedding
+        return lin.weight.T, (self.zero_bias if lin.bias is None else lin.bias)
+
     def params(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
-        p = {n: getattr(self, n) for n in (*BLOCK_FAST, "E", "c")}
+        p = {n: getattr(self, n) for n in BLOCK_FAST}
+        p["E"], p["c"] = self.unembedding()
         return p if dtype is None else {n: t.to(dtype) for n, t in p.items()}
 
     def current_step_sizes(self) -> dict[str, Tensor]:
         """alpha per fast tensor: the learned ones, or the global test-time step."""
         if self.options.test_time_only:
-            return {n: self.c.new_tensor(self.options.test_time_step_size) for n in self.fast_names}
+            return {n: self.ln_bias.new_tensor(self.options.test_time_step_size) for n in self.fast_names}
         return dict(self.step_sizes.items())
 
     def fast_parameters(self) -> Iterator[tuple[str, nn.Parameter, Tensor]]:
         """Yield ``(name, parameter, step_size)`` for each fast tensor."""
-        steps = self.current_step_sizes()
+        steps, params = self.current_step_sizes(), self.params()
         for n in self.fast_names:
-            yield n, getattr(self, n), steps[n]
+            yield n, params[n], steps[n]
 
     def decays(self) -> dict[str, Tensor]:
         """gamma per fast tensor (segment decay), sigmoid of the learned logits."""
@@ -175,11 +204,11 @@ class FastWeightLayer(nn.Module):
         """Logits ``[B, T, V]`` with the slow weights alone."""
         with no_autocast(h.device):
             cd = torch.float64 if h.dtype == torch.float64 else torch.float32
-            return slow_pass(h.to(cd), self.params(cd), self.options.ln_eps).logits
+            return slow_pass(h.to(cd), self.params(cd), self.options.ln_eps, self.options.residual).logits
 
     def extra_repr(self) -> str:
         o = self.options
-        return (f"d_in={self.U.shape[0]}, hidden={self.W.shape[1]}, vocab={self.E.shape[1]}, "
+        return (f"d_in={self.U.shape[0]}, hidden={self.W.shape[1]}, vocab={self.unembedding()[0].shape[1]}, "
                 f"fast={','.join(self.fast_names)}, segment_len={o.segment_len}, inner_loss_norm={o.inner_loss_norm}")
 
     # ------------------------------------------------------------------ forward
@@ -237,7 +266,7 @@ class FastWeightLayer(nn.Module):
                 {n: a.to(cd) for n, a in self.current_step_sizes().items()},
                 z_norm=self._z_norm(weights), eps=o.ln_eps, chunk_size=o.chunk_size,
                 segment_len=o.segment_len, start=pos - offset, decays=decays, state=deltas,
-                stopgrad_segments=o.stopgrad_segments, first_order=o.first_order,
+                stopgrad_segments=o.stopgrad_segments, first_order=o.first_order, residual=o.residual,
             )
         # The deltas are folded lazily: the state keeps this call's gradient factors ("writes") and the
         # next call adds them (costing K x V per position only when there is a next call).

@@ -8,6 +8,11 @@ The head sits on the backbone's final hidden states h_t (row vectors, width d_in
     f_theta(h) = LayerNorm( ReLU(h U + a)^2 W + b )                 U [d_in, 4s], W [4s, s], gain/bias [s]
     L_t        = (w_t / Z) CE( softmax(f_theta(h_t) E + c), x_{t+1} )   E [s, V], c [V] (unembedding, slow)
 
+On a pretrained model (``residual=True``, s = d_in) the block is a residual branch before the model's own
+unembedding, logits = (h_t + f_theta(h_t)) E + c: with the LayerNorm gain and bias at 0 the head is the
+identity and the logits are the pretrained model's. h does not depend on theta, so the inner-gradient
+formulas below are unchanged (p_s comes from the residual logits).
+
 Slow pass: one forward and one hand-written backward give the per-position upstream gradients
 (column vectors; x^ = normalised LN input, 1/sigma its inverse std):
 
@@ -94,7 +99,7 @@ class Upstream(NamedTuple):
     g1: Tensor | None  # w.r.t. z                   [B, N, 4s]
 
 
-def slow_pass(h: Tensor, params: dict[str, Tensor], eps: float = 1e-5) -> SlowPass:
+def slow_pass(h: Tensor, params: dict[str, Tensor], eps: float = 1e-5, residual: bool = False) -> SlowPass:
     """The block and unembedding with the slow weights.
 
     Args:
@@ -102,6 +107,8 @@ def slow_pass(h: Tensor, params: dict[str, Tensor], eps: float = 1e-5) -> SlowPa
         params: ``U [d_in, 4s]``, ``a [4s]``, ``W [4s, s]``, ``b [s]``, ``ln_weight [s]``, ``ln_bias [s]``,
             ``E [s, V]``, ``c [V]``.
         eps: LayerNorm epsilon.
+        residual: add the input to the block's output before the unembedding, ``(h + y) E + c`` (needs
+            s = d_in); the head of a pretrained model, which starts as the identity when the LN gain is 0.
     """
     z = h @ params["U"] + params["a"]
     r = F.relu(z)
@@ -110,8 +117,10 @@ def slow_pass(h: Tensor, params: dict[str, Tensor], eps: float = 1e-5) -> SlowPa
     var, mean = torch.var_mean(o, -1, unbiased=False, keepdim=True)
     rstd = torch.rsqrt(var + eps)
     xhat = (o - mean) * rstd
-    logits = torch.addmm(params["c"], (xhat * params["ln_weight"] + params["ln_bias"]).flatten(0, -2),
-                         params["E"]).view(*xhat.shape[:-1], -1)
+    y = xhat * params["ln_weight"] + params["ln_bias"]
+    if residual:
+        y = y + h
+    logits = torch.addmm(params["c"], y.flatten(0, -2), params["E"]).view(*xhat.shape[:-1], -1)
     return SlowPass(z, r, u, o, xhat, rstd, logits)
 
 
@@ -143,7 +152,7 @@ def upstream_grads(sp: SlowPass, params: dict[str, Tensor], labels: Tensor, weig
 
 
 def upstream_grads_autograd(h: Tensor, params: dict[str, Tensor], labels: Tensor, weights: Tensor, z_norm,
-                            eps: float = 1e-5) -> Upstream:
+                            eps: float = 1e-5, residual: bool = False) -> Upstream:
     """Reference for :func:`upstream_grads`: autograd of the inner loss w.r.t. zero perturbations.
 
     Zero tensors are added to z, o and the logits, and to a per-position copy of the LN bias;
@@ -160,6 +169,8 @@ def upstream_grads_autograd(h: Tensor, params: dict[str, Tensor], labels: Tensor
         z = h @ params["U"] + params["a"] + dz
         o = F.relu(z).square() @ params["W"] + params["b"] + do
         y = F.layer_norm(o, (s,), eps=eps) * params["ln_weight"] + (params["ln_bias"] + dbias)
+        if residual:
+            y = y + h
         logits = y @ params["E"] + params["c"] + dlogits
         ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(b, n)
         loss = (weights.to(ce.dtype) * ce).sum() / z_norm
@@ -361,6 +372,7 @@ def fwl_parallel(
     stopgrad_segments: bool = True,
     first_order: bool = False,
     upstream: str = "manual",
+    residual: bool = False,
 ) -> tuple[Tensor, Tensor, dict]:
     """FWL logits for every position, in parallel (slow pass, hand-written backward, fast pass).
 
@@ -385,6 +397,8 @@ def fwl_parallel(
         stopgrad_segments: no gradient into earlier segments.
         first_order: treat the inner gradients (keys and values) as constants.
         upstream: ``"manual"`` (hand-written backward) or ``"autograd"`` (the reference).
+        residual: the block's output is added to its input, ``(h + y') E + c`` (see :func:`slow_pass`); the
+            inner-gradient formulas are unchanged (h does not depend on the fast tensors).
 
     Returns:
         ``(logits' [B, N, V], slow logits [B, N, V], writes)``; ``writes[name] = (k or None, v)`` are the
@@ -394,11 +408,11 @@ def fwl_parallel(
     unknown = fast - set(BLOCK_FAST) - {"c"}
     if unknown:
         raise ValueError(f"unknown fast tensors {sorted(unknown)}")
-    sp = slow_pass(h, params, eps)
+    sp = slow_pass(h, params, eps, residual)
     depth = 3 if fast & {"U", "a"} else 2 if fast & {"W", "b"} else 1 if fast & {"ln_weight", "ln_bias"} else 0
     with torch.set_grad_enabled(torch.is_grad_enabled() and not first_order):
         if upstream == "autograd":
-            g = upstream_grads_autograd(h, params, labels, weights, z_norm, eps)
+            g = upstream_grads_autograd(h, params, labels, weights, z_norm, eps, residual)
         elif upstream == "manual":
             g = upstream_grads(sp, params, labels, weights, z_norm, depth)
         else:
@@ -484,7 +498,8 @@ def fwl_parallel(
     if xhat is sp.xhat and "ln_weight" not in fast and "ln_bias" not in fast:
         logits = sp.logits
     else:
-        logits = (xhat * gain + bias) @ params["E"] + params["c"]
+        y = xhat * gain + bias
+        logits = (y + h if residual else y) @ params["E"] + params["c"]
     if "c" in fast:
         logits = logits - vector_term("c")
     return logits, sp.logits, writes
@@ -503,6 +518,7 @@ def fwl_recurrent_reference(
     segment_len: int = 0,
     start: int = 0,
     decays: dict[str, Tensor] | None = None,
+    residual: bool = False,
 ) -> Tensor:
     """Per-step reference, straight from the definition: explicit fast weights, one position at a time.
 
@@ -524,11 +540,11 @@ def fwl_recurrent_reference(
             theta = dict(params)
             for n in fast:
                 theta[n] = params[n] - step_sizes[n] * (base[n] + partial[n])
-            row_out.append(slow_pass(h[row, t].view(1, 1, -1), theta, eps).logits[0, 0])
+            row_out.append(slow_pass(h[row, t].view(1, 1, -1), theta, eps, residual).logits[0, 0])
             with torch.enable_grad():
                 leaves = {n: params[n].detach().requires_grad_(True) for n in fast}
                 theta = {**params, **leaves}
-                logits = slow_pass(h[row, t].view(1, 1, -1).detach(), theta, eps).logits[0, 0]
+                logits = slow_pass(h[row, t].view(1, 1, -1).detach(), theta, eps, residual).logits[0, 0]
                 loss = weights[row, t] * F.cross_entropy(logits[None], labels[row, t].view(1)) / z_norm
                 grads = torch.autograd.grad(loss, [leaves[n] for n in fast])
             partial = {n: partial[n] + gr for n, gr in zip(fast, grads)}
