@@ -39,6 +39,14 @@ State and reset (``persistence``, :data:`PERSISTENCE`):
   never reset (call the layer's ``reset_memory`` to reset it).
 * ``"per_sequence"``: every sequence of the batch has its own fast weights (TTT/LaCT style).
 
+Padding (``attention_mask`` [B, T], 0 = padding; :func:`padded_forward`): a padded position is never read
+into a write (never queued, never a target), and chunks count real tokens only, so each row's writes fall
+where they fall alone. With ``"per_sequence"`` each row's real tokens run alone from the row's own state,
+and the returned state is a :class:`PerRowState` (one state per row; later calls, padded or not, run row by
+row from it). A shared memory (``"stream"``, ``"official"``) is one memory written by the whole batch, so a
+padded row cannot be "alone" in it: padding is accepted where it falls on the same positions in every row
+(e.g. batch 1), which are then left out of the call, and refused otherwise with a one-line error.
+
 The slow references both memories are tested against, written from the equations, are in
 ``layers/fast_memory_reference.py``.
 """
@@ -122,6 +130,41 @@ def call_state(layer, q: torch.Tensor, state):
     return dtype, st
 
 
+def per_row_mask_error(name: str) -> UserError:
+    return UserError(f"{name}: a padded batch whose rows differ needs persistence = \"per_sequence\" (with "
+                     "\"stream\" or \"official\" the batch writes into one shared memory, so no row reads it "
+                     "alone); use prompts of equal length or per_sequence")
+
+
+def padded_forward(layer, x: torch.Tensor, state, mask: torch.Tensor | None):
+    """A fast memory's forward on a padded batch (see the module docstring): ``(y [B, T, d], state)``, zero
+    output at padding. ``mask`` None continues a :class:`PerRowState` row by row."""
+    from fastweights.layers.common import per_row
+
+    B, T = x.shape[:2]
+    name = type(layer).__name__
+    if mask is None:
+        mask = torch.ones(B, T, dtype=torch.bool, device=x.device)
+    if layer.options.persistence == "per_sequence":
+        if state is None:
+            rows = [None] * B
+        elif isinstance(state, PerRowState):
+            if len(state.rows) != B:
+                raise UserError(f"{name} state is for batch size {len(state.rows)}, got input of batch size {B}")
+            rows = list(state.rows)
+        else:
+            raise UserError(f"{name}: padding must start the stream (state=None); this state was read unpadded")
+        y, rows = per_row(lambda xb, sb: layer(xb, sb), x, mask, rows)
+        return y, PerRowState(tuple(rows))
+    if not bool((mask == mask[:1]).all()):
+        raise per_row_mask_error(name.lower())
+    keep = mask[0].nonzero().squeeze(1)
+    y_kept, state = layer(x[:, keep], state)
+    y = y_kept.new_zeros(B, T, y_kept.shape[-1])
+    y[:, keep] = y_kept
+    return y, state
+
+
 def state_pytree(cls):
     """Register a state dataclass as a pytree node (every field a child), so generic state
     utilities such as ``tree_map(detach, state)`` reach the tensors inside it."""
@@ -133,6 +176,23 @@ def state_pytree(cls):
         serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
     )
     return cls
+
+
+@state_pytree
+@dataclass
+class PerRowState:
+    """The state of a per-sequence fast memory after a padded call: each row's own state (batch 1), None for
+    a row that has read nothing yet. Rows have read different numbers of real tokens, so their chunk
+    counters differ and cannot be one batched state."""
+
+    rows: tuple
+
+    @property
+    def batch(self) -> int:
+        return len(self.rows)
+
+    def detach(self) -> "PerRowState":
+        return PerRowState(tuple(None if r is None else r.detach() for r in self.rows))
 
 
 class OffsetRMSNorm(nn.Module):

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastweights.components import register_memory
-from fastweights.layers.fast_memory import (FastMemoryIO, FastMemoryOptions, call_state, fast_dtype, piece_sizes,
-                                            state_pytree, validate_options)
+from fastweights.layers.fast_memory import (FastMemoryIO, FastMemoryOptions, PerRowState, call_state, fast_dtype,
+                                            padded_forward, piece_sizes, state_pytree, validate_options)
 from fastweights.ops.linear_attention import no_autocast
 
 PARAM_NAMES = ("w_up", "b_up", "w_gate", "b_gate", "w_down", "b_down")
@@ -181,8 +181,12 @@ class FwMLP(nn.Module):
                           pending_v=torch.zeros(batch, 0, o.d_value, **f), pending_g=torch.zeros(batch, 0, **f),
                           pending_x=torch.zeros(batch, 0, o.d_key, **f))
 
-    def forward(self, x: torch.Tensor, state: FwMLPState | None = None) -> tuple[torch.Tensor, FwMLPState]:
-        """x ``[B, T, d_model]`` -> (y ``[B, T, d_model]``, state)."""
+    def forward(self, x: torch.Tensor, state: FwMLPState | PerRowState | None = None,
+                attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, FwMLPState | PerRowState]:
+        """x ``[B, T, d_model]`` -> (y ``[B, T, d_model]``, state); ``attention_mask`` [B, T] (0 = padding, never
+        written, chunks count real tokens only: ``layers.fast_memory.padded_forward``)."""
+        if attention_mask is not None or isinstance(state, PerRowState):
+            return padded_forward(self, x, state, attention_mask)
         q, v, g = self.io.inputs(x)
         g_loss = g if (self.options.gating and self.options.gate_weighted_loss) else torch.ones_like(g)
         v_hat, state = self.memory(q, v, g_loss, state)

@@ -46,8 +46,8 @@ import torch
 from torch import nn
 
 from fastweights.components import register_memory
-from fastweights.layers.fast_memory import (FastMemoryIO, FastMemoryOptions, call_state, fast_dtype, piece_sizes,
-                                            state_pytree, validate_options)
+from fastweights.layers.fast_memory import (FastMemoryIO, FastMemoryOptions, PerRowState, call_state, fast_dtype,
+                                            padded_forward, piece_sizes, state_pytree, validate_options)
 from fastweights.ops.linear_attention import no_autocast
 from fastweights.ops.pkm import (
     gather_rows,
@@ -298,8 +298,12 @@ class FwPKM(nn.Module):
 
     # ------------------------------------------------------------------ forward
 
-    def forward(self, x: torch.Tensor, state: FwPKMState | None = None) -> tuple[torch.Tensor, FwPKMState]:
-        """x ``[B, T, d_model]`` -> (y ``[B, T, d_model]``, state)."""
+    def forward(self, x: torch.Tensor, state: FwPKMState | PerRowState | None = None,
+                attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, FwPKMState | PerRowState]:
+        """x ``[B, T, d_model]`` -> (y ``[B, T, d_model]``, state); ``attention_mask`` [B, T] (0 = padding, never
+        written, chunks count real tokens only: ``layers.fast_memory.padded_forward``)."""
+        if attention_mask is not None or isinstance(state, PerRowState):
+            return padded_forward(self, x, state, attention_mask)
         B, T, _ = x.shape
         q, v, g = self.io.inputs(x)
         q = q.view(B, T, self.heads, self.d_key)  # [B, T, H, d_k]

@@ -17,6 +17,10 @@ The value table can train with its own learning rate: the parameter carries ``lr
 ``values_weight_decay`` is False), which the trainer's optimiser groups honour.  The defaults
 (scale 1, decayed) are what the released FwPKM code's optimiser does with its PKM values.  The
 gradient of the table is the dense embedding gradient (``[N, d_v]``).
+
+Padding (``attention_mask``): nothing to do. The memory is slow (trained, never written while reading) and
+reads each position alone, its RMSNorm normalising each query by itself; a padded position's output is
+ignored.
 """
 
 from __future__ import annotations
@@ -130,8 +134,9 @@ class PKM(nn.Module):
             if lin is not None:
                 nn.init.normal_(lin.weight, 0.0, self.d_model**-0.5)
 
-    def forward(self, x: torch.Tensor, state=None) -> tuple[torch.Tensor, None]:
-        """x ``[B, T, d_model]`` -> (y ``[B, T, d_model]``, state unchanged)."""
+    def forward(self, x: torch.Tensor, state=None, attention_mask=None) -> tuple[torch.Tensor, None]:
+        """x ``[B, T, d_model]`` -> (y ``[B, T, d_model]``, state unchanged); ``attention_mask`` changes
+        nothing (each position is read alone)."""
         o = self.options
         B, T, _ = x.shape
         q = self.query_norm(self.query_proj(x)).view(B, T, o.heads, o.d_key)  # [B, T, H, d_k]
