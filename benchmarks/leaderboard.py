@@ -2,6 +2,7 @@
 
     python benchmarks/leaderboard.py [--minutes 20] [--entries a,b,...] [--seeds 0] [--out runs/leaderboard]
         [--chars-per-play 32768] [--top-seeds 3] [--aggregate-only]
+    python benchmarks/leaderboard.py --plot-only    # redraw leaderboard.png from the stored leaderboard.json
 
 Every entry is a character-level language model of about 0.82M parameters (every ``shakespeare-char*``
 preset, d_model 128, 4 layers, with the overrides below), trained on ``shakespeare-train`` (the complete
@@ -29,13 +30,15 @@ the ``--top-seeds`` best by streamed bits/char get seeds 1 and 2 as well (when `
 Each finished piece is kept under ``--out`` (checkpoint, ``row.json``), so a cut-short run resumes where
 it stopped, and two processes may train different ``--entries`` at once (one core each); every process
 rewrites benchmarks/results/leaderboard.json (``complete`` false until every entry has its seeds) and
-leaderboard.png (per-position streamed loss of every entry) from all finished rows.
+leaderboard.png (per-position streamed loss of every entry, drawn from that JSON alone: plot_leaderboard) from all
+finished rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -299,8 +302,6 @@ def _mean_std(xs: list[float]) -> tuple[float, float | None]:
 
 def aggregate(out: Path, a) -> None:
     """Write leaderboard.json and leaderboard.png from every finished row under ``out``."""
-    from fastweights.experiments.streaming import plot_stream
-
     rows = finished_rows(out)
     if not rows:
         print("no finished entry yet", flush=True)
@@ -347,14 +348,7 @@ def aggregate(out: Path, a) -> None:
                                                       - by["lstm"]["streamed_bits_per_char"])
     want_top = top_entries(rows, a.top_seeds) if a.top_seeds else []
     complete = all(n in rows for n in ENTRIES) and all(len(rows[n]) >= 3 for n in want_top)
-    plot_runs = [{"label": f"{t['entry']} streamed", "checkpoint": t["entry"], "mode": "carry",
-                  "curve": rows[t["entry"]][0]["streamed"]["curve"],
-                  "state_norm": rows[t["entry"]][0]["streamed"].get("state_norm")}
-                 for t in table]
-    png = RESULTS / "leaderboard.png"
-    plot_stream(plot_runs, png, title="held-out Shakespeare plays, streamed with the state carried: loss by position",
-                unit="bits")
-    write_result("leaderboard", {
+    record = {
         "git": measured_commits(rows),
         "complete": complete, "missing": [n for n in ENTRIES if n not in rows],
         "reproduce": "python benchmarks/leaderboard.py  (resumable; two processes may split --entries)",
@@ -374,7 +368,133 @@ def aggregate(out: Path, a) -> None:
                               f"{t['windows_bits_per_char']:.3f})",
                       "value": t["streamed_bits_per_char"], "unit": "bits/char",
                       "target": "streamed <= windows + 0.05"} for t in table],
-    }, probes=measured_probes(rows))
+    }
+    write_result("leaderboard", record, probes=measured_probes(rows))
+    plot_leaderboard(record, RESULTS / "leaderboard.png")
+
+
+# ----------------------------------------------------------------------------- the figure (issue 33, scope 6)
+# Drawn from the stored record alone (its "table" and "rows"), so `--plot-only` redraws it from
+# benchmarks/results/leaderboard.json without training or rewriting anything, and tests/evidence/test_figures.py
+# renders it from the committed JSON.
+
+# 19 colours far apart on white (at least 26 CIELAB units between any two; tests/evidence/test_figures.py checks
+# 20), one per row in rank order, the strongest for the best rows; the line styles cycle so that rows of
+# neighbouring rank differ in style as well as colour.
+ROW_COLOURS = ["#000000", "#e6194b", "#4363d8", "#ff7f00", "#3cb44b", "#7f3c8d", "#42d4f4", "#f032e6", "#808000",
+               "#000075", "#b15928", "#008080", "#fb9a99", "#5a5a5a", "#8db600", "#1f78b4", "#cab2d6", "#800000",
+               "#c8a400"]
+ROW_STYLES = ["-", "--", "-.", (0, (1, 1.5)), (0, (5, 1.5, 1, 1.5, 1, 1.5))]
+# A row whose streamed score is more than this many bits/char above its windows score (a collapse, not a
+# difference between mechanisms) is drawn in its own panel, so that it does not set the other rows' y-range.
+COLLAPSE_BITS = 1.0
+
+
+def row_styles(entries: list[str]) -> dict[str, dict]:
+    """Colour and line style of each entry, in the given (rank) order: no two rows share a colour."""
+    if len(entries) > len(ROW_COLOURS):
+        raise ValueError(f"{len(entries)} rows but {len(ROW_COLOURS)} distinct colours: add colours to ROW_COLOURS")
+    return {e: {"color": ROW_COLOURS[i], "ls": ROW_STYLES[i % len(ROW_STYLES)]} for i, e in enumerate(entries)}
+
+
+def _bits(values: list) -> list:
+    return [None if v is None else v / math.log(2) for v in values]  # the curves are stored in nats
+
+
+def _xy(positions: list, values: list) -> tuple[list, list]:
+    pairs = [(p, v) for p, v in zip(positions, values) if v is not None]
+    return [p for p, _ in pairs], [v for _, v in pairs]
+
+
+def leaderboard_figure(rec: dict):
+    """The leaderboard figure of a stored record (benchmarks/results/leaderboard.json's "table" and "rows"):
+    per-position streamed loss of every row (seed 0), each row its own colour and line style, the legend outside
+    the axes; rows that collapse when streamed in a panel of their own; the carried state's norm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = rec["table"]
+    styles = row_styles([t["entry"] for t in table])
+    curve = {t["entry"]: rec["rows"][t["entry"]][0]["streamed"]["curve"] for t in table}
+    collapsed = [t for t in table if t["streamed_minus_windows_bits"] > COLLAPSE_BITS]
+    main = [t for t in table if t not in collapsed]
+    base = "attention" if "attention" in curve else None
+    norms = [t for t in table if any(v is not None for v in
+                                     (rec["rows"][t["entry"]][0]["streamed"].get("state_norm") or {}).get("max", []))]
+    panels = ["cumulative", "relative"] if base else ["cumulative", "windowed"]
+    panels += ["collapsed"] * bool(collapsed) + ["norm"] * bool(norms)
+    heights = [{"cumulative": 1.25, "collapsed": 0.75}.get(p, 1.0) for p in panels]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 3.1 * sum(heights) + 0.6), sharex=True, squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    axes = dict(zip(panels, axes[:, 0]))
+    bw = next(iter(curve.values()))["bin_width"] if curve else 0
+
+    def draw(ax, t, ys_of, **extra):
+        xs, ys = _xy(curve[t["entry"]]["position"], ys_of(t["entry"]))
+        ax.plot(xs, ys, lw=1.6, label=t["entry"], **styles[t["entry"]], **extra)
+
+    for t in main:
+        draw(axes["cumulative"], t, lambda e: _bits(curve[e]["cumulative"]))
+        if base:
+            ref = dict(zip(curve[base]["position"], _bits(curve[base]["windowed"])))
+            draw(axes["relative"], t, lambda e: [None if v is None or ref.get(p) is None else v - ref[p]
+                                                  for p, v in zip(curve[e]["position"], _bits(curve[e]["windowed"]))])
+        else:
+            draw(axes["windowed"], t, lambda e: _bits(curve[e]["windowed"]))
+    axes["cumulative"].set_ylabel("bits/char, cumulative\n(from the document's start)")
+    axes["cumulative"].set_title("held-out Shakespeare plays, streamed with the state carried: loss by position "
+                                 "(seed 0 of each row)", fontsize=11)
+    if base:
+        ax = axes["relative"]
+        ax.axhline(0.0, color="#999999", lw=0.8, zorder=0)
+        ax.set_ylabel(f"bits/char in {bw} characters\nminus attention's (< 0: better)")
+    else:
+        axes["windowed"].set_ylabel(f"bits/char in {bw} characters")
+    if collapsed:
+        ax = axes["collapsed"]
+        for t in collapsed:
+            draw(ax, t, lambda e: _bits(curve[e]["windowed"]))
+        if base:  # the baseline for scale, grey: it is drawn in colour above
+            xs, ys = _xy(curve[base]["position"], _bits(curve[base]["windowed"]))
+            ax.plot(xs, ys, color="#aaaaaa", lw=1.0, label="_attention, for scale")
+        said = "; ".join(f"{t['entry']} {t['streamed_bits_per_char']:.3f} streamed vs {t['windows_bits_per_char']:.3f} "
+                         "in windows" for t in collapsed)
+        ax.set_title(f"rows that collapse when streamed (more than {COLLAPSE_BITS:g} bit/char above their windows "
+                     "score), in their own panel so that the others stay readable\n"
+                     + said + (" (grey: attention, for scale)" if base else ""), fontsize=9)
+        ax.set_ylabel(f"bits/char in {bw} characters")
+    if norms:
+        ax = axes["norm"]
+        for t in norms:
+            sn = rec["rows"][t["entry"]][0]["streamed"]["state_norm"]
+            xs, ys = _xy(sn["position"], sn["max"])
+            ax.plot(xs, ys, lw=1.6, label=t["entry"], **styles[t["entry"]])
+        ax.set_yscale("log")
+        ax.set_ylabel("carried state's norm\n(largest layer)")
+        missing = [t["entry"] for t in table if t not in norms]
+        if missing:
+            ax.set_title(f"no state norm recorded for {', '.join(missing)}", fontsize=8.5)
+    for ax in axes.values():
+        ax.grid(alpha=0.3)
+    list(axes.values())[-1].set_xlabel("position in the document (characters)")
+    # one legend for every panel, outside the axes on the right, in rank order with the table's score
+    handles = [matplotlib.lines.Line2D([], [], lw=1.8, **styles[t["entry"]]) for t in table]
+    labels = [f"{t['rank']}. {t['entry']}  {t['streamed_bits_per_char']:.3f}"
+              + (" (own panel)" if t in collapsed else "") for t in table]
+    fig.tight_layout(rect=(0, 0, 0.78, 1))
+    fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(0.785, 0.985), fontsize=9, frameon=False,
+               title="rank. row  streamed bits/char\n(mean over seeds; README table)", title_fontsize=8.5,
+               handlelength=3.2)
+    return fig
+
+
+def plot_leaderboard(rec: dict, path: Path) -> Path:
+    """Write :func:`leaderboard_figure` of ``rec`` as a PNG at ``path``."""
+    from fastweights.core.files import save_figure
+
+    return save_figure(leaderboard_figure(rec), path, dpi=110, bbox_inches="tight")
 
 
 def entry_probe_specs(name: str) -> list[dict]:
@@ -402,7 +522,12 @@ def main() -> int:
     ap.add_argument("--chars-per-play", type=int, default=32768, help="characters scored of each held-out play")
     ap.add_argument("--out", default="runs/leaderboard", help="run directory (resumable)")
     ap.add_argument("--aggregate-only", action="store_true", help="only rewrite the JSON and PNG from finished rows")
+    ap.add_argument("--plot-only", action="store_true",
+                    help="only redraw leaderboard.png from the stored benchmarks/results/leaderboard.json")
     a = ap.parse_args()
+    if a.plot_only:
+        print(plot_leaderboard(json.loads((RESULTS / "leaderboard.json").read_text()), RESULTS / "leaderboard.png"))
+        return 0
     names = [n.strip() for n in a.entries.split(",") if n.strip()]
     bad = [n for n in names if n not in ENTRIES]
     try:
