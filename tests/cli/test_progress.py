@@ -17,7 +17,7 @@ def test_eta_from_rate():
     bar = Progress(100, "steps", desc="train", min_interval=0)
     bar.n = 10
     line = _line(bar, 10.0)  # 1 step/s, 90 to go
-    assert line.startswith("train | 10/100 steps | 1 steps/s") and line.endswith("ETA 01:30")
+    assert line.startswith("train | 10/100 steps | 1.0 steps/s") and line.endswith("ETA 01:30")
 
 
 def test_eta_never_exceeds_the_time_budget():

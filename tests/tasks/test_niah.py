@@ -13,7 +13,8 @@ from fastweights.data import CharTokenizer
 from fastweights.core.errors import UserError
 from fastweights.models.lm import ModelOutput
 from fastweights.tasks.niah import (Haystack, NiahOptions, check_tokenizer, evaluate_niah, evaluate_sample, make_sample,
-                                    make_samples, parse_depths, plot_niah, score_answer, summarize, training_text)
+                                    format_table, make_samples, parse_depths, plot_niah, score_answer, summarize,
+                                    training_text)
 from helpers import tiny_lm
 
 HEX, DIGITS = "0123456789abcdef", "0123456789"
@@ -88,18 +89,31 @@ def test_bad_inputs_are_user_errors(hay, tok):
 
 
 class AnswerKey:
-    """The two fields score_answer reads from a sample."""
+    """The three fields score_answer reads from a sample."""
 
-    def __init__(self, answer, candidates):
-        self.answer, self.candidates = answer, candidates
+    def __init__(self, answer, candidates, format="char"):
+        self.answer, self.candidates, self.format = answer, candidates, format
 
 
 def test_score_answer():
     s = AnswerKey(answer="123456", candidates=["123456", "999999"])
-    assert score_answer(" 123456.", s) == {"prediction": "123456", "exact": 1.0, "digits": 1.0, "candidate": 1.0}
+    assert score_answer(" 123456.", s) == {"prediction": "123456", "format": "char", "exact": 1.0, "digits": 1.0,
+                                           "candidate": 1.0}
     r = score_answer("123956", s)
     assert r["exact"] == 0.0 and r["digits"] == pytest.approx(5 / 6) and r["candidate"] == 0.0
     assert score_answer("999999", s)["candidate"] == 1.0 and score_answer("", s)["digits"] == 0.0
+
+
+def test_token_format_reports_no_digits():
+    # a one-token answer has no digits: "<v17>" for "<v23>" shares 3 of 5 characters, which is no accuracy
+    s = AnswerKey(answer="<v23>", candidates=["<v23>", "<v17>"], format="token")
+    assert score_answer("<v17>", s) == {"prediction": "<v17>", "format": "token", "exact": 0.0, "candidate": 1.0}
+    recs = [score_answer(p, s) | {"iters": 1, "length": 512, "depth": 0.5} for p in ("<v23>", "<v17>")]
+    summary = summarize(recs, [0.5])
+    assert summary["format"] == "token" and summary["metrics"] == ["exact", "candidate"]
+    assert "digits" not in json.dumps(summary)
+    table = format_table(summary)
+    assert "1-iter exact / candidate" in table.splitlines()[0] and "0.50 / 1.00" in table
 
 
 def test_training_text_asks_every_needle_after_its_window(hay):

@@ -64,7 +64,8 @@ def make_domain(name: str, text: str, tokenizer, adapt_tokens: int, eval_tokens:
     return Domain(name, torch.from_numpy(head[: adapt_tokens + 1].copy()), torch.from_numpy(tail[-(eval_tokens + 1):].copy()))
 
 
-def _score(model, ids: torch.Tensor, state, seq_len: int, stride: int, evaluator=None, values=None) -> float:
+def _score(model, ids: torch.Tensor, state, seq_len: int, stride: int, evaluator=None, values=None,
+           progress: Progress | None = None) -> float:
     """Mean NLL of ``ids`` from ``state`` with updates off (memories frozen, adapted weights fixed)."""
     from fastweights.loops.evaluate import score_tokens
 
@@ -72,9 +73,9 @@ def _score(model, ids: torch.Tensor, state, seq_len: int, stride: int, evaluator
     with memory_writes(model, frozen=True):
         if evaluator is not None:
             with evaluator._session(values):
-                r, _ = score_tokens(model, ids.to(device), seq_len, stride, state=state)
+                r, _ = score_tokens(model, ids.to(device), seq_len, stride, state=state, progress=progress)
         else:
-            r, _ = score_tokens(model, ids.to(device), seq_len, stride, state=state)
+            r, _ = score_tokens(model, ids.to(device), seq_len, stride, state=state, progress=progress)
     return r.loss
 
 
@@ -105,7 +106,9 @@ def adapt_test(model, domains: Sequence[Domain], seq_len: int, stride: int | Non
     keep = seq_len - stride
     n_adapt = sum(d.adapt.numel() - 1 for d in domains)
     n_eval = sum(d.eval.numel() - 1 for d in domains) * (len(domains) + 1)
-    bar = Progress(n_adapt + n_eval, "tok", desc="continual", enabled=progress)
+    # counted as the model scores them (every call), so the line moves within a domain too
+    bar = Progress(n_adapt + n_eval, "tok", desc=f"continual: {len(domains)} adaptation stages, "
+                   f"{len(domains) + 1} evaluations", enabled=progress)
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -114,8 +117,7 @@ def adapt_test(model, domains: Sequence[Domain], seq_len: int, stride: int | Non
         start = memory_only_state(state) if eval_state == "memory" else _trim(model, state, keep)
         row = []
         for d in domains:
-            row.append(_score(model, d.eval, start, seq_len, stride, evaluator, values))
-            bar.update(d.eval.numel() - 1)
+            row.append(_score(model, d.eval, start, seq_len, stride, evaluator, values, progress=bar))
         return row
 
     nll = []
@@ -125,14 +127,13 @@ def adapt_test(model, domains: Sequence[Domain], seq_len: int, stride: int | Non
         state, dstate = None, None
         for d in domains:
             if evaluator is None:
-                r, state = score_tokens(model, d.adapt.to(device), seq_len, stride, state=state)
+                r, state = score_tokens(model, d.adapt.to(device), seq_len, stride, state=state, progress=bar)
                 values = None
             else:
                 start = None if dstate is None else DynamicState(dstate.values, dstate.model_state,
                                                                  torch.zeros(0, dtype=torch.long), 0)
-                r, dstate = evaluator.evaluate(d.adapt, start, final=True, keep_token_losses=False)
+                r, dstate = evaluator.evaluate(d.adapt, start, final=True, keep_token_losses=False, progress=bar)
                 state, values = dstate.model_state, dstate.values
-            bar.update(d.adapt.numel() - 1)
             adapt_nll.append(r.loss)
             nll.append(evaluate_all(state, values))
     finally:

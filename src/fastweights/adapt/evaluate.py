@@ -110,7 +110,13 @@ def evaluate_static_and_dynamic(settings: DynamicSettings, model, tokenizer, cfg
     total = sum(d.numel() - 1 for d in docs)
     keep = bool(opt.per_token)
     losses = {}  # row -> per-document token losses, only with per_token
-    bar = Progress(total, "tok", desc="static", enabled=progress)
+    passes = ["static", "dynamic"] + ["cache"] * opt.cache + ["dynamic+cache"] * opt.cache_on_dynamic
+
+    def pass_bar(name: str) -> Progress:  # one line per pass, each with its total and ETA, "pass k/n" in front
+        return Progress(total, "tok", desc=f"dynamic eval pass {passes.index(name) + 1}/{len(passes)}: {name}",
+                        enabled=progress)
+
+    bar = pass_bar("static")
     static = EvalResult(0.0, 0)
     losses["static"] = []
     for d in docs:
@@ -122,7 +128,7 @@ def evaluate_static_and_dynamic(settings: DynamicSettings, model, tokenizer, cfg
     batch_docs = max(1, opt.batch_docs or 1)
     if batch_docs > 1 and reset != "per_document":
         raise UserError("--batch-docs needs --reset per_document (each document has its own weights)")
-    bar = Progress(total, "tok", desc="dynamic", enabled=progress)
+    bar = pass_bar("dynamic")
     if batch_docs > 1:
         dynamic, losses["dynamic"] = EvalResult(0.0, 0), []
         for i in range(0, len(docs), batch_docs):
@@ -143,13 +149,16 @@ def evaluate_static_and_dynamic(settings: DynamicSettings, model, tokenizer, cfg
         from fastweights.adapt.cache import NeuralCache
 
         cache = NeuralCache(model, **_cache_settings(opt), segment_len=ev.segment_len, context=ev.context)
-        r = cache.evaluate_documents(docs, progress=progress)
+        bar = pass_bar("cache")
+        with bar.adopting():  # the cache's own bar counts toward this pass's line
+            r = cache.evaluate_documents(docs, progress=False)
+        bar.close()
         out["cache"] = _metrics(r, tokenizer, chars) | {"settings": cache.metadata()}
     if opt.cache_on_dynamic:
         from fastweights.adapt.dynamic_cache import DynamicNeuralCache
 
         both = DynamicNeuralCache(ev, **_cache_settings(opt))
-        bar = Progress(total, "tok", desc="dynamic+cache", enabled=progress)
+        bar = pass_bar("dynamic+cache")
         r, losses["dynamic_cache"] = _score_documents(both.evaluate, docs, reset, keep, bar, _carried(ev))
         out["dynamic_cache"] = _metrics(r, tokenizer, chars) | {
             "relative_improvement": 1 - r.loss / static.loss if static.loss > 0 else 0.0,

@@ -68,22 +68,30 @@ def tune_dynamic(make_evaluator: Callable[[float, float], DynamicEvaluator], doc
         decays = [0.0]
     elif decays is not None and not decays:
         raise UserError("the tuning grid needs at least one decay")
+    if lrs:
+        planned = len({_point_key(lr, d) for d in (decays or [d0]) for lr in lrs})
+    else:  # an upper bound until the coarse stage stops (see _SearchBar)
+        planned = len(COARSE_LRS) + len(LR_REFINE) + (len(DECAY_FACTORS) if has_prior else 0)
+    bar = _SearchBar(sum(max(0, len(d) - 1) for d in documents), planned, exact=bool(lrs), enabled=progress)
     static_nll, tokens = 0.0, 0
     for d in documents:
         if len(d) > 1:
-            r = probe.static(d, keep_token_losses=False)
+            r = probe.static(d, keep_token_losses=False, progress=bar.bar)
             static_nll += r.nll
             tokens += r.tokens
     if tokens == 0:
+        bar.close()
         raise UserError("the validation text has no tokens to score")
     static = static_nll / tokens
     grid: list[dict] = []
     done: dict[tuple, dict] = {}
 
     def run(lr: float, decay: float, stage: str) -> float:
-        key = (float(f"{lr:.6g}"), float(f"{decay:.6g}"))
+        key = _point_key(lr, decay)
         if key not in done:
-            r = make_evaluator(key[0], key[1]).evaluate_documents(documents, reset=reset, progress=progress)
+            bar.point(len(grid) + 1, stage, key[0], key[1])
+            with bar.bar.adopting():  # the evaluator's own bar counts toward the search's line
+                r = make_evaluator(key[0], key[1]).evaluate_documents(documents, reset=reset, progress=False)
             loss = r.nll / r.tokens
             loss = loss if math.isfinite(loss) else math.inf
             done[key] = {"lr": key[0], "decay": key[1], "loss_nats": loss, "bits_per_token": loss / math.log(2),
@@ -107,16 +115,51 @@ def tune_dynamic(make_evaluator: Callable[[float, float], DynamicEvaluator], doc
                 break
             prev = loss
         lr_best = best()["lr"]
-        for f in LR_REFINE:
-            run(lr_best * f, decay, "fine lr")
+        fine = [lr_best * f for f in LR_REFINE]
+        bar.plan(len(grid) + len({_point_key(lr, decay) for lr in fine} - set(done))
+                 + (len(DECAY_FACTORS) if has_prior else 0), exact=not has_prior)
+        for lr in fine:
+            run(lr, decay, "fine lr")
         if has_prior:
             lr_best = best()["lr"]
-            for f in DECAY_FACTORS:
-                if canonical_rule(probe.rule) != "rms-global-prior" and decay * f > 1:
-                    continue  # a uniform decay above 1 overshoots theta_g
+            factors = [f for f in DECAY_FACTORS
+                       # a uniform decay above 1 overshoots theta_g
+                       if canonical_rule(probe.rule) == "rms-global-prior" or decay * f <= 1]
+            bar.plan(len(grid) + len({_point_key(lr_best, decay * f) for f in factors} - set(done)), exact=True)
+            for f in factors:
                 run(lr_best, decay * f, "decay")
+    bar.close()
     return {"static": {"loss_nats": static, "bits_per_token": static / math.log(2)}, "grid": grid, "best": best(),
             "tokens": tokens, "settings": probe.metadata() | {"lr": None, "decay": None}, "reset": reset}
+
+
+def _point_key(lr: float, decay: float) -> tuple[float, float]:
+    """A grid point as the search keys it (6 significant digits: the same point is never run twice)."""
+    return float(f"{lr:.6g}"), float(f"{decay:.6g}")
+
+
+class _SearchBar:
+    """The search's one progress line: the point being run (``point 3/12``, ``<=21`` while the automatic
+    search may still stop early) and tokens over the static pass plus every planned point, so the ETA
+    covers the whole search."""
+
+    def __init__(self, tokens: int, points: int, exact: bool, enabled: bool):
+        from fastweights.core.progress import Progress
+
+        self.tokens, self.points, self.exact = tokens, points, exact
+        self.bar = Progress(tokens * (1 + points), "tok", desc="dynamic tune: static pass", enabled=enabled)
+        self.bar.approximate = not exact
+
+    def plan(self, points: int, exact: bool) -> None:
+        self.points, self.exact = points, exact
+        self.bar.total, self.bar.approximate = self.tokens * (1 + points), not exact
+
+    def point(self, k: int, stage: str, lr: float, decay: float) -> None:
+        n = f"{self.points}" if self.exact else f"<={self.points}"
+        self.bar.desc = f"dynamic tune: point {k}/{n} ({stage}, lr {lr:.3g}, decay {decay:.3g})"
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def format_table(result: dict) -> str:

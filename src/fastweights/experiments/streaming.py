@@ -144,32 +144,76 @@ class StateNormCurve:
 # ----------------------------------------------------------------------------- documents as token streams
 
 
-def encode_documents(docs: Sequence, tokenizer, max_chars: int = 0) -> Iterator[tuple[str, Iterator[np.ndarray]]]:
+class EncodedDocuments:
+    """``(name, blocks)`` per document (what :func:`encode_documents` returns), iterable once per ``iter``.
+
+    Besides the blocks it knows the size of the work before it is read: ``chars`` (characters that will be
+    read, ``max_chars`` included) and ``documents``; and, as blocks are encoded, ``chars_read`` and
+    ``tokens_read``. :meth:`estimated_predictions` turns these into the number of predictions the text
+    will give (exact once every block is encoded), which :func:`stream_eval` shows as its total.
+    """
+
+    def __init__(self, docs: Sequence, tokenizer, max_chars: int = 0):
+        self.docs, self.tokenizer = docs, tokenizer
+        self.max_chars = max_chars if max_chars > 0 else math.inf
+        self.chars, self.documents, left = 0, 0, self.max_chars
+        for d in docs:
+            if left <= 0:
+                break
+            n = min(_n_chars(d), left)
+            self.chars += int(n)
+            self.documents += n > 0
+            left -= n
+        self.chars_read = self.tokens_read = 0
+
+    def estimated_predictions(self) -> tuple[int, bool]:
+        """(predictions, exact): tokens minus each document's first (context only), from the tokens per
+        character read so far (exact once everything is read); (0, False) before the first block."""
+        if self.chars_read >= self.chars:
+            return max(0, self.tokens_read - self.documents), True
+        if self.chars_read == 0:
+            return 0, False
+        return max(0, round(self.tokens_read / self.chars_read * self.chars) - self.documents), False
+
+    def __iter__(self) -> Iterator[tuple[str, Iterator[np.ndarray]]]:
+        left = self.max_chars
+        self.chars_read = self.tokens_read = 0
+        for d in self.docs:
+            if left <= 0:
+                return
+            name = getattr(d, "name", "text")
+
+            def blocks(d=d):
+                nonlocal left
+                for piece in (d.pieces() if hasattr(d, "pieces") else [d]):
+                    if left <= 0:
+                        return
+                    if len(piece) > left:
+                        piece = piece[: int(left)]
+                    left -= len(piece)
+                    ids = np.asarray(self.tokenizer.encode(piece), dtype=np.int64)
+                    self.chars_read += len(piece)
+                    self.tokens_read += int(ids.size)
+                    if ids.size:
+                        yield ids
+
+            yield name, blocks()
+
+
+def _n_chars(doc) -> int:
+    n = getattr(doc, "n_chars", None)
+    return int(n) if n is not None else len(doc)
+
+
+def encode_documents(docs: Sequence, tokenizer, max_chars: int = 0) -> EncodedDocuments:
     """``(name, blocks)`` per document; ``blocks`` yields the token ids of consecutive text pieces.
 
     Pieces are cut where no tokenizer's output changes (``Document.pieces``), so the blocks
     concatenate to the document's encoding, and a long file is never held as one token array.
-    ``max_chars`` > 0 stops after that many characters in all.
+    ``max_chars`` > 0 stops after that many characters in all. The result also knows how much text
+    it holds (:class:`EncodedDocuments`), so a stream over it has a total and an ETA.
     """
-    left = max_chars if max_chars > 0 else math.inf
-    for d in docs:
-        if left <= 0:
-            return
-        name = getattr(d, "name", "text")
-
-        def blocks(d=d):
-            nonlocal left
-            for piece in (d.pieces() if hasattr(d, "pieces") else [d]):
-                if left <= 0:
-                    return
-                if len(piece) > left:
-                    piece = piece[: int(left)]
-                left -= len(piece)
-                ids = np.asarray(tokenizer.encode(piece), dtype=np.int64)
-                if ids.size:
-                    yield ids
-
-        yield name, blocks()
+    return EncodedDocuments(docs, tokenizer, max_chars)
 
 
 def current_rss_mb() -> float | None:
@@ -235,7 +279,7 @@ def _calls(blocks: Iterable[np.ndarray], stride: int) -> Iterator[tuple[np.ndarr
 
 def stream_eval(model, documents: Iterable[tuple[str, Iterable[np.ndarray]]], mode: str = "carry",
                 seq_len: int = 512, stride: int | None = None, bin_width: int = 256, max_tokens: int = 0,
-                evaluator=None, progress: bool | Progress = False) -> StreamResult:
+                evaluator=None, progress: bool | Progress = False, desc: str = "") -> StreamResult:
     """Score documents in order at batch 1 under ``mode`` (see the module docstring).
 
     Args:
@@ -249,7 +293,10 @@ def stream_eval(model, documents: Iterable[tuple[str, Iterable[np.ndarray]]], mo
         max_tokens: stop after this many predictions in all (0: everything).
         evaluator: a :class:`~fastweights.adapt.dynamic.DynamicEvaluator` to add dynamic evaluation on
             top (modes carry and reset; frozen runs static; its own segment and context apply).
-        progress: show a progress line (or a :class:`Progress` to update).
+        progress: show a progress line (or a :class:`Progress` to update). Over :func:`encode_documents`
+            the line's total is the text's predictions (estimated from the tokens per character read so far,
+            marked ``~``, until all is read) or ``max_tokens``; the loss is shown in bits per token.
+        desc: the line's label (default ``stream MODE``), e.g. ``stream carry (run 2 of 6)``.
     """
     if mode not in STREAM_MODES:
         raise UserError(f"unknown stream mode {mode!r}; choose from {', '.join(STREAM_MODES)}")
@@ -258,8 +305,11 @@ def stream_eval(model, documents: Iterable[tuple[str, Iterable[np.ndarray]]], mo
         raise UserError(f"stride must be in (0, seq_len={seq_len}], got {stride}")
     if evaluator is not None and mode in SEGMENTED:
         raise UserError(f"stream mode {mode!r} does not combine with dynamic evaluation (use carry, reset or frozen)")
-    bar = progress if isinstance(progress, Progress) else Progress(max_tokens or None, "tok", desc=f"stream {mode}",
-                                                                   enabled=bool(progress))
+    bar = progress if isinstance(progress, Progress) else Progress(max_tokens or None, "tok",
+                                                                   desc=desc or f"stream {mode}", enabled=bool(progress))
+    sized = documents if isinstance(documents, EncodedDocuments) and not isinstance(progress, Progress) else None
+    if sized is not None:  # the total: predictions of the whole text (estimated until it is all read), or max_tokens
+        bar.total, bar.approximate = _stream_total(sized, max_tokens)
     res = StreamResult(mode, curve=PositionCurve(bin_width), state_norm=StateNormCurve(bin_width))
     rss0 = current_rss_mb()
     rss_max = rss0
@@ -279,7 +329,7 @@ def stream_eval(model, documents: Iterable[tuple[str, Iterable[np.ndarray]]], mo
                 doc_nll, doc_n = 0.0, 0
                 if dynamic:
                     doc_nll, doc_n, state = _dynamic_document(evaluator, blocks, state if mode == "carry" else None,
-                                                              res, max_tokens, bar)
+                                                              res, max_tokens, bar, sized)
                 else:
                     if mode in ("reset",):
                         state = None
@@ -312,7 +362,9 @@ def stream_eval(model, documents: Iterable[tuple[str, Iterable[np.ndarray]]], mo
                             res.state_norm.add(doc_n, state_norms(state))
                             res.nll += float(nll.sum())
                             res.tokens += nll.size
-                            bar.update(nll.size, loss=res.loss)
+                            if sized is not None:
+                                bar.total, bar.approximate = _stream_total(sized, max_tokens)
+                            bar.update(nll.size, loss=_bits(res.loss))
                             if mode in SEGMENTED:
                                 seg_used += xs.size
                                 if seg_used >= seq_len:
@@ -333,7 +385,19 @@ def stream_eval(model, documents: Iterable[tuple[str, Iterable[np.ndarray]]], mo
     return res
 
 
-def _dynamic_document(ev, blocks, prev, res: StreamResult, max_tokens: int, bar):
+def _stream_total(docs: EncodedDocuments, max_tokens: int) -> tuple[int, bool]:
+    """(total, approximate) of a stream's progress line: the text's predictions, at most ``max_tokens``."""
+    n, exact = docs.estimated_predictions()
+    if max_tokens > 0 and (n == 0 or n >= max_tokens):  # nothing read yet, or the text is long enough
+        return max_tokens, False
+    return n, not exact
+
+
+def _bits(loss_nats: float) -> str:
+    return f"{loss_nats / math.log(2):.4f} bits/tok"
+
+
+def _dynamic_document(ev, blocks, prev, res: StreamResult, max_tokens: int, bar, sized=None):
     """One document under dynamic evaluation; ``prev`` (a DynamicState) carries weights and model state."""
     from fastweights.adapt.dynamic import DynamicState
 
@@ -350,6 +414,8 @@ def _dynamic_document(ev, blocks, prev, res: StreamResult, max_tokens: int, bar)
             break
         fed += ids.numel()
         r, state = ev.evaluate(ids, state, final=False, keep_token_losses=True)
+        if sized is not None:
+            bar.total, bar.approximate = _stream_total(sized, max_tokens)
         _record(res, r.token_losses, doc_n, bar)
         doc_nll, doc_n = doc_nll + r.nll, doc_n + r.tokens
         res.state_norm.add(doc_n, state_norms(state.model_state))
@@ -367,7 +433,7 @@ def _record(res: StreamResult, losses: list, start: int, bar) -> None:
     res.curve.add(start, arr)
     res.nll += float(arr.sum())
     res.tokens += arr.size
-    bar.update(arr.size, loss=res.loss)
+    bar.update(arr.size, loss=_bits(res.loss))
 
 
 def plot_stream(runs: Sequence[dict], path: str | Path, title: str = "", unit: str = "nats") -> Path:

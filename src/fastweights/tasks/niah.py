@@ -286,12 +286,21 @@ def parse_depths(text: str) -> str | list[float]:
 # ----------------------------------------------------------------------------- scoring
 
 
+METRICS = {"char": ("exact", "digits", "candidate"), "token": ("exact", "candidate")}
+
+
 def score_answer(prediction: str, sample: NiahSample) -> dict:
-    """Exact match, per-digit accuracy and candidate match of a decoded answer (leading blanks ignored)."""
+    """Exact match, per-digit accuracy and candidate match of a decoded answer (leading blanks ignored).
+
+    A token-format answer is one token (``<v23>``): it has no digits to count, so its record has no
+    "digits" (comparing the characters of ``<v23>`` and ``<v17>`` would score 0.6 for a wrong answer);
+    every record names its ``format``."""
     pred = prediction.strip()[: len(sample.answer)]
-    digits = sum(a == b for a, b in zip(pred, sample.answer)) / len(sample.answer)
-    return {"prediction": pred, "exact": float(pred == sample.answer), "digits": digits,
-            "candidate": float(pred in sample.candidates)}
+    rec = {"prediction": pred, "format": sample.format, "exact": float(pred == sample.answer)}
+    if "digits" in METRICS[sample.format]:
+        rec["digits"] = sum(a == b for a, b in zip(pred, sample.answer)) / len(sample.answer)
+    rec["candidate"] = float(pred in sample.candidates)
+    return rec
 
 
 # ----------------------------------------------------------------------------- the evaluator
@@ -329,13 +338,25 @@ class NiahOptions:
             raise UserError(f"--context must be >= 0, got {self.context}")
 
 
+def _read(model, ids: torch.Tensor, state, opts: NiahOptions, bar: Progress | None):
+    """``read_tokens`` of ``ids`` (the same calls of ``opts.piece`` tokens), counting each call's tokens on ``bar``."""
+    for a in range(0, ids.numel(), opts.piece):
+        state = read_tokens(model, ids[a : a + opts.piece], state, opts.piece, opts.context or None)
+        if bar is not None:
+            bar.update(min(opts.piece, ids.numel() - a))
+    return state
+
+
 def _decode_answer(model, tokenizer, question_ids: torch.Tensor, state, n_chars: int, budget: int,
-                   opts: NiahOptions):
-    """Greedy decoding after the question until ``n_chars`` non-blank characters (or ``budget`` tokens)."""
+                   opts: NiahOptions, bar: Progress | None = None):
+    """Greedy decoding after the question until ``n_chars`` non-blank characters (or ``budget`` tokens).
+    ``bar`` counts the question's tokens and ``budget`` decoding steps (those not needed when it ends)."""
     logits, state = read_tokens(model, question_ids, state, opts.piece, opts.context or None, want_logits=True)
     generated: list[int] = []
     text = ""
     device = question_ids.device
+    if bar is not None:
+        bar.update(question_ids.numel())
     for step in range(budget):
         nxt = int(logits[0, -1].float().argmax())
         generated.append(nxt)
@@ -344,7 +365,23 @@ def _decode_answer(model, tokenizer, question_ids: torch.Tensor, state, n_chars:
             break
         logits, state = read_tokens(model, torch.tensor([nxt], device=device), state, 1, opts.context or None,
                                     want_logits=True)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.update(budget - (len(generated) - 1))
     return text, state
+
+
+def _budget(tokenizer, sample: NiahSample, opts: NiahOptions) -> int:
+    return opts.max_new_tokens or 2 * len(tokenizer.encode(" " + sample.answer)) + 2
+
+
+def sample_work(tokenizer, sample: NiahSample, opts: NiahOptions) -> int:
+    """Tokens the model reads for one sample: the context once per read, and for every reported n the
+    question and the decoding budget. The progress line of :func:`evaluate_niah` counts these, so its ETA
+    weighs samples by their length (a sample of 8K tokens counts 8 times one of 1K)."""
+    question = len(tokenizer.encode(sample.question))
+    return max(opts.iters) * sample.tokens + len(opts.iters) * (question + _budget(tokenizer, sample, opts))
 
 
 def _with_memories(state: dict, source: dict | None) -> dict:
@@ -360,15 +397,17 @@ def _with_memories(state: dict, source: dict | None) -> dict:
 
 
 @torch.no_grad()
-def evaluate_sample(model, tokenizer, sample: NiahSample, opts: NiahOptions, state=None):
+def evaluate_sample(model, tokenizer, sample: NiahSample, opts: NiahOptions, state=None,
+                    progress: Progress | None = None):
     """Answers of one sample for every n in ``opts.iters``; returns (list of records, state after it).
 
-    The state after the sample is the one after its last answer (used when ``opts.carry``).
+    The state after the sample is the one after its last answer (used when ``opts.carry``). ``progress``
+    counts the tokens read (:func:`sample_work` in all).
     """
     device = next(model.parameters()).device
     ctx = torch.as_tensor(np.asarray(tokenizer.encode(sample.context)), dtype=torch.long, device=device)
     question = torch.as_tensor(np.asarray(tokenizer.encode(sample.question)), dtype=torch.long, device=device)
-    budget = opts.max_new_tokens or 2 * len(tokenizer.encode(" " + sample.answer)) + 2
+    budget = _budget(tokenizer, sample, opts)
     chunk = ctx.numel() if opts.write_chunk == "read" else None
     records, last_state = [], state
     n_max = max(opts.iters)
@@ -379,13 +418,14 @@ def evaluate_sample(model, tokenizer, sample: NiahSample, opts: NiahOptions, sta
             check_chunk_empty(state)
         before = state
         with memory_writes(model, chunk_size=chunk, frozen=opts.frozen_memory or None):  # "read": one write per read
-            state = read_tokens(model, ctx, state, opts.piece, opts.context or None)
+            state = _read(model, ctx, state, opts, progress)
         if n in opts.iters:
             # "read": the paper reads context + question in one call whose outputs come before that call's
             # write, so the question sees the memory of the n - 1 earlier reads (the KV cache holds all n)
             asked = _with_memories(state, before) if chunk is not None else state
             with memory_writes(model, frozen=True):  # no writes while the question is read and answered
-                text, after = _decode_answer(model, tokenizer, question, asked, len(sample.answer), budget, opts)
+                text, after = _decode_answer(model, tokenizer, question, asked, len(sample.answer), budget, opts,
+                                             progress)
             after = _with_memories(after, state)  # the write of read n still happens (after the outputs)
             rec = score_answer(text, sample)
             rec.update(iters=n, length=sample.length, tokens=sample.tokens, depth=sample.depth,
@@ -403,16 +443,18 @@ def evaluate_niah(model, tokenizer, samples: Sequence[NiahSample], opts: NiahOpt
         check_tokenizer(tokenizer)
     was_training = model.training
     model.eval()
-    bar = Progress(len(samples), "samples", desc="niah", enabled=progress)
+    # the line counts tokens read, not samples: samples of different lengths cost different times
+    bar = Progress(sum(sample_work(tokenizer, s, opts) for s in samples), "tok", desc="niah", enabled=progress)
     records: list[dict] = []
     state = None
     try:
-        for s in samples:
-            recs, after = evaluate_sample(model, tokenizer, s, opts, state if opts.carry else None)
+        for k, s in enumerate(samples):
+            bar.desc = f"niah sample {k + 1}/{len(samples)} ({s.length:,} tokens)"
+            recs, after = evaluate_sample(model, tokenizer, s, opts, state if opts.carry else None, progress=bar)
             state = after if opts.carry else None
             records.extend(recs)
             done = [r["exact"] for r in records if r["iters"] == max(opts.iters)]
-            bar.update(1, exact=sum(done) / max(1, len(done)))
+            bar.update(0, exact=sum(done) / max(1, len(done)))
     finally:
         model.train(was_training)
         bar.close()
@@ -426,12 +468,17 @@ def depth_bin(depth: float, bins: int) -> int:
 def summarize(records: Iterable[dict], depths: str | Sequence[float] = "uniform", depth_bins: int = 5) -> dict:
     """Accuracy tables: overall and by (n, length), by (n, length, depth).
 
-    Returns ``{"by_iters": {n: {...}}, "cells": [{"iters", "length", "depth", "exact", "digits",
-    "candidate", "samples"}], "depth_labels": [...], "depth_edges", "lengths": [...], "iters": [...]}``.
-    With uniform depths the target depth is binned into ``depth_bins`` equal bins (``depth_edges``),
-    labelled by their centre; with fixed depths ``depth_edges`` is None.
+    Returns ``{"format", "metrics", "by_iters": {n: {...}}, "cells": [{"iters", "length", "depth", "exact",
+    ["digits",] "candidate", "samples"}], "depth_labels": [...], "depth_edges", "lengths": [...], "iters": [...]}``:
+    ``format`` is the needle format of the records ("char" or "token"; "mixed" for both), ``metrics`` the
+    metrics every record has ("digits" only for the char format). With uniform depths the target depth is
+    binned into ``depth_bins`` equal bins (``depth_edges``), labelled by their centre; with fixed depths
+    ``depth_edges`` is None. A cell without samples has ``samples`` 0 and None metrics.
     """
     records = list(records)
+    formats = sorted({r.get("format", "char") for r in records})
+    fmt = formats[0] if len(formats) == 1 else ("mixed" if formats else "char")
+    metrics = [m for m in METRICS["char"] if all(m in r for r in records)]
     if isinstance(depths, str):
         labels = [round((b + 0.5) / depth_bins, 4) for b in range(depth_bins)]
         row_of = lambda r: labels[depth_bin(r["depth"], depth_bins)]  # noqa: E731
@@ -443,7 +490,7 @@ def summarize(records: Iterable[dict], depths: str | Sequence[float] = "uniform"
 
     def agg(rs: list[dict]) -> dict:
         n = len(rs)
-        return {"samples": n, **{m: (sum(r[m] for r in rs) / n if n else None) for m in ("exact", "digits", "candidate")}}
+        return {"samples": n, **{m: (sum(r[m] for r in rs) / n if n else None) for m in metrics}}
 
     cells, by_iters = [], {}
     for n in iters:
@@ -454,8 +501,25 @@ def summarize(records: Iterable[dict], depths: str | Sequence[float] = "uniform"
                 rs = [r for r in rs_n if r["length"] == L and row_of(r) == d]
                 cells.append({"iters": n, "length": L, "depth": d, **agg(rs)})
     edges = [round(b / depth_bins, 4) for b in range(depth_bins + 1)] if isinstance(depths, str) else None
-    return {"by_iters": by_iters, "cells": cells, "depth_labels": labels, "depth_edges": edges, "lengths": lengths,
-            "iters": iters}
+    return {"format": fmt, "metrics": metrics, "by_iters": by_iters, "cells": cells, "depth_labels": labels,
+            "depth_edges": edges, "lengths": lengths, "iters": iters}
+
+
+def format_table(summary: dict) -> str:
+    """The accuracy table ``fastweights task niah`` prints: one row per length, per n the exact match and
+    the second metric (per-digit accuracy for the char format, candidate match for the token format), with
+    the full metric names in the header and every column as wide as its header."""
+    second = "digits" if "digits" in summary.get("metrics", ("digits",)) else "candidate"
+    heads = [f"{n}-iter exact / {second}" for n in summary["iters"]]
+    lines = [f"{'length':>8}  " + "  ".join(heads)]
+    for L in summary["lengths"]:
+        cells = []
+        for n, head in zip(summary["iters"], heads):
+            a = summary["by_iters"][n]["by_length"][L]
+            cell = " / ".join("-" if a[m] is None else f"{a[m]:.2f}" for m in ("exact", second))
+            cells.append(f"{cell:>{len(head)}}")
+        lines.append(f"{L:>8}  " + "  ".join(cells))
+    return "\n".join(lines)
 
 
 def plot_niah(summary: dict, path: str | Path, title: str = "", metric: str = "exact") -> Path:
@@ -467,7 +531,10 @@ def plot_niah(summary: dict, path: str | Path, title: str = "", metric: str = "e
 
     from fastweights.core.files import atomic_write
 
+    from matplotlib.patches import Patch, Rectangle
+
     iters, lengths, labels = summary["iters"], summary["lengths"], summary["depth_labels"]
+    empty = 0  # heatmap cells without samples
     ncols = len(iters) + 1
     fig, axes = plt.subplots(1, ncols, figsize=(3.2 * ncols + 1, 3.8), squeeze=False, layout="constrained")
     axes = axes[0]
@@ -476,10 +543,16 @@ def plot_niah(summary: dict, path: str | Path, title: str = "", metric: str = "e
         for c in summary["cells"]:
             if c["iters"] == n and c[metric] is not None:
                 grid[labels.index(c["depth"]), lengths.index(c["length"])] = c[metric]
-        im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
+        cmap = plt.get_cmap("RdYlGn").with_extremes(bad=EMPTY_CELL["color"])  # no samples: grey, hatched, never white
+        im = ax.imshow(np.ma.masked_invalid(grid), vmin=0, vmax=1, cmap=cmap, aspect="auto", origin="upper")
         for i in range(len(labels)):
             for j in range(len(lengths)):
-                if not math.isnan(grid[i, j]):
+                if math.isnan(grid[i, j]):
+                    empty += 1
+                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor=EMPTY_CELL["color"],
+                                           hatch=EMPTY_CELL["hatch"], edgecolor=EMPTY_CELL["edge"], lw=0))
+                    ax.text(j, i, "no samples", ha="center", va="center", fontsize=6, color="0.25")
+                else:
                     ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=7)
         ax.set_xticks(range(len(lengths)), [_fmt_len(L) for L in lengths])
         edges = summary.get("depth_edges")
@@ -494,17 +567,27 @@ def plot_niah(summary: dict, path: str | Path, title: str = "", metric: str = "e
     width = 0.8 / max(1, len(iters))
     for k, n in enumerate(iters):
         ys = [summary["by_iters"][n]["by_length"][L][metric] or 0.0 for L in lengths]
-        ax.bar(np.arange(len(lengths)) + (k - (len(iters) - 1) / 2) * width, ys, width, label=f"{n}-iter")
+        bars = ax.bar(np.arange(len(lengths)) + (k - (len(iters) - 1) / 2) * width, ys, width, label=f"{n}-iter")
+        ax.bar_label(bars, fmt="%.2f", fontsize=6, padding=1)  # a bar of 0 is visible as its label
     ax.set_xticks(range(len(lengths)), [_fmt_len(L) for L in lengths])
-    ax.set_ylim(0, 1)
+    ax.set_ylim(0, 1.08)
     ax.set_ylabel(f"{metric} (all depths)")
     ax.set_xlabel("context length (tokens)")
     ax.legend(fontsize=7)
+    if empty:
+        why = ("no sample's target needle fell in that depth bin (depths are drawn at random; more --samples fill "
+               "every bin)" if summary.get("depth_edges") else "no sample was run at that depth and length")
+        fig.legend(handles=[Patch(facecolor=EMPTY_CELL["color"], hatch=EMPTY_CELL["hatch"],
+                                  edgecolor=EMPTY_CELL["edge"], label=f"no samples: {why}")],
+                   loc="outside lower left", fontsize=7, frameon=False)
     fig.suptitle(title or f"needle in a haystack: {metric} match")
     path = Path(path)
     atomic_write(path, lambda p: fig.savefig(p, dpi=110, format="png", bbox_inches="tight"))
     plt.close(fig)
     return path
+
+
+EMPTY_CELL = {"color": "0.85", "hatch": "///", "edge": "0.55"}  # how plot_niah draws a heatmap cell without samples
 
 
 def _fmt_len(n: int) -> str:
@@ -575,5 +658,5 @@ def records_to_json(records: list[dict], summary: dict, meta: dict) -> dict:
 __all__ = [
     "N_NEEDLES", "NEEDLE_TEMPLATE", "QUESTION_TEMPLATE", "Haystack", "Needle", "NiahSample", "NiahOptions",
     "make_sample", "make_samples", "parse_depths", "check_tokenizer", "score_answer", "evaluate_sample",
-    "evaluate_niah", "summarize", "plot_niah", "training_text", "records_to_json",
+    "evaluate_niah", "summarize", "format_table", "plot_niah", "training_text", "records_to_json", "sample_work",
 ]
