@@ -1,0 +1,196 @@
+"""A Fast Weight Layer on a pretrained Hugging Face causal LM (Clark et al. 2022, section 3 "Main Results").
+
+K. Clark, K. Guu, M.-W. Chang, P. Pasupat, G. Hinton, M. Norouzi, "Meta-Learning Fast Weight Language
+Models", EMNLP 2022 (arXiv 2212.02475): FWLs added on top of a publicly released pretrained
+Transformer-XL and fine-tuned give the gain of dynamic evaluation at about a third of its cost.
+
+The backbone's final hidden state h_t (the input of its output layer, after the final norm) feeds the
+FWL head of :mod:`fastweights.layers.fwl` as a residual branch before the backbone's own (tied, slow)
+unembedding E, c:
+
+    logits'_t = (h_t + f_{theta'_t}(h_t)) E + c,   f_theta(h) = LayerNorm(ReLU(h U + a)^2 W + b)
+    theta'_t  = theta - alpha . ( Delta_k + sum_{s in segment k, s < t} grad_theta L_s )
+
+with the LayerNorm gain and every step size alpha starting at 0: before any training the logits are
+exactly the pretrained model's (both the branch and its update are zero). Training learns the slow
+head, the step sizes and the segment decays by the FWL's second-order objective (the backbone frozen
+by default; :mod:`fastweights.hf.fwl_training` trains from hidden states cached on disk).
+
+Variants (the paper's Table 2): ``test_time_only`` (the head trained with the slow loss, the update
+applied at test time with one global step size, tuned on tuning text) and ``bias_only`` (only the
+output bias c is fast: logits'_t = logits_t - alpha_c sum_{s<t} (p_s - y_s), a learned unigram cache).
+
+State (the explicit-state protocol): ``{"backbone": the KV cache state of HFCausalLM, "fwl": the head's
+state}``; one call equals any split of the text into calls with the state carried.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastweights.core.errors import UserError
+from fastweights.layers.fwl import FastWeightLayer, FWLOptions
+from fastweights.models.lm import ModelOutput
+
+#: the recipe's head options: a residual head of width d_model, zero step sizes (the identity at start),
+#: 64-token segments (dynamic evaluation's segment length on SmolLM2) with learned decays
+PRETRAINED_FWL_DEFAULTS = {"residual": True, "step_size_init": 0.0, "segment_len": 64, "chunk_size": 256}
+CONFIG_NAME = "fwl_head.json"
+WEIGHTS_NAME = "fwl_head.safetensors"
+
+
+class HFCausalLMWithFWL(nn.Module):
+    """``HFCausalLMWithFWL(backbone: HFCausalLM, options: FWLOptions)``: ``forward(tokens, state, targets)``.
+
+    ``backbone`` is :class:`fastweights.hf.transformers_as_ours.HFCausalLM`; its output layer is shared
+    with the head (never copied). ``trainable_blocks``: how many of the backbone's last decoder blocks
+    keep ``requires_grad`` (0, the default: the backbone is frozen).
+    """
+
+    def __init__(self, backbone: nn.Module, options: FWLOptions | None = None, trainable_blocks: int = 0):
+        super().__init__()
+        options = options or FWLOptions(**PRETRAINED_FWL_DEFAULTS)
+        if not options.residual:
+            raise UserError("an FWL on a pretrained model is a residual branch: set residual = true")
+        self.backbone = backbone
+        out_layer = backbone.hf.get_output_embeddings()
+        vocab, width = out_layer.weight.shape
+        self.head = FastWeightLayer(width, vocab, options, unembedding=out_layer)
+        self.head.to(out_layer.weight.device)
+        self.vocab_size = int(vocab)
+        self.default_context = backbone.default_context
+        self.set_trainable_blocks(trainable_blocks)
+
+    def set_trainable_blocks(self, k: int) -> None:
+        """Freeze the backbone except its last ``k`` decoder blocks (the head is always trainable)."""
+        layers = self.backbone.layers
+        if not 0 <= k <= len(layers):
+            raise UserError(f"trainable blocks must be in 0..{len(layers)}, got {k}")
+        self.backbone.requires_grad_(False)
+        for block in list(layers)[len(layers) - k:]:
+            block.requires_grad_(True)
+        self.trainable_blocks = int(k)
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.backbone.layers
+
+    def forward(self, tokens: torch.Tensor, state: dict | None = None, targets: torch.Tensor | None = None,
+                ) -> ModelOutput:
+        hidden, backbone_state = self.backbone.forward_features(tokens, None if state is None else state["backbone"])
+        logits, head_state = self.head(hidden, tokens, None if state is None else state["fwl"])
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+        return ModelOutput(logits, loss, {"backbone": backbone_state, "fwl": head_state})
+
+    def trim_state(self, state: dict, keep: int) -> dict:
+        """Bound the backbone's KV cache (the head's state is constant in size)."""
+        return {"backbone": self.backbone.trim_state(state["backbone"], keep), "fwl": state["fwl"]}
+
+    def context_info(self) -> dict:
+        return {**self.backbone.context_info(), "fwl": dataclasses.asdict(self.head.options)}
+
+    # ------------------------------------------------------------------ saving
+
+    def head_config(self, backbone_name: str) -> dict:
+        return {"format": "fastweights-fwl-head", "version": 1, "backbone": backbone_name,
+                "backbone_fingerprint": backbone_fingerprint(self.backbone),
+                "trainable_blocks": self.trainable_blocks, "fwl": dataclasses.asdict(self.head.options)}
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """The head's tensors and those of any trainable backbone block: what a checkpoint stores."""
+        names = {n for n, p in self.named_parameters() if p.requires_grad}
+        return {k: v.detach().contiguous() for k, v in self.state_dict().items()
+                if k in names or k.startswith("head.")}
+
+
+def backbone_fingerprint(backbone: nn.Module) -> str:
+    """A cheap identity of the backbone's weights (shape and statistics of its output layer)."""
+    w = backbone.hf.get_output_embeddings().weight.detach().double()
+    return f"{tuple(w.shape)}:{w.sum().item():.9e}:{w.square().sum().item():.9e}:{w[:, 0].sum().item():.9e}"
+
+
+def save_fwl_head(model: HFCausalLMWithFWL, directory: str | Path, backbone_name: str, step: int | None = None,
+                  trainer_state: dict | None = None) -> dict:
+    """Write the head (and any trainable blocks) as a library checkpoint: ``fwl_head.json``,
+    ``model.safetensors``, optionally ``trainer_state.safetensors``, under a verified manifest; the save
+    is atomic (a kill leaves the previous checkpoint). The backbone is named, not copied."""
+    from safetensors.torch import save_file
+
+    from fastweights.checkpoints.format import (
+        TRAINER_STATE,
+        save_trainer_state,
+        write_checkpoint,
+    )
+
+    config = model.head_config(backbone_name)
+
+    def write(tmp: Path) -> None:
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+        save_file(model.trainable_state_dict(), str(tmp / WEIGHTS_NAME), metadata={"format": "fastweights-fwl-head"})
+        if trainer_state is not None:
+            save_trainer_state(trainer_state, tmp / TRAINER_STATE)
+
+    return write_checkpoint(Path(directory), write, step)
+
+
+def is_fwl_head_checkpoint(directory: str | Path) -> bool:
+    d = Path(directory)
+    return d.is_dir() and ((d / CONFIG_NAME).is_file() or (d / ".ckpt-next" / CONFIG_NAME).is_file())
+
+
+def load_fwl_head(directory: str | Path, backbone_loader=None, device: str = "cpu", with_trainer_state: bool = False):
+    """``(HFCausalLMWithFWL, tokenizer)`` (plus the trainer state) from a checkpoint of :func:`save_fwl_head`.
+
+    The files are verified against the manifest. ``backbone_loader(name) -> (HFCausalLM, tokenizer)``
+    defaults to :func:`fastweights.hf.transformers_as_ours.load_hf_model`. The model comes back in eval mode.
+    """
+    from safetensors.torch import load as load_bytes
+
+    from fastweights.checkpoints.format import (
+        TRAINER_STATE,
+        open_checkpoint,
+        parse_trainer_state,
+    )
+
+    def read(ckpt):
+        if not ckpt.has(CONFIG_NAME):
+            raise UserError(f"{directory} holds no {CONFIG_NAME}: not an FWL head checkpoint")
+        try:
+            cfg = json.loads(ckpt.read(CONFIG_NAME))
+            if cfg.get("format") != "fastweights-fwl-head":
+                raise ValueError("not an FWL head config")
+            options = FWLOptions(**cfg["fwl"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise UserError(f"{directory}/{CONFIG_NAME}: unreadable FWL head config ({e})") from None
+        tensors = load_bytes(ckpt.read(WEIGHTS_NAME))
+        trainer = parse_trainer_state(ckpt.read(TRAINER_STATE), str(directory)) if (
+            with_trainer_state and ckpt.has(TRAINER_STATE)) else None
+        return cfg, options, tensors, trainer
+
+    cfg, options, tensors, trainer = open_checkpoint(Path(directory), read)
+    if backbone_loader is None:
+        from fastweights.hf.transformers_as_ours import load_hf_model as backbone_loader
+    backbone, tok = backbone_loader(cfg["backbone"])
+    model = HFCausalLMWithFWL(backbone, options, trainable_blocks=int(cfg.get("trainable_blocks", 0)))
+    if cfg.get("backbone_fingerprint") != backbone_fingerprint(backbone):
+        raise UserError(f"{directory}: the FWL head was trained on another backbone than {cfg['backbone']!r} "
+                        "(its output layer differs)")
+    expected = model.trainable_state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise UserError(f"{directory}/{WEIGHTS_NAME}: missing tensors {missing[:3]}, unexpected {unexpected[:3]}")
+    for k, v in tensors.items():
+        if v.shape != expected[k].shape:
+            raise UserError(f"{directory}/{WEIGHTS_NAME}: {k} is {tuple(v.shape)}, expected {tuple(expected[k].shape)}")
+    model.load_state_dict(tensors, strict=False)
+    model = model.to(device).eval()
+    return (model, tok, trainer) if with_trainer_state else (model, tok)

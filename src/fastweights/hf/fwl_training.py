@@ -1,0 +1,251 @@
+"""Training a Fast Weight Layer on a frozen pretrained model, on a CPU: hidden states cached once on disk.
+
+The FWL paper fine-tunes the whole Transformer-XL with the head (section 3). On a CPU the backbone's
+forward pass is the cost that matters (SmolLM2-135M: about 500 tokens/s on one thread), so the default
+recipe freezes it: the final hidden states of the training text are computed once, stored memory-mapped
+(float16, ``[windows, window, d_model]``), and the head trains for as many passes as the budget allows at
+the cost of the head alone (dominated by its passes through the 49,152-way unembedding).
+
+Training objective (second-order MAML with one inner step, the paper's): the mean cross-entropy of the
+*fast* logits ``logits'_t = (h_t + f_{theta'_t}(h_t)) E + c`` over each cached window, differentiated
+through the inner gradients (:mod:`fastweights.layers.fwl`). ``test_time_only`` heads train on the slow
+logits instead (Table 2). Training text: bundled public-domain corpora that share no document with the
+texts the comparison scores or tunes on (:data:`HELD_OUT_NAMES`, checked by a test).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fastweights.core.errors import UserError
+from fastweights.core.progress import Progress
+
+#: documents the comparison scores, tunes on or takes gradient statistics from (benchmarks/smollm2_*):
+#: never training text, in any edition (a name containing one of these is skipped)
+HELD_OUT_NAMES = ("anna_karenina", "hamlet", "don_quijote", "crime_and_punishment", "macbeth", "war_and_peace")
+#: the default training mix: (corpus, windows per document): Shakespeare's plays but the held-out ones,
+#: State of the Union addresses (modern prose), the Spanish Bible (Spanish, for the Spanish text)
+TRAINING_MIX = (("shakespeare-train", 1), ("state-of-the-union", 1), ("bible-es", 1))
+CACHE_META = "cache.json"
+
+
+def training_windows(tokenizer, window: int, mix=TRAINING_MIX, max_windows: int | None = None) -> tuple[np.ndarray, list]:
+    """``(tokens [n, window] int64, sources)``: the first windows of each document of the mix, interleaved
+    across corpora (so a smaller ``max_windows`` keeps the mix). Held-out documents are skipped."""
+    from fastweights.data import load_corpus
+
+    per_corpus = []
+    for corpus, per_doc in mix:
+        rows = []
+        for doc in load_corpus(corpus):
+            if any(name in doc.name.lower() for name in HELD_OUT_NAMES):
+                continue
+            text = doc.text[: per_doc * window * 8]  # enough characters for per_doc windows (>= 1 char a token)
+            ids = tokenizer.encode(text)
+            for i in range(min(per_doc, len(ids) // window)):
+                rows.append((ids[i * window:(i + 1) * window], f"{corpus}:{doc.name}#{i}"))
+        per_corpus.append(rows)
+    out = []
+    for i in range(max(len(r) for r in per_corpus)):
+        out += [rows[i] for rows in per_corpus if i < len(rows)]
+    if max_windows is not None:
+        out = out[:max_windows]
+    if not out:
+        raise UserError("the training mix holds no window of the requested length")
+    return np.stack([np.asarray(r[0], dtype=np.int64) for r in out]), [r[1] for r in out]
+
+
+@torch.no_grad()
+def cache_hidden_states(backbone, tokens: np.ndarray, directory: str | Path, sources: list | None = None,
+                        fingerprint: str = "", progress: bool = True) -> dict:
+    """Run the frozen backbone over each window (independently, no carried context) and store its final
+    hidden states, float16, memory-mapped in ``directory`` (``hidden.npy``, ``tokens.npy``). Resumes a
+    partial cache of the same tokens and backbone; returns the cache's metadata."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    n, window = tokens.shape
+    width = backbone.hf.get_output_embeddings().weight.shape[1]
+    meta_path = directory / CACHE_META
+    digest = _digest(tokens)
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else None
+    if meta is None or meta.get("tokens_sha") != digest or meta.get("backbone") != fingerprint:
+        meta = {"tokens_sha": digest, "backbone": fingerprint, "windows": n, "window": window, "d_model": width,
+                "done": 0, "sources": sources, "dtype": "float16"}
+        np.save(directory / "tokens.npy", tokens)
+        np.lib.format.open_memmap(directory / "hidden.npy", mode="w+", dtype=np.float16, shape=(n, window, width))
+        meta_path.write_text(json.dumps(meta))
+    hidden = np.load(directory / "hidden.npy", mmap_mode="r+")
+    bar = Progress(n * window, "tok", desc="cache hidden states", enabled=progress)
+    bar.update(meta["done"] * window)
+    was_training = backbone.training
+    backbone.eval()
+    for i in range(meta["done"], n):
+        h, _ = backbone.forward_features(torch.from_numpy(tokens[i : i + 1]))
+        hidden[i] = h[0].to(torch.float16).numpy()
+        if (i + 1) % 8 == 0 or i + 1 == n:  # the memmap first, then the count that says it is there
+            hidden.flush()
+            meta["done"] = i + 1
+            meta_path.write_text(json.dumps(meta))
+        bar.update(window)
+    bar.close()
+    backbone.train(was_training)
+    return meta
+
+
+def load_cache(directory: str | Path) -> tuple[np.ndarray, np.ndarray, dict]:
+    directory = Path(directory)
+    meta = json.loads((directory / CACHE_META).read_text())
+    if meta["done"] < meta["windows"]:
+        raise UserError(f"hidden-state cache {directory} is incomplete ({meta['done']} of {meta['windows']} windows)")
+    return np.load(directory / "hidden.npy", mmap_mode="r"), np.load(directory / "tokens.npy"), meta
+
+
+def window_loss(head, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy (nats) of the head's logits over ``tokens [B, W]`` (W - 1 predictions each)."""
+    logits, _ = head(h, tokens)
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def train_head(model, cache_dir: str | Path, out_dir: str | Path, backbone_name: str, *, budget_cpu_s: float,
+               batch_size: int = 2, lr: float = 1e-3, val_windows: int = 4, seed: int = 0, save_every_s: float = 300.0,
+               resume: bool = True, progress: bool = True) -> dict:
+    """Train ``model.head`` (an :class:`~fastweights.hf.fwl_head.HFCausalLMWithFWL`'s) on cached hidden states
+    for ``budget_cpu_s`` seconds of process CPU time; checkpoints to ``out_dir`` (library format, atomic) every
+    ``save_every_s`` and at the end, and resumes from it. The last ``val_windows`` cached windows are held out:
+    their loss with the head and with the pretrained logits alone is reported. Returns the training summary."""
+    from fastweights.hf.fwl_head import load_fwl_head, save_fwl_head
+
+    hidden, tokens, meta = load_cache(cache_dir)
+    n_train = meta["windows"] - val_windows
+    if n_train < batch_size:
+        raise UserError(f"the cache holds {meta['windows']} windows: too few for {val_windows} held out and "
+                        f"batches of {batch_size}")
+    head = model.head
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    step, used_cpu, gen, history = 0, 0.0, torch.Generator().manual_seed(seed), []
+    out_dir = Path(out_dir)
+    if resume and (out_dir / "checkpoint.json").is_file():
+        loaded, _, ts = load_fwl_head(out_dir, backbone_loader=lambda _name: (model.backbone, None),
+                                      with_trainer_state=True)
+        model.load_state_dict(loaded.state_dict(), strict=False)
+        if ts is not None:
+            optimizer.load_state_dict(ts["optimizer"])
+            step, used_cpu, history = ts["step"], float(ts["cpu_s"]), list(ts["history"])
+            gen.set_state(ts["rng"])
+
+    def batch(idx):
+        h = torch.from_numpy(np.asarray(hidden[idx], dtype=np.float32))
+        return h, torch.from_numpy(tokens[idx])
+
+    def save():
+        ts = {"step": step, "optimizer": optimizer.state_dict(), "cpu_s": used_cpu, "rng": gen.get_state(),
+              "history": history}
+        save_fwl_head(model, out_dir, backbone_name, step=step, trainer_state=ts)
+
+    model.train()
+    bar = Progress(budget_cpu_s, "cpu-s", desc="train fwl head", enabled=progress, time_limit=budget_cpu_s,
+                   clock=time.process_time)
+    bar.update(used_cpu)
+    start, last_save, order = time.process_time() - used_cpu, time.process_time(), torch.empty(0, dtype=torch.long)
+    while used_cpu < budget_cpu_s:
+        if order.numel() < batch_size:
+            order = torch.randperm(n_train, generator=gen)
+        idx, order = order[:batch_size].sort().values.numpy(), order[batch_size:]
+        h, x = batch(idx)
+        loss = window_loss(head, h, x)
+        if not torch.isfinite(loss):
+            raise UserError(f"fwl head training diverged at step {step} (loss {loss.item()}); lower the learning rate")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        step += 1
+        now = time.process_time()
+        history.append([step, round(now - start, 2), loss.item() / math.log(2)])
+        bar.update(now - start - used_cpu, loss_bits=loss.item() / math.log(2))
+        used_cpu = now - start
+        if now - last_save >= save_every_s:
+            save()
+            last_save = now
+    bar.close()
+    save()
+    model.eval()
+    val = validation_losses(model, hidden, tokens, range(n_train, meta["windows"]))
+    return {"steps": step, "cpu_s": used_cpu, "batch_size": batch_size, "lr": lr, "window": meta["window"],
+            "train_windows": n_train, "tokens_seen": step * batch_size * meta["window"], "history": history,
+            "validation": val}
+
+
+@torch.no_grad()
+def validation_losses(model, hidden, tokens, rows) -> dict:
+    """Mean loss (bits per token) of held-out cached windows: the pretrained logits vs the head's."""
+    pre, fwl = [], []
+    out_layer = model.backbone.hf.get_output_embeddings()
+    for i in rows:
+        h = torch.from_numpy(np.asarray(hidden[i : i + 1], dtype=np.float32))
+        x = torch.from_numpy(tokens[i : i + 1])
+        pre.append(F.cross_entropy(out_layer(h)[:, :-1].flatten(0, 1), x[:, 1:].flatten()).item())
+        fwl.append(window_loss(model.head, h, x).item())
+    return {"pretrained_bits": float(np.mean(pre)) / math.log(2), "fwl_bits": float(np.mean(fwl)) / math.log(2),
+            "windows": len(pre)}
+
+
+def _digest(a: np.ndarray) -> str:
+    import hashlib
+
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+#: the head options of each variant of the comparison (the paper's Table 2 rows)
+VARIANTS = {
+    "fwl": {},
+    "test-time-only": {"test_time_only": True},
+    "bias-only": {"bias_only": True},
+}
+
+
+def train_recipe(hf: str, out_dir: str | Path, *, variant: str = "fwl", budget_cpu_s: float = 1800.0,
+                 windows: int = 128, window: int = 1024, cache_dir: str | Path | None = None, lr: float = 1e-3,
+                 batch_size: int = 1, seed: int = 0, progress: bool = True) -> dict:
+    """The default recipe, end to end: load ``hf`` (e.g. ``"smollm2-135m"``), wrap it with an FWL head of the
+    given variant, cache the hidden states of ``windows`` windows of the training mix (shared between variants
+    through ``cache_dir``, default ``out_dir/../hidden-cache``), train for ``budget_cpu_s`` CPU seconds
+    (resuming a checkpoint in ``out_dir``) and write ``out_dir/training.json``. Returns its summary."""
+    import dataclasses
+
+    from fastweights.hf.fwl_head import (
+        PRETRAINED_FWL_DEFAULTS,
+        HFCausalLMWithFWL,
+        backbone_fingerprint,
+    )
+    from fastweights.hf.transformers_as_ours import load_hf_model
+    from fastweights.layers.fwl import FWLOptions
+
+    if variant not in VARIANTS:
+        raise UserError(f"unknown FWL variant {variant!r}; choose one of {', '.join(VARIANTS)}")
+    out_dir = Path(out_dir)
+    cache_dir = Path(cache_dir) if cache_dir is not None else out_dir.parent / "hidden-cache"
+    torch.manual_seed(seed)
+    backbone, tokenizer = load_hf_model(hf)
+    options = FWLOptions(**{**PRETRAINED_FWL_DEFAULTS, **VARIANTS[variant]})
+    model = HFCausalLMWithFWL(backbone, options)
+    tokens, sources = training_windows(tokenizer, window, max_windows=windows)
+    t0 = time.process_time()
+    meta = cache_hidden_states(backbone, tokens, cache_dir, sources, backbone_fingerprint(backbone), progress)
+    cache_cpu = time.process_time() - t0
+    summary = train_head(model, cache_dir, out_dir, hf, budget_cpu_s=budget_cpu_s, batch_size=batch_size, lr=lr,
+                         seed=seed, progress=progress)
+    summary.update({"hf": hf, "variant": variant, "options": dataclasses.asdict(options), "cache_dir": str(cache_dir),
+                    "cache_windows": meta["windows"], "cache_cpu_s_this_call": cache_cpu,
+                    "training_sources": sorted({s.split(":")[0] for s in meta["sources"]}),
+                    "torch_threads": torch.get_num_threads()})
+    (out_dir / "training.json").write_text(json.dumps(summary, indent=1))
+    return summary
