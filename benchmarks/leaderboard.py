@@ -483,8 +483,8 @@ def leaderboard_figure(rec: dict):
     handles = [matplotlib.lines.Line2D([], [], lw=1.8, **styles[t["entry"]]) for t in table]
     labels = [f"{t['rank']}. {t['entry']}  {t['streamed_bits_per_char']:.3f}"
               + (" (own panel)" if t in collapsed else "") for t in table]
-    fig.tight_layout(rect=(0, 0, 0.78, 1))
-    fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(0.785, 0.985), fontsize=9, frameon=False,
+    fig.tight_layout(rect=(0, 0, 0.755, 1))
+    fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(0.76, 0.985), fontsize=9, frameon=False,
                title="rank. row  streamed bits/char\n(mean over seeds; README table)", title_fontsize=8.5,
                handlelength=3.2)
     return fig
