@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa
 
 from fastweights.checkpoints.format import save_model  # noqa: E402
 from fastweights.core.config import ModelConfig, RunConfig  # noqa: E402
+from fastweights.core.errors import UserError  # noqa: E402
 from fastweights.data.tokenizers import build_tokenizer  # noqa: E402
 from fastweights.loops.generate import generate_tokens  # noqa: E402
 from fastweights import components as registry  # noqa: E402
@@ -172,8 +173,12 @@ def test_forward_loss_padding_and_cache_checks():
     out.loss.backward()  # trainable through the HF interface
     assert hf.model.embed.weight.grad is not None
     assert hf(x, logits_to_keep=1).logits.shape == (2, 1, VOCAB)
-    with pytest.raises(ValueError, match="padding"):
+    # padding (tests/contracts/test_padding.py): this memory is shared by the batch, so rows padded differently
+    # are refused; a mask that does not cover the tokens is a mistake
+    with pytest.raises(UserError, match="per_sequence"):
         hf(x, attention_mask=torch.tensor([[0] + [1] * 8, [1] * 9]))
+    with pytest.raises(ValueError, match="attention_mask"):
+        hf(x, attention_mask=torch.ones(2, 3))
     with torch.no_grad():
         cache = hf(x[:1]).past_key_values
         with pytest.raises(ValueError, match="1 sequences"):

@@ -28,7 +28,10 @@ Tokenizers, each expressed in ``tokenizers`` so that its ids are ours:
   is the EOS/BOS token (so ``generate`` stops there), but text that contains the string
   ``<|endoftext|>`` is encoded as ordinary characters, as ours does (``split_special_tokens``).
 
-The HF tokenizers add no BOS/EOS tokens when encoding, like ours.
+The HF tokenizers add no BOS/EOS tokens when encoding, like ours. They pad on the left (the side
+batched ``generate()`` needs), with ``<unk>`` (char), byte 0 (byte) or ``<|endoftext|>`` (gpt2) as the
+padding token (the model config's ``pad_token_id``); padding is masked out of the model's state, so which
+token pads does not matter.
 """
 
 from __future__ import annotations
@@ -76,12 +79,13 @@ def hf_tokenizer(tokenizer):
         tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
         # Fuse: tokens are joined without spaces; the unknown symbol reads back as U+FFFD like ours
         tk.decoder = decoders.Sequence([decoders.Replace(UNK_TOKEN, _REPLACEMENT_CHAR), decoders.Fuse()])
-        special = {"unk_token": UNK_TOKEN}
+        special = {"unk_token": UNK_TOKEN, "pad_token": UNK_TOKEN}
     elif tokenizer.name == "byte":
         byte_symbol = bytes_to_unicode()
         tk = Tokenizer(models.BPE({byte_symbol[b]: b for b in range(256)}, []))  # no merges: one id per byte
         tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         tk.decoder = decoders.ByteLevel()
+        special = {"pad_token": byte_symbol[0]}
     elif tokenizer.name == "gpt2":
         merges = sorted(tokenizer.bpe_ranks, key=tokenizer.bpe_ranks.get)  # [(left, right)] in rank order
         tk = Tokenizer(models.BPE(dict(tokenizer.encoder), merges))
@@ -89,18 +93,21 @@ def hf_tokenizer(tokenizer):
         tk.decoder = decoders.ByteLevel()
         if tokenizer.eot_id is not None:
             tk.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
-            special = {"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}
+            special = {"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}
     else:
         raise UserError(f"export-hf: tokenizer kind {tokenizer.name!r} has no Hugging Face form")
     # split_special_tokens: a special token's text inside the input is ordinary text, as in our encode
     return PreTrainedTokenizerFast(tokenizer_object=tk, split_special_tokens=True,
-                                   clean_up_tokenization_spaces=False, **special)
+                                   clean_up_tokenization_spaces=False, padding_side="left", **special)
 
 
 def special_token_ids(tokenizer) -> dict:
-    """``bos_token_id`` / ``eos_token_id`` for the model config (GPT-2's end of text; none for char/byte)."""
+    """``bos_token_id`` / ``eos_token_id`` for the model config (GPT-2's end of text; none for char/byte) and
+    ``pad_token_id`` (the tokenizer's padding token, see the module docstring)."""
     eot = getattr(tokenizer, "eot_id", None)
-    return {"bos_token_id": eot, "eos_token_id": eot} if eot is not None else {}
+    ids = {"bos_token_id": eot, "eos_token_id": eot} if eot is not None else {}
+    pad = {"char": getattr(tokenizer, "unk_id", None), "byte": 0, "gpt2": eot}.get(tokenizer.name)
+    return {**ids, "pad_token_id": pad} if pad is not None else ids
 
 
 def export_hf(checkpoint: str | Path, directory: str | Path, force: bool = False) -> list[str]:

@@ -23,9 +23,14 @@
 Differences from a Transformer-with-KV-cache that a user may meet:
 
 - The state is not a list of keys and values: it cannot be cropped (assisted/speculative decoding is
-  refused, as for other stateful models), and padding is not supported: an ``attention_mask`` with
-  zeros raises (a padding token would be written into the fast weights). Batch generation works
-  for prompts of equal length.
+  refused, as for other stateful models).
+- Padding: an ``attention_mask`` with zeros (a left-padded batch of prompts, as ``generate()``, a
+  ``pipeline(..., batch_size=8)`` or batched scoring pass it) is handed to the model, whose every part
+  leaves padding out of its state and positions (``LanguageModel.forward``), so each row generates and
+  scores what it does alone. generate() passes the mask of everything read so far; the model takes the
+  columns of the new tokens (``attention_mask[:, -T:]``), the state remembering the rest. A fast memory
+  shared by the batch (FwPKM or FwMLP unless ``persistence = "per_sequence"``) refuses rows padded
+  differently (one memory for the batch: no row reads it alone).
 - Beam search reorders the state along the batch; this needs every state tensor to be per-sequence
   (leading dimension = batch). A memory whose state is not (FwPKM in any persistence mode, whose
   value table is shared or flattened over the batch; FwMLP unless ``persistence = "per_sequence"``)
@@ -327,7 +332,8 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
     ):
         """Logits of ``input_ids`` [B, T] continuing the state in ``past_key_values`` (None = fresh).
 
-        ``labels`` [B, T] (-100 = ignored) give ``loss``; ``logits_to_keep`` > 0 returns only the
+        ``attention_mask`` [B, T'] (0 = padding; the last T columns are this call's tokens) leaves padding
+        out of the state and the loss. ``labels`` [B, T] (-100 = ignored) give ``loss``; ``logits_to_keep`` > 0 returns only the
         last that many positions; ``use_cache`` (default ``config.use_cache``) returns the state as
         ``past_key_values`` (the given cache, updated in place, or a new one).
         """
@@ -342,9 +348,13 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError("fastweights models take input_ids, not inputs_embeds (some heads read the tokens)")
         if input_ids is None:
             raise ValueError("input_ids is required")
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("fastweights models do not support padding (an attention_mask with zeros): a padding "
-                             "token would be written into the fast weights; use prompts of equal length")
+        if attention_mask is not None:
+            if attention_mask.dim() != 2 or attention_mask.shape[0] != input_ids.shape[0] \
+                    or attention_mask.shape[1] < input_ids.shape[1]:
+                raise ValueError(f"attention_mask must be [B, T'] with T' >= T covering input_ids "
+                                 f"{tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}")
+            # generate() passes the mask of every token read so far: the state remembers the earlier columns
+            attention_mask = attention_mask[:, attention_mask.shape[1] - input_ids.shape[1]:]
         use_cache = self.config.use_cache if use_cache is None else use_cache
 
         cache = past_key_values
@@ -356,11 +366,13 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
         if state is not None and cache.batch != input_ids.shape[0]:
             raise ValueError(f"the cache holds {cache.batch} sequences but input_ids has {input_ids.shape[0]}")
 
-        out = self.model(input_ids, state)
+        out = self.model(input_ids, state, attention_mask=attention_mask)
         logits = out.logits  # [B, T, V]
 
         loss = None
         if labels is not None:
+            if attention_mask is not None:
+                labels = labels.masked_fill(attention_mask == 0, -100)  # padding is never a target
             # HF convention: position t predicts labels[t + 1]
             loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
             if out.aux_loss is not None:
