@@ -129,7 +129,10 @@ class GatedDeltaNet(nn.Module):
         qkv = self.qkv(x)  # [B, T, 2HK + HV]
         new_state = {}
         if opt.use_short_conv:
-            qkv, new_state["conv"] = causal_conv1d(qkv, self.conv_weight, state["conv"], attention_mask)
+            if attention_mask is None:
+                qkv, new_state["conv"] = causal_conv1d(qkv, self.conv_weight, state["conv"])
+            else:  # padding skipped: each real token's window spans the real inputs before it
+                qkv, new_state["conv"] = causal_conv1d(qkv, self.conv_weight, state["conv"], attention_mask)
         qkv = F.silu(qkv)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(b, t, h, self.head_k)  # [B, T, H, K]

@@ -105,7 +105,8 @@ class LinearHead(nn.Module):
         self.tied_to = [tied_to] if tied_to is not None else None
 
     def forward(self, h: torch.Tensor, tokens: torch.Tensor | None = None, state=None, attention_mask=None):
-        w = self.tied_to[0].weight  # position by position: padding changes nothing here if self.tied_to is not None else self.weight
+        # position by position: padding changes nothing here
+        w = self.tied_to[0].weight if self.tied_to is not None else self.weight
         return F.linear(h, w), None
 
 
