@@ -1,9 +1,17 @@
-"""The progress line: count, rate, fields, and an ETA bounded by a time budget."""
+"""The progress line: count, rate, fields, and an ETA bounded by a time budget; rates that never read 0; and
+every long command, slowed by a fake clock, never silent for more than 10 s without a total and an ETA."""
 
 import io
+import re
+import sys
 import time
 
-from fastweights.core.progress import Progress
+import pytest
+import torch
+
+from fastweights.core.progress import Progress, format_rate
+from fastweights.models.lm import LanguageModel
+from helpers import tiny_lm
 
 
 def _line(bar: Progress, now_offset: float) -> str:
@@ -48,3 +56,169 @@ def test_cpu_clock_counts_cpu_seconds_for_the_budget():
     assert "elapsed 01:00" in line and line.endswith("ETA 01:00")
     bar = Progress(10, clock=time.process_time)
     assert bar.clock_label == "cpu"
+
+
+# ----------------------------------------------------------------------------- rates
+
+
+@pytest.mark.parametrize("rate,unit,shown", [
+    (2500.0, "tok", "2,500 tok/s"), (3.46, "samples", "3.5 samples/s"), (1 / 4.2, "samples", "4.2 s/sample"),
+    (0.004, "batches", "250 s/batch"), (1e-7, "tok", "10,000,000 s/tok"), (0.5, "steps", "2.0 s/step")])
+def test_a_rate_never_reads_zero(rate, unit, shown):
+    assert format_rate(rate, unit) == shown
+    assert format_rate(0.0, unit) == ""  # nothing done yet: no rate, rather than "0 x/s"
+
+
+def test_slow_work_shows_seconds_per_unit_and_a_labelled_loss():
+    bar = Progress(20, "samples", desc="niah")
+    bar.n, bar.fields = 2, {"loss": 1.5}
+    line = bar.line(bar.start + 10.0)  # 5 s per sample: "0 samples/s" before issue 33
+    assert "5.0 s/sample" in line and "/s" not in line.replace("s/sample", "")
+    assert "loss 1.5 nats" in line and line.endswith("ETA 01:30")
+    bar.total, bar.approximate = 40, True
+    assert "2/~40 samples" in bar.line(bar.start + 10.0)
+
+
+def test_an_adopting_bar_counts_inner_bars_of_its_unit():
+    out = io.StringIO()
+    outer = Progress(100, "tok", desc="outer", stream=out, min_interval=0)
+    with outer.adopting():
+        inner = Progress(50, "tok", desc="inner", stream=out)
+        other = Progress(3, "batches", desc="other", stream=out)
+        inner.update(30)
+        inner.close()
+    assert outer.n == 30 and inner.parent is outer and other.parent is None
+    assert "inner" not in out.getvalue()  # the inner bar draws nothing of its own
+    assert Progress(5, "tok").parent is None  # outside the block nothing is adopted
+
+
+# ----------------------------------------------------------------------------- slowed commands
+
+SECONDS_PER_TOKEN = 0.05  # the fake cost of every token a model call reads: a 32-token call takes 1.6 s
+MAX_SILENCE = 10.0  # issue 33: no command runs longer than this without a progress line with a total and an ETA
+PROGRESS = re.compile(r"\d[\d,.]*/~?[\d,.]+ \S+ \|")  # "120/~4,000 tok |": a count, its total and its unit
+
+
+class FakeTime:
+    """The clock of fastweights.core.progress; model calls advance it."""
+
+    def __init__(self):
+        self.t = 1000.0
+
+    def perf_counter(self):
+        return self.t
+
+    process_time = perf_counter
+
+
+class Log(io.StringIO):
+    """stderr that records when (on the fake clock) each line was written; not a terminal."""
+
+    def __init__(self, clock):
+        super().__init__()
+        self.clock, self.lines = clock, []
+
+    def write(self, s):
+        self.lines += [(self.clock.t, line) for line in s.splitlines() if line.strip()]
+        return super().write(s)
+
+    def isatty(self):
+        return False
+
+
+@pytest.fixture(scope="module")
+def memory_checkpoint(tmp_path_factory):
+    """An untrained char-level FwPKM model (the needle alphabet in its vocabulary), its corpus and a text."""
+    from fastweights.checkpoints.format import save_model
+    from fastweights.core.config import DataConfig, RunConfig, TrainConfig
+    from fastweights.data import CharTokenizer
+    from fastweights.tasks.niah import Haystack
+
+    d = tmp_path_factory.mktemp("slow")
+    text = Haystack.load().text
+    (d / "corpus.txt").write_text(text[:30000])
+    (d / "doc.txt").write_text(text[40000:40800])
+    tok = CharTokenizer.from_text(text[:200000] + "0123456789abcdef" + "ID-")
+    model = tiny_lm(tok.vocab_size, memory="fwpkm", memory_layers=[1],
+                    options={"fwpkm": dict(n_subkeys=6, d_key=8, d_value=8, topk=2, chunk_size=16)})
+    cfg = RunConfig(model=model.config, data=DataConfig(corpus=str(d / "corpus.txt")), train=TrainConfig(seq_len=32))
+    save_model(model, d / "ckpt", cfg, tok)
+    return d
+
+
+def _slowed(monkeypatch):
+    """Every model call costs SECONDS_PER_TOKEN per token it reads, on the fake clock; stderr is a log."""
+    import fastweights.core.progress as progress_module
+
+    clock = FakeTime()
+    monkeypatch.setattr(progress_module, "time", clock)
+    forward = LanguageModel.forward
+
+    def slow_forward(self, tokens, *args, **kwargs):
+        # the model under test only: the fingerprint probes a result records run float64 models of capped
+        # size (experiments.probes.probe_config), whose cost does not grow with the checkpoint's
+        if next(self.parameters()).dtype != torch.float64:
+            clock.t += SECONDS_PER_TOKEN * tokens.numel()
+        return forward(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(LanguageModel, "forward", slow_forward)
+    log = Log(clock)
+    monkeypatch.setattr(sys, "stderr", log)
+    return clock, log
+
+
+COMMANDS = {
+    "dynamic eval": ["dynamic", "eval", "--checkpoint", "{d}/ckpt", "--data", "{d}/doc.txt", "--rule", "sgd",
+                     "--lr", "0.001", "--max-chars", "500"],
+    "dynamic tune": ["dynamic", "tune", "--checkpoint", "{d}/ckpt", "--data", "{d}/doc.txt", "--rule", "sgd",
+                     "--tune-chars", "200", "--lrs", "1e-3,1e-2,1e-1", "--save", "{d}/tuned.json"],
+    "eval --stream": ["eval", "--stream", "--checkpoint", "{d}/ckpt", "--data", "{d}/doc.txt", "--modes", "carry",
+                      "--out", "{d}/stream"],
+    "inspect addressing": ["inspect", "addressing", "--checkpoint", "{d}/ckpt", "--data", "{d}/doc.txt"],
+    "task niah": ["task", "niah", "--checkpoint", "{d}/ckpt", "--lengths", "256,384", "--samples", "2",
+                  "--piece", "32", "--out", "{d}/niah"],
+}
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_a_slow_command_is_never_silent_without_a_total_and_an_eta(name, memory_checkpoint, monkeypatch):
+    from fastweights import cli
+
+    argv = [a.format(d=memory_checkpoint) for a in COMMANDS[name]]
+    monkeypatch.chdir(memory_checkpoint)
+    clock, log = _slowed(monkeypatch)
+    start = clock.t
+    assert cli.main(argv) == 0, log.getvalue()
+    lines = [(t, line) for t, line in log.lines if PROGRESS.search(line)]
+    assert lines, f"{name}: no progress line in {log.getvalue()!r}"
+    assert clock.t - start > 3 * MAX_SILENCE  # the fake work is long enough for the check to mean something
+    times = [start] + [t for t, _ in lines] + [clock.t]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert max(gaps) <= MAX_SILENCE, f"{name}: {max(gaps):.1f} s without a progress line: {log.getvalue()}"
+    for t, line in lines:
+        if "ETA" not in line:  # only a closing line (the phase is done) may lack the ETA
+            assert any(later > t for later, _ in lines) or t == clock.t or line == lines[-1][1], line
+    running = [line for t, line in lines if "ETA" in line]
+    assert running, f"{name}: no line with an ETA: {log.getvalue()}"
+    assert not re.search(r"(?<![\d.,])0 \S+/s", log.getvalue()), "a rate printed as 0"
+    import os
+    if os.environ.get("SHOW_PROGRESS"):
+        print(name, "\n".join(f"{t - start:7.1f}  {line}" for t, line in log.lines), file=sys.__stdout__)
+
+
+def test_the_tuning_search_plans_exactly_the_points_it_runs(monkeypatch):
+    # the automatic search may stop its coarse stage early: its total is an upper bound ("<=", "~") until
+    # then, and exact afterwards, ending at exactly the tokens of the static pass and every point run
+    from fastweights.adapt.dynamic import DynamicEvaluator
+    from fastweights.adapt.tune import tune_dynamic
+    from helpers import motif_tokens
+
+    model = tiny_lm(11)
+    docs = [motif_tokens(21, 11)]
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", out)
+    res = tune_dynamic(lambda lr, decay: DynamicEvaluator(model, rule="sgd-global-prior", lr=lr, decay=decay,
+                                                          segment_len=5), docs, progress=True)
+    last = out.getvalue().splitlines()[-1]
+    n = 20 * (1 + len(res["grid"]))
+    assert f"{n:,}/{n:,} tok" in last and f"point {len(res['grid'])}/{len(res['grid'])} " in last, last

@@ -25,6 +25,7 @@ import torch
 
 from fastweights.components import GatedMemory, SlotMemory
 from fastweights.core.errors import UserError
+from fastweights.core.progress import Progress
 
 
 def addressing_stats(counts: torch.Tensor) -> dict[str, float]:
@@ -131,8 +132,11 @@ def memory_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, SlotMemory)]
 
 
-def collect_reads(model, tokens: torch.Tensor, seq_len: int, stride: int | None = None, trace: bool = False):
+def collect_reads(model, tokens: torch.Tensor, seq_len: int, stride: int | None = None, trace: bool = False,
+                  progress: bool = True):
     """Run ``model`` over ``tokens`` ``[T]`` (one stream, state carried) recording every memory read.
+
+    ``progress``: a progress line on stderr (the ``T - 1`` scored tokens, with an ETA).
 
     Returns ``(reads, tracers, loss)``: ``reads[name] = (indices, weights, gates)``: the slots
     ``[T - 1, m]`` read by each scored token in each memory layer, their weights, and the FwPKM gate
@@ -152,9 +156,12 @@ def collect_reads(model, tokens: torch.Tensor, seq_len: int, stride: int | None 
         m.record_reads = True
         if trace and isinstance(m, GatedMemory):
             tracers[name] = m.tracer = SlotTracer()
+    bar = Progress(max(0, tokens.shape[-1] - 1), "tok", desc=f"addressing: reading {len(layers)} memory layer(s)",
+                   enabled=progress)
     try:
-        result, _ = score_tokens(model, tokens, seq_len, stride)
+        result, _ = score_tokens(model, tokens, seq_len, stride, progress=bar)
     finally:
+        bar.close()
         for _, m in layers:
             m.record_reads = False
             if isinstance(m, GatedMemory):

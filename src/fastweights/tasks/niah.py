@@ -454,7 +454,7 @@ def evaluate_niah(model, tokenizer, samples: Sequence[NiahSample], opts: NiahOpt
             state = after if opts.carry else None
             records.extend(recs)
             done = [r["exact"] for r in records if r["iters"] == max(opts.iters)]
-            bar.update(0, exact=sum(done) / max(1, len(done)))
+            bar.update(0, exact=f"{sum(done) / max(1, len(done)):.2f}")
     finally:
         model.train(was_training)
         bar.close()
