@@ -201,9 +201,6 @@ def test_a_slow_command_is_never_silent_without_a_total_and_an_eta(name, memory_
     running = [line for t, line in lines if "ETA" in line]
     assert running, f"{name}: no line with an ETA: {log.getvalue()}"
     assert not re.search(r"(?<![\d.,])0 \S+/s", log.getvalue()), "a rate printed as 0"
-    import os
-    if os.environ.get("SHOW_PROGRESS"):
-        print(name, "\n".join(f"{t - start:7.1f}  {line}" for t, line in log.lines), file=sys.__stdout__)
 
 
 def test_the_tuning_search_plans_exactly_the_points_it_runs(monkeypatch):
