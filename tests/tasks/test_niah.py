@@ -13,8 +13,8 @@ from fastweights.data import CharTokenizer
 from fastweights.core.errors import UserError
 from fastweights.models.lm import ModelOutput
 from fastweights.tasks.niah import (Haystack, NiahOptions, check_tokenizer, evaluate_niah, evaluate_sample, make_sample,
-                                    format_table, make_samples, parse_depths, plot_niah, score_answer, summarize,
-                                    training_text)
+                                    make_samples, parse_depths, plot_niah, score_answer, summarize, training_text)
+from fastweights.tasks.niah_report import format_table
 from helpers import tiny_lm
 
 HEX, DIGITS = "0123456789abcdef", "0123456789"
@@ -269,8 +269,8 @@ def test_niah_command_writes_json_and_png(hay, tok, tmp_path, capsys):
         argv = ["task", "niah", "--checkpoint", str(ckpt), "--lengths", "250", "--samples", "2", "--iters", "1,2",
                 "--depths", "0,1", "--out", str(out), "--quiet", "--piece", "128"]
         assert cli.main(argv) == 0
-        doc = json.loads(out.with_suffix(".json").read_text())
-        assert out.with_suffix(".png").stat().st_size > 1000
+        doc = json.loads((out / "niah.json").read_text())
+        assert (out / "niah.png").stat().st_size > 1000
         assert doc["summary"]["iters"] == [1, 2] and len(doc["records"]) == 2 * 2 * 2
         assert set(doc["summary"]["by_iters"]) == {"1", "2"} and doc["command"].startswith("fastweights")
         assert cli.main([*argv[:-3], "--depths", "2"]) == 2  # a user error: one line, exit status 2
