@@ -70,11 +70,13 @@ def test_a_rate_never_reads_zero(rate, unit, shown):
 
 
 def test_slow_work_shows_seconds_per_unit_and_a_labelled_loss():
-    bar = Progress(20, "samples", desc="niah")
+    bar = Progress(20, "samples", desc="niah", loss_unit="nats")
     bar.n, bar.fields = 2, {"loss": 1.5}
     line = bar.line(bar.start + 10.0)  # 5 s per sample: "0 samples/s" before issue 33
     assert "5.0 s/sample" in line and "/s" not in line.replace("s/sample", "")
     assert "loss 1.5 nats" in line and line.endswith("ETA 01:30")
+    bar.loss_unit = ""  # a loss of unknown unit (a squared error) is not called nats
+    assert "loss 1.5 |" in bar.line(bar.start + 10.0)
     bar.total, bar.approximate = 40, True
     assert "2/~40 samples" in bar.line(bar.start + 10.0)
 

@@ -5,8 +5,8 @@ The rules every progress line follows (``tests/cli/test_progress.py`` holds them
 - it states its unit (``12,000/40,000 tok``) and, where the work has a known size, the total and an ETA;
   an estimated total is marked ``~``;
 - a rate never reads 0: below one unit per second it is printed as seconds per unit (``4.2 s/sample``);
-- a float field named ``loss`` is a loss in nats (the library's unit) and is labelled so; a caller that
-  shows bits passes a string (``loss="1.234 bits/tok"``);
+- a loss carries its unit: pass it as a string (``loss="1.234 bits/tok"``), or give the bar ``loss_unit``
+  (``Progress(..., loss_unit="nats")``) and a float ``loss`` field is shown with it;
 - on a terminal the line is redrawn in place; elsewhere (logs, CI) a plain line is printed a few seconds
   after the start and then every ``log_interval`` seconds, so long work is never silent for long.
 
@@ -58,7 +58,8 @@ class Progress:
 
     Redraws at most every ``min_interval`` seconds on a terminal; elsewhere (CI logs) it prints a plain
     line at the first update ``first_interval`` seconds after the start, then every ``log_interval``
-    seconds. ``total`` may change while the work runs (``bar.total = ...``); ``approximate=True`` marks
+    seconds. ``loss_unit``: the unit a float ``loss`` field is shown with ("nats", "bits/tok").
+    ``total`` may change while the work runs (``bar.total = ...``); ``approximate=True`` marks
     it as an estimate (``~``). ``time_limit`` (seconds): the work stops by then whatever the count (a
     training time budget), so the ETA never exceeds it. ``clock``: what elapsed time, rate and ETA
     count, wall-clock seconds (default, ``time.perf_counter``) or ``time.process_time`` (shown as
@@ -67,8 +68,9 @@ class Progress:
 
     def __init__(self, total: float | None, unit: str = "it", desc: str = "", enabled: bool = True,
                  min_interval: float = 0.2, log_interval: float = 8.0, stream=None, time_limit: float | None = None,
-                 clock=None, first_interval: float = 2.0, approximate: bool = False):
+                 clock=None, first_interval: float = 2.0, approximate: bool = False, loss_unit: str = ""):
         self.total, self.unit, self.desc, self.enabled = total, unit, desc, enabled
+        self.loss_unit = loss_unit
         self.approximate = approximate
         self.time_limit = time_limit
         self.clock = clock or time.perf_counter
@@ -124,8 +126,8 @@ class Progress:
         if shown:
             parts.append(shown)
         for k, v in self.fields.items():
-            if k == "loss" and isinstance(v, float):
-                parts.append(f"loss {v:.4g} nats")
+            if k == "loss" and isinstance(v, float) and self.loss_unit:
+                parts.append(f"loss {v:.4g} {self.loss_unit}")
             else:
                 parts.append(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}")
         parts.append(f"{self.clock_label} {_fmt_time(elapsed)}")
