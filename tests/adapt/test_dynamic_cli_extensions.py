@@ -102,7 +102,7 @@ def test_lowrank_gradient_statistics(char_checkpoint, tmp_path, capsys):
     from fastweights.adapt.update_rules import GradStats
 
     ck, doc = str(char_checkpoint), str(char_checkpoint / "doc.txt")
-    small = ["--max-batches", "2", "--batch-size", "2", "--seq-len", "10", "--quiet"]
+    small = ["--max-batches", "2", "--batch-size", "2", "--segment-len", "10", "--quiet"]
     assert main(["dynamic", "stats", "--checkpoint", ck, "--lowrank-rank", "2", *small]) == 0
     assert "grad_stats_lowrank_r2.safetensors" in capsys.readouterr().out
     stats = GradStats.load(char_checkpoint / "grad_stats_lowrank_r2.safetensors")
@@ -112,7 +112,7 @@ def test_lowrank_gradient_statistics(char_checkpoint, tmp_path, capsys):
     m = run_json(capsys, *base, "--lowrank-rank", "2")  # the checkpoint's low-rank statistics, by default
     assert m["settings"]["grad_stats"]["lowrank_rank"] == 2 and m["settings"]["grad_stats"]["batches"] == 2
     full = tmp_path / "full.safetensors"
-    assert main(["dynamic", "stats", "--checkpoint", ck, "--out", str(full), *small]) == 0
+    assert main(["dynamic", "stats", "--checkpoint", ck, "--save", str(full), *small]) == 0
     lowrank = str(char_checkpoint / "grad_stats_lowrank_r2.safetensors")
     err = error_line(capsys, *base, "--lowrank-rank", "2", "--stats", str(full))
     assert "full-weight statistics" in err and "needs low-rank statistics (rank 2" in err and "--lowrank-rank 2" in err
@@ -159,7 +159,7 @@ def test_lowrank_timescale_and_generate(char_checkpoint, tmp_path, capsys):
     out = tmp_path / "ts"
     assert main(["dynamic", "timescale", "--checkpoint", ck, "--data", doc, "--doc-len", "60", "--window", "20",
                  "--out", str(out), *flags]) == 0
-    s = json.loads(out.with_suffix(".json").read_text())["settings"]
+    s = json.loads((out / "timescale.json").read_text())["settings"]
     assert s["lowrank_rank"] == 2 and s["lr_schedule"] == "rsqrt:3"
     assert main(["dynamic", "generate", "--checkpoint", ck, "--prompt", "the cat ", "--max-tokens", "12", *flags]) == 0
     assert "== dynamic" in capsys.readouterr().out

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fastweights.adapt.dynamic import DynamicEvaluator, DynamicState
+from fastweights.adapt.setup import DEFAULT_DECAY, DEFAULT_LR
 from fastweights.adapt.sparse import SparseAdaptation, SparseDynamicEvaluator, collect_sparse_grad_stats
 from fastweights.adapt.timescale import loss_by_position, timescale_analysis
 from fastweights.adapt.tune import format_table, tune_dynamic
@@ -364,32 +365,45 @@ def test_cli_dynamic_eval_tune_stats_timescale(char_checkpoint, capsys):
     m = json.loads(capsys.readouterr().out)
     assert (char_checkpoint / "grad_stats.safetensors").is_file() and m["settings"]["rule"] == "rms-global-prior"
     assert "cache" in m and m["settings"]["grad_stats"]["batch_size"] == 100
-    assert main(["dynamic", "tune", "--checkpoint", ck, "--data", doc, "--lrs", "1e-4,1e-3", "--decays", "0.01",
-                 "--quiet"]) == 0  # without --save nothing is written
-    assert "not saved" in capsys.readouterr().out and not (char_checkpoint / "dynamic_tuned.json").exists()
     tuned = char_checkpoint / "dynamic_tuned.json"
-    assert main(["dynamic", "tune", "--checkpoint", ck, "--data", doc, "--lrs", "1e-4,1e-3", "--decays", "0.01",
-                 "--quiet", "--save", str(tuned)]) == 0
-    assert "best:" in capsys.readouterr().out and tuned.is_file()
-    best = json.loads(tuned.read_text())["best"]
-    # a tuned file in the checkpoint is not used without being named
     assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--json", "--quiet"]) == 0
-    out = capsys.readouterr()
-    s = json.loads(out.out)["settings"]
-    assert s["lr"] == 5e-5 and s["lr_source"].startswith("default") and "--tuned" in out.err
-    assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--tuned", str(tuned), "--quiet"]) == 0
+    s = json.loads(capsys.readouterr().out)["settings"]  # no tuned file yet: the untuned defaults
+    assert (s["lr"], s["decay"]) == (DEFAULT_LR, DEFAULT_DECAY) and s["lr_source"].startswith("untuned default")
+    assert main(["dynamic", "tune", "--checkpoint", ck, "--data", doc, "--lrs", "1e-4,1e-3", "--decays", "0.01",
+                 "--quiet"]) == 0  # without --save: into the checkpoint, with the fingerprint of its weights
+    assert "dynamic eval --checkpoint" in capsys.readouterr().out and tuned.is_file()
+    best = json.loads(tuned.read_text())["best"]
+    assert json.loads(tuned.read_text())["weights_sha256"]
+    # the checkpoint's own tuned file, made for these weights and this setting, is used and named on the first line
+    assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--quiet"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
-    assert f"tuned file {tuned}" in first  # the first line names the file used
-    assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--tuned", str(tuned), "--json", "--quiet"]) == 0
+    assert f"tuned file {tuned}, made for this checkpoint" in first and f"lr {best['lr']:.3g}" in first
+    assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--json", "--quiet"]) == 0
     s = json.loads(capsys.readouterr().out)["settings"]
     assert (s["lr"], s["decay"]) == (best["lr"], best["decay"])
-    assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--tuned", str(tuned), "--segment-len", "10",
-                 "--quiet"]) == 2  # tuned for another segment length: refused, not silently replaced
+    # --no-tuned refuses it; another setting (segment length) does not use it, and says why on stderr
+    for extra in (["--no-tuned"], ["--segment-len", "10"]):
+        assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--json", "--quiet", *extra]) == 0
+        out = capsys.readouterr()
+        s = json.loads(out.out)["settings"]
+        assert (s["lr"], s["decay"]) == (DEFAULT_LR, DEFAULT_DECAY) and s["lr_source"].startswith("untuned")
+        assert ("another setting" in out.err) == (extra[0] == "--segment-len")
+    named = char_checkpoint / "named_tuned.json"
+    assert main(["dynamic", "tune", "--checkpoint", ck, "--data", doc, "--lrs", "1e-4,1e-3", "--decays", "0.01",
+                 "--quiet", "--save", str(named)]) == 0
+    assert "best:" in capsys.readouterr().out and named.is_file()
+    assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--tuned", str(named), "--quiet"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert f"tuned file {named}" in first  # the first line names the file used
+    assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--tuned", str(named), "--segment-len", "10",
+                 "--quiet"]) == 2  # named but tuned for another segment length: refused, not silently replaced
     assert "another setting" in capsys.readouterr().err
+    assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--tuned", str(named), "--no-tuned"]) == 2
+    assert "exclude each other" in capsys.readouterr().err
     out = char_checkpoint / "ts"
     assert main(["dynamic", "timescale", "--checkpoint", ck, "--data", doc, "--doc-len", "60", "--window", "20",
                  "--lr", "1e-3", "--out", str(out), "--quiet"]) == 0
-    assert (char_checkpoint / "ts.png").is_file() and json.loads((char_checkpoint / "ts.json").read_text())["documents"] == 2
+    assert (out / "timescale.png").is_file() and json.loads((out / "timescale.json").read_text())["documents"] == 2
     assert "static" in capsys.readouterr().out
     assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--sparse-units", "4", "--lr", "1e-3",
                  "--json", "--quiet"]) == 0
@@ -420,7 +434,7 @@ def test_demo_helper_and_eval_arguments(char_checkpoint, capsys):
     assert 0 < res["static"]["tokens"] <= 299 and res["search"]["grid"] and "% lower" in capsys.readouterr().out
     # what `fastweights eval --dynamic RULE` would parse, mapped to the settings the library takes
     p = argparse.ArgumentParser()
-    p.add_argument("--seq-len", type=int, default=0)
+    p.add_argument("--context", dest="seq_len", type=int, default=0)
     add_dynamic_arguments(p)
     args = p.parse_args(["--dynamic", "sgd", "--lr", "0", "--segment-len", "10"])
     from fastweights.models.loading import load_checkpoint

@@ -182,4 +182,4 @@ def test_cli_per_token_losses_settings_and_timescale_bos(tmp_path, capsys):
         assert main(["dynamic", "timescale", "--hf", str(tmp_path / "m"), "--data", str(doc), "--rule", "sgd", "--lr", "1e-3",
                      "--segment-len", "8", "--doc-len", "20", "--window", "1", "--max-docs", "2", "--quiet",
                      "--out", str(out), *bos]) == 0
-        assert len(json.loads(out.with_suffix(".json").read_text())["position"]) == scored
+        assert len(json.loads((out / "timescale.json").read_text())["position"]) == scored

@@ -153,7 +153,7 @@ def test_command_line_names_paths_and_numbers(run, tmp_path, capsys):
         (["generate", *ckpt, "--top-k", "-1"], "--top-k"),
         (["generate", *ckpt, "--max-tokens", "-3"], "--max-tokens"),
         (["eval", *ckpt, "--stride", "0"], "--stride"),
-        (["eval", *ckpt, "--seq-len", "-1"], "--seq-len"),
+        (["eval", *ckpt, "--context", "-1"], "--context"),
         (["eval", *ckpt, "--stride", "999"], "--stride 999"),
         (["dynamic", "eval", *ckpt, "--lr", "-1"], "--lr"),
         (["dynamic", "eval", *ckpt, "--eps", "0"], "--eps"),
@@ -186,9 +186,9 @@ def test_command_line_names_paths_and_numbers(run, tmp_path, capsys):
         (["task", "ba-retrieval", "--decay-fraction", "2"], "--decay-fraction"),
         (["task", "ba-retrieval", "--lam", "1.5"], "--lam"),
         (["inspect", "compare", "--base", str(run), "--model", str(run), "--stride", "-1"], "--stride"),
-        (["inspect", "compare", "--base", str(run), "--model", str(run), "--seq-len", "-1"], "--seq-len"),
+        (["inspect", "compare", "--base", str(run), "--model", str(run), "--context", "-1"], "--context"),
         (["inspect", "compare", "--base", str(run), "--model", str(run), "--max-chars", "-5"], "--max-chars"),
-        (["inspect", "compare", "--base", str(run), "--model", str(run), "--max-chars", "200", "--seq-len", "8",
+        (["inspect", "compare", "--base", str(run), "--model", str(run), "--max-chars", "200", "--context", "8",
           "--stride", "9", "--quiet"], "--stride"),
     ]
     before = _tree(run)

@@ -124,7 +124,7 @@ def test_derived_files_are_tied_to_their_weights(run, tmp_path, capsys):
     base = ["dynamic", "eval", "--checkpoint", str(ckpt), "--data", str(doc), "--quiet", "--segment-len", "10"]
     # statistics made by `dynamic stats` record the weights; `dynamic eval` uses them
     assert main(["dynamic", "stats", "--checkpoint", str(ckpt), "--max-batches", "2", "--batch-size", "2",
-                 "--seq-len", "10", "--quiet"]) == 0
+                 "--segment-len", "10", "--quiet"]) == 0
     assert main([*base, "--json"]) == 0
     capsys.readouterr()
     # ... and refuses statistics or tuned settings made from other weights
@@ -352,8 +352,7 @@ def test_eval_stream_without_out_writes_fresh_names(run, doc, tmp_path, monkeypa
     for _ in range(2):  # twice within one second: two names
         assert main(["eval", "--checkpoint", str(run), "--stream", "--data", doc, "--quiet", "--json"]) == 0
     capsys.readouterr()
-    made = sorted(p.name for p in (tmp_path / "runs").iterdir() if p.name != "stream.json")
-    stems = sorted({p.rsplit(".", 1)[0] for p in made})
-    assert len(stems) == 2 and all(f"{s}.json" in made and f"{s}.png" in made for s in stems), made
-    assert all(s.startswith("stream-") for s in stems)
+    made = sorted(p for p in (tmp_path / "runs").iterdir() if p.name != "stream.json")  # one directory per run
+    assert len(made) == 2 and all(sorted(q.name for q in d.iterdir()) == ["stream.json", "stream.png"] for d in made), made
+    assert all(d.name.startswith("stream-") for d in made)
     assert (tmp_path / "runs" / "stream.json").read_text() == "earlier"

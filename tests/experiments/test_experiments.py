@@ -281,8 +281,8 @@ def test_commands_end_to_end(tmp_path, capsys):
     out = tmp_path / "stream"
     assert _cli(["eval", "--stream", "--checkpoint", str(ckpt), "--data", str(tmp_path / "a.txt"), "--modes",
                  "carry,frozen,memory", "--bin", "100", "--out", str(out), "--quiet"]) == 0
-    doc = json.loads(out.with_suffix(".json").read_text())
-    assert [r["mode"] for r in doc["runs"]] == ["carry", "frozen", "memory"] and out.with_suffix(".png").is_file()
+    doc = json.loads((out / "stream.json").read_text())
+    assert [r["mode"] for r in doc["runs"]] == ["carry", "frozen", "memory"] and (out / "stream.png").is_file()
     assert doc["runs"][0]["tokens"] == len(text) - 1 and doc["runs"][0]["rss_mb"]["peak_process"] > 0
     assert _cli(["eval", "--stream", "--checkpoint", str(ckpt), "--modes", "nope", "--quiet"]) == 2
 
@@ -290,14 +290,14 @@ def test_commands_end_to_end(tmp_path, capsys):
     assert _cli(["continual", "--checkpoint", str(ckpt), "--domain", f"cats={tmp_path / 'a.txt'}", "--domain",
                  f"lads={tmp_path / 'b.txt'}", "--adapt-tokens", "300", "--eval-tokens", "100", "--out", str(out),
                  "--quiet"]) == 0
-    res = json.loads(out.with_suffix(".json").read_text())
-    assert res["domains"] == ["cats", "lads"] and len(res["delta"]) == 3 and out.with_suffix(".png").is_file()
+    res = json.loads((out / "adapt.json").read_text())
+    assert res["domains"] == ["cats", "lads"] and len(res["delta"]) == 3 and (out / "adapt.png").is_file()
     # the provenance every result records: the command as given to the CLI (not pytest's), the commit, the machine
     assert res["command"].startswith("fastweights continual --checkpoint") and res["command"].endswith("--quiet")
     assert res["git"]["commit"] and res["machine"]["cores"] >= 1
     assert "after lads" in capsys.readouterr().out
     assert _cli(["continual", "--checkpoint", str(ckpt), "--domain", "nameless", "--quiet"]) == 2
 
-    out = tmp_path / "gates.png"
+    out = tmp_path / "gates"
     assert _cli(["inspect", "gates", "--checkpoint", str(ckpt), "--text", "the cat sat on the log.", "--out", str(out)]) == 0
-    assert out.is_file() and "1" in json.loads(out.with_suffix(".json").read_text())["gates"]
+    assert (out / "gates.png").is_file() and "1" in json.loads((out / "gates.json").read_text())["gates"]

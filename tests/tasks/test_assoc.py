@@ -136,19 +136,19 @@ def test_parsers():
 
 
 def test_cli_json_and_plot(tmp_path, capsys):
-    out, plot = tmp_path / "r.json", tmp_path / "cap.png"
+    out = tmp_path / "r"
     assert main([
         "task", "assoc", "--setting", "2", "--keys", "4,6", "--model", "sum:elu1", "--model", "delta:dpfp1",
         "--max-steps", "20", "--eval-every", "10", "--eval-sequences", "2", "--json", "--quiet",
-        "--out", str(out), "--plot", str(plot),
+        "--out", str(out),
     ]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert [(r["label"], r["keys"]) for r in printed] == [("sum/elu1", 4), ("sum/elu1", 6),
                                                           ("delta/dpfp1", 4), ("delta/dpfp1", 6)]
-    written = json.loads(out.read_text())
+    written = json.loads((out / "assoc.json").read_text())
     assert written["results"][0]["final_eval_loss"] == printed[0]["final_eval_loss"]
     assert written["command"].startswith("fastweights ") and set(written) >= {"date", "git", "machine"}
-    assert plot.read_bytes()[:4] == b"\x89PNG"
+    assert (out / "assoc.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_plot_capacity_writes_png(tmp_path):

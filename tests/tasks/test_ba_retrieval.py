@@ -102,12 +102,12 @@ def _cli(argv):
 
 
 def test_cli_json(tmp_path, capsys):
-    out = tmp_path / "r.json"
+    out = tmp_path / "r"
     argv = ["ba-retrieval", "--model", "lstm", "--hidden", "8", "--steps", "20", "--eval-every", "10",
             "--train-size", "500", "--val-size", "100", "--test-size", "100", "--json", "--out", str(out)]
     assert _cli(argv) == 0
     printed = json.loads(capsys.readouterr().out)
-    assert printed == json.loads(out.read_text())
+    assert printed == json.loads((out / "ba_retrieval.json").read_text())
     assert printed["model"] == "lstm" and printed["hidden"] == 8 and printed["steps"] == 20
     wrong = printed["test_error"] * 100  # a count of the 100 test sequences, and 20 steps of 8 units: near chance
     assert wrong == pytest.approx(round(wrong)) and printed["test_error"] > 0.6

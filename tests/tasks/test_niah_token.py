@@ -128,11 +128,11 @@ def test_niah_command_picks_the_token_format(tok, tmp_path):
         argv = ["task", "niah", "--checkpoint", str(ckpt), "--lengths", "128,256", "--samples", "3", "--iters", "1,2",
                 "--out", str(out), "--quiet", "--piece", "64"]
         assert cli.main(argv) == 0
-        first = out.with_suffix(".json").read_text()
+        first = (out / "niah.json").read_text()
         assert cli.main(argv) == 2  # an earlier run's outputs are not replaced silently
-        assert out.with_suffix(".json").read_text() == first
+        assert (out / "niah.json").read_text() == first
         assert cli.main([*argv, "--overwrite"]) == 0
-    doc = json.loads(out.with_suffix(".json").read_text())
+    doc = json.loads((out / "niah.json").read_text())
     assert doc["format"] == "token" and doc["keys"] == "heldout" and doc["haystack"] == "tinyshakespeare[0.9:1]"
     assert len(doc["records"]) == 2 * 3 * 2
     assert all(r["answer"] in nt.VALUES for r in doc["records"])

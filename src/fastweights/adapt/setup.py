@@ -23,6 +23,11 @@ import torch
 from fastweights.core.errors import UserError
 
 DEFAULT_STATS_BATCHES = 500
+# The untuned learning rate and decay of rms-global-prior when no tuned file applies. dynamiceval.py's 5e-5
+# (decay 0.002) made the 5-minute demo model 5.48% worse on a held-out play (issue 33); these were measured
+# not to (docs/dynamic-evaluation.md); tuning (`dynamic tune`) finds better ones per model.
+DEFAULT_LR = 5e-5
+DEFAULT_DECAY = 0.002
 LOWRANK_SEED = 0  # the fixed random factors B of --lowrank-rank (LowRankDynamicEvaluator's default seed)
 
 
@@ -30,7 +35,9 @@ LOWRANK_SEED = 0  # the fixed random factors B of --lowrank-rank (LowRankDynamic
 class DynamicSettings:
     """What dynamic evaluation adapts and how (the flags of ``fastweights dynamic ...`` and ``--dynamic RULE``).
 
-    lr / decay None: from the ``tuned`` file when named, else dynamiceval.py's defaults; segment_len 0:
+    lr / decay None: from the ``tuned`` file when named, else from the checkpoint's own tuned file when it was
+    made for these weights and this setting (not with ``no_tuned``), else :data:`DEFAULT_LR` /
+    :data:`DEFAULT_DECAY`; segment_len 0:
     20 for char/byte models, 128 for subword ones; context 0: the training seq_len (Hugging Face models:
     the model's own); stats None: the checkpoint's file of the kind adapted, collected on ``stats_data``
     (None: the checkpoint's training split) in ``stats_batches`` batches of ``stats_batch_size`` x
@@ -41,6 +48,7 @@ class DynamicSettings:
     lr: float | None = None
     decay: float | None = None
     tuned: str | None = None
+    no_tuned: bool = False
     eps: float | None = None
     lr_schedule: str | None = None
     segment_len: int = 0
@@ -257,24 +265,8 @@ def _schedule_name(spec: str | None) -> str | None:
     return None if kind == "constant" else f"{kind}:{span:g}"
 
 
-def _tuned_values(settings: DynamicSettings, ckpt, rule: str, segment_len: int, spec: tuple | None) -> tuple[dict, str]:
-    """lr and decay from the tuned file ``--tuned`` names (refused when tuned for another setting), else the defaults."""
-    from fastweights.adapt.update_rules import DEFAULT_DECAY, DEFAULT_LR
-    from fastweights.adapt.tune import TUNED_FILE, load_tuned
-    from fastweights.checkpoints.format import check_derived_file
-
-    # a tuned file is used only when named (--tuned): one left in a checkpoint never changes a run silently
-    tuned_path = settings.tuned
-    if not tuned_path:
-        if ckpt is not None and (ckpt / TUNED_FILE).is_file():
-            print(f"note: {ckpt / TUNED_FILE} is not used unless named with --tuned", file=sys.stderr)
-        return ({"lr": DEFAULT_LR, "decay": DEFAULT_DECAY},
-                "default of dynamiceval.py (untuned: dynamic tune --save FILE, then --tuned FILE)")
-    tuned = load_tuned(tuned_path)
-    if tuned is None:
-        raise UserError(f"--tuned {tuned_path}: no such file")
-    check_derived_file(tuned.get("weights_sha256"), ckpt, Path(tuned_path),
-                       f"tune again with `fastweights dynamic tune --checkpoint {ckpt} --save FILE`")
+def _tuned_mismatch(tuned: dict, settings: DynamicSettings, rule: str, segment_len: int, spec: tuple | None) -> list[str]:
+    """How the setting a tuned file was tuned for differs from this run's (empty: the same)."""
     saved = tuned["settings"]
     want = {"rule": rule, "segment_len": segment_len,
             "sparse_units": spec[2] if spec is not None and spec[0] == "sparse" else None,
@@ -282,7 +274,46 @@ def _tuned_values(settings: DynamicSettings, ckpt, rule: str, segment_len: int, 
             "lr_schedule": _schedule_name(settings.lr_schedule) or "constant"}
     have = {"rule": tuned.get("rule"), **{k: saved.get(k) for k in want if k != "rule"}}
     have["lr_schedule"] = have["lr_schedule"] or "constant"  # the metadata leaves the constant schedule out
-    diff = [f"{k} {have[k]} (this run: {want[k]})" for k in want if have[k] != want[k]]
+    return [f"{k} {have[k]} (this run: {want[k]})" for k in want if have[k] != want[k]]
+
+
+def _tuned_values(settings: DynamicSettings, ckpt, rule: str, segment_len: int, spec: tuple | None) -> tuple[dict, str]:
+    """lr and decay, and where they came from: the tuned file ``--tuned`` names (refused when made for other
+    weights or another setting); else the checkpoint's own tuned file (``dynamic_tuned.json``, written by
+    ``make demo`` and ``dynamic tune``) when it records this checkpoint's weights and this setting, unless
+    ``no_tuned``; else the untuned defaults :data:`DEFAULT_LR` and :data:`DEFAULT_DECAY`."""
+    from fastweights.adapt.tune import TUNED_FILE, load_tuned
+    from fastweights.checkpoints.format import check_derived_file
+
+    default = ({"lr": DEFAULT_LR, "decay": DEFAULT_DECAY},
+               "untuned default; `fastweights dynamic tune --checkpoint DIR` tunes them" if ckpt is not None
+               else "untuned default")
+    tuned_path = settings.tuned
+    if not tuned_path:
+        own = ckpt / TUNED_FILE if ckpt is not None else None
+        if own is None or not own.is_file() or settings.no_tuned:
+            return default
+        tuned = load_tuned(own)
+        if tuned.get("weights_sha256") != weights_fingerprint(ckpt):  # made for this checkpoint, or not used
+            why = ("it does not record which weights it was tuned for" if tuned.get("weights_sha256") is None else
+                   "it was tuned for other weights (the model was retrained or replaced)")
+            print(f"note: {own} is not used: {why}; tune again with `fastweights dynamic tune --checkpoint {ckpt}`",
+                  file=sys.stderr)
+            return default
+        diff = _tuned_mismatch(tuned, settings, rule, segment_len, spec)
+        if diff:
+            print(f"note: {own} is not used: it was tuned for another setting: {', '.join(diff)}", file=sys.stderr)
+            return default
+        return ({"lr": tuned["best"]["lr"], "decay": tuned["best"]["decay"]},
+                f"tuned file {own}, made for this checkpoint; --no-tuned ignores it")
+    if settings.no_tuned:
+        raise UserError("--tuned FILE and --no-tuned exclude each other")
+    tuned = load_tuned(tuned_path)
+    if tuned is None:
+        raise UserError(f"--tuned {tuned_path}: no such file")
+    check_derived_file(tuned.get("weights_sha256"), ckpt, Path(tuned_path),
+                       f"tune again with `fastweights dynamic tune --checkpoint {ckpt} --save FILE`")
+    diff = _tuned_mismatch(tuned, settings, rule, segment_len, spec)
     if diff:
         raise UserError(f"--tuned {tuned_path} was tuned for another setting: {', '.join(diff)}")
     return {"lr": tuned["best"]["lr"], "decay": tuned["best"]["decay"]}, f"tuned file {tuned_path}"

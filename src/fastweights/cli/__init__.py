@@ -26,13 +26,29 @@ JOBS = (("make a model", ("train", "prepare", "data", "demo")),
         ("share", ("export-hf",)))
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with its default, ``(default: VALUE)``, taken from the parser (so it cannot
+    drift from the real one). Not for flags (no value) and required arguments, where a default means
+    nothing, nor for an empty default (None, "", []): that help says in words what happens without the option
+    (``tests/cli/test_help.py`` holds every command to this)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "%(default)" in text or action.default in (None, "", [], argparse.SUPPRESS) or action.required:
+            return text
+        if action.nargs == 0 or (not action.option_strings and action.nargs not in ("?", "*")):
+            return text
+        default = ",".join(map(str, action.default)) if isinstance(action.default, list) else "%(default)s"
+        return f"{text} (default: {default})"
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)  # every command and subcommand shows its defaults
+        super().__init__(*args, **kwargs)
+
     def error(self, message):  # one line, exit status 2 (argparse's default prints the usage too)
         raise UserError(f"{self.prog}: {message}")
-
-
-class _GroupedHelp(argparse.RawDescriptionHelpFormatter):
-    pass
 
 
 def _command_list(sub) -> str:
@@ -51,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     from fastweights.cli import continual, dynamic, eval as eval_, inspect, tasks, train
 
     p = _Parser(prog="fastweights", description="Language models whose weights change with the text they read.",
-                formatter_class=_GroupedHelp,
+                formatter_class=HelpFormatter,
                 epilog="`fastweights COMMAND --help` shows a command's options.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND",
                            title="commands")
@@ -92,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         args.argv = list(sys.argv[1:] if argv is None else argv)  # what result files record as the command
+        from fastweights.cli.common import set_threads
+
+        set_threads(args)  # --threads of every command that runs a model
         from fastweights.models.loading import unverified_checkpoints
 
         with unverified_checkpoints(getattr(args, "unverified", False)):

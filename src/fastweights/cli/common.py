@@ -11,21 +11,48 @@ from fastweights.cli.types import nonneg_int
 from fastweights.core.errors import UserError
 
 
+# torch CPU threads of the commands that run a model: on a 2-core machine one thread is as fast as two when
+# the machine is idle and several times faster when another process keeps a core busy (measured with the
+# demo-sized model: benchmarks/threads.py -> benchmarks/results/threads.json)
+DEFAULT_THREADS = 1
+THREADS_HELP = ("torch CPU threads (0: torch's choice, one per core). With a model of the demo's size one thread was "
+                "as fast as two on an idle 2-core machine and several times faster with a core busy "
+                "(benchmarks/results/threads.json)")
+
+
+def device_flag(p, default: str = "auto") -> None:
+    p.add_argument("--device", default=default, help="where the model runs: auto (CUDA when available, else the "
+                                                     "CPU), cpu, cuda or cuda:N")
+
+
+def threads_flag(p, default: int | None = DEFAULT_THREADS, help: str = THREADS_HELP) -> None:
+    p.add_argument("--threads", type=nonneg_int, default=default, help=help)
+
+
 def common_flags(p, several: bool = False) -> None:
     if several:
         p.add_argument("--checkpoint", action="append", required=True,
                        help="checkpoint directory; repeat to compare models on the same text")
     else:
         p.add_argument("--checkpoint", required=True, help="checkpoint directory")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--threads", type=nonneg_int, default=0, help="torch CPU threads (0: torch's default)")
+    device_flag(p)
+    threads_flag(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress line")
-    p.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier run at --out")
+    p.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier run in --out")
+
+
+def out_flag(p, default: str | None, writes: str, optional: bool = False) -> None:
+    """``--out DIR``: the one meaning of --out in every command, the directory it writes into (created).
+    ``optional``: without it nothing is written."""
+    where = "" if default else " (default: not written)" if optional else " (default: a new runs/NAME-DATE-TIME)"
+    p.add_argument("--out", metavar="DIR", default=default,
+                   help=f"directory to write {writes} into (created if missing){where}")
 
 
 def set_threads(args):
-    if getattr(args, "threads", 0):
+    """``--threads N`` (0: leave torch's default); :func:`fastweights.cli.main` calls it for every command."""
+    if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
 
 
@@ -36,22 +63,34 @@ def load(path, device: str = "auto"):
     return load_checkpoint(Path(path), map_location=str(resolve_device(device)))
 
 
-def output_prefix(args, default: str) -> Path:
-    """``--out`` as a path prefix (PREFIX.json, PREFIX.png), checked before any work: the outputs of an
-    earlier run there are refused unless ``--overwrite``. Without ``--out`` (``eval --stream``), a fresh
-    name ``DEFAULT-DATE-TIME``."""
+def output_prefix(args, stem: str) -> Path:
+    """``--out DIR`` (the directory a command writes into) joined with the command's file stem: the outputs
+    are ``DIR/STEM.json`` and ``DIR/STEM.png``, checked before any work: an earlier run's outputs there are
+    refused unless ``--overwrite``. Without ``--out`` a fresh directory ``runs/STEM-DATE-TIME``."""
     given = getattr(args, "out", None)
-    out = Path(given or time.strftime(f"{default}-%Y%m%d-%H%M%S"))
-    if not given:  # a fresh name, also for two runs within one second
-        base, n = out, 2
-        while out.with_suffix(".json").exists() or out.with_suffix(".png").exists():
-            out, n = base.with_name(f"{base.name}-{n}"), n + 1
+    if given:
+        directory = Path(given)
+    else:  # a fresh directory, also for two runs within one second
+        base = Path(time.strftime(f"runs/{stem}-%Y%m%d-%H%M%S"))
+        directory, n = base, 2
+        while directory.exists():
+            directory, n = base.with_name(f"{base.name}-{n}"), n + 1
+    if directory.exists() and not directory.is_dir():
+        raise UserError(f"--out {directory} is a file; --out names the directory to write into")
+    out = directory / stem
     taken = [p for p in (out.with_suffix(".json"), out.with_suffix(".png")) if p.exists()]
     if taken and not getattr(args, "overwrite", False):
         raise UserError(f"{taken[0]} exists (an earlier run); pass --overwrite or choose another --out")
-    if out.parent.exists() and not out.parent.is_dir():
-        raise UserError(f"--out {out}: {out.parent} is not a directory")
     return out
+
+
+def change(new: float, old: float) -> str:
+    """A loss ``new`` against ``old`` in words, the sign never left to the reader: "3.10% lower" or
+    "5.48% higher (worse)"."""
+    if old <= 0 or new == old:
+        return "no change"
+    rel = 100 * (new - old) / old
+    return f"{-rel:.2f}% lower" if rel < 0 else f"{rel:.2f}% higher (worse)"
 
 
 def describe(cfg) -> str:

@@ -2,7 +2,7 @@
 domain after each adaptation stage.
 
     fastweights continual --checkpoint runs/a --domain shakespeare=shakespeare-heldout --domain spanish=don-quijote \\
-        --out runs/adapt                                                       # -> adapt.json, adapt.png
+        --out runs/adapt                                            # -> runs/adapt/adapt.json, adapt.png
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fastweights.cli.common import common_flags, describe, load, output_prefix, set_threads
+from fastweights.cli.common import common_flags, describe, load, out_flag, output_prefix
 from fastweights.cli.types import nonneg_int, positive_int
 from fastweights.core.errors import UserError, refuse_non_finite
 from fastweights.experiments.probes import run_probes
@@ -24,11 +24,12 @@ def register(sub) -> None:
                    help="a domain's text (file, directory or corpus name); repeat, in adaptation order")
     a.add_argument("--adapt-tokens", type=positive_int, default=20000, help="adaptation tokens per domain (from its start)")
     a.add_argument("--eval-tokens", type=positive_int, default=5000, help="held-out tokens per domain (from its end)")
-    a.add_argument("--seq-len", type=nonneg_int, default=0, help="context length (default: the training seq_len)")
-    a.add_argument("--stride", type=positive_int, default=None, help="predictions per call (default seq_len // 2)")
+    a.add_argument("--context", dest="seq_len", type=nonneg_int, default=0,
+                   help="attention context in tokens (0: the training seq_len)")
+    a.add_argument("--stride", type=positive_int, default=None, help="predictions per call (default: half the context)")
     a.add_argument("--eval-state", default="memory", choices=["memory", "all"],
                    help="score from the post-stage memories only (mixers fresh), or from the whole state")
-    a.add_argument("--out", default="runs/adapt", help="output prefix: writes PREFIX.json and PREFIX.png")
+    out_flag(a, "runs/adapt", "adapt.json and adapt.png")
     from fastweights.cli.dynamic import add_dynamic_arguments
 
     add_dynamic_arguments(a.add_argument_group("dynamic evaluation on top (see `fastweights dynamic eval`)"), reset=False)
@@ -39,8 +40,7 @@ def cmd_continual(args) -> int:
     from fastweights.data import load_corpus
     from fastweights.adapt.continual import adapt_test, format_adapt_table, make_domain, plot_adapt
 
-    set_threads(args)
-    out = output_prefix(args, "runs/adapt")
+    out = output_prefix(args, "adapt")
     model, tok, cfg = load(args.checkpoint, args.device)
     seq_len = args.seq_len or cfg.train.seq_len
     domains = []

@@ -1,16 +1,18 @@
 """``fastweights dynamic eval | tune | stats | timescale | generate``: dynamic evaluation (Krause et al. 2018).
 
     fastweights dynamic stats --checkpoint runs/demo               # MS_g on the training split
-    fastweights dynamic tune --checkpoint runs/demo --save runs/demo/dynamic_tuned.json  # lr x decay on validation
-    fastweights dynamic eval --checkpoint runs/demo --data play.txt --tuned runs/demo/dynamic_tuned.json
+    fastweights dynamic tune --checkpoint runs/demo                # lr x decay on validation -> runs/demo/dynamic_tuned.json
+    fastweights dynamic eval --checkpoint runs/demo --data play.txt  # uses runs/demo/dynamic_tuned.json
     fastweights dynamic eval --hf gpt2-dir --data doc.txt --rule sgd --lr 1e-4
     fastweights dynamic timescale --checkpoint runs/demo --data spanish.txt --out runs/timescale
 
 Each model source is either ``--checkpoint DIR`` (ours) or ``--hf NAME_OR_PATH`` (a ``transformers``
 causal LM: a directory, a ``.gguf`` file, a hub name, or ``smollm2-135m``). With a checkpoint,
 gradient statistics live next to it (``grad_stats.safetensors``) and are used by default; missing
-statistics are collected from the checkpoint's training split on first use. Tuned settings are
-written only where ``dynamic tune --save`` says and used only when named (``--tuned FILE``).
+statistics are collected from the checkpoint's training split on first use. Tuned settings
+(``dynamic tune``, ``make demo``) are written into the checkpoint as ``dynamic_tuned.json`` (or where
+``--save FILE`` says) and used by ``dynamic eval`` when they record the checkpoint's weights and the
+run's setting (its first line names the file; ``--no-tuned`` refuses it, ``--tuned FILE`` names another).
 Hugging Face models keep the whole stream in context by default (``hf.kv_context``).
 
 Besides full dynamic evaluation: ``--sparse-units`` (paper section 6), ``--lowrank-rank`` (low-rank MLP
@@ -33,6 +35,7 @@ from fastweights.adapt.evaluate import ComparisonOptions, evaluate_static_and_dy
 from fastweights.adapt.setup import (DEFAULT_STATS_BATCHES, DynamicSettings, adaptation_spec, build_evaluator,
                                      collect_stats, default_context, default_segment_len, encode_texts, evaluator_like,
                                      load_model_and_tokenizer, load_texts, stats_path, weights_fingerprint)
+from fastweights.cli.common import change, output_prefix
 from fastweights.cli.types import floats, fraction, nonneg_float, nonneg_int, positive_float, positive_int, seed
 from fastweights.core.errors import UserError
 
@@ -43,6 +46,8 @@ HF_STATS_CONTEXT = 1024  # dynamic stats' default KV-cache bound for Hugging Fac
 
 
 def _model_args(p, data_help: str) -> None:
+    from fastweights.cli.common import device_flag, threads_flag
+
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="checkpoint directory of a fastweights model")
     src.add_argument("--hf", metavar="NAME_OR_PATH",
@@ -52,9 +57,10 @@ def _model_args(p, data_help: str) -> None:
     p.add_argument("--bos", action="store_true",
                    help="prepend the tokenizer's BOS token so the first token is scored too (Hugging Face models)")
     p.add_argument("--sinks", type=nonneg_int, default=None,
-                   help="Hugging Face models: first tokens a bounded KV cache never evicts (attention sinks; default 4, "
+                   help="Hugging Face models: first tokens a bounded KV cache never evicts (attention sinks; default: 4; "
                         "0: plain sliding window)")
-    p.add_argument("--device", default="auto")
+    device_flag(p)
+    threads_flag(p)
     p.add_argument("--quiet", action="store_true", help="no progress line")
 
 
@@ -74,42 +80,60 @@ def _lowrank_args(p) -> None:
                    help="low-rank dynamic evaluation: adapt rank-N deltas W + A B of the projections --lowrank-params "
                         "selects (A from zero, B fixed random; 0: off)")
     p.add_argument("--lowrank-params", metavar="GLOBS",
-                   help="module globs of the low-rank projections, comma-separated (default '*mlp.*': the MLPs)")
+                   help="module globs of the low-rank projections, comma-separated (default: '*mlp.*', the MLPs)")
+
+
+def _adapted_args(p) -> None:
+    """What is adapted: --params, --exclude-params, --sparse-units, --sparse-layer, --lowrank-*."""
+    p.add_argument("--params", help="adapt only parameters matching these globs, comma-separated, e.g. 'blocks.3.*' "
+                                    "(default: every parameter)")
+    p.add_argument("--exclude-params", help="do not adapt parameters matching these globs, e.g. 'embed.*' (default: "
+                                            "none excluded)")
+    p.add_argument("--sparse-units", type=nonneg_int, default=0,
+                   help="sparse dynamic evaluation: adapt an HxH matrix on the first H units of one block's output "
+                        "(0: off)")
+    p.add_argument("--sparse-layer", type=int, default=None,
+                   help="block for sparse adaptation (default: the middle one)")
+    _lowrank_args(p)
 
 
 def _rule_args(p, with_lr: bool = True, rule_flag: str = "--rule", with_context: bool = True) -> None:
+    from fastweights.adapt.setup import DEFAULT_DECAY, DEFAULT_LR
     from fastweights.adapt.update_rules import DEFAULT_EPS, RULES
 
     if rule_flag == "--rule":
         p.add_argument("--rule", default="rms-global-prior", help=f"update rule: {', '.join(RULES)}")
     else:
         p.add_argument(rule_flag, metavar="RULE", default=None,
-                       help=f"also evaluate dynamically with this update rule ({', '.join(RULES)})")
+                       help=f"also evaluate dynamically with this update rule ({', '.join(RULES)}; default: off)")
     if with_lr:
-        p.add_argument("--lr", type=nonneg_float, default=None, help="learning rate eta (default: tuned file, else 5e-5)")
-        p.add_argument("--decay", type=nonneg_float, default=None, help="prior decay lambda (default: tuned file, else 0.002)")
+        p.add_argument("--lr", type=nonneg_float, default=None,
+                       help=f"learning rate eta of the updates (default: the checkpoint's tuned file when one was made "
+                            f"for it, else {DEFAULT_LR:g})")
+        p.add_argument("--decay", type=nonneg_float, default=None,
+                       help=f"decay lambda towards the trained weights (prior rules; default: the tuned file, else "
+                            f"{DEFAULT_DECAY:g})")
         p.add_argument("--tuned", metavar="FILE",
-                       help="lr and decay from this `dynamic tune --save` file (a tuned file is used only when named)")
+                       help="lr and decay from this `dynamic tune --save` file (default: the checkpoint's "
+                            "dynamic_tuned.json when it was tuned for this checkpoint and setting)")
+        p.add_argument("--no-tuned", action="store_true",
+                       help="do not use the checkpoint's tuned file: the default lr and decay unless given")
     p.add_argument("--eps", type=positive_float, default=DEFAULT_EPS, help="epsilon of the RMS rules")
     p.add_argument("--lr-schedule", type=_schedule, default="constant", metavar="SPEC",
-                   help="learning rate within the stream: constant (default), warmup:W (linear ramp over the first W "
+                   help="learning rate within the stream: constant, warmup:W (linear ramp over the first W "
                         "updates) or rsqrt:S (lr / sqrt(1 + i / S) at update i)")
     p.add_argument("--segment-len", type=nonneg_int, default=0,
-                   help="predictions per update (default 20 for char/byte models, 128 for subword models)")
+                   help="predictions per update (0: 20 for char/byte models, 128 for subword models)")
     if with_context:
-        p.add_argument("--context", "--seq-len", dest="seq_len", type=nonneg_int, default=0,
-                       help="attention context in tokens (default: the training seq_len; Hugging Face models: the "
+        p.add_argument("--context", dest="seq_len", type=nonneg_int, default=0,
+                       help="attention context in tokens (0: the training seq_len; Hugging Face models: the "
                             "whole stream up to the model's position limit)")
-    p.add_argument("--stats", help="gradient statistics file (default: grad_stats*.safetensors in the checkpoint)")
-    p.add_argument("--params", help="adapt only parameters matching these globs, comma-separated (e.g. 'blocks.3.*')")
-    p.add_argument("--exclude-params", help="do not adapt parameters matching these globs (e.g. 'embed.*')")
-    p.add_argument("--sparse-units", type=nonneg_int, default=0,
-                   help="sparse dynamic evaluation: adapt an HxH matrix on the first H units of one block's output")
-    p.add_argument("--sparse-layer", type=int, default=None, help="block for sparse adaptation (default: the middle one)")
-    _lowrank_args(p)
+    p.add_argument("--stats", help="gradient statistics file (default: grad_stats*.safetensors in the checkpoint, "
+                                   "collected on its training split when missing)")
+    _adapted_args(p)
 
 
-SETTING_FLAGS = ("lr", "decay", "tuned", "eps", "lr_schedule", "segment_len", "stats", "params", "exclude_params",
+SETTING_FLAGS = ("lr", "decay", "tuned", "no_tuned", "eps", "lr_schedule", "segment_len", "stats", "params", "exclude_params",
                  "sparse_units", "sparse_layer", "lowrank_rank", "lowrank_params")
 
 
@@ -149,59 +173,69 @@ def add_dynamic_arguments(parser, reset: bool = True) -> None:
 
 def register(top, parser_class) -> None:
     """Add ``fastweights dynamic eval | tune | stats | timescale | generate``."""
+    from fastweights.cli.common import out_flag
+
     group = top.add_parser("dynamic", help="dynamic evaluation, the slow weights learning from the text: eval, tune, "
                                            "stats, timescale, generate")
     sub = group.add_subparsers(dest="dynamic_command", metavar="eval|tune|stats|timescale|generate", required=True,
                                parser_class=parser_class)
     d = sub.add_parser("eval", help="score text statically and with dynamic evaluation, side by side")
     _model_args(d, "text to score (file, directory, corpus name); default: the checkpoint's test split")
-    d.add_argument("--split", default="test", choices=["train", "val", "test"])
+    d.add_argument("--split", default="test", choices=["train", "val", "test"],
+                   help="split of the checkpoint's corpus to score when --data is not given")
     _rule_args(d)
     d.add_argument("--reset", default="per_document", choices=["per_document", "never"],
                    help="start every document from the trained weights, or carry the adaptation across documents")
     d.add_argument("--batch-docs", type=positive_int, default=1,
                    help="evaluate this many documents at once, each with its own adapted weights")
     d.add_argument("--cache", action="store_true", help="also report the neural cache baseline (Grave et al. 2017)")
-    d.add_argument("--cache-window", type=positive_int, default=500)
-    d.add_argument("--cache-flatness", type=nonneg_float, default=1.0)
-    d.add_argument("--cache-mix", type=fraction, default=0.1)
-    d.add_argument("--cache-similarity", default="dot", choices=["dot", "cosine"])
+    d.add_argument("--cache-window", type=positive_int, default=500, help="neural cache: past positions it remembers")
+    d.add_argument("--cache-flatness", type=nonneg_float, default=1.0,
+                   help="neural cache: theta, the flatness of its distribution over remembered positions")
+    d.add_argument("--cache-mix", type=fraction, default=0.1,
+                   help="neural cache: lambda, the weight of the cache in the mixture with the model")
+    d.add_argument("--cache-similarity", default="dot", choices=["dot", "cosine"],
+                   help="neural cache: how a position's hidden state is compared with the current one")
     d.add_argument("--cache-on-dynamic", action="store_true",
                    help="also report the neural cache on top of dynamic evaluation (the --cache-* settings; "
                         "documents one at a time)")
-    d.add_argument("--json", action="store_true")
+    d.add_argument("--json", action="store_true", help="print the result as JSON")
     d.add_argument("--per-token", metavar="PATH",
-                   help="write every prediction's static and dynamic (and dynamic+cache) loss (nats) as JSON to PATH")
+                   help="write every prediction's static and dynamic (and dynamic+cache) loss (nats) as JSON to PATH "
+                        "(default: not written)")
     d.set_defaults(func=cmd_dynamic_eval)
 
     t = sub.add_parser("tune", help="grid-search the dynamic-evaluation lr and decay on validation text")
     _model_args(t, "validation text (default: the checkpoint's validation split)")
     _rule_args(t, with_lr=False)
     t.add_argument("--lrs", help="comma-separated learning rates: search this grid (default: automatic search)")
-    t.add_argument("--decays", help="comma-separated decays (with --lrs: the grid's decays)")
+    t.add_argument("--decays", help="comma-separated decays (with --lrs: the grid's decays; default: 0.002 x "
+                                    "segment length / 5)")
     t.add_argument("--official-grid", action="store_true",
-                   help="dynamiceval.py's grid (6 lrs x 4 decays, scaled by segment/5) instead of the search")
+                   help="the paper's grid (6 lrs x 4 decays, scaled by segment length / 5) instead of the search")
     t.add_argument("--tune-chars", type=nonneg_int, default=20000,
                    help="characters of validation text to tune on (a small subset suffices; 0: all)")
     t.add_argument("--save", metavar="FILE",
-                   help="write the result here (not written without it); dynamic eval --tuned FILE uses it")
-    t.add_argument("--json", action="store_true")
+                   help="write the result to FILE, which dynamic eval --tuned FILE reads (default: "
+                        "dynamic_tuned.json in the checkpoint, which dynamic eval then uses by itself; not written "
+                        "for --hf)")
+    t.add_argument("--json", action="store_true", help="print the result as JSON")
     t.set_defaults(func=cmd_tune_dynamic)
 
     c = sub.add_parser("stats", help="mean squared gradients on training text, for the RMS rules")
     _model_args(c, "TRAINING text (default: the checkpoint's training split; required with --hf)")
-    c.add_argument("--batch-size", type=positive_int, default=100, help="parallel streams per batch (dynamiceval.py: 100)")
-    c.add_argument("--seq-len", type=nonneg_int, default=0, help="targets per stream per batch (default: the segment length)")
+    c.add_argument("--batch-size", type=positive_int, default=100, help="parallel streams per batch (the paper's: 100)")
+    c.add_argument("--segment-len", type=nonneg_int, default=0,
+                   help="targets per stream per batch (0: the segment length of dynamic eval, 20 for char/byte "
+                        "models, 128 for subword models)")
     c.add_argument("--context", type=nonneg_int, default=0,
-                   help=f"attention context in tokens (default: the training seq_len; Hugging Face models: "
+                   help=f"attention context in tokens (0: the training seq_len; Hugging Face models: "
                         f"{HF_STATS_CONTEXT}, the first tokens kept)")
-    c.add_argument("--max-batches", type=nonneg_int, default=DEFAULT_STATS_BATCHES, help="0: the whole text")
-    c.add_argument("--params")
-    c.add_argument("--exclude-params")
-    c.add_argument("--sparse-units", type=nonneg_int, default=0)
-    c.add_argument("--sparse-layer", type=int, default=None)
-    _lowrank_args(c)
-    c.add_argument("--out", help="output file (default: next to the checkpoint)")
+    c.add_argument("--max-batches", type=nonneg_int, default=DEFAULT_STATS_BATCHES, help="batches to average (0: the whole text)")
+    _adapted_args(c)
+    c.add_argument("--save", metavar="FILE",
+                   help="write the statistics to FILE, which --stats FILE reads (default: the checkpoint's "
+                        "grad_stats*.safetensors, which dynamic eval then uses by itself; required with --hf)")
     c.set_defaults(func=cmd_collect_grad_stats)
 
     s = sub.add_parser("timescale", help="loss against position, static vs dynamic (the paper's Figure 2): PNG + JSON")
@@ -210,20 +244,20 @@ def register(top, parser_class) -> None:
     s.add_argument("--doc-len", type=positive_int, default=10000, help="tokens per sequence (the paper: 10,000 characters)")
     s.add_argument("--max-docs", type=positive_int, default=20, help="sequences to average over")
     s.add_argument("--window", type=positive_int, default=100, help="positions averaged per point")
-    s.add_argument("--out", default="runs/timescale", help="output prefix: writes PREFIX.png and PREFIX.json")
+    out_flag(s, "runs/timescale", "timescale.png and timescale.json")
+    s.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier run in --out")
     s.set_defaults(func=cmd_timescale)
 
     g = sub.add_parser("generate", help="sample while adapting: read a text, then generate and update")
-    _model_args(g, "text to read (and adapt on) before sampling")
+    _model_args(g, "text to read (and adapt on) before sampling (default: none, only --prompt)")
     _rule_args(g)
-    g.add_argument("--prompt", default="", help="text appended after --data as the prompt")
-    g.add_argument("--max-tokens", type=nonneg_int, default=300)
-    g.add_argument("--temperature", type=nonneg_float, default=0.8)
-    g.add_argument("--top-k", type=nonneg_int, default=0)
-    g.add_argument("--seed", type=seed, default=0)
+    g.add_argument("--prompt", default="", help="text appended after --data as the prompt (default: none)")
+    g.add_argument("--max-tokens", type=nonneg_int, default=300, help="tokens to sample")
+    g.add_argument("--temperature", type=nonneg_float, default=0.8, help="sampling temperature (0: greedy)")
+    g.add_argument("--top-k", type=nonneg_int, default=0, help="sample among the k most likely tokens (0: all tokens)")
+    g.add_argument("--seed", type=seed, default=0, help="sampling seed, in [0, 2**63 - 1]")
     g.add_argument("--static-too", action="store_true", help="also sample from the static model for comparison")
     g.set_defaults(func=cmd_dynamic_generate)
-
 
 
 def cmd_dynamic_eval(args) -> int:
@@ -245,7 +279,9 @@ def cmd_dynamic_eval(args) -> int:
     sched = f"schedule {s['lr_schedule']}, " if "lr_schedule" in s else ""
     lowrank = (f"rank-{s['lowrank_rank']} deltas on {s['lowrank_projections']} projections ({s['lowrank_modules']}), "
                if "lowrank_rank" in s else "")
-    sources = f"lr: {s['lr_source']}" + (f"; decay: {s['decay_source']}" if has_prior else "")
+    same = not has_prior or s["decay_source"] == s["lr_source"]
+    sources = (f"{'lr and decay' if has_prior else 'lr'}: {s['lr_source']}" if same else
+               f"lr: {s['lr_source']}; decay: {s['decay_source']}")
     print(f"{res['data']}: {res['static']['tokens']} tokens, {res['documents']} document(s); rule {s['rule']}, "
           f"lr {s['lr']:.3g}, {decay}{sched}{lowrank}segment {s['segment_len']}, context {s['context']} ({sources})")
     rows = [(name, label) for name, label in (("static", "static"), ("dynamic", "dynamic"), ("cache", "cache"),
@@ -253,16 +289,15 @@ def cmd_dynamic_eval(args) -> int:
     width = max(len(label) for _, label in rows)
     static_loss = res["static"]["loss_nats"]
     for name, label in rows:
-        gain = 1 - res[name]["loss_nats"] / static_loss if static_loss > 0 else 0.0
-        lower = f", {100 * gain:.2f}% lower" if name != "static" else ""
-        print(f"  {label:<{width}}: {key} {res[name][key]:.4f}  (loss {res[name]['loss_nats']:.4f} nats/token{lower})")
+        versus = f", {change(res[name]['loss_nats'], static_loss)} than static" if name != "static" else ""
+        print(f"  {label:<{width}}: {key} {res[name][key]:.4f}  (loss {res[name]['loss_nats']:.4f} nats/token{versus})")
     if "per_token_file" in res:
         print(f"  per-token losses -> {res['per_token_file']}")
     return 0
 
 
 def cmd_tune_dynamic(args) -> int:
-    from fastweights.adapt.tune import format_table, official_grid, save_tuned, tune_dynamic
+    from fastweights.adapt.tune import TUNED_FILE, format_table, official_grid, save_tuned, tune_dynamic
 
     model, tok, cfg, ckpt = _load(args)
     texts = load_texts(args.data, cfg, "val", args.tune_chars)
@@ -272,15 +307,16 @@ def cmd_tune_dynamic(args) -> int:
     if args.official_grid:
         lrs, decays = official_grid(first.segment_len)
     res = tune_dynamic(lambda lr, decay: evaluator_like(first, lr, decay), docs, lrs, decays, progress=not args.quiet)
-    path = args.save
+    path = args.save or (ckpt / TUNED_FILE if ckpt is not None else None)
     if path:
         save_tuned(res, path, weights_sha256=weights_fingerprint(ckpt))
     if args.json:
         print(json.dumps(res, indent=2))
     else:
         print(format_table(res))
-        print(f"saved to {path} (use it with dynamic eval --tuned {path})" if path else
-              "not saved (pass --save FILE to keep it for dynamic eval --tuned FILE)")
+        print(("not saved (pass --save FILE to keep it for dynamic eval --tuned FILE)" if not path else
+               f"saved to {path}: dynamic eval --checkpoint {ckpt} uses it" if not args.save else
+               f"saved to {path} (use it with dynamic eval --tuned {path})"))
     return 0
 
 
@@ -290,7 +326,7 @@ def cmd_collect_grad_stats(args) -> int:
         raise UserError("--data (training text) is required with --hf")
     if args.batch_size < 1:
         raise UserError("--batch-size must be >= 1")
-    segment_len = args.seq_len or default_segment_len(tok)
+    segment_len = args.segment_len or default_segment_len(tok)
     context = args.context or default_context(model, cfg)
     if cfg is None and not args.context:  # HF: whole-stream caches for --batch-size streams would not fit in memory
         context = min(context, HF_STATS_CONTEXT)
@@ -299,9 +335,9 @@ def cmd_collect_grad_stats(args) -> int:
                                lowrank_params=args.lowrank_params, stats_data=args.data, stats_batch_size=args.batch_size,
                                stats_batches=args.max_batches, stats_seq_len=segment_len)
     spec = adaptation_spec(settings, model)
-    out = Path(args.out) if args.out else stats_path(None, ckpt, spec)
+    out = Path(args.save) if args.save else stats_path(None, ckpt, spec)
     if out is None:
-        raise UserError("--out is required with --hf")
+        raise UserError("--save FILE is required with --hf (there is no checkpoint to keep the statistics in)")
     stats = collect_stats(model, tok, cfg, settings, segment_len, context, spec, out, not args.quiet, ckpt)
     print(f"gradient statistics of {len(stats.ms)} tensors over {stats.batches} batches of "
           f"{stats.batch_size} x {stats.seq_len} tokens -> {out}")
@@ -314,6 +350,7 @@ def cmd_timescale(args) -> int:
 
     if args.doc_len < 2 or args.max_docs < 1 or args.window < 1:
         raise UserError("--doc-len must be >= 2, --max-docs and --window >= 1")
+    output_prefix(args, "timescale")  # an earlier run's outputs are refused before any work
     model, tok, cfg, ckpt = _load(args)
     texts = load_texts(args.data, cfg, "test", args.max_chars)
     ids = torch.cat([torch.as_tensor(tok.encode(t), dtype=torch.long) for t in texts])
@@ -330,7 +367,7 @@ def cmd_timescale(args) -> int:
     res["settings"] = ev.metadata() | info
     res["data"] = args.data or f"{cfg.data.corpus}:test"
     res["unit"] = "bits per token" + (" (= per character)" if tok.name == "char" else "")
-    prefix = Path(args.out)
+    prefix = output_prefix(args, "timescale")
     png = plot_timescale(res, prefix.with_suffix(".png"), title=f"{res['data']}: {n} sequences of {args.doc_len} tokens")
     res["png"] = str(png)
     atomic_write(prefix.with_suffix(".json"), lambda p: p.write_text(json.dumps(res, indent=2) + "\n"))

@@ -11,35 +11,42 @@ from fastweights.cli.stream import add_stream_arguments, run_stream_eval
 from fastweights.cli.types import nonneg_float, nonneg_int, positive_int, seed
 from fastweights.core.errors import UserError, refuse_non_finite
 
-STREAM_ONLY = ("modes", "bin", "max_tokens", "max_chars", "labels", "out", "overwrite", "threads")
+STREAM_ONLY = ("modes", "bin", "max_tokens", "max_chars", "labels", "out", "overwrite")
+SPLIT_HELP = "split of the checkpoint's corpus to score when --data is not given"
+CONTEXT_HELP = "attention context in tokens (0: the training seq_len)"
 
 
 def register(sub) -> None:
+    from fastweights.cli.common import device_flag, threads_flag
+
     e = sub.add_parser("eval", help="score text with a checkpoint (bits per char/byte or perplexity)")
     e.add_argument("--checkpoint", action="append", required=True,
                    help="checkpoint directory (with --stream: repeat to compare models on the same text)")
     e.add_argument("--data", help="text to score (file, directory, corpus name); default: the checkpoint's test split")
-    e.add_argument("--split", default="test", choices=["train", "val", "test"])
-    e.add_argument("--seq-len", type=nonneg_int, default=0, help="context length (default: the training seq_len)")
-    e.add_argument("--stride", type=positive_int, default=None, help="tokens scored per call (default seq_len // 2)")
-    e.add_argument("--device", default="auto")
+    e.add_argument("--split", default="test", choices=["train", "val", "test"], help=SPLIT_HELP)
+    e.add_argument("--context", dest="seq_len", type=nonneg_int, default=0, help=CONTEXT_HELP)
+    e.add_argument("--stride", type=positive_int, default=None,
+                   help="tokens scored per call (default: half the context)")
+    device_flag(e)
+    threads_flag(e)
     e.add_argument("--stream", action="store_true",
                    help="per-position loss curves along long documents: fast weights carried, reset or frozen "
                         "(--modes), PNG + JSON")
-    e.add_argument("--json", action="store_true")
-    e.add_argument("--quiet", action="store_true")
+    e.add_argument("--json", action="store_true", help="print the result as JSON")
+    e.add_argument("--quiet", action="store_true", help="no progress line")
     add_stream_arguments(e)  # --modes --bin --out ... (with --stream)
     add_dynamic_arguments(e.add_argument_group("dynamic evaluation (--dynamic RULE; see `fastweights dynamic eval`)"))
     e.set_defaults(func=cmd_eval)
 
     g = sub.add_parser("generate", help="sample text from a checkpoint")
-    g.add_argument("--checkpoint", required=True)
-    g.add_argument("--prompt", default="\n")
-    g.add_argument("--max-tokens", type=nonneg_int, default=200)
-    g.add_argument("--temperature", type=nonneg_float, default=0.8, help="0: greedy")
-    g.add_argument("--top-k", type=nonneg_int, default=0, help="0: all tokens")
+    g.add_argument("--checkpoint", required=True, help="checkpoint directory")
+    g.add_argument("--prompt", default="\n", help="text the sample continues (default: %(default)r)")
+    g.add_argument("--max-tokens", type=nonneg_int, default=200, help="tokens to sample")
+    g.add_argument("--temperature", type=nonneg_float, default=0.8, help="sampling temperature (0: greedy)")
+    g.add_argument("--top-k", type=nonneg_int, default=0, help="sample among the k most likely tokens (0: all tokens)")
     g.add_argument("--seed", type=seed, default=0, help="sampling seed, in [0, 2**63 - 1]")
-    g.add_argument("--device", default="auto")
+    device_flag(g)
+    threads_flag(g)
     g.set_defaults(func=cmd_generate)
 
 
@@ -79,21 +86,23 @@ def cmd_eval(args) -> int:
     args.checkpoint = args.checkpoint[0]
     given = [f"--{k.replace('_', '-')}" for k in STREAM_ONLY if getattr(args, k) not in (None, False, 0, "carry,reset,frozen", 256)]
     if given:
-        raise UserError(f"{given[0]} applies to --stream")
+        raise UserError(f"{given[0].replace('--labels', '--label')} applies to --stream")
     model, tokenizer, cfg = load_checkpoint(Path(args.checkpoint), map_location=str(resolve_device(args.device)))
     seq_len = args.seq_len or cfg.train.seq_len
     if args.stride is not None and args.stride > seq_len:
-        raise UserError(f"--stride {args.stride} must be at most the context length ({seq_len}, --seq-len)")
+        raise UserError(f"--stride {args.stride} must be at most the context length ({seq_len}, --context)")
     if args.dynamic:
         from fastweights.adapt.evaluate import evaluate_static_and_dynamic
         from fastweights.cli.dynamic import comparison_options, dynamic_settings
 
         res = evaluate_static_and_dynamic(dynamic_settings(args), model, tokenizer, cfg, _eval_texts(args, cfg),
                                           Path(args.checkpoint), comparison_options(args), progress=not args.quiet)
+        from fastweights.cli.common import change
+
         key = next(k for k in ("bits_per_char", "bits_per_byte", "perplexity") if k in res["static"])
         print(json.dumps(res, indent=2) if args.json else
               f"static {res['static'][key]:.4f}  dynamic ({args.dynamic}) {res['dynamic'][key]:.4f} {key} "
-              f"({100 * res['relative_improvement']:.1f}% lower)")
+              f"({change(res['dynamic']['loss_nats'], res['static']['loss_nats'])})")
         return 0
     if not args.data and (Path(cfg.data.corpus) / "prepared.json").is_file():
         result = _eval_prepared(model, tokenizer, cfg, args, seq_len)

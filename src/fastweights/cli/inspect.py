@@ -9,13 +9,14 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
 
 from fastweights.experiments.addressing import collect_reads, memory_layers, trace_position, windowed_addressing_stats
 from fastweights.experiments.analysis import analyze, plot_analysis
-from fastweights.cli.common import common_flags, load, output_prefix, set_threads
+from fastweights.cli.common import common_flags, device_flag, load, out_flag, output_prefix, threads_flag
 from fastweights.cli.types import nonneg_int, positive_int
 from fastweights.core.errors import UserError
 from fastweights.experiments.probes import run_probes
@@ -58,15 +59,18 @@ def _register_compare(sub) -> None:
     p.add_argument("--base", required=True, help="checkpoint directory of the reference model")
     p.add_argument("--model", required=True, help="checkpoint directory of the model compared with it")
     p.add_argument("--data", help="text to score (file, directory, corpus name); default: the model's split")
-    p.add_argument("--split", default="test", choices=["train", "val", "test"])
-    p.add_argument("--seq-len", type=nonneg_int, default=0, help="context length (default: the model's training seq_len)")
-    p.add_argument("--stride", type=positive_int, default=None, help="tokens per call (default seq_len // 2)")
+    p.add_argument("--split", default="test", choices=["train", "val", "test"],
+                   help="split of the model's corpus to score when --data is not given")
+    p.add_argument("--context", dest="seq_len", type=nonneg_int, default=0,
+                   help="attention context in tokens (0: the model's training seq_len)")
+    p.add_argument("--stride", type=positive_int, default=None, help="tokens per call (default: half the context)")
     p.add_argument("--max-chars", type=nonneg_int, default=0, help="score only the first N characters (0 = all)")
     p.add_argument("--freq-from", default="train", choices=["train", "eval"],
                    help="token frequencies from the base's training split or from the scored text")
-    p.add_argument("--out", default="runs/analysis", help="directory for analysis.json and analysis.png")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--quiet", action="store_true")
+    out_flag(p, "runs/analysis", "analysis.json and analysis.png")
+    device_flag(p, "cpu")
+    threads_flag(p)
+    p.add_argument("--quiet", action="store_true", help="no progress line")
     p.set_defaults(func=cmd_compare)
 
 
@@ -76,11 +80,16 @@ def cmd_addressing(args) -> int:
     from fastweights.core.distributed import resolve_device
 
     _check_window(args.window)
+    out = output_prefix(args, "addressing") if args.out else None
     model, tokenizer, cfg = load_checkpoint(Path(args.checkpoint), map_location=str(resolve_device(args.device)))
     if args.text is not None:
         texts = [args.text]
-    else:
-        texts = [d.text for d in load_corpus(args.data or cfg.data.corpus, text_field=cfg.data.text_field)]
+    elif args.data:
+        texts = [d.text for d in load_corpus(args.data, text_field=cfg.data.text_field)]
+    else:  # the validation split: a bounded default, never the whole training corpus
+        from fastweights.adapt.setup import load_texts
+
+        texts = load_texts(None, cfg, "val")
     ids: list[int] = []
     for t in texts:  # one stream in document order, as the paper's 8M-token evaluation sets
         ids.extend(int(i) for i in tokenizer.encode(t))
@@ -100,8 +109,9 @@ def cmd_addressing(args) -> int:
             stats["gate_mean"] = float(gates.float().mean())
         layers[name] = stats
     fw = [s for name, s in layers.items() if type(dict(memory_layers(model))[name]).__name__ == "FwPKM"]
-    summary = {"checkpoint": str(args.checkpoint), "tokens": len(ids), "window": args.window, "loss_nats": loss,
-               "layers": layers}
+    summary = {"checkpoint": str(args.checkpoint), "data": "text" if args.text is not None else args.data or
+               f"{cfg.data.corpus}:val", "tokens": len(ids), "window": args.window, "loss_nats": loss,
+               "loss_bits": loss / math.log(2), "better": BETTER, "layers": layers}
     if fw:
         summary["fwpkm_mean"] = {k: sum(s[k] for s in fw) / len(fw) for k in ("collision", "coverage", "kld")}
     decode = lambda t: tokenizer.decode(list(t))  # noqa: E731
@@ -113,12 +123,17 @@ def cmd_addressing(args) -> int:
                 "layers": {name: trace_position(reads[name][0], reads[name][1], tr, ids, pos, decode)
                            for name, tr in tracers.items()},
             }
-    if args.out:
-        Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
+    if out is not None:
+        from fastweights.core.files import atomic_write
+
+        atomic_write(out.with_suffix(".json"), lambda p: p.write_text(json.dumps(summary, indent=2) + "\n"))
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
-        print(f"{len(ids)} tokens, loss {loss:.4f} nats, windows of {args.window} tokens")
+        print(f"{summary['data']}: {len(ids)} tokens, loss {loss / math.log(2):.4f} bits/token, windows of "
+              f"{args.window} tokens")
+        print("  (balanced addressing: collision lower is better, coverage higher is better, KLD from uniform lower "
+              "is better)")
         for name, s in layers.items():
             note = " (text shorter than one window)" if s["partial"] else ""
             gate = f"  mean gate {s['gate_mean']:.3f}" if "gate_mean" in s else ""
@@ -140,18 +155,31 @@ def _register_addressing(sub) -> None:
     p = sub.add_parser("addressing", help="addressing statistics (collision, coverage, KLD) of PKM/FwPKM "
                                             "layers over a text, and a trace of what retrieved slots stored")
     p.add_argument("--checkpoint", required=True, help="checkpoint directory")
-    p.add_argument("--data", help="file, directory or corpus name (default: the checkpoint's corpus)")
-    p.add_argument("--text", help="score this literal text instead of --data (e.g. a prompt plus a generation)")
+    p.add_argument("--data", help="file, directory or corpus name (default: the checkpoint's validation split)")
+    p.add_argument("--text", help="score this literal text instead of --data, e.g. a prompt plus a generation "
+                                  "(default: --data)")
     p.add_argument("--window", type=positive_int, default=32768, help="tokens per statistics window (paper: 32768)")
-    p.add_argument("--seq-len", type=nonneg_int, default=0, help="context length for attention layers (default: training)")
-    p.add_argument("--stride", type=positive_int, default=None, help="tokens per model call (default: seq_len / 2)")
-    p.add_argument("--max-tokens", type=nonneg_int, default=0, help="score only the first N tokens (0 = all)")
+    p.add_argument("--context", dest="seq_len", type=nonneg_int, default=0,
+                   help="attention context in tokens (0: the training seq_len)")
+    p.add_argument("--stride", type=positive_int, default=None, help="tokens per model call (default: half the context)")
+    p.add_argument("--max-tokens", type=nonneg_int, default=ADDRESSING_TOKENS,
+                   help="score only the first N tokens (0: all; the paper's statistics use windows of 32768)")
     p.add_argument("--trace", type=nonneg_int, nargs="*", default=None,
-                   help="token positions to trace: list the slots each read and what they stored at their last write")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--out", help="also write the JSON summary to this file")
+                   help="token positions to trace: list the slots each read and what they stored at their last write "
+                        "(default: no trace)")
+    device_flag(p, "cpu")
+    threads_flag(p)
+    out_flag(p, None, "addressing.json (the summary)", optional=True)
+    p.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier run in --out")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_addressing)
+
+
+# which direction is good for each addressing statistic (printed with them, and kept in the JSON)
+BETTER = {"collision": "lower (fewer reads land on a slot read more than once)",
+          "coverage": "higher (more of the memory's slots are used)",
+          "kld": "lower (reads spread closer to uniform over the slots)"}
+ADDRESSING_TOKENS = 65536  # inspect addressing's default text: two of the paper's 32768-token windows
 
 
 def _check_window(window: int) -> None:
@@ -168,7 +196,7 @@ def _register_gates(sub) -> None:
     g.add_argument("--max-tokens", type=positive_int, default=1024, help="tokens shown (from the start of the text)")
     g.add_argument("--write-chunk", type=nonneg_int, default=32, help="memory write chunk while reading (paper: 32; 0: trained)")
     g.add_argument("--width", type=positive_int, default=64, help="tokens per row of the picture")
-    g.add_argument("--out", default="runs/fwpkm_gates.png", help="PNG path (a .json with the values goes beside it)")
+    out_flag(g, "runs/fwpkm_gates", "gates.png and gates.json (the values)")
     g.set_defaults(func=cmd_gates)
 
 
@@ -176,8 +204,7 @@ def cmd_gates(args) -> int:
     from fastweights.data import load_corpus
     from fastweights.experiments.fwpkm_gates import gate_values, plot_gate_map
 
-    set_threads(args)
-    out = output_prefix(args, "runs/fwpkm_gates")
+    out = output_prefix(args, "gates")
     model, tok, cfg = load(args.checkpoint, args.device)
     text = args.text if args.text is not None else "\n\n".join(d.text for d in load_corpus(args.data))
     if args.max_tokens < 1 or args.width < 1:
@@ -186,7 +213,7 @@ def cmd_gates(args) -> int:
     text = tok.decode(list(ids))
     ids, gates = gate_values(model, tok, text, chunk_size=args.write_chunk or None)
     tokens = [tok.decode([int(i)]) for i in ids]
-    plot_gate_map(tokens, gates, out, width=args.width,
+    plot_gate_map(tokens, gates, out.with_suffix(".png"), width=args.width,
                   title=f"FwPKM gates, {Path(args.checkpoint).name}, write chunk {args.write_chunk or 'trained'}")
     doc = {"checkpoint": str(args.checkpoint), "tokens": tokens,
            "gates": {str(k): [round(float(x), 5) for x in v] for k, v in gates.items()},
@@ -196,5 +223,5 @@ def cmd_gates(args) -> int:
         print(json.dumps({k: doc[k] for k in ("checkpoint", "mean_gate")}, indent=2))
     else:
         print("mean gate per FwPKM layer: " + ", ".join(f"layer {k} {v:.3f}" for k, v in doc["mean_gate"].items()))
-        print(f"-> {out}, {out.with_suffix('.json')}")
+        print(f"-> {out.with_suffix('.png')}, {out.with_suffix('.json')}")
     return 0

@@ -2,7 +2,7 @@
 carried, reset or frozen (``experiments.streaming``), for one or several checkpoints on the same text.
 
     fastweights eval --stream --checkpoint runs/a --checkpoint runs/b --data long-docs \\
-        --modes carry,reset,frozen --out runs/stream                           # -> stream.json, stream.png
+        --modes carry,reset,frozen --out runs/stream               # -> runs/stream/stream.json, stream.png
 
 ``--dynamic RULE`` (with ``--lr`` etc.) puts dynamic evaluation on top of the checkpoint (see
 ``fastweights dynamic eval``).
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fastweights.cli.common import describe, load, output_prefix, set_threads
+from fastweights.cli.common import describe, load, output_prefix
 from fastweights.cli.types import nonneg_int, positive_int
 from fastweights.core.errors import UserError, refuse_non_finite
 from fastweights.experiments.probes import run_probes
@@ -23,17 +23,19 @@ PROBED_MODES = ("carry", "reset", "memory", "windows")  # stream modes a result'
 
 
 def add_stream_arguments(p) -> None:
-    """The options of ``eval --stream`` (``eval`` has --checkpoint, --data, --split, --seq-len, --stride, --device,
-    --json and --quiet already)."""
+    """The options of ``eval --stream`` (``eval`` has --checkpoint, --data, --split, --context, --stride, --device,
+    --threads, --json and --quiet already)."""
+    from fastweights.cli.common import out_flag
+
     g = p.add_argument_group("streaming (--stream)")
     g.add_argument("--modes", default="carry,reset,frozen", help="comma-separated: carry, reset, frozen, memory, windows")
     g.add_argument("--bin", type=positive_int, default=256, help="predictions per bin of the per-position curves")
     g.add_argument("--max-tokens", type=nonneg_int, default=0, help="stop after this many predictions per run (0: all)")
     g.add_argument("--max-chars", type=nonneg_int, default=0, help="read at most this many characters of the data (0: all)")
-    g.add_argument("--label", dest="labels", action="append", help="legend label per --checkpoint")
-    g.add_argument("--out", help="output prefix: writes PREFIX.json and PREFIX.png (default runs/stream-DATE-TIME)")
-    g.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier run at --out")
-    g.add_argument("--threads", type=nonneg_int, default=0, help="torch CPU threads (0: torch's default)")
+    g.add_argument("--label", dest="labels", action="append",
+                   help="legend label per --checkpoint (default: the directory's name and its mechanisms)")
+    out_flag(g, None, "stream.json and stream.png")
+    g.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier run in --out")
 
 
 def _evaluator(args, model, tok, cfg, ckpt, seq_len: int):
@@ -52,8 +54,7 @@ def run_stream_eval(args) -> int:
     from fastweights.data import load_corpus, split_corpus
     from fastweights.experiments.streaming import STREAM_MODES, encode_documents, plot_stream, stream_eval
 
-    set_threads(args)
-    out = output_prefix(args, "runs/stream")
+    out = output_prefix(args, "stream")
     ckpts = args.checkpoint if isinstance(args.checkpoint, (list, tuple)) else [args.checkpoint]
     labels = getattr(args, "labels", None) or []
     if labels and len(labels) != len(ckpts):

@@ -6,7 +6,7 @@
 - ``niah``: needle in a haystack with n-iter re-reading (:mod:`fastweights.tasks.niah`, ``niah_token``)::
 
     fastweights task niah --checkpoint runs/niah-cpu --lengths 1024,2048,4096 --iters 1,2 --samples 20 \\
-        --haystack tinyshakespeare --out runs/niah-cpu/niah              # -> niah.json, niah.png
+        --haystack tinyshakespeare --out runs/niah-cpu              # -> runs/niah-cpu/niah.json, niah.png
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 import fastweights.tasks.niah  # noqa: F401  (registers the corpus "niah-tinyshakespeare" used by configs/niah-cpu.toml)
 import fastweights.tasks.niah_token  # noqa: F401  (registers "niah-token-tinyshakespeare", configs/niah-token.toml)
-from fastweights.cli.common import common_flags, describe, load, output_prefix, set_threads
+from fastweights.cli.common import common_flags, describe, load, out_flag, output_prefix, threads_flag
 from fastweights.cli.types import fraction, ints, nonneg_float, nonneg_int, positive_float, positive_int, seed
 from fastweights.core.errors import UserError
 from fastweights.experiments.probes import fingerprinted, probe, run_probes
@@ -28,9 +28,7 @@ from fastweights.tasks.ba_retrieval import MODELS, SPLIT_SIZES
 
 
 def cmd_assoc(args) -> int:
-    """``fastweights task assoc``: train, print a table (or JSON), optionally write JSON and a plot."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    """``fastweights task assoc``: train, print a table (or JSON), write JSON and a plot into --out."""
     models = [parse_model(m) for m in args.model] if args.model else [
         {"rule": args.rule, "feature_map": args.feature_map, "nu": args.nu, "n_features": args.n_features}
     ]
@@ -42,13 +40,13 @@ def cmd_assoc(args) -> int:
         max_steps=args.max_steps, max_minutes=args.max_minutes, eval_every=args.eval_every,
         eval_sequences=args.eval_sequences, stop_loss=args.stop_loss, patience=args.patience, seed=args.seed,
     )
+    out = output_prefix(args, "assoc") if args.out else None
     results = run_sweep(base, parse_keys(args.keys), models, progress=not args.quiet)
-    if args.out:
+    if out is not None:
         measured = fingerprinted([probe("assoc_model", setting=args.setting, **m) for m in models]
                                  + [probe("task", name="assoc")])
-        write_cli_result(Path(args.out), {"results": results}, getattr(args, "argv", None), measured)
-    if args.plot:
-        plot_capacity(results, Path(args.plot))
+        write_cli_result(out.with_suffix(".json"), {"results": results}, getattr(args, "argv", None), measured)
+        plot_capacity(results, out.with_suffix(".png"))
     if args.json:
         print(json.dumps(results[0] if len(results) == 1 else results, indent=2))
     else:
@@ -75,27 +73,29 @@ def _register_assoc(sub) -> None:
     )
     p.add_argument("--setting", type=int, choices=(1, 2), default=1,
                    help="1: S unique keys, length S; 2: keys with replacement, length 2S (overwrites)")
-    p.add_argument("--keys", default="20", help="number of keys S: 60, 20,40,60 or 20:100:20 (default 20)")
-    p.add_argument("--rule", choices=RULES, default="sum")
-    p.add_argument("--feature-map", choices=FEATURE_MAPS, default="elu1")
+    p.add_argument("--keys", default="20", help="number of keys S: 60, 20,40,60 or 20:100:20")
+    p.add_argument("--rule", choices=RULES, default="sum", help="fast weight update rule")
+    p.add_argument("--feature-map", choices=FEATURE_MAPS, default="elu1", help="feature map of keys and queries")
     p.add_argument("--nu", type=positive_int, default=1, help="DPFP order (d_dot = 128 nu)")
     p.add_argument("--n-features", type=positive_int, default=64, help="FAVOR+ random features m (d_dot = 2m)")
     p.add_argument("--model", action="append", default=[],
-                   help="RULE:MAP (e.g. sum:elu1, delta:dpfp1, sum:favor64); repeat for several; overrides --rule etc.")
-    p.add_argument("--hidden", type=positive_int, default=64)
-    p.add_argument("--batch-size", type=positive_int, default=32)
-    p.add_argument("--lr", type=positive_float, default=1e-3)
-    p.add_argument("--max-steps", type=positive_int, default=100_000)
+                   help="RULE:MAP (e.g. sum:elu1, delta:dpfp1, sum:favor64); repeat for several; overrides --rule etc. "
+                        "(default: the one model --rule and --feature-map describe)")
+    p.add_argument("--hidden", type=positive_int, default=64, help="model width")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="sequences per training step")
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="Adam learning rate")
+    p.add_argument("--max-steps", type=positive_int, default=100_000, help="training steps per run at most")
     p.add_argument("--max-minutes", type=nonneg_float, default=0.0, help="wall-clock budget per run (0 = none)")
-    p.add_argument("--eval-every", type=positive_int, default=100)
-    p.add_argument("--eval-sequences", type=positive_int, default=20)
-    p.add_argument("--stop-loss", type=nonneg_float, default=0.001)
-    p.add_argument("--patience", type=nonneg_int, default=10)
-    p.add_argument("--seed", type=seed, default=1)
-    p.add_argument("--threads", type=nonneg_int, default=1, help="torch CPU threads (default 1; 0 = torch's default)")
+    p.add_argument("--eval-every", type=positive_int, default=100, help="steps between evaluations")
+    p.add_argument("--eval-sequences", type=positive_int, default=20, help="batches of sequences per evaluation")
+    p.add_argument("--stop-loss", type=nonneg_float, default=0.001, help="stop a run once its eval loss (nats) is below this")
+    p.add_argument("--patience", type=nonneg_int, default=10,
+                   help="stop a run after this many evaluations without improvement")
+    p.add_argument("--seed", type=seed, default=1, help="initialisation and data seed")
+    threads_flag(p, help="torch CPU threads (0: one per core); one thread for this small model")
     p.add_argument("--json", action="store_true", help="print the result(s) as JSON")
-    p.add_argument("--out", help="write the results (with the command) as JSON to this path")
-    p.add_argument("--plot", help="write the capacity plot (final loss vs S) as PNG to this path")
+    out_flag(p, None, "assoc.json (the results with the command) and assoc.png (final loss against S)", optional=True)
+    p.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier run in --out")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.set_defaults(func=cmd_assoc)
 
@@ -106,33 +106,35 @@ def _register_ba_retrieval(sub) -> None:
         help="associative retrieval of Ba et al. 2016 (e.g. c9k8j3f1??c -> 9)",
         description="Train the paper's task network on associative retrieval and report the test error.",
     )
-    p.add_argument("--model", default="fast-rnn", choices=MODELS, help="recurrent layer (default fast-rnn)")
-    p.add_argument("--hidden", type=int, default=20, help="recurrent units R (default 20)")
-    p.add_argument("--keys", type=int, default=4, help="key-value pairs K per sequence (default 4)")
-    p.add_argument("--steps", type=int, default=45_000, help="maximum Adam updates (default 45000)")
-    p.add_argument("--max-minutes", type=nonneg_float, default=0.0, help="wall-clock limit of training; 0 = none")
+    p.add_argument("--model", default="fast-rnn", choices=MODELS, help="recurrent layer")
+    p.add_argument("--hidden", type=int, default=20, help="recurrent units R")
+    p.add_argument("--keys", type=int, default=4, help="key-value pairs K per sequence")
+    p.add_argument("--steps", type=int, default=45_000, help="maximum Adam updates")
+    p.add_argument("--max-minutes", type=nonneg_float, default=0.0, help="wall-clock limit of training (0 = none)")
     p.add_argument("--target-val-error", type=fraction, default=0.01,
-                   help="stop once the validation error is at most this fraction (default 0.01)")
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--lr", type=positive_float, default=1e-3, help="Adam learning rate (default 1e-3)")
+                   help="stop once the validation error is at most this fraction")
+    p.add_argument("--batch-size", type=int, default=128, help="sequences per update")
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="Adam learning rate")
     p.add_argument("--decay-fraction", type=fraction, default=0.2,
-                   help="decay the learning rate linearly to 0 over this final fraction of --steps (default 0.2)")
-    p.add_argument("--grad-clip", type=nonneg_float, default=5.0, help="gradient-norm clip; 0 = off (default 5)")
-    p.add_argument("--eval-every", type=int, default=500, help="steps between validation passes (default 500)")
+                   help="decay the learning rate linearly to 0 over this final fraction of --steps")
+    p.add_argument("--grad-clip", type=nonneg_float, default=5.0, help="gradient-norm clip (0 = off)")
+    p.add_argument("--eval-every", type=int, default=500, help="steps between validation passes")
     p.add_argument("--seed", type=seed, default=0, help="initialisation and batch-order seed")
     p.add_argument("--data-seed", type=seed, default=1234, help="seed of the generated splits")
-    p.add_argument("--train-size", type=int, default=SPLIT_SIZES["train"])
-    p.add_argument("--val-size", type=int, default=SPLIT_SIZES["val"])
-    p.add_argument("--test-size", type=int, default=SPLIT_SIZES["test"])
+    p.add_argument("--train-size", type=int, default=SPLIT_SIZES["train"], help="generated training sequences")
+    p.add_argument("--val-size", type=int, default=SPLIT_SIZES["val"], help="generated validation sequences")
+    p.add_argument("--test-size", type=int, default=SPLIT_SIZES["test"], help="generated test sequences")
     p.add_argument("--digit-head", action="store_true", help="10-way digit output instead of the 37-token vocabulary")
-    p.add_argument("--lam", type=fraction, default=0.95, help="fast-rnn: decay lambda (default 0.95)")
-    p.add_argument("--eta", type=nonneg_float, default=0.5, help="fast-rnn: fast learning rate eta (default 0.5)")
-    p.add_argument("--inner-steps", type=positive_int, default=1, help="fast-rnn: inner-loop steps S (default 1)")
+    p.add_argument("--lam", type=fraction, default=0.95, help="fast-rnn: decay lambda of the fast weights")
+    p.add_argument("--eta", type=nonneg_float, default=0.5,
+                   help="fast-rnn: eta, the fast weights' own write strength (a model constant, not trained, unlike --lr)")
+    p.add_argument("--inner-steps", type=positive_int, default=1, help="fast-rnn: inner-loop steps S")
     p.add_argument("--no-layer-norm", action="store_true", help="fast-rnn: ablate LayerNorm")
     p.add_argument("--no-fast-weights", action="store_true", help="fast-rnn: ablate the fast weights (LN-RNN)")
-    p.add_argument("--threads", type=nonneg_int, default=1, help="torch CPU threads (default 1)")
+    threads_flag(p, help="torch CPU threads (0: one per core); one thread for this small model")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
-    p.add_argument("--out", type=Path, default=None, help="also write the JSON result to this file")
+    out_flag(p, None, "ba_retrieval.json", optional=True)
+    p.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier run in --out")
     p.set_defaults(func=cmd_ba_retrieval)
 
 
@@ -144,8 +146,7 @@ def cmd_ba_retrieval(args) -> int:
     for name in ("hidden", "keys", "steps", "batch_size", "eval_every", "train_size", "val_size", "test_size"):
         if getattr(args, name) < 1:
             raise UserError(f"ba-retrieval: --{name.replace('_', '-')} must be >= 1")
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
+    out = output_prefix(args, "ba_retrieval") if args.out else None
     sizes = {"train": args.train_size, "val": args.val_size, "test": args.test_size}
     splits = make_splits(args.data_seed, args.keys, sizes)
     torch.manual_seed(args.seed)
@@ -192,9 +193,10 @@ def cmd_ba_retrieval(args) -> int:
         "test_accuracy": 1.0 - result["test_error"],
     }
     report["options"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    if out is not None:
+        from fastweights.core.files import atomic_write
+
+        atomic_write(out.with_suffix(".json"), lambda p: p.write_text(json.dumps(report, indent=2) + "\n"))
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -207,22 +209,23 @@ def _register_niah(sub) -> None:
     n = sub.add_parser("niah", help="needle in a haystack with n-iter re-reading: accuracy by depth x length (PNG + JSON)")
     common_flags(n)
     n.add_argument("--haystack", default="tinyshakespeare",
-                   help="haystack text: a file, a directory of .txt files, or a corpus name (default tinyshakespeare)")
+                   help="haystack text: a file, a directory of .txt files, or a corpus name")
     n.add_argument("--lengths", default="1024,2048,4096", help="context lengths in tokens, comma-separated")
     n.add_argument("--depths", default="uniform", help="'uniform' or target depths in [0, 1], e.g. 0,0.25,0.5,0.75,1")
     n.add_argument("--depth-bins", type=positive_int, default=5, help="rows of the heatmap with --depths uniform")
     n.add_argument("--samples", type=positive_int, default=10, help="samples per length (or per length and depth)")
     n.add_argument("--iters", default="1", help="n-iter protocol: reads of the context before the question, e.g. 1,2,3,4")
-    n.add_argument("--seed", type=seed, default=0)
+    n.add_argument("--seed", type=seed, default=0, help="seed of the samples (needles, depths, haystack offsets)")
     n.add_argument("--write-chunk", default="read", choices=["read", "model"],
                    help="memories write once per read (the paper) or every trained chunk")
     n.add_argument("--reread", default="carry", choices=["carry", "memory"],
                    help="between reads carry the whole state, or only the memories (mixer states reset)")
     n.add_argument("--piece", type=positive_int, default=512, help="tokens per forward call")
-    n.add_argument("--context", type=nonneg_int, default=0, help="KV-cache tokens kept between calls (0: unbounded)")
+    n.add_argument("--context", type=nonneg_int, default=0,
+                   help="attention context in tokens: KV-cache tokens kept between calls (0: unbounded)")
     n.add_argument("--carry", action="store_true", help="carry the state from sample to sample (the released code)")
     n.add_argument("--max-new-tokens", type=nonneg_int, default=0, help="decoding budget (0: automatic)")
-    n.add_argument("--out", default="runs/niah", help="output prefix: writes PREFIX.json and PREFIX.png")
+    out_flag(n, "runs/niah", "niah.json and niah.png")
     n.add_argument("--show", type=nonneg_int, default=0, help="print the first N prompts with the model's answers")
     n.add_argument("--format", default="auto", choices=["auto", "char", "token"],
                    help="needle format: 'char' (ID-3fa9 / 6 digits), 'token' (one-token keys and values, "
@@ -230,7 +233,7 @@ def _register_niah(sub) -> None:
     n.add_argument("--frozen-memory", action="store_true",
                    help="memories never write (the paper's frozen-memory check, App. D.2)")
     n.add_argument("--keys", default="heldout", choices=["heldout", "train"],
-                   help="token format: keys never used in training needles (default) or the training keys")
+                   help="token format: keys never used in training needles (heldout) or the training keys")
     n.set_defaults(func=cmd_niah)
 
 
@@ -240,8 +243,7 @@ def cmd_niah(args) -> int:
 
     from fastweights.tasks import niah_token
 
-    set_threads(args)
-    out = output_prefix(args, "runs/niah")
+    out = output_prefix(args, "niah")
     model, tok, cfg = load(args.checkpoint, args.device)
     token_format = args.format == "token" or (args.format == "auto" and niah_token.is_token_format(tok))
     if token_format and not niah_token.is_token_format(tok):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fastweights.cli.types import positive_float
+from fastweights.cli.common import out_flag
+from fastweights.cli.types import nonneg_int, positive_float
 from fastweights.core.errors import UserError
 
 
@@ -13,33 +14,45 @@ def register(sub, parser_class) -> None:
     from fastweights.data.tokenizers import TOKENIZER_KINDS
 
     t = sub.add_parser("train", help="train a model from a preset")
-    t.add_argument("--preset", help="preset name (configs/NAME.toml) or path to a .toml file; default shakespeare-char")
-    t.add_argument("--data", help="corpus: a registered name, a text file, a directory or a .jsonl file")
-    t.add_argument("--out", help="output directory (checkpoint, metrics, plots); default: a new runs/PRESET-DATE-TIME")
-    t.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config field")
+    t.add_argument("--preset", help="preset name (configs/NAME.toml) or path to a .toml file (default: "
+                                    "shakespeare-char; with --resume: the run's own config)")
+    t.add_argument("--data", help="corpus: a registered name, a text file, a directory or a .jsonl file (default: the "
+                                  "preset's data.corpus)")
+    out_flag(t, None, "the checkpoint, metrics and plots")
+    t.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                   help="override a config field; repeat for several (default: the preset's values)")
+    t.add_argument("--threads", type=nonneg_int, default=None,
+                   help="torch CPU threads, the same as --set train.threads=N (0: one per core; default: the preset's "
+                        "train.threads)")
     t.add_argument("--resume", action="store_true", help="continue the run saved in --out")
     t.add_argument("--overwrite", action="store_true",
                    help="replace the run in --out (its checkpoint, logs and the files derived from its weights)")
     t.add_argument("--force-ram", action="store_true",
                    help="train even when the estimated RAM (GPU: device memory) exceeds what the machine has available")
     t.add_argument("--fsdp", action="store_true", help="under torchrun: shard with FSDP2 (fully_shard per block) instead of DDP")
-    t.add_argument("--log", choices=["jsonl", "tensorboard"], help="also log to TensorBoard (metrics.jsonl is always written)")
+    t.add_argument("--log", choices=["jsonl", "tensorboard"],
+                   help="also log to TensorBoard (metrics.jsonl is always written; default: the preset's train.log)")
     t.add_argument("--json", action="store_true", help="print the summary as JSON")
     t.add_argument("--quiet", action="store_true", help="no progress line")
     t.set_defaults(func=cmd_train)
 
     pr = sub.add_parser("prepare", help="tokenise a corpus once into memory-mapped train/val/test files")
     pr.add_argument("--data", required=True, help="corpus: registered name, text file, directory or .jsonl")
-    pr.add_argument("--tokenizer", default="gpt2", choices=list(TOKENIZER_KINDS))
-    pr.add_argument("--out", required=True, help="directory for the token files (then train with --data DIR)")
-    pr.add_argument("--set", action="append", metavar="data.KEY=VALUE", help="override a data field (split, fractions)")
-    pr.add_argument("--json", action="store_true")
-    pr.add_argument("--quiet", action="store_true")
+    pr.add_argument("--tokenizer", default="gpt2", choices=list(TOKENIZER_KINDS), help="tokenizer of the token files")
+    pr.add_argument("--out", metavar="DIR", required=True,
+                    help="directory to write the token files into (created if missing); then train with --data DIR")
+    pr.add_argument("--set", action="append", metavar="data.KEY=VALUE",
+                    help="override a data field (split, fractions); repeat for several (default: the data section's "
+                         "defaults)")
+    pr.add_argument("--json", action="store_true", help="print the summary as JSON")
+    pr.add_argument("--quiet", action="store_true", help="no progress line")
     pr.set_defaults(func=cmd_prepare)
 
     d = sub.add_parser("demo", help="train a char-level Shakespeare model on the CPU, evaluate it, sample")
-    d.add_argument("--out", default="runs/demo")
+    out_flag(d, "runs/demo", "the checkpoint, its tuned dynamic-evaluation settings, demo.json and the loss curve")
     d.add_argument("--minutes", type=positive_float, default=5.0, help="training time budget")
+    d.add_argument("--threads", type=nonneg_int, default=0,
+                   help="torch CPU threads (0: one per core, the fastest for training on an idle machine)")
     d.set_defaults(func=cmd_demo)
 
     data = sub.add_parser("data", help="corpora shipped with the package: list")
@@ -70,6 +83,8 @@ def _run_config(args):
         d.setdefault("data", {})["corpus"] = args.data
     if getattr(args, "log", None):
         d.setdefault("train", {})["log"] = args.log
+    if getattr(args, "threads", None) is not None:
+        d.setdefault("train", {})["threads"] = args.threads
     saved_tokenizer = d.get("data", {}).get("tokenizer") if args.resume and args.preset is None else None
     apply_overrides(d, args.set or [])
     if saved_tokenizer is not None and d.get("data", {}).get("tokenizer") != saved_tokenizer:

@@ -31,7 +31,8 @@ def read_run_config(directory: Path) -> RunConfig:
 
 
 def load_model(directory: Path, map_location: str = "cpu"):
-    return load_model_as(LanguageModel, directory, map_location)
+    """The checkpoint's model in eval mode (dropout off), as ``from_pretrained`` in transformers returns it."""
+    return load_model_as(LanguageModel, directory, map_location).eval()
 
 
 def _load_tokenizer_from(ckpt: Checkpoint):
@@ -78,7 +79,7 @@ def _load_all(ckpt: Checkpoint, map_location: str):
         print(f"warning: {ckpt.directory} has no {MANIFEST}: its files are loaded unverified (--unverified)",
               file=sys.stderr)
     cfg = run_config_from(ckpt)
-    model = model_from(ckpt, cfg, map_location, LanguageModel)
+    model = model_from(ckpt, cfg, map_location, LanguageModel).eval()  # scoring and sampling; training sets train()
     tokenizer = _load_tokenizer_from(ckpt)
     if tokenizer.vocab_size != cfg.model.vocab_size:
         raise UserError(
@@ -89,7 +90,9 @@ def _load_all(ckpt: Checkpoint, map_location: str):
 
 
 def load_checkpoint(directory: Path, map_location: str = "cpu"):
-    """(model, tokenizer, run_config) from a checkpoint directory; UserError on anything wrong."""
+    """(model, tokenizer, run_config) from a checkpoint directory, the model in eval mode (dropout off; the
+    training loop calls ``train()`` itself, and ``--resume`` rebuilds its model from :func:`load_for_resume`);
+    UserError on anything wrong."""
     return open_checkpoint(directory, lambda c: _load_all(c, map_location))
 
 
