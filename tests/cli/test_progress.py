@@ -206,6 +206,19 @@ def _assert_never_silent(name: str, start: float, clock: FakeTime, log: Log) -> 
     for _, line in lines:
         done, total = PROGRESS.search(line).group(0).split(" ")[0].split("/")
         assert "ETA" in line or done == total.lstrip("~"), f"{name}: a line of running work without an ETA: {line}"
+    # every token costs the same here, so an ETA that weighs the work rightly (by tokens, not by samples or
+    # by passes) predicts when its bar closes: within 10% of the bar's time so far, plus the rounding to
+    # seconds and one model call
+    start_of_bar = start
+    for i, (t, line) in enumerate(lines):
+        eta = re.search(r"ETA (\d+):(\d+)$", line)
+        if eta is None:
+            start_of_bar = t
+            continue
+        close = next(u for u, later in lines[i:] if "ETA" not in later)
+        predicted = int(eta.group(1)) * 60 + int(eta.group(2))
+        assert abs(predicted - (close - t)) <= 0.1 * (t - start_of_bar) + 3.0, \
+            f"{name}: ETA {predicted} s at {line!r}, the bar closed {close - t:.1f} s later"
     assert not re.search(r"(?<![\d.,])0 \S+/s", log.getvalue()), "a rate printed as 0"
 
 
