@@ -219,6 +219,30 @@ def _hf_dynamic(rule: str, **kw) -> dict:
     return _dynamic(None, rule, **kw)
 
 
+def _hf_fwl(variant: str = "fwl") -> dict:
+    """An FWL head on a tiny GPT-2 (``fastweights.hf.fwl_head``): streamed logits in two calls, one training
+    step's loss and gradients from hidden states (``fastweights.hf.fwl_training``)."""
+    import dataclasses
+
+    from fastweights.hf.fwl_head import PRETRAINED_FWL_DEFAULTS, HFCausalLMWithFWL
+    from fastweights.hf.fwl_training import VARIANTS, window_loss
+    from fastweights.layers.fwl import FWLOptions
+
+    opts = FWLOptions(**{**PRETRAINED_FWL_DEFAULTS, "segment_len": 8, "chunk_size": 16, **VARIANTS[variant]})
+    model = HFCausalLMWithFWL(_tiny_gpt2(), dataclasses.replace(opts, step_size_init=0.05)).double()
+    with torch.no_grad():
+        model.head.ln_weight.fill_(0.5)  # a trained gain: the branch and every fast tensor act
+    model.eval()
+    tokens = _tokens(41, 5)[None]
+    with torch.no_grad():
+        first = model(tokens[:, :23])
+        second = model(tokens[:, 23:], state=first.state)
+        h, _ = model.backbone.forward_features(tokens)
+    model.train()
+    out = {"logits": torch.cat([first.logits, second.logits], 1)}
+    return _with_grads(model.head, window_loss(model.head, h, tokens), out)
+
+
 # ----------------------------------------------------------------------------- layers and operators
 
 
@@ -351,7 +375,7 @@ def _retrieval_net(model: str, hidden: int = 12, fast_rnn: dict | None = None) -
 
 
 KINDS: dict[str, Callable[..., dict]] = {
-    "assoc_model": _assoc_model, "retrieval_net": _retrieval_net, "model": _model, "stream": _stream, "dynamic": _dynamic, "hf_dynamic": _hf_dynamic, "layer": _layer,
+    "assoc_model": _assoc_model, "retrieval_net": _retrieval_net, "model": _model, "stream": _stream, "dynamic": _dynamic, "hf_dynamic": _hf_dynamic, "hf_fwl": _hf_fwl, "layer": _layer,
     "ops": _ops, "task": _task, "source": _source, "corpus": _corpus,
 }
 

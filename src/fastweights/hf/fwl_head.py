@@ -42,7 +42,7 @@ from fastweights.models.lm import ModelOutput
 #: 64-token segments (dynamic evaluation's segment length on SmolLM2) with learned decays
 PRETRAINED_FWL_DEFAULTS = {"residual": True, "step_size_init": 0.0, "segment_len": 64, "chunk_size": 256}
 CONFIG_NAME = "fwl_head.json"
-WEIGHTS_NAME = "fwl_head.safetensors"
+WEIGHTS_NAME = "model.safetensors"  # the name Checkpoint.fingerprint() reads
 
 
 class HFCausalLMWithFWL(nn.Module):
@@ -62,7 +62,7 @@ class HFCausalLMWithFWL(nn.Module):
         out_layer = backbone.hf.get_output_embeddings()
         vocab, width = out_layer.weight.shape
         self.head = FastWeightLayer(width, vocab, options, unembedding=out_layer)
-        self.head.to(out_layer.weight.device)
+        self.head.to(out_layer.weight.device, out_layer.weight.dtype)  # the backbone's device and precision
         self.vocab_size = int(vocab)
         self.default_context = backbone.default_context
         self.set_trainable_blocks(trainable_blocks)

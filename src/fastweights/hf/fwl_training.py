@@ -64,10 +64,11 @@ def training_windows(tokenizer, window: int, mix=TRAINING_MIX, max_windows: int 
 
 @torch.no_grad()
 def cache_hidden_states(backbone, tokens: np.ndarray, directory: str | Path, sources: list | None = None,
-                        fingerprint: str = "", progress: bool = True) -> dict:
+                        fingerprint: str = "", progress: bool = True, dtype: str = "float16") -> dict:
     """Run the frozen backbone over each window (independently, no carried context) and store its final
-    hidden states, float16, memory-mapped in ``directory`` (``hidden.npy``, ``tokens.npy``). Resumes a
-    partial cache of the same tokens and backbone; returns the cache's metadata."""
+    hidden states, memory-mapped in ``directory`` (``hidden.npy``, ``tokens.npy``; ``dtype`` float16 halves
+    the disk, float32 keeps them exact). Resumes a partial cache of the same tokens, backbone and dtype;
+    returns the cache's metadata."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     n, window = tokens.shape
@@ -75,11 +76,13 @@ def cache_hidden_states(backbone, tokens: np.ndarray, directory: str | Path, sou
     meta_path = directory / CACHE_META
     digest = _digest(tokens)
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else None
-    if meta is None or meta.get("tokens_sha") != digest or meta.get("backbone") != fingerprint:
+    if dtype not in ("float16", "float32"):
+        raise UserError(f"hidden-state cache dtype must be float16 or float32, got {dtype!r}")
+    if meta is None or (meta.get("tokens_sha"), meta.get("backbone"), meta.get("dtype")) != (digest, fingerprint, dtype):
         meta = {"tokens_sha": digest, "backbone": fingerprint, "windows": n, "window": window, "d_model": width,
-                "done": 0, "sources": sources, "dtype": "float16"}
+                "done": 0, "sources": sources, "dtype": dtype}
         np.save(directory / "tokens.npy", tokens)
-        np.lib.format.open_memmap(directory / "hidden.npy", mode="w+", dtype=np.float16, shape=(n, window, width))
+        np.lib.format.open_memmap(directory / "hidden.npy", mode="w+", dtype=np.dtype(dtype), shape=(n, window, width))
         meta_path.write_text(json.dumps(meta))
     hidden = np.load(directory / "hidden.npy", mmap_mode="r+")
     bar = Progress(n * window, "tok", desc="cache hidden states", enabled=progress)
@@ -88,7 +91,7 @@ def cache_hidden_states(backbone, tokens: np.ndarray, directory: str | Path, sou
     backbone.eval()
     for i in range(meta["done"], n):
         h, _ = backbone.forward_features(torch.from_numpy(tokens[i : i + 1]))
-        hidden[i] = h[0].to(torch.float16).numpy()
+        hidden[i] = h[0].to(getattr(torch, dtype)).numpy()
         if (i + 1) % 8 == 0 or i + 1 == n:  # the memmap first, then the count that says it is there
             hidden.flush()
             meta["done"] = i + 1
@@ -115,10 +118,10 @@ def window_loss(head, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 def train_head(model, cache_dir: str | Path, out_dir: str | Path, backbone_name: str, *, budget_cpu_s: float,
                batch_size: int = 2, lr: float = 1e-3, val_windows: int = 4, seed: int = 0, save_every_s: float = 300.0,
-               resume: bool = True, progress: bool = True) -> dict:
+               resume: bool = True, progress: bool = True, max_steps: int | None = None) -> dict:
     """Train ``model.head`` (an :class:`~fastweights.hf.fwl_head.HFCausalLMWithFWL`'s) on cached hidden states
     for ``budget_cpu_s`` seconds of process CPU time; checkpoints to ``out_dir`` (library format, atomic) every
-    ``save_every_s`` and at the end, and resumes from it. The last ``val_windows`` cached windows are held out:
+    ``save_every_s`` and at the end, and resumes from it (``max_steps`` stops earlier). The last ``val_windows`` cached windows are held out:
     their loss with the head and with the pretrained logits alone is reported. Returns the training summary."""
     from fastweights.hf.fwl_head import load_fwl_head, save_fwl_head
 
@@ -155,7 +158,7 @@ def train_head(model, cache_dir: str | Path, out_dir: str | Path, backbone_name:
                    clock=time.process_time)
     bar.update(used_cpu)
     start, last_save, order = time.process_time() - used_cpu, time.process_time(), torch.empty(0, dtype=torch.long)
-    while used_cpu < budget_cpu_s:
+    while used_cpu < budget_cpu_s and (max_steps is None or step < max_steps):
         if order.numel() < batch_size:
             order = torch.randperm(n_train, generator=gen)
         idx, order = order[:batch_size].sort().values.numpy(), order[batch_size:]
@@ -178,7 +181,7 @@ def train_head(model, cache_dir: str | Path, out_dir: str | Path, backbone_name:
     bar.close()
     save()
     model.eval()
-    val = validation_losses(model, hidden, tokens, range(n_train, meta["windows"]))
+    val = validation_losses(model, hidden, tokens, range(n_train, meta["windows"])) if val_windows else None
     return {"steps": step, "cpu_s": used_cpu, "batch_size": batch_size, "lr": lr, "window": meta["window"],
             "train_windows": n_train, "tokens_seen": step * batch_size * meta["window"], "history": history,
             "validation": val}
