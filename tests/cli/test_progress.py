@@ -250,3 +250,26 @@ def test_the_tuning_search_plans_exactly_the_points_it_runs(monkeypatch):
     last = out.getvalue().splitlines()[-1]
     n = 20 * (1 + len(res["grid"]))
     assert f"{n:,}/{n:,} tok" in last and f"point {len(res['grid'])}/{len(res['grid'])} " in last, last
+
+
+def test_a_stream_total_is_estimated_from_what_was_read_and_exact_at_the_end():
+    from fastweights.data import ByteTokenizer
+    from fastweights.experiments.streaming import encode_documents
+
+    class Doc:  # a document read in three pieces, the last one in two-byte characters
+        name, n_chars = "doc", 30
+
+        def pieces(self):
+            return ["a" * 10, "b" * 10, "é" * 10]
+
+    docs = encode_documents([Doc(), "xyz"], ByteTokenizer())
+    assert (docs.chars, docs.documents) == (33, 2) and docs.estimated_predictions() == (0, False)
+    blocks = iter(docs)
+    _, first = next(blocks)
+    next(first)  # 10 characters, 10 bytes read: 33 characters estimated as 33 tokens, 2 of them context only
+    assert docs.estimated_predictions() == (31, False)
+    for _ in first:
+        pass
+    for _, rest in blocks:
+        list(rest)
+    assert docs.estimated_predictions() == (30 + 10 + 3 - 2, True)  # exact: 43 bytes, each document's first is context
