@@ -29,7 +29,20 @@ def format_table(summary: dict) -> str:
 
 
 def draw_niah(summary: dict, path: str | Path, title: str = "", metric: str = "exact") -> Path:
-    """PNG: one depth x length accuracy heatmap per n (reads), and accuracy by length for each n (``plot_niah``).
+    """PNG of :func:`niah_figure` (``plot_niah``)."""
+    import matplotlib.pyplot as plt
+
+    from fastweights.core.files import atomic_write
+
+    fig = niah_figure(summary, title, metric)
+    path = Path(path)
+    atomic_write(path, lambda p: fig.savefig(p, dpi=110, format="png", bbox_inches="tight"))
+    plt.close(fig)
+    return path
+
+
+def niah_figure(summary: dict, title: str = "", metric: str = "exact"):
+    """One depth x length accuracy heatmap per n (reads), and accuracy by length for each n.
 
     A cell without samples (a depth bin no random target fell in, or a cell not run) is grey and hatched,
     labelled "no samples", and a legend under the figure says why; bars carry their values, so a 0 shows."""
@@ -37,9 +50,6 @@ def draw_niah(summary: dict, path: str | Path, title: str = "", metric: str = "e
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from fastweights.core.files import atomic_write
-
     from matplotlib.patches import Patch, Rectangle
 
     iters, lengths, labels = summary["iters"], summary["lengths"], summary["depth_labels"]
@@ -90,10 +100,7 @@ def draw_niah(summary: dict, path: str | Path, title: str = "", metric: str = "e
                                   edgecolor=EMPTY_CELL["edge"], label=f"no samples: {why}")],
                    loc="outside lower left", fontsize=7, frameon=False)
     fig.suptitle(title or f"needle in a haystack: {metric} match")
-    path = Path(path)
-    atomic_write(path, lambda p: fig.savefig(p, dpi=110, format="png", bbox_inches="tight"))
-    plt.close(fig)
-    return path
+    return fig
 
 
 def _fmt_len(n: int) -> str:
