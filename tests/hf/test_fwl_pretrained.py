@@ -12,13 +12,22 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
-from fastweights.core.errors import UserError  # noqa: E402
-from fastweights.hf.fwl_head import (PRETRAINED_FWL_DEFAULTS, HFCausalLMWithFWL, load_fwl_head,  # noqa: E402
-                                     save_fwl_head)
-from fastweights.hf.fwl_training import (HELD_OUT_NAMES, TRAINING_MIX, cache_hidden_states, load_cache,  # noqa: E402
-                                         train_head, window_loss)
-from fastweights.hf.transformers_as_ours import HFCausalLM  # noqa: E402
-from fastweights.layers.fwl import FWLOptions  # noqa: E402
+from fastweights.core.errors import UserError
+from fastweights.hf.fwl_head import (
+    PRETRAINED_FWL_DEFAULTS,
+    HFCausalLMWithFWL,
+    load_fwl_head,
+    save_fwl_head,
+)
+from fastweights.hf.fwl_training import (
+    HELD_OUT_NAMES,
+    TRAINING_MIX,
+    cache_hidden_states,
+    load_cache,
+    train_head,
+)
+from fastweights.hf.transformers_as_ours import HFCausalLM
+from fastweights.layers.fwl import FWLOptions
 
 V = 40
 
@@ -110,6 +119,7 @@ def test_training_from_cached_hidden_states_equals_training_through_the_backbone
     with torch.no_grad():
         h, _ = a.backbone.forward_features(torch.from_numpy(windows))
     np.testing.assert_array_equal(hidden, h.numpy())
+    np.testing.assert_array_equal(tokens, windows)
     # three steps from the cache (every window in every batch: the order is fixed) ...
     train_head(a, tmp_path / "cache", tmp_path / "run", "tiny", budget_cpu_s=1e9, batch_size=3, val_windows=0,
                max_steps=3, progress=False)
