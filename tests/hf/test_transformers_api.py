@@ -165,3 +165,27 @@ def test_dynamic_evaluation_of_a_saved_model_without_deprecations(tmp_path, depr
     static = ev.static(x)
     dynamic, _ = ev.evaluate(x)
     assert static.tokens == dynamic.tokens == 39 and dynamic.nll != static.nll
+
+
+def test_an_exported_checkpoint_round_trips_without_deprecations(tmp_path, deprecations_are_errors):
+    """Ours in to transformers: export-hf's directory loads (AutoModelForCausalLM and load_hf_model), runs
+    with its cache, and generates, with no deprecated call on the way."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fastweights.hf.export import export_hf
+    from fastweights.hf.transformers_as_ours import load_hf_model
+
+    ck = helpers.untrained_char_checkpoint(tmp_path, "the quick brown fox jumps over the lazy dog\n" * 4,
+                                           tmp_path / "ck")
+    export_hf(ck, tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    enc = AutoTokenizer.from_pretrained(tmp_path / "hf")(["the quick"], return_tensors="pt")
+    with torch.no_grad():
+        first = model(**enc, use_cache=True)
+        cache = first.cache if "cache" in first.__dataclass_fields__ else first.past_key_values
+        model(input_ids=enc["input_ids"][:, -1:], **{"cache" if "cache" in first.__dataclass_fields__
+                                                     else "past_key_values": cache})
+        new = model.generate(**enc, max_new_tokens=5, do_sample=False)
+    assert new.shape == (1, enc["input_ids"].shape[1] + 5)
+    lm, _ = load_hf_model(str(tmp_path / "hf"))
+    assert not isinstance(lm, HFCausalLM)  # ours, loaded natively

@@ -1,0 +1,44 @@
+"""``python -m fastweights.harness [lm-eval arguments]``: lm-eval's command line with the fastweights models
+registered and the local tasks on the include path.
+
+    python -m fastweights.harness --model fastweights --model_args checkpoint=runs/demo \\
+        --tasks fastweights_heldout_plays
+    python -m fastweights.harness --model fastweights-dynamic \\
+        --model_args hf=smollm2-135m,rule=sgd,lr=3e-5,threads=1 --tasks fastweights_heldout_plays
+    python -m fastweights.harness ls tasks        # any lm-eval subcommand
+
+``--include_path`` is added (the package's ``harness/tasks``) unless given.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from fastweights.core.errors import UserError
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fastweights.harness import TASKS, register
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        register()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args and args[0] not in ("-h", "--help") and not any(a == "--include_path" or a.startswith("--include_path=")
+                                                             for a in args):
+        args += ["--include_path", str(TASKS)]
+    from lm_eval.__main__ import cli_evaluate
+
+    sys.argv = ["lm-eval", *args]
+    try:
+        cli_evaluate()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""The harness models ``fastweights`` and ``fastweights-dynamic`` (registered with lm-eval on import).
+
+See :mod:`fastweights.harness` for what each request type does. Model arguments (``--model_args
+k=v,...``):
+
+    checkpoint=DIR | hf=NAME   the model (one of them)
+    device=auto                cpu, cuda, ... (lm-eval's ``--device`` sets it too)
+    threads=0                  torch CPU threads (0: torch's default)
+    segment_len=0              predictions per segment (0: 20 for char/byte models, 128 for subword ones)
+    context=0                  tokens of context (0: the checkpoint's training seq_len; Hugging Face
+                               models: the whole document up to the model's position limit)
+    bos=false                  prepend the tokenizer's BOS token to every document, scoring its first token
+    sinks=                     Hugging Face models: first tokens a bounded KV cache keeps
+  fastweights-dynamic only (``fastweights dynamic eval``'s flags):
+    rule=rms-global-prior      sgd, rms, rms-global-prior, ... (``fastweights dynamic eval --help``)
+    lr=, decay=                learning rate and prior decay (default: a tuned file made for the checkpoint,
+                               else the library's defaults); tuned=FILE; no_tuned=true
+    eps=, lr_schedule=         the RMS rules' epsilon; constant, warmup:W or rsqrt:S
+    stats=FILE                 gradient statistics of the RMS rules (a checkpoint's own are used or collected)
+    params=, exclude_params=   globs of the adapted parameters (';' between globs: ',' separates model args)
+    sparse_units=, sparse_layer=, lowrank_rank=, lowrank_params=   sparse or low-rank adaptation
+
+Requests are processed one at a time, in the order given (``batch_size`` is accepted and ignored).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+
+from fastweights.adapt.setup import (DynamicSettings, build_evaluator, default_context, default_segment_len,
+                                     load_model_and_tokenizer)
+from fastweights.core.errors import UserError
+from fastweights.loops.evaluate import EvalResult, score_tokens
+from fastweights.loops.generate import generate_tokens
+
+_SETTING_FIELDS = {f for f in DynamicSettings.__dataclass_fields__}
+_HARNESS_ARGS = {"batch_size", "max_batch_size"}  # lm-eval passes them to every model; requests run one at a time
+STATIC_ONLY = ("fastweights-dynamic: dynamic evaluation adapts the weights along one stream as it scores it, and "
+               "applies to loglikelihood_rolling (perplexity) requests; loglikelihood and generate_until requests "
+               "are answered with the trained weights, exactly as --model fastweights answers them")
+
+
+class FastweightsLM(LM):
+    """``--model fastweights``: a checkpoint or a Hugging Face causal LM, scored as it is (see the module docstring)."""
+
+    dynamic = False
+
+    def __init__(self, checkpoint: str | None = None, hf: str | None = None, device: str | None = None,
+                 threads: int = 0, segment_len: int = 0, context: int = 0, bos: bool = False, sinks: int | None = None,
+                 **kwargs):
+        super().__init__()
+        if (checkpoint is None) == (hf is None):
+            raise UserError("give exactly one of checkpoint=DIR and hf=NAME in --model_args")
+        unknown = sorted(k for k in kwargs if k not in _HARNESS_ARGS and not (self.dynamic and k in _SETTING_FIELDS))
+        if unknown:
+            raise UserError(f"unknown model argument(s) for --model {self.name}: {', '.join(unknown)}")
+        if threads:
+            torch.set_num_threads(int(threads))
+        self.model, self.tokenizer, self.cfg, self.ckpt = load_model_and_tokenizer(
+            checkpoint, str(hf) if hf is not None else None, device or "auto", sinks)
+        self.model.eval()
+        self._device = next(self.model.parameters()).device
+        self.segment_len = int(segment_len) or default_segment_len(self.tokenizer)
+        self.context = int(context) or default_context(self.model, self.cfg)
+        self.bos = bool(bos)
+        self.bos_id = getattr(self.tokenizer, "bos_id", None)
+        if self.bos and self.bos_id is None:
+            raise UserError("bos=true: this tokenizer has no BOS token")
+        self.evaluator = None
+        if self.dynamic:
+            self.settings = self._settings(kwargs)
+            self.evaluator, self.sources = build_evaluator(self.settings, self.model, self.tokenizer, self.cfg,
+                                                           self.ckpt)
+        self._warned = False
+
+    name = "fastweights"
+
+    def _settings(self, kwargs: dict) -> DynamicSettings:
+        fields = {k: v for k, v in kwargs.items() if k in _SETTING_FIELDS}
+        for k in ("params", "exclude_params", "lowrank_params"):
+            if isinstance(fields.get(k), str):
+                fields[k] = fields[k].replace(";", ",")
+        if "rule" in fields:
+            fields["rule"] = str(fields["rule"])
+        return DynamicSettings(segment_len=self.segment_len, context=self.context or 0, **fields)
+
+    # -- what the harness records about the model ------------------------------------------------
+
+    @property
+    def tokenizer_name(self) -> str:
+        return getattr(self.tokenizer, "name", "fastweights")
+
+    def config(self) -> dict:
+        """The scoring protocol (and for fastweights-dynamic the evaluator's settings), for result files."""
+        out = {"model": str(self.ckpt) if self.ckpt is not None else self.tokenizer_name, "dynamic": self.dynamic,
+               "segment_len": self.segment_len, "context": self.context, "bos": self.bos,
+               "first_token": "scored after BOS" if self.bos else "context only (not scored)"}
+        if self.evaluator is not None:
+            out["settings"] = self.evaluator.metadata() | self.sources
+        return out
+
+    # -- documents ------------------------------------------------------------------------------
+
+    def encode_document(self, text: str) -> torch.Tensor:
+        """A document's ids as the library scores them (``adapt.setup.encode_texts``): BOS first with ``bos``."""
+        ids = torch.as_tensor(self.tokenizer.encode(text), dtype=torch.long)
+        if self.bos:
+            ids = torch.cat([torch.tensor([self.bos_id]), ids])
+        return ids
+
+    def score_document(self, ids: torch.Tensor, keep_token_losses: bool = False) -> EvalResult:
+        """Score ``ids[1:]`` given the document so far, from the trained weights and an empty state: the total NLL
+        (nats) and, with ``keep_token_losses``, each prediction's."""
+        if ids.numel() < 2:
+            return EvalResult(0.0, 0)
+        if self.evaluator is not None:  # score each segment, then update on it; a fresh state per document
+            result, _ = self.evaluator.evaluate(ids, None, final=True, keep_token_losses=keep_token_losses)
+            return result
+        # DynamicEvaluator.static's protocol (segments of segment_len, `context` tokens of context)
+        seq_len = self.context if self.context is not None else ids.numel() + self.segment_len
+        with torch.no_grad():
+            result, _ = score_tokens(self.model, ids, seq_len, self.segment_len, keep_token_losses=keep_token_losses)
+        return result
+
+    def token_losses(self, text: str) -> list[float]:
+        """Each prediction's NLL (nats) in ``text`` as ``loglikelihood_rolling`` scores it (for leak checks)."""
+        return self.score_document(self.encode_document(text), keep_token_losses=True).token_losses
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Each document's log-likelihood (nats), scored on its own (see :mod:`fastweights.harness`)."""
+        out = []
+        for req in requests:
+            (text,) = req.args
+            ll = -self.score_document(self.encode_document(text)).nll
+            out.append(ll)
+            self.cache_hook.add_partial("loglikelihood_rolling", (text,), ll)
+        return out
+
+    # -- (context, continuation) pairs and generation: the trained weights ------------------------
+
+    def _say_static(self) -> None:
+        if self.dynamic and not self._warned:
+            warnings.warn(STATIC_ONLY, stacklevel=3)
+            self._warned = True
+
+    def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """Context and continuation ids: the whole string encoded once and split where the context's own
+        encoding ends (trailing spaces of the context move to the continuation), as lm-eval's models do."""
+        n_spaces = len(context) - len(context.rstrip())
+        if n_spaces:
+            context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
+        whole = [int(i) for i in self.tokenizer.encode(context + continuation)]
+        ctx = [int(i) for i in self.tokenizer.encode(context)] if context else []
+        if whole[: len(ctx)] != ctx:  # the tokenizer merged across the boundary: encode the parts apart
+            return ctx, [int(i) for i in self.tokenizer.encode(continuation)]
+        return ctx, whole[len(ctx):]
+
+    def _window(self) -> int | None:
+        return self.context
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """log P(continuation | context) and whether greedy decoding gives the continuation, with the trained
+        weights; one forward pass over at most ``context`` tokens (the oldest context tokens cut first)."""
+        self._say_static()
+        out = []
+        for req in requests:
+            context, continuation = req.args
+            ctx, cont = self._encode_pair(context, continuation)
+            if not cont:
+                out.append((0.0, True))
+                continue
+            if not ctx:
+                if self.bos_id is None:
+                    raise UserError("loglikelihood with an empty context needs a BOS token to condition on; "
+                                    "this tokenizer has none")
+                ctx = [self.bos_id]
+            whole = ctx + cont
+            window = self._window()
+            if window is not None:
+                whole = whole[-(window + 1):]
+            x = torch.tensor([whole[:-1]], device=self._device)
+            y = torch.tensor(whole[-len(cont):], device=self._device)
+            with torch.no_grad():
+                logits = self.model(x).logits[0, -len(cont):]
+            logp = F.log_softmax(logits.float(), -1)
+            ll = float(logp.gather(-1, y[:, None]).sum())
+            greedy = bool((logp.argmax(-1) == y).all())
+            out.append((ll, greedy))
+            self.cache_hook.add_partial("loglikelihood", (context, continuation), (ll, greedy))
+        return out
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy (or, with ``do_sample``, sampled) continuation of each context with the trained weights, cut
+        at the first of ``until`` and at ``max_gen_toks`` tokens (default 256)."""
+        self._say_static()
+        out = []
+        for req in requests:
+            context, gen_kwargs = req.args
+            kw = dict(gen_kwargs or {})
+            until = kw.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(kw.get("max_gen_toks", 256))
+            temperature = float(kw.get("temperature", 0.0)) if kw.get("do_sample") else 0.0
+            prompt = [int(i) for i in self.tokenizer.encode(context)] or ([self.bos_id] if self.bos_id is not None
+                                                                           else [])
+            if not prompt:
+                raise UserError("generate_until with an empty context needs a BOS token; this tokenizer has none")
+            if self.context is not None:
+                prompt = prompt[-self.context:]
+            ids: list[int] = []
+            text = ""
+            for t in generate_tokens(self.model, prompt, max_new, temperature=temperature,
+                                     seed=kw.get("seed"), context=self.context):
+                ids.append(t)
+                text = self.tokenizer.decode(ids)
+                if any(s in text for s in until):
+                    break
+            for s in until:
+                text = text.split(s)[0] if s else text
+            out.append(text)
+            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+        return out
+
+
+@register_model("fastweights")
+class FastweightsStatic(FastweightsLM):
+    """``--model fastweights --model_args checkpoint=DIR`` (or ``hf=NAME``): the model as it is."""
+
+    dynamic = False
+    name = "fastweights"
+
+
+@register_model("fastweights-dynamic")
+class FastweightsDynamic(FastweightsLM):
+    """``--model fastweights-dynamic --model_args checkpoint=DIR|hf=NAME,rule=...,lr=...``: dynamic evaluation
+    on ``loglikelihood_rolling``; ``loglikelihood`` and ``generate_until`` with the trained weights (a warning
+    says so once)."""
+
+    dynamic = True
+    name = "fastweights-dynamic"
