@@ -8,7 +8,8 @@ different lengths (the padding filled with random tokens, so a leak moves someth
 positions, the logits of that prompt alone, and the returned state continues as the prompt's own (three more
 steps, unpadded). Then through Hugging Face: ``generate()`` on a model written by ``export-hf`` with a
 left-padded batch of prompts (the exported tokenizer pads on the left) equals generating each prompt alone,
-greedy, for every registered mechanism; and ``pipeline(..., batch_size=3)`` equals ``batch_size=1``.
+greedy, for every registered mechanism, and with beam search for a few (the state reordered along the batch);
+and ``pipeline(..., batch_size=3)`` equals ``batch_size=1``.
 
 A fast memory shared by the batch (FwPKM / FwMLP with persistence "stream" or "official") is one memory that
 every row writes: no row reads it alone, so the per-row contract is checked with its ``per_sequence``
@@ -189,6 +190,23 @@ def test_left_padded_generate_of_an_exported_model_equals_each_prompt_alone(kind
             for step, (s_batch, s_alone) in enumerate(zip(together.scores, alone.scores)):
                 torch.testing.assert_close(s_batch[b], s_alone[0], rtol=0, atol=1e-4,
                                            msg=lambda m: f"prompt {prompt!r}, step {step}: {m}")
+
+
+@pytest.mark.parametrize("kind,name", [("mixer", "attention"), ("mixer", "fast_rnn"), ("memory", "fwmlp")])
+def test_left_padded_beam_search_equals_each_prompt_alone(kind, name, tmp_path):
+    """Beam search reorders the padded state along the batch (a KV cache with its key mask and per-row
+    positions, a folded fast matrix, a per-sequence memory's row states)."""
+    case = next(c for c in generate_cases() if c.values[:2] == (kind, name))
+    model, tok = exported(tmp_path, *case.values)
+    batch = tok(PROMPTS, padding=True, return_tensors="pt")
+    width = batch["input_ids"].shape[1]
+    kw = dict(max_new_tokens=3 * NEW, do_sample=False, num_beams=3)
+    with torch.no_grad():
+        together = model.generate(**batch, **kw)
+        for b, prompt in enumerate(PROMPTS):
+            enc = tok(prompt, return_tensors="pt")
+            alone = model.generate(**enc, **kw)[0, enc["input_ids"].shape[1]:]
+            assert together[b, width:].tolist() == alone.tolist(), f"prompt {prompt!r}"
 
 
 def test_a_text_generation_pipeline_batches_prompts_of_different_lengths(tmp_path):

@@ -60,10 +60,11 @@ from dataclasses import field
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fastweights.core.config import ModelConfig, from_dict
 from fastweights.core.errors import UserError
+from fastweights.layers.fast_memory import PerRowState
 from fastweights.models.lm import LanguageModel
 
 try:
@@ -207,7 +208,11 @@ def select_sequences(state, index: torch.Tensor, batch: int):
     the shared memory of FwPKM or of FwMLP in "stream" persistence: such a state cannot follow beams.
     The test is by shape: a part whose shared tensors all happen to have ``batch`` rows passes it.
     """
-    leaves, spec = tree_flatten(state)
+    # a per-sequence fast memory after a padded call keeps one state per row (layers/fast_memory.PerRowState):
+    # its rows are selected as rows
+    state = tree_map(lambda s: PerRowState(tuple(s.rows[i] for i in index.tolist()))
+                     if isinstance(s, PerRowState) else s, state, is_leaf=lambda s: isinstance(s, PerRowState))
+    leaves, spec = tree_flatten(state, is_leaf=lambda s: isinstance(s, PerRowState))
     out = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
@@ -217,6 +222,8 @@ def select_sequences(state, index: torch.Tensor, batch: int):
                     f"of {batch} (not per-sequence), so its sequences cannot be reordered (beam search); use greedy "
                     "or sampled decoding")
             out.append(leaf.index_select(0, index.to(leaf.device)))
+        elif isinstance(leaf, PerRowState):
+            out.append(leaf)
         elif leaf is None or isinstance(leaf, (bool, int, float, str)):
             out.append(leaf)  # positions and flags: the same for every sequence of a generate() batch
         else:
