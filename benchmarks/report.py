@@ -371,6 +371,19 @@ def markdown_table(rec: dict) -> str:
     elif not rec["complete"]:
         pending = [t["entry"] for t in rec["table"] if t["entry"] in rec["top_entries_for_seeds"] and len(t["seeds"]) < 3]
         lines += [f"**Incomplete:** the best three need 3 seeds each; pending: {', '.join(pending)}.", ""]
+    dynamic = [t["entry"] for t in rec["table"] if "dynamic" in t]
+    lines += ["Columns: **streamed** and **windows** in bits/char, lower is better (after \"±\": the standard "
+              "deviation over seeds). **streamed - windows**: below zero, carrying the state helps (the row uses more than the last "
+              "128 characters); above zero, streaming hurts, and \"(> 0.05)\" marks a row that streams more than 0.05 "
+              "bits/char worse (its reason below, when known)."
+              + (f" The {', '.join(f'`{e}`' for e in dynamic)} row adapts a trained model: its \"windows\" is that "
+                 "static model's score, not adapted, so its \"streamed - windows\" is what adapting to the text (and "
+                 "carrying the cache) gains; its training columns are the static model's." if dynamic else "")
+              + " **params**: parameters. **train tok/s** and **score tok/s**: tokens per CPU-second on one thread (the "
+              "process's CPU time, so time spent waiting for a busy machine's cores is not counted; higher is faster); "
+              "\"score\" is the streamed pass" + (", dynamic evaluation's weight updates included" if dynamic else "")
+              + ". **train RSS MB**: peak resident memory of the training process, lower is better. **seeds**: training "
+              "seeds the row averages.", ""]
     lines += ["| # | mechanism | streamed | windows | streamed - windows | params | train tok/s | score tok/s "
               "| train RSS MB | seeds |", "|---|---|---|---|---|---|---|---|---|---|"]
     limits: dict[str, int] = {}  # a marked row's reason -> its footnote number
