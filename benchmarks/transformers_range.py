@@ -186,7 +186,12 @@ def main() -> int:
                   f"{rec.get('skipped', 0)} skipped, exit {rec.get('returncode')} ({rec['seconds']} s)", flush=True)
             results.append(rec)
     ok = all(r.get("returncode") == 0 for r in results)
+    headline = [{"what": f"tests/hf with transformers {r['version']} ({r['role']} of {req}): failed tests",
+                 "value": r.get("failed", 0) + r.get("errors", 0) if "passed" in r else "not run",
+                 "target": "0" + (f" (of {r['passed'] + r['failed'] + r['errors']} run)" if "passed" in r else "")}
+                for r in results]
     common.write_result(args.out, {
+        "headline": headline,
         "requirement": req, "registry_newest": releases[-1], "registry_lowest_in_range": in_range[0],
         "tests": TESTS, "tested": "working tree" if args.working_tree else f"commit {common.git_state().get('commit')}",
         "setup": "fresh venv per version: pip install torch==<this torch>, then "
