@@ -93,6 +93,28 @@ def test_padded_batch_equals_each_prompt_alone(kind, name, raw):
                                        msg=lambda m: f"row {b}, continuing the padded call's state: {m}")
 
 
+@pytest.mark.parametrize("kind,name,raw", [c for c in cases(shared_memories=False) if not c.values[2].get("window")])
+def test_padding_in_a_later_call_equals_each_row_alone(kind, name, raw):
+    """Padding after real tokens (a padded call continuing an unpadded one's state) is skipped too. Not for
+    sliding-window attention, whose window counts cache slots (exact for padding before a row's tokens only)."""
+    model = build(kind, name, raw)
+    prompts, tokens, mask = padded_batch(seed=1)
+    T = tokens.shape[1]
+    g = torch.Generator().manual_seed(6)
+    first, nxt = torch.randint(0, VOCAB, (len(prompts), 6), generator=g), torch.randint(0, VOCAB, (len(prompts), 3), generator=g)
+    with torch.no_grad():
+        start = model(first)
+        out = model(tokens, start.state, attention_mask=mask)
+        cont = model(nxt, out.state)
+        for b, p in enumerate(prompts):
+            alone = model(p[None], model(first[b:b + 1]).state)
+            torch.testing.assert_close(out.logits[b, T - len(p):], alone.logits[0], rtol=0, atol=1e-10,
+                                       msg=lambda m: f"row {b} ({len(p)} real tokens): {m}")
+            after = model(nxt[b:b + 1], alone.state)
+            torch.testing.assert_close(cont.logits[b], after.logits[0], rtol=0, atol=1e-10,
+                                       msg=lambda m: f"row {b}, continuing the padded call's state: {m}")
+
+
 def test_a_mask_of_ones_is_no_mask_and_padding_is_not_a_target():
     model = build("mixer", "fwp", {"rule": "delta", "chunk_size": 4})
     _, tokens, mask = padded_batch()

@@ -152,8 +152,8 @@ def padded_forward(layer, x: torch.Tensor, state, mask: torch.Tensor | None):
             if len(state.rows) != B:
                 raise UserError(f"{name} state is for batch size {len(state.rows)}, got input of batch size {B}")
             rows = list(state.rows)
-        else:
-            raise UserError(f"{name}: padding must start the stream (state=None); this state was read unpadded")
+        else:  # a batched per-sequence state (read unpadded so far): each row's own part
+            rows = [state.row(b) for b in range(B)]
         y, rows = per_row(lambda xb, sb: layer(xb, sb), x, mask, rows)
         return y, PerRowState(tuple(rows))
     if not bool((mask == mask[:1]).all()):

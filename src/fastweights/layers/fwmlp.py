@@ -93,6 +93,14 @@ class FwMLPState:
     position: int = 0
     writes: int = 0
 
+    def row(self, b: int) -> "FwMLPState":
+        """Sequence ``b`` of a per-sequence state, as a state of batch 1 (a padded call runs rows alone)."""
+        one = slice(b, b + 1)
+        acts = None if self.acts is None else _Acts(*(t[one] for t in self.acts.fields()))
+        return replace(self, weights={k: w[one] for k, w in self.weights.items()}, batch=1,
+                       pending_v=self.pending_v[one], pending_g=self.pending_g[one],
+                       pending_x=self.pending_x[one], acts=acts)
+
     def detach(self) -> "FwMLPState":
         """The same state cut from the autograd graph."""
         acts = None if self.acts is None else _Acts(*(t.detach() for t in self.acts.fields()))

@@ -169,6 +169,24 @@ class FwPKMState:
             pending_g=self.pending_g.detach(), reads=rd,
         )
 
+    def row(self, b: int) -> "FwPKMState":
+        """Sequence ``b`` of a per-sequence state, as a state of batch 1 (a padded call runs rows alone): its
+        keys, its value rows ``b N .. b N + N - 1`` (of a folded table, and of each sparse delta, renumbered
+        from 0; a delta's rows of one sequence keep their run-start form), its queue and reads."""
+        n = self.rows_total // self.batch
+        lo, one = b * n, slice(b, b + 1)
+        base = self.base if self.base.shape[0] != self.rows_total or self.batch == 1 else self.base[lo:lo + n]
+        parts = []
+        for rows, delta in self.parts:
+            mine = (rows >= lo) & (rows < lo + n)
+            parts.append((rows[mine] - lo, delta[mine]))
+        rd = self.reads
+        if rd is not None:
+            rd = _Reads(rd.local[one], rd.gid[one] - lo, rd.w[one], rd.v_hat[one], rd.top[one], rd.idx[one])
+        return replace(self, keys1=self.keys1[one], keys2=self.keys2[one], base=base, parts=tuple(parts), batch=1,
+                       rows_total=n, pending_q=self.pending_q[one], pending_v=self.pending_v[one],
+                       pending_g=self.pending_g[one], reads=rd)
+
     @property
     def delta_rows(self) -> int:
         """Entries held in the sparse deltas: the reads of every write since the last fold, repeats
