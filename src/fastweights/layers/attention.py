@@ -13,9 +13,10 @@ Padding (``attention_mask`` [B, T], 0 = padding): a padded key is never attended
 state then also holds "mask" [B, L], which cached keys are real, kept from then on, trimmed with the cache),
 and each row's rotary positions count its real tokens only ("pos" becomes a [B] tensor of per-row
 positions), so a row's queries see exactly the keys, at the relative positions, that they see alone. The
-sliding window counts cached entries: exact for padding in front of a row's tokens (left padding, as in
-batched generation; the window then never reaches past the padding into real keys it would skip); padding
-between real tokens would take window slots.
+sliding window then counts real positions, not cache slots (a row's W - 1 real keys may span more slots when
+padding sits between them; the cache keeps from the first slot some row still needs). ``trim_state`` (the
+bounded context of generation) still cuts slots: exact for padding in front of a row's tokens (left-padded
+prompts), whose padding is cut first.
 """
 
 from __future__ import annotations
@@ -119,18 +120,23 @@ class CausalSelfAttention(nn.Module):
         key_mask = mask if L == 0 else torch.cat([key_mask, mask], dim=1)  # [B, L + T]
         qi = torch.arange(T, device=q.device)[:, None] + L
         kj = torch.arange(L + T, device=q.device)[None, :]
-        allowed = kj <= qi
+        allowed = (kj <= qi).unsqueeze(0) & key_mask.unsqueeze(1)  # [B, T, L + T]
+        new_pos = torch.as_tensor(pos, device=q.device).long() + mask.sum(1)  # [B]
+        cut = 0  # cached slots dropped from the front
         if self.window:
-            allowed = allowed & (kj > qi - self.window)
-        allowed = allowed.unsqueeze(0) & key_mask.unsqueeze(1)  # [B, T, L + T]
+            # each real key's position in its row: the row's position after this call minus the real keys from
+            # it on; the window counts positions, not cache slots, so padding never takes a real key's place
+            kpos = new_pos.unsqueeze(1) - key_mask.long().flip(1).cumsum(1).flip(1)  # [B, L + T]
+            allowed = allowed & (kpos.unsqueeze(1) > positions.unsqueeze(2) - self.window)
+            # keep from the first slot any row's next query can still see (W - 1 real keys per row)
+            alive = key_mask & (kpos > new_pos.unsqueeze(1) - self.window)
+            first = torch.where(alive.any(1), alive.int().argmax(1), torch.full_like(new_pos, L + T))
+            cut = int(first.min())
         # a padded query may see no key at all (softmax of nothing is NaN): let it see itself; never read
         allowed = allowed | ((kj == qi).unsqueeze(0) & ~mask.unsqueeze(-1))
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.unsqueeze(1))
         o = o.transpose(1, 2).reshape(B, T, H * D)
-        keep = self.window - 1 if self.window else k.shape[2]
-        cut = k.shape[2] - keep if keep > 0 else k.shape[2]
-        new_state = {"k": k[:, :, cut:], "v": v[:, :, cut:], "mask": key_mask[:, cut:],
-                     "pos": (torch.as_tensor(pos, device=q.device) + mask.sum(1)).long().expand(B).clone()}
+        new_state = {"k": k[:, :, cut:], "v": v[:, :, cut:], "mask": key_mask[:, cut:], "pos": new_pos.expand(B).clone()}
         return self.out(o), new_state
 
     @staticmethod
