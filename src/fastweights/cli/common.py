@@ -84,13 +84,14 @@ def output_prefix(args, stem: str) -> Path:
     return out
 
 
-def change(new: float, old: float) -> str:
+def change(new: float, old: float, versus: str = "") -> str:
     """A loss ``new`` against ``old`` in words, the sign never left to the reader: "3.10% lower" or
-    "5.48% higher (worse)"."""
+    "5.48% higher (worse)" (with ``versus``: "3.10% lower than static", "5.48% higher than static (worse)")."""
+    than = f" than {versus}" if versus else ""
     if old <= 0 or new == old:
-        return "no change"
+        return f"no change from {versus}" if versus else "no change"
     rel = 100 * (new - old) / old
-    return f"{-rel:.2f}% lower" if rel < 0 else f"{rel:.2f}% higher (worse)"
+    return f"{-rel:.2f}% lower{than}" if rel < 0 else f"{rel:.2f}% higher{than} (worse)"
 
 
 def describe(cfg) -> str:

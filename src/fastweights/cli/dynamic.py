@@ -289,7 +289,7 @@ def cmd_dynamic_eval(args) -> int:
     width = max(len(label) for _, label in rows)
     static_loss = res["static"]["loss_nats"]
     for name, label in rows:
-        versus = f", {change(res[name]['loss_nats'], static_loss)} than static" if name != "static" else ""
+        versus = f", {change(res[name]['loss_nats'], static_loss, 'static')}" if name != "static" else ""
         print(f"  {label:<{width}}: {key} {res[name][key]:.4f}  (loss {res[name]['loss_nats']:.4f} nats/token{versus})")
     if "per_token_file" in res:
         print(f"  per-token losses -> {res['per_token_file']}")
