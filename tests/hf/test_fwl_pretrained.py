@@ -191,3 +191,28 @@ def test_the_training_mix_holds_none_of_the_compared_texts():
         start = doc.text.find(marker)
         passage = doc.text[start + 500 : start + 700]
         assert passage and passage not in mix_text, spec
+
+
+def test_export_round_trip_and_generate(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from fastweights.hf.fwl_as_transformers import FWLHeadForCausalLM, export_fwl_head
+
+    model = wrapped()
+    export_fwl_head(model, None, tmp_path / "hf")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert isinstance(loaded, FWLHeadForCausalLM)
+    x = ids(21)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, model(x).logits, rtol=0, atol=1e-12)
+        # generate() carries the FWL state: greedy equals a loop that feeds one token at a time with the state
+        out = loaded.generate(x[:, :9], max_new_tokens=8, do_sample=False, attention_mask=torch.ones(2, 9, dtype=torch.long))
+        step = model(x[:, :9])
+        state, tokens = step.state, [step.logits[:, -1].argmax(-1)]
+        for _ in range(7):
+            step = model(tokens[-1][:, None], state)
+            state = step.state
+            tokens.append(step.logits[:, -1].argmax(-1))
+    torch.testing.assert_close(out[:, 9:], torch.stack(tokens, 1), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="padding"):
+        loaded(x, attention_mask=torch.cat([torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 20, dtype=torch.long)], 1))

@@ -82,7 +82,10 @@ class HFCausalLMWithFWL(nn.Module):
         return self.backbone.layers
 
     def forward(self, tokens: torch.Tensor, state: dict | None = None, targets: torch.Tensor | None = None,
-                ) -> ModelOutput:
+                attention_mask: torch.Tensor | None = None) -> ModelOutput:
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("an FWL on a pretrained model does not take padding yet: its KV-cache state keeps no "
+                             "mask; score or generate prompts of equal length")
         hidden, backbone_state = self.backbone.forward_features(tokens, None if state is None else state["backbone"])
         logits, head_state = self.head(hidden, tokens, None if state is None else state["fwl"])
         loss = None
