@@ -177,3 +177,17 @@ def test_results_blocks_name_result_files_with_rows():
             for stem in stems.split():
                 rows = report.table([stem]).splitlines()[2:]
                 assert rows, f"{page.relative_to(ROOT)}: benchmarks/results/{stem}.json gives no table rows"
+
+
+def test_readme_says_how_to_run_the_command_after_make_demo():
+    """`make` installs the `fastweights` script into .venv/bin, which is not on the PATH (issue 33): the README
+    says so where `make demo` is, before its first bare `fastweights` command."""
+    assert re.search(r'^\[project\.scripts\]\s*\nfastweights = ', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert re.search(r"^BIN := \$\(VENV\)/bin$", (ROOT / "Makefile").read_text(), re.M) and \
+        re.search(r"^VENV := \.venv$", (ROOT / "Makefile").read_text(), re.M)
+    readme = (ROOT / "README.md").read_text()
+    demo = readme.index("make demo")
+    section = readme[demo:readme.index("\n## ", demo)]  # the section that introduces `make demo`
+    assert "source .venv/bin/activate" in section and ".venv/bin/fastweights" in section
+    first_command = re.search(r"^fastweights ", readme, re.M).start()
+    assert readme.index("source .venv/bin/activate") < first_command, "a bare `fastweights` before the README says how"

@@ -257,3 +257,10 @@ def test_figure_of_a_stored_result_is_written_and_readable(name, tmp_path, reque
     assert fig.axes and any(ax.has_data() for ax in fig.axes), "an empty figure"
     assert not same_style_in_a_panel(fig)
     assert not legend_over_data(fig)
+
+
+def test_readme_shows_the_leaderboard_figure_below_its_table():
+    readme = (BENCHMARKS.parent / "README.md").read_text()
+    board_end = readme.index("<!-- leaderboard:end -->")
+    image = readme.find("](benchmarks/results/leaderboard.png)")
+    assert image > board_end and readme[board_end:image].count("\n") <= 3 and readme.rfind("![", 0, image) > board_end
