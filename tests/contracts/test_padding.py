@@ -27,7 +27,7 @@ from helpers import component_fields, tiny_lm
 # The FWL head (layers/fwl.py, owned by the lead) receives ``attention_mask=`` [B, T] bool (True = real) as a
 # keyword of its forward, like every part (components.call_part); until it takes it (inner-loss weight w_t = 0
 # at padding and its positions / segment boundaries counted in real tokens) its cases are left out here.
-WAITING_ON_LEAD = {"fwl"}
+WAITING_ON_LEAD = set()
 
 VOCAB = 11
 LENGTHS = (9, 5, 1, 7)  # the longest row unpadded, one row of a single token
@@ -125,6 +125,24 @@ def test_a_mask_of_ones_is_no_mask_and_padding_is_not_a_target():
         targets = tokens.masked_fill(mask == 0, -100)
         expected = torch.nn.functional.cross_entropy(padded.logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
         torch.testing.assert_close(padded.loss, expected)
+
+
+def test_a_part_that_takes_no_mask_refuses_padding_naming_itself():
+    """A mixer written before masks (no ``attention_mask`` keyword) still runs unpadded batches; given padding
+    it fails with one line naming it, never silently reading the padding into its state."""
+
+    class RunningSum(torch.nn.Module):
+        def forward(self, x, state=None):
+            total = x.cumsum(1) + (0 if state is None else state.unsqueeze(1))
+            return total, total[:, -1]
+
+    model = build("mixer", "attention", {})
+    model.blocks[0].mixer = RunningSum()
+    _, tokens, mask = padded_batch()
+    with torch.no_grad():
+        model(tokens, attention_mask=torch.ones_like(mask))
+        with pytest.raises(UserError, match="RunningSum does not take an attention_mask"):
+            model(tokens, attention_mask=mask)
 
 
 @pytest.mark.parametrize("kind,name,raw", list(cases(shared_memories=True)))
