@@ -35,6 +35,10 @@ def test_dynamic_eval_prints_the_change_against_static(char_checkpoint, capsys):
     out = capsys.readouterr().out
     assert "dynamic: bits_per_char" in out and "(loss " in out and "no change from static" in out
     assert "% lower" not in out and ".py" not in out
+    assert main(["eval", "--checkpoint", str(char_checkpoint), "--data", doc, "--dynamic", "sgd", "--lr", "0",
+                 "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "dynamic (sgd, lr 0: command line)" in out and "(no change from static)" in out
 
 
 def _parsers(parser):

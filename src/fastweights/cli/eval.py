@@ -100,9 +100,10 @@ def cmd_eval(args) -> int:
         from fastweights.cli.common import change
 
         key = next(k for k in ("bits_per_char", "bits_per_byte", "perplexity") if k in res["static"])
+        s = res["settings"]
         print(json.dumps(res, indent=2) if args.json else
-              f"static {res['static'][key]:.4f}  dynamic ({args.dynamic}) {res['dynamic'][key]:.4f} {key} "
-              f"({change(res['dynamic']['loss_nats'], res['static']['loss_nats'])})")
+              f"static {res['static'][key]:.4f}  dynamic ({args.dynamic}, lr {s['lr']:.3g}: {s['lr_source']}) "
+              f"{res['dynamic'][key]:.4f} {key} ({change(res['dynamic']['loss_nats'], res['static']['loss_nats'], 'static')})")
         return 0
     if not args.data and (Path(cfg.data.corpus) / "prepared.json").is_file():
         result = _eval_prepared(model, tokenizer, cfg, args, seq_len)
