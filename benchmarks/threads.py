@@ -3,7 +3,7 @@ of the demo-sized model (the shakespeare-char preset: d_model 128, 4 layers, cha
 threads, on one core and on two (``os.sched_setaffinity``), with the machine otherwise idle and with a
 busy-loop process keeping one core busy (pinned to the last core, the one every setting uses).
 
-    python benchmarks/threads.py [--eval-chars 10000] [--generate-tokens 200] [--repeat 3]
+    python benchmarks/threads.py [--eval-chars 3000] [--generate-tokens 60] [--repeat 3]
 
 Writes benchmarks/results/threads.json; the default of ``--threads`` (``fastweights.cli.common.DEFAULT_THREADS``)
 is chosen from it. Each number is the median wall time of ``--repeat`` runs of the same work, the settings
@@ -39,8 +39,8 @@ def probe_specs() -> list[dict]:
 
 
 def _busy(cpu: int) -> subprocess.Popen:
-    """A process spinning on core ``cpu`` (what another job on a shared machine does)."""
-    code = f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"
+    """A process spinning on core ``cpu`` (what another job on a shared machine does), until this one ends."""
+    code = f"import os; os.sched_setaffinity(0, {{{cpu}}}); parent = os.getppid()\nwhile os.getppid() == parent: pass"
     return subprocess.Popen([sys.executable, "-c", code])
 
 
@@ -72,8 +72,8 @@ def _workloads(model, cfg, eval_chars: int, generate_tokens_n: int):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--eval-chars", type=int, default=10000, help="characters `eval` scores")
-    ap.add_argument("--generate-tokens", type=int, default=200, help="tokens `generate` samples")
+    ap.add_argument("--eval-chars", type=int, default=3000, help="characters `eval` scores")
+    ap.add_argument("--generate-tokens", type=int, default=60, help="tokens `generate` samples")
     ap.add_argument("--repeat", type=int, default=3, help="rounds (median)")
     a = ap.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
