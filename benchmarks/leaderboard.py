@@ -414,6 +414,7 @@ def leaderboard_figure(rec: dict):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     table = rec["table"]
     styles = row_styles([t["entry"] for t in table])
@@ -480,7 +481,7 @@ def leaderboard_figure(rec: dict):
         ax.grid(alpha=0.3)
     list(axes.values())[-1].set_xlabel("position in the document (characters)")
     # one legend for every panel, outside the axes on the right, in rank order with the table's score
-    handles = [matplotlib.lines.Line2D([], [], lw=1.8, **styles[t["entry"]]) for t in table]
+    handles = [Line2D([], [], lw=1.8, **styles[t["entry"]]) for t in table]
     labels = [f"{t['rank']}. {t['entry']}  {t['streamed_bits_per_char']:.3f}"
               + (" (own panel)" if t in collapsed else "") for t in table]
     fig.tight_layout(rect=(0, 0, 0.755, 1))
