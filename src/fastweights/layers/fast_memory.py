@@ -130,12 +130,6 @@ def call_state(layer, q: torch.Tensor, state):
     return dtype, st
 
 
-def per_row_mask_error(name: str) -> UserError:
-    return UserError(f"{name}: a padded batch whose rows differ needs persistence = \"per_sequence\" (with "
-                     "\"stream\" or \"official\" the batch writes into one shared memory, so no row reads it "
-                     "alone); use prompts of equal length or per_sequence")
-
-
 def padded_forward(layer, x: torch.Tensor, state, mask: torch.Tensor | None):
     """A fast memory's forward on a padded batch (see the module docstring): ``(y [B, T, d], state)``, zero
     output at padding. ``mask`` None continues a :class:`PerRowState` row by row."""
@@ -157,7 +151,9 @@ def padded_forward(layer, x: torch.Tensor, state, mask: torch.Tensor | None):
         y, rows = per_row(lambda xb, sb: layer(xb, sb), x, mask, rows)
         return y, PerRowState(tuple(rows))
     if not bool((mask == mask[:1]).all()):
-        raise per_row_mask_error(name.lower())
+        raise UserError(f"{name.lower()}: a padded batch whose rows differ needs persistence = \"per_sequence\" (with "
+                        "\"stream\" or \"official\" the batch writes into one shared memory, so no row reads it "
+                        "alone); use prompts of equal length or per_sequence")
     keep = mask[0].nonzero().squeeze(1)
     y_kept, state = layer(x[:, keep], state)
     y = y_kept.new_zeros(B, T, y_kept.shape[-1])
@@ -181,9 +177,10 @@ def state_pytree(cls):
 @state_pytree
 @dataclass
 class PerRowState:
-    """The state of a per-sequence fast memory after a padded call: each row's own state (batch 1), None for
-    a row that has read nothing yet. Rows have read different numbers of real tokens, so their chunk
-    counters differ and cannot be one batched state."""
+    """The state of a part run row by row after a padded call (a per-sequence fast memory; the FWL head): each
+    row's own state (batch 1), None for a row that has read nothing yet. Rows have read different numbers of
+    real tokens, so their chunk and position counters differ and cannot be one batched state. Beam search
+    reorders its rows (``hf.ours_as_transformers.select_sequences``)."""
 
     rows: tuple
 
