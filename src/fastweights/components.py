@@ -11,13 +11,15 @@ Every component follows the explicit-state protocol::
 ``state=None`` means fresh; passing the returned state back continues the sequence exactly, so one call
 over a text equals the same text in pieces.
 
-Padding (issue 33): every registered mixer, memory and head also takes ``attention_mask`` [B, T] (bool or
-0/1; 1 = a real token, 0 = padding) as a keyword, ``part(x, state, attention_mask=mask)``; the model passes
-it only when some entry is 0 (:func:`call_part`), so a call without padding runs the code it always ran. A
-masked position is never written into any fast weight, memory, KV cache or recurrent state, moves no
-normaliser and no position counter, and its output is ignored: each row's real tokens get exactly what they
-get alone (``tests/contracts/test_padding.py``). Each component's file says how it does so. What else a component may offer is declared below as
-Protocols and checked with ``isinstance`` (never by probing attribute names):
+Padding (issue 33): every registered mixer, memory and head also takes ``attention_mask`` [B, T] as a
+keyword, ``part(x, state, attention_mask=mask)``: a bool tensor, True = a real token, False = padding; the
+model passes it only when some entry is False (:func:`call_part`), so a call without padding runs the code it
+always ran. A masked position is never written into any fast weight, memory, KV cache or recurrent state,
+moves no normaliser and no position counter, and its output is ignored: each row's real tokens get exactly
+what they get alone (``tests/contracts/test_padding.py``). Each component's file says how it does so.
+
+What else a component may offer is declared below as Protocols and checked with ``isinstance`` (never by
+probing attribute names):
 
     Memory        ``placement`` = "before_mixer" | "replace_mlp" (where the block puts it)
     FastMemory    a memory written while it reads (FwPKM, FwMLP): ``frozen`` switches writes off,

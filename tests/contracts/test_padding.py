@@ -100,7 +100,8 @@ def test_padding_in_a_later_call_equals_each_row_alone(kind, name, raw):
     prompts, tokens, mask = padded_batch(seed=1)
     T = tokens.shape[1]
     g = torch.Generator().manual_seed(6)
-    first, nxt = torch.randint(0, VOCAB, (len(prompts), 6), generator=g), torch.randint(0, VOCAB, (len(prompts), 3), generator=g)
+    first = torch.randint(0, VOCAB, (len(prompts), 6), generator=g)
+    nxt = torch.randint(0, VOCAB, (len(prompts), 3), generator=g)
     with torch.no_grad():
         start = model(first)
         out = model(tokens, start.state, attention_mask=mask)
@@ -123,7 +124,8 @@ def test_a_mask_of_ones_is_no_mask_and_padding_is_not_a_target():
         assert torch.equal(plain.logits, ones.logits) and torch.equal(plain.loss, ones.loss)
         padded = model(tokens, targets=tokens, attention_mask=mask)
         targets = tokens.masked_fill(mask == 0, -100)
-        expected = torch.nn.functional.cross_entropy(padded.logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+        expected = torch.nn.functional.cross_entropy(padded.logits.float().flatten(0, 1), targets.flatten(),
+                                                     ignore_index=-100)
         torch.testing.assert_close(padded.loss, expected)
 
 

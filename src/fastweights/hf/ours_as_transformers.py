@@ -340,8 +340,8 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
         """Logits of ``input_ids`` [B, T] continuing the state in ``past_key_values`` (None = fresh).
 
         ``attention_mask`` [B, T'] (0 = padding; the last T columns are this call's tokens) leaves padding
-        out of the state and the loss. ``labels`` [B, T] (-100 = ignored) give ``loss``; ``logits_to_keep`` > 0 returns only the
-        last that many positions; ``use_cache`` (default ``config.use_cache``) returns the state as
+        out of the state and the loss. ``labels`` [B, T] (-100 = ignored) give ``loss``; ``logits_to_keep``
+        > 0 returns only the last that many positions; ``use_cache`` (default ``config.use_cache``) returns the state as
         ``past_key_values`` (the given cache, updated in place, or a new one).
         """
         if past_key_values is None:

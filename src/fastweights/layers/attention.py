@@ -136,7 +136,8 @@ class CausalSelfAttention(nn.Module):
         allowed = allowed | ((kj == qi).unsqueeze(0) & ~mask.unsqueeze(-1))
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.unsqueeze(1))
         o = o.transpose(1, 2).reshape(B, T, H * D)
-        new_state = {"k": k[:, :, cut:], "v": v[:, :, cut:], "mask": key_mask[:, cut:], "pos": new_pos.expand(B).clone()}
+        new_state = {"k": k[:, :, cut:], "v": v[:, :, cut:], "mask": key_mask[:, cut:],
+                     "pos": new_pos.expand(B).clone()}
         return self.out(o), new_state
 
     @staticmethod
