@@ -115,6 +115,22 @@ def test_padding_in_a_later_call_equals_each_row_alone(kind, name, raw):
                                        msg=lambda m: f"row {b}, continuing the padded call's state: {m}")
 
 
+@pytest.mark.parametrize("kind,name,raw", [c for c in cases(shared_memories=False) if c.id.endswith(("-tiny",
+                                                                                                  "-tiny-as-per_sequence"))])
+def test_a_padded_call_trains_and_continues_under_bf16_autocast(kind, name, raw):
+    """The padded paths keep the dtypes of the unpadded ones (fast weights fp32 under autocast): a padded
+    training call and an unpadded continuation of its state run, finite, and the loss backpropagates."""
+    model = tiny_lm(VOCAB, training=True, d_model=12,
+                    **{**component_fields(kind, name), "options": {name: raw} if raw else {}})
+    _, tokens, mask = padded_batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(tokens, targets=tokens, attention_mask=mask)
+        after = model(tokens[:, :2], out.state)
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and bool(torch.isfinite(after.logits).all())
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
 def test_a_mask_of_ones_is_no_mask_and_padding_is_not_a_target():
     model = build("mixer", "fwp", {"rule": "delta", "chunk_size": 4})
     _, tokens, mask = padded_batch()

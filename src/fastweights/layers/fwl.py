@@ -59,9 +59,11 @@ from typing import Iterator
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from fastweights.components import register_head
 from fastweights.core.errors import UserError
+from fastweights.layers.fast_memory import PerRowState
 from fastweights.ops.fwl import BLOCK_FAST, fold_deltas, fwl_parallel, segment_pieces, slow_pass
 from fastweights.ops.linear_attention import no_autocast
 
@@ -227,12 +229,20 @@ class FastWeightLayer(nn.Module):
             return z
         return self.z_train.to(weights.dtype) if self.z_count > 0 else z
 
-    def forward(self, h: Tensor, tokens: Tensor | None = None, state: dict | None = None):
-        """``h [B, T, d_in]``, ``tokens [B, T]`` (this call's inputs) -> ``(logits [B, T, V], state)``."""
+    def forward(self, h: Tensor, tokens: Tensor | None = None, state: dict | PerRowState | None = None,
+                attention_mask: Tensor | None = None):
+        """``h [B, T, d_in]``, ``tokens [B, T]`` (this call's inputs) -> ``(logits [B, T, V], state)``.
+
+        ``attention_mask`` [B, T] (0 / False = padding): each row's real tokens are read alone, as that row
+        without padding (its positions, segment boundaries and inner-loss labels count real tokens only; a
+        padded position gets zero logits and is no label and no write); the state is then a
+        :class:`~fastweights.layers.fast_memory.PerRowState`, continued row by row."""
         if tokens is None:
             raise UserError("the fwl head needs the input tokens (its inner loss predicts tokens[t + 1])")
         if h.dim() != 3 or tokens.shape != h.shape[:2]:
             raise ValueError(f"fwl: h must be [B, T, C] and tokens [B, T], got {tuple(h.shape)}, {tuple(tokens.shape)}")
+        if attention_mask is not None or isinstance(state, PerRowState):
+            return self._padded_forward(h, tokens, state, attention_mask)
         o = self.options
         if o.test_time_only and self.training:
             # trained with the slow loss L_t; the slow head is position-wise, so no state is needed
@@ -279,6 +289,34 @@ class FastWeightLayer(nn.Module):
             "writes_start": pos - offset,
         }
         return logits[:, offset:], new_state
+
+    def _padded_forward(self, h: Tensor, tokens: Tensor, state, mask: Tensor | None):
+        """Each row's real tokens alone (segments and labels are positions of the real text, which a shifted,
+        batched call cannot give every row at once): ``(logits [B, T, V], PerRowState)``."""
+        bsz, t = tokens.shape
+        mask = torch.ones(bsz, t, dtype=torch.bool, device=h.device) if mask is None else mask.bool()
+        if state is None:
+            rows = [None] * bsz
+        elif isinstance(state, PerRowState):
+            if state.batch != bsz:
+                raise ValueError(f"fwl: state holds {state.batch} sequences, got a batch of {bsz}")
+            rows = list(state.rows)
+        else:  # a batched state (read unpadded so far): each row's own part
+            rows = [tree_map(lambda x, b=b: x[b:b + 1] if isinstance(x, Tensor) else x, state) for b in range(bsz)]
+        logits, new_rows = None, []
+        for b in range(bsz):
+            real = mask[b].nonzero().squeeze(1)
+            if real.numel() == 0:
+                new_rows.append(rows[b])
+                continue
+            lb, sb = self(h[b:b + 1, real], tokens[b:b + 1, real], rows[b])
+            if logits is None:
+                logits = lb.new_zeros(bsz, t, lb.shape[-1])
+            logits[b, real] = lb[0]
+            new_rows.append(sb)
+        if logits is None:  # nothing real in the whole call
+            logits = h.new_zeros(bsz, t, self.unembedding()[0].shape[1], dtype=torch.float32)
+        return logits, PerRowState(tuple(new_rows))
 
     @torch.no_grad()
     def _fold(self, state: dict, decays: dict | None) -> dict:
