@@ -224,7 +224,8 @@ class FastRNNMixer(nn.Module):
         h = torch.cat([ref.new_zeros(1, rnn.hidden) if r is None else r.h for r in rows])
         if not rnn.fast_weights:
             return hs, FastRNNState(h, None, None)
-        As = [None if r is None else fold_history(r.A, r.history, rnn.lam, rnn.eta) for r in rows]
+        with no_autocast(x.device):  # the fast matrix stays fp32 (fp64), as the RNN keeps it
+            As = [None if r is None else fold_history(r.A, r.history, rnn.lam, rnn.eta) for r in rows]
         if all(a is None for a in As):
             return hs, FastRNNState(h, None, None)
         zero = ref.new_zeros(1, rnn.hidden, rnn.hidden)
