@@ -24,7 +24,7 @@ def register(sub) -> None:
                    help="a domain's text (file, directory or corpus name); repeat, in adaptation order")
     a.add_argument("--adapt-tokens", type=positive_int, default=20000, help="adaptation tokens per domain (from its start)")
     a.add_argument("--eval-tokens", type=positive_int, default=5000, help="held-out tokens per domain (from its end)")
-    a.add_argument("--context", dest="seq_len", type=nonneg_int, default=0,
+    a.add_argument("--context", dest="seq_len", metavar="TOKENS", type=nonneg_int, default=0,
                    help="attention context in tokens (0: the training seq_len)")
     a.add_argument("--stride", type=positive_int, default=None, help="predictions per call (default: half the context)")
     a.add_argument("--eval-state", default="memory", choices=["memory", "all"],

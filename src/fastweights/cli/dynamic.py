@@ -125,7 +125,7 @@ def _rule_args(p, with_lr: bool = True, rule_flag: str = "--rule", with_context:
     p.add_argument("--segment-len", type=nonneg_int, default=0,
                    help="predictions per update (0: 20 for char/byte models, 128 for subword models)")
     if with_context:
-        p.add_argument("--context", dest="seq_len", type=nonneg_int, default=0,
+        p.add_argument("--context", dest="seq_len", metavar="TOKENS", type=nonneg_int, default=0,
                        help="attention context in tokens (0: the training seq_len; Hugging Face models: the "
                             "whole stream up to the model's position limit)")
     p.add_argument("--stats", help="gradient statistics file (default: grad_stats*.safetensors in the checkpoint, "

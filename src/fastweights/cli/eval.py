@@ -24,7 +24,7 @@ def register(sub) -> None:
                    help="checkpoint directory (with --stream: repeat to compare models on the same text)")
     e.add_argument("--data", help="text to score (file, directory, corpus name); default: the checkpoint's test split")
     e.add_argument("--split", default="test", choices=["train", "val", "test"], help=SPLIT_HELP)
-    e.add_argument("--context", dest="seq_len", type=nonneg_int, default=0, help=CONTEXT_HELP)
+    e.add_argument("--context", dest="seq_len", metavar="TOKENS", type=nonneg_int, default=0, help=CONTEXT_HELP)
     e.add_argument("--stride", type=positive_int, default=None,
                    help="tokens scored per call (default: half the context)")
     device_flag(e)

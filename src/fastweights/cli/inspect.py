@@ -61,7 +61,7 @@ def _register_compare(sub) -> None:
     p.add_argument("--data", help="text to score (file, directory, corpus name); default: the model's split")
     p.add_argument("--split", default="test", choices=["train", "val", "test"],
                    help="split of the model's corpus to score when --data is not given")
-    p.add_argument("--context", dest="seq_len", type=nonneg_int, default=0,
+    p.add_argument("--context", dest="seq_len", metavar="TOKENS", type=nonneg_int, default=0,
                    help="attention context in tokens (0: the model's training seq_len)")
     p.add_argument("--stride", type=positive_int, default=None, help="tokens per call (default: half the context)")
     p.add_argument("--max-chars", type=nonneg_int, default=0, help="score only the first N characters (0 = all)")
@@ -159,7 +159,7 @@ def _register_addressing(sub) -> None:
     p.add_argument("--text", help="score this literal text instead of --data, e.g. a prompt plus a generation "
                                   "(default: --data)")
     p.add_argument("--window", type=positive_int, default=32768, help="tokens per statistics window (paper: 32768)")
-    p.add_argument("--context", dest="seq_len", type=nonneg_int, default=0,
+    p.add_argument("--context", dest="seq_len", metavar="TOKENS", type=nonneg_int, default=0,
                    help="attention context in tokens (0: the training seq_len)")
     p.add_argument("--stride", type=positive_int, default=None, help="tokens per model call (default: half the context)")
     p.add_argument("--max-tokens", type=nonneg_int, default=ADDRESSING_TOKENS,
