@@ -24,11 +24,6 @@ from fastweights import components as registry
 from fastweights.core.errors import UserError
 from helpers import component_fields, tiny_lm
 
-# The FWL head (layers/fwl.py, owned by the lead) receives ``attention_mask=`` [B, T] bool (True = real) as a
-# keyword of its forward, like every part (components.call_part); until it takes it (inner-loss weight w_t = 0
-# at padding and its positions / segment boundaries counted in real tokens) its cases are left out here.
-WAITING_ON_LEAD = set()
-
 VOCAB = 11
 LENGTHS = (9, 5, 1, 7)  # the longest row unpadded, one row of a single token
 SHARED = ("stream", "official")
@@ -40,8 +35,6 @@ def cases(shared_memories: bool):
     memory's variants switched to ``persistence="per_sequence"`` (the per-row contract holds there)."""
     seen = set()
     for kind, entry in registry.registered():
-        if entry.name in WAITING_ON_LEAD:
-            continue
         variants = {"tiny": registry.declared(entry, "tiny_options"), **registry.declared(entry, "test_variants")}
         for vid, raw in variants.items():
             raw = dict(raw)
@@ -200,8 +193,6 @@ SEQ_LEN = 8
 def generate_cases():
     """Every registered mechanism with its tiny options (a shared memory per sequence, see the module docstring)."""
     for kind, entry in registry.registered():
-        if entry.name in WAITING_ON_LEAD:
-            continue
         raw = dict(registry.declared(entry, "tiny_options"))
         if kind == "memory" and hasattr(registry.build_options(entry, raw), "persistence"):
             raw["persistence"] = "per_sequence"
