@@ -241,7 +241,7 @@ def accumulate_grad_stats(forward: Callable, leaves: list[torch.Tensor], names: 
     device = leaves[0].device
     sums = [torch.zeros_like(p, dtype=torch.float32) for p in leaves]
     state = None
-    bar = Progress(steps, "batches", desc="grad-stats", enabled=progress)
+    bar = Progress(steps, "batches", desc="dynamic eval: gradient statistics", enabled=progress, loss_unit="nats")
     for i in range(steps):
         a = i * seq_len
         b = min(a + seq_len, per_stream - 1)

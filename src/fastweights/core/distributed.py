@@ -3,6 +3,8 @@ collectives that keep the ranks in step, DDP/FSDP2 wrapping and full (unsharded)
 
 from __future__ import annotations
 
+import warnings
+
 import math
 import os
 from dataclasses import dataclass
@@ -80,6 +82,10 @@ def wrap_model(model, dist: Dist, device, fsdp: bool):
     if fsdp:
         from torch.distributed.fsdp import fully_shard
 
+        # FSDP2 warns once per process that a wrapped module "returned a view tensor": the returned state (KV-cache
+        # slices, last RNN steps) and the FWL head's logits are views; training back-propagates only the loss and
+        # drops or detaches the state, so the warning never applies here (docs/huggingface-and-scale.md)
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)

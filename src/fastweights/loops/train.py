@@ -388,7 +388,7 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_ram, dist, dev
     micro = tc.batch_size // dist.world  # rows of the global micro-batch on this rank
     tokens_per_step = tc.batch_size * tc.seq_len * tc.grad_accum
     budget = tc.max_minutes * 60 if tc.max_minutes > 0 else math.inf
-    bar = Progress(tc.max_steps, "steps", desc="train", enabled=progress,
+    bar = Progress(tc.max_steps, "steps", desc="train", enabled=progress, loss_unit="nats",
                    time_limit=budget - elapsed_before if math.isfinite(budget) else None, clock=clock)
     bar.n = step
     t0 = clock()

@@ -255,7 +255,7 @@ def train_assoc(cfg: AssocConfig, progress: bool = True) -> dict:
     if progress:
         from fastweights.core.progress import Progress
 
-        bar = Progress(cfg.max_steps, unit="step", desc=f"assoc S={cfg.keys} {cfg.label()}")
+        bar = Progress(cfg.max_steps, unit="step", desc=f"assoc S={cfg.keys} {cfg.label()}", loss_unit="squared error")
     for step in range(1, cfg.max_steps + 1):
         keys, values, query, target = data.batch(cfg.batch_size)
         loss = retrieval_loss(model(keys, values, query), target).mean()
