@@ -11,13 +11,13 @@ from fastweights.cli.types import nonneg_int
 from fastweights.core.errors import UserError
 
 
-# torch CPU threads of the commands that run a model: on a 2-core machine one thread is as fast as two when
-# the machine is idle and several times faster when another process keeps a core busy (measured with the
-# demo-sized model: benchmarks/threads.py -> benchmarks/results/threads.json)
+# torch CPU threads of the commands that run a model. With the demo-sized model one thread was faster than two in
+# every setting benchmarks/threads.py measured (eval, generate and a training step; 1 or 2 cores; with and without
+# a busy-loop process on a core) on a shared 2-core machine: benchmarks/results/threads.json
 DEFAULT_THREADS = 1
-THREADS_HELP = ("torch CPU threads (0: torch's choice, one per core). With a model of the demo's size one thread was "
-                "as fast as two on an idle 2-core machine and several times faster with a core busy "
-                "(benchmarks/results/threads.json)")
+THREADS_HELP = ("torch CPU threads (0: torch's choice, one per core). One, because with a model of the demo's size "
+                "one thread was faster than two in every setting measured on a shared 2-core machine (one or two "
+                "cores, another process busy or not): two threads wait on each other when a core is taken")
 
 
 def device_flag(p, default: str = "auto") -> None:

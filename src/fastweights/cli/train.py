@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fastweights.cli.common import out_flag
+from fastweights.cli.common import out_flag, threads_flag
 from fastweights.cli.types import nonneg_int, positive_float
 from fastweights.core.errors import UserError
 
@@ -51,8 +51,7 @@ def register(sub, parser_class) -> None:
     d = sub.add_parser("demo", help="train a char-level Shakespeare model on the CPU, evaluate it, sample")
     out_flag(d, "runs/demo", "the checkpoint, its tuned dynamic-evaluation settings, demo.json and the loss curve")
     d.add_argument("--minutes", type=positive_float, default=5.0, help="training time budget")
-    d.add_argument("--threads", type=nonneg_int, default=0,
-                   help="torch CPU threads (0: one per core, the fastest for training on an idle machine)")
+    threads_flag(d)
     d.set_defaults(func=cmd_demo)
 
     data = sub.add_parser("data", help="corpora shipped with the package: list")
