@@ -1,7 +1,8 @@
 """Torch CPU threads for the commands that run a model: wall time of `eval`, `generate` and a training step
 of the demo-sized model (the shakespeare-char preset: d_model 128, 4 layers, char vocabulary) with 1 and 2
-threads, on one core and on two (``os.sched_setaffinity``), with the machine otherwise idle and with a
-busy-loop process keeping one core busy (pinned to the last core, the one every setting uses).
+threads, on one core and on two (``os.sched_setaffinity``), as the machine is and with a busy-loop process
+keeping one core busy (pinned to the last core, the one every setting uses); the load average is recorded, so
+a run on an idle machine and one on a shared machine can be told apart.
 
     python benchmarks/threads.py [--eval-chars 3000] [--generate-tokens 60] [--repeat 3]
 
@@ -84,17 +85,17 @@ def main():
     torch.manual_seed(0)
     model = LanguageModel(cfg.model)
     work = _workloads(model, cfg, a.eval_chars, a.generate_tokens)
-    conditions = [(cores, load) for cores in (1, 2) for load in ("idle", "busy")]
-    times = {f"{cores}core_{load}": {w: {1: [], 2: []} for w in work} for cores, load in conditions}
+    conditions = [(cores, load) for cores in (1, 2) for load in ("", "_plus_busy_loop")]
+    times = {f"{cores}core{load}": {w: {1: [], 2: []} for w in work} for cores, load in conditions}
     loads = {k: [] for k in times}
     for name, fn in work.items():  # warm up (allocator, kernels) outside the timed runs
         torch.set_num_threads(1)
         fn()
     for r in range(a.repeat):
         for cores, load in conditions:
-            key = f"{cores}core_{load}"
+            key = f"{cores}core{load}"
             os.sched_setaffinity(0, {last} if cores == 1 else set(cpus[-2:]))
-            busy = _busy(last) if load == "busy" else None
+            busy = _busy(last) if load else None
             try:
                 time.sleep(0.5 if busy else 0.0)
                 loads[key].append(os.getloadavg()[0])
@@ -116,14 +117,17 @@ def main():
     ratio = {k: {w: d["2_thread"] / d["1_thread"] for w, d in per.items()} for k, per in seconds.items()}
     res = {"config": vars(a) | {"preset": PRESET, "parameters": sum(p.numel() for p in model.parameters()),
                                 "machine_cores": len(cpus)},
-           "what": "median wall seconds per workload; 1core: the process pinned to one core, 2core: to two; busy: a "
-                   "busy-loop process pinned to one of those cores",
+           "what": "median wall seconds per workload; 1core: the process pinned to one core, 2core: to two; "
+                   "plus_busy_loop: a busy-loop process pinned to one of those cores, on top of whatever else the "
+                   "machine runs (its 1-minute load average per round is recorded: 'idle' only when that is low)",
            "seconds": seconds, "ratio_2_threads_over_1": ratio, "seconds_all": {
                k: {w: {f"{t}_thread": v for t, v in d.items()} for w, d in per.items()} for k, per in times.items()},
            "load_average_1m_per_round": loads}
+    load = sum(v for per in loads.values() for v in per) / sum(len(per) for per in loads.values())
     res["headline"] = [
-        {"what": f"{w}: wall time with 2 threads / with 1 ({k.replace('core_', '-core machine, ')}, demo-sized model)",
-         "value": round(ratio[k][w], 2)} for k in ("2core_idle", "2core_busy") for w in work]
+        {"what": f"{w}: wall time with 2 threads / with 1 ({k.replace('core', '-core', 1).replace('_', ' ')}, "
+                 f"demo-sized model, mean load average {load:.1f} on {len(cpus)} cores)",
+         "value": round(ratio[k][w], 2)} for k in ("2core", "2core_plus_busy_loop") for w in work]
     print(res["seconds"])
     write_result("threads", res)
 
