@@ -134,3 +134,36 @@ def test_model_arguments_are_checked(checkpoint):
         FastweightsStatic()
     with pytest.raises(UserError, match="unknown model argument"):
         FastweightsStatic(checkpoint=str(checkpoint), rule="sgd")
+
+
+def test_the_documented_command_lines_parse_and_name_what_exists():
+    """docs/lm-eval-harness.md's `python -m fastweights.harness` lines: lm-eval's parser accepts them, the models
+    are ours, every model argument is one the model takes, every task is a local one."""
+    import inspect
+    import shlex
+
+    from lm_eval._cli import HarnessCLI
+    from lm_eval.utils import simple_parse_args_string
+
+    from fastweights.harness import MODEL_NAMES
+    from fastweights.harness.models import _SETTING_FIELDS, FastweightsLM
+
+    lines = [ln for ln in (helpers.ROOT / "docs" / "lm-eval-harness.md").read_text().splitlines()
+             if ln.startswith("python -m fastweights.harness ")]
+    assert len(lines) >= 3
+    local = {p.stem for p in TASKS.glob("*.yaml")}
+    takes = set(inspect.signature(FastweightsLM.__init__).parameters) - {"self", "kwargs"}
+    parser = HarnessCLI()._parser
+    for line in lines:
+        argv = shlex.split(line)[3:]
+        if argv[0] == "ls":
+            parser.parse_args(argv)
+            continue
+        args = parser.parse_args(["run", *argv])
+        assert args.model in MODEL_NAMES, line
+        model_args = args.model_args
+        keys = set(model_args if isinstance(model_args, dict) else simple_parse_args_string(model_args))
+        allowed = takes | (_SETTING_FIELDS if args.model == "fastweights-dynamic" else set())
+        assert keys <= allowed, (line, keys - allowed)
+        tasks = args.tasks if isinstance(args.tasks, list) else args.tasks.split(",")
+        assert set(tasks) <= local, line
