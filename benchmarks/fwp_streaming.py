@@ -87,6 +87,16 @@ def probe_specs() -> list[dict]:
 
 
 
+TITLE = "delta-rule LMs on the Shakespeare test split: streamed vs 128-char windows"
+
+
+def stream_plot_runs(rows: dict) -> list[dict]:
+    """plot_stream's input from the variants' rows (as stored in fwp_streaming.json under "variants")."""
+    return [{"label": f"{name} {label}", "checkpoint": name, "mode": mode, "curve": row[label]["curve"],
+             "state_norm": row[label]["state_norm"]}
+            for name, row in rows.items() for label, mode in (("carry", "carry"), ("windows", "memory"))]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=8.0, help="CPU minutes of training per variant")
@@ -94,7 +104,18 @@ def main() -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--data", default=DATA, help=f"registered corpus (default {DATA})")
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--plot-only", action="store_true",
+                    help="redraw fwp_streaming.png from the stored fwp_streaming.json (no training, JSON unchanged)")
     a = ap.parse_args()
+    png = Path(__file__).resolve().parent / "results" / "fwp_streaming.png"
+    if a.plot_only:
+        import json
+
+        from fastweights.experiments.streaming import plot_stream
+
+        rec = json.loads(png.with_suffix(".json").read_text())
+        plot_stream(stream_plot_runs(rec["variants"]), png, title=TITLE, unit="bits")
+        return 0
     names = [v.strip() for v in a.variants.split(",") if v.strip()]
     unknown = [v for v in names if v not in VARIANTS]
     if unknown or not names:
@@ -107,7 +128,7 @@ def main() -> int:
     from fastweights.experiments.streaming import plot_stream
 
     out = Path(a.out)
-    rows, plot_runs = {}, []
+    rows = {}
     for name in names:
         desc, overrides = VARIANTS[name]
         row = {"description": desc, "overrides": overrides, **train(name, overrides, a.minutes, out, a.data)}
@@ -119,12 +140,7 @@ def main() -> int:
         print(f"{name:18s} val {row['val_bits_per_char']:.3f}  test windows {row['windows']['bits_per_char']:.3f}  "
               f"carry {row['carry']['bits_per_char']:.3f} bits/char  "
               f"state norm x{row['carry_state_norm_last_over_first_bin']:.1f}", flush=True)
-        plot_runs += [{"label": f"{name} {label}", "checkpoint": name, "mode": mode, "curve": row[label]["curve"],
-                       "state_norm": row[label]["state_norm"]}
-                      for label, mode in (("carry", "carry"), ("windows", "memory"))]
-    png = Path(__file__).resolve().parent / "results" / "fwp_streaming.png"
-    plot_stream(plot_runs, png, title="delta-rule LMs on the Shakespeare test split: streamed vs 128-char windows",
-                unit="bits")
+    plot_stream(stream_plot_runs(rows), png, title=TITLE, unit="bits")
     headline = []
     for name, r in rows.items():
         headline += [

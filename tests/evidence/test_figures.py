@@ -243,15 +243,8 @@ def _figures():
     }
 
 
-# plot_stream (src/fastweights/experiments/streaming.py) puts its legend inside the top panel, over the curves of
-# fwp_streaming.png: strict, so the test fails as soon as the drawing is fixed and this mark must go.
-LEGEND_OVER_DATA = {"fwp_streaming": "plot_stream's legend sits inside its top panel, over the curves"}
-
-
 @pytest.mark.parametrize("name", list(_figures()))
-def test_figure_of_a_stored_result_is_written_and_readable(name, tmp_path, request):
-    if name in LEGEND_OVER_DATA:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=LEGEND_OVER_DATA[name]))
+def test_figure_of_a_stored_result_is_written_and_readable(name, tmp_path):
     assert (RESULTS / f"{name}.png").exists(), f"benchmarks/results/{name}.png is not committed"
     fig = drawn(_figures()[name], tmp_path / f"{Path(name).name}.png")
     assert fig.axes and any(ax.has_data() for ax in fig.axes), "an empty figure"

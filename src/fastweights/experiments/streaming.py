@@ -454,7 +454,7 @@ def plot_stream(runs: Sequence[dict], path: str | Path, title: str = "", unit: s
     styles = {"carry": "-", "reset": "--", "frozen": ":", "memory": "-.", "windows": (0, (1, 3))}
     models = list(dict.fromkeys(r.get("checkpoint", r["label"]) for r in runs))  # one colour per model
     norms = [r for r in runs if any(v is not None for v in (r.get("state_norm") or {}).get("max", []))]
-    fig, axes = plt.subplots(3 if norms else 2, 1, figsize=(8, 9.5 if norms else 7), sharex=True)
+    fig, axes = plt.subplots(3 if norms else 2, 1, figsize=(11, 9.5 if norms else 7), sharex=True)
     ax, ax2 = axes[0], axes[1]
     for run in runs:
         c = run["curve"]
@@ -479,8 +479,8 @@ def plot_stream(runs: Sequence[dict], path: str | Path, title: str = "", unit: s
         a.grid(alpha=0.3)
         if runs and max(len(r["curve"]["position"]) for r in runs) > 64:
             a.set_xscale("log")
-    ax.legend(fontsize=8)
     ax.set_title(title or "streaming loss along documents")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.72, 1))  # the right quarter holds the legend, outside the curves
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
     return save_figure(fig, path, dpi=110)
 
