@@ -108,7 +108,7 @@ def evaluate(name: str, a) -> dict:
     wanted = {"lengths": [int(x) for x in a.lengths.split(",")], "samples_per_cell": a.samples, "seed": a.seed,
               "iters": [int(x) for x in iters.split(",")], "frozen_memory": bool(extra)}
     t0 = children_cpu()
-    done = prefix.with_suffix(".json")
+    done = prefix / "niah.json"  # task niah writes niah.json and niah.png into --out DIR
     if done.exists() and done.stat().st_mtime > (ckpt / "model.safetensors").stat().st_mtime and \
             _eval_settings(json.loads(done.read_text())) == wanted:
         print(f"{name}: reusing {done}")  # the same checkpoint read with the same settings
@@ -120,7 +120,7 @@ def evaluate(name: str, a) -> dict:
                     "--device", "cpu", *extra)
         prefix.with_suffix(".cpu").write_text(str(children_cpu() - t0))  # CPU seconds of that evaluation
     eval_cpu = float(prefix.with_suffix(".cpu").read_text())
-    doc = json.loads(prefix.with_suffix(".json").read_text())
+    doc = json.loads(done.read_text())
     figures = RESULTS / "niah_token"
     figures.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(prefix.with_suffix(".png"), figures / f"{name}.png")
