@@ -18,7 +18,7 @@ FLOORS = [
     ("models",),  # the language model, its size, loading a checkpoint
     ("loops", "hf", "tasks"),  # train / evaluate / generate, the Hugging Face bridges, the synthetic tasks
     ("adapt",),  # dynamic evaluation and continual adaptation
-    ("experiments",),  # streaming, NIAH runs, analyses, probes, the demo
+    ("experiments", "harness"),  # streaming, NIAH runs, analyses, probes, the demo; the lm-evaluation-harness models
     ("cli",),  # the command line: nothing below imports it
     ("__main__",),
 ]
