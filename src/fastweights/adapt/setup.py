@@ -80,8 +80,22 @@ def load_model_and_tokenizer(checkpoint: str | Path | None = None, hf: str | Non
     from fastweights.core.distributed import resolve_device
 
     device = str(resolve_device(device))
+    if checkpoint is not None and not hf:
+        from fastweights.hf.fwl_head import is_fwl_head_checkpoint
+
+        if is_fwl_head_checkpoint(checkpoint):  # `fwl-head train` wrote it: a pretrained model with an FWL head
+            hf, checkpoint = str(checkpoint), None
     if hf:
-        from fastweights.hf.transformers_as_ours import load_hf_model
+        from fastweights.hf.fwl_head import is_fwl_head_checkpoint, load_fwl_head
+        from fastweights.hf.transformers_as_ours import load_hf_model, require
+
+        if is_fwl_head_checkpoint(hf):
+            model, tok = load_fwl_head(hf, device=device)
+            if sinks is not None:
+                model.backbone.sinks = int(sinks)
+            return model, tok, None, None
+        require("transformers", "pip install 'fastweights[hf]' (or pip install transformers)")
+        import fastweights.hf.fwl_as_transformers  # noqa: F401  (registers fastweights-fwl: `fwl-head export` dirs load)
 
         model, tok = load_hf_model(hf, device=device, **({} if sinks is None else {"sinks": sinks}))
         return model, tok, None, None

@@ -21,7 +21,7 @@ from fastweights.core.errors import UserError
 # (heading, commands) in the order `fastweights --help` lists them
 JOBS = (("make a model", ("train", "prepare", "data", "demo")),
         ("score and sample", ("eval", "generate")),
-        ("keep learning while reading", ("dynamic", "continual")),
+        ("keep learning while reading", ("dynamic", "continual", "fwl-head")),
         ("experiments", ("task", "inspect")),
         ("share", ("export-hf",)))
 
@@ -64,7 +64,7 @@ def _command_list(sub) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fastweights.cli import continual, dynamic, eval as eval_, inspect, tasks, train
+    from fastweights.cli import continual, dynamic, eval as eval_, fwl_head, inspect, tasks, train
 
     p = _Parser(prog="fastweights", description="Language models whose weights change with the text they read.",
                 formatter_class=HelpFormatter,
@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     eval_.register(sub)
     dynamic.register(sub, _Parser)
     continual.register(sub)
+    fwl_head.register(sub, _Parser)
     tasks.register(sub, _Parser)
     inspect.register(sub, _Parser)
     _add_unverified(sub)

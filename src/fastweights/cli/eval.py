@@ -87,6 +87,10 @@ def cmd_eval(args) -> int:
     given = [f"--{k.replace('_', '-')}" for k in STREAM_ONLY if getattr(args, k) not in (None, False, 0, "carry,reset,frozen", 256)]
     if given:
         raise UserError(f"{given[0].replace('--labels', '--label')} applies to --stream")
+    from fastweights.hf.fwl_head import is_fwl_head_checkpoint
+
+    if is_fwl_head_checkpoint(args.checkpoint):
+        return _eval_pretrained_with_head(args)
     model, tokenizer, cfg = load_checkpoint(Path(args.checkpoint), map_location=str(resolve_device(args.device)))
     seq_len = args.seq_len or cfg.train.seq_len
     if args.stride is not None and args.stride > seq_len:
@@ -124,6 +128,41 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def _eval_pretrained_with_head(args) -> int:
+    """``eval`` of a checkpoint of ``fwl-head train`` (a pretrained model with an FWL head): each text of
+    ``--data`` streamed in calls of ``--stride`` tokens (default 64) with the KV cache and the fast weights
+    carried, the whole text in context up to the model's position limit (or ``--context``)."""
+    from fastweights.adapt.dynamic import DynamicEvaluator
+    from fastweights.adapt.setup import encode_texts, load_model_and_tokenizer, load_texts
+    from fastweights.loops.evaluate import EvalResult
+
+    if args.dynamic:
+        raise UserError("--dynamic with an FWL head on a pretrained model: use `fastweights dynamic eval --checkpoint "
+                        f"{args.checkpoint}`")
+    if not args.data:
+        raise UserError("--data is required for an FWL head on a pretrained model (its checkpoint names no corpus)")
+    model, tokenizer, _, _ = load_model_and_tokenizer(args.checkpoint, device=args.device)
+    texts = load_texts(args.data, None, "test")
+    _warn_unknown(tokenizer, texts, "the evaluation text")
+    ids, chars = encode_texts(tokenizer, texts)
+    ev = DynamicEvaluator(model, rule="sgd", lr=0.0, segment_len=args.stride or 64,
+                          context=args.seq_len or model.default_context)
+    result = EvalResult(0.0, 0, chars)
+    for x in ids:
+        result.add(ev.static(x, keep_token_losses=False))
+    if result.tokens == 0:
+        raise UserError("nothing to score: the evaluation text has fewer than two tokens")
+    metrics = result.metrics(tokenizer.name)
+    refuse_non_finite(metrics, "the model's scores overflow on this text")
+    metrics.update(checkpoint=str(args.checkpoint), data=args.data)
+    if args.json:
+        print(json.dumps(metrics, indent=2))
+    else:
+        print(f"{args.data}: perplexity {metrics['perplexity']:.4f}, bits_per_char {metrics['bits_per_char']:.4f} "
+              f"({metrics['tokens']} tokens, loss {metrics['loss_nats']:.4f} nats)")
+    return 0
+
+
 def _warn_unknown(tokenizer, texts, what: str) -> None:
     from fastweights.data.tokenizers import unknown_symbols_warning
 
@@ -140,7 +179,16 @@ def cmd_generate(args) -> int:
     from fastweights.loops.generate import generate_tokens
     from fastweights.core.distributed import resolve_device
 
-    model, tokenizer, cfg = load_checkpoint(Path(args.checkpoint), map_location=str(resolve_device(args.device)))
+    from fastweights.hf.fwl_head import is_fwl_head_checkpoint
+
+    if is_fwl_head_checkpoint(args.checkpoint):  # a pretrained model with an FWL head: the KV cache and fast weights
+        from fastweights.adapt.setup import load_model_and_tokenizer
+
+        model, tokenizer, _, _ = load_model_and_tokenizer(args.checkpoint, device=args.device)
+        context = model.default_context
+    else:
+        model, tokenizer, cfg = load_checkpoint(Path(args.checkpoint), map_location=str(resolve_device(args.device)))
+        context = cfg.train.seq_len
     _warn_unknown(tokenizer, [args.prompt], "the prompt")
     prompt = tokenizer.encode(args.prompt)
     prompt = [int(t) for t in prompt]
@@ -153,7 +201,7 @@ def cmd_generate(args) -> int:
     ids: list[int] = []
     shown = ""
     for tok in generate_tokens(model, prompt, args.max_tokens, args.temperature, args.top_k, args.seed,
-                               context=cfg.train.seq_len):
+                               context=context):
         ids.append(tok)
         text = tokenizer.decode(ids)  # decode the whole continuation: multi-token characters stay intact
         if not text.endswith("\ufffd"):

@@ -154,7 +154,7 @@ def train_head(model, cache_dir: str | Path, out_dir: str | Path, backbone_name:
         save_fwl_head(model, out_dir, backbone_name, step=step, trainer_state=ts)
 
     model.train()
-    bar = Progress(budget_cpu_s, "cpu-s", desc="train fwl head", enabled=progress, time_limit=budget_cpu_s,
+    bar = Progress(budget_cpu_s, "CPU-sec", desc="train fwl head", enabled=progress, time_limit=budget_cpu_s,
                    clock=time.process_time)
     bar.update(used_cpu)
     start, last_save, order = time.process_time() - used_cpu, time.process_time(), torch.empty(0, dtype=torch.long)
@@ -238,6 +238,8 @@ def train_recipe(hf: str, out_dir: str | Path, *, variant: str = "fwl", budget_c
     cache_dir = Path(cache_dir) if cache_dir is not None else out_dir.parent / "hidden-cache"
     torch.manual_seed(seed)
     backbone, tokenizer = load_hf_model(hf)
+    if window > backbone.max_positions:
+        raise UserError(f"{hf} reads at most {backbone.max_positions} positions: windows of {window} tokens do not fit")
     options = FWLOptions(**{**PRETRAINED_FWL_DEFAULTS, **VARIANTS[variant]})
     model = HFCausalLMWithFWL(backbone, options)
     tokens, sources = training_windows(tokenizer, window, max_windows=windows)

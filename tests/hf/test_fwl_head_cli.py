@@ -1,0 +1,87 @@
+"""The FWL on a pretrained model through the command line (issue 31): `fwl-head train` on a tiny offline Llama
+with the bundled GPT-2 tokenizer, then `eval`, `generate`, `dynamic eval` (with --checkpoint, and with --hf on the
+directory `fwl-head export` wrote) accept the checkpoint and give the numbers the model gives in Python."""
+
+import json
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from fastweights import cli  # noqa: E402
+from fastweights.adapt.dynamic import DynamicEvaluator  # noqa: E402
+from fastweights.hf.fwl_head import load_fwl_head  # noqa: E402
+from helpers import gpt2_tokenizer, stderr_text  # noqa: E402
+
+TEXT = ("Happy families are all alike; every unhappy family is unhappy in its own way. Everything was in "
+        "confusion in the house. The wife had discovered that the husband was carrying on an intrigue. ") * 3
+
+
+@pytest.fixture(scope="module")
+def backbone_dir(tmp_path_factory):
+    """A tiny Llama (vocabulary of the bundled GPT-2 tokenizer) saved as a local model directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny-llama")
+    tok = gpt2_tokenizer(d)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                      tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def trained(backbone_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fwl") / "run"
+    assert cli.main(["fwl-head", "train", "--hf", str(backbone_dir), "--out", str(out), "--windows", "6",
+                     "--minutes", "0.02", "--quiet"]) == 0
+    return out
+
+
+def test_train_writes_a_checkpoint_and_its_summary(trained):
+    summary = json.loads((trained / "training.json").read_text())
+    assert summary["steps"] >= 1 and summary["variant"] == "fwl" and summary["validation"]["windows"] == 4
+    assert set(summary["training_sources"]) == {"shakespeare-train", "state-of-the-union", "bible-es"}
+    assert (trained / "checkpoint.json").is_file()
+
+
+def test_eval_generate_and_dynamic_eval_take_the_checkpoint(trained, tmp_path, capsys):
+    data = tmp_path / "text.txt"
+    data.write_text(TEXT)
+    model, tok = load_fwl_head(trained)
+    ids = torch.as_tensor(tok.encode(TEXT))
+    want = DynamicEvaluator(model, rule="sgd", lr=0.0, segment_len=64, context=model.default_context).static(ids)
+    capsys.readouterr()
+    assert cli.main(["eval", "--checkpoint", str(trained), "--data", str(data), "--json", "--quiet"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["perplexity"] == pytest.approx(math.exp(want.loss), rel=1e-9)
+    assert cli.main(["generate", "--checkpoint", str(trained), "--prompt", "Happy families", "--max-tokens", "6",
+                     "--temperature", "0"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("Happy families") and len(text) > len("Happy families\n")
+    assert cli.main(["dynamic", "eval", "--checkpoint", str(trained), "--data", str(data), "--rule", "sgd",
+                     "--lr", "1e-3", "--json", "--quiet"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["static"]["perplexity"] == pytest.approx(math.exp(want.loss), rel=1e-6)
+    # the exported directory: the same model for dynamic eval --hf
+    export = tmp_path / "hf"
+    assert cli.main(["fwl-head", "export", "--checkpoint", str(trained), "--out", str(export)]) == 0
+    capsys.readouterr()
+    assert cli.main(["dynamic", "eval", "--hf", str(export), "--data", str(data), "--rule", "sgd", "--lr", "1e-3",
+                     "--json", "--quiet"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["static"]["perplexity"] == pytest.approx(res["static"]["perplexity"], rel=1e-6)
+    assert again["dynamic"]["perplexity"] == pytest.approx(res["dynamic"]["perplexity"], rel=1e-6)
+
+
+def test_bad_input_is_one_line(trained, tmp_path, capsys):
+    assert cli.main(["eval", "--checkpoint", str(trained)]) == 2
+    assert "--data is required" in stderr_text(capsys)
+    assert cli.main(["fwl-head", "export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "x")]) == 2
+    assert "not a checkpoint written by" in stderr_text(capsys)
+    assert cli.main(["fwl-head", "train", "--out", str(tmp_path / "r"), "--variant", "other"]) == 2
