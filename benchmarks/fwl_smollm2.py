@@ -20,7 +20,9 @@ only. Rows, each scored through the same evaluator loop (``DynamicEvaluator``; s
   one global step size tuned on the tuning texts (Table 2);
 - ``fwl_bias_only``: only the output bias fast (Table 2);
 - ``fwl_then_dynamic``: dynamic evaluation of the FWL model (all weights but the tied embedding, the same
-  rule and learning rate as the dynamic row, MS_g collected on the FWL model).
+  rule and learning rate as the dynamic row, MS_g collected on the FWL model);
+- ``fwl_step_scaled`` (a diagnosis, not a method): the FWL with every learned step size multiplied by one
+  factor chosen on the tuning texts, which separates the learned update's direction from its magnitude.
 
 Per row: perplexity per text and the mean relative reduction against static; scoring tokens per
 process-CPU-second on one thread, as a ratio to static measured in the same run. Figure 2 (NLL
@@ -109,6 +111,23 @@ def tune_test_time_step(model, hidden_and_ids) -> dict:
     return {"grid_nats": {f"{k:g}": v for k, v in sorted(results.items())}, "best": best}
 
 
+@torch.no_grad()
+def tune_step_scale(model, hidden_and_ids) -> dict:
+    """One factor on every learned step size of the FWL head, chosen on the tuning texts from a x2 grid; set
+    on the model (in place)."""
+    learned = {k: p.detach().clone() for k, p in model.head.step_sizes.items()}
+    results = {}
+    for scale in (0.0, 0.125, 0.25, 0.5, 1.0, 2.0):
+        for k, p in model.head.step_sizes.items():
+            p.copy_(learned[k] * scale)
+        results[scale] = head_loss_on(model, hidden_and_ids)
+    best = min(results, key=results.get)
+    for k, p in model.head.step_sizes.items():
+        p.copy_(learned[k] * best)
+    return {"grid_nats": {f"{k:g}": v for k, v in results.items()}, "best": best,
+            "learned_step_sizes": {k: float(v) for k, v in learned.items()}}
+
+
 def frequency_bins(ids: torch.Tensor, counts: Counter) -> list[str]:
     edges = [(0, 0, "unseen"), (1, 9, "1-9"), (10, 99, "10-99"), (100, 999, "100-999"), (1000, None, "1000+")]
     out = []
@@ -170,7 +189,7 @@ def plot(fig2: dict, labels: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
     styles = {"dynamic": ("tab:blue", "o", "-"), "fwl": ("tab:orange", "s", "--"),
               "fwl_test_time_only": ("tab:green", "^", ":"), "fwl_bias_only": ("tab:purple", "D", "-."),
-              "fwl_then_dynamic": ("tab:red", "v", "-")}
+              "fwl_then_dynamic": ("tab:red", "v", "-"), "fwl_step_scaled": ("tab:brown", "P", "-.")}
     for ax, (panel, title) in zip(axes, (("position", "by position in the text (tokens)"),
                                          ("frequency", "by frequency of the target in the training mix"),
                                          ("repeat", "first occurrence vs repeat in the text"))):
@@ -272,6 +291,14 @@ def main() -> int:
                                           exclude=fwl_exclude, stats=fwl_stats) for k, ids in scored.items()}
     log("fwl_then_dynamic: " + ", ".join(f"{k} {r['perplexity']:.3f}" for k, r in _ROWS["fwl_then_dynamic"].items()))
 
+    # diagnosis: the FWL with its learned step sizes scaled by one factor chosen on the tuning texts (how far the
+    # learned update's magnitude is from the best one, its direction kept)
+    fwl_model.backbone.requires_grad_(False)
+    tuned["fwl_step_scale"] = tune_step_scale(fwl_model, tuning_hidden)
+    log(f"FWL step-size scale chosen on tuning text: {tuned['fwl_step_scale']['best']:g}")
+    _ROWS["fwl_step_scaled"] = {k: score(fwl_model, ids, segment_len=L) for k, ids in scored.items()}
+    log("fwl_step_scaled: " + ", ".join(f"{k} {r['perplexity']:.3f}" for k, r in _ROWS["fwl_step_scaled"].items()))
+
     # the table
     static = _ROWS["static"]
     results = {}
@@ -298,16 +325,18 @@ def main() -> int:
     trained_on = (training["fwl"] or {}).get("cache_windows")
     mix_tokens, _ = training_windows(tok, 1024, TRAINING_MIX, max_windows=trained_on)
     counts = Counter(mix_tokens.ravel().tolist())
-    methods = ["dynamic", "fwl", "fwl_test_time_only", "fwl_then_dynamic"]
+    methods = ["dynamic", "fwl", "fwl_test_time_only", "fwl_then_dynamic", "fwl_step_scaled"]
     fig2 = figure2(scored, static, methods, counts)
     labels = {"dynamic": f"dynamic evaluation ({chosen['rule']}, lr {chosen['lr']:g})", "fwl": "FWL",
-              "fwl_test_time_only": "FWL test-time only", "fwl_then_dynamic": "FWL + dynamic evaluation"}
+              "fwl_test_time_only": "FWL test-time only", "fwl_then_dynamic": "FWL + dynamic evaluation",
+              "fwl_step_scaled": "FWL, step sizes scaled (tuned)"}
     names = {"static": "static", "dynamic": f"dynamic evaluation ({chosen['rule']}, lr {chosen['lr']:g}, chosen on "
              "tuning text)", "fwl": "FWL (frozen backbone)", "fwl_test_time_only": "FWL test-time only",
-             "fwl_bias_only": "FWL bias only", "fwl_then_dynamic": "FWL + dynamic evaluation"}
+             "fwl_bias_only": "FWL bias only", "fwl_then_dynamic": "FWL + dynamic evaluation",
+             "fwl_step_scaled": "FWL, learned step sizes scaled by one factor chosen on tuning text (diagnosis)"}
     headline = [{"what": f"SmolLM2-135M, 3 texts x {args.tokens:,} tokens: static perplexity, mean over the texts",
                  "value": float(np.mean([r["perplexity"] for r in static.values()])), "unit": "ppl", "target": ""}]
-    for row in ("dynamic", "fwl", "fwl_test_time_only", "fwl_bias_only", "fwl_then_dynamic"):
+    for row in ("dynamic", "fwl", "fwl_test_time_only", "fwl_bias_only", "fwl_then_dynamic", "fwl_step_scaled"):
         headline.append({"what": f"  {names[row]}: perplexity lower than static, mean over the texts",
                          "value": 100 * results[row]["mean_relative_perplexity_reduction"], "unit": "%",
                          "target": "> 0"})
