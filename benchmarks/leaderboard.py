@@ -161,7 +161,7 @@ def dynamic_evaluator(model, run: Path, base: Path):
     fw = [sys.executable, "-m", "fastweights"]
     if not stats.exists():
         child([*fw, "dynamic", "stats", "--checkpoint", str(base), "--quiet", "--max-batches", "64",
-               "--out", str(stats)])
+               "--save", str(stats)])
     if not tuned.exists():
         child([*fw, "dynamic", "tune", "--checkpoint", str(base), "--quiet", "--rule", "rms-global-prior",
                "--stats", str(stats), "--tune-chars", "20000", "--save", str(tuned)])

@@ -179,7 +179,8 @@ def format_table(result: dict) -> str:
         lines.append(row)
     b = result["best"]
     lines.append(f"best: lr {b['lr']:.3g}, decay {b['decay']:.3g}: {b['bits_per_token']:.4f} bits/token "
-                 f"({100 * b['relative_improvement']:.2f}% below static)")
+                 + (f"({100 * b['relative_improvement']:.2f}% lower than static)" if b["relative_improvement"] >= 0
+                    else f"({-100 * b['relative_improvement']:.2f}% higher than static (worse))"))
     return "\n".join(lines)
 
 

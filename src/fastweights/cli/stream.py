@@ -80,10 +80,11 @@ def run_stream_eval(args) -> int:
         ev, info = built if built else (None, None)
         measured += run_probes(cfg, tuple(m for m in modes if m in PROBED_MODES), ev.rule if ev is not None else None)
         label = labels[k] if labels else f"{Path(path).name} ({describe(cfg)})"
-        for mode in modes:
+        for i, mode in enumerate(modes):
+            run = k * len(modes) + i + 1
             res = stream_eval(model, encode_documents(docs, tok, getattr(args, "max_chars", 0) or 0), mode, seq_len,
                               stride, getattr(args, "bin", 256) or 256, getattr(args, "max_tokens", 0) or 0, ev,
-                              progress=not quiet)
+                              progress=not quiet, desc=f"stream {mode}: run {run}/{len(ckpts) * len(modes)}")
             if res.tokens == 0:
                 raise UserError("nothing to score: the documents have fewer than two tokens")
             d = res.to_dict()

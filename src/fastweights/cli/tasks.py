@@ -296,13 +296,8 @@ def cmd_niah(args) -> int:
         print(json.dumps({k: v for k, v in doc.items() if k != "records"}, indent=2))
         return 0
     print(f"NIAH {Path(args.checkpoint).name} ({describe(cfg)}), {args.samples} samples per cell, haystack {args.haystack}")
-    second = "candidate" if token_format else "digits"  # a one-token answer has no digits to count
-    print(f"{'length':>8}  " + "  ".join(f"{n}-iter exact/{second[:5]}" for n in summary["iters"]))
-    for L in summary["lengths"]:
-        cells = []
-        for n in summary["iters"]:
-            a = summary["by_iters"][n]["by_length"][L]
-            cells.append(f"{a['exact']:>6.2f} / {a[second]:.2f}  ")
-        print(f"{L:>8}  " + "  ".join(cells))
+    from fastweights.tasks.niah_report import format_table
+
+    print(format_table(summary))
     print(f"-> {out.with_suffix('.json')}, {out.with_suffix('.png')}")
     return 0
