@@ -362,8 +362,10 @@ def main() -> int:
         "figure2": fig2, "figure2_labels": labels, "figure": png.name, "headline": headline, "elapsed_s": time.time() - t_start, "cpu_s": cpu() - c_start,
         "note": "Perplexity per SmolLM2 token; the FWL heads were trained with the backbone frozen (hidden states "
                 "cached once), the paper fine-tunes the whole model."})
-    log(f"FWL: {100 * fwl['mean_relative_perplexity_reduction']:.2f}% lower perplexity ({100 * share:.0f}% of dynamic "
-        f"evaluation's {100 * dyn['mean_relative_perplexity_reduction']:.2f}%), {speed:.2f}x its throughput")
+    gain = fwl["mean_relative_perplexity_reduction"]
+    said = f"{100 * gain:.2f}% lower" if gain >= 0 else f"{-100 * gain:.2f}% higher (worse)"
+    log(f"FWL: perplexity {said} than static (dynamic evaluation: {100 * dyn['mean_relative_perplexity_reduction']:.2f}% "
+        f"lower), {speed:.2f}x dynamic evaluation's throughput")
     return 0
 
 
