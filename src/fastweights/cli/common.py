@@ -11,13 +11,15 @@ from fastweights.cli.types import nonneg_int
 from fastweights.core.errors import UserError
 
 
-# torch CPU threads of the commands that run a model. With the demo-sized model one thread was faster than two in
-# every setting benchmarks/threads.py measured (eval, generate and a training step; 1 or 2 cores; with and without
-# a busy-loop process on a core) on a shared 2-core machine: benchmarks/results/threads.json
+# torch CPU threads of the commands that run a model (benchmarks/threads.py -> benchmarks/results/threads.json, run
+# on an idle 2-core machine, 1 and 2 cores, with and without a busy-loop process on a core). With the demo-sized
+# model two threads were no faster than one for eval and generate on two idle cores, and two to forty times
+# slower whenever a core was taken (one core, or a busy process); only a training step gained from two idle
+# cores (about 1.6x), and `train` takes its own train.threads.
 DEFAULT_THREADS = 1
 THREADS_HELP = ("torch CPU threads (0: torch's choice, one per core). One, because with a model of the demo's size "
-                "one thread was faster than two in every setting measured on a shared 2-core machine (one or two "
-                "cores, another process busy or not): two threads wait on each other when a core is taken")
+                "two threads were no faster than one for scoring and sampling on two idle cores, and several times "
+                "slower when another process takes a core (benchmarks/results/threads.json)")
 
 
 def device_flag(p, default: str = "auto") -> None:
