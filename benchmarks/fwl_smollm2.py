@@ -137,7 +137,7 @@ def frequency_bins(ids: torch.Tensor, counts: Counter) -> list[str]:
     return out
 
 
-def figure2(per_text: dict, static: dict, methods: list[str], counts: Counter) -> dict:
+def figure2(per_text: dict, rows: dict, methods: list[str], counts: Counter) -> dict:
     """NLL improvement over static (bits per token, positive = better) by position, by training-mix frequency
     of the target token and for first occurrences vs repeats, pooled over the scored texts."""
     out = {m: {"position": {}, "frequency": {}, "repeat": {}} for m in methods}
@@ -145,7 +145,7 @@ def figure2(per_text: dict, static: dict, methods: list[str], counts: Counter) -
     for m in methods:
         gains, pos, freq, rep = [], [], [], []
         for k, ids in per_text.items():
-            g = ((static[k]["losses"] - per_text_rows(m, k)["losses"]) / LN2).tolist()
+            g = ((rows["static"][k]["losses"] - rows[m][k]["losses"]) / LN2).tolist()
             targets = ids[1:]
             seen, first = set(), []
             for t in ids[:1].tolist():
@@ -171,13 +171,6 @@ def figure2(per_text: dict, static: dict, methods: list[str], counts: Counter) -
             if any(sel):
                 out[m]["repeat"][name] = {"bits": float(gains_t[sel].mean()), "tokens": int(sum(sel))}
     return out
-
-
-_ROWS: dict = {}
-
-
-def per_text_rows(method: str, key: str) -> dict:
-    return _ROWS[method][key]
 
 
 def plot(fig2: dict, labels: dict, path: Path) -> None:
@@ -249,6 +242,7 @@ def main() -> int:
     tuning = [ids for k, (ids, info) in texts.items() if info["role"] == "validation"]
     stats_ids = next(ids for k, (ids, info) in texts.items() if info["role"] == "statistics")
     L = int(chosen["segment_len"])
+    rows: dict = {}  # row -> text -> score()
 
     # the dynamic-evaluation row: the chosen setting, MS_g on the same generic text as smollm2_dynamic_eval.py
     exclude = chosen["exclude"]
@@ -257,11 +251,11 @@ def main() -> int:
                                include=chosen["include"], exclude=exclude) if chosen["rule"].startswith("rms") else None
     stats_s = cpu() - c
     log(f"MS_g for the dynamic row: {stats_s:.0f} CPU s")
-    _ROWS["static"] = {k: score(lm, ids, segment_len=L) for k, ids in scored.items()}
-    log("static: " + ", ".join(f"{k} {r['perplexity']:.3f}" for k, r in _ROWS["static"].items()))
-    _ROWS["dynamic"] = {k: score(lm, ids, rule=chosen["rule"], lr=chosen["lr"], segment_len=L, exclude=exclude,
+    rows["static"] = {k: score(lm, ids, segment_len=L) for k, ids in scored.items()}
+    log("static: " + ", ".join(f"{k} {r['perplexity']:.3f}" for k, r in rows["static"].items()))
+    rows["dynamic"] = {k: score(lm, ids, rule=chosen["rule"], lr=chosen["lr"], segment_len=L, exclude=exclude,
                                  stats=stats) for k, ids in scored.items()}
-    log("dynamic: " + ", ".join(f"{k} {r['perplexity']:.3f}" for k, r in _ROWS["dynamic"].items()))
+    log("dynamic: " + ", ".join(f"{k} {r['perplexity']:.3f}" for k, r in rows["dynamic"].items()))
 
     # the FWL variants (the same backbone object: loaded once)
     heads, training, tuned = {}, {}, {}
@@ -275,8 +269,8 @@ def main() -> int:
     tuned["fwl_test_time_only"] = tune_test_time_step(heads["fwl_test_time_only"], tuning_hidden)
     log(f"test-time-only step size: {tuned['fwl_test_time_only']['best']:g}")
     for row, model in heads.items():
-        _ROWS[row] = {k: score(model, ids, segment_len=L) for k, ids in scored.items()}
-        log(f"{row}: " + ", ".join(f"{k} {r['perplexity']:.3f}" for k, r in _ROWS[row].items()))
+        rows[row] = {k: score(model, ids, segment_len=L) for k, ids in scored.items()}
+        log(f"{row}: " + ", ".join(f"{k} {r['perplexity']:.3f}" for k, r in rows[row].items()))
 
     # FWL then dynamic evaluation: all weights of the FWL model but the tied embedding, lr tuned on tuning text
     fwl_model = heads["fwl"]
@@ -287,22 +281,22 @@ def main() -> int:
                                    exclude=fwl_exclude) if chosen["rule"].startswith("rms") else None
     best_lr = chosen["lr"]  # the plain model's learning rate, tuned on the tuning texts (not re-tuned: CPU budget)
     tuned["fwl_then_dynamic"] = {"lr": best_lr, "from": "the dynamic row's setting", "ms_g_cpu_s": cpu() - c}
-    _ROWS["fwl_then_dynamic"] = {k: score(fwl_model, ids, rule=chosen["rule"], lr=best_lr, segment_len=L,
+    rows["fwl_then_dynamic"] = {k: score(fwl_model, ids, rule=chosen["rule"], lr=best_lr, segment_len=L,
                                           exclude=fwl_exclude, stats=fwl_stats) for k, ids in scored.items()}
-    log("fwl_then_dynamic: " + ", ".join(f"{k} {r['perplexity']:.3f}" for k, r in _ROWS["fwl_then_dynamic"].items()))
+    log("fwl_then_dynamic: " + ", ".join(f"{k} {r['perplexity']:.3f}" for k, r in rows["fwl_then_dynamic"].items()))
 
     # diagnosis: the FWL with its learned step sizes scaled by one factor chosen on the tuning texts (how far the
     # learned update's magnitude is from the best one, its direction kept)
     fwl_model.backbone.requires_grad_(False)
     tuned["fwl_step_scale"] = tune_step_scale(fwl_model, tuning_hidden)
     log(f"FWL step-size scale chosen on tuning text: {tuned['fwl_step_scale']['best']:g}")
-    _ROWS["fwl_step_scaled"] = {k: score(fwl_model, ids, segment_len=L) for k, ids in scored.items()}
-    log("fwl_step_scaled: " + ", ".join(f"{k} {r['perplexity']:.3f}" for k, r in _ROWS["fwl_step_scaled"].items()))
+    rows["fwl_step_scaled"] = {k: score(fwl_model, ids, segment_len=L) for k, ids in scored.items()}
+    log("fwl_step_scaled: " + ", ".join(f"{k} {r['perplexity']:.3f}" for k, r in rows["fwl_step_scaled"].items()))
 
     # the table
-    static = _ROWS["static"]
+    static = rows["static"]
     results = {}
-    for row, per in _ROWS.items():
+    for row, per in rows.items():
         per_text = {}
         for k, r in per.items():
             per_text[k] = {"perplexity": r["perplexity"], "loss_nats": r["loss_nats"], "cpu_s": r["cpu_s"],
@@ -326,7 +320,7 @@ def main() -> int:
     mix_tokens, _ = training_windows(tok, 1024, TRAINING_MIX, max_windows=trained_on)
     counts = Counter(mix_tokens.ravel().tolist())
     methods = ["dynamic", "fwl", "fwl_test_time_only", "fwl_then_dynamic", "fwl_step_scaled"]
-    fig2 = figure2(scored, static, methods, counts)
+    fig2 = figure2(scored, rows, methods, counts)
     labels = {"dynamic": f"dynamic evaluation ({chosen['rule']}, lr {chosen['lr']:g})", "fwl": "FWL",
               "fwl_test_time_only": "FWL test-time only", "fwl_then_dynamic": "FWL + dynamic evaluation",
               "fwl_step_scaled": "FWL, step sizes scaled (tuned)"}
