@@ -29,7 +29,7 @@ import common  # benchmarks/common.py (the script's folder is on sys.path)
 import torch
 
 from fastweights.tasks.assoc import AssocConfig, plot_capacity, train_assoc
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -27,7 +27,7 @@ import torch
 
 from common import provenance  # noqa: E402  (benchmarks/ is the script's folder, on sys.path)
 from fastweights.tasks.ba_retrieval import RetrievalNet, make_splits, train_retrieval
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 
 
 def one_run(job: dict) -> dict:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from fastweights.ops.delta_rule import delta_rule, delta_rule_recurrent, fla_available
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 
 
 def make_inputs(b, t, h, d, *, device="cpu", dtype=torch.float32, gated=False, seed=0):

@@ -35,7 +35,7 @@ from fastweights.adapt.update_rules import collect_grad_stats
 from fastweights.core.config import make_config
 from fastweights.data import build_tokenizer, load_corpus, split_corpus, text_pieces
 from fastweights.models.lm import LanguageModel
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 
 
 DATA = "tinyshakespeare"  # the corpus of the shakespeare-char preset and of the demo model (fastweights data list)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from common import command_line, provenance
 
 from fastweights.layers.fast_rnn import FastWeightRNN
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 
 LAM, ETA = 0.95, 0.5
 

@@ -33,7 +33,7 @@ from fastweights.ops import fast_rnn
 from fastweights.models.lm import LanguageModel
 from fastweights.ops.fast_rnn_kernel import step_kernel
 from fastweights.loops.train import make_optimizer
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 
 FAST, LSTM = "shakespeare-char-fast-rnn", "shakespeare-char-lstm"
 VOCAB = 66  # the char vocabulary of tinyshakespeare (65 characters + unknown), as the presets count it

@@ -38,7 +38,7 @@ from fastweights.core.config import make_config
 from fastweights.data import load_corpus
 from fastweights.loops.evaluate import score_tokens
 from fastweights.models.lm import LanguageModel
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 
 
 DATA = "tinyshakespeare"  # the corpus of both presets (fastweights data list)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common import write_result
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 
 PAPER = dict(d_model=768, n_subkeys=512, d_key=512, d_value=512, heads=1, topk=8, chunk_size=512, seq_len=4096)
 

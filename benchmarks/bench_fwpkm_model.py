@@ -26,7 +26,7 @@ from common import timeit, write_result
 
 from fastweights.core.config import ModelConfig
 from fastweights.models.lm import LanguageModel
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 
 
 def build(a, with_memory: bool) -> LanguageModel:

@@ -1,12 +1,12 @@
-"""Helpers shared by the benchmark scripts: the provenance record of :mod:`fastweights.core.provenance` bound
+"""Helpers shared by the benchmark scripts: the provenance record of :mod:`fastweights.evidence.provenance` bound
 to this repository, the JSON output under benchmarks/results/, and CPU-or-wall timing.
 
 Scripts import it as ``common``: ``python benchmarks/X.py`` puts the script's folder first on
 ``sys.path``, so no script adds it; the library code they measure is the installed ``fastweights``.
 
 Every script defines ``probe_specs() -> list[dict]``: the behaviour probes
-(:mod:`fastweights.experiments.probes`) of the code it measures. :func:`provenance` runs them and
-records their fingerprints, so that ``report.py`` can tell later whether that code still behaves as
+(:mod:`fastweights.evidence.probes`) of the code it measures. :func:`provenance` runs them and
+records their summaries, so that ``report.py`` can tell later whether that code still behaves as
 it did when the result was measured.
 """
 
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-import fastweights.core.provenance as _provenance
+import fastweights.evidence.provenance as _provenance
 from fastweights.core.files import atomic_write
-from fastweights.core.provenance import machine  # noqa: F401  (part of this module's names)
+from fastweights.evidence.provenance import machine  # noqa: F401  (part of this module's names)
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -67,13 +67,13 @@ def script_probe_specs() -> list[dict]:
 
 
 def provenance(argv: list[str] | None = None, probes: list[dict] | None = None) -> dict:
-    """What every result JSON records: command, date, commit, machine, and the fingerprinted probes
+    """What every result JSON records: command, date, commit, machine, and the summarised probes
     (``probes``, default the running script's ``probe_specs()``). Scripts that write their JSON
     themselves merge this in and write it with :func:`write_json`."""
-    from fastweights.experiments.probes import fingerprinted
+    from fastweights.evidence.probes import summarised
 
     specs = script_probe_specs() if probes is None else probes
-    return {**_provenance.provenance(REPO, argv), "probes": fingerprinted(specs)}
+    return {**_provenance.provenance(REPO, argv), "probes": summarised(specs)}
 
 
 def write_json(path: Path, record: dict) -> Path:

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from fastweights.ops.delta_rule import delta_rule
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 
 dr = sys.modules["fastweights.ops.delta_rule"]  # the module (fastweights.ops.delta_rule is the function)
 

@@ -453,7 +453,7 @@ def parse_args(argv):
 
 def probe_specs() -> list[dict]:
     """The behaviour probes of the code this benchmark measures (see benchmarks/common.py)."""
-    from fastweights.experiments import probes
+    from fastweights.evidence import probes
 
     # the kernels, and the hybrids' parts: gdn and attention mixers, the FwPKM memory at the paper's options
     return [probes.probe("ops", op="delta_rule"), probes.probe("ops", op="gated_delta_rule"),
@@ -465,7 +465,7 @@ def provenance_record(argv) -> dict:
     try:
         rec = common.provenance()
     except Exception as e:  # the provenance helper must not cost the GPU run
-        from fastweights.core import provenance as prov
+        from fastweights.evidence import provenance as prov
 
         rec = {**prov.provenance(common.REPO), "provenance_error": err_text(e)}
     rec["command"] = common.command_line_without(argv, "--out")

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from common import write_result
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 
 
 def probe_specs() -> list[dict]:

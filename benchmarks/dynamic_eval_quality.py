@@ -47,7 +47,7 @@ from fastweights.core.config import make_config
 from fastweights.data import load_corpus, split_corpus
 from fastweights.core.errors import UserError
 from fastweights.loops.generate import generate_tokens
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 
 # documents of the held-out plays corpus (--data, default the bundled shakespeare-heldout)
 TEST_PLAYS = ["hamlet_gut.txt", "macbeth_gut.txt", "othello_gut.txt"]

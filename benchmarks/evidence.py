@@ -3,12 +3,13 @@
 Every result JSON in benchmarks/results/ (and one folder down) records
   * its provenance: ``command``, ``date``, ``git`` (commit, dirty paths), ``machine``;
   * ``result_file``: the file it was written as (a copy under another name is caught);
-  * ``probes``: the behaviour probes of the code it measured, each a spec and the fingerprint it had
-    when the result was written (:mod:`fastweights.experiments.probes`; a benchmark declares them in
+  * ``probes``: the behaviour probes of the code it measured, each a spec and the summary of its
+    outputs when the result was written (:mod:`fastweights.evidence.probes`; a benchmark declares them in
     its ``probe_specs()``, a ``fastweights`` command derives them from the checkpoint it ran).
 
-:func:`staleness` re-runs a result's probes: a fingerprint that changed means the code the result
-measured no longer behaves as it did, so the result is stale, whatever file the change was made in
+:func:`staleness` re-runs a result's probes: a summary that moved by more than the tolerance
+(:data:`fastweights.evidence.summaries.RELATIVE_TOLERANCE` of an output's norm) means the code the
+result measured no longer behaves as it did, so the result is stale, whatever file the change was made in
 (an operator reached only through an import included), and a change that leaves behaviour alone (a
 rename, a moved function, a comment) leaves it current. Stale results are marked in the generated
 tables and listed with the command that re-runs them in benchmarks/results/TO_RERUN.md; they are not
@@ -43,8 +44,8 @@ def result_key(path: Path, results: Path = RESULTS) -> str:
 
 
 @lru_cache(maxsize=None)
-def _fingerprint(spec_json: str) -> str:
-    from fastweights.experiments.probes import run_probe
+def _summary(spec_json: str) -> dict[str, str] | str:
+    from fastweights.evidence.probes import run_probe
 
     try:
         return run_probe(json.loads(spec_json))
@@ -53,15 +54,19 @@ def _fingerprint(spec_json: str) -> str:
 
 
 def changed_probes(rec: dict) -> list[str]:
-    """The probes of ``rec`` whose fingerprint differs now, as ``kind(args...)`` descriptions."""
+    """The probes of ``rec`` whose summary moved beyond the tolerance, as ``kind label: what moved``."""
+    from fastweights.evidence.summaries import differences
+
     changed = []
     for p in rec.get("probes") or []:
         spec = {"kind": p.get("kind"), "args": p.get("args", {})}
-        now = _fingerprint(json.dumps(spec, sort_keys=True))
-        if now != p.get("fingerprint"):
+        now = _summary(json.dumps(spec, sort_keys=True))
+        moved = [now] if isinstance(now, str) else differences(p.get("summary") or {}, now)
+        if moved:
             args = p.get("args", {})
             label = args.get("name") or args.get("op") or args.get("rule") or args.get("path") or ""
-            changed.append(f"{p.get('kind')}{f' {label}' if label else ''}: {p.get('fingerprint')} -> {now}")
+            more = f" (and {len(moved) - 1} more outputs)" if len(moved) > 1 else ""
+            changed.append(f"{p.get('kind')}{f' {label}' if label else ''}: {moved[0]}{more}")
     return changed
 
 
@@ -97,8 +102,8 @@ def problems(results: Path = RESULTS) -> list[str]:
         specs = rec.get("probes")
         if not specs:
             out.append(f"{name}: no behaviour probes recorded (the benchmark's probe_specs())")
-        elif any(not {"kind", "args", "fingerprint"} <= set(p) for p in specs):
-            out.append(f"{name}: a probe without kind, args or fingerprint")
+        elif any(not {"kind", "args", "summary"} <= set(p) for p in specs):
+            out.append(f"{name}: a probe without kind, args or summary")
     return out
 
 

@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 from common import git_state, repo_relative, write_result
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 
 PRESET = "shakespeare-char-fast-rnn"
 O = "model.options.fast_rnn."

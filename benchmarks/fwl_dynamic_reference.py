@@ -31,7 +31,7 @@ from fastweights.adapt.evaluate import demo_dynamic
 from fastweights.adapt.setup import load_texts
 from fastweights.models.loading import load_checkpoint, read_run_config
 from fastweights.loops.evaluate import evaluate_documents
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 
 
 def probe_specs() -> list[dict]:

@@ -46,7 +46,7 @@ from fastweights.core.config import make_config
 from fastweights.data.streams import TokenStream
 from fastweights.core.errors import UserError
 from fastweights.loops.evaluate import score_tokens
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 
 # segment_len 16: four segments per 64-word window, so the segment decays train (gamma first enters in the
 # third segment); at the default 32 they never move and the running update drifts over a long stream

@@ -46,7 +46,7 @@ from fastweights.data import load_corpus, split_corpus
 from fastweights.loops.evaluate import evaluate_documents
 from fastweights.layers.fwl import tune_test_time_step_size
 from fastweights.loops.train import prepare_data, train
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 
 VARIANTS = {
     "base": ("shakespeare-char", []),

@@ -51,7 +51,7 @@ from smollm2_dynamic_eval import default_data, excerpt, log, parse_data
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.update_rules import collect_grad_stats
 from fastweights.core.errors import UserError
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 
 LN2 = math.log(2)
 VARIANT_ROWS = {"fwl": "fwl", "test-time-only": "fwl_test_time_only", "bias-only": "fwl_bias_only"}

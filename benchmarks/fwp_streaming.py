@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from common import write_result
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 
 PRESET = "shakespeare-char-fwp-delta-dpfp"
 DATA = "tinyshakespeare"

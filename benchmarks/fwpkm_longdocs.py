@@ -54,7 +54,7 @@ from fastweights.loops.evaluate import score_tokens
 from fastweights.experiments.addressing import windowed_addressing_stats
 from fastweights.models.memory_switches import memory_writes
 from fastweights.loops.train import train
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {

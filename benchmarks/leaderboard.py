@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 from common import RESULTS, git_state, repo_relative, write_result
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 from heldout_plays import HELDOUT, SEQ_LEN, STRIDE, heldout_documents
 
 TRAIN_CORPUS = "shakespeare-train"
@@ -212,9 +212,9 @@ def entry_row(name: str, seed: int, minutes: float, out: Path, chars: int) -> di
         rec = dict(json.loads((run_dir(out, DYNAMIC_BASE, seed) / "train_record.json").read_text()))
     else:
         rec = train(name, seed, minutes, out)
-    # the probes of the code this row measured, fingerprinted now, when it is scored (the aggregate keeps them)
+    # the probes of the code this row measured, summarised now, when it is scored (the aggregate keeps them)
     row = {"entry": name, "seed": seed, **rec, **score(name, seed, out, chars),
-           "probes": probes.fingerprinted(entry_probe_specs(name))}
+           "probes": probes.summarised(entry_probe_specs(name))}
     row["streamed_minus_windows_bits"] = row["streamed"]["bits_per_char"] - row["windows"]["bits_per_char"]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(row, indent=2) + "\n")
@@ -280,7 +280,7 @@ def measured_commits(rows: dict[str, list[dict]]) -> dict:
 
 
 def measured_probes(rows: dict[str, list[dict]]) -> list[dict]:
-    """Every probe the rows recorded when they were scored (a spec measured with two fingerprints keeps
+    """Every probe the rows recorded when they were scored (a spec measured with two summaries keeps
     both: one of them is then stale). A row without probes predates them and must be scored again."""
     out, seen = [], set()
     for name, rs in rows.items():

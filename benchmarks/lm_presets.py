@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from common import write_result
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 
 DATA = "tinyshakespeare"  # the corpus of the shakespeare-char presets this script compares (fastweights data list)
 

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from common import REPO, write_result
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 
 S = "src/fastweights/"
 LEAK, REG = "tests/contracts/test_leaks.py", "tests/contracts/test_registry_causality.py"

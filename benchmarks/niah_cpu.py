@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from common import RESULTS, repo_relative, write_result
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 
 DATA = "tinyshakespeare"  # the haystack: the text the preset's corpus niah-tinyshakespeare is built from
 

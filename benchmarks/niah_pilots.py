@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from common import write_result
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 from niah_cpu import DATA, answer_digit_accuracy
 
 

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from common import RESULTS, write_result
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_MEMORY = ['model.memory=""', "model.memory_layers=[]"]

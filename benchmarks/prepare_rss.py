@@ -23,7 +23,7 @@ from pathlib import Path
 from common import write_result
 
 from fastweights.data import load_corpus, to_utf8
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 
 DATA = "tinyshakespeare"
 

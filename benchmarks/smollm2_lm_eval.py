@@ -32,7 +32,7 @@ import torch
 
 import common
 
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 
 TASK = "fastweights_heldout_plays"
 DYNAMIC = {"rule": "sgd", "lr": 0.005, "segment_len": 64, "exclude_params": "hf.model.embed_tokens.*"}

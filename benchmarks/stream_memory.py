@@ -23,7 +23,7 @@ import subprocess
 import sys
 
 from common import write_result
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 
 FWPKM = dict(d_model=64, n_layers=2, n_heads=4, memory="fwpkm", memory_layers=[1],
              options={"fwpkm": dict(n_subkeys=64, d_key=64, d_value=64, topk=8, chunk_size=256)})

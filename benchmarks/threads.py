@@ -25,7 +25,7 @@ import torch
 from common import write_result
 
 from fastweights.core.config import make_config
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 from fastweights.loops.evaluate import score_tokens
 from fastweights.loops.generate import generate_tokens
 from fastweights.models.lm import LanguageModel

@@ -18,7 +18,7 @@ from common import bench_clock, timeit, write_result
 
 from fastweights.core.config import ModelConfig
 from fastweights.models.lm import LanguageModel
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 
 
 class NanoBlock(nn.Module):

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import common
 
-from fastweights.experiments import probes
+from fastweights.evidence import probes
 
 TESTS = "tests/hf"
 

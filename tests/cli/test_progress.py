@@ -158,7 +158,7 @@ def _slowed(monkeypatch):
 
     def slow_forward(self, tokens, *args, **kwargs):
         # the model under test only: the fingerprint probes a result records run float64 models of capped
-        # size (experiments.probes.probe_config), whose cost does not grow with the checkpoint's
+        # size (evidence.probes.probe_config), whose cost does not grow with the checkpoint's
         if next(self.parameters()).dtype != torch.float64:
             clock.t += SECONDS_PER_TOKEN * tokens.numel()
         return forward(self, tokens, *args, **kwargs)

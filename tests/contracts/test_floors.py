@@ -9,7 +9,7 @@ from pathlib import Path
 from helpers import PACKAGE
 
 FLOORS = [
-    ("core",),  # errors, files, progress, config, devices, provenance
+    ("core",),  # errors, files, progress, config, devices
     ("ops",),  # the operators: linear attention, delta rule, FWL, PKM, NLL, the fast-RNN kernel
     ("components",),  # the component contract and registry
     ("layers",),  # the mechanisms: one file each
@@ -18,7 +18,8 @@ FLOORS = [
     ("models",),  # the language model, its size, loading a checkpoint
     ("loops", "hf", "tasks"),  # train / evaluate / generate, the Hugging Face bridges, the synthetic tasks
     ("adapt",),  # dynamic evaluation and continual adaptation
-    ("experiments", "harness"),  # streaming, NIAH runs, analyses, probes, the demo; the lm-evaluation-harness models
+    ("experiments", "harness"),  # streaming, NIAH runs, analyses, the demo; the lm-evaluation-harness models
+    ("evidence",),  # provenance, behaviour probes (they build from every floor below) and their summaries
     ("cli",),  # the command line: nothing below imports it
     ("__main__",),
 ]

@@ -133,7 +133,7 @@ def test_a_mask_of_ones_is_no_mask_and_padding_is_not_a_target():
         assert torch.equal(plain.logits, ones.logits) and torch.equal(plain.loss, ones.loss)
         padded = model(tokens, targets=tokens, attention_mask=mask)
         targets = tokens.masked_fill(mask == 0, -100)
-        expected = torch.nn.functional.cross_entropy(padded.logits.float().flatten(0, 1), targets.flatten(),
+        expected = torch.nn.functional.cross_entropy(padded.logits.flatten(0, 1), targets.flatten(),
                                                      ignore_index=-100)
         torch.testing.assert_close(padded.loss, expected)
 

@@ -1,4 +1,4 @@
-"""Evidence by behaviour (benchmarks/evidence.py, fastweights.experiments.probes): a result is stale when
+"""Evidence by behaviour (benchmarks/evidence.py, fastweights.evidence.probes): a result is stale when
 the code it measured behaves differently, found by re-running its probes, never by a list of files."""
 
 import json
@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from fastweights.experiments import probes
+from fastweights.evidence import probes, summaries
 
 from helpers import BENCHMARKS, ROOT
 
@@ -23,7 +23,7 @@ import evidence  # noqa: E402
 def _result(**over):
     spec = probes.probe("ops", op="delta_rule")
     rec = {"command": "python benchmarks/bench_delta_rule.py", "git": {"commit": "abc"},
-           "result_file": "benchmarks/results/r.json", "probes": probes.fingerprinted([spec])}
+           "result_file": "benchmarks/results/r.json", "probes": probes.summarised([spec])}
     rec.update(over)
     return rec
 
@@ -34,11 +34,27 @@ def test_a_probe_is_deterministic_and_sees_a_change_of_behaviour():
     assert probes.run_probe(spec) != probes.run_probe(probes.probe("ops", op="delta_rule"))
 
 
-def test_fingerprints_ignore_last_bit_noise_but_not_a_real_difference():
+def test_summaries_ignore_rounding_noise_but_not_a_real_difference():
     x = torch.randn(50, dtype=torch.float64)
-    noisy = x * (1 + 1e-15 * torch.randn(50, dtype=torch.float64))
-    assert probes.fingerprint_of({"y": x}) == probes.fingerprint_of({"y": noisy})
-    assert probes.fingerprint_of({"y": x}) != probes.fingerprint_of({"y": x * (1 + 1e-6)})
+    stored = summaries.summarise({"y": x, "n": 3, "word": "a"})
+    noisy = summaries.summarise({"y": x * (1 + 1e-12 * torch.randn(50, dtype=torch.float64)), "n": 3, "word": "a"})
+    assert summaries.differences(stored, noisy) == []
+    moved = x.clone()
+    moved[7] *= 1 + 1e-5  # one entry of fifty, a little: what a narrow change of behaviour does
+    assert summaries.differences(stored, summaries.summarise({"y": moved, "n": 3, "word": "a"})) != []
+    assert [d.split(":")[0] for d in summaries.differences(stored, summaries.summarise({"y": x, "n": 4, "word": "a"}))] == ["n"]
+    assert summaries.differences(stored, summaries.summarise({"y": x[:49], "n": 3, "word": "a"})) != []  # shape
+
+
+def test_a_summary_keeps_the_pattern_of_non_finite_values():
+    x = torch.randn(6, dtype=torch.float64)
+    nan = x.clone()
+    nan[2] = float("nan")
+    inf = x.clone()
+    inf[2] = float("inf")
+    lines = [summaries.summary_line(t) for t in (x, nan, inf)]
+    assert len(set(lines)) == 3 and "nonfinite" in lines[1]
+    assert summaries.differences({"y": lines[1]}, {"y": summaries.summary_line(nan.clone())}) == []
 
 
 def test_problems_name_what_a_result_lacks(tmp_path):
@@ -54,13 +70,17 @@ def test_problems_name_what_a_result_lacks(tmp_path):
     assert "no result_file" in problems(_result(result_file=None))
     assert "a copy" in problems(_result(), name="copy.json")
     assert "no behaviour probes" in problems(_result(probes=[]))
+    assert "without kind, args or summary" in problems(_result(probes=[{"kind": "ops", "args": {}, "fingerprint": "ab"}]))
 
 
 def test_a_result_whose_probe_changed_is_stale_and_listed_with_its_command(tmp_path):
     rec = _result()
     assert evidence.staleness(rec) is None
-    rec["probes"][0]["fingerprint"] = "0" * 16  # measured when the operator behaved otherwise
-    assert "behaviour changed: ops delta_rule" in evidence.staleness(rec)
+    y = rec["probes"][0]["summary"]["y"]
+    shape, numbers = y.split(": ")
+    rec["probes"][0]["summary"]["y"] = shape + ": " + " ".join(str(float(v) * 1.01) for v in numbers.split())
+    assert evidence.staleness(rec) is not None  # measured when the operator behaved otherwise
+    assert evidence.staleness(rec).startswith("behaviour changed: ops delta_rule: y: moved by 0.0")
     (tmp_path / "r.json").write_text(json.dumps(rec))
     page = evidence.rerun_page(tmp_path)
     assert "`r`" in page and "python benchmarks/bench_delta_rule.py" in page

@@ -19,7 +19,7 @@ def _row(name, seed, commit, streamed, windows):
             "train_tokens_per_cpu_s": 1000.0, "train_max_rss_mb": 700.0, "score_max_rss_mb": 400.0,
             "val_bits_per_char": windows, "streamed": {"bits_per_char": streamed, "tokens_per_cpu_s": 5000.0},
             "windows": {"bits_per_char": windows, "tokens_per_cpu_s": 6000.0},
-            "probes": [{"kind": "model", "args": {"entry": name}, "fingerprint": "0123456789abcdef"}]}
+            "probes": [{"kind": "model", "args": {"entry": name}, "summary": {"y": "exact 0123456789abcdef"}}]}
 
 
 def test_rows_from_two_commits_record_the_oldest_and_keep_every_rows_probes():
@@ -27,8 +27,8 @@ def test_rows_from_two_commits_record_the_oldest_and_keep_every_rows_probes():
                          text=True, check=True).stdout.split()
     new, old = log[0], log[1]
     a, b = _row("attention", 0, old, 2.0, 2.1), _row("fast-rnn", 0, new, 2.3, 2.2)
-    a["probes"] = [{"kind": "model", "args": {"x": 1}, "fingerprint": "aa"}]
-    b["probes"] = [{"kind": "model", "args": {"x": 2}, "fingerprint": "bb"}, a["probes"][0]]
+    a["probes"] = [{"kind": "model", "args": {"x": 1}, "summary": {"y": "exact aa"}}]
+    b["probes"] = [{"kind": "model", "args": {"x": 2}, "summary": {"y": "exact bb"}}, a["probes"][0]]
     rows = {"attention": [a], "fast-rnn": [b]}
     assert leaderboard.measured_commits(rows)["commit"] == old  # everything counts from the oldest run
     assert leaderboard.measured_probes(rows) == [a["probes"][0], b["probes"][0]]  # each probe once

@@ -1,4 +1,4 @@
-"""What result files record (fastweights.core.provenance), and the benchmark scripts that record it: each is
+"""What result files record (fastweights.evidence.provenance), and the benchmark scripts that record it: each is
 run as ``python benchmarks/X.py`` and imports the installed package and its sibling ``common`` without
 adding anything to ``sys.path`` (issue 20)."""
 
@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import fastweights.core.provenance as provenance_module
-from fastweights.core.provenance import cli_provenance, command_line, git_state, provenance, repo_relative
+import fastweights.evidence.provenance as provenance_module
+from fastweights.evidence.provenance import cli_provenance, command_line, git_state, provenance, repo_relative
 from helpers import ROOT
 
 # Scripts that still add their folder to sys.path, with why (each entry must still be true, so the list
@@ -29,6 +29,7 @@ def test_provenance_records_the_commit_and_the_machine():
     assert git_state(ROOT)["commit"] == head
     rec = provenance(ROOT, ["benchmarks/x.py"])
     assert rec["command"].endswith(" benchmarks/x.py") and rec["git"]["commit"] == head
+    assert rec["machine"]["cpu_capability"] in ("DEFAULT", "AVX2", "AVX512") and rec["machine"]["blas"]
     assert rec["machine"]["torch_threads"] >= 1 and set(rec) == {"command", "date", "git", "machine"}
     assert git_state(Path("/"))["commit"] is None  # not a checkout
 

@@ -239,7 +239,8 @@ def accumulate_grad_stats(forward: Callable, leaves: list[torch.Tensor], names: 
     if max_batches:
         steps = min(steps, max_batches)
     device = leaves[0].device
-    sums = [torch.zeros_like(p, dtype=torch.float32) for p in leaves]
+    # fp32 sums (fp64 for fp64 parameters: no fp32 rounding in an fp64 model's statistics)
+    sums = [torch.zeros_like(p, dtype=torch.float64 if p.dtype == torch.float64 else torch.float32) for p in leaves]
     state = None
     bar = Progress(steps, "batches", desc="dynamic eval: gradient statistics", enabled=progress, loss_unit="nats")
     for i in range(steps):
@@ -252,7 +253,7 @@ def accumulate_grad_stats(forward: Callable, leaves: list[torch.Tensor], names: 
         grads = torch.autograd.grad(loss, leaves, allow_unused=True)
         for s, g in zip(sums, grads):
             if g is not None:
-                s.add_(g.float().square())
+                s.add_(g.to(s.dtype).square())
         state = carry_state(model, new_state, context, seq_len) if model is not None else new_state
         bar.update(1, loss=loss.item())
     bar.close()

@@ -13,8 +13,8 @@ from pathlib import Path
 from fastweights.cli.common import common_flags, describe, load, out_flag, output_prefix
 from fastweights.cli.types import nonneg_int, positive_int
 from fastweights.core.errors import UserError, refuse_non_finite
-from fastweights.experiments.probes import run_probes
-from fastweights.core.provenance import write_cli_result
+from fastweights.evidence.probes import run_probes
+from fastweights.evidence.provenance import write_cli_result
 
 
 def register(sub) -> None:

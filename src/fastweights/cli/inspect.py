@@ -19,8 +19,8 @@ from fastweights.experiments.analysis import analyze, plot_analysis
 from fastweights.cli.common import common_flags, device_flag, load, out_flag, output_prefix, threads_flag
 from fastweights.cli.types import nonneg_int, positive_int
 from fastweights.core.errors import UserError
-from fastweights.experiments.probes import run_probes
-from fastweights.core.provenance import write_cli_result
+from fastweights.evidence.probes import run_probes
+from fastweights.evidence.provenance import write_cli_result
 
 
 def register(top, parser_class) -> None:

@@ -16,8 +16,8 @@ from pathlib import Path
 from fastweights.cli.common import describe, load, output_prefix
 from fastweights.cli.types import nonneg_int, positive_int
 from fastweights.core.errors import UserError, refuse_non_finite
-from fastweights.experiments.probes import run_probes
-from fastweights.core.provenance import write_cli_result
+from fastweights.evidence.probes import run_probes
+from fastweights.evidence.provenance import write_cli_result
 
 PROBED_MODES = ("carry", "reset", "memory", "windows")  # stream modes a result's probes re-run (frozen: as carry)
 

@@ -21,8 +21,8 @@ import fastweights.tasks.niah_token  # noqa: F401  (registers "niah-token-tinysh
 from fastweights.cli.common import common_flags, describe, load, out_flag, output_prefix, threads_flag
 from fastweights.cli.types import fraction, ints, nonneg_float, nonneg_int, positive_float, positive_int, seed
 from fastweights.core.errors import UserError
-from fastweights.experiments.probes import fingerprinted, probe, run_probes
-from fastweights.core.provenance import write_cli_result
+from fastweights.evidence.probes import probe, run_probes, summarised
+from fastweights.evidence.provenance import write_cli_result
 from fastweights.tasks.assoc import FEATURE_MAPS, RULES, AssocConfig, parse_keys, parse_model, plot_capacity, run_sweep
 from fastweights.tasks.ba_retrieval import MODELS, SPLIT_SIZES
 
@@ -43,7 +43,7 @@ def cmd_assoc(args) -> int:
     out = output_prefix(args, "assoc") if args.out else None
     results = run_sweep(base, parse_keys(args.keys), models, progress=not args.quiet)
     if out is not None:
-        measured = fingerprinted([probe("assoc_model", setting=args.setting, **m) for m in models]
+        measured = summarised([probe("assoc_model", setting=args.setting, **m) for m in models]
                                  + [probe("task", name="assoc")])
         write_cli_result(out.with_suffix(".json"), {"results": results}, getattr(args, "argv", None), measured)
         plot_capacity(results, out.with_suffix(".png"))
@@ -285,7 +285,7 @@ def cmd_niah(args) -> int:
             "train_seq_len": cfg.train.seq_len}
     doc = records_to_json(records, summary, meta)
     write_cli_result(out.with_suffix(".json"), doc, getattr(args, "argv", None),
-                     run_probes(cfg) + fingerprinted([probe("task", name="niah")]))
+                     run_probes(cfg) + summarised([probe("task", name="niah")]))
     plot_niah(summary, out.with_suffix(".png"), title=f"NIAH: {Path(args.checkpoint).name} ({describe(cfg)})")
     for s in samples[: args.show]:
         recs = [r for r in records if r["seed"] == s.seed]

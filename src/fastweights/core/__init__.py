@@ -1,1 +1,1 @@
-"""The ground floor: errors, files, progress, configuration, devices, provenance."""
+"""The ground floor: errors, files, progress, configuration, devices."""

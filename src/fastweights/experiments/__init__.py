@@ -3,8 +3,7 @@
 
 * :mod:`fastweights.experiments.streaming` -- streaming perplexity along documents (``eval --stream``):
   carry / reset / frozen / memory modes, per-position curves in constant memory;
-* :mod:`fastweights.experiments.fwpkm_gates` -- the FwPKM gate of every token of a text (``inspect gates``);
-* :mod:`fastweights.experiments.probes` -- the behaviour probes results record.
+* :mod:`fastweights.experiments.fwpkm_gates` -- the FwPKM gate of every token of a text (``inspect gates``).
 
 Continual adaptation across domains (``fastweights continual``) is :mod:`fastweights.adapt.continual`.
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.nn.functional as F
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
@@ -37,6 +36,7 @@ from fastweights.adapt.setup import (DynamicSettings, build_evaluator, default_c
 from fastweights.core.errors import UserError
 from fastweights.loops.evaluate import EvalResult, score_tokens
 from fastweights.loops.generate import generate_tokens
+from fastweights.ops.nll import log_probs
 
 _SETTING_FIELDS = {f for f in DynamicSettings.__dataclass_fields__}
 _HARNESS_ARGS = {"batch_size", "max_batch_size"}  # lm-eval passes them to every model; requests run one at a time
@@ -187,7 +187,7 @@ class FastweightsLM(LM):
             y = torch.tensor(whole[-len(cont):], device=self._device)
             with torch.no_grad():
                 logits = self.model(x).logits[0, -len(cont):]
-            logp = F.log_softmax(logits.float(), -1)
+            logp = log_probs(logits)
             ll = float(logp.gather(-1, y[:, None]).sum())
             greedy = bool((logp.argmax(-1) == y).all())
             out.append((ll, greedy))

@@ -66,6 +66,7 @@ from fastweights.core.config import ModelConfig, from_dict
 from fastweights.core.errors import UserError
 from fastweights.layers.fast_memory import PerRowState
 from fastweights.models.lm import LanguageModel
+from fastweights.ops.nll import upcast_logits
 
 try:
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
@@ -381,7 +382,7 @@ class FastWeightsForCausalLM(PreTrainedModel, GenerationMixin):
             if attention_mask is not None:
                 labels = labels.masked_fill(attention_mask == 0, -100)  # padding is never a target
             # HF convention: position t predicts labels[t + 1]
-            loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+            loss = F.cross_entropy(upcast_logits(logits[:, :-1]).flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
             if out.aux_loss is not None:
                 loss = loss + out.aux_loss
         if logits_to_keep:

@@ -44,6 +44,7 @@ from torch import nn
 
 from fastweights.core.errors import UserError
 from fastweights.models.lm import ModelOutput
+from fastweights.ops.nll import upcast_logits
 
 from fastweights.hf.kv_context import (DEFAULT_SINKS, context_metadata, needs_reencoding, reencode_budget,
                                        trim_with_sinks)
@@ -170,7 +171,7 @@ class HFCausalLM(nn.Module):
     def _output(logits, state, targets):
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+            loss = F.cross_entropy(upcast_logits(logits).flatten(0, 1), targets.flatten(), ignore_index=-100)
         return ModelOutput(logits, loss, state)
 
     def trim_state(self, state: dict, keep: int) -> dict:

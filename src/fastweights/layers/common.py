@@ -91,20 +91,28 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.base = base
+        self.register_buffer("inv_freq", self.frequencies(head_dim, base, torch.float32), persistent=False)
+
+    @staticmethod
+    def frequencies(head_dim: int, base: float, dtype: torch.dtype, device=None) -> torch.Tensor:
+        """The rotation frequencies ``base ** (-2i / head_dim)``, i = 0 .. head_dim/2 - 1, computed in ``dtype``."""
+        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=dtype, device=device) / head_dim))
 
     def forward(self, x: torch.Tensor, start: int | torch.Tensor) -> torch.Tensor:
         """x: [..., T, D] -> same shape, rotated for positions start..start+T-1; or, with ``start`` a tensor of
         positions [B, T] (each row's own, as under padding), x [B, H, T, D] rotated for those."""
         T, D = x.shape[-2], x.shape[-1]
         compute = torch.float64 if x.dtype == torch.float64 else torch.float32  # no complex bf16
+        # fp64 inputs get fp64 angles (frequencies included): no fp32 rounding, whose last bits differ between
+        # CPU kernels (the behaviour probes run fp64); every other dtype keeps the fp32 angles it was trained with
+        inv_freq = self.inv_freq if compute == torch.float32 else self.frequencies(D, self.base, torch.float64, x.device)
         if isinstance(start, torch.Tensor):  # per-row positions [B, T]
-            t = start.to(device=x.device, dtype=torch.float32)
-            angles = (t.unsqueeze(-1) * self.inv_freq).to(compute).unsqueeze(1)  # [B, 1, T, D/2]
+            t = start.to(device=x.device, dtype=inv_freq.dtype)
+            angles = (t.unsqueeze(-1) * inv_freq).to(compute).unsqueeze(1)  # [B, 1, T, D/2]
         else:
-            t = torch.arange(start, start + T, device=x.device, dtype=torch.float32)
-            angles = torch.outer(t, self.inv_freq).to(compute)  # [T, D/2]
+            t = torch.arange(start, start + T, device=x.device, dtype=inv_freq.dtype)
+            angles = torch.outer(t, inv_freq).to(compute)  # [T, D/2]
         rotation = torch.polar(torch.ones_like(angles), angles)  # complex64 / complex128
         xc = x.to(compute)
         if xc.stride(-1) != 1 or any(s % 2 for s in xc.stride()[:-1]):

@@ -31,6 +31,7 @@ from fastweights.checkpoints.format import load_model_as, save_model
 from fastweights.core.config import ModelConfig, from_dict
 from fastweights.core.errors import UserError
 from fastweights.layers.common import RMSNorm, ShortConv, SwiGLU, swiglu_hidden
+from fastweights.ops.nll import upcast_logits
 from fastweights.components import (
     HEADS,
     MEMORIES,
@@ -209,7 +210,7 @@ class LanguageModel(nn.Module):
         if targets is not None:
             if mask is not None:
                 targets = targets.masked_fill(~mask, -100)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+            loss = F.cross_entropy(upcast_logits(logits).flatten(0, 1), targets.flatten(), ignore_index=-100)
         aux = [m.aux_loss for m in self._aux_parts if m.aux_loss is not None]
         aux_loss = torch.stack(aux).sum() if aux else None
         return ModelOutput(logits, loss, {"layers": layer_states, "head": head_state}, aux_loss)

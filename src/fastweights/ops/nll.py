@@ -2,8 +2,9 @@
 
     nll_t = -log softmax(logits_t)[target_t]        (nats)
 
-Computed in fp32 (fp64 logits stay fp64, for exactness tests), whatever the model's compute dtype.
-:func:`log_probs` is the log-softmax in that dtype, for a scorer that also needs the whole
+Computed in fp32 or wider: bf16/fp16 logits go to fp32, fp32 and fp64 logits keep their dtype
+(:func:`upcast_logits`; the behaviour probes run fp64 end to end, so no fp32 rounding reaches a loss or
+a gradient there). :func:`log_probs` is the log-softmax in that dtype, for a scorer that also needs the whole
 distribution (the neural cache on top of dynamic evaluation mixes it); :func:`nll_at` reads the
 targets' entries from it; :func:`token_nll` is the two in one.
 """
@@ -13,9 +14,15 @@ from __future__ import annotations
 import torch
 
 
+def upcast_logits(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` in the dtype every loss and log-probability here is computed in: fp32 for bf16/fp16,
+    unchanged for fp32 and fp64."""
+    return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+
+
 def log_probs(logits: torch.Tensor) -> torch.Tensor:
-    """log softmax over the last axis (the vocabulary), in fp32, or fp64 for fp64 logits."""
-    return torch.log_softmax(logits if logits.dtype == torch.float64 else logits.float(), dim=-1)
+    """log softmax over the last axis (the vocabulary), in the dtype of :func:`upcast_logits`."""
+    return torch.log_softmax(upcast_logits(logits), dim=-1)
 
 
 def nll_at(logp: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -3,14 +3,15 @@ made relative to its root, so a reader can run it from any clone), the date, the
 paths that differed from it, and the machine with its load.
 
 The benchmark scripts record this through ``benchmarks/common.py`` (``root`` = the repository the
-script lives in), and ``benchmarks/report.py --check`` compares the recorded commit with the last
-commit that changed the code a result measures.
+script lives in), and ``benchmarks/report.py --check`` re-runs the behaviour probes a result recorded
+(:mod:`fastweights.evidence.probes`) to tell whether the code it measured still behaves the same.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -43,9 +44,22 @@ def command_line(root: Path, argv: list[str] | None = None, program: str | None 
     return " ".join(shlex.quote(w) for w in [program or Path(sys.executable).name, *words])
 
 
+def blas() -> str:
+    """The BLAS torch's CPU matrix products run on, as its build reports it (``mkl``, ``open``, ...), with
+    the library's version line where the build prints one."""
+    config = torch.__config__.show()
+    found = re.search(r"BLAS_INFO=([^,\s]+)", config)
+    name = found.group(1) if found else "unknown"
+    version = next((line.strip(" -") for line in config.splitlines() if "Math Kernel Library" in line or "OpenBLAS" in line), "")
+    return f"{name} ({version})" if version else name
+
+
 def machine() -> dict:
-    """Python and torch versions, the CPU, its cores, torch's threads, the 1-minute load and the GPU."""
+    """Python and torch versions, the CPU, the kernels torch chose for it (``cpu_capability``: DEFAULT, AVX2,
+    AVX512; ``ATEN_CPU_CAPABILITY`` overrides it), the BLAS, its cores, torch's threads, the 1-minute load and
+    the GPU: what a number measured on another machine may differ by."""
     info = {"python": platform.python_version(), "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "blas": blas(),
             "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
     if torch.cuda.is_available():
@@ -107,8 +121,8 @@ def cli_provenance(argv: list[str] | None = None) -> dict:
 def write_cli_result(path: Path, payload: dict, argv: list[str] | None, probes: list[dict]) -> None:
     """Write ``payload`` as JSON at ``path`` after :func:`cli_provenance` (``argv``: the command's words,
     as ``fastweights.cli.main`` keeps them in ``args.argv``), the file's own path (``result_file``) and the
-    fingerprinted behaviour ``probes`` of the code the command measured
-    (:func:`fastweights.experiments.probes.fingerprinted`), whole or not at all."""
+    summarised behaviour ``probes`` of the code the command measured
+    (:func:`fastweights.evidence.probes.summarised`), whole or not at all."""
     import json
 
     from fastweights.core.files import atomic_write

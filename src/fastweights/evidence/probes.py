@@ -1,21 +1,24 @@
 """Behaviour probes: the evidence that a stored result still measures the code as it is.
 
 A result (``benchmarks/results/*.json``, or a file a ``fastweights`` command writes) records the
-probes of the code path it measured, each as a spec and a fingerprint::
+probes of the code path it measured, each as a spec and the summary of its outputs::
 
-    "probes": [{"kind": "model", "args": {"config": {...}}, "fingerprint": "3f9c..."}, ...]
+    "probes": [{"kind": "model", "args": {"config": {...}}, "summary": {"logits": "2x48x96: ...", ...}}, ...]
 
 A probe is a seconds-long, deterministic fp64 run of exactly that code path (a model built from the
 measured configuration with seeded random weights, a layer, a dynamic-evaluation rule, a scorer, a
-task generator) on fixed inputs; its fingerprint hashes the outputs and the gradients. ``report.py``
-recomputes every stored probe: a result whose fingerprint changed measured code that no longer
+task generator) on fixed inputs; its summary (:mod:`fastweights.evidence.summaries`) holds, for each
+output and gradient, its norm and a few fixed projections. ``benchmarks/tools/evidence.py`` recomputes
+every stored probe: a result whose summaries moved by more than the tolerance measured code that no longer
 behaves the same, and is marked stale with the command that re-runs it. A refactor that leaves the
 behaviour alone (a renamed variable, a moved function, a new import) leaves every result current; a
-one-character change in an operator a result reaches only through an import changes its probe.
+one-character change in an operator a result reaches only through an import moves its probe.
 
-Fingerprints round each tensor to 1e-8 of its largest magnitude before hashing, so a different
-summation order on another CPU (last-bit differences in fp64) does not read as a change of behaviour.
-Probes run on one thread, on the CPU, under a fixed seed.
+Probes run in fp64 from the first weight on (the default dtype is float64 while a probe builds and runs:
+an fp32 initialisation would carry the last bits of a CPU's vectorised random-number kernels, which differ
+between AVX2, AVX-512 and the portable kernels), on one thread, on the CPU, under a fixed seed; every
+path they reach keeps fp64 (a loss keeps fp32-or-wider logits' dtype, rotary angles of fp64 inputs are
+fp64). Between the CPU kernels of one machine their outputs differ by about 1e-13 of their norm.
 
 Kinds (``args`` are JSON, so a result names its probes completely):
     model     {"config": model config}          logits, loss and every gradient, two calls with state carried
@@ -35,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 from pathlib import Path
 from typing import Any, Callable
@@ -43,49 +45,15 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from fastweights.evidence.summaries import summarise
+
 PROBE_VOCAB = 96  # vocabulary of probe models (a tokenizer's size changes no code path)
 PROBE_CHUNK = 8  # chunk/segment sizes above this are shrunk so the probe's few tokens cross boundaries
 # option values shrunk in probes: the same code path at a size that runs in milliseconds
 PROBE_CAPS = {"chunk_size": PROBE_CHUNK, "segment_len": PROBE_CHUNK, "chunk": PROBE_CHUNK, "window": PROBE_CHUNK,
               "n_subkeys": 8, "d_key": 8, "d_value": 8, "hidden": 16, "topk": 4}
-_RELATIVE_RESOLUTION = 1e-8
-
-
-# ----------------------------------------------------------------------------- fingerprints
-
-
-def tensor_digest(t: torch.Tensor, h) -> None:
-    """Feed ``t`` to hash ``h``: its shape and its values rounded to 1e-8 of its largest magnitude."""
-    t = t.detach().to(torch.float64).cpu()
-    h.update(repr(tuple(t.shape)).encode())
-    if t.numel() == 0:
-        return
-    scale = float(t.abs().max())
-    if not np.isfinite(scale):
-        h.update(b"nonfinite")
-        h.update(torch.nan_to_num(t, nan=0.0, posinf=1.0, neginf=-1.0).isfinite().numpy().tobytes())
-        return
-    if scale == 0.0:
-        h.update(b"zero")
-        return
-    q = torch.round(t / (scale * _RELATIVE_RESOLUTION)).to(torch.int64)
-    h.update(f"{scale:.6e}".encode())
-    h.update(q.numpy().tobytes())
-
-
-def fingerprint_of(outputs: dict[str, Any]) -> str:
-    """A short hash of a dict of tensors / numbers / strings (keys sorted)."""
-    h = hashlib.sha256()
-    for key in sorted(outputs):
-        h.update(key.encode())
-        value = outputs[key]
-        if isinstance(value, torch.Tensor):
-            tensor_digest(value, h)
-        elif isinstance(value, np.ndarray):
-            tensor_digest(torch.from_numpy(np.ascontiguousarray(value)).to(torch.float64), h)
-        else:
-            h.update(json.dumps(value, sort_keys=True, default=str).encode())
-    return h.hexdigest()[:16]
+PROBE_DTYPE = torch.float64  # the default dtype while a probe builds and runs its model
+PROBE_DYNAMIC_LR = 5e-5  # the dynamic-evaluation probes' own learning rate: none of the library's defaults
 
 
 @contextlib.contextmanager
@@ -94,6 +62,7 @@ def _deterministic(seed: int = 0):
     dtype = torch.get_default_dtype()
     rng = torch.get_rng_state()
     torch.set_num_threads(1)
+    torch.set_default_dtype(PROBE_DTYPE)
     torch.manual_seed(seed)
     try:
         yield
@@ -185,14 +154,12 @@ def _stream(config: dict, mode: str = "carry", seq_len: int = 16) -> dict:
             "document_losses": torch.tensor(losses, dtype=torch.float64)}
 
 
-def _dynamic(config: dict | None, rule: str, lr: float | None = None, segment_len: int = 5, **kw) -> dict:
+def _dynamic(config: dict | None, rule: str, lr: float = PROBE_DYNAMIC_LR, segment_len: int = 5, **kw) -> dict:
     from fastweights.adapt.dynamic import DynamicEvaluator
     from fastweights.adapt.update_rules import collect_grad_stats, rule_needs_stats
 
     model = probe_model_of(config).eval() if config is not None else _tiny_gpt2()
-    settings = dict(kw)
-    if lr is not None:
-        settings["lr"] = lr
+    settings = {**kw, "lr": lr}
     if rule_needs_stats(rule):
         settings["grad_stats"] = collect_grad_stats(model, _tokens(200, 3), batch_size=4, seq_len=segment_len,
                                                     max_batches=3)
@@ -323,7 +290,7 @@ def _task(name: str) -> dict:
 
 
 def _source(path: str, texts: list[str]) -> dict:
-    from fastweights.core.provenance import package_checkout
+    from fastweights.evidence.provenance import package_checkout
 
     root = package_checkout() or Path.cwd()
     file = root / path
@@ -390,27 +357,28 @@ def probe(kind: str, **args) -> dict:
     return {"kind": kind, "args": json.loads(json.dumps(args))}
 
 
-def run_probe(spec: dict) -> str:
-    """The fingerprint of ``spec`` ({"kind", "args"}) under the code as it is now."""
+def run_probe(spec: dict) -> dict[str, str]:
+    """The summary of ``spec`` ({"kind", "args"}) under the code as it is now
+    (:func:`fastweights.evidence.summaries.summarise` of its outputs)."""
     kind = spec["kind"]
     if kind not in KINDS:
         raise ValueError(f"unknown probe kind {kind!r}; known: {sorted(KINDS)}")
     with _deterministic():
-        return fingerprint_of(KINDS[kind](**spec.get("args", {})))
+        return summarise(KINDS[kind](**spec.get("args", {})))
 
 
-def fingerprinted(specs: list[dict]) -> list[dict]:
-    """``specs`` with their fingerprints, as a result records them (a spec named twice runs once; one that
-    already carries a fingerprint, measured earlier, keeps it)."""
+def summarised(specs: list[dict]) -> list[dict]:
+    """``specs`` with their summaries, as a result records them (a spec named twice runs once; one that
+    already carries a summary, measured earlier, keeps it)."""
     out, seen = [], {}
     for spec in specs:
-        if "fingerprint" in spec:
+        if "summary" in spec:
             out.append(spec)
             continue
         key = json.dumps(spec, sort_keys=True)
         if key not in seen:
             seen[key] = run_probe(spec)
-            out.append({**spec, "fingerprint": seen[key]})
+            out.append({**spec, "summary": seen[key]})
     return out
 
 
@@ -450,6 +418,6 @@ def checkpoint_probes(config: dict, stream_modes: tuple[str, ...] = (), dynamic_
 
 
 def run_probes(cfg, stream_modes: tuple[str, ...] = (), dynamic_rule: str | None = None) -> list[dict]:
-    """The fingerprinted probes of a trained run (its :class:`~fastweights.core.config.RunConfig`), as a
+    """The summarised probes of a trained run (its :class:`~fastweights.core.config.RunConfig`), as a
     ``fastweights`` command that measured it records them."""
-    return fingerprinted(checkpoint_probes(dataclasses.asdict(cfg.model), stream_modes, dynamic_rule))
+    return summarised(checkpoint_probes(dataclasses.asdict(cfg.model), stream_modes, dynamic_rule))
