@@ -12,14 +12,14 @@ A result file contributes rows through its ``headline`` list:
 ``{"what": "...", "value": 1.23, "unit": "bits/char", "target": ">= 0.9"}`` (unit and target optional).
 
 The claims table (``<!-- claims:start -->`` ... ``<!-- claims:end -->``, in the README; issue 21) puts each
-paper's headline claims (CLAIMS) beside the closest result we have, with a verdict computed from the value
+paper's headline claims (``results/claims.toml``) beside the closest result we have, with a verdict computed from the value
 and the claim's rule.
 
 Pages: README.md, docs/*.md and docs/experiments/*.md (one write-up per benchmark).
 
 ``--check`` also fails (issues 22, 30) on
   * a cited number that disagrees with its source: ``0.805 <!-- src: bench_fwpkm_model ratio -->`` (the shown
-    digits must be the JSON value rounded to them; key paths as in EXTRACT), on any page;
+    digits must be the JSON value rounded to them; key paths as in ``results/extract.toml``), on any page;
   * a decimal number without a source inside ``<!-- numbers:start -->`` ... ``<!-- numbers:end -->``;
   * a citation marker in the prose of a user's-guide page (docs/*.md but results.md) outside a numbers region:
     markers live in the generated tables, the README's claims table, numbers regions and the measurement write-ups
@@ -36,6 +36,7 @@ import json
 import operator
 import re
 import sys
+import tomllib
 from pathlib import Path
 from typing import NamedTuple
 
@@ -51,106 +52,20 @@ BOARD_START, BOARD_END = "<!-- leaderboard:start -->", "<!-- leaderboard:end -->
 REQUIRED = {"README.md": CLAIMS_START, "docs/results.md": START + " -->"}
 
 
-# Rows for result files that carry no ``headline`` list: (file stem, what, dotted path, unit, target).
-EXTRACT = [
-    ("cuda_scale", "H100, 115M params, T=4096, bf16: FwPKM hybrid tokens/s over its GDN/attention backbone",
-     "ratios/fwpkm_hybrid_tokens_per_s_over_backbone", "x", ">= 0.6 (paper: 0.35)"),
-    ("cuda_scale", "H100, same size: our GDN/attention hybrid's step time over fla's GatedDeltaNetForCausalLM "
-     "(fla's gated-backward guard bypassed: timing only)", "ratios/ours_hybrid_step_over_fla_model_step", "x", "<= 1.1"),
-    ("cuda_scale_kernels", "H100, T=8192: gated delta rule fwd+bwd, our compiled chunked form over fla's kernel",
-     "ratios/T8192|gated_op_compiled_over_raw_fla", "x", "<= 2"),
-    ("cuda_scale_kernels", "H100, T=8192: gdn layer fwd+bwd over fla's raw gated kernel",
-     "ratios/T8192|gdn_layer_over_raw_fla_gated_kernel", "x", "<= 1.15"),
-    ("cuda_scale_kernels", "H100, T=8192: delta rule op (auto: fla, state in and out) over fla's raw kernel",
-     "ratios/T8192|delta_op_auto_over_raw_fla", "x", "<= 1.15"),
-    ("bench_delta_rule", "delta rule fwd+bwd, chunked (C=64) vs per-step loop, CPU, B=1 T=2048 H=4 D=64 (median)",
-     "speed/delta/speedup_fwd_bwd/C64_wall_median", "x", ">= 20x"),
-    ("bench_delta_rule", "gated delta rule fwd+bwd, chunked (C=64) vs per-step loop, CPU (median)",
-     "speed/gated_delta/speedup_fwd_bwd/C64_wall_median", "x", ">= 20x"),
-    ("bench_delta_rule", "delta rule peak memory per token, chunked (D=64)",
-     "memory/peak_rss_bytes_per_token_D64/chunked", "bytes", "grows with T*D"),
-    ("bench_delta_rule", "delta rule peak memory per token, per-step loop (D=64)",
-     "memory/peak_rss_bytes_per_token_D64/per_step", "bytes", ""),
-    ("assoc_capacity", "assoc. retrieval setting 1: first S where sum rule / ELU+1 (d_dot=64) loss > 0.01",
-     "acceptance/setting1_sum_elu1_fails_before_S100/first_S_with_loss_above_0.01", "keys", "< 100"),
-    ("assoc_capacity", "assoc. retrieval setting 1: DPFP nu=1 final loss at S=60",
-     "acceptance/setting1_sum_dpfp1_solves_S60/final_loss", "", "near 0"),
-    ("assoc_capacity", "assoc. retrieval setting 2, S=60: sum-rule loss / delta-rule loss (the delta run solved the task; "
-     "the sum run stopped at the 3,000-step cap)",
-     "acceptance/setting2_delta_below_sum_at_S60/ratio_sum_over_delta", "x", "> 1"),
-    ("bench_fwpkm_layer", "FwPKM layer (paper config, B=1 T=4096) fwd+bwd time / SwiGLU of same width, CPU (interleaved median)",
-     "ratios/interleaved_b1_fwpkm_over_swiglu", "x", ""),
-    ("bench_fwpkm_layer", "FwPKM layer fwd+bwd peak RSS above setup, CPU, B=1 T=4096",
-     "results/fwpkm_b1/peak_rss_over_setup_bytes", "bytes", "< 4 GiB"),
-    ("bench_fast_rnn", "fast-weights RNN training step vs plain loop with explicit A, CPU, T=128 H=128 B=32 (wall median)",
-     "training_step/speedup/plain_loop|ours_auto (wall median)", "x", ">= 2x"),
-    ("ba_retrieval_fw_seed1_90k", "Ba et al. retrieval R=20 K=4: fast-weights RNN, the worst seed (1) rerun for 90k steps, test error",
-     "summary/fast-rnn/test_error_mean", "", "<= 0.05"),
-    ("ba_retrieval_lr1e-4", "Ba et al. retrieval R=20 K=4 at Adam lr 1e-4 (the public code's), seed 0, 30k steps: fast-weights RNN test error",
-     "summary/fast-rnn/test_error_mean", "", ""),
-    ("ba_retrieval_lr1e-4", "  same protocol: LSTM test error (the plateau the paper's 60.8% sits on)",
-     "summary/lstm/test_error_mean", "", ""),
-    ("ba_retrieval_lr3e-4", "Ba et al. retrieval R=20 K=4 at Adam lr 3e-4, seed 0, 40k steps: fast-weights RNN test error",
-     "summary/fast-rnn/test_error_mean", "", ""),
-    ("ba_retrieval_lr3e-4", "  same protocol: LSTM test error", "summary/lstm/test_error_mean", "", ""),
-    ("ba_retrieval_lr3e-3", "Ba et al. retrieval R=20 K=4 at Adam lr 3e-3, 3 seeds, 15k steps: fast-weights RNN worst seed test error",
-     "summary/fast-rnn/test_error_max", "", ""),
-    ("ba_retrieval_lr3e-3", "  same protocol: LSTM best seed test error", "summary/lstm/test_error_min", "", ""),
-    ("ba_retrieval_seeds", "Ba et al. retrieval R=20 K=4: fast-weights RNN test error, mean of 3 seeds (45k steps)",
-     "summary/fast-rnn/test_error_mean", "", "<= 0.05 (paper 0.018)"),
-    ("ba_retrieval_seeds", "Ba et al. retrieval R=20 K=4: fast-weights RNN worst seed test error", "summary/fast-rnn/test_error_max",
-     "", "<= 0.05"),
-    ("ba_retrieval_seeds", "Ba et al. retrieval R=20 K=4: LSTM test error, mean of 3 seeds (45k steps)",
-     "summary/lstm/test_error_mean", "", "> 0.30 (paper 0.608)"),
-    ("dynamic_eval_quality", "dynamic eval (rms-global-prior), 3 held-out Shakespeare plays: relative bpc reduction",
-     "shakespeare_heldout_plays/overall/relative_improvement", "", ">= 0.03"),
-    ("dynamic_eval_quality", "  same plays: static bits/char", "shakespeare_heldout_plays/overall/static_bpc", "bits/char", ""),
-    ("dynamic_eval_quality", "  same plays: dynamic bits/char", "shakespeare_heldout_plays/overall/dynamic_bpc", "bits/char", ""),
-    ("dynamic_eval_quality", "  same plays: neural cache bits/char", "shakespeare_heldout_plays/overall/cache_bpc", "bits/char", ""),
-    ("dynamic_eval_quality", "dynamic eval on Spanish (Don Quijote, Shakespeare-tuned): relative bpc reduction",
-     "spanish/shakespeare_tuned/relative_improvement", "", "much more than 0.03"),
-    ("bench_fwl", "FWL head: scoring tokens/s, backbone + FWL / backbone (shakespeare-char shapes, B=16 T=128, CPU)",
-     "results/window/ratio_over_backbone/backbone + fwl (preset)", "x", ">= 0.85 (paper 0.85, V100)"),
-    ("bench_fwl_depth12", "FWL head: scoring tokens/s, same shapes but a 12-layer backbone (the paper's sparse transformer depth), CPU",
-     "results/window/ratio_over_backbone/backbone + fwl (preset)", "x", ">= 0.85 (paper 0.85, V100, 18 layers)"),
-    ("bench_fwl", "  4-layer matmul-FLOP ratio, backbone / backbone + FWL per token (torch flop counter; not a ceiling)",
-     "results/window/flop_ratio/backbone + fwl (preset)", "x", ""),
-    ("bench_fwl_depth12", "  12-layer matmul-FLOP ratio (the measured 12-layer ratio is above it: not a ceiling)",
-     "results/window/flop_ratio/backbone + fwl (preset)", "x", ""),
-    ("bench_fwl", "FWL head: training-step tokens/s, backbone + FWL / backbone (second-order, CPU)",
-     "results/train/ratio_over_backbone/backbone + fwl (preset)", "x", ""),
-    ("fwl_quality", "FWL vs linear head, same backbone, equal CPU time (2.5 min): val bits/char difference (fwl - base)",
-     "differences_bits/fwl - base/val_bits_window", "bits/char", "< 0 (FWL better)"),
-    ("fwl_quality_equal_steps", "FWL vs linear head, same backbone, 200 steps each: val bits/char difference (fwl - base)",
-     "differences_bits/fwl - base/val_bits_window", "bits/char", "< 0 (FWL better)"),
-    ("adapt_test_dynamic", "continual adaptation (Shakespeare, Tolstoy, State of the Union, Spanish; 20K chars each), "
-     "Shakespeare char model + dynamic evaluation: Spanish NLL change after its own stage", "delta/4/3", "nats/char", ""),
-    ("adapt_test_dynamic", "  same: Shakespeare NLL change after the last stage (forgetting)", "delta/4/0", "nats/char", ""),
-    ("adapt_test_fwpkm", "same protocol, FwPKM long-docs model, its memory only (no slow-weight update): Spanish NLL change "
-     "after its own stage", "delta/4/3", "nats/char", ""),
-    ("adapt_test_fwpkm", "  same: Shakespeare NLL change after the last stage (forgetting)", "delta/4/0", "nats/char", ""),
-    ("fwl_quality_1000", "FWL vs linear head, same backbone, 1000 steps each: val bits/char difference (fwl - base)",
-     "differences_bits/fwl - base/val_bits_window", "bits/char", "< 0 (FWL better)"),
-    ("fwl_quality_1000", "  same: test split streamed with state carried, bits/char difference (fwl - base)",
-     "differences_bits/fwl - base/test_bits_stream", "bits/char", "< 0 (FWL better)"),
-    ("fwl_quality_1000", "  same, FWL trained with carried state (train.carry_state): val bits/char difference",
-     "differences_bits/fwl-carry - base/val_bits_window", "bits/char", "< 0 (FWL better)"),
-    ("dynamic_timescale_spanish", "dynamic eval on Spanish by position: mean bits/char, static",
-     "static_mean_bits", "bits/char", ""),
-    ("dynamic_timescale_spanish", "  same: mean bits/char, dynamic (rms-global-prior)", "dynamic_mean_bits", "bits/char", ""),
-    ("bench_dynamic_eval", "dynamic / static evaluation tokens/s (full parameters, CPU)", "ratio_dynamic_over_static", "x", ">= 0.30"),
-    ("bench_dynamic_eval", "sparse dynamic / static evaluation tokens/s (CPU)", "ratio_sparse_over_static", "x", ""),
-    ("stream_memory", "streaming 1M vs 100K tokens, softmax attention (bounded KV cache) + FwPKM model: peak RSS ratio",
-     "ratios_largest_over_smallest/attention+fwpkm/peak_rss", "x", "~1 (constant)"),
-    ("stream_memory", "streaming 1M vs 100K tokens, delta-rule + FwPKM model: peak RSS ratio",
-     "ratios_largest_over_smallest/fwp_delta+fwpkm/peak_rss", "x", "~1 (constant)"),
-]
+# Rows for result files that carry no ``headline`` list, as data beside the results: results/extract.toml.
+EXTRACT_FILE = RESULTS / "extract.toml"
+
+
+def extract_rows() -> list[tuple[str, str, str, str, str]]:
+    """``(stem, what, key path, unit, target)`` of every row of ``results/extract.toml``, in its order."""
+    return [(r["stem"], r["what"], r["key"], r["unit"], r["target"])
+            for r in tomllib.loads(EXTRACT_FILE.read_text())["row"]]
 
 
 class Claim(NamedTuple):
     """One headline claim of a paper beside the closest result we have (a row of the claims table).
 
-    ``key`` is one key path into ``benchmarks/results/STEM.json`` (as in EXTRACT), or ``{label: key path}``
+    ``key`` is one key path into ``benchmarks/results/STEM.json`` (as in ``results/extract.toml``), or ``{label: key path}``
     for values shown side by side ("base 181.2 vs FWL 154.5 ppl"), ours last. ``rule`` is what the last
     value must satisfy for the claim to hold: ``"OP NUMBER"`` or ``"OP [FACTOR *] LABEL"`` (against another
     value of the row), OP one of < <= > >=; a number is in the JSON's units (a fraction when unit is "%").
@@ -164,83 +79,12 @@ class Claim(NamedTuple):
     rule: str
 
 
-_TRANSCRIBED = "as transcribed, not checked against the PDF"
-CLAIMS = [
-    Claim("Fast Weight Layers (Clark et al. 2022): an FWL head lowers a language model's test perplexity. Ours: PTB "
-          "word level, a 2-layer attention LM, 1,000 training steps on the CPU, test split streamed with state carried",
-          "Transformer-XL on WikiText-103: 18.1 -> 16.6 test ppl (Table 1)", "fwl_ptb_seg16",
-          {"base": "runs/base/test_stream_ppl", "FWL": "runs/fwl/test_stream_ppl"}, "ppl", "< base"),
-    Claim("FWL: close to dynamic evaluation's perplexity (here: within 2%) without updating weights at test time. "
-          "Ours: the same PTB run against dynamic evaluation (rms-global-prior) of its own base checkpoint",
-          "16.6 (FWL) vs 16.4 (dynamic evaluation) test ppl (Table 1)", "fwl_ptb_seg16",
-          {"dynamic eval": "dynamic_eval_reference/dynamic/rms-global-prior", "FWL": "runs/fwl/test_stream_ppl"},
-          "ppl", "<= 1.02 * dynamic eval"),
-    Claim("FWL: scoring with the head keeps most of the backbone's speed. Ours: tokens/s with / without the head, "
-          "12-layer backbone, window scoring, CPU",
-          "1340 / 1575 tok/s = 0.85, Transformer-XL, one V100 (Table 1)", "bench_fwl_depth12",
-          "results/window/ratio_over_backbone/backbone + fwl (preset)", "x", ">= 0.85"),
-    Claim("Fast weight programmers (Schlag et al. 2021): the sum rule runs out of capacity once the number of keys S "
-          "passes d_dot. Ours: first S of the sweep (20-100) where ELU+1 (d_dot 64) final loss exceeds 0.01, "
-          "setting 1, runs capped at 3,000 steps",
-          "ELU+1 loss 0.025 at S = 60, 0.172 at S = 100 (Fig. 2; the authors' logs)", "assoc_capacity",
-          "acceptance/setting1_sum_elu1_fails_before_S100/first_S_with_loss_above_0.01", "keys", "< 100"),
-    Claim("Fast weight programmers: a larger d_dot (DPFP, nu = 1, d_dot 128) raises the capacity. Ours: its final loss "
-          "at S = 100, setting 1",
-          "DPFP-1 loss 0.000 at S = 100 (Fig. 2; the authors' logs)", "assoc_capacity", "runs/9/final_eval_loss",
-          "", "< 0.01"),
-    Claim("Fast weight programmers: with overwrites (setting 2) the delta rule beats the sum rule. Ours: DPFP-1 at "
-          "S = 60, runs capped at 3,000 steps",
-          "sum 0.123 vs delta 0.006 final loss at S = 60 (Fig. 5; the authors' logs)", "assoc_capacity",
-          {"sum": "acceptance/setting2_delta_below_sum_at_S60/sum_dpfp1",
-           "delta": "acceptance/setting2_delta_below_sum_at_S60/delta_dpfp1"}, "", "< sum"),
-    Claim("Fast-weights RNN (Ba et al. 2016): fast weights solve associative retrieval with 20 hidden units "
-          "(R = 20, K = 4; solved = at most 5% test error). Ours: mean of 3 seeds, 45k steps",
-          f"1.81% test error (Table 1, {_TRANSCRIBED})", "ba_retrieval_seeds", "summary/fast-rnn/test_error_mean",
-          "%", "<= 0.05"),
-    Claim("Fast-weights RNN: an LSTM of the same size fails at that task (here: above 30% test error). Ours: mean of "
-          "3 seeds, same protocol",
-          f"60.81% test error (Table 1, {_TRANSCRIBED})", "ba_retrieval_seeds", "summary/lstm/test_error_mean",
-          "%", "> 0.30"),
-    Claim("Dynamic evaluation (Krause et al. 2018): adapting to the test text lowers word-level perplexity. Ours: PTB, "
-          "a small attention LM trained on the CPU, rms-global-prior tuned on validation, segment 20",
-          "AWD-LSTM on PTB: 57.7 -> 51.1 test ppl (Table 1)", "ptb_dynamic_eval",
-          {"static": "test/static/perplexity", "dynamic": "test/dynamic/rms-global-prior/perplexity"}, "ppl",
-          "< static"),
-    Claim("Dynamic evaluation: it beats the neural cache. Ours: character level, three held-out Shakespeare plays, a "
-          "small Shakespeare model trained on the CPU",
-          "52.8 (cache) vs 51.1 (dynamic evaluation) PTB test ppl (Table 1)", "dynamic_eval_quality",
-          {"cache": "shakespeare_heldout_plays/overall/cache_bpc",
-           "dynamic": "shakespeare_heldout_plays/overall/dynamic_bpc"}, "bits/char", "< cache"),
-    Claim("Dynamic evaluation: it also helps a pretrained transformer. Ours: SmolLM2-135M-Instruct on long "
-          "texts, relative perplexity reduction, mean over the scored texts, setting chosen on other (tuning) text",
-          "Transformer-XL on WikiText-103: 18.3 -> 16.4 test ppl, 10.4% lower (Krause et al. 2019, abstract)",
-          "smollm2_dynamic_eval", "best_mean_relative_perplexity_reduction", "%", "> 0"),
-    Claim("FWL on a pretrained model: about dynamic evaluation's gain (here: at least 80% of its perplexity reduction). "
-          "Ours: SmolLM2-135M, a head trained 20 CPU-minutes on a frozen backbone, 3 long texts, mean relative "
-          "perplexity reduction against the dynamic-evaluation setting chosen on tuning text",
-          "Transformer-XL on WikiText-103 dev: 17.3 -> 15.9 (FWL) vs 15.8 (dynamic evaluation) ppl (Table 1)",
-          "fwl_smollm2", {"dynamic": "results/dynamic/mean_relative_perplexity_reduction",
-                          "FWL": "results/fwl/mean_relative_perplexity_reduction"}, "%", ">= 0.8 * dynamic"),
-    Claim("FWL on a pretrained model: at a fraction of dynamic evaluation's cost (here: at least 2.5x its scoring "
-          "throughput). Ours: the same runs, scoring tokens per CPU-second / static's, one thread",
-          "about 3x faster than dynamic evaluation (section 3)", "fwl_smollm2",
-          {"dynamic": "results/dynamic/mean_throughput_ratio_to_static",
-           "FWL": "results/fwl/mean_throughput_ratio_to_static"}, "x", ">= 2.5 * dynamic"),
-    Claim("Fast-weight PKM (Zhao & Jones 2026): the memory lowers long-context perplexity. Ours: State of the Union "
-          "addresses, 4-layer character model with 64-character sliding-window attention, 1,000 steps, one seed",
-          f"GDN on LC64: 10.12 -> 8.89 ppl (Fig. 2, {_TRANSCRIBED})", "fwpkm_longdocs_1000",
-          {"SWA": "results/swa/normal/bits_per_char", "FwPKM": "results/fwpkm-addressing/normal/bits_per_char"},
-          "bits/char", "< SWA"),
-    Claim("Fast-weight PKM: a second read of the haystack turns needle retrieval from failing to working (here: exact "
-          "match of at least 50% after it). Ours: token NIAH at 1,024 tokens (2x training), 2-layer model, "
-          "15 CPU-minutes",
-          f"<10% -> >50% exact match in many cases (Fig. 4, GDN and GDN+SWA; {_TRANSCRIBED})", "niah_token",
-          {"1 read": "models/fwpkm/exact/1/1024", "2 reads": "models/fwpkm/exact/2/1024"}, "%", ">= 0.5"),
-    Claim("Fast-weight PKM: retrieval generalises far beyond the training length (here: exact match of at least 50%). "
-          "Ours: the same model, trained on 512 tokens, read twice at 8,192 (16x)",
-          f"88.6% at 4K (training length), 75.8% at 128K (Fig. 4, {_TRANSCRIBED})", "niah_token",
-          {"512 tokens": "models/fwpkm/exact/2/512", "8,192 tokens": "models/fwpkm/exact/2/8192"}, "%", ">= 0.5"),
-]
+CLAIMS_FILE = RESULTS / "claims.toml"  # the claims, as data beside the results they cite
+
+
+def claims() -> list[Claim]:
+    """The claims of ``results/claims.toml``, in its order."""
+    return [Claim(**c) for c in tomllib.loads(CLAIMS_FILE.read_text())["claim"]]
 
 
 def _get(rec: dict, key_path: str):
@@ -271,7 +115,7 @@ def table(stems: list[str] | None = None) -> str:
     for path in [RESULTS / f"{s}.json" for s in stems] if stems else sorted(RESULTS.glob("*.json")):
         rec = json.loads(path.read_text())
         heads = rec.get("headline") or [{"what": what, "value": _get(rec, key), "unit": unit, "target": target}
-                                         for stem, what, key, unit, target in EXTRACT if stem == path.stem]
+                                         for stem, what, key, unit, target in extract_rows() if stem == path.stem]
         for i, h in enumerate(heads):
             value = _fmt(h["value"]) + (f" {h['unit']}" if h.get("unit") else "")
             mark = evidence.status(path)
@@ -334,9 +178,9 @@ def verdict(values: dict[str, float], rule: str, unit: str = "") -> str:
 
 
 def claims_table() -> str:
-    """The claims table: each claim of CLAIMS with our value, its verdict and its source."""
+    """The claims table: each claim of :func:`claims` with our value, its verdict and its source."""
     rows = ["| claim | paper | ours | verdict | source |", "|---|---|---|---|---|"]
-    for c in CLAIMS:
+    for c in claims():
         path = RESULTS / f"{c.stem}.json"
         if not path.exists():
             raise SystemExit(f"claim {c.claim[:40]!r}...: no result file benchmarks/results/{c.stem}.json")

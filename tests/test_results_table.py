@@ -95,8 +95,8 @@ def test_readme_claims_block_is_the_generated_one():
     assert report.render_claims(readme, "README.md") == readme, "run python benchmarks/report.py"
     block = readme.split(report.CLAIMS_START, 1)[1].split(report.CLAIMS_END, 1)[0]
     rows = block.strip().splitlines()
-    assert rows[0] == "| claim | paper | ours | verdict | source |" and len(rows) == 2 + len(report.CLAIMS)
-    for claim, row in zip(report.CLAIMS, rows[2:]):
+    assert rows[0] == "| claim | paper | ours | verdict | source |" and len(rows) == 2 + len(report.claims())
+    for claim, row in zip(report.claims(), rows[2:]):
         assert row.startswith(f"| {claim.claim} | {claim.paper} |") and f"benchmarks/results/{claim.stem}.json" in row
     # a hand edit of a value is what --check catches: the rendered page differs from the page
     row = rows[2]
@@ -110,7 +110,7 @@ def test_full_results_list_lives_in_docs_results_md():
     assert f"{report.START} -->" in page  # the block without stems: every result file
     block = page.split(report.START, 1)[1].split(report.END, 1)[0]
     for path in (ROOT / "benchmarks" / "results").glob("*.json"):
-        if report.table([path.stem]).splitlines()[2:]:  # a file that gives rows (a headline list or EXTRACT)
+        if report.table([path.stem]).splitlines()[2:]:  # a file that gives rows (a headline list or a row of results/extract.toml)
             assert f"`benchmarks/results/{path.name}`" in block, f"docs/results.md does not list {path.name}"
     readme = (ROOT / "README.md").read_text()
     assert report.START not in readme and "](docs/results.md)" in readme
