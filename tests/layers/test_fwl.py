@@ -101,7 +101,7 @@ def test_one_sgd_step_equivalence(fast, chunk, z_name):
     steps = random_steps(FAST_SETS[fast])
     h, labels, w = random_inputs()
     z_norm = 1.0 if z_name.startswith("none") else w.sum()
-    out, slow, _ = fwl_parallel(h, labels, w, params, steps, z_norm=z_norm, chunk_size=chunk)
+    out, slow, _ = fwl_parallel(h, labels, w, params, steps, z_norm=z_norm, chunk_size=chunk, segment_len=0)
     ref = cached_sgd_reference((fast, z_name), h, labels, w, params, steps, z_norm)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-10)
     # the update does something: outputs after the first position differ from the slow head
@@ -113,7 +113,7 @@ def test_zero_step_is_slow_head():
     params = random_params()
     h, labels, w = random_inputs()
     steps = {n: torch.zeros((), dtype=DT) for n in BLOCK_FAST}
-    out, slow, _ = fwl_parallel(h, labels, w, params, steps, chunk_size=4)
+    out, slow, _ = fwl_parallel(h, labels, w, params, steps, chunk_size=4, segment_len=0)
     torch.testing.assert_close(out, slow, rtol=0, atol=1e-14)
     head = FastWeightLayer(6, 7, FWLOptions(hidden=4)).double()
     with torch.no_grad():
@@ -157,7 +157,7 @@ def test_segments_equal_documented_recurrence(segment_len, start):
     # with gamma = 1 the segmented forward equals one unsegmented pass
     ones = {n: torch.ones((), dtype=DT) for n in BLOCK_FAST}
     seg1, _, _ = fwl_parallel(h, labels, w, params, steps, segment_len=segment_len, start=start, decays=ones)
-    plain, _, _ = fwl_parallel(h, labels, w, params, steps)
+    plain, _, _ = fwl_parallel(h, labels, w, params, steps, segment_len=0)
     torch.testing.assert_close(seg1, plain, rtol=0, atol=1e-10)
     assert (out - plain).abs().max() > 1e-4  # the decay matters
 
@@ -220,7 +220,7 @@ def test_second_order_gradcheck():
     def fn(h, *flat):
         p = dict(zip(names_p, flat[: len(names_p)]))
         a = dict(zip(names_s, flat[len(names_p):]))
-        return fwl_parallel(h, labels, w, p, a, z_norm=1.0, chunk_size=2)[0]
+        return fwl_parallel(h, labels, w, p, a, z_norm=1.0, chunk_size=2, segment_len=0)[0]
 
     inputs = (h, *params.values(), *steps.values())
     inputs = tuple(x.clone().requires_grad_(True) for x in inputs)
@@ -236,7 +236,7 @@ def test_first_order_differs_from_second_order():
     leaves = [*params.values(), *steps.values()]
     results = []
     for first_order in (False, True):
-        out, _, _ = fwl_parallel(h, labels, w, params, steps, first_order=first_order)
+        out, _, _ = fwl_parallel(h, labels, w, params, steps, segment_len=0, first_order=first_order)
         loss = F.cross_entropy(out.flatten(0, 1), labels.flatten())
         results.append((out.detach(), torch.autograd.grad(loss, leaves)))
     (o2, g2), (o1, g1) = results

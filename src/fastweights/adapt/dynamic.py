@@ -41,9 +41,10 @@ from typing import Iterable, Sequence
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fastweights.adapt.update_rules import (DEFAULT_DECAY, DEFAULT_EPS, DEFAULT_LR, DEFAULT_SEGMENT_LEN, PRIOR_RULES,
-                                           UNITS, GradStats, UpdateRule, as_token_stream, canonical_rule, carry_state,
-                                           logits_and_state, parse_schedule, schedule_factor, select_parameters)
+from fastweights.adapt.update_rules import (DEFAULT_DECAY, DEFAULT_EPS, DEFAULT_LR, DEFAULT_RULE, DEFAULT_SEGMENT_LEN,
+                                           PRIOR_RULES, UNITS, GradStats, UpdateRule, as_token_stream, canonical_rule,
+                                           carry_state, logits_and_state, parse_schedule, schedule_factor,
+                                           select_parameters)
 from fastweights.core.errors import UserError
 from fastweights.loops.evaluate import EvalResult, score_tokens
 from fastweights.ops.nll import token_nll
@@ -78,8 +79,9 @@ class DynamicEvaluator:
     an optional ``model.trim_state(state, keep)`` bounds a KV cache.
 
     Args:
-        rule: one of :data:`~fastweights.adapt.update_rules.RULES` (default ``"rms-global-prior"``, paper eq. 8).
-        lr, decay, eps: eta, lambda, epsilon of the rules (paper units, see the module docstring).
+        rule: one of :data:`~fastweights.adapt.update_rules.RULES` (default :data:`~fastweights.adapt.update_rules.DEFAULT_RULE`, paper eq. 8).
+        lr, decay, eps: eta, lambda, epsilon of the rules (paper units, see the module docstring; defaults
+            :data:`~fastweights.adapt.update_rules.DEFAULT_LR`, ``DEFAULT_DECAY``, ``DEFAULT_EPS``).
         segment_len: predictions per segment (n); one update per segment.
         context: attention context in tokens; after each segment the KV cache keeps
             ``context - segment_len`` tokens (None: unbounded). Use the training ``seq_len``.
@@ -88,7 +90,7 @@ class DynamicEvaluator:
         lr_schedule: ``"constant"`` (default), ``"warmup:W"`` or ``"rsqrt:S"`` (module docstring).
     """
 
-    def __init__(self, model: torch.nn.Module, rule: str = "rms-global-prior", lr: float = DEFAULT_LR,
+    def __init__(self, model: torch.nn.Module, rule: str = DEFAULT_RULE, lr: float = DEFAULT_LR,
                  decay: float = DEFAULT_DECAY, eps: float = DEFAULT_EPS, segment_len: int = DEFAULT_SEGMENT_LEN,
                  context: int | None = None, include=None, exclude=None, grad_stats: GradStats | str | Path | None = None,
                  lr_schedule: str | None = None):

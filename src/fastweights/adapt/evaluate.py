@@ -5,13 +5,13 @@ behind ``fastweights dynamic eval`` and ``fastweights eval --dynamic RULE``), an
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from fastweights.adapt.setup import (DynamicSettings, build_evaluator, encode_texts, evaluator_like, load_texts,
-                                     weights_fingerprint)
+from fastweights.adapt.setup import (DynamicSettings, build_evaluator, encode_texts, evaluator_from, load_texts,
+                                     resolve_setup, weights_fingerprint)
 from fastweights.core.errors import UserError, refuse_non_finite
 
 
@@ -209,11 +209,12 @@ def demo_dynamic(checkpoint: str | Path, tune_chars: int = 5000, test_chars: int
 
     ckpt = Path(checkpoint)
     model, tok, cfg = load_checkpoint(ckpt)
-    settings = DynamicSettings(rule="rms-global-prior", stats_batches=stats_batches)
+    settings = DynamicSettings(stats_batches=stats_batches)  # the default rule
     progress = verbose if progress is None else progress
-    first, _ = build_evaluator(settings, model, tok, cfg, ckpt, lr=0.0, decay=0.0, progress=progress)
+    setup = resolve_setup(settings, model, tok, cfg, ckpt, lr=0.0, decay=0.0, progress=progress)
     docs, _ = encode_texts(tok, load_texts(None, cfg, "val", tune_chars))
-    search = tune_dynamic(lambda lr, decay: evaluator_like(first, lr, decay), docs, progress=progress)
+    search = tune_dynamic(lambda lr, decay: evaluator_from(replace(setup, lr=lr, decay=decay), model), docs,
+                          progress=progress)
     settings.tuned = str(save_tuned(search, ckpt / TUNED_FILE, weights_sha256=weights_fingerprint(ckpt)))
     res = evaluate_static_and_dynamic(settings, model, tok, cfg, load_texts(None, cfg, "test", test_chars), ckpt,
                                       progress=progress)
@@ -221,7 +222,7 @@ def demo_dynamic(checkpoint: str | Path, tune_chars: int = 5000, test_chars: int
     if verbose:
         key = headline_key(tok)
         b = search["best"]
-        print(f"   dynamic evaluation (rms-global-prior, lr {b['lr']:.3g}, decay {b['decay']:.3g}, tuned on "
+        print(f"   dynamic evaluation ({setup.rule}, lr {b['lr']:.3g}, decay {b['decay']:.3g}, tuned on "
               f"{search['tokens']:,} validation characters)")
         gain = res["relative_improvement"]
         change = f"{100 * gain:.1f}% lower" if gain >= 0 else f"{-100 * gain:.1f}% higher (worse)"

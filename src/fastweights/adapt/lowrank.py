@@ -34,7 +34,8 @@ import torch
 from torch import nn
 
 from fastweights.adapt.dynamic import DynamicEvaluator
-from fastweights.adapt.update_rules import (DEFAULT_DECAY, DEFAULT_EPS, DEFAULT_LR, DEFAULT_SEGMENT_LEN, GradStats,
+from fastweights.adapt.update_rules import (DEFAULT_DECAY, DEFAULT_EPS, DEFAULT_LR, DEFAULT_RULE, DEFAULT_SEGMENT_LEN,
+                                            DEFAULT_STATS_BATCH_SIZE, GradStats,
                                             _patterns, accumulate_grad_stats, logits_and_state)
 from fastweights.adapt.sparse import _frozen
 from fastweights.core.errors import UserError
@@ -124,7 +125,8 @@ class LowRankAdaptation:
 
 
 def collect_lowrank_grad_stats(model: nn.Module, train_tokens, modules=DEFAULT_MODULES, rank: int = DEFAULT_RANK,
-                               seed: int = 0, batch_size: int = 100, seq_len: int = DEFAULT_SEGMENT_LEN,
+                               seed: int = 0, batch_size: int = DEFAULT_STATS_BATCH_SIZE,
+                               seq_len: int = DEFAULT_SEGMENT_LEN,
                                max_batches: int | None = None, context: int | None = None,
                                progress: bool = False) -> GradStats:
     """MS_g of the A's at A = 0 on training tokens (see ``collect_grad_stats``); same ``modules``,
@@ -146,7 +148,7 @@ class LowRankDynamicEvaluator(DynamicEvaluator):
     ``values`` are the A's (theta_g = 0: the deltas are the A's themselves).
     """
 
-    def __init__(self, model: nn.Module, rule: str = "rms-global-prior", lr: float = DEFAULT_LR,
+    def __init__(self, model: nn.Module, rule: str = DEFAULT_RULE, lr: float = DEFAULT_LR,
                  decay: float = DEFAULT_DECAY, eps: float = DEFAULT_EPS, segment_len: int = DEFAULT_SEGMENT_LEN,
                  context: int | None = None, modules=DEFAULT_MODULES, rank: int = DEFAULT_RANK, seed: int = 0,
                  grad_stats: GradStats | str | None = None, lr_schedule: str | None = None):

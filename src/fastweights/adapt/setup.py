@@ -1,14 +1,17 @@
 """Setting up dynamic evaluation: loading a model and its texts, gradient statistics, and the evaluator
 a :class:`DynamicSettings` describes (the ``fastweights dynamic ...`` commands map their flags to one).
 
-:func:`build_evaluator` builds a ``DynamicEvaluator`` (full weights, ``params``), a
-``SparseDynamicEvaluator`` (``sparse_units``) or a ``LowRankDynamicEvaluator`` (``lowrank_rank``),
-with the learning-rate schedule ``lr_schedule``, lr and decay given or from a named tuned file, and,
-for the RMS rules, gradient statistics of the same kind: the ``stats`` file or the checkpoint's file
-for that kind (``grad_stats.safetensors``, ``grad_stats_sparse_l{L}_u{H}...``,
-``grad_stats_lowrank_r{R}[_{hash of the projections' globs}]...``), collected on the checkpoint's
-training split when missing. Statistics of another kind (full-weight ones for a low-rank run, another
-rank, other projections) are refused.
+The setup flows one way. :func:`resolve_setup` resolves a :class:`DynamicSettings` once, in one pass, into a
+:class:`DynamicSetup` (every value the evaluator needs, nothing left to look up): the rule and the
+learning-rate schedule ``lr_schedule`` (checked first), the segment length and context, what is adapted, lr
+and decay (given, else from a named tuned file or the checkpoint's own, else the library's defaults of
+:mod:`fastweights.adapt.update_rules`), eps, and for the RMS rules gradient statistics of the same kind: the
+``stats`` file or the checkpoint's file for that kind (``grad_stats.safetensors``,
+``grad_stats_sparse_l{L}_u{H}...``, ``grad_stats_lowrank_r{R}[_{hash of the projections' globs}]...``),
+collected on the checkpoint's training split when missing (statistics of another kind, another rank or other
+projections are refused). :func:`evaluator_from` then builds a ``DynamicEvaluator`` (full weights,
+``params``), a ``SparseDynamicEvaluator`` (``sparse_units``) or a ``LowRankDynamicEvaluator``
+(``lowrank_rank``) from that value; :func:`build_evaluator` is the two in a row.
 """
 
 from __future__ import annotations
@@ -20,19 +23,12 @@ from pathlib import Path
 
 import torch
 
+from fastweights.adapt.update_rules import (DEFAULT_DECAY, DEFAULT_EPS, DEFAULT_LR, DEFAULT_RULE, DEFAULT_SEGMENT_LEN,
+                                           DEFAULT_STATS_BATCH_SIZE, DEFAULT_STATS_BATCHES, GRAD_STATS_FILE, PRIOR_RULES,
+                                           SUBWORD_SEGMENT_LEN, WORD_SEGMENT_LEN, GradStats, _patterns, canonical_rule,
+                                           collect_grad_stats, parse_schedule)
 from fastweights.core.errors import UserError
 
-DEFAULT_STATS_BATCHES = 500
-# The untuned learning rate and decay of dynamic evaluation when no tuned file applies. dynamiceval.py's lr 5e-5
-# (decay 0.002) made the 5-minute demo model 5.48% worse on a held-out play (issue 33). Measured on a demo-like
-# checkpoint (shakespeare-char, 750 steps, validation 2.31 bits/char), rms-global-prior with the 30-batch statistics
-# `make demo` collects, segment 20, the first 20,000 characters of each held-out play, bits/char against static
-# (decay 0.002 unless named): Hamlet / Macbeth / Othello / Julius Caesar: lr 5e-5: 6.0% / 3.8% / 4.7% / 119% higher
-# (worse); 3e-5: 2.4% / 7.8% / 4.2% / 7.8% lower; 2e-5: 6.5 / 12.4 / 8.8 / 10.2% lower; 1e-5: 9.9 / 14.7 / 12.6 /
-# 17.2% lower (the best of the grid on every play); 5e-6: 9.5 / 14.6 / 12.3 / 16.6% lower; 1e-5 at decay 0.008:
-# 9.5 / 14.2 / 11.9 / 16.5% lower. `dynamic tune` on 3,000 validation characters of that checkpoint also chose 1e-5.
-DEFAULT_LR = 1e-5
-DEFAULT_DECAY = 0.002
 LOWRANK_SEED = 0  # the fixed random factors B of --lowrank-rank (LowRankDynamicEvaluator's default seed)
 
 
@@ -41,15 +37,14 @@ class DynamicSettings:
     """What dynamic evaluation adapts and how (the flags of ``fastweights dynamic ...`` and ``--dynamic RULE``).
 
     lr / decay None: from the ``tuned`` file when named, else from the checkpoint's own tuned file when it was
-    made for these weights and this setting (not with ``no_tuned``), else :data:`DEFAULT_LR` /
-    :data:`DEFAULT_DECAY`; segment_len 0:
-    20 for char/byte models, 128 for subword ones; context 0: the training seq_len (Hugging Face models:
-    the model's own); stats None: the checkpoint's file of the kind adapted, collected on ``stats_data``
+    made for these weights and this setting (not with ``no_tuned``), else the library's defaults
+    (``update_rules.DEFAULT_LR`` / ``DEFAULT_DECAY``); segment_len 0: :func:`default_segment_len`; context 0:
+    the training seq_len (Hugging Face models: the model's own); stats None: the checkpoint's file of the kind adapted, collected on ``stats_data``
     (None: the checkpoint's training split) in ``stats_batches`` batches of ``stats_batch_size`` x
     ``stats_seq_len`` (0: segment_len) targets when missing. ``sparse_units`` and ``lowrank_rank`` (0: off)
     adapt one sparse matrix or low-rank deltas instead of the weights ``params`` / ``exclude_params`` select."""
 
-    rule: str = "rms-global-prior"
+    rule: str = DEFAULT_RULE
     lr: float | None = None
     decay: float | None = None
     tuned: str | None = None
@@ -66,7 +61,7 @@ class DynamicSettings:
     lowrank_rank: int = 0
     lowrank_params: str | None = None
     stats_data: str | None = None
-    stats_batch_size: int = 100
+    stats_batch_size: int = DEFAULT_STATS_BATCH_SIZE
     stats_batches: int = DEFAULT_STATS_BATCHES
     stats_seq_len: int = 0
 
@@ -147,12 +142,10 @@ def encode_texts(tokenizer, texts: list[str], bos: bool = False) -> tuple[list[t
 
 
 def default_segment_len(tokenizer) -> int:
-    from fastweights.adapt.update_rules import DEFAULT_SEGMENT_LEN
-
-    # the paper's segments: 20 characters, 5 words (Krause et al. 2018); subword (GPT-2) models: 128 tokens,
-    # as Transformer dynamic evaluation used
+    """Predictions per update when none is given: ``update_rules.DEFAULT_SEGMENT_LEN`` for char/byte models,
+    ``WORD_SEGMENT_LEN`` for word-level ones, ``SUBWORD_SEGMENT_LEN`` for subword ones."""
     name = getattr(tokenizer, "name", "")
-    return DEFAULT_SEGMENT_LEN if name in ("char", "byte") else 5 if name == "word" else 128
+    return DEFAULT_SEGMENT_LEN if name in ("char", "byte") else WORD_SEGMENT_LEN if name == "word" else SUBWORD_SEGMENT_LEN
 
 
 def default_context(model, cfg) -> int | None:
@@ -180,7 +173,6 @@ def adaptation_spec(settings: DynamicSettings, model) -> tuple | None:
             raise UserError("--params / --exclude-params select full weights; with --lowrank-rank choose the "
                             "adapted projections with --lowrank-params GLOBS")
         from fastweights.adapt.lowrank import DEFAULT_MODULES
-        from fastweights.adapt.update_rules import _patterns
 
         return "lowrank", rank, ",".join(_patterns(modules) or [DEFAULT_MODULES])
     if units <= 0:
@@ -202,8 +194,6 @@ def stats_path(stats: str | None, ckpt: Path | None, spec: tuple | None) -> Path
     if ckpt is None:
         return None
     if spec is None:
-        from fastweights.adapt.update_rules import GRAD_STATS_FILE
-
         return ckpt / GRAD_STATS_FILE
     if spec[0] == "sparse":
         return ckpt / f"grad_stats_sparse_l{spec[1]}_u{spec[2]}.safetensors"
@@ -251,7 +241,6 @@ def weights_fingerprint(ckpt: Path | None) -> str | None:
 def collect_stats(model, tokenizer, cfg, settings: DynamicSettings, segment_len, context, spec, path: Path | None,
                   progress: bool, ckpt: Path | None = None):
     """Collect MS_g (of what ``spec`` adapts) on the checkpoint's (or --data's) training text; save it to ``path``."""
-    from fastweights.adapt.update_rules import collect_grad_stats
     from fastweights.adapt.lowrank import collect_lowrank_grad_stats
     from fastweights.adapt.sparse import collect_sparse_grad_stats
 
@@ -273,34 +262,62 @@ def collect_stats(model, tokenizer, cfg, settings: DynamicSettings, segment_len,
     return stats
 
 
-# ----------------------------------------------------------------------------- the evaluator
+# ----------------------------------------------------------------------------- the setup, resolved once
+
+
+@dataclass(frozen=True)
+class DynamicSetup:
+    """Everything an evaluator is built from, resolved once by :func:`resolve_setup` (no default, file or
+    statistic left to look up): the canonical rule; lr, decay and eps; the schedule spec (checked) and its
+    name in tuned files and metadata (None: constant); segments and context; what is adapted (``adapted``:
+    None for the weights ``params`` / ``exclude_params`` select, ``("sparse", layer, units)`` or
+    ``("lowrank", rank, modules)``); the RMS rules' statistics (None for the SGD rules); where lr and decay
+    came from."""
+
+    rule: str
+    lr: float
+    decay: float
+    eps: float
+    lr_schedule: str
+    schedule_name: str | None
+    segment_len: int
+    context: int | None
+    adapted: tuple | None
+    params: str | None
+    exclude_params: str | None
+    stats: GradStats | None
+    lr_source: str
+    decay_source: str
+
+    def info(self) -> dict:
+        """Where lr (and, for the prior rules, decay) came from, as result files record it."""
+        return {"lr_source": self.lr_source, **({"decay_source": self.decay_source} if self.rule in PRIOR_RULES else {})}
 
 
 def _schedule_name(spec: str | None) -> str | None:
     """The evaluator's name for a schedule spec (as its metadata records it), None for constant."""
-    from fastweights.adapt.update_rules import parse_schedule
-
     kind, span = parse_schedule(spec)
     return None if kind == "constant" else f"{kind}:{span:g}"
 
 
-def _tuned_mismatch(tuned: dict, settings: DynamicSettings, rule: str, segment_len: int, spec: tuple | None) -> list[str]:
+def _tuned_mismatch(tuned: dict, rule: str, segment_len: int, schedule_name: str | None, spec: tuple | None) -> list[str]:
     """How the setting a tuned file was tuned for differs from this run's (empty: the same)."""
     saved = tuned["settings"]
     want = {"rule": rule, "segment_len": segment_len,
             "sparse_units": spec[2] if spec is not None and spec[0] == "sparse" else None,
             "lowrank_rank": spec[1] if spec is not None and spec[0] == "lowrank" else None,
-            "lr_schedule": _schedule_name(settings.lr_schedule) or "constant"}
+            "lr_schedule": schedule_name or "constant"}
     have = {"rule": tuned.get("rule"), **{k: saved.get(k) for k in want if k != "rule"}}
     have["lr_schedule"] = have["lr_schedule"] or "constant"  # the metadata leaves the constant schedule out
     return [f"{k} {have[k]} (this run: {want[k]})" for k in want if have[k] != want[k]]
 
 
-def _tuned_values(settings: DynamicSettings, ckpt, rule: str, segment_len: int, spec: tuple | None) -> tuple[dict, str]:
+def _tuned_values(settings: DynamicSettings, ckpt, rule: str, segment_len: int, schedule_name: str | None,
+                  spec: tuple | None) -> tuple[dict, str]:
     """lr and decay, and where they came from: the tuned file ``--tuned`` names (refused when made for other
     weights or another setting); else the checkpoint's own tuned file (``dynamic_tuned.json``, written by
     ``make demo`` and ``dynamic tune``) when it records this checkpoint's weights and this setting, unless
-    ``no_tuned``; else the untuned defaults :data:`DEFAULT_LR` and :data:`DEFAULT_DECAY`."""
+    ``no_tuned``; else the library's untuned defaults (``update_rules.DEFAULT_LR`` and ``DEFAULT_DECAY``)."""
     from fastweights.adapt.tune import TUNED_FILE, load_tuned
     from fastweights.checkpoints.format import check_derived_file
 
@@ -319,7 +336,7 @@ def _tuned_values(settings: DynamicSettings, ckpt, rule: str, segment_len: int, 
             print(f"note: {own} is not used: {why}; tune again with `fastweights dynamic tune --checkpoint {ckpt}`",
                   file=sys.stderr)
             return default
-        diff = _tuned_mismatch(tuned, settings, rule, segment_len, spec)
+        diff = _tuned_mismatch(tuned, rule, segment_len, schedule_name, spec)
         if diff:
             print(f"note: {own} is not used: it was tuned for another setting: {', '.join(diff)}", file=sys.stderr)
             return default
@@ -332,7 +349,7 @@ def _tuned_values(settings: DynamicSettings, ckpt, rule: str, segment_len: int, 
         raise UserError(f"--tuned {tuned_path}: no such file")
     check_derived_file(tuned.get("weights_sha256"), ckpt, Path(tuned_path),
                        f"tune again with `fastweights dynamic tune --checkpoint {ckpt} --save FILE`")
-    diff = _tuned_mismatch(tuned, settings, rule, segment_len, spec)
+    diff = _tuned_mismatch(tuned, rule, segment_len, schedule_name, spec)
     if diff:
         raise UserError(f"--tuned {tuned_path} was tuned for another setting: {', '.join(diff)}")
     return {"lr": tuned["best"]["lr"], "decay": tuned["best"]["decay"]}, f"tuned file {tuned_path}"
@@ -340,7 +357,6 @@ def _tuned_values(settings: DynamicSettings, ckpt, rule: str, segment_len: int, 
 
 def _grad_stats(settings: DynamicSettings, model, tokenizer, cfg, ckpt, rule, segment_len, context, spec, progress):
     """The RMS rules' statistics for what ``spec`` adapts: loaded (and checked), or collected for a checkpoint."""
-    from fastweights.adapt.update_rules import GradStats
     from fastweights.checkpoints.format import check_derived_file
 
     path = stats_path(settings.stats, ckpt, spec)
@@ -360,59 +376,57 @@ def _grad_stats(settings: DynamicSettings, model, tokenizer, cfg, ckpt, rule, se
                     "and pass --stats FILE, or use --rule sgd")
 
 
-def build_evaluator(settings: DynamicSettings, model, tokenizer, cfg, ckpt: Path | None, lr: float | None = None,
-                    decay: float | None = None, progress: bool = False):
-    """The DynamicEvaluator (Sparse-, LowRank-) ``settings`` describe; returns (evaluator, info: where lr and
-    decay came from). ``lr`` / ``decay`` given here take precedence over the settings'."""
-    from fastweights.adapt.dynamic import DynamicEvaluator
-    from fastweights.adapt.update_rules import DEFAULT_EPS, PRIOR_RULES, canonical_rule
-    from fastweights.adapt.lowrank import LowRankDynamicEvaluator
-    from fastweights.adapt.sparse import SparseDynamicEvaluator
-
-    rule = canonical_rule(settings.rule or "rms-global-prior")
-    schedule = settings.lr_schedule
-    _schedule_name(schedule)  # a bad spec fails before any work
+def resolve_setup(settings: DynamicSettings, model, tokenizer, cfg, ckpt: Path | None, lr: float | None = None,
+                  decay: float | None = None, progress: bool = False) -> DynamicSetup:
+    """``settings`` resolved once into a :class:`DynamicSetup`, in this order: the rule and the schedule
+    (checked before any work), segments and context, what is adapted, lr and decay (``lr`` / ``decay`` given
+    here take precedence over the settings'; then a tuned file; then the defaults), eps, and the RMS rules'
+    statistics (loaded, or collected for a checkpoint: the one step that costs time)."""
+    rule = canonical_rule(settings.rule or DEFAULT_RULE)
+    schedule = settings.lr_schedule or "constant"
+    schedule_name = _schedule_name(schedule)  # a bad spec fails before any work
     segment_len = settings.segment_len or default_segment_len(tokenizer)
     context = settings.context or default_context(model, cfg)
     spec = adaptation_spec(settings, model)
     lr = lr if lr is not None else settings.lr
     decay = decay if decay is not None else settings.decay
-    sources = {"lr": "command line" if lr is not None else None, "decay": "command line" if decay is not None else None}
+    lr_source = "command line" if lr is not None else None
+    decay_source = "command line" if decay is not None else None
     if lr is None or decay is None:
-        fallback, where = _tuned_values(settings, ckpt, rule, segment_len, spec)
+        fallback, where = _tuned_values(settings, ckpt, rule, segment_len, schedule_name, spec)
         if lr is None:
-            lr, sources["lr"] = fallback["lr"], where
+            lr, lr_source = fallback["lr"], where
         if decay is None:
-            decay, sources["decay"] = fallback["decay"], where
-    info = {"lr_source": sources["lr"], **({"decay_source": sources["decay"]} if rule in PRIOR_RULES else {})}
+            decay, decay_source = fallback["decay"], where
     stats = None
     if rule.startswith("rms"):
         stats = _grad_stats(settings, model, tokenizer, cfg, ckpt, rule, segment_len, context, spec, progress)
-    eps = settings.eps
-    kw = dict(rule=rule, lr=lr, decay=decay, eps=DEFAULT_EPS if eps is None else eps, segment_len=segment_len,
-              context=context, grad_stats=stats, lr_schedule=schedule)
-    if spec is None:
-        ev = DynamicEvaluator(model, include=settings.params, exclude=settings.exclude_params, **kw)
-    elif spec[0] == "sparse":
-        ev = SparseDynamicEvaluator(model, layer=spec[1], units=spec[2], **kw)
-    else:
-        ev = LowRankDynamicEvaluator(model, rank=spec[1], modules=spec[2], seed=LOWRANK_SEED, **kw)
-    return ev, info
+    return DynamicSetup(rule=rule, lr=lr, decay=decay, eps=DEFAULT_EPS if settings.eps is None else settings.eps,
+                        lr_schedule=schedule, schedule_name=schedule_name, segment_len=segment_len, context=context,
+                        adapted=spec, params=settings.params, exclude_params=settings.exclude_params, stats=stats,
+                        lr_source=lr_source, decay_source=decay_source)
 
 
-def evaluator_like(ev, lr: float, decay: float):
-    """An evaluator like ``ev`` (same kind, adapted tensors, rule, schedule, statistics) with another lr and decay."""
+def evaluator_from(setup: DynamicSetup, model):
+    """The DynamicEvaluator (Sparse-, LowRank-) of a resolved :class:`DynamicSetup`, in one step."""
+    from fastweights.adapt.dynamic import DynamicEvaluator
     from fastweights.adapt.lowrank import LowRankDynamicEvaluator
     from fastweights.adapt.sparse import SparseDynamicEvaluator
 
-    kw = dict(model=ev.model, rule=ev.rule, lr=lr, decay=decay, eps=ev.update_rule.eps, segment_len=ev.segment_len,
-              context=ev.context, grad_stats=ev.grad_stats, lr_schedule=ev.lr_schedule)
-    if isinstance(ev, SparseDynamicEvaluator):
-        kw.update(layer=ev.adaptation.layer, units=ev.adaptation.index.tolist())
-    elif isinstance(ev, LowRankDynamicEvaluator):
-        m = ev.metadata()
-        kw.update(modules=m["lowrank_modules"], rank=m["lowrank_rank"], seed=m["lowrank_seed"])
-    else:
-        names = set(ev.names)
-        kw["include"] = lambda name, p: name in names
-    return type(ev)(**kw)
+    kw = dict(rule=setup.rule, lr=setup.lr, decay=setup.decay, eps=setup.eps, segment_len=setup.segment_len,
+              context=setup.context, grad_stats=setup.stats, lr_schedule=setup.lr_schedule)
+    spec = setup.adapted
+    if spec is None:
+        return DynamicEvaluator(model, include=setup.params, exclude=setup.exclude_params, **kw)
+    if spec[0] == "sparse":
+        return SparseDynamicEvaluator(model, layer=spec[1], units=spec[2], **kw)
+    return LowRankDynamicEvaluator(model, rank=spec[1], modules=spec[2], seed=LOWRANK_SEED, **kw)
+
+
+def build_evaluator(settings: DynamicSettings, model, tokenizer, cfg, ckpt: Path | None, lr: float | None = None,
+                    decay: float | None = None, progress: bool = False):
+    """The DynamicEvaluator (Sparse-, LowRank-) ``settings`` describe: :func:`resolve_setup`, then
+    :func:`evaluator_from`. Returns (evaluator, info: where lr and decay came from). ``lr`` / ``decay`` given
+    here take precedence over the settings'."""
+    setup = resolve_setup(settings, model, tokenizer, cfg, ckpt, lr=lr, decay=decay, progress=progress)
+    return evaluator_from(setup, model), setup.info()

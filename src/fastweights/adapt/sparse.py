@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from fastweights.adapt.dynamic import DynamicEvaluator
-from fastweights.adapt.update_rules import (DEFAULT_DECAY, DEFAULT_EPS, DEFAULT_LR, DEFAULT_SEGMENT_LEN, GradStats,
+from fastweights.adapt.update_rules import (DEFAULT_DECAY, DEFAULT_EPS, DEFAULT_LR, DEFAULT_RULE, DEFAULT_SEGMENT_LEN,
+                                            DEFAULT_STATS_BATCH_SIZE, GradStats,
                                             accumulate_grad_stats, logits_and_state)
 from fastweights.core.errors import UserError
 
@@ -121,7 +122,8 @@ def _frozen(model: nn.Module):
 
 
 def collect_sparse_grad_stats(model: nn.Module, train_tokens, layer: int, units: int | Sequence[int],
-                              batch_size: int = 100, seq_len: int = DEFAULT_SEGMENT_LEN, max_batches: int | None = None,
+                              batch_size: int = DEFAULT_STATS_BATCH_SIZE, seq_len: int = DEFAULT_SEGMENT_LEN,
+                              max_batches: int | None = None,
                               context: int | None = None, progress: bool = False) -> GradStats:
     """MS_g of the adaptation matrix M at M = 0 on training tokens (see ``collect_grad_stats``)."""
     adaptation = SparseAdaptation(model, layer, units)
@@ -143,7 +145,7 @@ class SparseDynamicEvaluator(DynamicEvaluator):
     ``values`` is ``[M]``; ``evaluate_batch`` runs the documents as one ordinary batch, M [B, H, H].
     """
 
-    def __init__(self, model: nn.Module, rule: str = "rms-global-prior", lr: float = DEFAULT_LR,
+    def __init__(self, model: nn.Module, rule: str = DEFAULT_RULE, lr: float = DEFAULT_LR,
                  decay: float = DEFAULT_DECAY, eps: float = DEFAULT_EPS, segment_len: int = DEFAULT_SEGMENT_LEN,
                  context: int | None = None, layer: int | None = None, units: int | Sequence[int] | None = None,
                  grad_stats: GradStats | str | None = None, lr_schedule: str | None = None):

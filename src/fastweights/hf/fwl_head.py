@@ -38,8 +38,12 @@ from fastweights.core.errors import UserError
 from fastweights.layers.fwl import FastWeightLayer, FWLOptions
 from fastweights.models.lm import ModelOutput
 
-#: the recipe's head options: a residual head of width d_model, zero step sizes (the identity at start),
-#: 64-token segments (dynamic evaluation's segment length on SmolLM2) with learned decays
+#: the recipe's head options (``fwl-head train``; its training settings are ``hf.fwl_training.RECIPE``), over
+#: the layer's own defaults (``layers.fwl.FWLOptions``): a residual head of width d_model, zero step sizes (the
+#: identity at start), 64-token segments with learned decays. The segment length is a recipe setting: 64, not
+#: the layer's 32 (chosen for small models trained from scratch), because the FWL is compared with dynamic
+#: evaluation of SmolLM2 at its segment length of 64 tokens (smollm2_dynamic_eval.json's protocol), and the
+#: recorded heads (fwl_smollm2.json, ``options.segment_len``) were trained with it
 PRETRAINED_FWL_DEFAULTS = {"residual": True, "step_size_init": 0.0, "segment_len": 64, "chunk_size": 256}
 CONFIG_NAME = "fwl_head.json"
 WEIGHTS_NAME = "model.safetensors"  # the name Checkpoint.fingerprint() reads

@@ -84,7 +84,9 @@ class FWLOptions:
     test_time_step_size: float = 0.01  # the global alpha of test_time_only (tune it on validation data)
     inner_loss_norm: str = "none"  # none (Z = 1) | fixed (Z = inner_loss_z) | batch_tokens (official)
     inner_loss_z: float = 1.0  # Z of inner_loss_norm = "fixed"
-    segment_len: int = 32  # decay the running update every segment_len positions; 0 = never
+    # decay the running update every segment_len positions; 0 = never. The layer's one default (the op,
+    # ops.fwl.fwl_parallel, takes it from here); a recipe may set its own (hf.fwl_head.PRETRAINED_FWL_DEFAULTS)
+    segment_len: int = 32
     decay_init: float = 0.9  # initial gamma of every fast tensor (unstated in the paper; project choice)
     stopgrad_segments: bool = True  # no gradient into earlier segments (the paper's recipe)
     chunk_size: int = 256  # calls up to this long: one exact masked block; longer: the chunked op with this chunk

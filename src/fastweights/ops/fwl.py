@@ -365,7 +365,7 @@ def fwl_parallel(
     z_norm=1.0,
     eps: float = 1e-5,
     chunk_size: int = 256,
-    segment_len: int = 0,
+    segment_len: int,
     start: int = 0,
     decays: dict[str, Tensor] | None = None,
     state: dict | None = None,
@@ -388,7 +388,8 @@ def fwl_parallel(
         chunk_size: calls of at most this many positions are one exact masked block (quadratic in N);
             longer calls go through the chunked linear-attention op with chunks of this length, so
             memory stays linear in N.
-        segment_len, start, decays: segments of ``segment_len`` absolute positions (0 = none); ``start``
+        segment_len, start, decays: segments of ``segment_len`` absolute positions (0 = none; required, with
+            no default here: the layer's default is ``FWLOptions.segment_len``, a recipe's its own); ``start``
             is the absolute position of ``h[:, 0]``; ``decays`` gamma per fast tensor (needed when a call
             crosses a segment boundary).
         state: ``{"base": {...}, "carry": {...}}`` running deltas of the segment of ``start`` carried in
@@ -515,7 +516,7 @@ def fwl_recurrent_reference(
     *,
     z_norm=1.0,
     eps: float = 1e-5,
-    segment_len: int = 0,
+    segment_len: int,
     start: int = 0,
     decays: dict[str, Tensor] | None = None,
     residual: bool = False,
