@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -n auto --timeout=600 --durations=10 tests
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/train_throughput.py
+	$(BIN)/python benchmarks/speed/train_throughput.py
 
 clean:
 	rm -rf $(VENV) runs

@@ -7,7 +7,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 PACKAGE = ROOT / "src" / "fastweights"
-BENCHMARKS = ROOT / "benchmarks"
+BENCHMARKS = ROOT / "benchmarks"  # scripts in speed/, quality/, gpu/ and tools/; results in results/
+
+
+def benchmark_script(name: str) -> Path:
+    """``benchmarks/KIND/NAME.py``, whichever folder of kind holds the script ``name``."""
+    found = sorted(BENCHMARKS.glob(f"*/{name}.py"))
+    assert len(found) == 1, f"benchmark script {name}.py: {found or 'in no folder of benchmarks/'}"
+    return found[0]
 DATA = Path(__file__).resolve().parent / "data"  # files the tests read (memory_golden.pt)
 
 

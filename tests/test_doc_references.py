@@ -1,7 +1,7 @@
 """Every path, module, command and flag that README.md and docs/**/*.md name exists (issue 38, scope 7).
 
 Read: the inline code spans and the lines of fenced code blocks (continuation lines joined) of README.md,
-docs/*.md and docs/experiments/*.md, generated blocks included (benchmarks/report.py writes them; a stale
+docs/*.md and docs/experiments/*.md, generated blocks included (benchmarks/tools/report.py writes them; a stale
 name there is fixed by fixing the generator or the result and regenerating). Links are checked by
 tests/test_docs.py, and the bash blocks' command lines are parsed whole there; this file also checks inline
 spans and the other code blocks, where a command is often written with placeholders (DIR, NAME, `a|b`).
@@ -589,7 +589,7 @@ def _problems(text: str) -> list[str]:
     "`validate.validate_config` refuses bad settings",
     "`fastweights.adapt.dynamic.DynamicEvaluatorr`",
     "`train.max_stepz`",
-    "`python benchmarks/report.py --chek`",
+    "`python benchmarks/tools/report.py --chek`",
     "`python -m fastweights.harness --model fastweights --model_argz checkpoint=runs/demo`",
     "`make demos`",
 ])
@@ -603,7 +603,7 @@ def test_a_stale_reference_is_reported_with_its_line(text):
     "`--force-ram` tries anyway; `fastweights train --preset tiny --force-ram --set train.max_steps=3`",
     "`fastweights dynamic eval|tune|stats`, `fastweights task niah --checkpoint DIR [--iters 1,2]`",
     "`fastweights train --out runs/new/thing` and `--out data/mine`",
-    "`src/fastweights/layers/NAME.py`, `configs/NAME.toml`, `benchmarks/*.py`, `ops/fwl.py`, `memory_switches.py`",
+    "`src/fastweights/layers/NAME.py`, `configs/NAME.toml`, `benchmarks/*/*.py`, `ops/fwl.py`, `memory_switches.py`",
     "`fastweights.models.lm.LanguageModel.trim_state`, `components.lookup`, `model.options.fwp`, `torch.compile`",
     "```bash\ntorchrun --standalone --nproc_per_node 2 -m fastweights train --preset tiny\npytest -n 0 -x tests\n```",
 ])

@@ -172,7 +172,7 @@ def test_every_guide_says_what_we_measured_with_links_to_results():
 
 
 def test_results_blocks_name_result_files_with_rows():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "tools"))
     import report
 
     opening = re.compile(r"<!-- results:start([^>]*)-->")

@@ -1,4 +1,4 @@
-"""benchmarks/cuda_check.py on the CPU: its dry run (``--device cpu --quick``) writes the JSON the GPU run
+"""benchmarks/gpu/cuda_check.py on the CPU: its dry run (``--device cpu --quick``) writes the JSON the GPU run
 writes, and bad input is one line on stderr with exit status 2 (the GPU run itself is recorded in
 benchmarks/results/cuda_check.json)."""
 
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from helpers import ROOT
 
-SCRIPT = ROOT / "benchmarks" / "cuda_check.py"
+SCRIPT = ROOT / "benchmarks" / "gpu" / "cuda_check.py"
 
 
 def run(*args, timeout=60):
@@ -21,7 +21,7 @@ def test_cpu_dry_run_writes_every_part(tmp_path):
     r = run("--device", "cpu", "--quick", "--out-dir", str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     rec = json.loads((tmp_path / "cuda_check.json").read_text())
-    assert rec["command"].endswith("benchmarks/cuda_check.py --device cpu --quick")  # --out-dir left out
+    assert rec["command"].endswith("benchmarks/gpu/cuda_check.py --device cpu --quick")  # --out-dir left out
     assert rec["git"]["commit"] and rec["device"] == "cpu" and rec["quick"] is True
     comp = rec["components"]
     names = {row["component"] for row in comp["rows"]}

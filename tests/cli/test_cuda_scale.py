@@ -1,4 +1,4 @@
-"""benchmarks/cuda_scale.py on the CPU: its dry run (``--device cpu --tiny``) measures our side of every part and
+"""benchmarks/gpu/cuda_scale.py on the CPU: its dry run (``--device cpu --tiny``) measures our side of every part and
 records what cannot run here (fla's Triton kernels, lucidrains' package when absent) as error strings, the JSON
 carrying provenance and the exact command; bad input is one line on stderr with exit status 2 (the GPU runs
 are benchmarks/results/cuda_scale.json and cuda_scale_kernels.json)."""
@@ -10,7 +10,7 @@ import subprocess
 import sys
 from helpers import ROOT
 
-SCRIPT = ROOT / "benchmarks" / "cuda_scale.py"
+SCRIPT = ROOT / "benchmarks" / "gpu" / "cuda_scale.py"
 ITEMS = "models/ours_hybrid*,kernels/T32/*,fwpkm_layer/*_B1"
 
 
@@ -26,7 +26,7 @@ def test_cpu_dry_run_measures_our_side_and_records_the_rest(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     rec = json.loads(out.read_text())
     assert "incomplete" not in rec and rec["tiny"] is True and rec["device"] == "cpu"
-    assert rec["command"].endswith(f"benchmarks/cuda_scale.py --device cpu --tiny --items {shlex.quote(ITEMS)}")  # no --out
+    assert rec["command"].endswith(f"benchmarks/gpu/cuda_scale.py --device cpu --tiny --items {shlex.quote(ITEMS)}")  # no --out
     assert rec["git"]["commit"] and "machine" in rec
     assert rec["items_planned"][:2] == ["models/ours_hybrid", "models/ours_hybrid_fwpkm"]
     for key in ("ours_hybrid", "ours_hybrid_fwpkm"):

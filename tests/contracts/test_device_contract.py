@@ -35,7 +35,7 @@ def compute_dtype_state(kind: str, name: str) -> tuple[str, ...]:
     return registry.declared(registry.lookup(registry.KINDS[kind], kind, name), "compute_dtype_state")
 
 
-COMPUTE_DTYPE_STATE = {key: compute_dtype_state(*key) for key in VARIANTS}  # benchmarks/cuda_check.py reads it
+COMPUTE_DTYPE_STATE = {key: compute_dtype_state(*key) for key in VARIANTS}  # benchmarks/gpu/cuda_check.py reads it
 
 
 def build(kind, name, raw):
@@ -69,7 +69,7 @@ def state_leaves(state):
 
 
 def train(kind, name, raw, bf16: bool, device: torch.device = torch.device("cpu")):
-    """Three Adam steps of one component on ``device`` (benchmarks/cuda_check.py runs it on a GPU)."""
+    """Three Adam steps of one component on ``device`` (benchmarks/gpu/cuda_check.py runs it on a GPU)."""
     layer = build(kind, name, raw).to(device)
     opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)

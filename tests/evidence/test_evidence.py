@@ -1,4 +1,4 @@
-"""Evidence by behaviour (benchmarks/evidence.py, fastweights.evidence.probes): a result is stale when
+"""Evidence by behaviour (benchmarks/tools/evidence.py, fastweights.evidence.probes): a result is stale when
 the code it measured behaves differently, found by re-running its probes, never by a list of files."""
 
 import json
@@ -15,14 +15,14 @@ from fastweights.evidence import probes, summaries
 
 from helpers import BENCHMARKS, ROOT
 
-sys.path.insert(0, str(BENCHMARKS))
+sys.path.insert(0, str(BENCHMARKS / "tools"))
 
 import evidence  # noqa: E402
 
 
 def _result(**over):
     spec = probes.probe("ops", op="delta_rule")
-    rec = {"command": "python benchmarks/bench_delta_rule.py", "git": {"commit": "abc"},
+    rec = {"command": "python benchmarks/speed/bench_delta_rule.py", "git": {"commit": "abc"},
            "result_file": "benchmarks/results/r.json", "probes": probes.summarised([spec])}
     rec.update(over)
     return rec
@@ -83,7 +83,7 @@ def test_a_result_whose_probe_changed_is_stale_and_listed_with_its_command(tmp_p
     assert evidence.staleness(rec).startswith("behaviour changed: ops delta_rule: y: moved by 0.0")
     (tmp_path / "r.json").write_text(json.dumps(rec))
     page = evidence.rerun_page(tmp_path)
-    assert "`r`" in page and "python benchmarks/bench_delta_rule.py" in page
+    assert "`r`" in page and "python benchmarks/speed/bench_delta_rule.py" in page
 
 
 def test_every_stored_result_records_probes_and_its_file():
@@ -99,7 +99,7 @@ def _stale_results_with(tmp_path, path: str, old: str, new: str, only: tuple[str
     text = file.read_text()
     assert text.count(old) >= 1, f"{old!r} not in {path}: update the test's edit"
     file.write_text(text.replace(old, new))
-    script = ("import json, sys; sys.path.insert(0, 'benchmarks'); import evidence, fastweights;"
+    script = ("import json, sys; sys.path.insert(0, 'benchmarks/tools'); import evidence, fastweights;"
               "assert fastweights.__file__.startswith(sys.argv[1]), fastweights.__file__;"
               "only = set(sys.argv[2:]);"
               "print(json.dumps([evidence.result_key(p) for p in evidence.result_paths()"

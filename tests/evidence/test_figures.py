@@ -22,9 +22,9 @@ from matplotlib.colors import to_hex, to_rgb  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
-from helpers import BENCHMARKS
+from helpers import BENCHMARKS, benchmark_script
 
-sys.path.insert(0, str(BENCHMARKS))
+sys.path.insert(0, str(benchmark_script("leaderboard").parent))
 
 import leaderboard  # noqa: E402
 
@@ -202,7 +202,7 @@ def test_leaderboard_draws_collapsed_rows_apart_so_they_do_not_set_the_others_ra
 
 def test_committed_leaderboard_png_is_what_its_json_draws(board):
     """The PNG in the repository is derived from leaderboard.json by the current drawing code (re-render it
-    with ``python benchmarks/leaderboard.py --plot-only`` after changing either)."""
+    with ``python benchmarks/quality/leaderboard.py --plot-only`` after changing either)."""
     _, _, path = board
     new, old = matplotlib.image.imread(path), matplotlib.image.imread(RESULTS / "leaderboard.png")
     assert new.shape == old.shape, f"committed {old.shape[:2]} vs drawn now {new.shape[:2]}: re-render it"
@@ -213,7 +213,7 @@ def test_committed_leaderboard_png_is_what_its_json_draws(board):
 
 
 def _stream_runs(rec: dict) -> list[dict]:
-    """benchmarks/fwp_streaming.py's plot input, from its JSON."""
+    """benchmarks/quality/fwp_streaming.py's plot input, from its JSON."""
     return [{"label": f"{name} {label}", "checkpoint": name, "mode": mode, "curve": row[label]["curve"],
              "state_norm": row[label]["state_norm"]}
             for name, row in rec["variants"].items() for label, mode in (("carry", "carry"), ("windows", "memory"))]

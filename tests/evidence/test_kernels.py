@@ -14,7 +14,7 @@ from fastweights.evidence import probes, summaries
 
 from helpers import BENCHMARKS, ROOT
 
-sys.path.insert(0, str(BENCHMARKS))
+sys.path.insert(0, str(BENCHMARKS / "tools"))
 
 import evidence  # noqa: E402
 
@@ -39,7 +39,7 @@ def sample_results() -> list[str]:
     return chosen
 
 
-_STALE = ("import json, sys; sys.path.insert(0, 'benchmarks'); import evidence, torch;"
+_STALE = ("import json, sys; sys.path.insert(0, 'benchmarks/tools'); import evidence, torch;"
           "only = set(sys.argv[1:]);"
           "print(torch.backends.cpu.get_cpu_capability(), json.dumps([evidence.result_key(p) for p in evidence.result_paths()"
           " if evidence.result_key(p) in only and evidence.staleness(json.loads(p.read_text()))]))")

@@ -1,4 +1,4 @@
-"""benchmarks/leaderboard.py (issue 21): its README table, its provenance across commits, its bad input."""
+"""benchmarks/quality/leaderboard.py (issue 21): its README table, its provenance across commits, its bad input."""
 
 import json
 
@@ -6,9 +6,9 @@ import pytest
 import subprocess
 import sys
 
-from helpers import BENCHMARKS, ROOT
+from helpers import BENCHMARKS, ROOT, benchmark_script
 
-sys.path.insert(0, str(BENCHMARKS))
+sys.path[:0] = [str(benchmark_script("leaderboard").parent), str(BENCHMARKS / "tools")]
 
 import leaderboard  # noqa: E402
 import report  # noqa: E402
@@ -65,7 +65,7 @@ def test_markdown_table_ranks_by_streamed_score_and_flags_a_collapse():
 
 def test_bad_arguments_exit_2_with_one_line():
     for argv in (["--entries", "nope"], ["--seeds", "x"], ["--minutes", "0"]):
-        r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "leaderboard.py"), *argv],
+        r = subprocess.run([sys.executable, str(benchmark_script("leaderboard")), *argv],
                            capture_output=True, text=True)
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("error:"), r.stderr
 
@@ -76,7 +76,7 @@ def test_readme_opens_its_results_with_the_generated_leaderboard():
     readme = (ROOT / "README.md").read_text()
     results = readme.split("## Results", 1)[1]
     assert results.index(report.BOARD_START) < results.index(report.CLAIMS_START)  # the board first, then claims
-    assert report.render_board(readme, "README.md") == readme, "run python benchmarks/report.py"
+    assert report.render_board(readme, "README.md") == readme, "run python benchmarks/tools/report.py"
 
 
 def test_a_collapse_with_a_known_reason_is_marked_with_its_footnote():
@@ -125,12 +125,12 @@ def test_results_rewritten_by_a_parallel_run_are_not_dirty_code():
 def test_aggregate_writes_seed_means_by_entry_and_the_checks(tmp_path, monkeypatch):
     import argparse
 
-    import common
+    import fastweights.evidence.result_files as result_files
 
     results, out = tmp_path / "results", tmp_path / "runs"
     results.mkdir()
     monkeypatch.setattr(leaderboard, "RESULTS", results)
-    monkeypatch.setattr(common, "RESULTS", results)
+    monkeypatch.setattr(result_files, "RESULTS", results)
     curve = {"bin_width": 1024, "position": [1024], "windowed": [1.4], "cumulative": [1.4], "count": [1024]}
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
                           check=True).stdout.strip()

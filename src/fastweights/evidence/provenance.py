@@ -2,8 +2,8 @@
 made relative to its root, so a reader can run it from any clone), the date, the git commit with the
 paths that differed from it, and the machine with its load.
 
-The benchmark scripts record this through ``benchmarks/common.py`` (``root`` = the repository the
-script lives in), and ``benchmarks/report.py --check`` re-runs the behaviour probes a result recorded
+The benchmark scripts record this through ``src/fastweights/evidence/result_files.py`` (``root`` = the repository the
+script lives in), and ``benchmarks/tools/report.py --check`` re-runs the behaviour probes a result recorded
 (:mod:`fastweights.evidence.probes`) to tell whether the code it measured still behaves the same.
 """
 

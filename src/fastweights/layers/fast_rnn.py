@@ -76,7 +76,7 @@ class FastWeightRNN(nn.Module):
         fast_weights: False gives the plain (LN-)RNN h_t = f(LN(W h_{t-1} + C x_t)) (True).
         read_mode: "matrix", "attention", or "auto": the matrix for single-step calls without
             autograd (token-by-token generation), attention otherwise; the choices measured faster
-            in benchmarks/bench_fast_rnn.py (training at T/H from 1/4 to 16, generation at T = 1).
+            in benchmarks/speed/bench_fast_rnn.py (training at T/H from 1/4 to 16, generation at T = 1).
         eps: LayerNorm epsilon (1e-5).
 
     forward(x [B, T, input_size], state: FastRNNState | None) -> (hs [B, T, H], FastRNNState).

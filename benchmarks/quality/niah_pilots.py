@@ -1,0 +1,123 @@
+"""Score NIAH training pilots (issue 8): did a checkpoint learn to answer the needle questions of its own
+training text, and, for an FwPKM memory at layer 0 behind a short convolution, what does the memory return?
+
+Each pilot is a ``fastweights train --preset niah-cpu ... --set ...`` checkpoint (one thread, CPU-time
+budget); its config (the overrides) and how far it trained are read from the checkpoint.
+
+    python benchmarks/quality/niah_pilots.py --name niah_short_conv_pilots \\
+        "full attention, short_conv=8=runs/niah-cpu-attn" "SWA 128 + FwPKM@2, short_conv=8=runs/p-fwpkm-conv" ...
+
+Per pilot: held-out answer-digit accuracy against the needles' own digits (chance), from
+``niah_cpu.answer_digit_accuracy``. With FwPKM at layer 0 and a short convolution, the memory's input
+is a function of the last W characters only, so a question's query equals its needle's query; the
+probe reads a held-out needle text through that memory (writes every chunk, as in training) and
+records, at each question's answer position, the cosine of the value read against the needle's value
+target and against the other needles' targets (the first answer digit). The probe's needle text is built
+from ``--data`` (a registered corpus name, default ``tinyshakespeare``: the text of the preset's corpus
+``niah-tinyshakespeare``); the accuracy reads each checkpoint's own training corpus.
+
+Writes benchmarks/results/NAME.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from fastweights.evidence.result_files import write_result
+from fastweights.evidence import probes
+from niah_cpu import DATA, answer_digit_accuracy
+
+
+@torch.no_grad()
+def memory_value_probe(model, tok, chars: int = 4096, seed: int = 7, haystack: str = DATA) -> dict | None:
+    """Cosines of the layer-0 FwPKM read at each question against the needles' value targets (see above)."""
+    from fastweights.tasks.niah import Haystack, training_text
+
+    block = model.blocks[0]
+    if block.memory is None or block.short_conv is None:
+        return None
+    mem = block.memory
+    text = training_text(Haystack.load(haystack), chars, seed=seed)
+    ids = torch.tensor(tok.encode(text))[None]  # [1, T]
+    x = model.embed(ids)
+    x = x + block.short_conv(x)[0]
+    q, v, _ = mem.io.inputs(block.memory_norm(x))
+    q = q.view(1, ids.shape[1], mem.heads, mem.d_key)  # [1, T, H, d_k]
+    v_hat, _ = mem.memory(q, v, torch.ones_like(v[..., 0]))  # [1, T, d_v]; every loss weight 1
+    v_hat, v = v_hat[0], v[0]
+    first, rows = {}, []
+    for m in re.finditer(r"(ID-[0-9a-f]{4}) is (\d)", text):
+        key, pos = m.group(1), m.start(2)  # pos: the answer's first digit
+        if key not in first:
+            first[key] = pos
+            continue
+        read = v_hat[pos - 1]  # the query before the digit reads what the needle's digit was written with
+        cos = lambda j: float(F.cosine_similarity(read, v[j], dim=-1))  # noqa: E731
+        others = [cos(j) for k, j in first.items() if k != key]
+        rows.append({"gap": pos - first[key], "cos_target": round(cos(first[key]), 4),
+                     "max_cos_other_needles": round(max(others), 4) if others else None})
+    near = [r for r in rows if r["gap"] < 500 and r["max_cos_other_needles"] is not None]
+    return {"chars": chars, "seed": seed, "haystack": haystack, "questions": rows,
+            "gap_under_500": {"n": len(near),
+                              "cos_target_range": [min(r["cos_target"] for r in near), max(r["cos_target"] for r in near)],
+                              "max_cos_other_range": [min(r["max_cos_other_needles"] for r in near),
+                                                      max(r["max_cos_other_needles"] for r in near)],
+                              "target_beats_others": sum(r["cos_target"] > r["max_cos_other_needles"] for r in near)}
+            if near else None}
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+    return probes.preset_probes("niah-cpu") + [probes.probe("task", name="niah")]
+
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("pilots", nargs="+", help="LABEL=CHECKPOINT_DIR (the last '=' splits)")
+    ap.add_argument("--chars", type=int, default=20_000, help="held-out characters scored per checkpoint")
+    ap.add_argument("--data", default=DATA, help=f"haystack of the memory probe's text: a registered corpus (default {DATA})")
+    ap.add_argument("--name", default="niah_pilots")
+    a = ap.parse_args()
+    from fastweights.models.loading import load_checkpoint
+
+    torch.set_num_threads(1)
+    rows, headline = [], []
+    for spec in a.pilots:
+        label, sep, path = spec.rpartition("=")
+        ckpt = Path(path)
+        if not sep or not (ckpt / "model.safetensors").exists():
+            print(f"error: {spec!r} is not LABEL=CHECKPOINT_DIR with a checkpoint", file=sys.stderr)
+            return 2
+        trainer = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
+        model, tok, cfg = load_checkpoint(ckpt)
+        model.eval()
+        acc = answer_digit_accuracy(ckpt, chars=a.chars)
+        probe = memory_value_probe(model, tok, haystack=a.data)
+        m = cfg.model
+        rows.append({"label": label, "checkpoint": str(ckpt), "steps": trainer["step"],
+                     "cpu_seconds": round(trainer["elapsed"], 1), "budget_clock": cfg.train.budget_clock,
+                     "model": {"short_conv": m.short_conv, "memory": m.memory, "memory_layers": m.memory_layers,
+                               "layer_mixers": m.layer_mixers or [m.mixer] * m.n_layers, "options": m.options},
+                     "data": cfg.data.corpus, "val_bits": (trainer["history"][-1]["val_bits"]
+                                                           if trainer["history"] else None),
+                     "answer_digit_accuracy": acc, "memory_value_probe": probe})
+        headline.append({"what": f"NIAH pilot, {label}, {trainer['step']} steps, {trainer['elapsed'] / 60:.0f} CPU-min: "
+                                 "held-out answer-digit accuracy (chance: needle digits)",
+                         "value": f"{acc['question_answer_digits']:.3f} (chance {acc['needle_digits_chance']:.3f})",
+                         "target": "well above chance"})
+        print(headline[-1]["what"], headline[-1]["value"], flush=True)
+    write_result(a.name, {"what": "NIAH training pilots: answer-digit accuracy of checkpoints on held-out text of "
+                                  "their own training corpus, and the layer-0 FwPKM value probe",
+                          "headline": headline, "pilots": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
