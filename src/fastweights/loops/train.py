@@ -505,28 +505,35 @@ class _Terminated(KeyboardInterrupt):
 
 
 class _SetupSignals:
-    """Until the training loop installs :class:`_StopSignals`: SIGTERM raises :class:`_Terminated`, so that a
-    run stopped while it prepares (encoding a corpus can take minutes) cleans up as Ctrl-C does."""
+    """Until the training loop installs :class:`_StopSignals`: SIGINT raises KeyboardInterrupt and SIGTERM
+    :class:`_Terminated`, so that a run stopped while it prepares (encoding a corpus can take minutes) cleans
+    up, whatever handler the process had (a host that replaced Python's SIGINT handler, e.g. a notebook or a
+    test runner's worker, would otherwise swallow Ctrl-C until training starts)."""
 
     def __init__(self):
         import signal
         import threading
 
-        self.old = None
+        self.old = {}
         if threading.current_thread() is threading.main_thread():
-            old = signal.signal(signal.SIGTERM, self._handle)
-            self.old = signal.SIG_DFL if old is None else old  # None: a handler not installed from Python
+            for s in (signal.SIGINT, signal.SIGTERM):
+                old = signal.signal(s, self._handle)
+                self.old[s] = signal.SIG_DFL if old is None else old  # None: a handler not installed from Python
 
     @staticmethod
     def _handle(signum, frame):
+        import signal
+
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
         raise _Terminated()
 
     def restore(self) -> None:
         import signal
 
-        if self.old is not None:
-            signal.signal(signal.SIGTERM, self.old)
-            self.old = None
+        for s, h in self.old.items():
+            signal.signal(s, h)
+        self.old = {}
 
 
 class _StopSignals:
