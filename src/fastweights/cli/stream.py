@@ -93,6 +93,7 @@ def run_stream_eval(args) -> int:
                      tokenizer=tok.name, not_frozen=_not_frozen(model, mode),
                      dynamic=(ev.metadata() | info) if ev is not None and mode != "frozen" else None)
             runs.append(d)
+        _mark_equal_modes(runs[-len(modes):])
     doc = {"data": data or f"{cfg.data.corpus}:{split}", "modes": modes, "runs": runs}
     refuse_non_finite(doc, "the model's scores overflow on this text" + (
         f", or dynamic evaluation diverged with rule {ev.rule}, learning rate {ev.metadata()['lr']:.3g} (try a smaller "
@@ -108,8 +109,31 @@ def run_stream_eval(args) -> int:
     for r in runs:
         print(f"{r['label']:<{w}}  {r['tokens']:>9,}  {r['bits_per_token']:>8.4f}  {r['perplexity']:>9.3f}  "
               f"{(r['tokens_per_s'] or 0):>8,.0f}  {r['rss_mb']['peak_process']:>12.0f}")
+    for r in runs:
+        if r.get("equals"):
+            print(f"note: {r['label']} equals {r['equals']}: {r['why_equal']}")
     print(f"-> {out.with_suffix('.json')}, {out.with_suffix('.png')}")
     return 0
+
+
+# why a mode scores exactly as carry does, when it does
+_WHY_EQUAL = {"reset": "the text is one document, and reset clears the state only between documents",
+              "frozen": "the model has no fast memory with a write step to freeze"}
+
+
+def _mark_equal_modes(runs: list[dict]) -> None:
+    """Mark the runs of one checkpoint that score exactly as its carry run (``equals``, ``why_equal``, and the
+    label, so the plot's legend says why a line lies under another)."""
+    carry = next((r for r in runs if r["label"].split(" +dynamic")[0].endswith(" carry")), None)
+    if carry is None:
+        return
+    for r in runs:
+        mode = r["label"].split(" +dynamic")[0].rsplit(" ", 1)[-1]
+        if r is carry or mode not in _WHY_EQUAL:
+            continue
+        if [d["loss"] for d in r["documents"]] == [d["loss"] for d in carry["documents"]]:
+            r.update(equals="carry", why_equal=_WHY_EQUAL[mode])
+            r["label"] += " (= carry)"
 
 
 def _not_frozen(model, mode: str) -> list[str]:
