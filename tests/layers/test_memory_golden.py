@@ -44,8 +44,14 @@ VARIANTS = {
 
 def run_variant(kind: str, options: dict) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    layer = (FwPKM(D_MODEL, FwPKMOptions(**options)) if kind == "fwpkm"
-             else FwMLP(D_MODEL, FwMLPOptions(**options))).double()
+    # built in fp64 from the first weight: an fp32 initialisation carries the last bits of the CPU's vectorised
+    # normal_ kernel, which differ between ATEN_CPU_CAPABILITY default, avx2 and avx512
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        layer = FwPKM(D_MODEL, FwPKMOptions(**options)) if kind == "fwpkm" else FwMLP(D_MODEL, FwMLPOptions(**options))
+    finally:
+        torch.set_default_dtype(dtype)
     x = torch.randn(BATCH, T1 + T2, D_MODEL, dtype=torch.float64, requires_grad=True)
     w = torch.randn(BATCH, T1 + T2, D_MODEL, dtype=torch.float64)
     y1, state = layer(x[:, :T1])
