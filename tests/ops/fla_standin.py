@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from fastweights.ops.delta_rule import delta_rule_recurrent
 
 LOW = (torch.float16, torch.bfloat16)
-VERSION = "0.6.0"  # the fla version the stand-in answers to (its chunk_size keyword is 0.6's)
+VERSION = "0.6.0+standin"  # the fla version the stand-in answers to (its chunk_size keyword is 0.6's)
 WRONG_CHUNK64 = False
 
 
