@@ -18,7 +18,7 @@ Three parts, each failure recorded with its message instead of stopping the run:
    / ``chunk_gated_delta_rule`` in bf16, forward + backward and forward only (median of repeats after
    warm-up, ``torch.cuda.synchronize`` around each), and their agreement with our fp32 result on the same
    (bf16-rounded) inputs. fla refusing a call (not installed, or its gated backward on Hopper with
-   Triton < 3.7.1) is recorded with its message.
+   3.4 <= Triton < 3.7.1) is recorded with its message.
 3. train: ``fastweights train`` on the device for a few dozen steps of three presets; tokens/s is the
    median of the per-step ``tokens_per_s`` in metrics.jsonl after the first 5 steps.
 

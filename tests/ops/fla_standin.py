@@ -9,7 +9,10 @@ Each stand-in kernel checks fla's input contract (``fastweights.ops.fla_backend`
     g [B, T, H] fp32;  initial_state [B, H, K, V] fp32 (or None)
 
 records the call, and computes with the project's per-step reference in fp32 (differentiable), returning
-``o`` in the inputs' dtype and the final state in fp32, as fla does.
+``o`` in the inputs' dtype and the final state in fp32, as fla does. ``chunk_size`` is taken as fla 0.6 takes
+it (a keyword, 16, 32 or 64, default 64; anything else a ValueError) and recorded. ``WRONG_CHUNK64 = True``
+imitates fla issue 984: the ungated rule's gradients of k and beta come out halved at chunk size 64 (for the
+tests of the GPU queue's gradient check).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import torch.nn.functional as F
 from fastweights.ops.delta_rule import delta_rule_recurrent
 
 LOW = (torch.float16, torch.bfloat16)
+VERSION = "0.6.0+standin"  # the fla version the stand-in answers to (its chunk_size keyword is 0.6's)
+WRONG_CHUNK64 = False
 
 
 class Contract(AssertionError):
@@ -50,12 +55,23 @@ def _check(q, k, v, beta, g, initial_state):
         raise Contract("; ".join(problems))
 
 
+def _halve_grad(x):
+    if x.requires_grad:
+        x.register_hook(lambda grad: grad * 0.5)
+    return x
+
+
 def _run(rule, q, k, v, beta, g, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, **extra):
     _check(q, k, v, beta, g, initial_state)
+    chunk_size = extra.pop("chunk_size", 64)
+    if chunk_size not in (16, 32, 64):
+        raise ValueError(f"`chunk_size` must be 16, 32, or 64, got {chunk_size}.")
     CALLS.append({"rule": rule, "q": q, "k": k, "v": v, "beta": beta, "g": g, "initial_state": initial_state,
                   "scale": scale, "output_final_state": output_final_state, "l2norm": use_qk_l2norm_in_kernel,
-                  "extra": extra, "grad": torch.is_grad_enabled() and q.requires_grad})
+                  "chunk_size": chunk_size, "extra": extra, "grad": torch.is_grad_enabled() and q.requires_grad})
     qf, kf = q.float(), k.float()
+    if WRONG_CHUNK64 and rule == "delta" and chunk_size == 64 and torch.is_grad_enabled():
+        kf, beta = _halve_grad(kf * 1), _halve_grad(beta * 1)
     if use_qk_l2norm_in_kernel:
         qf, kf = F.normalize(qf, dim=-1, eps=1e-6), F.normalize(kf, dim=-1, eps=1e-6)
     o, final = delta_rule_recurrent(qf, kf, v.float(), beta.float(), scale=scale, initial_state=initial_state,
@@ -79,9 +95,11 @@ CALLS: list[dict] = []
 
 
 def install(monkeypatch) -> list[dict]:
-    """Make ``fla`` importable as this stand-in and CPU tensors fla's device; returns the call log."""
+    """Make ``fla`` importable as this stand-in and CPU tensors fla's device; returns the call log.
+    ``monkeypatch``: pytest's fixture, or anything with its ``setitem`` / ``setattr`` (the GPU queue's dry run)."""
     fla_backend = importlib.import_module("fastweights.ops.fla_backend")
     mods = {name: types.ModuleType(name) for name in ("fla", "fla.ops", "fla.ops.delta_rule", "fla.ops.gated_delta_rule")}
+    mods["fla"].__version__ = VERSION
     mods["fla.ops.delta_rule"].chunk_delta_rule = chunk_delta_rule
     mods["fla.ops.gated_delta_rule"].chunk_gated_delta_rule = chunk_gated_delta_rule
     for name, mod in mods.items():

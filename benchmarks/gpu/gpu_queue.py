@@ -1,0 +1,645 @@
+"""The GPU queue (issue 42): the pending GPU measurements in order of value, as many run as fit the minutes left.
+
+    python benchmarks/gpu/gpu_queue.py --list                          # the items, estimates, what is pending
+    python benchmarks/gpu/gpu_queue.py --minutes 9 --out $OUT          # on a lent GPU: the first command, one call
+    python benchmarks/gpu/gpu_queue.py --device cpu --tiny --out DIR   # dry run: tiny shapes, stand-in fla, seconds
+    python benchmarks/gpu/gpu_queue.py --unpack DIR/gpu_queue.json     # a device run's items into benchmarks/results/
+
+(Named ``gpu_queue.py``, not ``queue.py``: run as a script its folder comes first on ``sys.path``, and a
+``queue.py`` there would shadow the standard library's ``queue`` that torch imports.)
+
+Order of value (``ITEMS``): scope 2's gradient checks first (a kernel that trains wrong makes every timing
+of it worthless), then scope 3's like-for-like ratios against their bars, then scope 4's open
+measurements, then scope 5's FWL recipe. An item is pending until its result file
+``benchmarks/results/gpu_queue_<item>.json`` holds a completed run on a GPU; ``--all`` runs done items
+again, ``--items`` picks items by glob. Each item has an estimate in minutes (fla's Triton autotuning
+costs 80-100 s per kernel family on first use, inductor 17-30 s per compiled shape: the recorded
+cuda_scale runs on one H100); an item runs when the minutes spent plus its estimate fit ``--minutes``,
+else it is left pending and the next one is tried. Each item is timed, and its JSON written as soon as it
+finishes; an item that raises is recorded with its error and the queue goes on.
+
+The default ``--minutes 9`` fits one device command (at most 10 minutes; a 15-minute lease less the
+machine's start and the transfers leaves about 11, the rest for a second, short call). An item that
+overruns its estimate can be cut off by the command's limit: what finished before it is already written.
+
+``--out DIR`` (a device run's $OUT) writes there instead of benchmarks/results/: the summary
+``gpu_queue.json`` (rewritten after every item, holding every item's record in full) and the first
+``MAX_ITEM_FILES`` item files (a device run returns at most 8 files); ``--unpack`` writes a summary's items
+into benchmarks/results/. The measurements reuse ``cuda_scale.py``'s item functions (inputs, fla's raw
+kernels, our op and layers, the models, the FwPKM layers, fla's guard bypass for timing).
+
+Exit status 2 with one line on stderr for bad arguments (or ``--device cuda`` without CUDA); 0 otherwise,
+failed items included (they are in the JSON and in the pending list).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fnmatch
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import cuda_scale as cs  # noqa: E402  (benchmarks/gpu/cuda_scale.py: the measurements reused here)
+import torch  # noqa: E402
+
+from fastweights.evidence.result_files import REPO, RESULTS, command_line, repo_relative  # noqa: E402
+from fastweights.layers.gdn import GatedDeltaNet, GDNOptions  # noqa: E402
+from fastweights.ops import fla_backend as fb  # noqa: E402
+from fastweights.ops.delta_rule import delta_rule  # noqa: E402
+
+NAME = "gpu_queue"
+MAX_ITEM_FILES = 7  # + the summary: a device run returns at most 8 files
+BF16_OUT_TOL = 2e-2  # ||fla - ref|| / ||ref|| of the output and final state, bf16 kernel vs our fp32 reference
+BF16_GRAD_TOL = 5e-2  # same for each input gradient (as benchmarks/gpu/cuda_check.py)
+BARS = {"delta_op": 1.15, "gdn_layer": 1.15, "hybrid": 1.1}
+FWL_RECIPE = HERE / "fwl_smollm2_gpu.py"  # issue 41's GPU recipe: not yet written when absent
+STANDIN = REPO / "tests" / "ops"  # fla_standin.py: the dry run's fla where fla is absent
+LENGTHS = (2048, 8192, 32768)  # the kernels' T; the dry run maps them to TINY_LENGTHS
+TINY_LENGTHS = (32, 64, 128)
+FWPKM_T = 1024  # the FwPKM comparison as on the CPU: d_model 768, 512^2 slots, top-8, 1 head, chunk 512, T=1,024
+GRAD_SHAPE = dict(B=4, H=12, D=64)  # the kernel benchmarks' shape at T=8192 (batch 32K / T, 12 heads of 64)
+
+
+class BadInput(Exception):
+    pass
+
+
+class NotWritten(Exception):
+    """An item whose script does not exist yet (pending, not failed)."""
+
+
+@dataclass
+class Item:
+    id: str
+    scope: int
+    minutes: float  # estimate on one H100, cold process
+    what: str
+    run: Callable[["Ctx"], dict] = field(repr=False)
+
+    @property
+    def slug(self) -> str:
+        return self.id.replace("/", "_")
+
+
+@dataclass
+class Ctx:
+    device: torch.device
+    tiny: bool
+    cfg: dict
+    fla_ok: bool
+    refuses: bool  # fla refuses the gated backward here: its kernel is timed / checked with the guard bypassed
+    log: cs.BackendLog
+    fail: set = field(default_factory=set)
+
+    def T(self, i: int) -> int:
+        return (TINY_LENGTHS if self.tiny else LENGTHS)[i]
+
+    @property
+    def w(self) -> dict:
+        return dict(warmup=1, repeat=2) if self.tiny else dict(warmup=2, repeat=self.cfg["repeat"])
+
+
+# ----------------------------------------------------------------------------- scope 2: gradients
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def bypass(ctx: Ctx, gated: bool):
+    return cs.fla_guard_bypassed() if (gated and ctx.refuses) else contextlib.nullcontext()
+
+
+def grad_check(ctx: Ctx, gated: bool, chunk: int | None, t_index: int = 1) -> dict:
+    """fla's kernel as our dispatch calls it (``fla_backend.fla_delta_rule``: bf16 q, k, v, beta, fp32 g and
+    state, state in and out) against our fp32 chunkwise form on the same bf16-rounded inputs, TF32 off;
+    loss = <o, do> + <final state, dht> with random do, dht; relative error of o, the final state and every
+    input gradient."""
+    dev, t = ctx.device, ctx.T(t_index)
+    b, h, d = (1, 2, 8) if ctx.tiny else (max(1, 32768 // t), GRAD_SHAPE["H"], GRAD_SHAPE["D"])
+    dk = d if gated else 2 * d  # fwp's default DPFP doubles K; gdn's K = V = 64
+    q, k, v, beta, g = cs.kernel_inputs(b, t, h, dk, d, dev)
+    gen = torch.Generator().manual_seed(5)
+    h0 = (0.1 * torch.randn(b, h, dk, d, generator=gen)).to(dev)
+    do = torch.randn(b, t, h, d, generator=gen).to(dev)
+    dht = torch.randn(b, h, dk, d, generator=gen).to(dev)
+    low = [x.to(torch.bfloat16) for x in (q, k, v, beta)]
+    names = ["q", "k", "v", "beta"] + (["g"] if gated else []) + ["h0"]
+
+    def run(fn, xs):
+        leaves = [x.detach().clone().requires_grad_() for x in xs]
+        o, ht = fn(*leaves)
+        ((o.float() * do).sum() + (ht.float() * dht).sum()).backward()
+        return o.detach(), ht.detach(), {n: x.grad for n, x in zip(names, leaves)}
+
+    def fla_call(q_, k_, v_, b_, *rest):
+        g_, s0 = (rest[0], rest[1]) if gated else (None, rest[0])
+        return fb.fla_delta_rule(q_, k_, v_, b_, None, s0, True, g_, gated, chunk_size=chunk)
+
+    def ref_call(q_, k_, v_, b_, *rest):
+        g_, s0 = (rest[0], rest[1]) if gated else (None, rest[0])
+        return delta_rule(q_, k_, v_, b_, initial_state=s0, output_final_state=True, log_decay=g_, backend="torch",
+                          qk_l2norm=gated)
+
+    extra = ([g] if gated else []) + [h0]
+    t0 = time.perf_counter()
+    with bypass(ctx, gated):
+        o, ht, grads = run(fla_call, low + extra)
+    first_call_s = time.perf_counter() - t0
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        ref_o, ref_ht, ref_grads = run(ref_call, [x.float() for x in low] + extra)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    errs = {"o": rel(o, ref_o), "final_state": rel(ht, ref_ht)}
+    errs.update({f"d{n}": rel(grads[n], ref_grads[n]) for n in names})
+    tol = {key: BF16_OUT_TOL if key in ("o", "final_state") else BF16_GRAD_TOL for key in errs}
+    wrong = sorted(key for key in errs if not errs[key] <= tol[key])
+
+    def step():
+        with bypass(ctx, gated):
+            run(fla_call, low + extra)
+
+    timing = cs.measure(step, dev, **dict(ctx.w, warmup=0))
+    return {"kernel": "chunk_gated_delta_rule" if gated else "chunk_delta_rule", "chunk_size": chunk or 64,
+            "shape": {"B": b, "T": t, "H": h, "K": dk, "V": d}, "guard_bypassed": gated and ctx.refuses,
+            "qk_l2norm_in_kernel": gated, "rel_err": {key: round(x, 6) for key, x in errs.items()},
+            "tolerance": tol, "wrong": wrong, "right": not wrong, "first_call_s": round(first_call_s, 2),
+            "fwd_bwd": timing,
+            "reference": "delta_rule(backend='torch') in fp32 on the bf16-rounded inputs, TF32 off"}
+
+
+def dispatch_choices(ctx: Ctx) -> dict:
+    """What the dispatch knows and chooses on this device: the fla kernels (and chunk sizes) it can pick."""
+    dev = ctx.device
+    facts = {"fla_available": fb.fla_available(), "fla_takes_chunk_size": fb.fla_takes_chunk_size(),
+             "fla_refuses_gated_backward": fb.fla_refuses_gated_backward(dev),
+             "fla_delta_chunk64_reported_wrong": fb.fla_delta_chunk64_reported_wrong(dev),
+             "tilelang_takes_gated_backward": fb._tilelang_takes_gated_backward()}
+    if dev.type == "cuda":
+        facts["capability"] = list(torch.cuda.get_device_capability(dev))
+    choices = {}
+    for gated in (False, True):
+        for grad in (True, False):
+            key = f"{'gated' if gated else 'ungated'}_{'training' if grad else 'no_grad'}"
+            chosen = fb.select_backend(
+                "auto", device_type=dev.type, dtype=torch.bfloat16, gated=gated, needs_grad=grad,
+                fla_ok=facts["fla_available"], fla_refuses_gated_backward=gated and facts["fla_refuses_gated_backward"],
+                fla_delta_chunk64_reported_wrong=facts["fla_delta_chunk64_reported_wrong"],
+                fla_takes_chunk_size=facts["fla_takes_chunk_size"])
+            chunk = fb.fla_chunk_size(gated, grad, facts["fla_delta_chunk64_reported_wrong"]) if chosen == "fla" else None
+            choices[key] = {"backend": chosen, "fla_chunk_size": (chunk or 64) if chosen == "fla" else None}
+    return {"facts": facts, "auto_bf16": choices,
+            "note": "linear attention has no fla dispatch (ops/linear_attention.py is PyTorch only): nothing to check"}
+
+
+# ----------------------------------------------------------------------------- scope 3 and 4: timings
+
+
+def kernel_parts(ctx: Ctx, t_index: int, kinds: list[str]) -> dict:
+    """cuda_scale's kernel items ``T<t>/<kind>`` at this T, each measured (or its error recorded)."""
+    t = ctx.T(t_index)
+    cfg = dict(ctx.cfg, kernel_lengths=(t,))
+    items = {name.split("/", 1)[1]: (meta, thunk)
+             for name, meta, thunk in cs.kernel_items(cfg, ctx.device, ctx.fla_ok, ctx.refuses)}
+    out = {}
+    for kind in kinds:
+        if kind not in items:
+            out[kind] = {"error": f"cuda_scale has no kernel item {kind!r} here"}
+            continue
+        meta, thunk = items[kind]
+        out[kind] = part(thunk, meta)
+    return out
+
+
+def part(thunk, meta: dict | None = None) -> dict:
+    t0 = time.perf_counter()
+    try:
+        res = {**(meta or {}), **thunk()}
+    except Exception as e:
+        res = {**(meta or {}), "error": cs.err_text(e)}
+    res["part_wall_s"] = round(time.perf_counter() - t0, 2)
+    return res
+
+
+def sec(parts: dict, key: str) -> float | None:
+    v = parts.get(key) or {}
+    return v.get("seconds_median")
+
+
+def ratio(parts: dict, num: str, den: str, bar: float | None = None) -> dict:
+    a, b = sec(parts, num), sec(parts, den)
+    r = None if a is None or b is None else round(a / b, 4)
+    out = {"ratio": r, "of": f"{num} / {den}"}
+    if bar is not None:
+        out.update(bar=bar, met=None if r is None else r <= bar)
+    return out
+
+
+def fla_side(ctx: Ctx, base: str) -> str:
+    return f"{base}_guard_bypassed" if ctx.refuses else base
+
+
+def delta_op(ctx: Ctx, t_index: int) -> dict:
+    parts = kernel_parts(ctx, t_index, ["delta_raw_fla", "delta_op_auto"])
+    return {"T": ctx.T(t_index), "parts": parts, "backend_log": list(ctx.log.lines),
+            "ratios": {"delta_op_auto_over_raw_fla": ratio(parts, "delta_op_auto", "delta_raw_fla",
+                                                           BARS["delta_op"])},
+            "like_for_like": "bf16 autocast, fwd+bwd, state in and out on both sides; our op may run fla at "
+                             "chunk 32 (see backend_log), the raw call at fla's default 64"}
+
+
+def gdn_on_fla_layer(ctx: Ctx, t: int):
+    """Our gdn layer forced onto fla's gated kernel (its guard bypassed where fla refuses): our layer's
+    overhead around fla's kernel."""
+    h, d, dm = ctx.cfg["n_heads"], ctx.cfg["head_dim"], ctx.cfg["d_model"]
+    b = max(1, ctx.cfg["kernel_tokens"] // t)
+
+    def thunk():
+        torch.manual_seed(0)
+        layer = GatedDeltaNet(dm, h, GDNOptions(head_dim=d, backend="fla")).to(ctx.device)
+        x = torch.randn(b, t, dm, generator=torch.Generator().manual_seed(2)).to(ctx.device)
+        with bypass(ctx, True):
+            return cs.measure(cs.layer_step(layer, x, ctx.device), ctx.device, **ctx.w)
+
+    return thunk, {"T": t, "B": b, "H": h}
+
+
+def gdn_layer(ctx: Ctx, t_index: int) -> dict:
+    t = ctx.T(t_index)
+    parts = kernel_parts(ctx, t_index, ["layer_gdn", fla_side(ctx, "layer_fla_gdn"), fla_side(ctx, "gated_raw_fla")])
+    thunk, meta = gdn_on_fla_layer(ctx, t)
+    parts[fla_side(ctx, "layer_gdn_on_fla")] = part(thunk, meta)
+    fla_layer, ours_fla = fla_side(ctx, "layer_fla_gdn"), fla_side(ctx, "layer_gdn_on_fla")
+    return {"T": t, "parts": parts, "backend_log": list(ctx.log.lines),
+            "ratios": {"gdn_layer_auto_over_fla_layer": ratio(parts, "layer_gdn", fla_layer, BARS["gdn_layer"]),
+                       "gdn_layer_on_fla_over_fla_layer": ratio(parts, ours_fla, fla_layer, BARS["gdn_layer"]),
+                       "gdn_layer_auto_over_raw_fla_gated": ratio(parts, "layer_gdn", fla_side(ctx, "gated_raw_fla"))},
+            "guard_bypassed": ctx.refuses}
+
+
+def hybrid(ctx: Ctx) -> dict:
+    parts = {fla_side(ctx, "ours_hybrid_fla_kernels"):
+             part(lambda: cs.train_model("ours_fla_bypassed", ctx.cfg, ctx.device, bypass=ctx.refuses)),
+             fla_side(ctx, "fla_gdn_hybrid"): part(lambda: cs.train_model("fla", ctx.cfg, ctx.device, bypass=ctx.refuses)),
+             "ours_hybrid_auto": part(lambda: cs.train_model("ours", ctx.cfg, ctx.device))}
+    return {"parts": parts, "guard_bypassed": ctx.refuses,
+            "ratios": {"ours_on_fla_kernels_over_fla_model": ratio(parts, fla_side(ctx, "ours_hybrid_fla_kernels"),
+                                                                   fla_side(ctx, "fla_gdn_hybrid"), BARS["hybrid"]),
+                       "ours_auto_over_fla_model": ratio(parts, "ours_hybrid_auto", fla_side(ctx, "fla_gdn_hybrid"),
+                                                         BARS["hybrid"])}}
+
+
+def gdn_chunks(ctx: Ctx) -> dict:
+    t = ctx.T(1)
+    h, d, dm = ctx.cfg["n_heads"], ctx.cfg["head_dim"], ctx.cfg["d_model"]
+    b = max(1, ctx.cfg["kernel_tokens"] // t)
+    parts = {}
+    for chunk in (32, 64):
+        def thunk(chunk=chunk):
+            torch.manual_seed(0)
+            layer = GatedDeltaNet(dm, h, GDNOptions(head_dim=d, chunk_size=chunk)).to(ctx.device)
+            x = torch.randn(b, t, dm, generator=torch.Generator().manual_seed(2)).to(ctx.device)
+            return cs.measure(cs.layer_step(layer, x, ctx.device), ctx.device, **ctx.w)
+
+        parts[f"layer_gdn_chunk{chunk}"] = part(thunk, {"T": t, "B": b, "chunk_size": chunk})
+    r = ratio(parts, "layer_gdn_chunk64", "layer_gdn_chunk32")
+    faster = None if r["ratio"] is None else (64 if r["ratio"] < 1 else 32)
+    return {"parts": parts, "ratios": {"chunk64_over_chunk32": r}, "faster_chunk": faster,
+            "backend_log": list(ctx.log.lines),
+            "note": "GDNOptions.chunk_size (default 32) matters for the torch/compiled forms only; the faster one "
+                    "is to become the GPU default"}
+
+
+def fwp_layer(ctx: Ctx) -> dict:
+    parts = kernel_parts(ctx, 1, ["layer_fwp", "delta_raw_fla"])
+    return {"T": ctx.T(1), "parts": parts, "backend_log": list(ctx.log.lines),
+            "ratios": {"fwp_layer_over_raw_fla_delta": ratio(parts, "layer_fwp", "delta_raw_fla")}}
+
+
+def fwpkm(ctx: Ctx) -> dict:
+    cfg = dict(ctx.cfg, seq_len=ctx.cfg["seq_len"] if ctx.tiny else FWPKM_T)
+    parts = {}
+    for impl in ("ours", "lucidrains"):
+        def thunk(impl=impl):
+            step, n = cs.fwpkm_layer_step(impl, cfg, 1, ctx.device)
+            return {**cs.measure(step, ctx.device, 1, 2 if ctx.tiny else 5), "slow_parameters": n}
+
+        parts[f"{impl}_B1"] = part(thunk, {"B": 1, "T": cfg["seq_len"]})
+    mem = [parts[f"{i}_B1"].get("peak_bytes") for i in ("ours", "lucidrains")]
+    return {"config": dict(cfg["fwpkm"], d_model=cfg["d_model"], T=cfg["seq_len"], dtype="fp32"), "parts": parts,
+            "ratios": {"ours_time_over_lucidrains": ratio(parts, "ours_B1", "lucidrains_B1"),
+                       "ours_peak_over_lucidrains": {"ratio": None if None in mem else round(mem[0] / mem[1], 4)}}}
+
+
+def fwl_recipe(ctx: Ctx) -> dict:
+    if not FWL_RECIPE.exists():
+        raise NotWritten(f"not yet written: {repo_relative(FWL_RECIPE)} (issue 41's GPU recipe) does not exist")
+    import subprocess
+
+    args = [sys.executable, str(FWL_RECIPE), "--device", ctx.device.type] + (["--tiny"] if ctx.tiny else [])
+    r = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    if r.returncode:
+        raise RuntimeError(f"{FWL_RECIPE.name} exited {r.returncode}: {r.stderr.strip().splitlines()[-1:]}")
+    return {"stdout_tail": r.stdout[-4000:]}
+
+
+# ----------------------------------------------------------------------------- the queue, in order of value
+
+
+ITEMS = [
+    Item("grad/dispatch", 2, 0.3, "what auto picks here: the fla kernels and chunk sizes the checks below cover",
+         dispatch_choices),
+    Item("grad/delta_c32", 2, 2.5, "fla's ungated backward at chunk 32 (what auto trains through on Hopper with "
+         "Triton >= 3.4) vs our fp32 reference, T=8192", lambda c: grad_check(c, False, 32)),
+    Item("grad/delta_c64", 2, 2.0, "fla's ungated backward at its default chunk 64 (auto elsewhere; fla issue 984 "
+         "reports dk, dbeta wrong on Hopper) vs our fp32 reference, T=8192", lambda c: grad_check(c, False, None)),
+    Item("grad/gated_c64", 2, 2.5, "fla's gated backward (guard bypassed where fla refuses it) vs our fp32 "
+         "reference, T=8192: does fla issue 640 bite at our shapes", lambda c: grad_check(c, True, None)),
+    Item("like/delta_op_T8192", 3, 2.0, "delta-rule op (auto) over fla's raw kernel, state in and out, bar 1.15",
+         lambda c: delta_op(c, 1)),
+    Item("like/gdn_layer_T8192", 3, 2.5, "gdn layer (auto, and forced onto fla's kernel) over fla's GatedDeltaNet "
+         "layer, bar 1.15", lambda c: gdn_layer(c, 1)),
+    Item("like/hybrid", 3, 3.0, "our hybrid on fla's kernels over fla's GatedDeltaNetForCausalLM, 115M, T=4096, "
+         "bar 1.1", hybrid),
+    Item("like/gdn_chunk64_vs_32", 3, 1.2, "gdn layer at chunk 64 vs 32 (auto), T=8192", gdn_chunks),
+    Item("grad/gated_c64_T2048", 3, 0.8, "the bypassed gated kernel's gradients at T=2048",
+         lambda c: grad_check(c, True, None, 0)),
+    Item("grad/gated_c64_T32768", 3, 1.0, "the bypassed gated kernel's gradients at T=32768",
+         lambda c: grad_check(c, True, None, 2)),
+    Item("like/delta_op_T2048", 3, 1.0, "delta-rule op over fla's raw kernel at T=2048", lambda c: delta_op(c, 0)),
+    Item("like/delta_op_T32768", 3, 1.5, "delta-rule op over fla's raw kernel at T=32768", lambda c: delta_op(c, 2)),
+    Item("like/gdn_layer_T2048", 3, 1.5, "gdn layer over fla's layer at T=2048", lambda c: gdn_layer(c, 0)),
+    Item("like/gdn_layer_T32768", 3, 2.0, "gdn layer over fla's layer at T=32768", lambda c: gdn_layer(c, 2)),
+    Item("open/fwp_layer", 4, 1.0, "fwp layer (DPFP, delta rule) over fla's raw delta kernel, T=8192", fwp_layer),
+    Item("open/fwpkm_vs_lucidrains", 4, 0.7, "FwPKM layer vs lucidrains' fwPKM, fp32, d_model 768, 512^2 slots, "
+         "top-8, 1 head, chunk 512, T=1,024, time and peak memory", fwpkm),
+    Item("fwl/smollm2_recipe", 5, 8.0, "issue 41's FWL GPU recipe (SmolLM2-135M, FWL head and top blocks "
+         "fine-tuned, about 8 minutes; the model file travels in two calls)", fwl_recipe),
+]
+
+
+def result_path(item: Item, folder: Path | None = None) -> Path:
+    return (RESULTS if folder is None else folder) / f"{NAME}_{item.slug}.json"
+
+
+def done(item: Item, folder: Path | None = None) -> bool:
+    """Measured: a completed run of the item on a GPU is in the results (benchmarks/results/ by default)."""
+    try:
+        rec = json.loads(result_path(item, folder).read_text())
+    except (OSError, ValueError):
+        return False
+    return rec.get("status") in ("ok", "partial") and not rec.get("tiny") and rec.get("device_type") == "cuda"
+
+
+def plan(items: list[Item], minutes: float, spent: float = 0.0) -> list[tuple[Item, bool]]:
+    """Each item with whether it fits by estimate, in order, greedily (an item that does not fit is skipped
+    and the next one tried)."""
+    out, used = [], spent
+    for item in items:
+        fits = used + item.minutes <= minutes
+        used += item.minutes if fits else 0
+        out.append((item, fits))
+    return out
+
+
+# ----------------------------------------------------------------------------- running
+
+
+class _Patcher:
+    """pytest's monkeypatch, the two calls fla_standin.install needs (the dry run's stand-in, undone at exit)."""
+
+    def __init__(self):
+        self.undo_list = []
+
+    def setitem(self, mapping, key, value):
+        self.undo_list.append((mapping.__setitem__, key, mapping[key]) if key in mapping
+                              else (lambda k, _v, m=mapping: m.pop(k, None), key, None))
+        mapping[key] = value
+
+    def setattr(self, obj, name, value):
+        self.undo_list.append((lambda n, v, o=obj: setattr(o, n, v), name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+
+def install_standin() -> str:
+    sys.path.insert(0, str(STANDIN))
+    import fla_standin
+
+    fla_standin.install(_Patcher())
+    return ("fla absent: the stand-in tests/ops/fla_standin.py (fla 0.6's call contract, our per-step reference "
+            "in fp32) ran in its place; fla's layers and models are absent from it")
+
+
+def parse_args(argv):
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise BadInput(message)
+
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu (with --tiny: the dry run)")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (the dry run)")
+    p.add_argument("--minutes", type=float, default=9.0,
+                   help="minutes this run may take (default 9: one device command runs at most 10 minutes, and a "
+                        "15-minute lease less start-up and transfers leaves about 11)")
+    p.add_argument("--out", help="write the item files and the summary gpu_queue.json here (a device run's $OUT)")
+    p.add_argument("--items", help="comma-separated globs over item ids (e.g. 'grad/*,like/hybrid')")
+    p.add_argument("--all", action="store_true", help="also run items already measured on a GPU")
+    p.add_argument("--list", action="store_true", help="only list the items, their estimates and what is pending")
+    p.add_argument("--unpack", metavar="SUMMARY", help="write a device run's summary items into benchmarks/results/")
+    p.add_argument("--fail", default="", help="comma-separated item ids made to raise (tests the failure path)")
+    a = p.parse_args(argv)
+    if a.unpack or a.list:
+        return a
+    try:
+        a.device = torch.device(a.device)
+    except RuntimeError:
+        raise BadInput(f"--device {a.device!r} is not a device name") from None
+    if a.device.type not in ("cuda", "cpu"):
+        raise BadInput(f"--device {a.device} is not supported: choose cuda or cpu")
+    if a.device.type == "cuda" and not torch.cuda.is_available():
+        raise BadInput("--device cuda: torch sees no CUDA device here (use --device cpu --tiny for the dry run)")
+    if a.device.type == "cpu" and not a.tiny:
+        raise BadInput("--device cpu runs the dry run only: add --tiny")
+    if not a.minutes > 0:
+        raise BadInput("--minutes must be > 0")
+    return a
+
+
+def select(items: list[Item], globs: str | None) -> list[Item]:
+    if not globs:
+        return list(items)
+    chosen = []
+    for g in (g.strip() for g in globs.split(",") if g.strip()):
+        matched = [i for i in items if fnmatch.fnmatch(i.id, g) and i not in chosen]
+        if not matched and not any(fnmatch.fnmatch(i.id, g) for i in items):
+            raise BadInput(f"--items {g!r} matches no item (see --list)")
+        chosen += matched
+    return chosen
+
+
+def print_list(items: list[Item], minutes: float) -> None:
+    print(f"GPU queue: {len(items)} items in order of value; estimates in minutes on one H100; "
+          f"fits = within --minutes {minutes:g} by estimate")
+    for item, fits in plan([i for i in items if not done(i)], minutes):
+        print(f"  pending  {item.id:28s} scope {item.scope}  ~{item.minutes:4.1f} min  "
+              f"{'fits' if fits else '    '}  {item.what}")
+    for item in items:
+        if done(item):
+            print(f"  done     {item.id:28s} scope {item.scope}  {repo_relative(result_path(item))}")
+
+
+def unpack(summary: str) -> int:
+    rec = json.loads(Path(summary).read_text())
+    for item_id, item_rec in rec.get("items", {}).items():
+        if "status" not in item_rec or item_rec["status"] == "not_written":
+            continue
+        path = RESULTS / f"{NAME}_{item_id.replace('/', '_')}.json"
+        write(path, {**item_rec, "result_file": repo_relative(path)})
+    return 0
+
+
+def write(path: Path, rec: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(rec, indent=2, default=str) + "\n")
+    tmp.replace(path)
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code the queue measures: cuda_scale's (the delta rules, gdn, attention, FwPKM)."""
+    return cs.probe_specs()
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        a = parse_args(argv)
+        items = select(ITEMS, a.items)
+    except BadInput as e:
+        print(f"gpu_queue: {e}", file=sys.stderr)
+        return 2
+    if a.unpack:
+        return unpack(a.unpack)
+    if a.list:
+        print_list(items, a.minutes)
+        return 0
+    start = time.perf_counter()
+    device, tiny = a.device, a.tiny
+    cfg = dict(cs.TINY, kernel_lengths=TINY_LENGTHS) if tiny else dict(cs.FULL)
+    notes = []
+    if device.type == "cpu":  # the dry run traces the compiled form without inductor's C++ build
+        sys.modules["fastweights.ops.delta_rule"].COMPILE_OPTIONS = {"backend": "aot_eager"}
+        if not fb.fla_available():
+            notes.append(install_standin())
+    standin_flash = cs.install_flash_attn_standin()
+    if standin_flash:
+        notes.append(standin_flash)
+    log = cs.BackendLog()
+    logging.getLogger("fastweights.ops.delta_rule").addHandler(log)
+    logging.getLogger("fastweights.ops.delta_rule").setLevel(logging.INFO)
+    fla_ok = fb.fla_available()
+    refuses = fla_ok and fb.fla_refuses_gated_backward(device)
+    ctx = Ctx(device, tiny, cfg, fla_ok, refuses, log, fail={f.strip() for f in a.fail.split(",") if f.strip()})
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    info = cs.fla_info()
+    print(f"gpu_queue on {name} (torch {torch.__version__}, {info}); fla refuses the gated backward here: {refuses}",
+          flush=True)
+    prov = cs.provenance_record(argv)
+    out_dir = Path(a.out) if a.out else None
+    folder = out_dir or RESULTS
+    todo = [i for i in items if a.all or not done(i)]
+    summary = {**prov, "device": name, "device_type": device.type, "tiny": tiny, "packages": info, "notes": notes,
+               "minutes": a.minutes, "fla_refuses_gated_backward": refuses,
+               "order": [i.id for i in todo], "items": {}, "pending": {}, "incomplete": True}
+    words = without(argv, ("--out", "--items", "--fail", "--minutes"), ("--all",))
+    written = 0
+
+    def save_summary(final=False):
+        summary["wall_s"] = round(time.perf_counter() - start, 1)
+        if final:
+            summary.pop("incomplete", None)
+        if out_dir:
+            write(out_dir / f"{NAME}.json", summary)
+
+    for item in todo:
+        spent = (time.perf_counter() - start) / 60
+        if not tiny and spent + item.minutes > a.minutes:
+            summary["items"][item.id] = {"skipped": f"~{item.minutes:g} min does not fit: {spent:.1f} of "
+                                                    f"{a.minutes:g} spent"}
+            summary["pending"][item.id] = "did not fit the minutes left"
+            print(f"  {item.id}: left pending (~{item.minutes:g} min, {spent:.1f} of {a.minutes:g} spent)", flush=True)
+            save_summary()
+            continue
+        t0 = time.perf_counter()
+        rec = {"item": item.id, "scope": item.scope, "what": item.what, "estimate_minutes": item.minutes}
+        try:
+            if item.id in ctx.fail:
+                raise RuntimeError(f"failure injected by --fail {item.id}")
+            res = item.run(ctx)
+            parts = res.get("parts", {})
+            status = "partial" if any("error" in p for p in parts.values()) else "ok"
+            rec.update(status=status, result=res)
+        except NotWritten as e:
+            rec.update(status="not_written", note=str(e))
+        except Exception as e:
+            rec.update(status="error", error=cs.err_text(e))
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        rec["item_wall_s"] = round(time.perf_counter() - t0, 2)
+        print(f"  {item.id}: {rec['status']} [{rec['item_wall_s']} s]"
+              + (f" {rec.get('error') or rec.get('note')}" if rec["status"] in ("error", "not_written") else ""),
+              flush=True)
+        if rec["status"] in ("error", "not_written"):
+            summary["pending"][item.id] = rec.get("error") or rec["note"]
+        elif tiny or device.type != "cuda":
+            summary["pending"][item.id] = "dry run: not a GPU measurement"
+        full = {**prov, "command": command_line([sys.argv[0], *words, "--items", item.id]), "device": name,
+                "device_type": device.type,
+                "tiny": tiny, "packages": info, "notes": notes, **rec}
+        summary["items"][item.id] = full
+        if rec["status"] != "not_written" and (out_dir is None or written < MAX_ITEM_FILES):
+            path = result_path(item, folder)
+            write(path, {**full, "result_file": repo_relative(path.resolve())})
+            written += 1
+        save_summary()
+    for i in ITEMS:
+        if i not in todo and not done(i):
+            summary["pending"][i.id] = "not selected (--items)"
+    summary["pending"] = {i.id: summary["pending"][i.id] for i in ITEMS if i.id in summary["pending"]}  # queue order
+    save_summary(final=True)
+    print(f"done in {summary['wall_s']} s; wrote {written} item files to {repo_relative(folder.resolve())}"
+          + (f" and {NAME}.json" if out_dir else ""), flush=True)
+    print("still pending on a GPU:" + ("".join(f"\n  {k}: {v}" for k, v in summary["pending"].items())
+                                       or " nothing"), flush=True)
+    return 0
+
+
+def without(argv: list[str], with_value: tuple[str, ...], bare: tuple[str, ...]) -> list[str]:
+    """``argv`` less these options (and their values): the command recorded for one item reruns that item."""
+    words, skip = [], False
+    for w in argv:
+        if skip:
+            skip = False
+        elif w in with_value:
+            skip = True
+        elif w not in bare and not any(w.startswith(f + "=") for f in with_value):
+            words.append(w)
+    return words
+
+
+if __name__ == "__main__":
+    sys.exit(main())

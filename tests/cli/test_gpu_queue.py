@@ -1,0 +1,154 @@
+"""benchmarks/gpu/gpu_queue.py, the GPU queue of issue 42, on the CPU: its dry run (``--device cpu --tiny``, the
+stand-in fla of tests/ops/fla_standin.py) runs every item in the order of value and writes each item's JSON with
+its command, an item made to fail is recorded and the rest still run, and the end names what is still pending
+on a GPU; ``--list`` and the minute plan; the gradient check catching a wrong kernel (the stand-in imitating
+fla issue 984); a device run's summary unpacked into result files; bad input is one line with exit status 2."""
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import ROOT
+
+SCRIPT = ROOT / "benchmarks" / "gpu" / "gpu_queue.py"
+FAIL = "like/delta_op_T8192"
+
+
+def run(*args, timeout=300):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def gq():
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        yield importlib.import_module("gpu_queue")
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("queue")
+    r = run("--device", "cpu", "--tiny", "--fail", FAIL, "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out, r.stdout, json.loads((out / "gpu_queue.json").read_text())
+
+
+def test_the_dry_run_runs_every_item_in_the_order_of_value(dry_run, gq):
+    out, stdout, summary = dry_run
+    ids = [i.id for i in gq.ITEMS]
+    assert summary["order"] == ids and list(summary["items"]) == ids and "incomplete" not in summary
+    scopes = [i.scope for i in gq.ITEMS]
+    assert scopes[:4] == [2, 2, 2, 2] and scopes == sorted(scopes)  # gradients first, the FWL recipe last
+    assert ids[1:4] == ["grad/delta_c32", "grad/delta_c64", "grad/gated_c64"]
+    assert summary["tiny"] is True and summary["device_type"] == "cpu" and summary["git"]["commit"]
+    assert any("stand-in" in n for n in summary["notes"])  # fla is absent here: the stand-in ran in its place
+    assert stdout.index("grad/delta_c32:") < stdout.index("like/hybrid:") < stdout.index("fwl/smollm2_recipe:")
+
+
+def test_each_item_has_its_own_json_with_its_command(dry_run, gq):
+    out, _, summary = dry_run
+    files = sorted(p.name for p in out.glob("gpu_queue_*.json"))
+    first = [i for i in gq.ITEMS][:gq.MAX_ITEM_FILES]  # a device run returns 8 files: 7 items + the summary
+    assert files == sorted(f"gpu_queue_{i.slug}.json" for i in first)
+    for item in first:
+        rec = json.loads((out / f"gpu_queue_{item.slug}.json").read_text())
+        assert rec["item"] == item.id and rec["status"] in ("ok", "partial", "error"), rec
+        assert rec["command"].endswith(f"benchmarks/gpu/gpu_queue.py --device cpu --tiny --items {item.id}")
+        assert rec["item_wall_s"] >= 0 and rec["estimate_minutes"] == item.minutes and rec["git"]["commit"]
+        assert rec == {**summary["items"][item.id], "result_file": rec["result_file"]}
+    for item in gq.ITEMS[gq.MAX_ITEM_FILES:]:  # the rest in the summary, for --unpack
+        assert summary["items"][item.id]["status"] in ("ok", "partial", "not_written")
+
+
+def test_gradient_checks_record_each_tensor(dry_run):
+    items = dry_run[2]["items"]
+    for key, gated, chunk in [("grad/delta_c32", False, 32), ("grad/delta_c64", False, 64),
+                              ("grad/gated_c64", True, 64)]:
+        res = items[key]["result"]
+        want = {"o", "final_state", "dq", "dk", "dv", "dbeta", "dh0"} | ({"dg"} if gated else set())
+        assert set(res["rel_err"]) == want and res["chunk_size"] == chunk, res
+        assert res["right"] and res["wrong"] == [] and res["fwd_bwd"]["seconds_median"] > 0
+    choices = items["grad/dispatch"]["result"]["auto_bf16"]
+    assert choices["gated_training"] == {"backend": "fla", "fla_chunk_size": 64}  # fla allows it here
+
+
+def test_a_failure_keeps_the_rest_and_the_end_names_what_is_pending(dry_run, gq):
+    _, stdout, summary = dry_run
+    items = summary["items"]
+    assert items[FAIL]["status"] == "error" and "injected" in items[FAIL]["error"]
+    after = [i.id for i in gq.ITEMS][[i.id for i in gq.ITEMS].index(FAIL) + 1:]
+    assert all(items[i]["status"] in ("ok", "partial", "not_written") for i in after)
+    assert items["like/gdn_chunk64_vs_32"]["status"] == "ok"
+    assert "error" in items["like/hybrid"]["result"]["parts"]["fla_gdn_hybrid"]  # fla's model: not in the stand-in
+    assert items["fwl/smollm2_recipe"]["status"] == "not_written"
+    pending = summary["pending"]
+    assert list(pending) == [i.id for i in gq.ITEMS]  # a dry run measures nothing for a GPU
+    assert "injected" in pending[FAIL] and pending["fwl/smollm2_recipe"].startswith("not yet written")
+    assert pending["grad/delta_c64"] == "dry run: not a GPU measurement"
+    tail = stdout[stdout.index("still pending on a GPU:"):]
+    assert all(f"  {i.id}: " in tail for i in gq.ITEMS)
+
+
+def test_list_and_the_minute_plan(gq):
+    r = run("--list", "--minutes", "5")
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stdout.splitlines() if line.startswith("  pending")]
+    assert [line.split()[1] for line in lines] == [i.id for i in gq.ITEMS]
+    # greedy by estimate, in order: an item that does not fit is skipped and a later, smaller one may still fit
+    planned = gq.plan(gq.ITEMS, 5)
+    assert [ok for _, ok in planned[:4]] == [True, True, True, False]  # 0.3 + 2.5 + 2.0; then 2.5 does not fit
+    used = sum(item.minutes for item, ok in planned if ok)
+    assert used <= 5 and all(item.minutes + used > 5 for item, ok in planned if not ok)
+    assert ["fits" in line for line in lines] == [ok for _, ok in planned]
+    small = [gq.Item("a", 2, 3.0, "", None), gq.Item("b", 2, 4.0, "", None), gq.Item("c", 3, 1.0, "", None)]
+    assert [ok for _, ok in gq.plan(small, 4.5)] == [True, False, True]
+
+
+def test_the_gradient_check_catches_a_wrong_kernel(gq, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "ops"))
+    import fla_standin
+
+    fla_standin.install(monkeypatch)
+    monkeypatch.setattr(fla_standin, "WRONG_CHUNK64", True)  # fla issue 984: dk, dbeta wrong at chunk 64
+    try:
+        ctx = gq.Ctx(torch.device("cpu"), True, dict(gq.cs.TINY, kernel_lengths=gq.TINY_LENGTHS), True, False,
+                     gq.cs.BackendLog())
+        wrong = gq.grad_check(ctx, False, None)
+        assert wrong["wrong"] == ["dbeta", "dk"] and not wrong["right"] and wrong["rel_err"]["dk"] > 0.3
+        right = gq.grad_check(ctx, False, 32)
+        assert right["right"] and right["chunk_size"] == 32
+    finally:
+        monkeypatch.undo()
+        fla_standin.uninstall()
+
+
+def test_done_items_leave_the_queue_and_a_summary_unpacks(gq, tmp_path, monkeypatch):
+    monkeypatch.setattr(gq, "RESULTS", tmp_path)
+    item = gq.ITEMS[1]
+    summary = {"items": {item.id: {"item": item.id, "status": "ok", "device_type": "cuda", "tiny": False},
+                         "fwl/smollm2_recipe": {"status": "not_written"}}}
+    (tmp_path / "s.json").write_text(json.dumps(summary))
+    assert not gq.done(item)
+    assert gq.unpack(str(tmp_path / "s.json")) == 0
+    assert sorted(p.name for p in tmp_path.glob("gpu_queue_*.json")) == [f"gpu_queue_{item.slug}.json"]
+    assert gq.done(item) and not gq.done(gq.ITEMS[2])
+    (tmp_path / f"gpu_queue_{gq.ITEMS[2].slug}.json").write_text(json.dumps({"status": "ok", "tiny": True,
+                                                                              "device_type": "cpu"}))
+    assert not gq.done(gq.ITEMS[2])  # a dry run is not a measurement
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path):
+    for args in (["--device", "tpu", "--tiny"], ["--device", "cpu"], ["--device", "cpu", "--tiny", "--minutes", "0"],
+                 ["--device", "cpu", "--tiny", "--items", "nope/*"], ["--bogus"]):
+        r = run(*args, "--out", str(tmp_path), timeout=120)
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("gpu_queue: "), r.stderr
+        assert not list(tmp_path.iterdir())
