@@ -47,9 +47,8 @@ from pathlib import Path
 from typing import Callable
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
-import cuda_scale as cs  # noqa: E402  (benchmarks/gpu/cuda_scale.py: the measurements reused here)
+import cuda_scale as cs  # noqa: E402  (its sibling benchmarks/gpu/cuda_scale.py, on sys.path as the script's folder)
 import torch  # noqa: E402
 
 from fastweights.evidence.result_files import REPO, RESULTS, command_line, repo_relative  # noqa: E402
@@ -435,7 +434,8 @@ class _Patcher:
 
 
 def install_standin() -> str:
-    sys.path.insert(0, str(STANDIN))
+    if str(STANDIN) not in sys.path:
+        sys.path.append(str(STANDIN))  # tests/ops, for the dry run only
     import fla_standin
 
     fla_standin.install(_Patcher())

@@ -31,7 +31,7 @@ Backends of the delta rules (``backend``, see :mod:`fastweights.ops.fla_backend`
 autocast, or with fp16/bf16 weights, "auto" runs flash-linear-attention's kernels: phi_q, phi_k, beta
 and the decay are computed in fp32 (as everywhere here) and q, k, v, beta are cast to the autocast
 dtype right before the kernel, the fast weight S staying fp32; where fla refuses the gated backward
-(Hopper with Triton < 3.7.1) training runs the chunkwise form compiled with torch.compile.
+(Hopper with 3.4 <= Triton < 3.7.1 and no TileLang) training runs the chunkwise form compiled with torch.compile.
 
 Padding (``attention_mask`` [B, T], 0 = padding): a padded step leaves the state as it was: its key
 feature phi_k is zeroed (no write, the normaliser z does not move; the sum rule's S + phi_k v^T and the

@@ -16,7 +16,7 @@ The recurrence is :func:`fastweights.ops.delta_rule.delta_rule` with ``log_decay
 form, or on CUDA under autocast (or with fp16/bf16 weights) flash-linear-attention's kernel, handed q,
 k, v, beta in the autocast dtype (beta and g computed in fp32, g passed in fp32) and the fp32 state,
 as :mod:`fastweights.ops.fla_backend` describes; where fla refuses the gated backward (Hopper with
-Triton < 3.7.1) training runs the chunkwise form compiled with torch.compile.
+3.4 <= Triton < 3.7.1 and no TileLang) training runs the chunkwise form compiled with torch.compile.
 
 Padding (``attention_mask`` [B, T], 0 = padding): a padded step has beta = 0 and log decay 0, so
 S_t = 1 (I - 0) S_{t-1} + 0 = S_{t-1} (no write, no decay); the short convolution skips padding (a real
