@@ -18,6 +18,7 @@ from pathlib import Path
 from fastweights.checkpoints.format import MANIFEST, PENDING, TMP_PREFIX, TRAINER_STATE
 from fastweights.core.errors import UserError
 from fastweights.core.files import atomic_write
+from fastweights.core.files import open_nofollow as _open_nofollow
 
 LOCK = ".lock"
 # files a training run writes, and files computed from its weights by other commands
@@ -168,14 +169,8 @@ class RunLock:
 
 def open_nofollow(path: Path, flags: int, what: str = "") -> int:
     """``os.open`` that refuses a symlink at ``path`` (``O_NOFOLLOW``): nothing in ``--out`` is written through
-    a link that a run directory from elsewhere may hold."""
-    try:
-        return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o644)
-    except OSError as e:
-        if os.path.islink(path):
-            raise UserError(f"{path} is a symbolic link; refusing to write {what or 'it'} through it "
-                            "(remove the link)") from None
-        raise
+    a link that a run directory from elsewhere may hold (:func:`fastweights.core.files.open_nofollow`)."""
+    return _open_nofollow(path, flags, what)
 
 
 def _try_lock(fd: int) -> bool:
