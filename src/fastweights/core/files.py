@@ -150,13 +150,16 @@ def atomic_write(path: Path, write, root: Path | None = None, what: str = "") ->
             tmp.unlink()
 
 
-def save_figure(fig, path: Path, dpi: int = 110, **savefig_kwargs) -> Path:
-    """Write a matplotlib figure as PNG atomically, close it, and return the path."""
+def save_figure(fig, path: Path, dpi: int = 110, root: Path | None = None, **savefig_kwargs) -> Path:
+    """Write a matplotlib figure as PNG atomically (refusing links below ``root``, see :func:`atomic_write`),
+    close it, and return the path."""
     import matplotlib.pyplot as plt
 
     path = Path(path)
-    atomic_write(path, lambda p: fig.savefig(p, dpi=dpi, format="png", **savefig_kwargs))
-    plt.close(fig)
+    try:
+        atomic_write(path, lambda p: fig.savefig(p, dpi=dpi, format="png", **savefig_kwargs), root=root)
+    finally:
+        plt.close(fig)
     return path
 
 
