@@ -92,7 +92,13 @@ class TokenStream:
             missing = [k for k in _META_KEYS if k not in meta]
             if missing:
                 raise ValueError(f"missing {', '.join(missing)}")
-        except (ValueError, KeyError, TypeError) as e:
+            if length < 0 or not isinstance(meta["vocab_size"], int) or isinstance(meta["vocab_size"], bool) \
+                    or not isinstance(meta["doc_offsets"], list) \
+                    or not all(isinstance(o, int) and not isinstance(o, bool) for o in meta["doc_offsets"]) \
+                    or not (meta["doc_separator"] is None or isinstance(meta["doc_separator"], int)) \
+                    or not isinstance(meta["tokenizer"], str) or not isinstance(meta["tokenizer_fingerprint"], str):
+                raise ValueError("a field of the wrong type")
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
             raise UserError(f"token stream {side} is corrupt: {e}") from None
         size = path.stat().st_size
         if size != length * dtype.itemsize:
@@ -204,6 +210,9 @@ def encode_to_file(texts: Iterable, tokenizer: Tokenizer, path: str | os.PathLik
     for t in (tmp, tmp_side):  # never write through a link planted at a temporary name
         if os.path.islink(t):
             os.unlink(t)
+    for p in (path, _sidecar(path)):
+        if p.is_dir() and not p.is_symlink():
+            raise UserError(f"{p} is a folder; cannot write the token cache there (remove it)")
     bar = None
     if progress:
         from fastweights.core.progress import Progress

@@ -82,6 +82,21 @@ def make_optimizer(model: torch.nn.Module, cfg) -> torch.optim.AdamW:
     return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused or None)
 
 
+def check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Raise ValueError unless every tensor of the optimizer's per-parameter state (AdamW's moments) has its
+    parameter's shape and finite values (the scalar ``step`` aside): a trainer state edited or made for another
+    model would otherwise fail inside the first ``optimizer.step()`` with a shape error, or poison the weights."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for key, v in optimizer.state.get(p, {}).items():
+                if not isinstance(v, torch.Tensor) or v.dim() == 0:
+                    continue
+                if tuple(v.shape) != tuple(p.shape):
+                    raise ValueError(f"optimizer {key} has shape {list(v.shape)}, its parameter {list(p.shape)}")
+                if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                    raise ValueError(f"optimizer {key} holds NaN or inf values")
+
+
 @dataclass
 class Data:
     tokenizer: object
@@ -238,6 +253,8 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
     dist, device = init_distributed(tc.device)
     if tc.batch_size % dist.world:
         raise UserError(f"train.batch_size={tc.batch_size} is not divisible by the {dist.world} processes")
+    if tc.compile:
+        check_compile(device)  # seconds, before anything is written
     restore = lock = None
     if dist.main:
         check_out_dir(out_dir)
@@ -326,6 +343,7 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_ram, dist, dev
         try:
             load_full_state(model, optimizer, saved_unit["model"], ts["optimizer"])
             _set_rng_state(ts["rng"], gen)
+            check_optimizer_state(optimizer)
         except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as e:
             raise UserError(f"checkpoint {out_dir}: the trainer state does not fit this model "
                             f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
@@ -561,6 +579,28 @@ class _StopSignals:
         for s, h in self.old.items():
             signal.signal(s, h)
         self.old = {}
+
+
+def check_compile(device) -> None:
+    """``train.compile``: compile a two-operation function on ``device`` before anything is written, so that a
+    machine whose compiler cannot build Inductor's kernels (no C++ compiler, missing headers) is refused in one
+    line in seconds instead of failing inside the first step after minutes of compiler errors."""
+    import logging
+
+    loggers = [logging.getLogger(n) for n in ("torch._inductor", "torch._dynamo")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:  # their error logs would repeat the compiler's output on stderr
+        lg.setLevel(logging.CRITICAL)
+    try:
+        x = torch.arange(8, dtype=torch.float32, device=device)
+        torch.compile(lambda t: (t * 2 + 1).sin().sum(), dynamic=False)(x).item()
+    except Exception as e:  # noqa: BLE001 - whatever the backend raises, the setting cannot be used here
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        raise UserError(f"train.compile=true: torch.compile cannot build kernels on {device} here ({first[:160]}); "
+                        "set train.compile=false, or install a working compiler") from None
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def _tensorboard_writer_class():
