@@ -356,7 +356,14 @@ def _decompress(path: Path, data: bytes) -> bytes:
 
 def _load_path(path: Path, text_field: str, encoding_check: bool, lazy_bytes: int) -> list[AnyDocument]:
     if path.is_dir():
-        files = sorted((p for p in path.rglob("*.txt") if p.is_file()), key=lambda p: p.relative_to(path).as_posix())
+        found = sorted(path.rglob("*.txt"), key=lambda p: p.relative_to(path).as_posix())
+        odd = next((p for p in found if not p.is_file() and not p.is_dir()), None)
+        if odd is not None:  # as when given directly: /dev/zero, a FIFO, a socket are endless or block
+            what = "a broken link" if odd.is_symlink() and not odd.exists() else \
+                "not a regular file (a device, pipe or socket, or a link to one)"
+            raise UserError(f"corpus directory {path}: {odd.relative_to(path).as_posix()} is {what}; remove it or "
+                            "move it out of the folder")
+        files = [p for p in found if p.is_file()]
         if not files:
             raise UserError(f"corpus directory {path}: no .txt files in it")
         return [_load_text_file(p, p.relative_to(path).as_posix(), encoding_check, lazy_bytes) for p in files]

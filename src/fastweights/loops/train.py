@@ -314,6 +314,10 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_ram, dist, dev
             remove_stale_temporaries(out_dir)
         barrier(dist)
         saved_unit = load_for_resume(out_dir)  # weights, trainer state and tokenizer of one checkpoint
+        if saved_unit["state"]["step"] > tc.max_steps:  # it would print "24/5 steps" and train nothing
+            raise UserError(f"--resume: the run in {out_dir} is at step {saved_unit['state']['step']}, past "
+                            f"train.max_steps={tc.max_steps}; there is nothing to train (raise train.max_steps to "
+                            "continue it)")
         saved = saved_unit["config"]
         if saved.model != _with_vocab(cfg.model, saved.model.vocab_size):
             raise UserError(f"--resume: the model config differs from the one saved in {out_dir}")
