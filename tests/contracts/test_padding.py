@@ -108,6 +108,30 @@ def test_padding_in_a_later_call_equals_each_row_alone(kind, name, raw):
                                        msg=lambda m: f"row {b}, continuing the padded call's state: {m}")
 
 
+@pytest.mark.parametrize("kind,name,raw", list(cases(shared_memories=False)))
+def test_a_row_all_padding_in_a_call_keeps_its_state(kind, name, raw):
+    """A row with no real token in a call (a batch where one sequence has nothing new) keeps the state it came
+    with: not reset, not moved (issue 39: every other test prompt has a real token in each call)."""
+    model = build(kind, name, raw)
+    g = torch.Generator().manual_seed(7)
+    first = torch.randint(0, VOCAB, (3, 6), generator=g)
+    middle = torch.randint(0, VOCAB, (3, 4), generator=g)
+    nxt = torch.randint(0, VOCAB, (3, 3), generator=g)
+    mask = torch.ones(middle.shape, dtype=torch.long)
+    mask[1] = 0  # row 1: nothing real in this call
+    mask[2, :2] = 0  # row 2: left-padded
+    with torch.no_grad():
+        out = model(middle, model(first).state, attention_mask=mask)
+        cont = model(nxt, out.state)
+        for b in range(3):
+            state = model(first[b:b + 1]).state
+            if b != 1:
+                state = model(middle[b:b + 1, mask[b].bool()], state).state
+            after = model(nxt[b:b + 1], state)
+            torch.testing.assert_close(cont.logits[b], after.logits[0], rtol=0, atol=1e-10,
+                                       msg=lambda m: f"row {b} ({int(mask[b].sum())} real tokens in the call): {m}")
+
+
 @pytest.mark.parametrize("kind,name,raw", [c for c in cases(shared_memories=False) if c.id.endswith(("-tiny",
                                                                                                   "-tiny-as-per_sequence"))])
 def test_a_padded_call_trains_and_continues_under_bf16_autocast(kind, name, raw):

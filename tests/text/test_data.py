@@ -163,6 +163,7 @@ def test_hf_loader_with_a_stand_in_datasets_module(monkeypatch):
         return [{"text": "row zero"}, {"text": ""}, {"text": "row two"}]
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    monkeypatch.setattr(corpus_mod, "_hub_unreachable", lambda: None)  # as with network
     docs = load_corpus("hf:wikitext:wikitext-2-raw-v1:test")
     assert [(d.name, d.text) for d in docs] == [("wikitext/test:0", "row zero"), ("wikitext/test:2", "row two")]
     load_corpus("hf:tiny::validation")
@@ -171,6 +172,36 @@ def test_hf_loader_with_a_stand_in_datasets_module(monkeypatch):
         load_corpus("hf:wikitext", text_field="body")
     with pytest.raises(UserError, match="could not load Hugging Face dataset 'offline'.*Couldn't reach the Hub$"):
         load_corpus("hf:offline")
+
+
+def test_hf_dataset_without_network_fails_at_once_or_reads_the_cache(monkeypatch):
+    """No network (the hub's host does not answer): datasets runs in offline mode, so a cached dataset still loads
+    and an uncached one fails in one line at once, not after minutes of retries (issue 39)."""
+    import socket
+
+    seen = []
+
+    def load_dataset(name, config, split):
+        from huggingface_hub import constants
+
+        seen.append(constants.HF_HUB_OFFLINE)
+        if name == "cached":
+            return [{"text": "from the cache"}]
+        raise ConnectionError("Couldn't reach 'missing' on the Hub (LocalEntryNotFoundError)")
+
+    def no_network(*a, **k):
+        raise OSError(-2, "Name or service not known")
+
+    pytest.importorskip("huggingface_hub")
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    assert [d.text for d in load_corpus("hf:cached")] == ["from the cache"]
+    with pytest.raises(UserError, match="'missing'.*is not in the local cache, and huggingface.co cannot be reached"):
+        load_corpus("hf:missing")
+    assert seen == [True, True] and constants.HF_HUB_OFFLINE is False  # offline inside the call only
 
 
 # ---------------------------------------------------------------------------------- lazy files

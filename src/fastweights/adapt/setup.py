@@ -372,7 +372,7 @@ def _grad_stats(settings: DynamicSettings, model, tokenizer, cfg, ckpt, rule, se
         print(f"collecting gradient statistics on the training split -> {path}", file=sys.stderr)
         return collect_stats(model, tokenizer, cfg, settings, segment_len, context, spec, path, progress, ckpt)
     raise UserError(f"rule {rule} needs gradient statistics: run `fastweights dynamic stats --hf ... "
-                    "--data TEXT --out FILE` (any generic text of the language will do, e.g. --data novels) "
+                    "--data TEXT --save FILE` (any generic text of the language will do, e.g. --data novels) "
                     "and pass --stats FILE, or use --rule sgd")
 
 

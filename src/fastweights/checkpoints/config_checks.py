@@ -43,6 +43,45 @@ def validate_mechanism_options(m) -> None:
                             f"(e.g. model.options.{name}.KEY=VALUE)")
         for entry in entries:
             registry.build_options(entry, raw)  # unknown keys and wrong types fail, naming the key
+        for key, value in raw.items():  # a NaN step size or decay would train into NaN, blamed on train.lr
+            bad = next((v for v in (value if isinstance(value, list) else [value])
+                        if isinstance(v, float) and not math.isfinite(v)), None)
+            if bad is not None:
+                raise UserError(f"model.options.{name}.{key}={value!r}: must be a finite number")
+
+
+def used_mechanisms(m) -> set[str]:
+    """The names of the mixers, head and memory the model of ``m`` builds."""
+    used = set(m.layer_mixers or [m.mixer])
+    if m.head != "linear":
+        used.add(m.head)
+    if m.memory and m.memory_layers:
+        used.add(m.memory)
+    return used
+
+
+def inert_settings(m) -> list[str]:
+    """Settings of ``m`` that are legal but change nothing, each as a sentence: an options table of a mechanism
+    the model does not build, and options that a mechanism ignores in its configuration (its class's
+    ``inert_options(options)``, e.g. the FWL head's ``test_time_step_size`` without ``test_time_only``)."""
+    from fastweights import components as registry
+
+    if not isinstance(m.options, dict):
+        return []
+    registry.load_providers()
+    used = used_mechanisms(m)
+    out = []
+    for name in sorted(m.options):
+        if name not in used:
+            out.append(f"model.options.{name} is set but the model builds no {name} (model.mixer={m.mixer!r}, "
+                       f"model.head={m.head!r}, model.memory={m.memory!r} at layers {list(m.memory_layers)}): "
+                       "these options do nothing")
+    for kind, table in (("mixer", registry.MIXERS), ("head", registry.HEADS), ("memory", registry.MEMORIES)):
+        for name in sorted(used & set(table)):
+            inert = getattr(table[name].cls, "inert_options", None)
+            if inert is not None and isinstance(m.options.get(name, {}), dict):
+                out += inert(registry.build_options(table[name], m.options.get(name)))
+    return out
 
 
 def validate_model_config(m, need_vocab: bool = False, check_options: bool = True) -> None:
@@ -133,13 +172,19 @@ def validate_train_config(t, starting: bool = True) -> None:
           "only applies with train.carry_state = true (there is no carried state to drop)")
 
 
-def validate_config(cfg, need_vocab: bool = False, saved: bool = False) -> None:
+def validate_config(cfg, need_vocab: bool = False, saved: bool = False, warn: bool = True) -> None:
     """Check every field of a RunConfig (``fastweights.models.size.meta_model`` then checks the values of the
     options of the mechanisms the model uses by building it on the meta device).
 
     ``saved``: the config of a checkpoint being read. Rules that only concern starting a run (``train.eval_tokens``
     against ``train.seq_len``) and the options tables of mechanisms the model does not build are then not
-    checked, so that checkpoints written by earlier versions keep loading."""
+    checked, so that checkpoints written by earlier versions keep loading. ``warn``: warn (``UserWarning``, one
+    line each on the command line) about settings that are legal but change nothing (:func:`inert_settings`)."""
     validate_model_config(cfg.model, need_vocab, check_options=not saved)
     validate_data_config(cfg.data)
     validate_train_config(cfg.train, starting=not saved)
+    if warn and not saved:  # legal settings that do nothing: one warning line each (docs/README.md)
+        import warnings
+
+        for sentence in inert_settings(cfg.model):
+            warnings.warn(sentence, UserWarning, stacklevel=2)

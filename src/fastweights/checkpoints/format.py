@@ -42,7 +42,7 @@ from safetensors.torch import save_file
 
 from fastweights.core.config import RunConfig, from_dict
 from fastweights.core.errors import UserError
-from fastweights.core.files import fsync_dir, fsync_file, pid_alive
+from fastweights.core.files import fsync_dir, fsync_file, pid_alive, refuse_links
 
 MANIFEST = "checkpoint.json"
 PENDING = ".ckpt-next"
@@ -104,7 +104,11 @@ def write_checkpoint(directory: Path, write_files, step: int | None = None) -> d
     finish_pending(directory)
     remove_stale_temporaries(directory)
     tmp = directory / f"{TMP_PREFIX}{os.getpid()}"
-    if tmp.exists():
+    for name in (PENDING, MANIFEST):
+        refuse_links(directory, directory / name, "a checkpoint")
+    if os.path.islink(tmp):  # a link planted at our staging name is removed, never followed
+        os.unlink(tmp)
+    elif tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
@@ -113,6 +117,7 @@ def write_checkpoint(directory: Path, write_files, step: int | None = None) -> d
         for p in sorted(tmp.iterdir()):
             if not p.is_file() or p.name == MANIFEST:
                 raise RuntimeError(f"checkpoint writer produced an unexpected entry {p.name}")
+            refuse_links(directory, directory / p.name, "a checkpoint")  # before the commit: nothing half-written
             fsync_file(p)
             files[p.name] = {"size": p.stat().st_size, "sha256": _sha256_file(p)}
             _test_pause("file")
@@ -135,6 +140,7 @@ def finish_pending(directory: Path) -> bool:
     """Complete a save that was committed (``.ckpt-next/`` exists) but not yet swapped into place."""
     directory = Path(directory)
     pending = directory / PENDING
+    refuse_links(directory, pending, "a checkpoint")  # files are moved out of it: never from elsewhere
     if not pending.is_dir():
         return False
     mpath = pending / MANIFEST

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from fastweights.checkpoints.format import MANIFEST, PENDING, TMP_PREFIX, TRAINER_STATE
 from fastweights.core.errors import UserError
-from fastweights.core.files import atomic_write
+from fastweights.core.files import atomic_write, refuse_links
+from fastweights.core.files import open_nofollow as _open_nofollow
 
 LOCK = ".lock"
 # files a training run writes, and files computed from its weights by other commands
@@ -43,6 +44,27 @@ def check_out_dir(out: Path) -> None:
         raise UserError(f"cannot create --out {out}: {parent} is a file, not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"cannot create --out {out}: {parent} is not writable")
+
+
+# what a training run writes below --out besides RUN_FILES: the token cache, the staging of a save, the plot
+RUN_WRITES = ("data", PENDING, LOCK)
+
+
+def check_run_links(out: Path, tensorboard: bool = False) -> None:
+    """Refuse, before anything is written, a symbolic link at any name a run writes below ``out`` (its files, the
+    token cache folder ``data``, ``tensorboard``, the staging of a save): one line naming it. ``out`` itself may
+    be a link (the user named it). The writers check again as they write (:mod:`fastweights.core.files`)."""
+    out = Path(out)
+    if not out.is_dir():
+        return
+    names = RUN_FILES + RUN_WRITES + (("tensorboard",) if tensorboard else ())
+    for name in names:
+        refuse_links(out, out / name, "the run's files" if name not in ("data", "tensorboard") else
+                     {"data": "the token cache", "tensorboard": "the TensorBoard events"}[name])
+    data = out / "data"
+    if data.is_dir():
+        for p in data.iterdir():  # cache files planted as links (read, or replaced by a new encoding)
+            refuse_links(out, p, "the token cache")
 
 
 def describe_run(out: Path) -> str | None:
@@ -72,13 +94,15 @@ def remove_run(out: Path) -> None:
             pass
     for name in names:
         p = out / name
-        if "/" not in name and p.is_file() and name != LOCK:
-            p.unlink()
+        if "/" not in name and (p.is_file() or p.is_symlink()) and name != LOCK:
+            p.unlink()  # a link is removed, never followed
     for pattern in DERIVED_GLOBS:
         for p in out.glob(pattern):
             p.unlink()
     for name in RUN_DIRS:
-        if (out / name).is_dir():
+        if (out / name).is_symlink():
+            (out / name).unlink()
+        elif (out / name).is_dir():
             shutil.rmtree(out / name)
     for p in out.glob(f"{TMP_PREFIX}*"):
         shutil.rmtree(p, ignore_errors=True)
@@ -168,14 +192,8 @@ class RunLock:
 
 def open_nofollow(path: Path, flags: int, what: str = "") -> int:
     """``os.open`` that refuses a symlink at ``path`` (``O_NOFOLLOW``): nothing in ``--out`` is written through
-    a link that a run directory from elsewhere may hold."""
-    try:
-        return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o644)
-    except OSError as e:
-        if os.path.islink(path):
-            raise UserError(f"{path} is a symbolic link; refusing to write {what or 'it'} through it "
-                            "(remove the link)") from None
-        raise
+    a link that a run directory from elsewhere may hold (:func:`fastweights.core.files.open_nofollow`)."""
+    return _open_nofollow(path, flags, what)
 
 
 def _try_lock(fd: int) -> bool:
@@ -217,7 +235,7 @@ class Restore:
         names = set()
         for p in self.out.iterdir():
             names.add(p.name)
-            if p.is_dir() and p.name == "data":
+            if p.name == "data" and p.is_dir() and not p.is_symlink():  # never look (or delete) through a link
                 names |= {f"data/{q.name}" for q in p.iterdir()}
         return names
 

@@ -80,6 +80,10 @@ def output_prefix(args, stem: str) -> Path:
     if directory.exists() and not directory.is_dir():
         raise UserError(f"--out {directory} is a file; --out names the directory to write into")
     out = directory / stem
+    from fastweights.core.files import refuse_links
+
+    for p in (out.with_suffix(".json"), out.with_suffix(".png")):  # replaced by rename: refused, not followed
+        refuse_links(directory, p, "the results")
     taken = [p for p in (out.with_suffix(".json"), out.with_suffix(".png")) if p.exists()]
     if taken and not getattr(args, "overwrite", False):
         raise UserError(f"{taken[0]} exists (an earlier run); pass --overwrite or choose another --out")

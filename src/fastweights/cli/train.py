@@ -90,6 +90,9 @@ def _run_config(args):
         raise UserError(f"--resume: the run in {args.out} was trained with data.tokenizer={saved_tokenizer!r}; a "
                         "resumed run keeps its tokenizer (start a new run for another one)")
     cfg = from_dict(RunConfig, d)
+    from fastweights.checkpoints.config_checks import validate_config
+
+    validate_config(cfg, warn=False)  # an invalid setting is the one line printed, with no warning before it
     if cfg.train.warmup_steps > cfg.train.max_steps:
         import sys
 

@@ -1,13 +1,34 @@
-"""Writing files so that a reader never sees half of one: atomic replace, fsync, figures.
+"""Writing files so that a reader never sees half of one (atomic replace, fsync, figures), and never
+through a symbolic link below the folder the user named.
 
-Ground floor (imports nothing of fastweights): checkpoints, result JSON, per-token losses and every PNG
-a command writes go through :func:`atomic_write`, so a kill leaves the old file or the new one.
+Ground floor (imports only :mod:`fastweights.core.errors`): checkpoints, result JSON, per-token losses and
+every PNG a command writes go through :func:`atomic_write`, so a kill leaves the old file or the new one.
+
+Links. A run directory (``--out``), an export directory or a cache may come from elsewhere and hold
+symbolic links planted below it (``out/data -> /somewhere``, ``exp/config.json -> victim.json``). Every
+write below such a root goes through one of
+
+- :func:`refuse_links` (``root``, ``path``): a link at any level of ``path`` below ``root`` is refused in one
+  line (:class:`~fastweights.core.errors.UserError`); ``root`` itself may be a link, the user named it;
+- :func:`make_dirs` (``root``, ``path``): ``mkdir -p`` that refuses a link at every level below ``root``;
+- :func:`atomic_write` (``path``, ``write``, ``root=``): the same check, then write and rename;
+- :func:`open_nofollow` (``path``, ``flags``, ``root=``): ``os.open`` with ``O_NOFOLLOW`` (an append log);
+- :func:`write_into` (``directory``, ``write``): files written by a library we do not control
+  (``save_pretrained``) go into a fresh staging folder, then are renamed into ``directory``, refused before any
+  is moved if one of their names there is a link.
+
+The checks are made just before each write; they guard against links planted before a command starts, not
+against a process racing the command inside a directory it shares.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
+
+from fastweights.core.errors import UserError
 
 
 def fsync_file(path: Path) -> None:
@@ -44,14 +65,78 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def atomic_write(path: Path, write) -> None:
+def _link_refused(path: Path, what: str = "") -> UserError:
+    return UserError(f"{path} is a symbolic link; refusing to write {what or 'it'} through it (remove the link)")
+
+
+def refuse_links(root: Path, path: Path, what: str = "") -> Path:
+    """Refuse (one-line :class:`UserError`) a symbolic link at ``path`` or at any folder between ``root`` and it;
+    returns ``path``. ``root`` itself is not checked (the user named it: a linked ``--out`` is theirs to make).
+    ``path`` must lie lexically below ``root`` (no ``..``); parts that do not exist yet are fine."""
+    root, path = Path(root), Path(path)
+    try:
+        rel = path.relative_to(root)
+    except ValueError:
+        raise ValueError(f"{path} is not below {root}") from None
+    if ".." in rel.parts:
+        raise ValueError(f"{path} is not below {root}")
+    cur = root
+    for part in rel.parts:
+        cur = cur / part
+        if os.path.islink(cur):
+            raise _link_refused(cur, what)
+        if not os.path.lexists(cur):
+            break  # nothing below a missing folder exists either
+    return path
+
+
+def make_dirs(root: Path, path: Path, what: str = "") -> Path:
+    """``mkdir -p path`` below ``root``, refusing a symbolic link at every level below ``root`` (``root`` itself
+    is created if missing); returns ``path``."""
+    root, path = Path(root), Path(path)
+    refuse_links(root, path, what)
+    root.mkdir(parents=True, exist_ok=True)
+    cur = root
+    for part in path.relative_to(root).parts:
+        cur = cur / part
+        try:
+            os.mkdir(cur)
+        except FileExistsError:
+            if os.path.islink(cur):  # planted between the check and the mkdir
+                raise _link_refused(cur, what) from None
+            if not cur.is_dir():
+                raise UserError(f"{cur} is a file, not a folder; cannot write {what or 'into it'}") from None
+    return path
+
+
+def open_nofollow(path: Path, flags: int, what: str = "", root: Path | None = None) -> int:
+    """``os.open`` that refuses a symlink at ``path`` (``O_NOFOLLOW``) and, given ``root``, at every folder
+    between ``root`` and it."""
+    if root is not None:
+        refuse_links(root, path, what)
+    try:
+        return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError:
+        if os.path.islink(path):
+            raise _link_refused(Path(path), what) from None
+        raise
+
+
+def atomic_write(path: Path, write, root: Path | None = None, what: str = "") -> None:
     """Call ``write(tmp_path)``, fsync, then rename the temporary file onto ``path``.
 
     The temporary name carries the process id (``.NAME.PID.tmp``) so that a leftover of a killed
-    process is recognised and removed (``checkpoint.remove_stale_temporaries``).
+    process is recognised and removed (``checkpoint.remove_stale_temporaries``). Given ``root`` (the folder
+    the user named), a symbolic link at ``path`` or at any folder between ``root`` and it is refused before
+    anything is written, and missing folders are created refusing links (:func:`make_dirs`); without it a
+    link at ``path`` itself is replaced, never written through.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if root is not None:
+        refuse_links(root, path, what)
+        make_dirs(root, path.parent, what)
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         if os.path.islink(tmp):  # never write through a link planted at the temporary name
@@ -65,11 +150,46 @@ def atomic_write(path: Path, write) -> None:
             tmp.unlink()
 
 
-def save_figure(fig, path: Path, dpi: int = 110, **savefig_kwargs) -> Path:
-    """Write a matplotlib figure as PNG atomically, close it, and return the path."""
+def save_figure(fig, path: Path, dpi: int = 110, root: Path | None = None, **savefig_kwargs) -> Path:
+    """Write a matplotlib figure as PNG atomically (refusing links below ``root``, see :func:`atomic_write`),
+    close it, and return the path."""
     import matplotlib.pyplot as plt
 
     path = Path(path)
-    atomic_write(path, lambda p: fig.savefig(p, dpi=dpi, format="png", **savefig_kwargs))
-    plt.close(fig)
+    try:
+        atomic_write(path, lambda p: fig.savefig(p, dpi=dpi, format="png", **savefig_kwargs), root=root)
+    finally:
+        plt.close(fig)
     return path
+
+
+def write_into(directory: Path, write, what: str = "") -> list[str]:
+    """Let ``write(staging)`` fill a fresh folder, then rename each file it wrote into ``directory``.
+
+    For writers we do not control (``save_pretrained`` opens its files by name and follows links): the staging
+    folder is new (``mkdtemp`` inside ``directory``), so nothing planted is written through; before any file is
+    moved, each destination name in ``directory`` is checked and a symbolic link (or a folder) there is refused
+    in one line, leaving ``directory`` as it was. Folders below ``directory`` are refused the same way. Returns
+    the names moved. ``directory`` (the user named it) may itself be a link and is created if missing.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=directory))
+    try:
+        write(staging)
+        files = sorted(p.relative_to(staging) for p in staging.rglob("*") if not p.is_dir())
+        for rel in files:
+            src = staging / rel
+            if src.is_symlink() or not src.is_file():
+                raise RuntimeError(f"writer produced a non-regular file {rel}")  # pragma: no cover
+            dst = directory / rel
+            refuse_links(directory, dst, what or str(rel))
+            if dst.is_dir():
+                raise UserError(f"{dst} is a folder; cannot write {what or rel} there (remove it)")
+        for rel in files:
+            make_dirs(directory, (directory / rel).parent, what)
+            os.replace(staging / rel, directory / rel)
+        fsync_dir(directory)
+        return [str(r) for r in files]
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

@@ -356,7 +356,14 @@ def _decompress(path: Path, data: bytes) -> bytes:
 
 def _load_path(path: Path, text_field: str, encoding_check: bool, lazy_bytes: int) -> list[AnyDocument]:
     if path.is_dir():
-        files = sorted((p for p in path.rglob("*.txt") if p.is_file()), key=lambda p: p.relative_to(path).as_posix())
+        found = sorted(path.rglob("*.txt"), key=lambda p: p.relative_to(path).as_posix())
+        odd = next((p for p in found if not p.is_file() and not p.is_dir()), None)
+        if odd is not None:  # as when given directly: /dev/zero, a FIFO, a socket are endless or block
+            what = "a broken link" if odd.is_symlink() and not odd.exists() else \
+                "not a regular file (a device, pipe or socket, or a link to one)"
+            raise UserError(f"corpus directory {path}: {odd.relative_to(path).as_posix()} is {what}; remove it or "
+                            "move it out of the folder")
+        files = [p for p in found if p.is_file()]
         if not files:
             raise UserError(f"corpus directory {path}: no .txt files in it")
         return [_load_text_file(p, p.relative_to(path).as_posix(), encoding_check, lazy_bytes) for p in files]
@@ -408,6 +415,53 @@ def _check_surrogates(text: str, where: str, encoding_check: bool) -> str:
         return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
 
 
+def _hub_unreachable(timeout: float = 5.0) -> str | None:
+    """Why the Hugging Face hub cannot be reached (its host does not answer within ``timeout`` seconds), or None
+    (reachable, or HF_HUB_OFFLINE already set: then ``datasets`` reads its cache and fails at once)."""
+    import socket
+    from urllib.parse import urlparse
+
+    try:
+        from huggingface_hub import constants
+
+        if constants.HF_HUB_OFFLINE:
+            return None
+        url = urlparse(constants.ENDPOINT)
+    except Exception:  # noqa: BLE001 - without huggingface_hub, datasets reports its own error
+        return None
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+    except OSError as e:
+        return f"{url.hostname} cannot be reached ({e.strerror or e})"
+    return None
+
+
+class _offline:
+    """While active (``on``): huggingface_hub and datasets in offline mode, as with HF_HUB_OFFLINE=1."""
+
+    def __init__(self, on: bool):
+        self.on, self.saved = on, []
+
+    def __enter__(self):
+        if self.on:
+            import importlib
+
+            for name, key in (("huggingface_hub.constants", "HF_HUB_OFFLINE"), ("datasets.config", "HF_HUB_OFFLINE"),
+                              ("datasets.config", "HF_DATASETS_OFFLINE")):
+                try:
+                    mod = importlib.import_module(name)
+                except Exception:  # noqa: BLE001 - a module that is not there has no switch to set
+                    continue
+                if hasattr(mod, key):
+                    self.saved.append((mod, key, getattr(mod, key)))
+                    setattr(mod, key, True)
+        return self
+
+    def __exit__(self, *exc):
+        for mod, key, value in reversed(self.saved):
+            setattr(mod, key, value)
+
+
 def _load_hf(spec: str, text_field: str) -> list[Document]:
     parts = spec[len("hf:"):].split(":")
     if not parts[0] or len(parts) > 3:
@@ -420,10 +474,15 @@ def _load_hf(spec: str, text_field: str) -> list[Document]:
     except ImportError:
         raise UserError(f"corpus {spec!r} needs the Hugging Face `datasets` package: "
                         "pip install 'fastweights[hf]'") from None
+    why = _hub_unreachable()
     try:
-        rows = datasets.load_dataset(dataset, config, split=split)
+        with _offline(why is not None):  # no network: the local cache or an error now, not minutes of retries
+            rows = datasets.load_dataset(dataset, config, split=split)
     except Exception as e:  # network, missing dataset, bad config: all reach the user the same way
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if why is not None:
+            raise UserError(f"corpus {spec!r}: Hugging Face dataset {dataset!r} (config {config!r}, split {split!r}) "
+                            f"is not in the local cache, and {why}") from None
         raise UserError(f"corpus {spec!r}: could not load Hugging Face dataset {dataset!r} "
                         f"(config {config!r}, split {split!r}): {first_line}") from None
     columns = list(getattr(rows, "column_names", None) or (rows[0].keys() if len(rows) else []))

@@ -34,6 +34,7 @@ import torch
 from fastweights.data.corpus import PIECE_CHARS, Document, FileDocument, content_digest
 from fastweights.data.tokenizers import Tokenizer, check_fingerprint
 from fastweights.core.errors import UserError
+from fastweights.core.files import make_dirs, open_nofollow, refuse_links
 
 _FORMAT = "fastweights-tokens"
 _FORMAT_VERSION = 1
@@ -91,7 +92,13 @@ class TokenStream:
             missing = [k for k in _META_KEYS if k not in meta]
             if missing:
                 raise ValueError(f"missing {', '.join(missing)}")
-        except (ValueError, KeyError, TypeError) as e:
+            if length < 0 or not isinstance(meta["vocab_size"], int) or isinstance(meta["vocab_size"], bool) \
+                    or not isinstance(meta["doc_offsets"], list) \
+                    or not all(isinstance(o, int) and not isinstance(o, bool) for o in meta["doc_offsets"]) \
+                    or not (meta["doc_separator"] is None or isinstance(meta["doc_separator"], int)) \
+                    or not isinstance(meta["tokenizer"], str) or not isinstance(meta["tokenizer_fingerprint"], str):
+                raise ValueError("a field of the wrong type")
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
             raise UserError(f"token stream {side} is corrupt: {e}") from None
         size = path.stat().st_size
         if size != length * dtype.itemsize:
@@ -175,7 +182,7 @@ class TokenStream:
 
 def encode_to_file(texts: Iterable, tokenizer: Tokenizer, path: str | os.PathLike, *,
                    doc_separator: int | None = None, progress: bool = False,
-                   piece_chars: int = PIECE_CHARS) -> TokenStream:
+                   piece_chars: int = PIECE_CHARS, root: str | os.PathLike | None = None) -> TokenStream:
     """Encode ``texts`` (each a ``str``, ``Document``, ``FileDocument`` or path of a UTF-8 file; one
     document each) into ``path`` and its sidecar, streaming; returns the opened ``TokenStream``.
 
@@ -184,15 +191,28 @@ def encode_to_file(texts: Iterable, tokenizer: Tokenizer, path: str | os.PathLik
             writes the documents back to back.
         progress: print characters/s and ETA to stderr (``fastweights.core.progress.Progress``).
         piece_chars: characters encoded at a time (memory bound; does not change the result).
+        root: the folder the user named (``--out``): a symbolic link at ``path`` or at any folder between
+            ``root`` and it is refused (:func:`fastweights.core.files.refuse_links`).
     """
     path = Path(path)
     vocab = tokenizer.vocab_size
     if doc_separator is not None and not 0 <= doc_separator < vocab:
         raise ValueError(f"doc_separator {doc_separator} is outside the vocabulary [0, {vocab})")
     dtype = np.dtype("<u2") if vocab <= 1 << 16 else np.dtype("<u4")
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp_side = path.with_name(f"{path.name}.json.{os.getpid()}.tmp")
+    if root is not None:
+        for p in (path, _sidecar(path)):
+            refuse_links(Path(root), p, "the token cache")
+        make_dirs(Path(root), path.parent, "the token cache")
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    for t in (tmp, tmp_side):  # never write through a link planted at a temporary name
+        if os.path.islink(t):
+            os.unlink(t)
+    for p in (path, _sidecar(path)):
+        if p.is_dir() and not p.is_symlink():
+            raise UserError(f"{p} is a folder; cannot write the token cache there (remove it)")
     bar = None
     if progress:
         from fastweights.core.progress import Progress
@@ -204,7 +224,7 @@ def encode_to_file(texts: Iterable, tokenizer: Tokenizer, path: str | os.PathLik
     offsets: list[int] = []
     length = 0
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "the token cache"), "wb") as f:
             # one document at a time: a generator of texts is never held whole
             for i, doc in enumerate(map(_as_document, texts)):
                 if i and doc_separator is not None:
@@ -220,7 +240,9 @@ def encode_to_file(texts: Iterable, tokenizer: Tokenizer, path: str | os.PathLik
         meta = {"format": _FORMAT, "version": _FORMAT_VERSION, "dtype": dtype.str, "length": length,
                 "vocab_size": vocab, "tokenizer": tokenizer.name, "tokenizer_fingerprint": tokenizer.fingerprint(),
                 "doc_separator": doc_separator, "doc_offsets": offsets}
-        tmp_side.write_text(json.dumps(meta), encoding="utf-8")
+        with os.fdopen(open_nofollow(tmp_side, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "the token cache"), "w",
+                       encoding="utf-8") as f:
+            f.write(json.dumps(meta))
         # .bin first: a sidecar on disk always describes the .bin next to it (or a stale one, which
         # TokenStream.open catches by size; caches use content-keyed names anyway)
         os.replace(tmp, path)
@@ -238,8 +260,12 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
 def cached_stream(docs: Iterable, tokenizer: Tokenizer, cache_dir: str | os.PathLike, tag: str, *,
-                  doc_separator: int | None = None, progress: bool = False) -> TokenStream:
+                  doc_separator: int | None = None, progress: bool = False,
+                  root: str | os.PathLike | None = None) -> TokenStream:
     """``encode_to_file(docs, ...)`` into ``cache_dir/<tag>-<key>.bin``, or the existing file.
+
+    ``root`` (the folder the user named, e.g. ``--out`` for ``--out/data``): a symbolic link at any level
+    between it and the cache file is refused, whether the file is to be read or written.
 
     ``docs`` is read twice (hash, then encode), so a generator is collected into a list first;
     ``FileDocument`` entries stay on disk either way.
@@ -253,12 +279,15 @@ def cached_stream(docs: Iterable, tokenizer: Tokenizer, cache_dir: str | os.Path
                           "format": _FORMAT_VERSION, "content": content_digest(docs)}, sort_keys=True)
     key = hashlib.sha256(key_src.encode("utf-8")).hexdigest()[:16]
     path = Path(cache_dir) / f"{_UNSAFE.sub('_', tag) or 'stream'}-{key}.bin"
+    if root is not None:
+        for p in (path, _sidecar(path)):
+            refuse_links(Path(root), p, "the token cache")
     if path.is_file() and _sidecar(path).is_file():
         try:
             return TokenStream.open(path, tokenizer)
         except UserError:
             pass  # a damaged cache entry is rebuilt below
-    return encode_to_file(docs, tokenizer, path, doc_separator=doc_separator, progress=progress)
+    return encode_to_file(docs, tokenizer, path, doc_separator=doc_separator, progress=progress, root=root)
 
 
 __all__ = ["TokenStream", "encode_to_file", "cached_stream"]

@@ -93,9 +93,11 @@ def _ids_array(ids, vocab_size: int) -> np.ndarray:
 
 
 def _write_json_atomic(path: Path, payload: dict) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(payload, ensure_ascii=True, indent=1) + "\n", encoding="ascii")
-    os.replace(tmp, path)
+    from fastweights.core.files import atomic_write
+
+    # a link at the name is refused (a prepared-data or run directory may come from elsewhere)
+    atomic_write(path, lambda p: p.write_text(json.dumps(payload, ensure_ascii=True, indent=1) + "\n",
+                                              encoding="ascii"), root=path.parent, what="the tokenizer")
 
 
 class _Base:
@@ -446,9 +448,13 @@ class GPT2Tokenizer(_Base):
         if self.bundled:
             return {"files": "bundled"}
         # a custom BPE travels with the checkpoint, in the same format it was read from
-        (directory / "vocab.json").write_text(json.dumps(self.encoder, ensure_ascii=False), encoding="utf-8")
-        (directory / "merges.txt").write_text(
-            "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in self._tables.merges), encoding="utf-8")
+        from fastweights.core.files import atomic_write
+
+        vocab = json.dumps(self.encoder, ensure_ascii=False)
+        merges = "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in self._tables.merges)
+        for name, text in (("vocab.json", vocab), ("merges.txt", merges)):
+            atomic_write(directory / name, lambda p, text=text: p.write_text(text, encoding="utf-8"), root=directory,
+                         what="the tokenizer")
         return {"files": {"vocab": "vocab.json", "merges": "merges.txt"}}
 
 

@@ -45,6 +45,8 @@ def run_demo(out: Path, minutes: float = 5.0) -> int:
               "parameters": summary["parameters"], "loss_curve": str(out / "loss_curve.png"),
               "dynamic_eval": {"static": dyn["static"], "dynamic": dyn["dynamic"],
                                "relative_improvement": dyn["relative_improvement"], "tuned": dyn["search"]["best"]}}
-    (out / "demo.json").write_text(json.dumps(result, indent=2) + "\n")
+    from fastweights.core.files import atomic_write
+
+    atomic_write(out / "demo.json", lambda p: p.write_text(json.dumps(result, indent=2) + "\n"), root=out)
     print(f"== loss curve: {out / 'loss_curve.png'}; results: {out / 'demo.json'}")
     return 0

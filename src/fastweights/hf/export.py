@@ -127,6 +127,11 @@ def export_hf(checkpoint: str | Path, directory: str | Path, force: bool = False
         raise UserError(f"export-hf: {directory} exists and is not a directory")
     if directory.is_dir() and any(directory.iterdir()) and not force:
         raise UserError(f"export-hf: {directory} is not empty (use --force to write into it)")
+    if directory.is_dir():  # --force into a DIR from elsewhere: no file is written through a link in it
+        from fastweights.core.files import refuse_links
+
+        for p in sorted(directory.iterdir()):
+            refuse_links(directory, p, "the export")
     parent = directory.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
@@ -142,13 +147,19 @@ def export_hf(checkpoint: str | Path, directory: str | Path, force: bool = False
     # and with trust_remote_code=True it loads the model through the installed fastweights package
     hf_model.config.auto_map = {"AutoConfig": f"{_REMOTE_MODULE}.FastWeightsConfig",
                                 "AutoModelForCausalLM": f"{_REMOTE_MODULE}.FastWeightsForCausalLM"}
+    from fastweights.core.files import write_into
+
+    def write(staging: Path) -> None:
+        hf_model.save_pretrained(staging)
+        hf_tok.save_pretrained(staging)
+        (staging / f"{_REMOTE_MODULE}.py").write_text(_REMOTE_CODE)
+
+    # save_pretrained opens its files by name: it writes into a fresh staging folder, and the files are renamed
+    # into DIR only if none of their names there is a symbolic link (a DIR from elsewhere, with --force)
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        write_into(directory, write, "the export")
     except OSError as e:
-        raise UserError(f"export-hf: cannot create {directory}: {e.strerror or e}") from None
-    hf_model.save_pretrained(directory)
-    hf_tok.save_pretrained(directory)
-    (directory / f"{_REMOTE_MODULE}.py").write_text(_REMOTE_CODE)
+        raise UserError(f"export-hf: cannot write {directory}: {e.strerror or e}") from None
     return sorted(p.name for p in directory.iterdir())
 
 

@@ -126,6 +126,22 @@ class FastWeightLayer(nn.Module):
         per_position = d_model + 2 * e * s + s + 2 * s + ((e + 1) * s if o.fast_biases else 0)
         return {"carried": d_model + seq_len * per_position}
 
+    @staticmethod
+    def inert_options(o: FWLOptions) -> list[str]:
+        """Options set away from their defaults that change nothing in this configuration (warned at config time)."""
+        d = FWLOptions()
+        out = []
+        if o.test_time_step_size != d.test_time_step_size and not o.test_time_only:
+            out.append(f"model.options.fwl.test_time_step_size={o.test_time_step_size:g} does nothing without "
+                       "model.options.fwl.test_time_only = true (the learned step sizes are used)")
+        if o.step_size_init != d.step_size_init and o.test_time_only:
+            out.append(f"model.options.fwl.step_size_init={o.step_size_init:g} does nothing with test_time_only = "
+                       "true (the step is model.options.fwl.test_time_step_size)")
+        if o.inner_loss_z != d.inner_loss_z and o.inner_loss_norm != "fixed":
+            out.append(f"model.options.fwl.inner_loss_z={o.inner_loss_z:g} does nothing without "
+                       "model.options.fwl.inner_loss_norm = \"fixed\"")
+        return out
+
     def __init__(self, d_model: int, vocab_size: int, options: FWLOptions | None = None,
                  unembedding: nn.Module | None = None):
         super().__init__()

@@ -26,7 +26,7 @@ from fastweights.core.distributed import (all_finite, all_mean, barrier, close_d
                                      init_distributed, load_full_state, wrap_model)
 from fastweights.core.config import RunConfig
 from fastweights.core.errors import UserError
-from fastweights.core.files import atomic_write, save_figure
+from fastweights.core.files import atomic_write, make_dirs, open_nofollow, save_figure
 from fastweights.models.lm import LanguageModel, detach_state
 from fastweights.core.progress import Progress
 
@@ -82,6 +82,21 @@ def make_optimizer(model: torch.nn.Module, cfg) -> torch.optim.AdamW:
     return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused or None)
 
 
+def check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Raise ValueError unless every tensor of the optimizer's per-parameter state (AdamW's moments) has its
+    parameter's shape and finite values (the scalar ``step`` aside): a trainer state edited or made for another
+    model would otherwise fail inside the first ``optimizer.step()`` with a shape error, or poison the weights."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for key, v in optimizer.state.get(p, {}).items():
+                if not isinstance(v, torch.Tensor) or v.dim() == 0:
+                    continue
+                if tuple(v.shape) != tuple(p.shape):
+                    raise ValueError(f"optimizer {key} has shape {list(v.shape)}, its parameter {list(p.shape)}")
+                if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                    raise ValueError(f"optimizer {key} holds NaN or inf values")
+
+
 @dataclass
 class Data:
     tokenizer: object
@@ -99,12 +114,16 @@ def prepare_corpus(cfg: RunConfig, out_dir: Path, progress: bool = True) -> dict
     Writes ``{train,val,test}-*.bin`` (+ sidecars), ``tokenizer.json`` and ``prepared.json`` into
     ``out_dir``; ``--data out_dir`` then trains from the memory maps without re-reading the text.
     """
+    from fastweights.core.files import refuse_links
+
+    for name in ("tokenizer.json", "vocab.json", "merges.txt", PREPARED):  # before a token is encoded
+        refuse_links(Path(out_dir), Path(out_dir) / name, "the prepared data")
     data = _encode_corpus(cfg, Path(out_dir), None, progress, cache=Path(out_dir))
-    data.tokenizer.save(out_dir)
+    data.tokenizer.save(out_dir)  # refuses a link at tokenizer.json (and vocab.json, merges.txt) too
     info = {"corpus": cfg.data.corpus, "tokenizer": data.tokenizer.name, "vocab_size": data.tokenizer.vocab_size,
             "split": cfg.data.split, "files": {k: getattr(data, k).path.name for k in ("train", "val", "test")},
             "tokens": {k: len(getattr(data, k)) for k in ("train", "val", "test")}}
-    atomic_write(Path(out_dir) / PREPARED, lambda p: p.write_text(json.dumps(info, indent=2) + "\n"))
+    atomic_write(Path(out_dir) / PREPARED, lambda p: p.write_text(json.dumps(info, indent=2) + "\n"), root=Path(out_dir))
     return info
 
 
@@ -150,7 +169,8 @@ def _encode_corpus(cfg: RunConfig, out_dir: Path, tokenizer, progress: bool, cac
         train_text = text_pieces(splits["train"]) if trained else None
         tokenizer = build_tokenizer(cfg.data.tokenizer, train_text=train_text)
     sep = getattr(tokenizer, "eot_id", None)  # GPT-2's <|endoftext|> between documents
-    streams = {name: cached_stream(splits[name], tokenizer, cache, name, doc_separator=sep, progress=progress)
+    streams = {name: cached_stream(splits[name], tokenizer, cache, name, doc_separator=sep, progress=progress,
+                                   root=out_dir)  # nothing below --out through a link (out/data -> elsewhere)
                for name in ("train", "val", "test")}
     return Data(tokenizer, streams["train"], streams["val"], streams["test"])
 
@@ -219,7 +239,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
     A non-finite loss, gradient or weight raises :class:`TrainingDiverged`.
     """
     from fastweights.models.size import check_deep_model, meta_model
-    from fastweights.checkpoints.run_dir import Restore, RunLock, check_out_dir, describe_run
+    from fastweights.checkpoints.run_dir import Restore, RunLock, check_out_dir, check_run_links, describe_run
     from fastweights.checkpoints.config_checks import validate_config
 
     out_dir = Path(out_dir)
@@ -233,9 +253,12 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
     dist, device = init_distributed(tc.device)
     if tc.batch_size % dist.world:
         raise UserError(f"train.batch_size={tc.batch_size} is not divisible by the {dist.world} processes")
+    if tc.compile:
+        check_compile(device)  # seconds, before anything is written
     restore = lock = None
     if dist.main:
         check_out_dir(out_dir)
+        check_run_links(out_dir, tensorboard=summary_writer is not None)  # before anything is written
         restore = Restore(out_dir)
         lock = RunLock(out_dir)
     setup_signals = _SetupSignals()  # SIGTERM before the loop (encoding the corpus, ...) stops the run as Ctrl-C does
@@ -273,7 +296,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
 def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_ram, dist, device, summary_writer, restore):
     from fastweights.models.loading import load_for_resume
     from fastweights.checkpoints.format import check_weights, finish_pending, remove_stale_temporaries
-    from fastweights.checkpoints.run_dir import open_nofollow, remove_run, truncate_metrics
+    from fastweights.checkpoints.run_dir import remove_run, truncate_metrics
     from fastweights.models.size import check_ram
 
     tc = cfg.train
@@ -291,6 +314,10 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_ram, dist, dev
             remove_stale_temporaries(out_dir)
         barrier(dist)
         saved_unit = load_for_resume(out_dir)  # weights, trainer state and tokenizer of one checkpoint
+        if saved_unit["state"]["step"] > tc.max_steps:  # it would print "24/5 steps" and train nothing
+            raise UserError(f"--resume: the run in {out_dir} is at step {saved_unit['state']['step']}, past "
+                            f"train.max_steps={tc.max_steps}; there is nothing to train (raise train.max_steps to "
+                            "continue it)")
         saved = saved_unit["config"]
         if saved.model != _with_vocab(cfg.model, saved.model.vocab_size):
             raise UserError(f"--resume: the model config differs from the one saved in {out_dir}")
@@ -320,6 +347,7 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_ram, dist, dev
         try:
             load_full_state(model, optimizer, saved_unit["model"], ts["optimizer"])
             _set_rng_state(ts["rng"], gen)
+            check_optimizer_state(optimizer)
         except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as e:
             raise UserError(f"checkpoint {out_dir}: the trainer state does not fit this model "
                             f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
@@ -342,12 +370,13 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_ram, dist, dev
 
     tb = None
     if dist.main and summary_writer is not None:
+        make_dirs(out_dir, out_dir / "tensorboard", "the TensorBoard events")  # never through a link
         tb = summary_writer(str(out_dir / "tensorboard"), purge_step=step + 1 if resume else None)
     log = None
     log_path = out_dir / "metrics.jsonl"
     if dist.main:
         out_dir.mkdir(parents=True, exist_ok=True)
-        log = os.fdopen(open_nofollow(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "metrics"), "a")
+        log = os.fdopen(open_nofollow(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "metrics", root=out_dir), "a")
 
     def write_log(rec: dict) -> None:
         if log is not None:
@@ -478,8 +507,9 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_ram, dist, dev
 
         summary["interrupted_by"] = signal.Signals(signum).name
     if dist.main:
-        atomic_write(out_dir / "summary.json", lambda p: p.write_text(json.dumps(summary, indent=2) + "\n"))
-        plot_loss_curve(log_path, out_dir / "loss_curve.png")
+        atomic_write(out_dir / "summary.json", lambda p: p.write_text(json.dumps(summary, indent=2) + "\n"),
+                     root=out_dir)
+        plot_loss_curve(log_path, out_dir / "loss_curve.png", root=out_dir)
     if signum is not None:
         import signal
 
@@ -562,6 +592,28 @@ class _StopSignals:
         self.old = {}
 
 
+def check_compile(device) -> None:
+    """``train.compile``: compile a two-operation function on ``device`` before anything is written, so that a
+    machine whose compiler cannot build Inductor's kernels (no C++ compiler, missing headers) is refused in one
+    line in seconds instead of failing inside the first step after minutes of compiler errors."""
+    import logging
+
+    loggers = [logging.getLogger(n) for n in ("torch._inductor", "torch._dynamo")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:  # their error logs would repeat the compiler's output on stderr
+        lg.setLevel(logging.CRITICAL)
+    try:
+        x = torch.arange(8, dtype=torch.float32, device=device)
+        torch.compile(lambda t: (t * 2 + 1).sin().sum(), dynamic=False)(x).item()
+    except Exception as e:  # noqa: BLE001 - whatever the backend raises, the setting cannot be used here
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        raise UserError(f"train.compile=true: torch.compile cannot build kernels on {device} here ({first[:160]}); "
+                        "set train.compile=false, or install a working compiler") from None
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def _tensorboard_writer_class():
     try:
         from torch.utils.tensorboard import SummaryWriter
@@ -576,7 +628,7 @@ def _with_vocab(model_cfg, vocab_size):
     return dataclasses.replace(model_cfg, vocab_size=vocab_size)
 
 
-def plot_loss_curve(metrics_path: Path, png_path: Path) -> None:
+def plot_loss_curve(metrics_path: Path, png_path: Path, root: Path | None = None) -> None:
     """Training and validation loss (bits per token) against step, from metrics.jsonl."""
     import matplotlib
 
@@ -603,4 +655,4 @@ def plot_loss_curve(metrics_path: Path, png_path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    save_figure(fig, png_path, dpi=120)
+    save_figure(fig, png_path, dpi=120, root=root)

@@ -1,0 +1,79 @@
+"""Nothing below a folder the user named is written through a symbolic link (issue 39, scope 1): the helpers of
+``core/files.py`` through which every write under ``--out`` and into an export directory goes. The commands'
+cases (token cache, tensorboard, export-hf, checkpoints) are replayed in ``test_adversarial_replay.py``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from fastweights.core.errors import UserError
+from fastweights.core.files import atomic_write, make_dirs, open_nofollow, refuse_links, write_into
+
+
+@pytest.fixture
+def victim(tmp_path):
+    v = tmp_path / "victim"
+    v.mkdir()
+    (v / "precious.txt").write_text("precious\n")
+    return v
+
+
+def _unchanged(victim):
+    assert sorted(p.name for p in victim.iterdir()) == ["precious.txt"]
+    assert (victim / "precious.txt").read_text() == "precious\n"
+
+
+def test_a_link_at_any_level_below_the_root_is_refused(tmp_path, victim):
+    root = tmp_path / "out"
+    (root / "a").mkdir(parents=True)
+    (root / "a" / "b").symlink_to(victim)
+    with pytest.raises(UserError, match=r"a/b is a symbolic link; refusing to write the cache"):
+        refuse_links(root, root / "a" / "b" / "c" / "x.bin", "the cache")
+    with pytest.raises(UserError, match="symbolic link"):
+        make_dirs(root, root / "a" / "b" / "c")
+    with pytest.raises(UserError, match="symbolic link"):
+        atomic_write(root / "a" / "b" / "x.json", lambda p: p.write_text("{}"), root=root)
+    (root / "f.json").symlink_to(victim / "precious.txt")
+    with pytest.raises(UserError, match="f.json is a symbolic link"):
+        atomic_write(root / "f.json", lambda p: p.write_text("{}"), root=root)
+    with pytest.raises(UserError, match="f.json is a symbolic link"):
+        open_nofollow(root / "f.json", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    (root / "dangling").symlink_to(tmp_path / "nowhere")  # a dangling link is not followed either
+    with pytest.raises(UserError, match="dangling is a symbolic link"):
+        make_dirs(root, root / "dangling" / "x")
+    assert not (tmp_path / "nowhere").exists()
+    _unchanged(victim)
+
+
+def test_the_root_itself_may_be_a_link_and_missing_folders_are_made(tmp_path, victim):
+    real = tmp_path / "real"
+    real.mkdir()
+    root = tmp_path / "linked-out"
+    root.symlink_to(real)  # the user named it: theirs to make
+    make_dirs(root, root / "data" / "x")
+    atomic_write(root / "data" / "x" / "f.json", lambda p: p.write_text("{}"), root=root)
+    assert (real / "data" / "x" / "f.json").read_text() == "{}"
+    with pytest.raises(ValueError):
+        refuse_links(root, tmp_path / "elsewhere" / "f")
+    with pytest.raises(ValueError):
+        refuse_links(root, root / ".." / "victim" / "f")
+
+
+def test_write_into_refuses_a_linked_destination_before_moving_anything(tmp_path, victim):
+    exp = tmp_path / "exp"
+    exp.mkdir()
+    (exp / "config.json").symlink_to(victim / "precious.txt")
+
+    def write(d):
+        (d / "a.json").write_text("a")
+        (d / "config.json").write_text("c")
+
+    with pytest.raises(UserError, match="config.json is a symbolic link"):
+        write_into(exp, write)
+    _unchanged(victim)
+    assert sorted(p.name for p in exp.iterdir()) == ["config.json"]  # nothing moved, no staging left
+    (exp / "config.json").unlink()
+    assert write_into(exp, write) == ["a.json", "config.json"]
+    assert (exp / "config.json").read_text() == "c" and sorted(p.name for p in exp.iterdir()) == ["a.json", "config.json"]
