@@ -20,10 +20,10 @@ from fastweights.data.corpus import (
     content_digest,
     first_chars,
     load_corpus,
-    split_corpus,
     text_pieces,
     to_utf8,
 )
+from fastweights.data.splits import split_corpus
 from fastweights.data.streams import TokenStream, cached_stream, encode_to_file
 from fastweights.data.tokenizers import (
     TOKENIZER_KINDS,

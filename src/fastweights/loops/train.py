@@ -29,6 +29,7 @@ from fastweights.core.errors import UserError
 from fastweights.core.files import atomic_write, make_dirs, open_nofollow, save_figure
 from fastweights.models.lm import LanguageModel, detach_state
 from fastweights.core.progress import Progress
+from fastweights.loops.signals import SetupSignals, StopSignals, agreed_signal
 
 
 def autocast(device: torch.device):
@@ -261,7 +262,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
         check_run_links(out_dir, tensorboard=summary_writer is not None)  # before anything is written
         restore = Restore(out_dir)
         lock = RunLock(out_dir)
-    setup_signals = _SetupSignals()  # SIGTERM before the loop (encoding the corpus, ...) stops the run as Ctrl-C does
+    setup_signals = SetupSignals()  # SIGTERM before the loop (encoding the corpus, ...) stops the run as Ctrl-C does
     try:
         if lock is not None:
             lock.acquire()
@@ -425,7 +426,7 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_ram, dist, dev
     last_loss = float("nan")
     stopped_by_budget = False
     params = [p for p in model.parameters() if p.requires_grad]
-    stop = _StopSignals()
+    stop = StopSignals()
     interrupted = False
     try:
         while step < tc.max_steps:
@@ -490,7 +491,7 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_ram, dist, dev
         if saved_step != step:
             save()
         # a signal that came during the final validation or save lets both finish and is still reported
-        signum = _agreed_signal(stop, dist, device)
+        signum = agreed_signal(stop, dist, device)
     finally:
         stop.restore()
         if log is not None:
@@ -518,78 +519,6 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_ram, dist, dev
                              f"{step}" + ("; training had finished (the final validation and save completed)"
                                           if finished else "; continue with --resume"), 128 + signum)
     return summary
-
-
-def _agreed_signal(stop: "_StopSignals", dist, device):
-    """The stopping signal rank 0 received (SIGINT or SIGTERM), on every rank; None if none."""
-    import signal
-
-    is_int, is_term = from_rank0([stop.signum == signal.SIGINT, stop.signum == signal.SIGTERM], dist, device)
-    return signal.SIGINT if is_int else signal.SIGTERM if is_term else None
-
-
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM before the training loop (:class:`_SetupSignals`)."""
-
-    exit_code = 128 + 15
-
-
-class _SetupSignals:
-    """Until the training loop installs :class:`_StopSignals`: SIGINT raises KeyboardInterrupt and SIGTERM
-    :class:`_Terminated`, so that a run stopped while it prepares (encoding a corpus can take minutes) cleans
-    up, whatever handler the process had (a host that replaced Python's SIGINT handler, e.g. a notebook or a
-    test runner's worker, would otherwise swallow Ctrl-C until training starts)."""
-
-    def __init__(self):
-        import signal
-        import threading
-
-        self.old = {}
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGINT, signal.SIGTERM):
-                old = signal.signal(s, self._handle)
-                self.old[s] = signal.SIG_DFL if old is None else old  # None: a handler not installed from Python
-
-    @staticmethod
-    def _handle(signum, frame):
-        import signal
-
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise _Terminated()
-
-    def restore(self) -> None:
-        import signal
-
-        for s, h in self.old.items():
-            signal.signal(s, h)
-        self.old = {}
-
-
-class _StopSignals:
-    """SIGINT/SIGTERM set ``signum`` (the run stops after the current step and saves); a second one stops at once."""
-
-    def __init__(self):
-        import signal
-        import threading
-
-        self.signum = None
-        self.old = {}
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGINT, signal.SIGTERM):
-                self.old[s] = signal.signal(s, self._handle)
-
-    def _handle(self, signum, frame):
-        if self.signum is not None:
-            raise KeyboardInterrupt
-        self.signum = signum
-
-    def restore(self) -> None:
-        import signal
-
-        for s, h in self.old.items():
-            signal.signal(s, h)
-        self.old = {}
 
 
 def check_compile(device) -> None:
