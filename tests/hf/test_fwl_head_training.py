@@ -89,6 +89,7 @@ def test_resume_continues_the_cpu_budget_clock(backbone_dir, cache, tmp_path):
     assert again["history"][2][1] >= again["history"][1][1]  # the clock of the history continues too
 
 
+@pytest.mark.filterwarnings("ignore:fwl. training windows")
 def test_the_head_buffers_are_saved_and_restored(backbone_dir, tmp_path):
     """z_train and z_count (inner_loss_norm = batch_tokens: the running mean of the training Z that eval mode
     normalises by) are in the checkpoint and come back on load, so the loaded head scores as the saved one.
@@ -148,6 +149,7 @@ def test_a_signal_saves_the_step_and_resume_is_bit_exact(backbone_dir, signum, c
     assert _bit_equal(_weights(tmp_path / "straight"), _weights(tmp_path / "stopped"))
 
 
+@pytest.mark.filterwarnings("ignore:fwl. training windows")
 def test_the_carried_state_is_detached(backbone_dir):
     """With trainable backbone blocks the hidden states carry a gradient; the head's carried state must not
     (the next call's backward would run into a graph already freed). Mutation caught: the state's h not detached."""
