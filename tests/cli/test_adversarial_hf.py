@@ -93,6 +93,25 @@ def config_sizes_too_big(m, d):
     return "cli", _eval_hf(model, _doc(d))
 
 
+def export_with_huge_d_model(m, d):
+    """Our own export-hf directory with d_model 1e6 in config.json: counted on the meta device, refused."""
+    model = _copy(m["export"], d / "model")
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["d_model"] = 10**6
+    (model / "config.json").write_text(json.dumps(cfg))
+    return "cli", _eval_hf(model, _doc(d))
+
+
+def default_rule_without_statistics(m, d):
+    """The default rule (rms) on a Hugging Face model needs statistics: the message names dynamic stats' --save
+    flag (it said --out, which dynamic stats does not take)."""
+    argv = _eval_hf(m["llama"], _doc(d))
+    for flag in ("--rule", "--lr"):
+        i = argv.index(flag)
+        del argv[i:i + 2]
+    return "cli", argv
+
+
 def lowrank_rank_too_big(m, d):
     return "cli", ["dynamic", "eval", "--checkpoint", str(m["run"]), "--data", str(_doc(d)), "--rule", "sgd",
                    "--lowrank-rank", "100000000", "--quiet"]
@@ -151,6 +170,8 @@ CASES = [  # (build, exit status, what the last stderr line must say)
     (export_relabelled_as_llama, 2, "the weights do not match config.json"),
     (one_tensor_deleted, 2, "missing from its weights (model.layers.1.self_attn.v_proj.weight)"),
     (config_sizes_too_big, 2, "refusing to allocate it"),
+    (export_with_huge_d_model, 2, "refusing to allocate it"),
+    (default_rule_without_statistics, 2, "--data TEXT --save FILE`"),
     (lowrank_rank_too_big, 2, "--lowrank-rank 100000000 exceeds the model's dimensions"),
     (harness_lr_1e30, 2, "not a number to report: dynamic evaluation diverged with rule sgd, learning rate 1e+30"),
     (harness_segment_len_negative, 2, "segment_len=-5 (--segment-len of the command line): must be >= 0, got -5"),

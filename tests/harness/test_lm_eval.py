@@ -216,6 +216,23 @@ def test_a_diverged_score_is_refused_not_reported(checkpoint):
         rolling(lm, [text])
 
 
+def test_a_non_finite_loglikelihood_is_refused(checkpoint, monkeypatch):
+    """loglikelihood (multiple-choice) requests refuse a NaN score as loglikelihood_rolling does."""
+    from fastweights.core.errors import UserError
+
+    lm = FastweightsStatic(checkpoint=str(checkpoint), device="cpu")
+    forward = lm.model.forward
+
+    def nan_logits(*a, **k):
+        out = forward(*a, **k)
+        out.logits[..., 0] = float("nan")
+        return out
+
+    monkeypatch.setattr(lm.model, "forward", nan_logits)
+    with pytest.raises(UserError, match="loglikelihood: a log-likelihood is nan, not a number to report"):
+        lm.loglikelihood([Instance("loglikelihood", {}, ("To be, or not", " to be"), 0)])
+
+
 def test_a_batch_size_other_than_one_is_said_to_be_ignored(checkpoint, recwarn):
     FastweightsStatic(checkpoint=str(checkpoint), device="cpu", batch_size=1)
     assert not [w for w in recwarn if "batch_size" in str(w.message)]
