@@ -163,3 +163,34 @@ def test_lowrank_timescale_and_generate(char_checkpoint, tmp_path, capsys):
     assert s["lowrank_rank"] == 2 and s["lr_schedule"] == "rsqrt:3"
     assert main(["dynamic", "generate", "--checkpoint", ck, "--prompt", "the cat ", "--max-tokens", "12", *flags]) == 0
     assert "== dynamic" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra", [[], ["--lowrank-rank", "2"], ["--sparse-units", "4"]],
+                         ids=["full", "lowrank", "sparse"])
+def test_eps_reaches_the_update_rule_through_the_settings(char_checkpoint, extra):
+    """A non-default eps travels DynamicSettings -> resolve_setup -> evaluator_from -> the update rule, for every
+    kind of adaptation, and the result records it. Mutation caught (issue 39): eps not passed on by the settings
+    (the default used instead)."""
+    from fastweights.adapt.setup import DynamicSettings, build_evaluator, load_model_and_tokenizer
+    from fastweights.adapt.update_rules import DEFAULT_EPS
+    from fastweights.cli import build_parser
+    from fastweights.cli.dynamic import dynamic_settings
+
+    args = build_parser().parse_args(["dynamic", "eval", "--checkpoint", str(char_checkpoint), "--rule", "rms",
+                                      "--eps", "0.125", *extra])
+    settings = dynamic_settings(args)
+    assert settings.eps == 0.125 != DEFAULT_EPS
+    settings = DynamicSettings(**{**settings.__dict__, "stats_batches": 1})
+    model, tok, cfg, ckpt = load_model_and_tokenizer(char_checkpoint, device="cpu")
+    ev, _ = build_evaluator(settings, model, tok, cfg, ckpt)
+    assert ev.update_rule.eps == 0.125 and ev.metadata()["eps"] == 0.125
+
+
+def test_a_lowrank_rank_beyond_the_models_dimensions_is_refused_before_allocating(char_checkpoint, capsys):
+    """--lowrank-rank above min(in, out) of every adapted projection adds nothing: one line, exit 2, before the fixed
+    factors [rank, in] are allocated (issue 39: 10^8 tried 25.6 GB and ended in a RuntimeError traceback)."""
+    err = error_line(capsys, "dynamic", "eval", "--checkpoint", str(char_checkpoint), "--data",
+                     str(char_checkpoint / "doc.txt"), "--lowrank-rank", "100000000", *SGD)
+    assert "--lowrank-rank 100000000 exceeds the model's dimensions" in err and "choose 1..16" in err
+    run_json(capsys, "dynamic", "eval", "--checkpoint", str(char_checkpoint), "--data", str(char_checkpoint / "doc.txt"),
+             "--lowrank-rank", "16", *SGD)

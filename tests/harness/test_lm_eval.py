@@ -167,3 +167,123 @@ def test_the_documented_command_lines_parse_and_name_what_exists():
         assert keys <= allowed, (line, keys - allowed)
         tasks = args.tasks if isinstance(args.tasks, list) else args.tasks.split(",")
         assert set(tasks) <= local, line
+
+
+# ----------------------------------------------------------------------------- the command line's promises (issue 39)
+
+
+@pytest.mark.parametrize("args, needle", [
+    ({"segment_len": -5.0}, "segment_len=-5 (--segment-len of the command line): must be >= 0, got -5"),
+    ({"segment_len": 2.5}, "segment_len=2.5"),
+    ({"context": -1}, "must be >= 0, got -1"),
+    ({"threads": -2}, "must be >= 0, got -2"),
+    ({"context": 4, "segment_len": 8}, "context (4) must be longer than the segment length (8)"),
+    ({"bos": "maybe"}, "bos=maybe must be true or false"),
+])
+def test_static_model_arguments_are_checked_as_the_command_line_checks_them(checkpoint, args, needle):
+    from fastweights.core.errors import UserError
+
+    with pytest.raises(UserError) as e:
+        FastweightsStatic(checkpoint=str(checkpoint), device="cpu", **args)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("args, needle", [
+    ({"lr": float("nan")}, "lr=nan (--lr of the command line): must be a finite number >= 0, got nan"),
+    ({"lr": -1.0}, "must be a finite number >= 0, got -1.0"),
+    ({"decay": float("inf")}, "decay=inf"),
+    ({"eps": 0}, "eps=0 (--eps of the command line): must be a finite number > 0, got 0"),
+    ({"lowrank_rank": -3}, "must be >= 0, got -3"),
+    ({"lr_schedule": "sometimes"}, "lr_schedule=sometimes"),
+    ({"stats_batch_size": 0}, "must be >= 1, got 0"),
+])
+def test_dynamic_model_arguments_are_checked_as_the_command_line_checks_them(checkpoint, args, needle):
+    from fastweights.core.errors import UserError
+
+    with pytest.raises(UserError) as e:
+        FastweightsDynamic(checkpoint=str(checkpoint), device="cpu", **{**DYNAMIC, **args})
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_diverged_score_is_refused_not_reported(checkpoint):
+    """lr=1e30: dynamic eval refuses the NaN it produces (exit 2); so does the harness model."""
+    from fastweights.core.errors import UserError
+
+    lm = FastweightsDynamic(checkpoint=str(checkpoint), device="cpu", rule="sgd", lr=1e30)
+    text = documents("shakespeare-heldout", PLAYS[:1], 2000, "ACT I")[0]["text"][:400]
+    with pytest.raises(UserError, match="not a number to report: dynamic evaluation diverged with rule sgd, "
+                                        "learning rate 1e\\+30"):
+        rolling(lm, [text])
+
+
+def test_a_non_finite_loglikelihood_is_refused(checkpoint, monkeypatch):
+    """loglikelihood (multiple-choice) requests refuse a NaN score as loglikelihood_rolling does."""
+    from fastweights.core.errors import UserError
+
+    lm = FastweightsStatic(checkpoint=str(checkpoint), device="cpu")
+    forward = lm.model.forward
+
+    def nan_logits(*a, **k):
+        out = forward(*a, **k)
+        out.logits[..., 0] = float("nan")
+        return out
+
+    monkeypatch.setattr(lm.model, "forward", nan_logits)
+    with pytest.raises(UserError, match="loglikelihood: a log-likelihood is nan, not a number to report"):
+        lm.loglikelihood([Instance("loglikelihood", {}, ("To be, or not", " to be"), 0)])
+
+
+def test_a_batch_size_other_than_one_is_said_to_be_ignored(checkpoint, recwarn):
+    FastweightsStatic(checkpoint=str(checkpoint), device="cpu", batch_size=1)
+    assert not [w for w in recwarn if "batch_size" in str(w.message)]
+    for size in (0, 8, "auto"):
+        with pytest.warns(UserWarning, match=f"--batch_size {size} is ignored: requests are scored one at a time"):
+            FastweightsStatic(checkpoint=str(checkpoint), device="cpu", batch_size=size)
+
+
+def test_a_request_longer_than_the_context_reads_exactly_context_tokens(checkpoint):
+    """A (context, continuation) pair longer than the context: the oldest tokens are cut so that exactly
+    ``context`` tokens are read (not one fewer), and the score is the model's on those tokens."""
+    lm = FastweightsStatic(checkpoint=str(checkpoint), device="cpu")
+    window = lm.context
+    text = documents("shakespeare-heldout", PLAYS[:1], 2000, "ACT I")[0]["text"]
+    context, continuation = text[: 3 * window], text[3 * window: 3 * window + 5]
+    ctx, cont = lm._encode_pair(context, continuation)
+    whole = (ctx + cont)[-(window + 1):]
+    seen = []
+    forward = lm.model.forward
+
+    def spy(x, *a, **k):
+        seen.append(x.shape[1])
+        return forward(x, *a, **k)
+
+    lm.model.forward = spy
+    try:
+        (ll, _), = lm.loglikelihood([Instance("loglikelihood", {}, (context, continuation), 0)])
+    finally:
+        del lm.model.forward
+    assert seen == [window]
+    with torch.no_grad():
+        logits = lm.model(torch.tensor([whole[:-1]])).logits[0, -len(cont):]
+    want = float(torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(cont)[:, None]).sum())
+    assert ll == pytest.approx(want, rel=1e-6, abs=1e-6)
+
+
+def test_greedy_means_every_continuation_token_is_the_argmax(checkpoint):
+    """The greedy flag of loglikelihood: True only when greedy decoding gives every token of the continuation
+    (a continuation whose first token is the argmax and whose second is not is not greedy)."""
+    lm = FastweightsStatic(checkpoint=str(checkpoint), device="cpu")
+    tok = lm.tokenizer
+    context = "To be, or not to b"
+    ids = [int(i) for i in tok.encode(context)]
+    with torch.no_grad():
+        first = int(lm.model(torch.tensor([ids])).logits[0, -1].argmax())
+        nxt = lm.model(torch.tensor([ids + [first]])).logits[0, -1]
+    # the most likely second token that is not the argmax (and no whitespace, which _encode_pair would move)
+    second = next(int(t) for t in nxt.argsort(descending=True)[1:] if tok.decode([int(t)]).strip())
+    c1, c2, best = tok.decode([first]), tok.decode([second]), tok.decode([int(nxt.argmax())])
+    assert c1.strip()
+    reqs = [Instance("loglikelihood", {}, (context, c1), 0), Instance("loglikelihood", {}, (context, c1 + c2), 1),
+            Instance("loglikelihood", {}, (context, c1 + best), 2)]
+    (_, g1), (_, g12), (_, g_both) = lm.loglikelihood(reqs)
+    assert g1 is True and g12 is False and g_both is True

@@ -79,19 +79,23 @@ class LowRankAdaptation:
         self.names: list[str] = []
         self.shapes: list[tuple[int, int]] = []
         self.B: list[torch.Tensor] = []
-        for name, mod in model.named_modules():
-            io = _in_out(mod)
-            if io is None or not any(fnmatch.fnmatchcase(name, p) for p in pats):
-                continue
-            fan_in, fan_out = io
+        matched = [(name, mod, io) for name, mod in model.named_modules()
+                   if (io := _in_out(mod)) is not None and any(fnmatch.fnmatchcase(name, p) for p in pats)]
+        if not matched:
+            raise UserError(f"low-rank adaptation: no linear module matches {modules!r}; module names look like "
+                            f"{next((n for n, _ in model.named_modules() if n), '?')!r}")
+        # a rank above min(in, out) of every adapted projection adds nothing (A B has at most that rank): refused
+        # before the fixed factors B [rank, in] are allocated
+        widest = max(min(io) for _, _, io in matched)
+        if rank > widest:
+            raise UserError(f"--lowrank-rank {rank} exceeds the model's dimensions: the adapted projections "
+                            f"({matched[0][0]}, ...) have rank at most {widest}; choose 1..{widest}")
+        for name, mod, (fan_in, fan_out) in matched:
             self.modules.append(mod)
             self.names.append(lowrank_name(name))
             self.shapes.append((fan_out, rank))
             self.B.append((torch.randn(rank, fan_in, generator=gen, dtype=torch.float64) / fan_in ** 0.5)
                           .to(device=p0.device, dtype=dtype))
-        if not self.modules:
-            raise UserError(f"low-rank adaptation: no linear module matches {modules!r}; module names look like "
-                            f"{next((n for n, _ in model.named_modules() if n), '?')!r}")
         self.rank = rank
         self.A: list[torch.Tensor] | None = None
         self.dtype = dtype

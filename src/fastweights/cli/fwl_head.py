@@ -5,8 +5,9 @@
     fastweights dynamic eval --hf runs/fwl-smollm2/fwl --data FILE --lr 0                # score it (static)
 
 ``train`` caches the frozen backbone's hidden states of the training mix once (shared by the variants in
-``--cache``), then trains the head for ``--minutes`` CPU-minutes with progress, checkpoints and resume
-(run the same command again to continue a run cut short). Its defaults are the recipe's
+``--cache``), then trains the head for ``--minutes`` CPU-minutes (or ``--max-steps``) with progress,
+checkpoints and resume (run the same command again to continue a run cut short; SIGINT/SIGTERM save the step
+first and say so, exit status 130/143). Its defaults are the recipe's
 (``fastweights.hf.fwl_training.RECIPE``, the settings the recorded ``fwl_smollm2.json`` was made with).
 """
 
@@ -16,7 +17,7 @@ import json
 from pathlib import Path
 
 from fastweights.cli.common import threads_flag
-from fastweights.cli.types import positive_float, positive_int
+from fastweights.cli.types import nonneg_int, positive_float, positive_int
 from fastweights.cli.types import seed as seed_type
 from fastweights.core.errors import UserError
 
@@ -38,12 +39,18 @@ def register(sub, parser_class) -> None:
                    help="training budget in CPU-minutes of this process (the cache comes on top: about 7 CPU-minutes "
                         "for 96 windows of SmolLM2-135M)")
     t.add_argument("--windows", type=positive_int, default=RECIPE.windows,
-                   help=f"{RECIPE.window:,}-token windows of the training mix cached (the last {RECIPE.val_windows} "
+                   help=f"windows of the training mix cached (the last {RECIPE.val_windows} "
                         "held out)")
+    t.add_argument("--window", type=positive_int, default=RECIPE.window,
+                   help="tokens per window (at most the model's position limit; a cache of another window size is "
+                        "rebuilt)")
     t.add_argument("--cache", metavar="DIR", default=None,
                    help="hidden-state cache (default: hidden-cache next to --out, shared by the variants)")
     t.add_argument("--lr", type=positive_float, default=RECIPE.lr, help="AdamW learning rate of the head")
     t.add_argument("--seed", type=seed_type, default=RECIPE.seed, help="random seed (window order)")
+    t.add_argument("--max-steps", type=nonneg_int, default=0,
+                   help="stop after this many steps in all (a resumed run counts its earlier ones; 0: the budget "
+                        "alone decides)")
     threads_flag(t)
     t.add_argument("--quiet", action="store_true", help="no progress line")
     t.set_defaults(func=cmd_train)
@@ -59,8 +66,8 @@ def cmd_train(args) -> int:
     from fastweights.hf.fwl_training import train_recipe
 
     summary = train_recipe(args.hf, args.out, variant=args.variant, budget_cpu_s=60.0 * args.minutes,
-                           windows=args.windows, cache_dir=args.cache, lr=args.lr, seed=args.seed,
-                           progress=not args.quiet)
+                           windows=args.windows, window=args.window, cache_dir=args.cache, lr=args.lr, seed=args.seed,
+                           progress=not args.quiet, max_steps=args.max_steps or None)
     val = summary["validation"]
     print(f"trained {summary['steps']} steps ({summary['cpu_s'] / 60:.1f} CPU-min); held-out windows: "
           f"{val['fwl_bits']:.4f} bits/token with the head, {val['pretrained_bits']:.4f} without "

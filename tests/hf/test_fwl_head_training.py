@@ -1,0 +1,279 @@
+"""Training an FWL head on a pretrained model (``fastweights fwl-head train``, ``hf.fwl_training``), held to what
+``fastweights train`` promises (issue 39): SIGINT/SIGTERM save the step and say how to continue, and the run resumes
+bit-exactly (the head and its buffers, AdamW, the window order, the CPU budget spent); the hidden-state cache is
+keyed by the tokens, every backbone weight and the dtype, and checked when it is reused. A tiny offline Llama with
+the bundled GPT-2 tokenizer; every test here also guards a mutation that no earlier test caught (named in each)."""
+
+import json
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from safetensors.torch import load_file  # noqa: E402
+
+from fastweights import cli  # noqa: E402
+from fastweights.core.errors import UserError  # noqa: E402
+from fastweights.hf import fwl_training  # noqa: E402
+from fastweights.hf.fwl_training import cache_hidden_states, load_cache, train_recipe  # noqa: E402
+from helpers import gpt2_tokenizer  # noqa: E402
+
+WINDOW = 192  # three 64-token segments: the segment decays get a gradient
+
+
+@pytest.fixture(scope="module")
+def backbone_dir(tmp_path_factory):
+    """A tiny Llama (vocabulary of the bundled GPT-2 tokenizer) saved as a local model directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny-llama")
+    tok = gpt2_tokenizer(d)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                      tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("fwl-cache") / "hidden"
+
+
+def _recipe(backbone_dir, out, cache, steps, **kw):
+    return train_recipe(str(backbone_dir), out, windows=8, window=WINDOW, cache_dir=cache, max_steps=steps,
+                        budget_cpu_s=kw.pop("budget_cpu_s", 1e9), progress=False, **kw)
+
+
+def _weights(d):
+    return load_file(str(d / "model.safetensors"))
+
+
+def _bit_equal(a, b) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+def test_resume_is_bit_exact_and_restores_the_window_order(backbone_dir, cache, tmp_path):
+    """2 steps, then resumed to 7 (4 training windows: the order crosses into a second permutation): the same
+    weights, buffers and optimizer as 7 straight, the same windows in the same order. Mutations caught: the
+    window-order generator not restored on resume (the second permutation would repeat the first), the rest of
+    the current permutation not saved."""
+    out = tmp_path / "straight"
+    want = _recipe(backbone_dir, out, cache, 7)
+    first = _recipe(backbone_dir, tmp_path / "run", cache, 2)
+    assert first["steps"] == 2
+    got = _recipe(backbone_dir, tmp_path / "run", cache, 7)
+    assert got["steps"] == 7
+    assert [h[3] for h in got["history"]] == [h[3] for h in want["history"]]
+    assert _bit_equal(_weights(out), _weights(tmp_path / "run"))
+    a, b = load_file(str(out / "trainer_state.safetensors")), load_file(str(tmp_path / "run" / "trainer_state.safetensors"))
+    assert _bit_equal({k: v for k, v in a.items()}, {k: v for k, v in b.items()})  # AdamW's moments, the generator
+
+
+def test_resume_continues_the_cpu_budget_clock(backbone_dir, cache, tmp_path):
+    """A resumed run counts the CPU seconds spent before: with a budget just above them it takes one more step.
+    Mutation caught: the budget clock restarted on resume (it would train to max_steps)."""
+    first = _recipe(backbone_dir, tmp_path / "run", cache, 2)
+    spent = first["cpu_s"]
+    again = _recipe(backbone_dir, tmp_path / "run", cache, 8, budget_cpu_s=spent + 1e-6)
+    assert again["steps"] == 3 and again["cpu_s"] > spent
+    assert [h[0] for h in again["history"]] == [1, 2, 3]
+    assert again["history"][2][1] >= again["history"][1][1]  # the clock of the history continues too
+
+
+@pytest.mark.filterwarnings("ignore:fwl. training windows")
+def test_the_head_buffers_are_saved_and_restored(backbone_dir, tmp_path):
+    """z_train and z_count (inner_loss_norm = batch_tokens: the running mean of the training Z that eval mode
+    normalises by) are in the checkpoint and come back on load, so the loaded head scores as the saved one.
+    Mutation caught: the head's buffers left out of the checkpoint."""
+    from fastweights.hf.fwl_head import PRETRAINED_FWL_DEFAULTS, HFCausalLMWithFWL, load_fwl_head, save_fwl_head
+    from fastweights.hf.transformers_as_ours import load_hf_model
+    from fastweights.layers.fwl import FWLOptions
+
+    backbone, tok = load_hf_model(str(backbone_dir))
+    options = FWLOptions(**{**PRETRAINED_FWL_DEFAULTS, "inner_loss_norm": "batch_tokens", "step_size_init": 0.5,
+                            "segment_len": 4})
+    model = HFCausalLMWithFWL(backbone, options).train()
+    with torch.no_grad():
+        model.head.ln_weight.fill_(1.0)  # a non-zero branch, so that Z shows in the logits
+    x = torch.as_tensor(tok.encode("Happy families are all alike; every unhappy family is unhappy in its own way."))
+    for n in (7, 12):
+        model(x[None, :n])  # two training calls: Z's running mean over 6 and 11 labels
+    assert float(model.head.z_count) == 2 and float(model.head.z_train) != 0
+    save_fwl_head(model, tmp_path / "head", str(backbone_dir))
+    saved = _weights(tmp_path / "head")
+    assert torch.equal(saved["head.z_count"], model.head.z_count) and torch.equal(saved["head.z_train"],
+                                                                                  model.head.z_train)
+    loaded, _ = load_fwl_head(tmp_path / "head")
+    assert torch.equal(loaded.head.z_count, model.head.z_count) and torch.equal(loaded.head.z_train, model.head.z_train)
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(x[None]).logits, model(x[None]).logits)
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_saves_the_step_and_resume_is_bit_exact(backbone_dir, signum, code, tmp_path, monkeypatch, capsys):
+    """`fwl-head train` (batch 1, 7 windows: 3 for training, 4 held out): 4 steps straight vs a signal during step 2 (the step
+    finishes, is saved, the command says how to continue and exits 128 + signal) and the same command again."""
+    args = ["fwl-head", "train", "--hf", str(backbone_dir), "--windows", "7", "--window", str(WINDOW), "--cache",
+            str(tmp_path / "cache"), "--quiet"]
+    assert cli.main([*args, "--out", str(tmp_path / "straight"), "--max-steps", "4"]) == 0
+    calls = []
+    loss = fwl_training.window_loss
+
+    def signal_in_step_2(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            signal.raise_signal(signum)
+        return loss(*a, **k)
+
+    monkeypatch.setattr(fwl_training, "window_loss", signal_in_step_2)
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    capsys.readouterr()
+    assert cli.main([*args, "--out", str(tmp_path / "stopped"), "--max-steps", "4"]) == code
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers  # restored
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"interrupted by {signal.Signals(signum).name}: {tmp_path / 'stopped'} holds the checkpoint of "
+                       "step 2; continue with the same `fastweights fwl-head train` command (it resumes from there)")
+    assert json.loads((tmp_path / "stopped" / "checkpoint.json").read_text())["step"] == 2
+    monkeypatch.setattr(fwl_training, "window_loss", loss)
+    assert cli.main([*args, "--out", str(tmp_path / "stopped"), "--max-steps", "4"]) == 0
+    assert _bit_equal(_weights(tmp_path / "straight"), _weights(tmp_path / "stopped"))
+
+
+@pytest.mark.filterwarnings("ignore:fwl. training windows")
+def test_the_carried_state_is_detached(backbone_dir):
+    """With trainable backbone blocks the hidden states carry a gradient; the head's carried state must not
+    (the next call's backward would run into a graph already freed). Mutation caught: the state's h not detached."""
+    from fastweights.hf.fwl_head import HFCausalLMWithFWL
+    from fastweights.hf.transformers_as_ours import load_hf_model
+
+    backbone, tok = load_hf_model(str(backbone_dir))
+    model = HFCausalLMWithFWL(backbone, trainable_blocks=1).train()
+    x = torch.as_tensor(tok.encode("Happy families are all alike; every unhappy family is unhappy in its own way. "
+                                   "Everything was in confusion in the house."))
+    assert x.numel() >= 17
+    a, b = x[None, :8], x[None, 8:16]
+    out = model(a, targets=x[None, 1:9])
+    h = out.state["fwl"]["h"]
+    assert not h.requires_grad and h.grad_fn is None
+    # the head's state carried into a second call whose backward runs after the first one's
+    hidden, _ = backbone.forward_features(a)
+    assert hidden.requires_grad
+    logits, state = model.head(hidden, a)
+    torch.nn.functional.cross_entropy(logits[0, :-1], a[0, 1:]).backward()
+    hidden2, _ = backbone.forward_features(b)
+    logits2, _ = model.head(hidden2, b, state)
+    torch.nn.functional.cross_entropy(logits2[0, :-1], b[0, 1:]).backward()  # not "backward through the graph a
+    # second time"
+
+
+# ----------------------------------------------------------------------------- the hidden-state cache
+
+
+def _tokens(n=3, window=16, seed=0):
+    return np.random.default_rng(seed).integers(0, 1000, size=(n, window)).astype(np.int64)
+
+
+@pytest.fixture(scope="module")
+def backbone(backbone_dir):
+    from fastweights.hf.transformers_as_ours import load_hf_model
+
+    return load_hf_model(str(backbone_dir))[0]
+
+
+def test_the_cache_is_rebuilt_for_another_dtype_backbone_or_tokens(backbone, tmp_path):
+    """A cache made in float16 is not reused for float32 (nor for other tokens or another backbone digest): its
+    files are rebuilt with the new key. Mutation caught: the cache reused across dtypes."""
+    d = tmp_path / "cache"
+    tokens = _tokens()
+    meta16 = cache_hidden_states(backbone, tokens, d, fingerprint="bb", progress=False, dtype="float16")
+    h16 = np.array(load_cache(d)[0])
+    meta32 = cache_hidden_states(backbone, tokens, d, fingerprint="bb", progress=False, dtype="float32")
+    hidden, _, meta = load_cache(d)
+    assert meta16["dtype"] == "float16" and meta32["dtype"] == meta["dtype"] == "float32"
+    assert hidden.dtype == np.float32
+    with torch.no_grad():
+        want = backbone.forward_features(torch.from_numpy(tokens[1:2]))[0][0].numpy()
+    assert np.array_equal(hidden[1], want) and not np.array_equal(h16.astype(np.float32), np.asarray(hidden))
+    for key in ({"fingerprint": "another"}, {"tokens": _tokens(seed=1)}):
+        kw = {"fingerprint": "bb", "tokens": tokens, **key}
+        m = cache_hidden_states(backbone, kw["tokens"], d, fingerprint=kw["fingerprint"], progress=False,
+                                dtype="float32")
+        assert m["backbone"] == kw["fingerprint"] and np.array_equal(load_cache(d)[1], kw["tokens"])
+
+
+def test_the_backbone_digest_covers_every_weight(backbone):
+    """The cache's backbone key changes with any weight, not only the output layer the head's fingerprint reads."""
+    from fastweights.hf.fwl_training import backbone_digest
+
+    before = backbone_digest(backbone)
+    w = backbone.layers[0].mlp.up_proj.weight
+    old = w[0, 0].item()
+    with torch.no_grad():
+        w[0, 0] = old + 1.0
+        try:
+            assert backbone_digest(backbone) != before
+        finally:
+            w[0, 0] = old
+    assert backbone_digest(backbone) == before
+
+
+@pytest.mark.parametrize("damage, needle", [
+    ("object", "hidden.npy is not the cache"),
+    ("float64", "holds float64"),
+    ("nan", "window 1 of hidden.npy holds NaN or infinite values"),
+    ("truncated", "hidden.npy is not the cache"),
+    ("tokens", "tokens.npy is not the tokens"),
+    ("meta", "cache.json is unreadable"),
+])
+def test_a_damaged_cache_is_refused_in_one_line(backbone, tmp_path, damage, needle):
+    d = tmp_path / "cache"
+    cache_hidden_states(backbone, _tokens(), d, fingerprint="bb", progress=False)
+    if damage == "object":
+        np.save(d / "hidden.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    elif damage == "float64":
+        np.save(d / "hidden.npy", np.zeros((3, 16, 16)))
+    elif damage == "nan":
+        h = np.load(d / "hidden.npy", mmap_mode="r+")
+        h[1, 3, 2] = np.nan
+        h.flush()
+        del h
+    elif damage == "truncated":
+        data = (d / "hidden.npy").read_bytes()
+        (d / "hidden.npy").write_bytes(data[: len(data) // 2])
+    elif damage == "tokens":
+        np.save(d / "tokens.npy", _tokens(seed=5))
+    else:
+        (d / "cache.json").write_text('{"done": "all"}')
+    with pytest.raises(UserError) as e:
+        load_cache(d)
+    assert needle in str(e.value) and "\n" not in str(e.value) and f"delete {d}" in str(e.value)
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def test_the_export_keeps_the_trainable_blocks(backbone_dir, tmp_path):
+    """`fwl-head export` records how many backbone blocks were trained, and loading the directory restores it.
+    Mutation caught: the export writing trainable_blocks=0."""
+    from transformers import AutoModelForCausalLM
+
+    from fastweights.hf.fwl_as_transformers import export_fwl_head
+    from fastweights.hf.fwl_head import HFCausalLMWithFWL
+    from fastweights.hf.transformers_as_ours import load_hf_model
+
+    backbone, tok = load_hf_model(str(backbone_dir))
+    model = HFCausalLMWithFWL(backbone, trainable_blocks=1)
+    export_fwl_head(model, tok, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["trainable_blocks"] == 1
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert loaded.config.trainable_blocks == 1 and loaded.model.trainable_blocks == 1

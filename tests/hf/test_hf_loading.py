@@ -1,0 +1,108 @@
+"""Loading a Hugging Face model directory (issue 39): its weights must be the model's own (every parameter present
+with its shape, nothing left over: transformers' load report read, not printed), and the sizes its config.json
+declares are checked against the memory available before anything is allocated (counted on the meta device).
+The command-line replay of these cases is tests/cli/test_adversarial_hf.py."""
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from fastweights.core.errors import UserError  # noqa: E402
+from fastweights.hf import transformers_as_ours as tao  # noqa: E402
+from helpers import gpt2_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny-llama")
+    tok = gpt2_tokenizer(d)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                      tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def test_an_intact_directory_loads_and_no_load_report_is_printed(llama_dir, caplog, capsys):
+    with caplog.at_level(logging.WARNING):
+        model, _ = tao.load_hf_model(str(llama_dir))
+    assert isinstance(model, tao.HFCausalLM)
+    assert "LOAD REPORT" not in caplog.text + capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage, needle", [
+    ("delete", "1 parameter(s) of the model are missing from its weights (model.layers.0.mlp.gate_proj.weight)"),
+    ("extra", "1 stored tensor(s) belong to no parameter of the model (model.layers.0.mlp.spare.weight)"),
+    ("shape", "have another shape than config.json gives them (model.norm.weight"),
+])
+def test_weights_that_do_not_fit_the_config_are_refused(llama_dir, tmp_path, damage, needle, caplog):
+    d = tmp_path / "model"
+    shutil.copytree(llama_dir, d)
+    t = load_file(str(d / "model.safetensors"))
+    if damage == "delete":
+        del t["model.layers.0.mlp.gate_proj.weight"]
+    elif damage == "extra":
+        t["model.layers.0.mlp.spare.weight"] = torch.zeros(2, 2)
+    else:
+        t["model.norm.weight"] = torch.ones(17)
+    save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with caplog.at_level(logging.WARNING), pytest.raises(UserError) as e:
+        tao.load_hf_model(str(d))
+    assert needle in str(e.value) and "\n" not in str(e.value) and "weights do not match config.json" in str(e.value)
+    assert "LOAD REPORT" not in caplog.text
+
+
+def test_a_config_too_big_for_the_memory_is_refused_before_allocation(llama_dir, tmp_path, monkeypatch):
+    """vocab_size 1e10 x hidden 1e6: refused from the meta count; nothing of that size is ever allocated."""
+    d = tmp_path / "model"
+    shutil.copytree(llama_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(vocab_size=10**10, hidden_size=10**6)
+    (d / "config.json").write_text(json.dumps(cfg))
+    allocated = []
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: allocated.append(1))
+    with pytest.raises(UserError, match=r"config.json declares 10,000,000,\d{3},\d{3},\d{3} parameters .* GiB "
+                                        r"available; refusing to allocate it"):
+        tao.load_hf_model(str(d))
+    assert not allocated
+
+
+def test_the_meta_count_of_a_deep_model_is_exact(monkeypatch):
+    """A config deeper than 64 layers is counted from one and two layers (a layer costs time even on meta): the
+    extrapolation equals the full count, and the bytes at the config's dtype."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=70,
+                      num_attention_heads=2, num_key_value_heads=1)
+    with torch.device("meta"):
+        full = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    assert tao._meta_parameters(cfg) == full
+    cfg.dtype = torch.bfloat16
+    assert tao.check_fits(cfg, "deep") == 2 * full
+    monkeypatch.setattr("fastweights.models.size.available_ram", lambda device: 2 * full - 1)
+    with pytest.raises(UserError, match="refusing to allocate it"):
+        tao.check_fits(cfg, "deep")
+
+
+def test_a_config_that_builds_no_model_is_one_line(llama_dir, tmp_path):
+    d = tmp_path / "model"
+    shutil.copytree(llama_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(hidden_size=15)  # not divisible by the 2 heads
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError) as e:
+        tao.load_hf_model(str(d))
+    assert "\n" not in str(e.value)
