@@ -1,12 +1,16 @@
-"""Torch CPU threads for the commands that run a model: wall time of `eval`, `generate` and a training step
-of the demo-sized model (the shakespeare-char preset: d_model 128, 4 layers, char vocabulary) with 1 and 2
-threads, on one core and on two (``os.sched_setaffinity``), as the machine is and with a busy-loop process
-keeping one core busy (pinned to the last core, the one every setting uses); the load average is recorded, so
-a run on an idle machine and one on a shared machine can be told apart.
+"""Torch CPU threads for the commands that run a model: wall time of `eval` (and the harness's static
+scoring, the same `score_tokens`), `generate`, `dynamic eval` (and the harness's dynamic model, the same
+evaluator), a training step of the demo-sized model (the shakespeare-char preset: d_model 128, 4 layers, char
+vocabulary) and one of a fast-weight preset (shakespeare-char-fwp-delta-dpfp), with 1 and 2 threads, on one
+core and on two (``os.sched_setaffinity``), as the machine is and with a busy-loop process keeping one core
+busy (pinned to the last core, the one every setting uses); the load average is recorded, so a run on an idle
+machine and one on a shared machine can be told apart. For each workload and condition the JSON also holds
+the thread count the command's default gives there (``fastweights.core.threads``: one for scoring, the idle
+cores at start for training) and its time over the best of 1 and 2 threads.
 
     python benchmarks/speed/threads.py [--eval-chars 3000] [--generate-tokens 60] [--repeat 3]
 
-Writes benchmarks/results/threads.json; the default of ``--threads`` (``fastweights.cli.common.DEFAULT_THREADS``)
+Writes benchmarks/results/threads.json; the defaults of ``--threads`` and ``train.threads`` (``fastweights.core.threads``)
 is chosen from it. Each number is the median wall time of ``--repeat`` runs of the same work, the settings
 interleaved round by round so that load from other jobs on a shared machine hits them alike (the load
 average is recorded).
@@ -24,19 +28,24 @@ import torch
 
 from fastweights.evidence.result_files import write_result
 
+from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.core.config import make_config
+from fastweights.core.threads import SCORING_THREADS, training_threads
 from fastweights.evidence import probes
 from fastweights.loops.evaluate import score_tokens
 from fastweights.loops.generate import generate_tokens
 from fastweights.models.lm import LanguageModel
 
 PRESET = "shakespeare-char"
+FAST_WEIGHT_PRESET = "shakespeare-char-fwp-delta-dpfp"
 VOCAB = 65  # tinyshakespeare's characters
+TRAINING = ("train_step", "train_step_fwp")  # the workloads whose default is training_threads()
 
 
 def probe_specs() -> list[dict]:
     """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
-    return probes.preset_probes(PRESET)
+    return (probes.preset_probes(PRESET) + probes.preset_probes(FAST_WEIGHT_PRESET)
+            + [probes.probe("dynamic", config=probes.preset_model_config(PRESET), rule="sgd")])
 
 
 def _busy(cpu: int) -> subprocess.Popen:
@@ -61,14 +70,24 @@ def _workloads(model, cfg, eval_chars: int, generate_tokens_n: int):
         for _ in generate_tokens(model, [1, 2, 3], generate_tokens_n, temperature=0.8, seed=0, context=seq_len):
             pass
 
-    def run_train_step():  # what `fastweights train` / the demo does per step
-        model.train()
-        loss = model(batch[:, :-1], targets=batch[:, 1:]).loss
-        opt.zero_grad(set_to_none=True)
+    def step(m, o):
+        m.train()
+        loss = m(batch[:, :-1], targets=batch[:, 1:]).loss
+        o.zero_grad(set_to_none=True)
         loss.backward()
-        opt.step()
+        o.step()
 
-    return {"eval": run_eval, "generate": run_generate, "train_step": run_train_step}
+    torch.manual_seed(0)
+    fw_model = LanguageModel(make_config(FAST_WEIGHT_PRESET, [f"model.vocab_size={VOCAB}"]).model)
+    fw_opt = torch.optim.AdamW(fw_model.parameters(), lr=1e-4)
+    dyn_text = text[: max(2, eval_chars // 3)]
+
+    def run_dynamic_eval():  # what `fastweights dynamic eval` does: score a segment, then update on it
+        model.eval()
+        DynamicEvaluator(model, rule="sgd", lr=1e-5, segment_len=64, context=seq_len).evaluate(dyn_text)
+
+    return {"eval": run_eval, "generate": run_generate, "dynamic_eval": run_dynamic_eval,
+            "train_step": lambda: step(model, opt), "train_step_fwp": lambda: step(fw_model, fw_opt)}
 
 
 def main():
@@ -88,6 +107,7 @@ def main():
     conditions = [(cores, load) for cores in (1, 2) for load in ("", "_plus_busy_loop")]
     times = {f"{cores}core{load}": {w: {1: [], 2: []} for w in work} for cores, load in conditions}
     loads = {k: [] for k in times}
+    defaults = {k: [] for k in times}
     for name, fn in work.items():  # warm up (allocator, kernels) outside the timed runs
         torch.set_num_threads(1)
         fn()
@@ -99,6 +119,7 @@ def main():
             try:
                 time.sleep(0.5 if busy else 0.0)
                 loads[key].append(os.getloadavg()[0])
+                defaults[key].append(training_threads())  # what `train` would take here now
                 for name, fn in work.items():
                     for threads in (1, 2):
                         torch.set_num_threads(threads)
@@ -115,6 +136,9 @@ def main():
     median = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
     seconds = {k: {w: {f"{t}_thread": median(v) for t, v in d.items()} for w, d in per.items()} for k, per in times.items()}
     ratio = {k: {w: d["2_thread"] / d["1_thread"] for w, d in per.items()} for k, per in seconds.items()}
+    chosen = {k: {w: (median(defaults[k]) if w in TRAINING else SCORING_THREADS) for w in work} for k in seconds}
+    default_over_best = {k: {w: seconds[k][w][f"{chosen[k][w]}_thread"] / min(seconds[k][w].values()) for w in work}
+                         for k in seconds}
     res = {"config": vars(a) | {"preset": PRESET, "parameters": sum(p.numel() for p in model.parameters()),
                                 "machine_cores": len(cpus)},
            "what": "median wall seconds per workload; 1core: the process pinned to one core, 2core: to two; "
@@ -122,12 +146,16 @@ def main():
                    "machine runs (its 1-minute load average per round is recorded: 'idle' only when that is low)",
            "seconds": seconds, "ratio_2_threads_over_1": ratio, "seconds_all": {
                k: {w: {f"{t}_thread": v for t, v in d.items()} for w, d in per.items()} for k, per in times.items()},
-           "load_average_1m_per_round": loads}
+           "load_average_1m_per_round": loads, "default_threads": chosen, "default_over_best": default_over_best,
+           "worst_default_over_best": max(v for per in default_over_best.values() for v in per.values())}
     load = sum(v for per in loads.values() for v in per) / sum(len(per) for per in loads.values())
     res["headline"] = [
         {"what": f"{w}: wall time with 2 threads / with 1 ({k.replace('core', '-core', 1).replace('_', ' ')}, "
                  f"demo-sized model, mean load average {load:.1f} on {len(cpus)} cores)",
          "value": round(ratio[k][w], 2)} for k in ("2core", "2core_plus_busy_loop") for w in work]
+    res["headline"].append({"what": "every command's default thread count: its wall time over the best of 1 and 2 "
+                                    "threads, worst workload and condition", "value": round(res["worst_default_over_best"], 2),
+                            "unit": "x", "target": "<= 1.5"})
     print(res["seconds"])
     write_result("threads", res)
 

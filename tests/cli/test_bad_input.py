@@ -159,7 +159,7 @@ def test_command_line_names_paths_and_numbers(run, tmp_path, capsys):
         (["dynamic", "eval", *ckpt, "--eps", "0"], "--eps"),
         (["dynamic", "eval", *ckpt, "--cache-mix", "2"], "--cache-mix"),
         (["dynamic", "stats", *ckpt, "--batch-size", "0"], "--batch-size"),
-        (["demo", "--minutes", "-1"], "--minutes"),
+        (["demo", "--steps", "0"], "--steps"),
         (["generate", *ckpt, "--seed", "99999999999999999999"], "--seed"),  # beyond what torch's generator takes
         (["generate", *ckpt, "--seed", "-1"], "--seed"),
         (["dynamic", "generate", *ckpt, "--seed", "-1"], "--seed"),

@@ -10,7 +10,8 @@ import json
 import torch
 
 from fastweights.cli import build_parser, main
-from fastweights.cli.common import DEFAULT_THREADS, change
+from fastweights.cli.common import change
+from fastweights.core.threads import SCORING_THREADS
 
 
 def test_load_checkpoint_returns_an_eval_mode_model(char_checkpoint):
@@ -61,10 +62,10 @@ def test_every_command_that_runs_a_model_takes_threads():
 
 def test_threads_default_and_effect(char_checkpoint, capsys):
     args = build_parser().parse_args(["generate", "--checkpoint", str(char_checkpoint)])
-    assert args.threads == DEFAULT_THREADS
+    assert args.threads == SCORING_THREADS
     torch.set_num_threads(3)
     assert main(["generate", "--checkpoint", str(char_checkpoint), "--prompt", "the ", "--max-tokens", "2"]) == 0
-    assert torch.get_num_threads() == DEFAULT_THREADS
+    assert torch.get_num_threads() == SCORING_THREADS
     assert main(["generate", "--checkpoint", str(char_checkpoint), "--prompt", "the ", "--max-tokens", "2",
                  "--threads", "2"]) == 0
     assert torch.get_num_threads() == 2

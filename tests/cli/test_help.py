@@ -20,6 +20,8 @@ import argparse
 
 import pytest
 
+from fastweights.experiments.demo import DEMO_STEPS
+
 from fastweights.cli import build_parser
 
 FLAG_ACTIONS = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._StoreConstAction,
@@ -86,7 +88,7 @@ def test_printed_help_shows_defaults():
     text = " ".join(parser["fastweights task niah"].format_help().split())
     assert "(default: 1024,2048,4096)" in text and "(default: 10)" in text
     assert "(default: 300)" in " ".join(parser["fastweights dynamic generate"].format_help().split())
-    assert "(default: 5.0)" in " ".join(parser["fastweights demo"].format_help().split())
+    assert f"(default: {DEMO_STEPS})" in " ".join(parser["fastweights demo"].format_help().split())
 
 
 def test_one_name_per_idea():

@@ -9,17 +9,10 @@ import torch
 
 from fastweights.cli.types import nonneg_int
 from fastweights.core.errors import UserError
+from fastweights.core.threads import SCORING_THREADS
 
 
-# torch CPU threads of the commands that run a model (benchmarks/speed/threads.py -> benchmarks/results/threads.json, run
-# on an idle 2-core machine, 1 and 2 cores, with and without a busy-loop process on a core). With the demo-sized
-# model two threads were no faster than one for eval and generate on two idle cores, and two to forty times
-# slower whenever a core was taken (one core, or a busy process); only a training step gained from two idle
-# cores (about 1.6x), and `train` takes its own train.threads.
-DEFAULT_THREADS = 1
-THREADS_HELP = ("torch CPU threads (0: torch's choice, one per core). One, because with a model of the demo's size "
-                "two threads were no faster than one for scoring and sampling on two idle cores, and several times "
-                "slower when another process takes a core (benchmarks/results/threads.json)")
+THREADS_HELP = "torch CPU threads, as measured in docs/language-model.md#threads (0: torch's choice, one per core)"
 
 
 def device_flag(p, default: str = "auto") -> None:
@@ -27,7 +20,7 @@ def device_flag(p, default: str = "auto") -> None:
                                                      "CPU), cpu, cuda or cuda:N")
 
 
-def threads_flag(p, default: int | None = DEFAULT_THREADS, help: str = THREADS_HELP) -> None:
+def threads_flag(p, default: int | None = SCORING_THREADS, help: str = THREADS_HELP) -> None:
     p.add_argument("--threads", type=nonneg_int, default=default, help=help)
 
 

@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 
 from fastweights.cli.common import out_flag, threads_flag
-from fastweights.cli.types import nonneg_int, positive_float
+from fastweights.cli.types import nonneg_int, positive_int
 from fastweights.core.errors import UserError
+from fastweights.experiments.demo import DEMO_STEPS
 
 
 def register(sub, parser_class) -> None:
@@ -50,8 +51,9 @@ def register(sub, parser_class) -> None:
 
     d = sub.add_parser("demo", help="train a char-level Shakespeare model on the CPU, evaluate it, sample")
     out_flag(d, "runs/demo", "the checkpoint, its tuned dynamic-evaluation settings, demo.json and the loss curve")
-    d.add_argument("--minutes", type=positive_float, default=5.0, help="training time budget")
-    threads_flag(d)
+    d.add_argument("--steps", type=positive_int, default=DEMO_STEPS,
+                   help="training steps (about five minutes on an idle 2-core machine)")
+    threads_flag(d, default=0, help="torch CPU threads for training (0: the cores idle at start; scoring uses one)")
     d.set_defaults(func=cmd_demo)
 
     data = sub.add_parser("data", help="corpora shipped with the package: list")
@@ -146,7 +148,7 @@ def cmd_prepare(args) -> int:
 def cmd_demo(args) -> int:
     from fastweights.experiments.demo import run_demo
 
-    return run_demo(Path(args.out), minutes=args.minutes)
+    return run_demo(Path(args.out), steps=args.steps, threads=args.threads)
 
 
 # ----------------------------------------------------------------------------- data

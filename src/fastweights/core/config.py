@@ -80,7 +80,7 @@ class TrainConfig:
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     compile: bool = False
-    threads: int = 0  # torch intra-op threads; 0 = leave torch's default
+    threads: int = 0  # torch intra-op threads; 0 = the cores idle when the run starts (core/threads.py)
     log: str = "jsonl"  # jsonl (always written) | tensorboard (also writes TensorBoard events)
 
 

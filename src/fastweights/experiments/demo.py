@@ -1,28 +1,91 @@
-"""`make demo`: train a char-level Transformer on Shakespeare within a time budget on the CPU,
-evaluate it on held-out text, plot the loss curve and print a sample."""
+"""`make demo`: train a char-level Transformer on Shakespeare on the CPU for a fixed number of steps,
+evaluate it on held-out text, adapt it to that text with dynamic evaluation, plot the loss curve and print a
+sample.
+
+The same command gives the same model on any machine (the same steps from the same seed; the thread count
+moves the last bits only): the steps, not a clock, end the training, so a busy or slow machine takes longer
+instead of training less. :data:`DEMO_STEPS` were chosen to fit about five minutes on an idle 2-core machine
+with two threads; before training, eight steps are timed, and a machine that would take much longer than
+that is told so with its own estimate.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import sys
+import time
 from pathlib import Path
 
+import torch
+
 from fastweights.core.config import make_config
+from fastweights.core.files import atomic_write
+from fastweights.core.threads import SCORING_THREADS, training_threads
+
+PRESET = "shakespeare-char"
+# A training step of this preset ran at 4.61 steps/s with two threads on an idle 2-core machine (batch 32 x 128;
+# issue 40's measurement, against 2.48 with one thread); DEMO_STEPS is about five minutes of that.
+DEMO_STEPS_PER_S = 4.61
+DEMO_STEPS = 1400
+SLOW_FACTOR = 1.5  # warn when the timed steps promise a training this much longer than on that machine
 
 
-def run_demo(out: Path, minutes: float = 5.0) -> int:
-    from fastweights.models.loading import load_checkpoint
+def timed_steps_per_s(cfg, steps: int = 8) -> float:
+    """Training steps a second of the demo's model at its batch size on this machine now (random tokens; the
+    first step, which allocates, is not timed)."""
+    from fastweights.loops.train import make_optimizer
+    from fastweights.models.lm import LanguageModel
+
+    torch.manual_seed(0)
+    model_cfg = make_config(PRESET, ["model.vocab_size=65"]).model
+    model = LanguageModel(model_cfg)
+    opt = make_optimizer(model, cfg.train)
+    x = torch.randint(0, 65, (cfg.train.batch_size, cfg.train.seq_len + 1))
+    t0 = None
+    for i in range(steps + 1):
+        if i == 1:
+            t0 = time.perf_counter()
+        loss = model(x[:, :-1], targets=x[:, 1:]).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return steps / (time.perf_counter() - t0)
+
+
+def slow_machine_warning(steps: int, rate: float) -> str | None:
+    """What to tell a user whose machine, at ``rate`` steps a second now, would take much longer than the idle
+    2-core machine the demo was sized on; None when it would not."""
+    here, there = steps / rate / 60, steps / DEMO_STEPS_PER_S / 60
+    if here <= SLOW_FACTOR * there:
+        return None
+    return (f"warning: this machine trains the demo at {rate:.1f} steps/s now: about {here:.0f} minutes for "
+            f"{steps:,} steps, where an idle 2-core machine takes {there:.0f}; it is busy or slower, and the model "
+            "will be the same, only later")
+
+
+def run_demo(out: Path, steps: int = DEMO_STEPS, threads: int = 0) -> int:
+    from fastweights.adapt.evaluate import demo_dynamic
     from fastweights.data import load_corpus, split_corpus
     from fastweights.loops.evaluate import evaluate_documents
     from fastweights.loops.generate import generate_tokens
     from fastweights.loops.train import train
+    from fastweights.models.loading import load_checkpoint
 
-    cfg = make_config("shakespeare-char", [f"train.max_minutes={minutes}"])
-    print(f"== training a char-level Transformer on tinyshakespeare for up to {minutes:g} minutes (CPU)")
+    threads = threads or training_threads()
+    cfg = make_config(PRESET, [f"train.max_steps={steps}", "train.max_minutes=0", f"train.threads={threads}"])
+    torch.set_num_threads(threads)
+    rate = timed_steps_per_s(cfg)
+    print(f"== training a char-level Transformer on tinyshakespeare for {steps:,} steps on {threads} CPU "
+          f"thread{'s' if threads > 1 else ''} (about {steps / rate / 60:.0f} minutes here)")
+    warning = slow_machine_warning(steps, rate)
+    if warning:
+        print(warning, file=sys.stderr)
     summary = train(cfg, out)
-    print(f"   {summary['steps']} steps in {summary['elapsed_s']:.0f} s, {summary['parameters']:,} parameters; "
+    print(f"   {summary['steps']:,} steps in {summary['elapsed_s']:.0f} s, {summary['parameters']:,} parameters; "
           f"validation {summary['val_bits_per_token']:.3f} bits/char")
 
+    torch.set_num_threads(SCORING_THREADS)  # scoring and sampling: one thread (core/threads.py)
     model, tokenizer, cfg = load_checkpoint(out)
     splits = split_corpus(load_corpus(cfg.data.corpus), cfg.data.split, cfg.data.val_fraction, cfg.data.test_fraction)
     print("== held-out evaluation (test split, state carried across chunks)")
@@ -31,9 +94,7 @@ def run_demo(out: Path, minutes: float = 5.0) -> int:
     print(f"   test: {test_bpc:.3f} bits/char over {res.tokens:,} characters")
 
     print("== dynamic evaluation: the model keeps learning from the test text it scores")
-    from fastweights.adapt.evaluate import demo_dynamic
-
-    dyn = demo_dynamic(out, tune_chars=3000, test_chars=10000, stats_batches=30)  # ~1 min on 2 cores
+    dyn = demo_dynamic(out, tune_chars=3000, test_chars=10000, stats_batches=30)
 
     print("== sample (temperature 0.8)")
     prompt = [int(t) for t in tokenizer.encode("ROMEO:\n")]
@@ -41,12 +102,11 @@ def run_demo(out: Path, minutes: float = 5.0) -> int:
     print("ROMEO:\n" + tokenizer.decode(ids))
 
     result = {"val_bits_per_char": summary["val_bits_per_token"], "test_bits_per_char": test_bpc,
-              "train_steps": summary["steps"], "train_seconds": summary["elapsed_s"],
-              "parameters": summary["parameters"], "loss_curve": str(out / "loss_curve.png"),
+              "train_steps": summary["steps"], "train_seconds": summary["elapsed_s"], "train_threads": threads,
+              "timed_steps_per_s": rate, "parameters": summary["parameters"],
+              "loss_curve": str(out / "loss_curve.png"),
               "dynamic_eval": {"static": dyn["static"], "dynamic": dyn["dynamic"],
                                "relative_improvement": dyn["relative_improvement"], "tuned": dyn["search"]["best"]}}
-    from fastweights.core.files import atomic_write
-
     atomic_write(out / "demo.json", lambda p: p.write_text(json.dumps(result, indent=2) + "\n"), root=out)
     print(f"== loss curve: {out / 'loss_curve.png'}; results: {out / 'demo.json'}")
     return 0

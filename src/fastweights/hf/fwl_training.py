@@ -254,7 +254,8 @@ def train_head(model, cache_dir: str | Path, out_dir: str | Path, backbone_name:
     import signal
 
     from fastweights.hf.fwl_head import load_fwl_head, save_fwl_head
-    from fastweights.loops.train import RunInterrupted, _StopSignals
+    from fastweights.loops.signals import StopSignals
+    from fastweights.loops.train import RunInterrupted
 
     hidden, tokens, meta = load_cache(cache_dir)
     n_train = meta["windows"] - val_windows
@@ -299,7 +300,7 @@ def train_head(model, cache_dir: str | Path, out_dir: str | Path, backbone_name:
     bar.update(used_cpu)
     # the budget clock continues from the CPU seconds a resumed run had spent
     start, last_save = time.process_time() - used_cpu, time.process_time()
-    stop = _StopSignals()  # SIGINT/SIGTERM: finish the step, save, say how to continue
+    stop = StopSignals()  # SIGINT/SIGTERM: finish the step, save, say how to continue
     try:
         while used_cpu < budget_cpu_s and (max_steps is None or step < max_steps) and stop.signum is None:
             if order.numel() < batch_size:
@@ -397,7 +398,8 @@ def train_recipe(hf: str, out_dir: str | Path, *, variant: str = RECIPE.variant,
     )
     from fastweights.hf.transformers_as_ours import HFCausalLM, load_hf_model
     from fastweights.layers.fwl import FWLOptions
-    from fastweights.loops.train import RunInterrupted, _SetupSignals
+    from fastweights.loops.signals import SetupSignals
+    from fastweights.loops.train import RunInterrupted
 
     if variant not in VARIANTS:
         raise UserError(f"unknown FWL variant {variant!r}; choose one of {', '.join(VARIANTS)}")
@@ -417,7 +419,7 @@ def train_recipe(hf: str, out_dir: str | Path, *, variant: str = RECIPE.variant,
     model = HFCausalLMWithFWL(backbone, options)
     tokens, sources = training_windows(tokenizer, window, max_windows=windows)
     t0 = time.process_time()
-    setup_signals = _SetupSignals()  # SIGTERM while caching: stop as Ctrl-C does (the cache resumes)
+    setup_signals = SetupSignals()  # SIGTERM while caching: stop as Ctrl-C does (the cache resumes)
     try:
         meta = cache_hidden_states(backbone, tokens, cache_dir, sources, backbone_digest(backbone), progress)
     except KeyboardInterrupt as e:

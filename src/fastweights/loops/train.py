@@ -29,6 +29,7 @@ from fastweights.core.errors import UserError
 from fastweights.core.files import atomic_write, make_dirs, open_nofollow, save_figure
 from fastweights.models.lm import LanguageModel, detach_state
 from fastweights.core.progress import Progress
+from fastweights.core.threads import training_threads
 from fastweights.loops.signals import SetupSignals, StopSignals, agreed_signal
 
 
@@ -249,8 +250,8 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
     check_deep_model(cfg, force_ram)  # a deep model too big is refused in seconds, before the meta build
     meta_model(cfg.model)  # and the mechanisms' own options, building nothing
     summary_writer = _tensorboard_writer_class() if tc.log == "tensorboard" else None  # refuse before writing files
-    if tc.threads:
-        torch.set_num_threads(tc.threads)
+    if tc.threads or "OMP_NUM_THREADS" not in os.environ:  # torchrun sets OMP_NUM_THREADS for its processes
+        torch.set_num_threads(tc.threads or training_threads())  # 0: the cores idle now (core/threads.py)
     dist, device = init_distributed(tc.device)
     if tc.batch_size % dist.world:
         raise UserError(f"train.batch_size={tc.batch_size} is not divisible by the {dist.world} processes")
@@ -500,6 +501,7 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_ram, dist, dev
             tb.close()
     summary = {"steps": step, "train_loss": last_loss, "val_loss": val, "val_bits_per_token": val / math.log(2),
                "elapsed_s": elapsed_before + clock() - t0, "stopped_by_time_budget": stopped_by_budget,
+               "threads": torch.get_num_threads(),
                "parameters": model.num_parameters(), "tokenizer": data.tokenizer.name, "device": str(device),
                "processes": dist.world, "budget_clock": tc.budget_clock,
                "estimated_ram_bytes": ram["total_bytes"]}

@@ -1,0 +1,57 @@
+"""How many torch CPU threads a command uses unless told (``--threads``, ``train.threads``).
+
+Measured by ``benchmarks/speed/threads.py`` (``benchmarks/results/threads.json``) on a 2-core machine, idle
+and with a busy process on one core:
+
+- Scoring and sampling (``eval``, ``generate``, ``dynamic eval``, the harness) run one thread: with models of
+  the demo's size a second thread gained nothing on two idle cores and cost two to forty times the time
+  when another process held a core. :data:`SCORING_THREADS`.
+- A training step gains from a second idle core (about 1.6x) and loses when that core is taken, more the
+  busier the machine (a step took 7x longer with two threads on a machine running other jobs).
+  :func:`training_threads` therefore counts the cores idle when the run starts.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+SCORING_THREADS = 1
+_SAMPLE_S = 0.25  # how long the CPU is watched to count busy cores: long enough to average a scheduler tick
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all CPUs since boot, from /proc/stat (None where there is none)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guests are inside user)
+    return total - idle, total
+
+
+def busy_cores(sample_s: float = _SAMPLE_S) -> float:
+    """How many cores other work keeps busy now: the machine's busy fraction over ``sample_s`` seconds times
+    its cores (Linux); elsewhere the 1-minute load average."""
+    first = _cpu_times()
+    if first is None:
+        return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    time.sleep(sample_s)
+    second = _cpu_times()
+    busy, total = second[0] - first[0], second[1] - first[1]
+    return (os.cpu_count() or 1) * busy / total if total > 0 else 0.0
+
+
+def training_threads(sample_s: float = _SAMPLE_S) -> int:
+    """The cores this process may use that nothing else keeps busy now, at least one."""
+    return max(1, min(usable_cores(), round(usable_cores() - busy_cores(sample_s))))

@@ -1,0 +1,60 @@
+"""Thread defaults (fastweights.core.threads, issue 40): scoring uses one thread; training takes the cores idle
+when it starts, unless OMP_NUM_THREADS or train.threads decides; the demo trains a fixed number of steps and
+says when the machine is much slower than the one it was sized on."""
+
+import pytest
+import torch
+
+import fastweights.core.threads as threads_module
+from fastweights.core.config import make_config
+from fastweights.experiments import demo
+from fastweights.loops.train import train
+
+
+@pytest.mark.parametrize("cores, busy, want", [(2, 0.1, 2), (2, 0.9, 1), (2, 3.5, 1), (1, 0.0, 1), (8, 2.4, 6)])
+def test_training_threads_are_the_idle_cores(monkeypatch, cores, busy, want):
+    monkeypatch.setattr(threads_module, "usable_cores", lambda: cores)
+    monkeypatch.setattr(threads_module, "busy_cores", lambda sample_s=0.0: busy)
+    assert threads_module.training_threads() == want
+
+
+def test_busy_cores_sees_a_busy_process():
+    import subprocess
+    import sys
+
+    idle = threads_module.busy_cores(0.3)
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        import time
+
+        time.sleep(0.3)
+        loaded = threads_module.busy_cores(0.5)
+    finally:
+        spin.kill()
+        spin.wait()
+    assert loaded >= 0.6 and loaded > idle - 0.5  # one core spinning reads as about one busy core
+
+
+@pytest.mark.parametrize("omp, set_threads, want", [(None, 0, 2), ("1", 0, 1), (None, 3, 3), ("1", 3, 3)])
+def test_train_takes_idle_cores_unless_told(tmp_path, monkeypatch, omp, set_threads, want):
+    monkeypatch.setattr("fastweights.loops.train.training_threads", lambda: 2)
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    torch.set_num_threads(1)  # what the process had (conftest; torchrun's OMP_NUM_THREADS=1 too)
+    cfg = make_config("tiny", ["train.max_steps=2", f"train.threads={set_threads}"])
+    summary = train(cfg, tmp_path / "run", progress=False)
+    assert summary["threads"] == want
+
+
+def test_the_demo_warns_only_a_machine_much_slower_than_the_one_it_was_sized_on():
+    assert demo.slow_machine_warning(demo.DEMO_STEPS, demo.DEMO_STEPS_PER_S) is None
+    assert demo.slow_machine_warning(demo.DEMO_STEPS, demo.DEMO_STEPS_PER_S / 1.2) is None
+    warning = demo.slow_machine_warning(demo.DEMO_STEPS, demo.DEMO_STEPS_PER_S / 3)
+    assert warning.startswith("warning: ") and "same" in warning
+
+
+def test_the_demo_times_its_own_training_step():
+    cfg = make_config(demo.PRESET, [f"train.max_steps={demo.DEMO_STEPS}", "train.max_minutes=0"])
+    assert 0 < demo.timed_steps_per_s(cfg, steps=1) < 1e4
