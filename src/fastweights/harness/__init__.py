@@ -19,6 +19,9 @@ local tasks, then hands its arguments to lm-eval's own command line (``lm-eval r
 (the checkpoint's tuned lr and decay when ``dynamic tune`` made them, else the library's defaults; the
 measured setting for SmolLM2 is stated once, in docs/dynamic-evaluation.md, "Recommended setting for SmolLM2")
 
+The device is ``auto`` (CUDA where there is a GPU, else the CPU) unless ``--device`` names one, and scoring
+prints a progress line with a total and an ETA on stderr.
+
 (``lm_eval --model fastweights ...`` alone does not know the models: lm-eval 0.4.13 discovers no
 third-party models, so they must be registered in the same process; from Python,
 ``import fastweights.harness.models`` registers them and ``TASKS`` is the ``--include_path`` /

@@ -7,7 +7,9 @@ registered and the local tasks on the include path.
         --tasks fastweights_heldout_plays     # lr and decay: the checkpoint's tuned file, else the defaults
     python -m fastweights.harness ls tasks        # any lm-eval subcommand
 
-``--include_path`` is added (the package's ``harness/tasks``) unless given.
+``--include_path`` is added (the package's ``harness/tasks``) unless given. The device of the fastweights models is
+``auto`` (CUDA where there is one, else the CPU) unless ``--device`` (or ``device`` in ``--config``'s file or in
+``--model_args``) names one: lm-eval's own default, ``cuda:0``, is not used for them.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         args += ["--include_path", str(TASKS)]
     from lm_eval.__main__ import cli_evaluate
 
+    _device_auto_unless_given()
     sys.argv = ["lm-eval", *args]
     try:
         cli_evaluate()
@@ -45,6 +48,37 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {text.splitlines()[0] if text else type(e).__name__}", file=sys.stderr)
         return 2
     return 0
+
+
+def _device_auto_unless_given() -> None:
+    """lm-eval's command line passes its default device (``cuda:0``) to every model whenever ``--device`` is not
+    given, which would override the fastweights models' ``auto`` and fail on a machine without CUDA. For our models
+    the device lm-eval passes becomes ``auto`` unless the user named one (``--device``, ``device:`` in ``--config``'s
+    file); a device in ``--model_args`` is used as given (and naming it twice is refused in one line)."""
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+
+    from fastweights.harness import MODEL_NAMES
+
+    original = EvaluatorConfig.__dict__.get("from_cli")
+    if not isinstance(original, classmethod) or getattr(original.__func__, "_fastweights", False):
+        return
+
+    def from_cli(cls, namespace):
+        cfg = original.__func__(cls, namespace)
+        if cfg.model not in MODEL_NAMES:
+            return cfg
+        given = getattr(namespace, "device", None)
+        if not given and getattr(namespace, "config", None):
+            given = (cls.load_yaml_config(namespace.config) or {}).get("device")
+        in_model_args = isinstance(cfg.model_args, dict) and cfg.model_args.get("device") is not None
+        if given and in_model_args:
+            raise UserError(f"the device is given twice: --device {given} and model argument "
+                            f"device={cfg.model_args['device']}; give one")
+        cfg.device = given or (None if in_model_args else "auto")
+        return cfg
+
+    from_cli._fastweights = True
+    EvaluatorConfig.from_cli = classmethod(from_cli)
 
 
 def _raised_by_lm_eval(e: BaseException) -> bool:

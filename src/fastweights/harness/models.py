@@ -4,7 +4,9 @@ See :mod:`fastweights.harness` for what each request type does. Model arguments 
 k=v,...``):
 
     checkpoint=DIR | hf=NAME   the model (one of them)
-    device=auto                cpu, cuda, ... (lm-eval's ``--device`` sets it too)
+    device=auto                cpu, cuda, ... (auto: CUDA where there is a GPU, else the CPU; lm-eval's
+                               ``--device`` sets it too, and ``python -m fastweights.harness`` passes auto, not
+                               lm-eval's default cuda:0, when ``--device`` is not given)
     threads=0                  torch CPU threads (0: torch's default)
     segment_len=0              predictions per segment (0: the library's default for the tokenizer,
                                ``fastweights.adapt.setup.default_segment_len``)
@@ -25,8 +27,11 @@ k=v,...``):
 
 Each argument is checked as the command line checks its flag (the same rule and message, one line and exit
 status 2 through ``python -m fastweights.harness``), and a score that is not a finite number is refused, as
-``fastweights dynamic eval`` refuses it. Requests are processed one at a time, in the order given: lm-eval's
-``--batch_size`` is accepted, and a warning says it is ignored when it asks for anything but 1.
+``fastweights dynamic eval`` refuses it; a model that cannot be read (a missing checkpoint) is reported before a
+device the machine lacks. Requests are processed one at a time, in the order given: lm-eval's ``--batch_size``
+is accepted, and a warning says it is ignored when it asks for anything but 1. Each request type prints a
+progress line on stderr (``fastweights.core.progress``: tokens of ``loglikelihood_rolling``, requests of
+``loglikelihood`` and ``generate_until``, with the total and an ETA; lm-eval's ``disable_tqdm`` turns it off).
 """
 
 from __future__ import annotations
@@ -41,7 +46,9 @@ from lm_eval.api.registry import register_model
 
 from fastweights.adapt.setup import (DynamicSettings, build_evaluator, default_context, default_segment_len,
                                      load_model_and_tokenizer)
+from fastweights.core.distributed import resolve_device
 from fastweights.core.errors import UserError
+from fastweights.core.progress import Progress
 from fastweights.loops.evaluate import EvalResult, score_tokens
 from fastweights.loops.generate import generate_tokens
 from fastweights.ops.nll import log_probs
@@ -132,8 +139,16 @@ class FastweightsLM(LM):
             warnings.warn(BATCH_IGNORED.format(name=self.name, size=size), stacklevel=2)
         if threads:
             torch.set_num_threads(int(threads))
-        self.model, self.tokenizer, self.cfg, self.ckpt = load_model_and_tokenizer(
-            checkpoint, str(hf) if hf is not None else None, device or "auto", sinks)
+        hf = str(hf) if hf is not None else None
+        try:
+            resolve_device(device or "auto")
+        except UserError:
+            # what to score is checked before where: a missing checkpoint or an unknown model is the error to
+            # report, not a device this machine lacks (the model is read on the CPU only to find that error)
+            load_model_and_tokenizer(checkpoint, hf, "cpu", sinks)
+            raise
+        self.model, self.tokenizer, self.cfg, self.ckpt = load_model_and_tokenizer(checkpoint, hf, device or "auto",
+                                                                                   sinks)
         self.model.eval()
         self._device = next(self.model.parameters()).device
         self.segment_len = int(segment_len) or default_segment_len(self.tokenizer)
@@ -186,33 +201,44 @@ class FastweightsLM(LM):
             ids = torch.cat([torch.tensor([self.bos_id]), ids])
         return ids
 
-    def score_document(self, ids: torch.Tensor, keep_token_losses: bool = False) -> EvalResult:
+    def score_document(self, ids: torch.Tensor, keep_token_losses: bool = False,
+                       progress: Progress | None = None) -> EvalResult:
         """Score ``ids[1:]`` given the document so far, from the trained weights and an empty state: the total NLL
-        (nats) and, with ``keep_token_losses``, each prediction's."""
+        (nats) and, with ``keep_token_losses``, each prediction's; ``progress`` counts the scored tokens."""
         if ids.numel() < 2:
             return EvalResult(0.0, 0)
         if self.evaluator is not None:  # score each segment, then update on it; a fresh state per document
-            result, _ = self.evaluator.evaluate(ids, None, final=True, keep_token_losses=keep_token_losses)
+            result, _ = self.evaluator.evaluate(ids, None, final=True, keep_token_losses=keep_token_losses,
+                                                progress=progress)
             return result
         # DynamicEvaluator.static's protocol (segments of segment_len, `context` tokens of context)
         seq_len = self.context if self.context is not None else ids.numel() + self.segment_len
         with torch.no_grad():
-            result, _ = score_tokens(self.model, ids, seq_len, self.segment_len, keep_token_losses=keep_token_losses)
+            result, _ = score_tokens(self.model, ids, seq_len, self.segment_len, keep_token_losses=keep_token_losses,
+                                     progress=progress)
         return result
 
     def token_losses(self, text: str) -> list[float]:
         """Each prediction's NLL (nats) in ``text`` as ``loglikelihood_rolling`` scores it (for leak checks)."""
         return self.score_document(self.encode_document(text), keep_token_losses=True).token_losses
 
+    def _progress(self, total: int, unit: str, what: str, disable: bool) -> Progress:
+        """The progress line of one request type (stderr; lm-eval's ``disable_tqdm`` turns it off)."""
+        return Progress(total, unit, desc=f"{self.name}: {what}", enabled=not disable)
+
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        """Each document's log-likelihood (nats), scored on its own (see :mod:`fastweights.harness`)."""
+        """Each document's log-likelihood (nats), scored on its own (see :mod:`fastweights.harness`); a
+        progress line counts the scored tokens of all documents."""
+        docs = [(req.args[0], self.encode_document(req.args[0])) for req in requests]
+        bar = self._progress(sum(max(0, ids.numel() - 1) for _, ids in docs), "tok",
+                             f"loglikelihood_rolling, {len(docs):,} document(s)", disable_tqdm)
         out = []
-        for req in requests:
-            (text,) = req.args
-            ll = -self.score_document(self.encode_document(text)).nll
+        for text, ids in docs:
+            ll = -self.score_document(ids, progress=bar).nll
             self._refuse_non_finite(ll, "loglikelihood_rolling")
             out.append(ll)
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), ll)
+        bar.close()
         return out
 
     def _refuse_non_finite(self, ll: float, what: str) -> None:
@@ -253,12 +279,14 @@ class FastweightsLM(LM):
         """log P(continuation | context) and whether greedy decoding gives the continuation, with the trained
         weights; one forward pass over at most ``context`` tokens (the oldest context tokens cut first)."""
         self._say_static()
+        bar = self._progress(len(requests), "requests", "loglikelihood", disable_tqdm)
         out = []
         for req in requests:
             context, continuation = req.args
             ctx, cont = self._encode_pair(context, continuation)
             if not cont:
                 out.append((0.0, True))
+                bar.update(1)
                 continue
             if not ctx:
                 if self.bos_id is None:
@@ -279,12 +307,15 @@ class FastweightsLM(LM):
             self._refuse_non_finite(ll, "loglikelihood")
             out.append((ll, greedy))
             self.cache_hook.add_partial("loglikelihood", (context, continuation), (ll, greedy))
+            bar.update(1)
+        bar.close()
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy (or, with ``do_sample``, sampled) continuation of each context with the trained weights, cut
         at the first of ``until`` and at ``max_gen_toks`` tokens (default 256)."""
         self._say_static()
+        bar = self._progress(len(requests), "requests", "generate_until", disable_tqdm)
         out = []
         for req in requests:
             context, gen_kwargs = req.args
@@ -311,6 +342,8 @@ class FastweightsLM(LM):
                 text = text.split(s)[0] if s else text
             out.append(text)
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+            bar.update(1)
+        bar.close()
         return out
 
 
