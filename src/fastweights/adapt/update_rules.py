@@ -186,15 +186,13 @@ class GradStats:
 
     def save(self, path: str | Path) -> Path:
         """Write a safetensors file (tensors by parameter name, settings in its metadata)."""
-        from safetensors.torch import save_file
-
-        from fastweights.core.files import atomic_write
+        from fastweights.core.files import atomic_write, save_safetensors
 
         path = Path(path)
         meta = {"format": "fastweights-grad-stats", "units": "MS_g (mean squared gradient, paper eq. 5)",
                 "settings": json.dumps(self.metadata())}
         tensors = {k: v.detach().float().contiguous().cpu() for k, v in self.ms.items()}
-        atomic_write(path, lambda p: save_file(tensors, str(p), metadata=meta))
+        atomic_write(path, lambda p: save_safetensors(tensors, p, metadata=meta))
         return path
 
     @classmethod

@@ -38,11 +38,10 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors_bytes
-from safetensors.torch import save_file
 
 from fastweights.core.config import RunConfig, from_dict
 from fastweights.core.errors import UserError
-from fastweights.core.files import fsync_dir, fsync_file, pid_alive, refuse_links
+from fastweights.core.files import fsync_dir, fsync_file, pid_alive, refuse_links, save_safetensors
 
 MANIFEST = "checkpoint.json"
 PENDING = ".ckpt-next"
@@ -195,7 +194,7 @@ def save_model(model, directory: Path, run_config: RunConfig | None = None, toke
         raise UserError(f"refusing to save non-finite weights (tensor {bad} holds NaN or inf)")
 
     def write(tmp: Path) -> None:
-        save_file(tensors, str(tmp / "model.safetensors"))
+        save_safetensors(tensors, tmp / "model.safetensors")  # with the umask's mode (save_file: 0600)
         if tokenizer is not None:
             tokenizer.save(tmp)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -256,7 +255,7 @@ def _decode(obj, tensors: dict):
 def save_trainer_state(state: dict, path: Path) -> None:
     tensors: dict[str, torch.Tensor] = {}
     meta = {"format": _STATE_FORMAT, "version": "1", "state": json.dumps(_encode(state, tensors))}
-    save_file(tensors, str(path), metadata=meta)
+    save_safetensors(tensors, path, metadata=meta)
 
 
 def parse_trainer_state(data: bytes, where: str) -> dict:

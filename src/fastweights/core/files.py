@@ -19,6 +19,13 @@ write below such a root goes through one of
 
 The checks are made just before each write; they guard against links planted before a command starts, not
 against a process racing the command inside a directory it shares.
+
+Modes. Every file and folder a command leaves behind has the mode the user's umask gives (0644 and 0755 under
+umask 022, 0600 and 0700 under 077), as files ``open()`` and ``mkdir`` create; only the run's lock and the
+temporary names of a save in progress are excepted. Writers that create narrower modes are widened (never
+beyond the umask) by :func:`give_umask_mode`: safetensors' ``save_file`` writes 0600, so every safetensors
+file is written through :func:`save_safetensors`, and :func:`write_into` gives every file it moves in (what
+``save_pretrained`` wrote, weights included) and its ``mkdtemp`` staging folder the umask's mode.
 """
 
 from __future__ import annotations
@@ -63,6 +70,45 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it where the system tells it (Linux: ``/proc/self/status``);
+    elsewhere set and restored at once (to 077 meanwhile, so a file another thread creates in that instant is
+    owner-only, never wider)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):  # pragma: no cover - no procfs
+        pass
+    mask = os.umask(0o077)  # pragma: no cover
+    os.umask(mask)  # pragma: no cover
+    return mask  # pragma: no cover
+
+
+def umask_mode(folder: bool = False) -> int:
+    """The mode ``open()`` gives a new file (``0o666 & ~umask``), or ``mkdir`` a new folder (``0o777 & ~umask``)."""
+    return (0o777 if folder else 0o666) & ~current_umask()
+
+
+def give_umask_mode(path: Path) -> Path:
+    """Set ``path`` (a file or folder we just created, not a link) to the mode the user's umask gives it
+    (:func:`umask_mode`), for writers that create narrower ones (safetensors' 0600, ``mkdtemp``'s 0700)."""
+    path = Path(path)
+    if not os.path.islink(path):
+        os.chmod(path, umask_mode(path.is_dir()))
+    return path
+
+
+def save_safetensors(tensors: dict, path: Path, metadata: dict | None = None) -> Path:
+    """``safetensors.torch.save_file`` with the file's mode the umask's (``save_file`` alone writes 0600);
+    every safetensors file the library writes goes through here."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    return give_umask_mode(path)
 
 
 def _link_refused(path: Path, what: str = "") -> UserError:
@@ -115,7 +161,7 @@ def open_nofollow(path: Path, flags: int, what: str = "", root: Path | None = No
     if root is not None:
         refuse_links(root, path, what)
     try:
-        return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o666)  # less the umask, as open() does
     except OSError:
         if os.path.islink(path):
             raise _link_refused(Path(path), what) from None
@@ -170,11 +216,12 @@ def write_into(directory: Path, write, what: str = "") -> list[str]:
     folder is new (``mkdtemp`` inside ``directory``), so nothing planted is written through; before any file is
     moved, each destination name in ``directory`` is checked and a symbolic link (or a folder) there is refused
     in one line, leaving ``directory`` as it was. Folders below ``directory`` are refused the same way. Returns
-    the names moved. ``directory`` (the user named it) may itself be a link and is created if missing.
+    the names moved, each with the mode the user's umask gives (:func:`give_umask_mode`). ``directory`` (the user
+    named it) may itself be a link and is created if missing.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=directory))
+    staging = give_umask_mode(Path(tempfile.mkdtemp(prefix=".staging-", dir=directory)))  # mkdtemp makes 0700
     try:
         write(staging)
         files = sorted(p.relative_to(staging) for p in staging.rglob("*") if not p.is_dir())
@@ -182,6 +229,7 @@ def write_into(directory: Path, write, what: str = "") -> list[str]:
             src = staging / rel
             if src.is_symlink() or not src.is_file():
                 raise RuntimeError(f"writer produced a non-regular file {rel}")  # pragma: no cover
+            give_umask_mode(src)  # save_pretrained's weights are 0600 (safetensors): moved in with the umask's mode
             dst = directory / rel
             refuse_links(directory, dst, what or str(rel))
             if dst.is_dir():

@@ -4,17 +4,22 @@
 
 writes ``config.json`` + ``generation_config.json`` + ``model.safetensors`` (through
 ``FastWeightsForCausalLM.save_pretrained``; ``attention_context`` = the training ``seq_len``, so
-``generate()`` bounds attention layers' context as ``fastweights generate`` does) and ``tokenizer.json`` + ``tokenizer_config.json`` (in
-the format of the Hugging Face ``tokenizers`` library), so that, offline,
+``generate()`` bounds attention layers' context as ``fastweights generate`` does) and ``tokenizer.json`` +
+``tokenizer_config.json`` (in the format of the Hugging Face ``tokenizers`` library), every file with the mode
+the user's umask gives (0644 under umask 022), so that, offline,
 
-    import fastweights.hf.ours_as_transformers  # registers model_type "fastweights"
+    import fastweights.hf.ours_as_transformers  # registers model_type "fastweights" (~2-4 s: torch, transformers)
     model = AutoModelForCausalLM.from_pretrained("hf/demo")
     tok = AutoTokenizer.from_pretrained("hf/demo")
 
-give the same logits and the same token ids as the checkpoint and its tokenizer. The directory also holds
-``modeling_fastweights.py`` and an ``auto_map`` in ``config.json``, so that without the import
-``AutoModelForCausalLM.from_pretrained("hf/demo", trust_remote_code=True)`` loads it too (through the
-installed package), and without either transformers asks for ``trust_remote_code``.
+give the same logits and the same token ids as the checkpoint and its tokenizer, with no prompt and no warning.
+Plain ``import fastweights`` does not register (it stays a millisecond import). The directory also holds
+``modeling_fastweights.py`` and an ``auto_map`` in ``config.json``, so that without the import both calls load
+it with ``trust_remote_code=True`` (the module imports the installed package). ``AutoTokenizer`` needs the one or
+the other as much as the model does: transformers (5.24) reads ``config.json`` before ``tokenizer_config.json``,
+and nothing a tokenizer file says avoids it; without either it asks ``Do you wish to run the custom code?
+[y/N]`` and warns about the model type. The tokenizer alone loads with neither through its class, which reads
+only the tokenizer files: ``PreTrainedTokenizerFast.from_pretrained("hf/demo")``.
 
 Tokenizers, each expressed in ``tokenizers`` so that its ids are ours:
 
@@ -24,9 +29,15 @@ Tokenizers, each expressed in ``tokenizers`` so that its ids are ours:
   ``tokenizers``; they become named placeholders ``<U+DC80>`` that no text maps to.
 - ``byte``: a byte-level model (GPT-2's byte-to-character table) with the 256 bytes as ids 0..255 and
   no merges, and no pre-tokenizer split; decoding replaces invalid UTF-8 with U+FFFD, as ours.
-- ``gpt2``: ByteLevel BPE with our vocab and merges and the GPT-2 split pattern. ``<|endoftext|>``
-  is the EOS/BOS token (so ``generate`` stops there), but text that contains the string
-  ``<|endoftext|>`` is encoded as ordinary characters, as ours does (``split_special_tokens``).
+- ``gpt2``: ByteLevel BPE with our vocab and merges and the GPT-2 split pattern, saved as transformers' own
+  ``GPT2Tokenizer`` (``tokenizer_class`` in ``tokenizer_config.json``) when the vocabulary holds
+  ``<|endoftext|>`` (GPT-2's own does). ``<|endoftext|>`` is the EOS/BOS token (so ``generate`` stops there), but
+  text that contains the string ``<|endoftext|>`` is encoded as ordinary characters, as ours does
+  (``split_special_tokens``).
+
+No class of transformers holds a character vocabulary or bytes as ids 0..255 (ByT5's are shifted by three), so
+``char`` and ``byte`` are saved as transformers' generic ``TokenizersBackend`` (the ``tokenizer.json`` of the
+``tokenizers`` library); no tokenizer code is ours, so nothing of the tokenizer asks for ``trust_remote_code``.
 
 The HF tokenizers add no BOS/EOS tokens when encoding, like ours. They pad on the left (the side
 batched ``generate()`` needs), with ``<unk>`` (char), byte 0 (byte) or ``<|endoftext|>`` (gpt2) as the
@@ -61,11 +72,12 @@ def _char_symbol(c: str) -> str:
 def hf_tokenizer(tokenizer):
     """Our tokenizer (char, byte or gpt2) as a ``transformers`` fast tokenizer with the same ids.
 
-    Returns a ``PreTrainedTokenizerFast``; ``save_pretrained(directory)`` writes ``tokenizer.json``
-    and ``tokenizer_config.json``.
+    Returns transformers' ``GPT2Tokenizer`` for a gpt2 vocabulary with ``<|endoftext|>``, else a
+    ``PreTrainedTokenizerFast`` (``TokenizersBackend``); ``save_pretrained(directory)`` writes ``tokenizer.json``
+    and ``tokenizer_config.json``, whose ``tokenizer_class`` names that class.
     """
     _require_hf()
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     from fastweights.data.tokenizers import bytes_to_unicode
@@ -88,12 +100,16 @@ def hf_tokenizer(tokenizer):
         special = {"pad_token": byte_symbol[0]}
     elif tokenizer.name == "gpt2":
         merges = sorted(tokenizer.bpe_ranks, key=tokenizer.bpe_ranks.get)  # [(left, right)] in rank order
+        if tokenizer.eot_id is not None:  # GPT-2's class: the same BPE, ByteLevel split (GPT2_PATTERN) and decoder
+            from transformers import GPT2Tokenizer
+
+            eot = "<|endoftext|>"
+            return GPT2Tokenizer(vocab=dict(tokenizer.encoder), merges=merges, unk_token=eot, bos_token=eot,
+                                 eos_token=eot, pad_token=eot, add_prefix_space=False, split_special_tokens=True,
+                                 clean_up_tokenization_spaces=False, padding_side="left")
         tk = Tokenizer(models.BPE(dict(tokenizer.encoder), merges))
         tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT2_PATTERN
         tk.decoder = decoders.ByteLevel()
-        if tokenizer.eot_id is not None:
-            tk.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
-            special = {"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}
     else:
         raise UserError(f"export-hf: tokenizer kind {tokenizer.name!r} has no Hugging Face form")
     # split_special_tokens: a special token's text inside the input is ordinary text, as in our encode
@@ -164,7 +180,8 @@ def export_hf(checkpoint: str | Path, directory: str | Path, force: bool = False
 
 
 _REMOTE_MODULE = "modeling_fastweights"
-_REMOTE_CODE = '''"""Loads this directory with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True).
+_REMOTE_CODE = '''"""Loads this directory with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
+(and AutoTokenizer.from_pretrained(DIR, trust_remote_code=True), which reads config.json too).
 
 The model code is the installed fastweights package (pip install 'fastweights[hf]'); importing it
 registers the model type "fastweights" (the same as `import fastweights.hf.ours_as_transformers`).

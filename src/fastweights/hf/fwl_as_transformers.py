@@ -3,6 +3,7 @@
     import fastweights.hf.fwl_as_transformers          # registers "fastweights-fwl" with the Auto classes
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained("exported-dir")    # an FWLHeadForCausalLM
+    tok = AutoTokenizer.from_pretrained("exported-dir")             # the backbone's own tokenizer class
     out = model.generate(**tok("Happy families", return_tensors="pt"), max_new_tokens=40, do_sample=False)
 
 :class:`FWLHeadConfig` (``model_type = "fastweights-fwl"``) holds the backbone's own config (a dict with
@@ -13,7 +14,11 @@ loss are those of :class:`fastweights.hf.ours_as_transformers.FastWeightsForCaus
 explicit state (the backbone's KV cache and the head's fast weights), so ``generate()`` carries the FWL
 state from token to token. Padding is refused (the backbone's KV-cache state of this wrapper has no mask).
 
-:func:`export_fwl_head` writes such a directory (the backbone's weights included) with the tokenizer.
+:func:`export_fwl_head` writes such a directory (the backbone's weights included) with the tokenizer, every file
+with the mode the user's umask gives. As for ``export-hf`` (:mod:`fastweights.hf.export`), the directory also holds
+``modeling_fastweights_fwl.py`` and an ``auto_map``, so that without the import both Auto classes load it with
+``trust_remote_code=True``; without either, transformers asks whether to run that code (``AutoTokenizer`` reads
+``config.json`` too). Plain ``import fastweights`` does not register.
 """
 
 from __future__ import annotations
@@ -94,15 +99,40 @@ def export_fwl_head(model: HFCausalLMWithFWL, tokenizer, out_dir: str | Path) ->
                            trainable_blocks=model.trainable_blocks, vocab_size=model.vocab_size,
                            bos_token_id=bb_config.get("bos_token_id"), eos_token_id=bb_config.get("eos_token_id"),
                            pad_token_id=bb_config.get("pad_token_id"))
+    # with trust_remote_code=True, transformers loads the model through the installed package (the module below)
+    config.auto_map = {"AutoConfig": f"{_REMOTE_MODULE}.FWLHeadConfig",
+                       "AutoModelForCausalLM": f"{_REMOTE_MODULE}.FWLHeadForCausalLM"}
     wrapper = FWLHeadForCausalLM(config, model=model)
-    try:
-        wrapper.save_pretrained(out_dir)
-    except (OSError, RuntimeError, ValueError) as e:
-        raise UserError(f"cannot write {out_dir}: {e}") from None
     tok = getattr(tokenizer, "tok", tokenizer)
-    if tok is not None:
-        tok.save_pretrained(out_dir)
+
+    def write(staging: Path) -> None:
+        wrapper.save_pretrained(staging)
+        if tok is not None:
+            tok.save_pretrained(staging)
+        (staging / f"{_REMOTE_MODULE}.py").write_text(_REMOTE_CODE)
+
+    from fastweights.core.files import write_into
+
+    # into a fresh staging folder, then renamed into out_dir (no write through a link there), with the umask's modes
+    try:
+        write_into(out_dir, write, "the export")
+    except (OSError, RuntimeError, ValueError) as e:
+        raise UserError(f"cannot write {out_dir}: {getattr(e, 'strerror', None) or e}") from None
     return out_dir
+
+
+_REMOTE_MODULE = "modeling_fastweights_fwl"
+_REMOTE_CODE = '''"""Loads this directory with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
+(and AutoTokenizer.from_pretrained(DIR, trust_remote_code=True), which reads config.json too).
+
+The model code is the installed fastweights package (pip install 'fastweights[hf]'); importing it
+registers the model type "fastweights-fwl" (the same as `import fastweights.hf.fwl_as_transformers`).
+"""
+
+from fastweights.hf.fwl_as_transformers import FWLHeadConfig, FWLHeadForCausalLM
+
+__all__ = ["FWLHeadConfig", "FWLHeadForCausalLM"]
+'''
 
 
 AutoConfig.register(MODEL_TYPE, FWLHeadConfig, exist_ok=True)

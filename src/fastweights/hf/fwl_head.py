@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastweights.core.errors import UserError
+from fastweights.core.files import save_safetensors
 from fastweights.layers.fwl import FastWeightLayer, FWLOptions
 from fastweights.models.lm import ModelOutput
 
@@ -129,8 +130,6 @@ def save_fwl_head(model: HFCausalLMWithFWL, directory: str | Path, backbone_name
     """Write the head (and any trainable blocks) as a library checkpoint: ``fwl_head.json``,
     ``model.safetensors``, optionally ``trainer_state.safetensors``, under a verified manifest; the save
     is atomic (a kill leaves the previous checkpoint). The backbone is named, not copied."""
-    from safetensors.torch import save_file
-
     from fastweights.checkpoints.format import (
         TRAINER_STATE,
         save_trainer_state,
@@ -141,7 +140,7 @@ def save_fwl_head(model: HFCausalLMWithFWL, directory: str | Path, backbone_name
 
     def write(tmp: Path) -> None:
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-        save_file(model.trainable_state_dict(), str(tmp / WEIGHTS_NAME), metadata={"format": "fastweights-fwl-head"})
+        save_safetensors(model.trainable_state_dict(), tmp / WEIGHTS_NAME, metadata={"format": "fastweights-fwl-head"})
         if trainer_state is not None:
             save_trainer_state(trainer_state, tmp / TRAINER_STATE)
 

@@ -6,7 +6,9 @@
     tok = AutoTokenizer.from_pretrained("exported-dir")
     out = model.generate(**tok("ROMEO:", return_tensors="pt"), max_new_tokens=50, do_sample=False)
 
-(``fastweights export-hf CHECKPOINT DIR`` writes such a directory; see :mod:`fastweights.hf.export`.)
+(``fastweights export-hf CHECKPOINT DIR`` writes such a directory; without this import, pass
+``trust_remote_code=True`` to both ``from_pretrained`` calls; plain ``import fastweights`` does not register, to stay
+light; see :mod:`fastweights.hf.export`.)
 
 - :class:`FastWeightsConfig` (``model_type = "fastweights"``) carries every field of
   :class:`fastweights.core.config.ModelConfig` (same names, same defaults), so any mixer, head or memory
