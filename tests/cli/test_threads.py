@@ -58,3 +58,17 @@ def test_the_demo_warns_only_a_machine_much_slower_than_the_one_it_was_sized_on(
 def test_the_demo_times_its_own_training_step():
     cfg = make_config(demo.PRESET, [f"train.max_steps={demo.DEMO_STEPS}", "train.max_minutes=0"])
     assert 0 < demo.timed_steps_per_s(cfg, steps=1) < 1e4
+
+
+def test_every_scoring_front_end_defaults_to_the_scoring_threads():
+    import inspect
+
+    from fastweights.cli import build_parser
+    from fastweights.core.threads import SCORING_THREADS
+    from fastweights.harness.models import FastweightsLM
+
+    assert inspect.signature(FastweightsLM.__init__).parameters["threads"].default == SCORING_THREADS
+    for argv in (["eval", "--checkpoint", "x"], ["generate", "--checkpoint", "x"],
+                 ["dynamic", "eval", "--checkpoint", "x", "--data", "y"]):
+        assert build_parser().parse_args(argv).threads == SCORING_THREADS
+    assert build_parser().parse_args(["demo"]).threads == 0  # training: the idle cores (scoring inside: one)

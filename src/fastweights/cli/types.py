@@ -1,33 +1,32 @@
-"""argparse types of the command line's numbers and lists: a bad value is one line naming the flag, exit 2."""
+"""argparse types of the command line's numbers and lists: a bad value is one line naming the flag, exit 2 (the
+rules themselves: :mod:`fastweights.core.numbers`)."""
 
 from __future__ import annotations
 
 import argparse
-import math
 
+from fastweights.core import numbers
 from fastweights.core.errors import UserError
 
 
-def _number(kind, test, rule: str):
-    def parse(text: str):
+def _argparse_type(parse):
+    """An argparse type of a :mod:`fastweights.core.numbers` rule: its message, as argparse prints it."""
+    def typed(text: str):
         try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
-        if not test(v):
-            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
-        return v
+            return parse(text)
+        except numbers.BadNumber as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
 
-    parse.__name__ = kind.__name__  # argparse names the type in its messages
-    return parse
+    typed.__name__ = parse.__name__  # argparse names the type in its messages
+    return typed
 
 
-nonneg_int = _number(int, lambda v: v >= 0, ">= 0")
-positive_int = _number(int, lambda v: v >= 1, ">= 1")
-nonneg_float = _number(float, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
-positive_float = _number(float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
-fraction = _number(float, lambda v: math.isfinite(v) and 0 <= v <= 1, "in [0, 1]")
-seed = _number(int, lambda v: 0 <= v < 2**63, "in [0, 2**63 - 1]")  # what torch.Generator.manual_seed takes
+nonneg_int = _argparse_type(numbers.nonneg_int)
+positive_int = _argparse_type(numbers.positive_int)
+nonneg_float = _argparse_type(numbers.nonneg_float)
+positive_float = _argparse_type(numbers.positive_float)
+fraction = _argparse_type(numbers.fraction)
+seed = _argparse_type(numbers.seed)
 
 
 def ints(text: str, what: str) -> list[int]:

@@ -7,7 +7,7 @@ k=v,...``):
     device=auto                cpu, cuda, ... (auto: CUDA where there is a GPU, else the CPU; lm-eval's
                                ``--device`` sets it too, and ``python -m fastweights.harness`` passes auto, not
                                lm-eval's default cuda:0, when ``--device`` is not given)
-    threads=0                  torch CPU threads (0: torch's default)
+    threads=1                  torch CPU threads (one for scoring: docs/language-model.md#threads; 0: torch's own)
     segment_len=0              predictions per segment (0: the library's default for the tokenizer,
                                ``fastweights.adapt.setup.default_segment_len``)
     context=0                  tokens of context (0: the checkpoint's training seq_len; Hugging Face
@@ -36,7 +36,6 @@ progress line on stderr (``fastweights.core.progress``: tokens of ``loglikelihoo
 
 from __future__ import annotations
 
-import argparse
 import math
 import warnings
 
@@ -48,7 +47,9 @@ from fastweights.adapt.setup import (DynamicSettings, build_evaluator, default_c
                                      load_model_and_tokenizer)
 from fastweights.core.distributed import resolve_device
 from fastweights.core.errors import UserError
+from fastweights.core.numbers import BadNumber
 from fastweights.core.progress import Progress
+from fastweights.core.threads import SCORING_THREADS
 from fastweights.loops.evaluate import EvalResult, score_tokens
 from fastweights.loops.generate import generate_tokens
 from fastweights.ops.nll import log_probs
@@ -59,10 +60,20 @@ BATCH_IGNORED = ("{name}: --batch_size {size} is ignored: requests are scored on
                  "(results do not depend on it)")
 
 
+def _schedule(text: str) -> str:
+    """--lr-schedule's rule (constant, warmup:W or rsqrt:S), as the command line checks it."""
+    from fastweights.adapt.update_rules import parse_schedule
+
+    try:
+        parse_schedule(text)
+    except UserError as e:
+        raise BadNumber(str(e)) from None
+    return text
+
+
 def _flag_types() -> dict:
     """Model argument -> (the flag of ``fastweights dynamic eval`` it mirrors, the flag's argparse type)."""
-    from fastweights.cli.dynamic import _schedule
-    from fastweights.cli.types import nonneg_float, nonneg_int, positive_float, positive_int
+    from fastweights.core.numbers import nonneg_float, nonneg_int, positive_float, positive_int
 
     return {"threads": ("--threads", nonneg_int), "segment_len": ("--segment-len", nonneg_int),
             "context": ("--context", nonneg_int), "sinks": ("--sinks", nonneg_int),
@@ -88,15 +99,15 @@ def _checked(name: str, args: dict) -> dict:
         text = str(value)
         try:
             if isinstance(value, bool):
-                raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+                raise BadNumber(f"expected a number, got {text!r}")
             if kind is int:
                 try:
                     out[key] = int(text)
                 except ValueError:
-                    raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+                    raise BadNumber(f"expected an integer, got {text!r}") from None
             else:
                 out[key] = kind(text)
-        except argparse.ArgumentTypeError as e:
+        except BadNumber as e:
             raise UserError(f"--model {name}: model argument {key}={text} ({flag} of the command line): {e}") from None
     for key in ("bos", "no_tuned"):
         value = out.get(key)
@@ -120,7 +131,7 @@ class FastweightsLM(LM):
     dynamic = False
 
     def __init__(self, checkpoint: str | None = None, hf: str | None = None, device: str | None = None,
-                 threads: int = 0, segment_len: int = 0, context: int = 0, bos: bool = False, sinks: int | None = None,
+                 threads: int = SCORING_THREADS, segment_len: int = 0, context: int = 0, bos: bool = False, sinks: int | None = None,
                  **kwargs):
         super().__init__()
         if (checkpoint is None) == (hf is None):
