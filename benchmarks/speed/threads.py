@@ -24,9 +24,13 @@ import subprocess
 import sys
 import time
 
-import torch
+from fastweights.core.threads import prefer_passive_waiting
 
-from fastweights.evidence.result_files import write_result
+prefer_passive_waiting()  # as the fastweights command does, before torch loads OpenMP
+
+import torch  # noqa: E402
+
+from fastweights.evidence.result_files import write_result  # noqa: E402
 
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.core.config import make_config

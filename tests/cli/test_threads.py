@@ -72,3 +72,20 @@ def test_every_scoring_front_end_defaults_to_the_scoring_threads():
                  ["dynamic", "eval", "--checkpoint", "x", "--data", "y"]):
         assert build_parser().parse_args(argv).threads == SCORING_THREADS
     assert build_parser().parse_args(["demo"]).threads == 0  # training: the idle cores (scoring inside: one)
+
+
+def test_the_command_line_lets_idle_openmp_threads_sleep_unless_told_otherwise():
+    import os
+    import subprocess
+    import sys
+
+    code = "import fastweights.cli, os, torch; print(os.environ.get('OMP_WAIT_POLICY'))"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "PASSIVE"
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"}, capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.strip() == "ACTIVE"  # the user's setting stands
+    code = "import torch, fastweights.cli, os; print(os.environ.get('OMP_WAIT_POLICY'))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "None"  # torch (and OpenMP) already loaded: too late, so nothing is set

@@ -16,7 +16,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fastweights.core.errors import UserError
+from fastweights.core.threads import prefer_passive_waiting
+
+prefer_passive_waiting()  # before anything loads torch (and OpenMP with it): see fastweights.core.threads
+
+from fastweights.core.errors import UserError  # noqa: E402
 
 # (heading, commands) in the order `fastweights --help` lists them
 JOBS = (("make a model", ("train", "prepare", "data", "demo")),
