@@ -64,7 +64,7 @@ class TrainConfig:
     carry_state: bool = False  # truncated BPTT: rows read contiguous lanes, the model state carried (detached)
     carry_reset: float = 0.0  # with carry_state: probability that a step drops the carried state (every lane starts fresh)
     max_steps: int = 1000
-    max_minutes: float = 0.0  # time budget; 0 = none
+    max_minutes: float = 0.0  # time budget of the steps, final validation and save included (loops/schedule.py); 0 = none
     budget_clock: str = "wall"  # wall | cpu (this process's CPU time: fair for 1-thread runs on a shared machine)
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
