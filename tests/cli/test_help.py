@@ -111,3 +111,39 @@ def test_out_is_a_directory_everywhere():
             if "--out" in action.option_strings:
                 assert action.metavar == "DIR", f"{prog} --out: {action.metavar}"
                 assert "directory" in action.help, f"{prog} --out: {action.help}"
+
+
+def test_every_command_says_what_it_does():
+    """`fastweights SUB --help` opens with a description for every command and subcommand (issue 40: `train` and
+    `generate` had none), a sentence that starts with a capital."""
+    for prog, parser in _parsers():
+        text = (parser.description or "").strip()
+        assert text and text[0].isupper(), f"{prog} --help has no description"
+        printed = parser.format_help()
+        assert text.splitlines()[0] in printed, prog
+    for name in ("fastweights train", "fastweights generate"):
+        assert dict(_parsers())[name].format_help().split("\n\n")[1].strip(), name  # the line after the usage
+
+
+def test_train_help_lists_every_preset_with_its_description(tmp_path, monkeypatch):
+    from fastweights.core.config import list_presets, preset_descriptions
+
+    text = dict(_parsers())["fastweights train"].format_help()
+    listing = text.split("presets (")[1]
+    rows = {line.split()[0]: line for line in listing.splitlines()[1:] if line.startswith("  ")}
+    assert set(rows) == set(list_presets()) and "shakespeare-char" in rows and "tiny" in rows
+    described = preset_descriptions()
+    for name, line in rows.items():  # one line each, the description from the TOML's opening comment
+        assert described[name] in line and "\n" not in described[name]
+    assert described["tiny"] == "A model small enough for tests: seconds on a CPU"
+    # a preset of one's own (./configs) is listed with the first sentence of its comment, shortened when long
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "mine.toml").write_text(
+        "# My preset (a note): " + "very " * 40 + "long, and more. Second sentence.\n\n[train]\nmax_steps = 1\n")
+    (tmp_path / "configs" / "bare.toml").write_text("[train]\nmax_steps = 1\n")
+    monkeypatch.chdir(tmp_path)
+    described = preset_descriptions()
+    mine = described["mine"]
+    assert mine.startswith("My preset: very very") and mine.endswith("...") and len(mine) <= 100, mine
+    assert described["bare"] == ""
+    assert "  mine " in dict(_parsers())["fastweights train"].format_help()

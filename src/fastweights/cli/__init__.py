@@ -83,11 +83,25 @@ def build_parser() -> argparse.ArgumentParser:
     tasks.register(sub, _Parser)
     inspect.register(sub, _Parser)
     _add_unverified(sub)
+    _describe(sub)
     listing = _command_list(sub)
     sub.help = "one of the commands above"
     sub._choices_actions.clear()  # listed once, by job, in the description
     p.description += "\n\n" + listing
     return p
+
+
+def _describe(sub) -> None:
+    """Every command and subcommand without a description of its own gets its one-line help as one, so that
+    ``fastweights COMMAND --help`` says what the command does (``tests/cli/test_help.py``)."""
+    helps = {a.dest: a.help for a in sub._choices_actions}
+    for name, parser in sub.choices.items():
+        nested = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if nested:
+            _describe(nested[0])
+        if not parser.description and helps.get(name):
+            text = helps[name]
+            parser.description = text[0].upper() + text[1:] + ("" if text.endswith(".") else ".")
 
 
 def _add_unverified(sub) -> None:

@@ -14,7 +14,8 @@ from fastweights.experiments.demo import DEMO_STEPS
 def register(sub, parser_class) -> None:
     from fastweights.data.tokenizers import TOKENIZER_KINDS
 
-    t = sub.add_parser("train", help="train a model from a preset")
+    t = sub.add_parser("train", help="train a model from a preset", epilog=_preset_listing(),
+                       description="Train a language model from a preset (listed below); --set changes any setting.")
     t.add_argument("--preset", help="preset name (configs/NAME.toml) or path to a .toml file (default: "
                                     "shakespeare-char; with --resume: the run's own config)")
     t.add_argument("--data", help="corpus: a registered name, a text file, a directory or a .jsonl file (default: the "
@@ -56,7 +57,9 @@ def register(sub, parser_class) -> None:
     threads_flag(d, default=0, help="torch CPU threads for training (0: the cores idle at start; scoring uses one)")
     d.set_defaults(func=cmd_demo)
 
-    data = sub.add_parser("data", help="corpora shipped with the package: list")
+    data = sub.add_parser("data", help="corpora shipped with the package: list",
+                          description="The corpora shipped with the package, by name (--data NAME): `fastweights "
+                                      "data list` shows them.")
     data_sub = data.add_subparsers(dest="data_command", metavar="list", required=True, parser_class=parser_class)
     dl = data_sub.add_parser("list", help="registered corpus names: documents, characters, packed size, licence")
     dl.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -69,6 +72,18 @@ def register(sub, parser_class) -> None:
     x.add_argument("dir", metavar="DIR", help="output directory (created; must be empty unless --force)")
     x.add_argument("--force", action="store_true", help="write into a non-empty DIR")
     x.set_defaults(func=cmd_export_hf)
+
+
+def _preset_listing() -> str:
+    """The presets ``--preset`` takes, one line each (``fastweights train --help``)."""
+    from fastweights.core.config import preset_descriptions
+
+    presets = preset_descriptions()
+    if not presets:
+        return "no presets found (--preset takes a path to a .toml file)"
+    width = max(map(len, presets)) + 2
+    return "presets (--preset NAME; configs/NAME.toml in a checkout, else the copy in the package):\n" + \
+        "\n".join(f"  {name:<{width}}{text}".rstrip() for name, text in presets.items())
 
 
 def _run_config(args):

@@ -64,7 +64,7 @@ class TrainConfig:
     carry_state: bool = False  # truncated BPTT: rows read contiguous lanes, the model state carried (detached)
     carry_reset: float = 0.0  # with carry_state: probability that a step drops the carried state (every lane starts fresh)
     max_steps: int = 1000
-    max_minutes: float = 0.0  # time budget; 0 = none
+    max_minutes: float = 0.0  # time budget of the steps, final validation and save included (loops/schedule.py); 0 = none
     budget_clock: str = "wall"  # wall | cpu (this process's CPU time: fair for 1-thread runs on a shared machine)
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -177,6 +177,46 @@ def list_presets() -> list[str]:
         if d.is_dir():
             names.update(p.stem for p in d.glob("*.toml"))
     return sorted(names)
+
+
+def preset_descriptions(width: int = 100) -> dict[str, str]:
+    """Every preset's name and a one-line description from the comment that opens its TOML file ("" when it
+    has none): its first sentence without parentheses, shortened to the words before its first colon or
+    comma when longer than ``width`` characters. A name found in several folders is described as
+    :func:`load_preset` reads it (./configs first)."""
+    out: dict[str, str] = {}
+    for d in preset_dirs():
+        if not d.is_dir():
+            continue
+        for path in sorted(d.glob("*.toml")):
+            if path.stem not in out:
+                try:
+                    out[path.stem] = _first_sentence(path.read_text(errors="replace"), width)
+                except OSError:
+                    out[path.stem] = ""
+    return dict(sorted(out.items()))
+
+
+def _first_sentence(text: str, width: int) -> str:
+    import re
+
+    lines = []
+    for line in text.splitlines():
+        if not line.startswith("#") or not line.strip("# "):
+            if lines or line.strip():
+                break  # the opening comment's first paragraph only
+            continue
+        lines.append(line.lstrip("#").strip())
+    words = re.sub(r"\s*\([^()]*\)", "", " ".join(lines))  # "(issue 7, benchmarks/...)" and the like
+    sentence = re.split(r"(?<=\.)\s+(?=[A-Z])", words, maxsplit=1)[0].strip().rstrip(".")
+    if len(sentence) <= width:
+        return sentence
+    head = sentence.split(": ", 1)[0]
+    if len(head) < 20:
+        head = sentence
+    while len(head) > width and ", " in head:
+        head = head.rsplit(", ", 1)[0]
+    return head if len(head) <= width else head[: width - 3].rsplit(" ", 1)[0] + "..."
 
 
 def load_preset(name: str) -> dict:

@@ -111,11 +111,16 @@ def load_full_state(model, optimizer, model_sd, optim_sd) -> None:
 
 def from_rank0(flags: list[bool], dist: Dist, device) -> list[bool]:
     """Rank 0's flags on every rank (ranks agree on when a time budget ends or a signal stops the run)."""
+    return [bool(v) for v in values_from_rank0([1.0 if f else 0.0 for f in flags], dist, device)]
+
+
+def values_from_rank0(values: list[float], dist: Dist, device) -> list[float]:
+    """Rank 0's numbers on every rank (the learning rate of a step that a time budget schedules, in float64)."""
     if dist.world == 1:
-        return flags
-    t = torch.tensor([1.0 if f else 0.0 for f in flags], device=device)
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     torch.distributed.broadcast(t, src=0)
-    return [bool(v) for v in t.tolist()]
+    return t.tolist()
 
 
 def all_finite(params, dist: Dist, device) -> bool:

@@ -61,9 +61,10 @@ class Progress:
     seconds. ``loss_unit``: the unit a float ``loss`` field is shown with ("nats", "bits/tok").
     ``total`` may change while the work runs (``bar.total = ...``); ``approximate=True`` marks
     it as an estimate (``~``). ``time_limit`` (seconds): the work stops by then whatever the count (a
-    training time budget), so the ETA never exceeds it. ``clock``: what elapsed time, rate and ETA
-    count, wall-clock seconds (default, ``time.perf_counter``) or ``time.process_time`` (shown as
-    ``cpu``), which must match the clock of ``time_limit``.
+    training time budget), so the ETA never exceeds it; ``bar.until_time_limit = True`` says that limit
+    is the one that binds (the total is then what it allows), and the ETA is the time left to it.
+    ``clock``: what elapsed time, rate and ETA count, wall-clock seconds (default, ``time.perf_counter``)
+    or ``time.process_time`` (shown as ``cpu``), which must match the clock of ``time_limit``.
     """
 
     def __init__(self, total: float | None, unit: str = "it", desc: str = "", enabled: bool = True,
@@ -73,6 +74,7 @@ class Progress:
         self.loss_unit = loss_unit
         self.approximate = approximate
         self.time_limit = time_limit
+        self.until_time_limit = False  # True: the time limit binds (the total is its estimate), the ETA is its own
         self.clock = clock or time.perf_counter
         self.clock_label = "cpu" if self.clock is time.process_time else "elapsed"
         self.stream = stream or sys.stderr
@@ -113,6 +115,12 @@ class Progress:
             self.last = now
             self._draw(self.clock())
 
+    def show(self) -> None:
+        """Draw the line now, whatever the interval (a long first step is not silent: its total shows at once)."""
+        if self.parent is None and self.enabled:
+            self.last = time.perf_counter()
+            self._draw(self.clock())
+
     def line(self, now: float, final: bool = False) -> str:
         """The progress line at clock time ``now`` (``final``: the closing line, without an ETA)."""
         elapsed = now - self.start
@@ -134,7 +142,8 @@ class Progress:
         if self.total and rate > 0 and not final:
             eta = max(0.0, self.total - self.n) / rate
             if self.time_limit is not None:
-                eta = max(0.0, min(eta, self.time_limit - elapsed))
+                limit = max(0.0, self.time_limit - elapsed)
+                eta = limit if self.until_time_limit else min(eta, limit)
             parts.append(f"ETA {_fmt_time(eta)}")
         return " | ".join(parts)
 

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +23,8 @@ import numpy as np
 import torch
 
 from fastweights.checkpoints.format import save_model
-from fastweights.core.distributed import (all_finite, all_mean, barrier, close_distributed, from_rank0, full_state,
-                                     init_distributed, load_full_state, wrap_model)
+from fastweights.core.distributed import (all_finite, all_mean, barrier, close_distributed, full_state,
+                                     init_distributed, load_full_state, values_from_rank0, wrap_model)
 from fastweights.core.config import RunConfig
 from fastweights.core.errors import UserError
 from fastweights.core.files import atomic_write, make_dirs, open_nofollow, save_figure
@@ -31,6 +32,8 @@ from fastweights.models.lm import LanguageModel, detach_state
 from fastweights.core.progress import Progress
 from fastweights.core.threads import training_threads
 from fastweights.loops.signals import SetupSignals, StopSignals, agreed_signal
+from fastweights.loops.schedule import (Schedule, check_optimizer_state, lr_at,  # noqa: F401 - lr_at: the step schedule
+                                        make_optimizer, minutes)
 
 
 def autocast(device: torch.device):
@@ -38,19 +41,6 @@ def autocast(device: torch.device):
     if device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return torch.autocast("cpu", enabled=False)
-
-
-def lr_at(step: int, cfg, time_fraction: float = 0.0) -> float:
-    """Linear warmup to cfg.lr, then cosine decay to cfg.lr * min_lr_ratio.
-
-    The decay ends at max_steps, or when the time budget runs out if that comes first
-    (``time_fraction`` = elapsed / budget), so a time-budgeted run still anneals.
-    """
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
-    progress = min(1.0, max(progress, time_fraction))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def drops_carried_state(seed: int, step: int, probability: float) -> bool:
@@ -65,38 +55,6 @@ def drops_carried_state(seed: int, step: int, probability: float) -> bool:
     of a distributed run make the same choice.
     """
     return probability > 0 and random.Random(seed * 1_000_003 + step).random() < probability
-
-
-def make_optimizer(model: torch.nn.Module, cfg) -> torch.optim.AdamW:
-    """Weight decay on matrices (dim >= 2) only; norms, biases and scalar step sizes are not decayed.
-
-    Parameters may carry ``lr_scale`` (e.g. a PKM value table trained with its own learning rate).
-    """
-    groups: dict[tuple, list] = {}
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        decay = cfg.weight_decay if p.dim() >= 2 and not getattr(p, "no_weight_decay", False) else 0.0
-        scale = getattr(p, "lr_scale", 1.0)
-        groups.setdefault((decay, scale), []).append(p)
-    param_groups = [{"params": ps, "weight_decay": d, "lr_scale": s} for (d, s), ps in groups.items()]
-    fused = next(model.parameters()).is_cuda
-    return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused or None)
-
-
-def check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Raise ValueError unless every tensor of the optimizer's per-parameter state (AdamW's moments) has its
-    parameter's shape and finite values (the scalar ``step`` aside): a trainer state edited or made for another
-    model would otherwise fail inside the first ``optimizer.step()`` with a shape error, or poison the weights."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            for key, v in optimizer.state.get(p, {}).items():
-                if not isinstance(v, torch.Tensor) or v.dim() == 0:
-                    continue
-                if tuple(v.shape) != tuple(p.shape):
-                    raise ValueError(f"optimizer {key} has shape {list(v.shape)}, its parameter {list(p.shape)}")
-                if v.is_floating_point() and not bool(torch.isfinite(v).all()):
-                    raise ValueError(f"optimizer {key} holds NaN or inf values")
 
 
 @dataclass
@@ -238,7 +196,9 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
     :class:`RunInterrupted` (one during the final validation or save lets it finish, then raises); before
     the training loop starts (encoding the corpus, ...) they leave ``out_dir`` as it was and raise it too.
     ``model.vocab_size`` 0 is taken from the tokenizer; another value must equal the tokenizer's size.
-    A non-finite loss, gradient or weight raises :class:`TrainingDiverged`.
+    A non-finite loss, gradient or weight raises :class:`TrainingDiverged`. ``train.max_minutes`` covers the
+    steps, the final validation and the save, and ends the run at the end of its schedule
+    (:mod:`fastweights.loops.schedule`).
     """
     from fastweights.models.size import check_deep_model, meta_model
     from fastweights.checkpoints.run_dir import Restore, RunLock, check_out_dir, check_run_links, describe_run
@@ -325,6 +285,8 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_ram, dist, dev
             raise UserError(f"--resume: the model config differs from the one saved in {out_dir}")
         tokenizer = saved_unit["tokenizer"]
     if dist.main:  # rank 0 encodes the corpus once; the others then read the cached token files
+        if progress:  # the first line at once: reading a large corpus shows nothing else until it is encoded
+            print(f"train | preparing the data: {cfg.data.corpus}", file=sys.stderr, flush=True)
         data = prepare_data(cfg, out_dir, tokenizer, progress)
     barrier(dist)
     if not dist.main:
@@ -397,7 +359,7 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_ram, dist, dev
         if dist.main:
             ts = {"step": step, "optimizer": optim_sd, "rng": _rng_state(gen),
                   "elapsed": elapsed_before + (clock() - t0), "history": history, "world_size": dist.world,
-                  "carried_state": carried if dist.world == 1 else None}
+                  "carried_state": carried if dist.world == 1 else None, "schedule": schedule.state()}
             save_model(model, out_dir, cfg, data.tokenizer, state_dict=model_sd, trainer_state=ts, step=step)
         saved_step = step
         barrier(dist)
@@ -416,12 +378,25 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_ram, dist, dev
         return TrainingDiverged(f"training diverged at step {step + 1} ({what}); nothing of it was saved: {out_dir} "
                                 f"holds {held}; lower train.lr={tc.lr:g} or raise train.warmup_steps")
 
+    def timed(work) -> float:
+        """``work()``'s seconds on the budget's clock."""
+        started = clock()
+        work()
+        return clock() - started
+
     micro = tc.batch_size // dist.world  # rows of the global micro-batch on this rank
     tokens_per_step = tc.batch_size * tc.seq_len * tc.grad_accum
     budget = tc.max_minutes * 60 if tc.max_minutes > 0 else math.inf
+    val_windows = min(len(data.val) - 1, tc.eval_tokens) // tc.seq_len
+    # the learning rate of every step, and (with a budget) the step after which the run stops in time for its
+    # final validation and save
+    schedule = Schedule(tc, budget, val_batches=-(-val_windows // tc.batch_size), micro_rows=micro,
+                        n_params=model.num_parameters(), state=saved_unit["state"].get("schedule") if resume else None,
+                        step=step)
     bar = Progress(tc.max_steps, "steps", desc="train", enabled=progress, loss_unit="nats",
-                   time_limit=budget - elapsed_before if math.isfinite(budget) else None, clock=clock)
+                   time_limit=schedule.training_time() - elapsed_before if schedule.timed else None, clock=clock)
     bar.n = step
+    bar.show()  # the total at once: the first step may take long (a large model, a busy machine, compilation)
     t0 = clock()
     wrapped.train()
     last_loss = float("nan")
@@ -432,16 +407,18 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_ram, dist, dev
     try:
         while step < tc.max_steps:
             elapsed = elapsed_before + clock() - t0
-            out_of_time, interrupted = from_rank0([elapsed >= budget, stop.signum is not None], dist, device)
+            out_of_time = schedule.out_of_time(elapsed)
+            lr = 0.0 if out_of_time else schedule.lr(step, elapsed)
+            # rank 0's decisions and learning rate on every rank (each rank's clock reads its own time)
+            out_of_time, interrupted, lr = values_from_rank0([out_of_time, stop.signum is not None, lr], dist, device)
             if interrupted:
                 break
             if out_of_time:
                 stopped_by_budget = True
                 break
-            lr = lr_at(step, tc, elapsed / budget)
             for g in optimizer.param_groups:
                 g["lr"] = lr * g["lr_scale"]
-            t_step = time.perf_counter()
+            t_step, c_step = time.perf_counter(), clock()
             loss_sum = 0.0
             for i in range(tc.grad_accum):
                 if tc.carry_state:  # truncated BPTT: row i continues its lane where the last step stopped
@@ -474,18 +451,30 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_ram, dist, dev
             if not all_finite(params, dist, device):
                 raise diverged("non-finite weights after the optimizer step")
             step += 1
-            tok_s = tokens_per_step / (time.perf_counter() - t_step)
+            schedule.record_step(clock() - c_step)
+            tok_s = tokens_per_step / max(1e-9, time.perf_counter() - t_step)
+            if schedule.timed:  # the total and the ETA from whichever limit binds
+                projected = schedule.projected_steps(step, elapsed_before + clock() - t0)
+                bar.total, bar.approximate = (tc.max_steps, False) if projected is None else (projected, True)
+                bar.until_time_limit = projected is not None
+                bar.desc = "train" if projected is None else f"train (time budget {minutes(budget)})"
+                bar.time_limit = schedule.training_time() - elapsed_before
             bar.update(1, loss=last_loss, lr=lr, **{"tok/s": f"{tok_s:,.0f}"})
             if step % tc.log_every == 0 or step == 1:
                 write_log({"step": step, "loss": last_loss, "lr": lr, "tokens_per_s": tok_s,
                            "elapsed": elapsed_before + clock() - t0})
             if tc.eval_every and step % tc.eval_every == 0 and step < tc.max_steps:
-                validate()
-                save()
+                schedule.record_validation(timed(validate))
+                schedule.record_save(timed(save))
             elif tc.save_every and step % tc.save_every == 0:
-                save()
+                schedule.record_save(timed(save))
+        if stopped_by_budget:
+            bar.total, bar.approximate = step, False
         bar.close()
         if not interrupted:
+            if progress and not (history and history[-1]["step"] == step):
+                print(f"train | final validation ({val_windows * tc.seq_len:,} tokens) and save", file=sys.stderr,
+                      flush=True)
             val = history[-1]["val_loss"] if history and history[-1]["step"] == step else validate()
         else:
             val = next((h["val_loss"] for h in reversed(history) if h["step"] == step), float("nan"))
@@ -504,6 +493,7 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_ram, dist, dev
                "threads": torch.get_num_threads(),
                "parameters": model.num_parameters(), "tokenizer": data.tokenizer.name, "device": str(device),
                "processes": dist.world, "budget_clock": tc.budget_clock,
+               "budget_s": budget if schedule.timed else None,
                "estimated_ram_bytes": ram["total_bytes"]}
     if signum is not None:
         import signal
