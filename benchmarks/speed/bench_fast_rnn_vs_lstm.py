@@ -32,7 +32,7 @@ from fastweights.core.config import make_config
 from fastweights.ops import fast_rnn
 from fastweights.models.lm import LanguageModel
 from fastweights.ops.fast_rnn_kernel import step_kernel
-from fastweights.loops.train import make_optimizer
+from fastweights.loops.schedule import make_optimizer
 from fastweights.evidence import probes
 
 FAST, LSTM = "shakespeare-char-fast-rnn", "shakespeare-char-lstm"

@@ -37,7 +37,7 @@ def timed_steps_per_s(cfg, steps: int = 8) -> float:
     """Training steps a second of the demo's model at its batch size on this machine now (random tokens; the
     first :data:`WARMUP_STEPS`, which allocate and start the thread pool, are not timed: measured, the first
     few steps of a fresh process run several times slower)."""
-    from fastweights.loops.train import make_optimizer
+    from fastweights.loops.schedule import make_optimizer
     from fastweights.models.lm import LanguageModel
 
     torch.manual_seed(0)

@@ -32,8 +32,7 @@ from fastweights.models.lm import LanguageModel, detach_state
 from fastweights.core.progress import Progress
 from fastweights.core.threads import training_threads
 from fastweights.loops.signals import SetupSignals, StopSignals, agreed_signal
-from fastweights.loops.schedule import (Schedule, check_optimizer_state, lr_at,  # noqa: F401 - lr_at: the step schedule
-                                        make_optimizer, minutes)
+from fastweights.loops.schedule import Schedule, check_optimizer_state, make_optimizer, minutes
 
 
 def autocast(device: torch.device):
