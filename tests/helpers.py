@@ -2,6 +2,7 @@
 a repetitive token stream. A plain module (``tests/`` is on ``sys.path``, see ``conftest.py``): tests import
 from here, never from another test module."""
 
+import io
 import math
 from pathlib import Path
 
@@ -222,6 +223,23 @@ def gpt2_tokenizer(directory: Path):
     return GPT2Tokenizer(str(directory / "vocab.json"), str(directory / "merges.txt"))
 
 
+def tiny_llama_dir(directory: Path, max_positions: int = 2048) -> Path:
+    """A tiny random Llama (seed 0, the bundled GPT-2 vocabulary, tied embeddings) saved with its tokenizer as a
+    local model directory in ``directory`` (created): what the FWL-head and loading tests run offline."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tok = gpt2_tokenizer(directory)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_positions,
+                      tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return directory
+
+
 def tiny_training_run(out: Path, steps: int) -> Path:
     """``fastweights train --preset tiny`` for ``steps`` steps without validation, into ``out``."""
     from fastweights.cli import main
@@ -229,3 +247,33 @@ def tiny_training_run(out: Path, steps: int) -> Path:
     assert main(["train", "--preset", "tiny", "--quiet", "--set", f"train.max_steps={steps}",
                  "--set", "train.eval_every=0", "--out", str(out)]) == 0
     return out
+
+
+class FakeTime:
+    """A stand-in for the ``time`` module of the code under test (``perf_counter`` and ``process_time``
+    read ``t``): the test advances ``t`` as slowed work would."""
+
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def perf_counter(self):
+        return self.t
+
+    process_time = perf_counter
+
+
+class TimedLog(io.StringIO):
+    """stderr that records when, on a :class:`FakeTime`, each line was written (``lines``: (t, line)); not a
+    terminal."""
+
+    def __init__(self, clock: FakeTime):
+        super().__init__()
+        self.clock, self.lines = clock, []
+
+    def write(self, s):
+        self.lines += [(self.clock.t, line) for line in s.splitlines() if line.strip()]
+        return super().write(s)
+
+    def isatty(self):
+        return False
+

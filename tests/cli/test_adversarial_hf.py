@@ -15,14 +15,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from fastweights.cli import main  # noqa: E402
-from helpers import gpt2_tokenizer  # noqa: E402
+from helpers import tiny_llama_dir  # noqa: E402
 
 DOC = "The cat sat on the mat. The dog sat on the log. " * 6
 
@@ -31,18 +30,8 @@ DOC = "The cat sat on the mat. The dog sat on the log. " * 6
 def models(tmp_path_factory, tiny_run):
     """Read-only inputs the cases copy: a tiny Llama directory, an `export-hf` directory of the tiny run, and a
     complete hidden-state cache of `fwl-head train` on the Llama."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     root = tmp_path_factory.mktemp("adversarial-hf")
-    llama = root / "llama"
-    llama.mkdir()
-    tok = gpt2_tokenizer(llama)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
-                      tie_word_embeddings=True)
-    LlamaForCausalLM(cfg).save_pretrained(llama)
-    tok.save_pretrained(llama)
+    llama = tiny_llama_dir(root / "llama")
     assert main(["export-hf", str(tiny_run), str(root / "export")]) == 0
     assert main(["fwl-head", "train", "--hf", str(llama), "--out", str(root / "fwl"), "--cache", str(root / "cache"),
                  "--windows", "5", "--window", "192", "--max-steps", "1", "--quiet"]) == 0

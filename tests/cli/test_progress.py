@@ -11,7 +11,7 @@ import torch
 
 from fastweights.core.progress import Progress, format_rate
 from fastweights.models.lm import LanguageModel
-from helpers import tiny_lm
+from helpers import FakeTime, TimedLog, tiny_lm
 
 
 def _line(bar: Progress, now_offset: float) -> str:
@@ -101,33 +101,6 @@ MAX_SILENCE = 10.0  # issue 33: no command runs longer than this without a progr
 PROGRESS = re.compile(r"\d[\d,.]*/~?[\d,.]+ \S+ \|")  # "120/~4,000 tok |": a count, its total and its unit
 
 
-class FakeTime:
-    """The clock of fastweights.core.progress; model calls advance it."""
-
-    def __init__(self):
-        self.t = 1000.0
-
-    def perf_counter(self):
-        return self.t
-
-    process_time = perf_counter
-
-
-class Log(io.StringIO):
-    """stderr that records when (on the fake clock) each line was written; not a terminal."""
-
-    def __init__(self, clock):
-        super().__init__()
-        self.clock, self.lines = clock, []
-
-    def write(self, s):
-        self.lines += [(self.clock.t, line) for line in s.splitlines() if line.strip()]
-        return super().write(s)
-
-    def isatty(self):
-        return False
-
-
 @pytest.fixture(scope="module")
 def memory_checkpoint(tmp_path_factory):
     """An untrained char-level FwPKM model (the needle alphabet in its vocabulary), its corpus and a text."""
@@ -164,7 +137,7 @@ def _slowed(monkeypatch):
         return forward(self, tokens, *args, **kwargs)
 
     monkeypatch.setattr(LanguageModel, "forward", slow_forward)
-    log = Log(clock)
+    log = TimedLog(clock)
     monkeypatch.setattr(sys, "stderr", log)
     return clock, log
 
@@ -194,7 +167,7 @@ def test_a_slow_command_is_never_silent_without_a_total_and_an_eta(name, memory_
     _assert_never_silent(name, start, clock, log)
 
 
-def _assert_never_silent(name: str, start: float, clock: FakeTime, log: Log) -> None:
+def _assert_never_silent(name: str, start: float, clock: FakeTime, log: TimedLog) -> None:
     """From ``start`` to now (fake clock) no stretch longer than MAX_SILENCE passed without a progress line;
     every line has a count, a total and a unit, and all but a phase's closing line (count == total) an ETA."""
     lines = [(t, line) for t, line in log.lines if PROGRESS.search(line)]

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import re
@@ -25,6 +24,7 @@ import pytest
 
 from fastweights.core.config import TrainConfig
 from fastweights.loops.schedule import WARMUP_SHARE, Schedule, lr_at
+from helpers import FakeTime, TimedLog
 
 
 def _cfg(**kw) -> TrainConfig:
@@ -155,31 +155,6 @@ STEP_S = 0.5  # a training step of the tiny preset (8 x 32 tokens, forward and b
 SAVE_S = 0.4
 
 
-class FakeTime:
-    def __init__(self):
-        self.t = 5000.0
-
-    def perf_counter(self):
-        return self.t
-
-    process_time = perf_counter
-
-
-class Log(io.StringIO):
-    """stderr recording when (on the fake clock) each line was written; not a terminal."""
-
-    def __init__(self, clock):
-        super().__init__()
-        self.clock, self.lines = clock, []
-
-    def write(self, s):
-        self.lines += [(self.clock.t, line) for line in s.splitlines() if line.strip()]
-        return super().write(s)
-
-    def isatty(self):
-        return False
-
-
 @pytest.fixture
 def fake_clock(monkeypatch):
     """Training steps, validation batches (a third of a step's cost per token) and saves cost fake seconds."""
@@ -187,7 +162,7 @@ def fake_clock(monkeypatch):
     import fastweights.loops.train as train_module
     from fastweights.models.lm import LanguageModel
 
-    clock = FakeTime()
+    clock = FakeTime(5000.0)
     monkeypatch.setattr(train_module, "time", clock)
     monkeypatch.setattr(progress_module, "time", clock)
     per_token = STEP_S / (8 * 32)
@@ -203,7 +178,7 @@ def fake_clock(monkeypatch):
 
     monkeypatch.setattr(LanguageModel, "forward", slow_forward)
     monkeypatch.setattr(train_module, "save_model", slow_save)
-    log = Log(clock)
+    log = TimedLog(clock)
     # pytest sets sys.stderr again before the test itself runs: _train() puts the log in its place
     return SimpleNamespace(clock=clock, log=log, patch=lambda: monkeypatch.setattr(sys, "stderr", log))
 

@@ -7,7 +7,6 @@ table and a progress line for the scoring. A missing checkpoint is the one-line 
 machine lacks. Then, in process: which device lm-eval hands our models, and progress lines with a total and an
 ETA on a slowed clock."""
 
-import io
 import os
 import re
 import shlex
@@ -21,6 +20,7 @@ import torch
 pytest.importorskip("lm_eval")
 
 import helpers  # noqa: E402
+from helpers import FakeTime, TimedLog  # noqa: E402
 
 DOCS = [helpers.ROOT / "docs" / "lm-eval-harness.md", helpers.ROOT / "README.md"]
 PREFIX = "python -m fastweights.harness "
@@ -177,33 +177,6 @@ SECONDS_PER_TOKEN = 0.05  # the fake cost of every token a model call reads
 MAX_SILENCE = 10.0
 
 
-class FakeTime:
-    """The clock of fastweights.core.progress; model calls advance it."""
-
-    def __init__(self):
-        self.t = 1000.0
-
-    def perf_counter(self):
-        return self.t
-
-    process_time = perf_counter
-
-
-class Log(io.StringIO):
-    """stderr that records when (on the fake clock) each line was written; not a terminal."""
-
-    def __init__(self, clock):
-        super().__init__()
-        self.clock, self.lines = clock, []
-
-    def write(self, s):
-        self.lines += [(self.clock.t, line) for line in s.splitlines() if line.strip()]
-        return super().write(s)
-
-    def isatty(self):
-        return False
-
-
 @pytest.mark.filterwarnings("ignore::UserWarning")  # the dynamic model's note that pairs use the trained weights
 @pytest.mark.parametrize("kind", ["fastweights", "fastweights-dynamic"])
 def test_every_request_type_is_never_silent_without_a_total_and_an_eta(kind, monkeypatch, tmp_path):
@@ -230,7 +203,7 @@ def test_every_request_type_is_never_silent_without_a_total_and_an_eta(kind, mon
         return forward(self, tokens, *args, **kwargs)
 
     monkeypatch.setattr(LanguageModel, "forward", slow_forward)
-    log = Log(clock)
+    log = TimedLog(clock)
     monkeypatch.setattr(sys, "stderr", log)
     requests = {
         "loglikelihood_rolling": [Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate(texts)],

@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 from fastweights import cli  # noqa: E402
 from fastweights.adapt.dynamic import DynamicEvaluator  # noqa: E402
 from fastweights.hf.fwl_head import load_fwl_head  # noqa: E402
-from helpers import gpt2_tokenizer, stderr_text  # noqa: E402
+from helpers import stderr_text, tiny_llama_dir  # noqa: E402
 
 TEXT = ("Happy families are all alike; every unhappy family is unhappy in its own way. Everything was in "
         "confusion in the house. The wife had discovered that the husband was carrying on an intrigue. ") * 3
@@ -22,17 +22,7 @@ TEXT = ("Happy families are all alike; every unhappy family is unhappy in its ow
 @pytest.fixture(scope="module")
 def backbone_dir(tmp_path_factory):
     """A tiny Llama (vocabulary of the bundled GPT-2 tokenizer) saved as a local model directory."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    d = tmp_path_factory.mktemp("tiny-llama")
-    tok = gpt2_tokenizer(d)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
-                      tie_word_embeddings=True)
-    LlamaForCausalLM(cfg).save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
+    return tiny_llama_dir(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="module")

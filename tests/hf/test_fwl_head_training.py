@@ -19,7 +19,7 @@ from fastweights import cli  # noqa: E402
 from fastweights.core.errors import UserError  # noqa: E402
 from fastweights.hf import fwl_training  # noqa: E402
 from fastweights.hf.fwl_training import cache_hidden_states, load_cache, train_recipe  # noqa: E402
-from helpers import gpt2_tokenizer  # noqa: E402
+from helpers import tiny_llama_dir  # noqa: E402
 
 WINDOW = 192  # three 64-token segments: the segment decays get a gradient
 
@@ -27,17 +27,7 @@ WINDOW = 192  # three 64-token segments: the segment decays get a gradient
 @pytest.fixture(scope="module")
 def backbone_dir(tmp_path_factory):
     """A tiny Llama (vocabulary of the bundled GPT-2 tokenizer) saved as a local model directory."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    d = tmp_path_factory.mktemp("tiny-llama")
-    tok = gpt2_tokenizer(d)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
-                      tie_word_embeddings=True)
-    LlamaForCausalLM(cfg).save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
+    return tiny_llama_dir(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="module")

@@ -16,22 +16,12 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from fastweights.core.errors import UserError  # noqa: E402
 from fastweights.hf import transformers_as_ours as tao  # noqa: E402
-from helpers import gpt2_tokenizer  # noqa: E402
+from helpers import tiny_llama_dir  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    d = tmp_path_factory.mktemp("tiny-llama")
-    tok = gpt2_tokenizer(d)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                      tie_word_embeddings=True)
-    LlamaForCausalLM(cfg).save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
+    return tiny_llama_dir(tmp_path_factory.mktemp("tiny-llama"), max_positions=256)
 
 
 def test_an_intact_directory_loads_and_no_load_report_is_printed(llama_dir, caplog, capsys):
