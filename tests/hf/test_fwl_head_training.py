@@ -217,6 +217,24 @@ def test_the_backbone_digest_covers_every_weight(backbone):
     assert backbone_digest(backbone) == before
 
 
+def test_the_head_checkpoints_backbone_fingerprint_is_exact(backbone):
+    """The identity a head checkpoint keeps of its backbone is a digest of the output layer's bytes, not float
+    statistics printed to nine digits (those come out of a reduction whose last bits differ between CPUs, and
+    stay the same for another model whose output rows swap two entries)."""
+    from fastweights.hf.fwl_head import backbone_fingerprint
+
+    w = backbone.hf.get_output_embeddings().weight
+    before = backbone_fingerprint(backbone)
+    a, b = w[1, 3].item(), w[2, 3].item()
+    with torch.no_grad():
+        w[1, 3], w[2, 3] = b, a  # sum, sum of squares and first column unchanged: another model all the same
+        try:
+            assert backbone_fingerprint(backbone) != before
+        finally:
+            w[1, 3], w[2, 3] = a, b
+    assert backbone_fingerprint(backbone) == before
+
+
 @pytest.mark.parametrize("damage, needle", [
     ("object", "hidden.npy is not the cache"),
     ("float64", "holds float64"),

@@ -119,10 +119,23 @@ class HFCausalLMWithFWL(nn.Module):
                 if k in names or k.startswith("head.")}
 
 
+def tensors_digest(named: list[tuple[str, torch.Tensor]]) -> str:
+    """SHA-256 of tensors' names, dtypes, shapes and bytes: exact, so the same on every machine (no float
+    reduction, whose last bits differ between CPUs, is involved)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in named:
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
 def backbone_fingerprint(backbone: nn.Module) -> str:
-    """A cheap identity of the backbone's weights (shape and statistics of its output layer)."""
-    w = backbone.hf.get_output_embeddings().weight.detach().double()
-    return f"{tuple(w.shape)}:{w.sum().item():.9e}:{w.square().sum().item():.9e}:{w[:, 0].sum().item():.9e}"
+    """The identity a head checkpoint records of its backbone: the digest of its output layer, which no
+    recipe trains (trainable blocks change, so the whole backbone cannot be it)."""
+    return tensors_digest([("output", backbone.hf.get_output_embeddings().weight)])
 
 
 def save_fwl_head(model: HFCausalLMWithFWL, directory: str | Path, backbone_name: str, step: int | None = None,

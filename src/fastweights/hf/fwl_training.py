@@ -361,14 +361,9 @@ def _digest(a: np.ndarray) -> str:
 def backbone_digest(backbone) -> str:
     """SHA-256 of every weight of the backbone (names, dtypes, shapes and bytes): the hidden states depend on all
     of them and on their precision, not only on the output layer ``fwl_head.backbone_fingerprint`` looks at."""
-    import hashlib
+    from fastweights.hf.fwl_head import tensors_digest
 
-    h = hashlib.sha256()
-    for name, t in sorted(backbone.hf.state_dict().items()):
-        t = t.detach().cpu().contiguous()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
+    return tensors_digest(sorted(backbone.hf.state_dict().items()))
 
 
 #: the head options of each variant of the comparison (the paper's Table 2 rows)
