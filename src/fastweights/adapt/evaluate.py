@@ -39,6 +39,17 @@ class ComparisonOptions:
     cache_similarity: str = "dot"
 
 
+def scores_not_finite_because(evaluator=None, lr_flag: str = "--lr") -> str:
+    """Why a score came out NaN or infinite, for :func:`fastweights.core.errors.refuse_non_finite`: with an
+    ``evaluator`` adapting the weights, dynamic evaluation diverged with its rule and learning rate (``lr_flag``:
+    how the front end names the learning rate, ``--lr`` or ``lr=``); without one, the model overflows."""
+    if evaluator is None:
+        return "the model's scores overflow on this text"
+    meta = evaluator.metadata()
+    return (f"dynamic evaluation diverged with rule {meta.get('rule')}, learning rate "
+            f"{meta.get('lr', float('nan')):.3g} (try a smaller {lr_flag})")
+
+
 def _metrics(result, tokenizer, chars: int) -> dict:
     result.chars = chars
     return {"nll": result.nll} | result.metrics(getattr(tokenizer, "name", ""))  # nll: total, in nats
@@ -168,9 +179,7 @@ def evaluate_static_and_dynamic(settings: DynamicSettings, model, tokenizer, cfg
     out["documents"] = len(docs)
     out["reset"] = reset
     refuse_non_finite({"static": out["static"]}, "the model's scores overflow on this text (static evaluation)")
-    meta = out["settings"]
-    refuse_non_finite(out, f"dynamic evaluation diverged with rule {meta.get('rule')}, learning rate "
-                           f"{meta.get('lr', float('nan')):.3g} (try a smaller --lr)")
+    refuse_non_finite(out, scores_not_finite_because(ev))
     if keep:
         out["per_token_file"] = str(_write_per_token(opt.per_token, docs, losses, out))
     return out

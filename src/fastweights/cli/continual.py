@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from fastweights.cli.common import common_flags, describe, load, out_flag, output_prefix
+from fastweights.adapt.evaluate import scores_not_finite_because
 from fastweights.cli.types import nonneg_int, positive_int
 from fastweights.core.errors import UserError, refuse_non_finite
 from fastweights.evidence.probes import run_probes
@@ -60,9 +61,7 @@ def cmd_continual(args) -> int:
         ev, info = build_evaluator(dynamic_settings(args, context=seq_len), model, tok, cfg, Path(args.checkpoint),
                                    progress=not args.quiet)
     res = adapt_test(model, domains, seq_len, args.stride, args.eval_state, ev, progress=not args.quiet)
-    refuse_non_finite(res, "the model's scores overflow on this text" + (
-        f", or dynamic adaptation diverged with rule {ev.rule}, learning rate {ev.metadata()['lr']:.3g} (try a "
-        "smaller --lr)" if ev is not None else ""))
+    refuse_non_finite(res, scores_not_finite_because(ev))
     res.update(checkpoint=str(args.checkpoint), model=describe(cfg),
                dynamic=(ev.metadata() | info) if ev is not None else None)
     write_cli_result(out.with_suffix(".json"), res, getattr(args, "argv", None),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from fastweights.adapt.evaluate import scores_not_finite_because
 from fastweights.cli.common import describe, load, output_prefix
 from fastweights.cli.types import nonneg_int, positive_int
 from fastweights.core.errors import UserError, refuse_non_finite
@@ -95,9 +96,7 @@ def run_stream_eval(args) -> int:
             runs.append(d)
         _mark_equal_modes(runs[-len(modes):])
     doc = {"data": data or f"{cfg.data.corpus}:{split}", "modes": modes, "runs": runs}
-    refuse_non_finite(doc, "the model's scores overflow on this text" + (
-        f", or dynamic evaluation diverged with rule {ev.rule}, learning rate {ev.metadata()['lr']:.3g} (try a smaller "
-        "--lr)" if ev is not None else ""))
+    refuse_non_finite(doc, scores_not_finite_because(ev))
     write_cli_result(out.with_suffix(".json"), doc, getattr(args, "argv", None), measured)
     plot_stream(runs, out.with_suffix(".png"), unit="bits" if tok.name in ("char", "byte") else "nats")
     if getattr(args, "json", False):

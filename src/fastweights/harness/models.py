@@ -43,6 +43,7 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+from fastweights.adapt.evaluate import scores_not_finite_because
 from fastweights.adapt.setup import (DynamicSettings, build_evaluator, default_context, default_segment_len,
                                      load_model_and_tokenizer)
 from fastweights.core.distributed import resolve_device
@@ -254,15 +255,9 @@ class FastweightsLM(LM):
 
     def _refuse_non_finite(self, ll: float, what: str) -> None:
         """A log-likelihood that is NaN or infinite is no score: refused in one line, as ``dynamic eval`` does."""
-        if math.isfinite(ll):
-            return
-        if self.evaluator is not None:
-            meta = self.evaluator.metadata()
-            cause = (f"dynamic evaluation diverged with rule {meta.get('rule')}, learning rate "
-                     f"{meta.get('lr', float('nan')):.3g} (try a smaller lr=)")
-        else:
-            cause = "the model's scores overflow on this text"
-        raise UserError(f"{what}: a log-likelihood is {ll}, not a number to report: {cause}")
+        if not math.isfinite(ll):
+            raise UserError(f"{what}: a log-likelihood is {ll}, not a number to report: "
+                            f"{scores_not_finite_because(self.evaluator, 'lr=')}")
 
     # -- (context, continuation) pairs and generation: the trained weights ------------------------
 
