@@ -26,7 +26,7 @@ both read in fla 0.6.0's source:
   >= 3.7.1, or TileLang), ``"auto"`` takes it (:func:`refuses_gated_backward`).
 - fla issue 984 reports the ungated delta rule's backward (``prepare_wy_repr_bwd``) wrong in ``dk`` and
   ``dbeta`` at chunk size 64 on Hopper with Triton >= 3.4, and right at 16 and 32. Until the GPU queue's
-  gradient check (``benchmarks/gpu/queue.py``, item ``grad/delta_c64``) has measured it here, ``"auto"``
+  gradient check (``benchmarks/gpu/gpu_queue.py``, item ``grad/delta_c64``) has measured it here, ``"auto"``
   trains an ungated call there through fla at chunk size 32 (fla >= 0.5.2 takes ``chunk_size`` in 16, 32,
   64), or through ``"compiled"`` where fla is older (:func:`delta_chunk64_reported_wrong`,
   :func:`fla_chunk_size`). fla 0.6.0 already restricts that kernel to 2 warps on Hopper (its pull request
