@@ -34,16 +34,11 @@ def _cfg(**kw) -> TrainConfig:
 def _run(sched: Schedule, step_s, max_steps: int):
     """Drive ``sched`` as the training loop does, each step costing ``step_s(step)`` seconds: the learning rates
     of the steps run and the elapsed time when the loop stopped."""
-    lrs, elapsed, step = [], 0.0, 0
-    while step < max_steps and not sched.out_of_time(elapsed):
-        lrs.append(sched.lr(step, elapsed))
-        elapsed += step_s(step)
-        sched.record_step(step_s(step))
-        step += 1
-    return lrs, elapsed
+    return _run_from(sched, 0, 0.0, step_s, max_steps)
 
 
 def _run_from(sched: Schedule, step: int, elapsed: float, step_s, max_steps: int):
+    """:func:`_run` from step ``step`` at ``elapsed`` seconds (a resumed run)."""
     lrs = []
     while step < max_steps and not sched.out_of_time(elapsed):
         lrs.append(sched.lr(step, elapsed))
@@ -124,6 +119,29 @@ def test_the_schedule_resumes_where_it_was():
     assert old.lr(30, 30.0) < tc.lr and old.warmup_end == 10
     assert Schedule(tc, math.inf, state={}, step=3).warmup_end is None
     assert Schedule(tc, 100.0, state={"warmup_end_step": "x", "decay_progress": 2}).warmup_end is None
+
+
+def test_train_saves_the_schedule_and_a_resumed_run_continues_it(tmp_path, monkeypatch):
+    """The schedule's state goes into the checkpoint's trainer state, and ``--resume`` hands it to the resumed
+    run's schedule (a resumed budgeted run would otherwise restart its decay: the learning rate jumps back)."""
+    import fastweights.loops.train as train_module
+    from fastweights.core.config import make_config
+    from fastweights.models.loading import load_for_resume
+
+    out = tmp_path / "run"
+    train_module.train(make_config("tiny", ["train.max_steps=3"]), out, progress=False)
+    saved = load_for_resume(out)["state"]["schedule"]
+    assert saved == {"warmup_end_step": None, "warmup_progress": pytest.approx(3 / 5), "decay_progress": 0.0}  # tiny: warmup 5
+    given = []
+
+    class Recording(Schedule):
+        def __init__(self, *args, **kwargs):
+            given.append(kwargs.get("state"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "Schedule", Recording)
+    train_module.train(make_config("tiny", ["train.max_steps=5"]), out, resume=True, progress=False)
+    assert given == [saved]
 
 
 def test_the_projected_total_is_the_binding_limit():
