@@ -42,7 +42,7 @@ from fastweights.evidence.result_files import REPO, command_line
 _DUMP = r"""
 import importlib, json, os, sys
 import torch
-root, out, dtype = sys.argv[1], sys.argv[2], sys.argv[3]
+root, out, dtype, results = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 sys.path[:0] = [os.path.join(root, "benchmarks", "tools"), os.path.join(root, "benchmarks")]  # evidence.py, now or then
 try:
     probes = importlib.import_module("fastweights.evidence.probes")
@@ -53,9 +53,11 @@ if hasattr(probes, "PROBE_DTYPE"):
     probes.PROBE_DTYPE = getattr(torch, dtype)
 specs = json.loads(sys.stdin.read())
 current = None
-if len(sys.argv) > 4:
+if len(sys.argv) > 5:
+    import pathlib
     import evidence
-    current = [evidence.result_key(p) for p in evidence.result_paths()
+    results = pathlib.Path(results)
+    current = [evidence.result_key(p, results) for p in evidence.result_paths(results)
                if not evidence.staleness(json.loads(p.read_text()))]
 outputs = {}
 for key, spec in specs.items():
@@ -67,12 +69,12 @@ torch.save({"current": current, "outputs": outputs, "capability": torch.backends
 """
 
 
-def _dump(root: Path, specs: dict, out: Path, capability: str, dtype: str, with_staleness: bool) -> dict:
+def _dump(root: Path, specs: dict, out: Path, capability: str, dtype: str, results: Path, with_staleness: bool) -> dict:
     import torch
 
     env = {**os.environ, "PYTHONPATH": str(root / "src"), "ATEN_CPU_CAPABILITY": capability,
            "PYTHONWARNINGS": "ignore"}
-    argv = [sys.executable, "-c", _DUMP, str(root), str(out), dtype] + (["staleness"] if with_staleness else [])
+    argv = [sys.executable, "-c", _DUMP, str(root), str(out), dtype, str(results)] + (["staleness"] if with_staleness else [])
     done = subprocess.run(argv, input=json.dumps(specs), cwd=root, env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"error: computing the probes at {root} failed:\n{done.stderr[-3000:]}")
@@ -111,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the default dtype COMMIT's probes built their models in")
     ap.add_argument("--tolerance", type=float, default=1e-6,
                     help="largest difference, relative to an output's norm, between COMMIT's and today's outputs")
+    ap.add_argument("--results", type=Path, default=evidence.RESULTS,
+                    help="the folder of result JSON files to stamp (default: benchmarks/results)")
     args = ap.parse_args(argv)
     from fastweights.evidence.probes import PROBE_DTYPE, run_probe
 
@@ -121,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     commit = commit.stdout.strip()
 
-    paths = evidence.result_paths()
+    paths = evidence.result_paths(args.results)
     records = {p: json.loads(p.read_text()) for p in paths}
     specs = {}
     for rec in records.values():
@@ -140,13 +144,13 @@ def main(argv: list[str] | None = None) -> int:
             tar.extractall(old_root, filter="data")
         print(f"probes of {len(specs)} specs in {len(paths)} results: at {commit[:10]} and now, "
               f"ATEN_CPU_CAPABILITY={args.capability}", flush=True)
-        old = _dump(old_root, specs, Path(tmp) / "old.pt", args.capability, args.commit_probe_dtype, True)
-        new = _dump(REPO, specs, Path(tmp) / "new.pt", args.capability, args.commit_probe_dtype, False)
+        old = _dump(old_root, specs, Path(tmp) / "old.pt", args.capability, args.commit_probe_dtype, args.results, True)
+        new = _dump(REPO, specs, Path(tmp) / "new.pt", args.capability, args.commit_probe_dtype, args.results, False)
 
     current_then = set(old["current"])
     refused, stamped = [], 0
     for path, rec in records.items():
-        key = evidence.result_key(path)
+        key = evidence.result_key(path, args.results)
         if key not in current_then:
             refused.append(f"{key}: stale at {commit[:10]} already (re-run it)")
             continue
