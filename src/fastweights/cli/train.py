@@ -24,8 +24,8 @@ def register(sub, parser_class) -> None:
     t.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                    help="override a config field; repeat for several (default: the preset's values)")
     t.add_argument("--threads", type=nonneg_int, default=None,
-                   help="torch CPU threads, the same as --set train.threads=N (0: one per core; default: the preset's "
-                        "train.threads)")
+                   help="torch CPU threads, the same as --set train.threads=N (0: the cores idle when the run "
+                        "starts, docs/language-model.md#threads; default: the preset's train.threads)")
     t.add_argument("--resume", action="store_true", help="continue the run saved in --out")
     t.add_argument("--overwrite", action="store_true",
                    help="replace the run in --out (its checkpoint, logs and the files derived from its weights)")
