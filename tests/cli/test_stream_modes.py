@@ -13,8 +13,7 @@ def test_modes_equal_to_carry_on_one_document_say_so(tiny_run, tmp_path, capsys)
     assert main(["eval", "--checkpoint", str(tiny_run), "--stream", "--data", str(doc), "--quiet",
                  "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    runs = {r["label"].split()[-1] if "(=" not in r["label"] else r["label"].split()[-3]: r
-            for r in json.loads((out / "stream.json").read_text())["runs"]}
+    runs = {r["mode"]: r for r in json.loads((out / "stream.json").read_text())["runs"]}
     assert set(runs) == {"carry", "reset", "frozen"}
     assert "equals" not in runs["carry"]
     assert runs["reset"]["equals"] == "carry" and "one document" in runs["reset"]["why_equal"]

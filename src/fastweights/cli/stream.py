@@ -123,15 +123,14 @@ _WHY_EQUAL = {"reset": "the text is one document, and reset clears the state onl
 def _mark_equal_modes(runs: list[dict]) -> None:
     """Mark the runs of one checkpoint that score exactly as its carry run (``equals``, ``why_equal``, and the
     label, so the plot's legend says why a line lies under another)."""
-    carry = next((r for r in runs if r["label"].split(" +dynamic")[0].endswith(" carry")), None)
+    carry = next((r for r in runs if r["mode"] == "carry"), None)
     if carry is None:
         return
     for r in runs:
-        mode = r["label"].split(" +dynamic")[0].rsplit(" ", 1)[-1]
-        if r is carry or mode not in _WHY_EQUAL:
+        if r is carry or r["mode"] not in _WHY_EQUAL:
             continue
         if [d["loss"] for d in r["documents"]] == [d["loss"] for d in carry["documents"]]:
-            r.update(equals="carry", why_equal=_WHY_EQUAL[mode])
+            r.update(equals="carry", why_equal=_WHY_EQUAL[r["mode"]])
             r["label"] += " (= carry)"
 
 
