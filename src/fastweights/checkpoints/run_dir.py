@@ -17,8 +17,7 @@ from pathlib import Path
 
 from fastweights.checkpoints.format import MANIFEST, PENDING, TMP_PREFIX, TRAINER_STATE
 from fastweights.core.errors import UserError
-from fastweights.core.files import atomic_write, refuse_links
-from fastweights.core.files import open_nofollow as _open_nofollow
+from fastweights.core.files import atomic_write, open_nofollow, refuse_links
 
 LOCK = ".lock"
 # files a training run writes, and files computed from its weights by other commands
@@ -188,12 +187,6 @@ class RunLock:
 
     def __exit__(self, *exc):
         self.release()
-
-
-def open_nofollow(path: Path, flags: int, what: str = "") -> int:
-    """``os.open`` that refuses a symlink at ``path`` (``O_NOFOLLOW``): nothing in ``--out`` is written through
-    a link that a run directory from elsewhere may hold (:func:`fastweights.core.files.open_nofollow`)."""
-    return _open_nofollow(path, flags, what)
 
 
 def _try_lock(fd: int) -> bool:
