@@ -51,6 +51,8 @@ from pathlib import Path
 
 from fastweights.core.errors import UserError
 
+REMOTE_MODULE = "modeling_fastweights"  # the module an export holds for trust_remote_code=True
+
 UNK_TOKEN = "<unk>"
 _REPLACEMENT_CHAR = "\ufffd"
 
@@ -134,7 +136,7 @@ def export_hf(checkpoint: str | Path, directory: str | Path, force: bool = False
     """
     _require_hf()
     from fastweights.models.loading import load_checkpoint
-    from fastweights.hf.ours_as_transformers import FastWeightsForCausalLM
+    from fastweights.hf.ours_as_transformers import FastWeightsConfig, FastWeightsForCausalLM
 
     checkpoint, directory = Path(checkpoint), Path(directory)
     if directory.exists() and checkpoint.exists() and directory.resolve() == checkpoint.resolve():
@@ -161,14 +163,13 @@ def export_hf(checkpoint: str | Path, directory: str | Path, force: bool = False
     # without `import fastweights.hf.ours_as_transformers`, transformers does not know the model type "fastweights" and
     # suggests upgrading transformers; with auto_map and this module it asks for trust_remote_code instead,
     # and with trust_remote_code=True it loads the model through the installed fastweights package
-    hf_model.config.auto_map = {"AutoConfig": f"{_REMOTE_MODULE}.FastWeightsConfig",
-                                "AutoModelForCausalLM": f"{_REMOTE_MODULE}.FastWeightsForCausalLM"}
+    hf_model.config.auto_map, module_source = remote_code(REMOTE_MODULE, FastWeightsConfig, FastWeightsForCausalLM)
     from fastweights.core.files import write_into
 
     def write(staging: Path) -> None:
         hf_model.save_pretrained(staging)
         hf_tok.save_pretrained(staging)
-        (staging / f"{_REMOTE_MODULE}.py").write_text(_REMOTE_CODE)
+        (staging / f"{REMOTE_MODULE}.py").write_text(module_source)
 
     # save_pretrained opens its files by name: it writes into a fresh staging folder, and the files are renamed
     # into DIR only if none of their names there is a symbolic link (a DIR from elsewhere, with --force)
@@ -179,15 +180,23 @@ def export_hf(checkpoint: str | Path, directory: str | Path, force: bool = False
     return sorted(p.name for p in directory.iterdir())
 
 
-_REMOTE_MODULE = "modeling_fastweights"
-_REMOTE_CODE = '''"""Loads this directory with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
+def remote_code(module: str, config_cls, model_cls) -> tuple[dict, str]:
+    """``(auto_map, source)`` that let an exported directory load without importing our package first: the
+    ``auto_map`` for its config.json, and the source of ``MODULE.py`` beside it, which imports the installed
+    package's ``config_cls`` and ``model_cls`` (registering their model type), so that
+    ``from_pretrained(DIR, trust_remote_code=True)`` loads the model through the installed fastweights."""
+    config, model, home = config_cls.__name__, model_cls.__name__, config_cls.__module__
+    auto_map = {"AutoConfig": f"{module}.{config}", "AutoModelForCausalLM": f"{module}.{model}"}
+    source = f'''"""Loads this directory with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
 (and AutoTokenizer.from_pretrained(DIR, trust_remote_code=True), which reads config.json too).
 
 The model code is the installed fastweights package (pip install 'fastweights[hf]'); importing it
-registers the model type "fastweights" (the same as `import fastweights.hf.ours_as_transformers`).
+registers the model type "{config_cls.model_type}" (the same as `import {home}`).
 """
 
-from fastweights.hf.ours_as_transformers import FastWeightsConfig, FastWeightsForCausalLM
+from {home} import {config}, {model}
 
-__all__ = ["FastWeightsConfig", "FastWeightsForCausalLM"]
+__all__ = ["{config}", "{model}"]
 '''
+    return auto_map, source
+

@@ -27,6 +27,7 @@ from dataclasses import field
 from pathlib import Path
 
 from fastweights.core.errors import UserError
+from fastweights.hf.export import remote_code
 from fastweights.hf.fwl_head import HFCausalLMWithFWL
 from fastweights.hf.ours_as_transformers import FastWeightsForCausalLM
 from fastweights.hf.transformers_as_ours import HFCausalLM
@@ -100,8 +101,7 @@ def export_fwl_head(model: HFCausalLMWithFWL, tokenizer, out_dir: str | Path) ->
                            bos_token_id=bb_config.get("bos_token_id"), eos_token_id=bb_config.get("eos_token_id"),
                            pad_token_id=bb_config.get("pad_token_id"))
     # with trust_remote_code=True, transformers loads the model through the installed package (the module below)
-    config.auto_map = {"AutoConfig": f"{_REMOTE_MODULE}.FWLHeadConfig",
-                       "AutoModelForCausalLM": f"{_REMOTE_MODULE}.FWLHeadForCausalLM"}
+    config.auto_map, module_source = remote_code(REMOTE_MODULE, FWLHeadConfig, FWLHeadForCausalLM)
     wrapper = FWLHeadForCausalLM(config, model=model)
     tok = getattr(tokenizer, "tok", tokenizer)
 
@@ -109,7 +109,7 @@ def export_fwl_head(model: HFCausalLMWithFWL, tokenizer, out_dir: str | Path) ->
         wrapper.save_pretrained(staging)
         if tok is not None:
             tok.save_pretrained(staging)
-        (staging / f"{_REMOTE_MODULE}.py").write_text(_REMOTE_CODE)
+        (staging / f"{REMOTE_MODULE}.py").write_text(module_source)
 
     from fastweights.core.files import write_into
 
@@ -121,18 +121,7 @@ def export_fwl_head(model: HFCausalLMWithFWL, tokenizer, out_dir: str | Path) ->
     return out_dir
 
 
-_REMOTE_MODULE = "modeling_fastweights_fwl"
-_REMOTE_CODE = '''"""Loads this directory with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
-(and AutoTokenizer.from_pretrained(DIR, trust_remote_code=True), which reads config.json too).
-
-The model code is the installed fastweights package (pip install 'fastweights[hf]'); importing it
-registers the model type "fastweights-fwl" (the same as `import fastweights.hf.fwl_as_transformers`).
-"""
-
-from fastweights.hf.fwl_as_transformers import FWLHeadConfig, FWLHeadForCausalLM
-
-__all__ = ["FWLHeadConfig", "FWLHeadForCausalLM"]
-'''
+REMOTE_MODULE = "modeling_fastweights_fwl"  # the module an export holds for trust_remote_code=True
 
 
 AutoConfig.register(MODEL_TYPE, FWLHeadConfig, exist_ok=True)
