@@ -12,8 +12,9 @@ and with a busy process on one core:
 - Idle OpenMP threads sleep instead of spinning (:func:`prefer_passive_waiting`, ``OMP_WAIT_POLICY=PASSIVE``,
   which the command line sets before torch loads): with another process busy on one core, a demo-sized training
   step with two spinning threads ran at half the speed of one thread, with two sleeping ones at 0.94 of it; on
-  two idle cores sleeping threads cost 6% (5.47 against 5.85 steps/s, 2026-11-28 on this project's 2-core
-  machine). So two threads stay the right choice when a core gets busy after the run started.
+  two idle cores sleeping threads cost 6% (5.47 against 5.85 steps/s; a comparison run by hand on this project's
+  2-core machine on 2026-11-28, not a stored result: benchmarks/results/threads.json measures the sleeping threads
+  only). So two threads stay the right choice when a core gets busy after the run started.
 """
 
 from __future__ import annotations
