@@ -36,8 +36,8 @@ def register(sub, parser_class) -> None:
                    help="fwl (second-order training of the fast update), test-time-only (the head trained slow, "
                         "the update applied at test time) or bias-only (only the output bias fast)")
     t.add_argument("--minutes", type=positive_float, default=RECIPE.budget_cpu_s / 60,
-                   help="training budget in CPU-minutes of this process (the cache comes on top: about 7 CPU-minutes "
-                        "for 96 windows of SmolLM2-135M)")
+                   help="training budget in CPU-minutes of this process (the cache comes on top: 3.5 CPU-minutes "
+                        "for 96 windows of SmolLM2-135M in benchmarks/results/fwl_smollm2.json)")
     t.add_argument("--windows", type=positive_int, default=RECIPE.windows,
                    help=f"windows of the training mix cached (the last {RECIPE.val_windows} "
                         "held out)")
