@@ -26,9 +26,12 @@ batch size, the sequence length or the way a text is cut into calls. ``"fixed"``
 buffer and uses that fixed value in eval mode and generation.
 
 On a pretrained model (``residual=True``, built with the model's output layer as ``unembedding``) the
-head is a residual branch before that shared, slow unembedding: logits = (h + f_theta(h)) E + c with the
-LayerNorm gain starting at 0, so before any training the logits are exactly the pretrained model's
-(``fastweights.hf.fwl_head``).
+head is a residual branch before that shared, slow unembedding: logits = (h + f_theta(h)) E + c. With the
+LayerNorm gain at 0 (``ln_gain_init`` None, the residual default) the logits start exactly as the pretrained
+model's, but the inner gradients of U, a, W, b carry the gain as a factor, so they and their step sizes get
+no gradient at first and their fast effect grows as alpha g^2; a small non-zero ``ln_gain_init`` starts near
+the identity instead (``fastweights.hf.fwl_head`` says which the recipe takes and why).
+``step_size_log`` learns log(alpha) rather than alpha.
 
 Segments (the recurrence is in :mod:`fastweights.ops.fwl`): segments of ``segment_len`` absolute
 positions (0 = one endless segment), one learned decay gamma = sigmoid(rho) per fast tensor (initialised
@@ -77,6 +80,9 @@ class FWLOptions:
     hidden: int = 0  # s, the block width; 0 -> d_model (the spec's project default)
     expansion: int = 4  # first layer width = expansion * s (4 in the paper and the official code)
     step_size_init: float = 0.01  # initial alpha of every fast tensor (both official codebases)
+    # learn log(alpha) instead of alpha: a step size then moves by a factor per optimizer step, not by the
+    # learning rate (alpha ~ 1e-2 under Adam at lr 1e-3 would otherwise swing by 10% a step); needs alpha > 0
+    step_size_log: bool = False
     fast_biases: bool = True  # a, b fast (TF code); False keeps them slow (the Jax port)
     bias_only: bool = False  # Table 2 ablation: only the output bias c is fast
     first_order: bool = False  # inner gradients as constants (first-order MAML)
@@ -92,7 +98,10 @@ class FWLOptions:
     chunk_size: int = 256  # calls up to this long: one exact masked block; longer: the chunked op with this chunk
     ln_eps: float = 1e-5  # LayerNorm epsilon, the same in the slow, hand-written backward and fast passes
     init_std: float = 0.05  # kernels ~ init_std * N(0, 1) as fwl/tf/fwl.py; biases 0, LN gain 1
-    residual: bool = False  # logits = (h + f(h)) E + c with the LN gain at 0: starts as the identity (pretrained models)
+    residual: bool = False  # logits = (h + f(h)) E + c: a branch on a pretrained model's last hidden state
+    # initial LayerNorm gain; None: 1, or 0 with residual (the branch and its update start at exactly zero, so
+    # the head is the identity, but every other fast tensor's inner gradient is then zero too: see hf/fwl_head.py)
+    ln_gain_init: float | None = None
 
 
 # ----------------------------------------------------------------------------- the head
@@ -113,7 +122,9 @@ class FastWeightLayer(nn.Module):
                      "no-segments": {"hidden": 4, "segment_len": 0, "chunk_size": 64, "step_size_init": 0.3},
                      "slow-biases": {"hidden": 4, "segment_len": 5, "fast_biases": False, "step_size_init": 0.3},
                      "bias-only": {"hidden": 4, "bias_only": True, "step_size_init": 0.3},
-                     "residual": {"residual": True, "segment_len": 5, "chunk_size": 64, "step_size_init": 0.3}}
+                     "residual": {"residual": True, "segment_len": 5, "chunk_size": 64, "step_size_init": 0.3},
+                     "residual-gain-log-steps": {"residual": True, "segment_len": 5, "chunk_size": 64,
+                                                 "step_size_init": 0.3, "step_size_log": True, "ln_gain_init": 0.5}}
     tiny_options = {"segment_len": 4, "chunk_size": 8}
     bounded_variants = {"default": {"hidden": 16}}
 
@@ -158,8 +169,8 @@ class FastWeightLayer(nn.Module):
         self.a = nn.Parameter(torch.zeros(wide))
         self.W = nn.Parameter(torch.randn(wide, s) * std)
         self.b = nn.Parameter(torch.zeros(s))
-        # residual: a zero gain makes the branch zero, so the head starts as the identity
-        self.ln_weight = nn.Parameter(torch.zeros(s) if opt.residual else torch.ones(s))
+        gain = opt.ln_gain_init if opt.ln_gain_init is not None else (0.0 if opt.residual else 1.0)
+        self.ln_weight = nn.Parameter(torch.full((s,), float(gain)))
         self.ln_bias = nn.Parameter(torch.zeros(s))
         if unembedding is None:
             self.E = nn.Parameter(torch.randn(s, vocab_size) * std)  # unembedding, not tied to the input embedding
@@ -179,8 +190,9 @@ class FastWeightLayer(nn.Module):
         # one learned step size per fast tensor (not created for test_time_only: its step is a global constant)
         self.step_sizes = nn.ParameterDict()
         if not opt.test_time_only:
+            init = math.log(opt.step_size_init) if opt.step_size_log else float(opt.step_size_init)
             for n in self.fast_names:
-                self.step_sizes[n] = nn.Parameter(torch.tensor(float(opt.step_size_init)))
+                self.step_sizes[n] = nn.Parameter(torch.tensor(init))
         self.decay_logits = nn.ParameterDict()
         if opt.segment_len > 0:
             rho = math.log(opt.decay_init / (1.0 - opt.decay_init))  # sigmoid(rho) = decay_init
@@ -205,9 +217,12 @@ class FastWeightLayer(nn.Module):
         return p if dtype is None else {n: t.to(dtype) for n, t in p.items()}
 
     def current_step_sizes(self) -> dict[str, Tensor]:
-        """alpha per fast tensor: the learned ones, or the global test-time step."""
+        """alpha per fast tensor: the learned ones (exp of the parameter with ``step_size_log``), or the global
+        test-time step."""
         if self.options.test_time_only:
             return {n: self.ln_bias.new_tensor(self.options.test_time_step_size) for n in self.fast_names}
+        if self.options.step_size_log:
+            return {n: p.exp() for n, p in self.step_sizes.items()}
         return dict(self.step_sizes.items())
 
     def fast_parameters(self) -> Iterator[tuple[str, nn.Parameter, Tensor]]:
@@ -370,6 +385,9 @@ def _validate(o: FWLOptions) -> None:
         raise UserError(f"model.options.fwl.chunk_size must be >= 1, got {o.chunk_size}")
     if not o.ln_eps > 0:
         raise UserError(f"model.options.fwl.ln_eps must be > 0, got {o.ln_eps}")
+    if o.step_size_log and not o.test_time_only and not o.step_size_init > 0:
+        raise UserError(f"model.options.fwl.step_size_log learns log(alpha): step_size_init must be > 0, got "
+                        f"{o.step_size_init}")
 
 
 # ----------------------------------------------------------------------------- test-time-only tuning
