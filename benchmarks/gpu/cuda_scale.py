@@ -17,7 +17,8 @@ is rewritten after every item, with ``incomplete: true`` until the end; an item 
 2. kernels: at T = 2K / 8K / 32K (batch 32K / T), 12 heads, bf16 autocast, forward + backward: fla's raw
    ``chunk_delta_rule`` (K = 128, V = 64: fwp's default DPFP features) and ``chunk_gated_delta_rule``
    (K = V = 64, L2 norm in the kernel: gdn's); our ``delta_rule`` op as the layers call it (fp32 inputs
-   under autocast, backend "auto", and the "torch" / "compiled" forms); our ``fwp`` and ``gdn`` layers
+   under autocast, backend "auto", and the "torch" / "compiled" forms) and, like for like with the raw
+   kernel, fed bf16 leaves (``delta_op_auto_bf16``); our ``fwp`` and ``gdn`` layers
    (768 -> 768, projections included) and fla's ``GatedDeltaNet`` layer.
 3. FwPKM: one layer at the paper's configuration (d_model 768, T = 4096) forward + backward in fp32 (the
    paper's FwPKM precision; lucidrains' layer fails under bf16 autocast), ours against lucidrains'
@@ -293,8 +294,11 @@ def raw_fla_step(gated, xs, device):
     return step
 
 
-def our_op_step(gated, xs, backend, device):
-    q, k, v, beta, g = (x.clone().requires_grad_() for x in xs)
+def our_op_step(gated, xs, backend, device, leaves=torch.float32):
+    """Our op as a layer calls it: q, k, v, beta leaves in ``leaves`` (fp32: the fwp layer's features, cast to
+    bf16 inside the op; bf16: as the raw fla step's, like for like), g fp32, under bf16 autocast."""
+    q, k, v, beta = (x.to(leaves, copy=True).requires_grad_() for x in xs[:4])
+    g = xs[4].clone().requires_grad_()
     s0 = torch.zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3], device=device)
 
     def step():
@@ -343,8 +347,9 @@ def kernel_items(cfg, device, fla_ok: bool, on_hopper_refusal: bool):
                     step = raw_fla_step(True, xs, device)
                     with fla_guard_bypassed():
                         return measure(step, device, **w)
-                elif kind.startswith(("delta_op_", "gated_op_")):
-                    step = our_op_step(gated, xs, kind.rsplit("_", 1)[1], device)
+                elif kind.startswith(("delta_op_", "gated_op_")):  # <rule>_op_<backend>[_bf16]
+                    leaves = torch.bfloat16 if kind.endswith("_bf16") else torch.float32
+                    step = our_op_step(gated, xs, kind.split("_")[2], device, leaves)
                 else:
                     if kind == "layer_fwp":
                         layer = FastWeightProgrammer(dm, h, FWPOptions(rule="delta", feature_map="dpfp"))
@@ -362,7 +367,7 @@ def kernel_items(cfg, device, fla_ok: bool, on_hopper_refusal: bool):
 
             return run
 
-        kinds = ["delta_raw_fla", "delta_op_auto", "delta_op_torch", "layer_fwp",
+        kinds = ["delta_raw_fla", "delta_op_auto_bf16", "delta_op_auto", "delta_op_torch", "layer_fwp",
                  "gated_op_auto", "gated_op_compiled", "gated_op_torch", "layer_gdn"]
         if fla_ok and on_hopper_refusal:  # fla's gated training refuses here: timed with its check bypassed
             kinds += ["gated_raw_fla_guard_bypassed", "layer_fla_gdn_guard_bypassed"]
@@ -419,6 +424,8 @@ def ratios(rec: dict) -> dict:
         fla_gated = sec(k, f"{t}/gated_raw_fla") or sec(k, f"{t}/gated_raw_fla_guard_bypassed")
         out[f"{t}/fwp_layer_over_raw_fla_delta_kernel"] = div(sec(k, f"{t}/layer_fwp"), sec(k, f"{t}/delta_raw_fla"))
         out[f"{t}/delta_op_auto_over_raw_fla"] = div(sec(k, f"{t}/delta_op_auto"), sec(k, f"{t}/delta_raw_fla"))
+        out[f"{t}/delta_op_auto_bf16_over_raw_fla"] = div(sec(k, f"{t}/delta_op_auto_bf16"),
+                                                          sec(k, f"{t}/delta_raw_fla"))
         out[f"{t}/gdn_layer_over_raw_fla_gated_kernel"] = div(sec(k, f"{t}/layer_gdn"), fla_gated)
         out[f"{t}/gated_op_auto_over_raw_fla"] = div(sec(k, f"{t}/gated_op_auto"), fla_gated)
         out[f"{t}/gated_op_compiled_over_raw_fla"] = div(sec(k, f"{t}/gated_op_compiled"), fla_gated)

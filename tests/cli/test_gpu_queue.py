@@ -36,7 +36,7 @@ def gq():
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("queue")
-    r = run("--device", "cpu", "--tiny", "--fail", FAIL, "--out", str(out))
+    r = run("--device", "cpu", "--tiny", "--all", "--fail", FAIL, "--out", str(out))  # --all: items done on a GPU too
     assert r.returncode == 0, r.stderr[-3000:]
     return out, r.stdout, json.loads((out / "gpu_queue.json").read_text())
 
@@ -76,8 +76,16 @@ def test_gradient_checks_record_each_tensor(dry_run):
         want = {"o", "final_state", "dq", "dk", "dv", "dbeta", "dh0"} | ({"dg"} if gated else set())
         assert set(res["rel_err"]) == want and res["chunk_size"] == chunk, res
         assert res["right"] and res["wrong"] == [] and res["fwd_bwd"]["seconds_median"] > 0
-    choices = items["grad/dispatch"]["result"]["auto_bf16"]
-    assert choices["gated_training"] == {"backend": "fla", "fla_chunk_size": 64}  # fla allows it here
+    dispatch = items["grad/dispatch"]["result"]
+    assert dispatch["auto_bf16"] == dict.fromkeys(["ungated_training", "ungated_no_grad", "gated_training",
+                                                   "gated_no_grad"], "fla")  # the stand-in: fla allows all here
+    assert dispatch["facts"]["fla_unusable"] is None and dispatch["facts"]["fla_min_version"] == "0.6.0"
+    op = items["like/delta_op_T8192"]
+    assert op["status"] == "error"  # made to fail; the same item at T=2048 ran: ours fed bf16 and fp32 leaves
+    parts = items["like/delta_op_T2048"]["result"]["parts"]
+    assert parts["delta_op_auto_bf16"]["seconds_median"] > 0 and parts["delta_op_auto"]["seconds_median"] > 0
+    assert set(items["like/delta_op_T2048"]["result"]["ratios"]) == {"delta_op_auto_bf16_over_raw_fla",
+                                                                      "delta_op_auto_over_raw_fla"}
 
 
 def test_a_failure_keeps_the_rest_and_the_end_names_what_is_pending(dry_run, gq):
@@ -101,10 +109,13 @@ def test_list_and_the_minute_plan(gq):
     r = run("--list", "--minutes", "5")
     assert r.returncode == 0, r.stderr
     lines = [line for line in r.stdout.splitlines() if line.startswith("  pending")]
-    assert [line.split()[1] for line in lines] == [i.id for i in gq.ITEMS]
+    pending = [i for i in gq.ITEMS if not gq.done(i)]  # items measured on a GPU (benchmarks/results/) are done
+    assert [line.split()[1] for line in lines] == [i.id for i in pending]
+    done = [line.split()[1] for line in r.stdout.splitlines() if line.startswith("  done")]
+    assert done == [i.id for i in gq.ITEMS if gq.done(i)] and set(done).isdisjoint(i.id for i in pending)
     # greedy by estimate, in order: an item that does not fit is skipped and a later, smaller one may still fit
-    planned = gq.plan(gq.ITEMS, 5)
-    assert [ok for _, ok in planned[:4]] == [True, True, True, False]  # 0.3 + 2.5 + 2.0; then 2.5 does not fit
+    assert [ok for _, ok in gq.plan(gq.ITEMS, 5)[:4]] == [True, True, True, False]  # 0.3 + 2.5 + 2.0; 2.5 no
+    planned = gq.plan(pending, 5)
     used = sum(item.minutes for item, ok in planned if ok)
     assert used <= 5 and all(item.minutes + used > 5 for item, ok in planned if not ok)
     assert ["fits" in line for line in lines] == [ok for _, ok in planned]

@@ -11,8 +11,9 @@ Each stand-in kernel checks fla's input contract (``fastweights.ops.fla_backend`
 records the call, and computes with the project's per-step reference in fp32 (differentiable), returning
 ``o`` in the inputs' dtype and the final state in fp32, as fla does. ``chunk_size`` is taken as fla 0.6 takes
 it (a keyword, 16, 32 or 64, default 64; anything else a ValueError) and recorded. ``WRONG_CHUNK64 = True``
-imitates fla issue 984: the ungated rule's gradients of k and beta come out halved at chunk size 64 (for the
-tests of the GPU queue's gradient check).
+imitates fla issue 984 (fla < 0.6.0 on Hopper): the ungated rule's gradients of k and beta come out halved at
+chunk size 64 (for the tests of the GPU queue's gradient check). ``install(..., version=...)`` makes it answer to
+another fla version (an fla older than the dispatch's floor).
 """
 
 from __future__ import annotations
@@ -94,17 +95,18 @@ def chunk_gated_delta_rule(*, q, k, v, g, beta, scale=None, initial_state=None, 
 CALLS: list[dict] = []
 
 
-def install(monkeypatch) -> list[dict]:
-    """Make ``fla`` importable as this stand-in and CPU tensors fla's device; returns the call log.
-    ``monkeypatch``: pytest's fixture, or anything with its ``setitem`` / ``setattr`` (the GPU queue's dry run)."""
+def install(monkeypatch, version: str = VERSION) -> list[dict]:
+    """Make ``fla`` importable as this stand-in (answering to ``version``) and CPU tensors fla's device; returns
+    the call log. ``monkeypatch``: pytest's fixture, or anything with its ``setitem`` / ``setattr`` (the GPU
+    queue's dry run)."""
     fla_backend = importlib.import_module("fastweights.ops.fla_backend")
     mods = {name: types.ModuleType(name) for name in ("fla", "fla.ops", "fla.ops.delta_rule", "fla.ops.gated_delta_rule")}
-    mods["fla"].__version__ = VERSION
+    mods["fla"].__version__ = version
     mods["fla.ops.delta_rule"].chunk_delta_rule = chunk_delta_rule
     mods["fla.ops.gated_delta_rule"].chunk_gated_delta_rule = chunk_gated_delta_rule
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
-    fla_backend._fla_functions.cache_clear()
+    _clear(fla_backend)
     monkeypatch.setattr(fla_backend, "FLA_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(fla_backend, "_logged", set())
     CALLS.clear()
@@ -113,4 +115,10 @@ def install(monkeypatch) -> list[dict]:
 
 def uninstall() -> None:
     """Forget the stand-in once monkeypatch has restored ``sys.modules`` (fla's import is cached)."""
-    importlib.import_module("fastweights.ops.fla_backend")._fla_functions.cache_clear()
+    _clear(importlib.import_module("fastweights.ops.fla_backend"))
+
+
+def _clear(fla_backend) -> None:
+    """fla_backend caches fla's import and the reason it cannot be used: forget both."""
+    fla_backend._fla_functions.cache_clear()
+    fla_backend.fla_unusable_reason.cache_clear()

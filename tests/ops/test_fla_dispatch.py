@@ -8,21 +8,28 @@ cast to bf16 and keep their fast weight fp32, that the results agree with the Py
 the choice is logged once.
 
 Issue 42: on Hopper (capability and Triton version injected) ``auto`` trains the ungated rule through fla at
-chunk size 32, since fla issue 984 reports chunk 64's backward wrong there (the compiled form where fla is
-too old to be asked), and takes fla's gated backward wherever fla allows it (Triton < 3.4 or >= 3.7.1, or
-its TileLang backend).
+fla's default chunk size (fla 0.6.0's chunk-64 backward measured right by the GPU queue; fla older than 0.6.0,
+whose chunk 64 fla issue 984 reports wrong there, is not used at all: ``auto`` says why and takes the PyTorch
+form, ``fla`` is a UserError), and takes fla's gated backward wherever fla allows it (Triton < 3.4 or >= 3.7.1,
+or its TileLang backend). Tensors already in fla's dtypes reach the kernel without a copy.
 """
 
 import importlib
 import logging
+import re
 import sys
+import tomllib
 import types
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fla_standin
+from helpers import ROOT
+
+from fastweights.core.errors import UserError
 from fastweights.layers.fwp import FastWeightProgrammer, FWPOptions
 from fastweights.layers.gdn import GatedDeltaNet, GDNOptions
 from fastweights.ops.delta_rule import delta_rule
@@ -36,7 +43,6 @@ BF16 = torch.bfloat16
 def fla(monkeypatch):
     calls = fla_standin.install(monkeypatch)
     monkeypatch.setattr(dr, "_fla_refuses", lambda device: False)
-    monkeypatch.setattr(dr, "_fla_delta_chunk64_wrong", lambda device: False)
     monkeypatch.setattr(dr, "_warned_fallback", False)
     yield calls
     monkeypatch.undo()
@@ -182,20 +188,13 @@ def test_the_conditions_read_in_fla_0_6():
     assert not fb.refuses_gated_backward(9, (3, 7, 1))
     assert not fb.refuses_gated_backward(8, (3, 6, 0)) and not fb.refuses_gated_backward(10, (3, 6, 0))
     assert not fb.refuses_gated_backward(9, (3, 6, 0), tilelang_takes_it=True)
-    # fla issue 984: the ungated backward at chunk 64 on Hopper with Triton >= 3.4
-    assert fb.delta_chunk64_reported_wrong(9, (3, 4, 0)) and fb.delta_chunk64_reported_wrong(9, (3, 7, 1))
-    assert not fb.delta_chunk64_reported_wrong(9, (3, 3, 0)) and not fb.delta_chunk64_reported_wrong(8, (3, 6, 0))
-    assert fb.fla_chunk_size(gated=False, needs_grad=True, chunk64_reported_wrong=True) == 32
-    for gated, grad, wrong in [(True, True, True), (False, False, True), (False, True, False)]:
-        assert fb.fla_chunk_size(gated, grad, wrong) is None
 
 
-def test_select_backend_with_the_chunk64_report():
-    hopper = dict(device_type="cuda", dtype=BF16, fla_ok=True, fla_delta_chunk64_reported_wrong=True)
-    assert dr.select_backend("auto", gated=False, needs_grad=True, **hopper) == "fla"  # at chunk 32
-    assert dr.select_backend("auto", gated=False, needs_grad=True, fla_takes_chunk_size=False, **hopper) == "compiled"
-    assert dr.select_backend("auto", gated=False, needs_grad=False, fla_takes_chunk_size=False, **hopper) == "fla"
-    assert dr.select_backend("fla", gated=False, needs_grad=True, fla_takes_chunk_size=False, **hopper) == "fla"
+def test_the_fla_floor_is_the_gpu_extras():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    (req,) = [r for r in project["optional-dependencies"]["gpu"] if r.startswith("flash-linear-attention")]
+    floor = re.fullmatch(r"flash-linear-attention>=([\d.]+)", req).group(1)
+    assert fb._version_tuple(floor) == fb.FLA_MIN_VERSION == (0, 6, 0)
 
 
 @pytest.fixture
@@ -210,13 +209,10 @@ def hopper_triton(monkeypatch):
 
 def test_the_device_checks_read_capability_and_triton(hopper_triton):
     cuda = torch.device("cuda")
-    assert fb.fla_refuses_gated_backward(cuda) and fb.fla_delta_chunk64_reported_wrong(cuda)
-    hopper_triton(triton="3.3.1")
-    assert not fb.fla_refuses_gated_backward(cuda) and not fb.fla_delta_chunk64_reported_wrong(cuda)
-    hopper_triton(triton="3.7.1")
-    assert not fb.fla_refuses_gated_backward(cuda) and fb.fla_delta_chunk64_reported_wrong(cuda)
-    hopper_triton(triton="3.6.0", major=8)
-    assert not fb.fla_refuses_gated_backward(cuda) and not fb.fla_delta_chunk64_reported_wrong(cuda)
+    assert fb.fla_refuses_gated_backward(cuda)
+    for triton, major in [("3.3.1", 9), ("3.7.1", 9), ("3.6.0", 8)]:
+        hopper_triton(triton=triton, major=major)
+        assert not fb.fla_refuses_gated_backward(cuda)
     assert not fb.fla_refuses_gated_backward(torch.device("cpu"))
 
 
@@ -239,9 +235,8 @@ def test_tilelang_lifts_the_gated_refusal(hopper_triton, monkeypatch):
 
 
 def _on_hopper(monkeypatch, triton):
-    """The stand-in runs on CPU tensors: the device checks answer for a Hopper GPU with this Triton."""
+    """The stand-in runs on CPU tensors: the device check answers for a Hopper GPU with this Triton."""
     monkeypatch.setattr(dr, "_fla_refuses", lambda device: fb.refuses_gated_backward(9, triton))
-    monkeypatch.setattr(dr, "_fla_delta_chunk64_wrong", lambda device: fb.delta_chunk64_reported_wrong(9, triton))
 
 
 def _bf16_leaves():
@@ -249,35 +244,89 @@ def _bf16_leaves():
     return [x.to(BF16).requires_grad_() for x in (q, k, v, beta)] + [g.clone().requires_grad_(), s0]
 
 
-def test_hopper_trains_the_delta_rule_at_chunk_32_and_says_why_once(fla, monkeypatch, caplog):
+def test_hopper_trains_the_delta_rule_at_flas_default_chunk(fla, monkeypatch, caplog):
     _on_hopper(monkeypatch, (3, 6, 0))
     q, k, v, beta, g, s0 = _bf16_leaves()
     with caplog.at_level(logging.INFO, logger="fastweights.ops.delta_rule"):
-        for _ in range(2):
-            o, _ = delta_rule(q, k, v, beta, initial_state=s0)
-            o.float().square().sum().backward()
-        with torch.no_grad():  # no backward: fla's default chunk
-            delta_rule(q, k, v, beta)
-    assert [c["chunk_size"] for c in fla] == [32, 32, 64] and fla[0]["grad"] and not fla[2]["grad"]
+        o, _ = delta_rule(q, k, v, beta, initial_state=s0)
+        o.float().square().sum().backward()
+    (call,) = fla
+    assert call["rule"] == "delta" and call["grad"] and call["chunk_size"] == 64  # fla 0.6.0's chunk 64, measured
     assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (q, k, v, beta))
-    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warned) == 1 and "chunk size 32" in warned[0].getMessage() and "issue 984" in warned[0].getMessage()
-    # the result is fla's at chunk 32: the same rule as the PyTorch form, to bf16 precision
+    (line,) = [r for r in caplog.records if r.name == "fastweights.ops.delta_rule"]
+    assert line.levelno == logging.INFO and "-> 'fla'" in line.getMessage()
     ref, _ = delta_rule(*(x.detach().float() for x in (q, k, v, beta)), initial_state=s0, backend="torch")
     assert rel_err(o, ref) < 1e-2
 
 
-def test_hopper_with_an_fla_that_takes_no_chunk_size_trains_the_compiled_form(fla, monkeypatch, caplog):
-    _on_hopper(monkeypatch, (3, 6, 0))
-    monkeypatch.setattr(dr, "_fla_takes_chunk_size", lambda: False)
-    monkeypatch.setattr(dr, "COMPILE_OPTIONS", {"backend": "aot_eager"})
-    monkeypatch.setattr(dr, "_COMPILED", {})
-    q, k, v, beta, _, _ = _bf16_leaves()
+@pytest.fixture
+def old_fla(monkeypatch):
+    """The stand-in answering to fla 0.5.2, older than the floor (its chunk 64 reported wrong on Hopper)."""
+    calls = fla_standin.install(monkeypatch, version="0.5.2")
+    monkeypatch.setattr(dr, "_fla_refuses", lambda device: False)
+    yield calls
+    monkeypatch.undo()
+    fla_standin.uninstall()
+
+
+def test_an_fla_older_than_the_floor_is_not_used(old_fla, caplog):
+    q, k, v, beta, _, s0 = _bf16_leaves()
     with caplog.at_level(logging.INFO, logger="fastweights.ops.delta_rule"):
-        o, _ = delta_rule(q, k, v, beta)
-    assert fla == [] and len(dr._COMPILED) == 2
-    (line,) = [r.getMessage() for r in caplog.records if r.name == "fastweights.ops.delta_rule"]
-    assert "-> 'compiled'" in line and "issue 984" in line and "ungated" in line
+        for _ in range(2):
+            o, _ = delta_rule(q, k, v, beta, initial_state=s0)
+    assert old_fla == [] and not dr.fla_available()
+    (line,) = [r for r in caplog.records if r.name == "fastweights.ops.delta_rule"]
+    assert line.levelno == logging.WARNING and "-> 'torch'" in line.getMessage()
+    assert "0.5.2 is older than 0.6.0" in line.getMessage() and "issue 984" in line.getMessage()
+    ref, _ = delta_rule(q, k, v, beta, initial_state=s0, backend="torch")
+    assert torch.equal(o, ref)
+    with pytest.raises(UserError, match=r"backend='fla' cannot run: flash-linear-attention 0.5.2 is older than 0.6.0"):
+        delta_rule(q, k, v, beta, backend="fla")
+    for version, usable in [("0.6.0", True), ("0.6.1.dev0+g1234", True), ("0.5.9", False), ("unknown", False)]:
+        sys.modules["fla"].__version__ = version
+        fla_standin._clear(fb)
+        assert dr.fla_available() == usable and (fb.fla_unusable_reason() is None) == usable, version
+
+
+class _Copies(TorchDispatchMode):
+    """Counts the aten operations that copy a tensor (a cast, clone, contiguous or copy_)."""
+
+    COPYING = ("aten._to_copy", "aten.clone", "aten.copy_", "aten.contiguous")
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if name.startswith(self.COPYING):
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _kernel_that_records(seen):
+    def kernel(**kw):
+        seen.append(kw)
+        return torch.zeros_like(kw["v"]), kw["initial_state"]
+    return kernel
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_tensors_reach_the_kernel_without_copies(fla, monkeypatch, gated):
+    seen = []
+    monkeypatch.setattr(fb, "_fla_functions", lambda: (_kernel_that_records(seen), _kernel_that_records(seen)))
+    q, k, v, beta, g, s0 = inputs()
+    low = [x.to(BF16) for x in (q, k, v, beta)]
+    with _Copies() as copies:  # already in fla's dtypes: passed as they are
+        delta_rule(*low, initial_state=s0, output_final_state=True, log_decay=g if gated else None)
+    assert copies.ops == []
+    names = ["q", "k", "v", "beta"]
+    assert all(seen[0][n] is x for n, x in zip(names, low)) and seen[0]["initial_state"] is s0
+    assert not gated or seen[0]["g"] is g
+    with _Copies() as copies, torch.autocast("cpu", dtype=BF16):  # fp32 features: one cast each, nothing else
+        delta_rule(q, k, v, beta, initial_state=s0, output_final_state=True, log_decay=g if gated else None)
+    assert copies.ops == ["aten._to_copy"] * 4 and seen[1]["initial_state"] is s0
+    assert all(seen[1][n].dtype == BF16 for n in names) and (not gated or seen[1]["g"] is g)
 
 
 @pytest.mark.parametrize("triton", [(3, 3, 1), (3, 7, 1)])

@@ -48,11 +48,11 @@ parallel per-chunk parts (the C x C matrices, the solve, the outputs, the backwa
 gradients) compiled by ``torch.compile`` and the scans over chunks eager; ``"fla"`` calls
 flash-linear-attention's ``chunk_delta_rule`` / ``chunk_gated_delta_rule`` (CUDA, fp16/bf16, or fp32
 under autocast, cast to the autocast dtype right before the kernel, the state fp32);
-``"auto"`` uses fla when it is importable, the tensors are on CUDA and the kernel dtype is
-fp16/bf16, and the compiled form where fla refuses (its gated backward on Hopper GPUs with Triton
-3.4 to 3.7.0 and no TileLang); on Hopper with Triton >= 3.4 it trains the ungated rule through fla
-at chunk size 32, since fla issue 984 reports chunk 64's backward wrong there; else torch. The contract with fla and the choice are in
-:mod:`fastweights.ops.fla_backend`; each distinct choice is logged once per process.
+``"auto"`` uses fla when it is importable (flash-linear-attention >= 0.6.0), the tensors are on CUDA and
+the kernel dtype is fp16/bf16, and the compiled form where fla refuses (its gated backward on Hopper GPUs
+with Triton 3.4 to 3.7.0 and no TileLang); else torch. The contract with fla, the choice and the GPU
+measurements behind it are in :mod:`fastweights.ops.fla_backend`; each distinct choice is logged once per
+process.
 """
 
 from __future__ import annotations
@@ -65,11 +65,9 @@ from torch.autograd.function import once_differentiable
 
 from fastweights.ops.fla_backend import (  # noqa: F401  (select_backend, fla_available: part of this module's names)
     fla_available,
-    fla_chunk_size,
-    fla_delta_chunk64_reported_wrong as _fla_delta_chunk64_wrong,
     fla_delta_rule as _delta_rule_fla,
     fla_refuses_gated_backward as _fla_refuses,
-    fla_takes_chunk_size as _fla_takes_chunk_size,
+    fla_unusable_reason,
     kernel_dtype,
     log_choice_once,
     select_backend,
@@ -415,20 +413,17 @@ def delta_rule(
     choice = dict(device_type=q.device.type, dtype=kernel_dtype(q), gated=log_decay is not None,
                   needs_grad=needs_grad)
     fla_ok = backend in ("auto", "fla") and fla_available()
-    gated, ungated_training = log_decay is not None, log_decay is None and needs_grad
-    chunk64_wrong = fla_ok and ungated_training and _fla_delta_chunk64_wrong(q.device)
-    takes_chunk = fla_ok and _fla_takes_chunk_size()
+    gated = log_decay is not None
+    fla_unusable = None if fla_ok or backend not in ("auto", "fla") else fla_unusable_reason()
     chosen = select_backend(
         backend, **choice, fla_ok=fla_ok,
         fla_refuses_gated_backward=fla_ok and gated and needs_grad and _fla_refuses(q.device),
-        fla_delta_chunk64_reported_wrong=chunk64_wrong, fla_takes_chunk_size=takes_chunk,
+        fla_unusable=fla_unusable,
     )
-    fla_chunk = fla_chunk_size(gated, needs_grad, chunk64_wrong) if chosen == "fla" and takes_chunk else None
-    log_choice_once(backend, chosen, **choice, fla_chunk=fla_chunk)
+    log_choice_once(backend, chosen, **choice, fla_unusable=fla_unusable)
     if chosen == "fla":
         try:
-            return _delta_rule_fla(q, k, v, beta, scale, initial_state, output_final_state, log_decay, qk_l2norm,
-                                   chunk_size=fla_chunk)
+            return _delta_rule_fla(q, k, v, beta, scale, initial_state, output_final_state, log_decay, qk_l2norm)
         except Exception as e:
             if backend == "fla":
                 raise

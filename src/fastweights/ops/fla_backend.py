@@ -12,25 +12,32 @@ The kernel dtype (:func:`kernel_dtype`) is the inputs' own dtype when they are f
 autocast the autocast dtype for fp32 inputs: the layers compute their feature maps, gates and
 normalisations in fp32 (exactness, and the fast weight stays fp32) and the cast to the kernel dtype
 happens here, right before the kernel, as fla's own layers hand it the bf16 outputs of autocast's
-matmuls. Outside autocast fp32 inputs stay on the PyTorch form, whose fp32 arithmetic fla's Triton
+matmuls. Inputs already in the kernel dtype, and g and the state already fp32, reach the kernel as they
+are (no copy). Outside autocast fp32 inputs stay on the PyTorch form, whose fp32 arithmetic fla's Triton
 kernels (TF32 products) would not reproduce.
 
-Choice (:func:`select_backend`, a pure function tested on the CPU): ``"auto"`` takes fla when it is
-importable, the tensors are on CUDA and the kernel dtype is fp16/bf16, with two exceptions on Hopper (sm_90),
-both read in fla 0.6.0's source:
+fla older than ``FLA_MIN_VERSION`` (0.6.0, the floor of the ``gpu`` extra in pyproject.toml) counts as
+absent: ``"auto"`` takes the PyTorch form and says why once, ``"fla"`` is a UserError. Older fla's ungated
+backward is reported wrong in ``dk`` and ``dbeta`` at its default chunk size 64 on Hopper with Triton >= 3.4
+(fla issue 984); fla 0.6.0 carries the fix (its pull request 988: that kernel limited to 2 warps on Hopper),
+and the GPU queue measured it right here (``benchmarks/results/gpu_queue_grad_delta_c64.json``: H200,
+Triton 3.6.0, fla 0.6.0, B=4, T=8192, H=12, K=128, V=64, fp32 reference: relative error 0.006 in dk and 0.005
+in dbeta against a tolerance of 0.05, as right as chunk 32). So the ungated rule runs at fla's default chunk
+size wherever fla runs, and the gated rule's refusal below is fla 0.6.0's own condition.
 
-- fla refuses its own gated backward (``chunk_bwd_dqkwg``) on Hopper with 3.4.0 <= Triton < 3.7.1 (wrong
-  results, fla issue 640) unless its TileLang backend takes that function over (``tilelang`` importable with
-  a usable nvcc). There ``"auto"`` trains a gated call through ``"compiled"``, the project's chunkwise form
-  compiled with ``torch.compile``; wherever fla allows the gated backward (another GPU, Triton < 3.4 or
-  >= 3.7.1, or TileLang), ``"auto"`` takes it (:func:`refuses_gated_backward`).
-- fla issue 984 reports the ungated delta rule's backward (``prepare_wy_repr_bwd``) wrong in ``dk`` and
-  ``dbeta`` at chunk size 64 on Hopper with Triton >= 3.4, and right at 16 and 32. Until the GPU queue's
-  gradient check (``benchmarks/gpu/gpu_queue.py``, item ``grad/delta_c64``) has measured it here, ``"auto"``
-  trains an ungated call there through fla at chunk size 32 (fla >= 0.5.2 takes ``chunk_size`` in 16, 32,
-  64), or through ``"compiled"`` where fla is older (:func:`delta_chunk64_reported_wrong`,
-  :func:`fla_chunk_size`). fla 0.6.0 already restricts that kernel to 2 warps on Hopper (its pull request
-  988, the fix of issue 984); the avoidance stays until a measurement here shows chunk 64 right.
+Choice (:func:`select_backend`, a pure function tested on the CPU): ``"auto"`` takes fla when it is
+importable (and >= 0.6.0), the tensors are on CUDA and the kernel dtype is fp16/bf16, with one exception:
+fla refuses its own gated backward (``chunk_bwd_dqkwg``) on Hopper (sm_90) with 3.4.0 <= Triton < 3.7.1
+(wrong results, fla issue 640) unless its TileLang backend takes that function over (``tilelang``
+importable with a usable nvcc). There ``"auto"`` trains a gated call through ``"compiled"``, the project's
+chunkwise form compiled with ``torch.compile``; wherever fla allows the gated backward (another GPU,
+Triton < 3.4 or >= 3.7.1, or TileLang), ``"auto"`` takes it (:func:`refuses_gated_backward`). ``"auto"``
+does not bypass fla's guard: the GPU queue found the bypassed kernel right at our shape (H200, Triton 3.6.0,
+B=4/16, H=12, K=V=64, L2 norm in the kernel: every relative error below 0.006 against 0.05, at T=8192 and
+T=2048; ``gpu_queue_grad_gated_c64*.json``), but two lengths at one shape on one GPU do not outweigh the
+library's guard, which covers every shape. The price, measured there: the ``gdn`` layer trains at 6.2x fla's
+``GatedDeltaNet`` layer under ``"auto"``, and at 1.05x when forced onto fla's kernel
+(``gpu_queue_like_gdn_layer_T8192.json``).
 
 Each distinct choice is logged once per process (logger ``fastweights.ops.delta_rule``), not per call.
 """
@@ -48,25 +55,10 @@ from fastweights.core.errors import UserError
 BACKENDS = ("auto", "torch", "compiled", "fla")
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 FLA_DEVICE_TYPES = ("cuda",)  # device types fla's Triton kernels run on (tests add "cpu" with a stand-in fla)
+FLA_MIN_VERSION = (0, 6, 0)  # the gpu extra's floor in pyproject.toml (tests/ops/test_fla_dispatch.py holds them equal)
 
 logger = logging.getLogger("fastweights.ops.delta_rule")
 _logged: set[tuple] = set()
-
-
-@functools.lru_cache(maxsize=1)
-def _fla_functions():
-    """fla's chunk kernels, or None when flash-linear-attention (or Triton) cannot be imported."""
-    try:
-        delta = importlib.import_module("fla.ops.delta_rule")
-        gated = importlib.import_module("fla.ops.gated_delta_rule")
-        return delta.chunk_delta_rule, gated.chunk_gated_delta_rule
-    except Exception:  # ImportError, or Triton failing to initialise without a GPU
-        return None
-
-
-def fla_available() -> bool:
-    """Whether flash-linear-attention's delta-rule kernels can be imported."""
-    return _fla_functions() is not None
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
@@ -79,11 +71,49 @@ def _version_tuple(text: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
+def _fla_too_old(fla) -> str | None:
+    """Why the imported ``fla`` module is not used (older than FLA_MIN_VERSION), or None."""
+    found = getattr(fla, "__version__", "unknown")
+    if _version_tuple(found) >= FLA_MIN_VERSION:
+        return None
+    need = ".".join(map(str, FLA_MIN_VERSION))
+    return (f"flash-linear-attention {found} is older than {need}, whose ungated backward is reported wrong at chunk "
+            f"64 on Hopper (fla issue 984): pip install 'flash-linear-attention>={need}'")
+
+
+@functools.lru_cache(maxsize=1)
+def _fla_functions():
+    """fla's chunk kernels, or None when flash-linear-attention (or Triton) cannot be imported or fla is older
+    than FLA_MIN_VERSION (:func:`fla_unusable_reason` says which)."""
+    try:
+        if _fla_too_old(importlib.import_module("fla")):
+            return None
+        delta = importlib.import_module("fla.ops.delta_rule")
+        gated = importlib.import_module("fla.ops.gated_delta_rule")
+        return delta.chunk_delta_rule, gated.chunk_gated_delta_rule
+    except Exception:  # ImportError, or Triton failing to initialise without a GPU
+        return None
+
+
+def fla_available() -> bool:
+    """Whether flash-linear-attention's delta-rule kernels (fla >= FLA_MIN_VERSION) can be imported."""
+    return _fla_functions() is not None
+
+
+@functools.lru_cache(maxsize=1)
+def fla_unusable_reason() -> str | None:
+    """None when fla's kernels can be used; else why not, in one line (not importable, or too old)."""
+    if _fla_functions() is not None:
+        return None
+    try:
+        fla = importlib.import_module("fla")
+    except Exception:
+        return "flash-linear-attention and triton (pip install flash-linear-attention) cannot be imported here"
+    return _fla_too_old(fla) or "flash-linear-attention's delta-rule kernels (or triton) cannot be imported here"
+
+
 HOPPER = 9  # compute capability major of the H100 / H200
 GATED_BWD_BAD_TRITON = ((3, 4, 0), (3, 7, 1))  # fla 0.6's guard in chunk_bwd_dqkwg: [from, to) on Hopper (#640)
-DELTA_CHUNK64_BAD_TRITON = (3, 4, 0)  # fla issue 984: Hopper with Triton >= 3.4, chunk 64 wrong, 16 / 32 right
-SAFE_DELTA_CHUNK = 32  # a chunk size fla issue 984 reports right
-FLA_CHUNK_SIZE_FROM = (0, 5, 2)  # chunk_delta_rule(..., chunk_size=16|32|64): read in fla 0.5.2's and 0.6.0's source
 
 
 def refuses_gated_backward(capability_major: int | None, triton_version: tuple[int, ...],
@@ -92,19 +122,6 @@ def refuses_gated_backward(capability_major: int | None, triton_version: tuple[i
     its TileLang backend takes ``chunk_bwd_dqkwg`` over (fla's own condition, ``fla/ops/common/chunk_o.py``)."""
     low, high = GATED_BWD_BAD_TRITON
     return capability_major == HOPPER and low <= tuple(triton_version) < high and not tilelang_takes_it
-
-
-def delta_chunk64_reported_wrong(capability_major: int | None, triton_version: tuple[int, ...]) -> bool:
-    """Whether fla's ungated delta-rule backward at chunk size 64 is reported wrong here (fla issue 984:
-    Hopper with Triton >= 3.4; not yet measured by this project's GPU queue)."""
-    return capability_major == HOPPER and tuple(triton_version) >= DELTA_CHUNK64_BAD_TRITON
-
-
-def fla_chunk_size(gated: bool, needs_grad: bool, chunk64_reported_wrong: bool) -> int | None:
-    """The chunk size to ask of fla's kernel: ``SAFE_DELTA_CHUNK`` for an ungated call that trains where
-    chunk 64 is reported wrong, else None (fla's default, 64). Decided at the forward: fla saves its
-    chunk-sized matrices for the backward."""
-    return SAFE_DELTA_CHUNK if (not gated and needs_grad and chunk64_reported_wrong) else None
 
 
 def _capability_major(device: torch.device) -> int | None:
@@ -119,7 +136,7 @@ def _triton_version() -> tuple[int, ...]:
 
 def _tilelang_takes_gated_backward() -> bool:
     """fla's own answer: its TileLang backend of ``chunk_bwd_dqkwg`` is installed, usable and enabled, and
-    fla's backend dispatch is on. False when it cannot be asked (fla < 0.6 has no such backend)."""
+    fla's backend dispatch is on. False when it cannot be asked."""
     try:
         backends = importlib.import_module("fla.backends")
         tilelang = importlib.import_module("fla.ops.common.backends.tilelang")
@@ -138,25 +155,6 @@ def fla_refuses_gated_backward(device: torch.device) -> bool:
         return refuses_gated_backward(_capability_major(device), _triton_version(), _tilelang_takes_gated_backward())
     except Exception:
         return True
-
-
-def fla_delta_chunk64_reported_wrong(device: torch.device) -> bool:
-    """:func:`delta_chunk64_reported_wrong` for ``device`` (True when it cannot tell)."""
-    if device.type != "cuda":
-        return False
-    try:
-        return delta_chunk64_reported_wrong(_capability_major(device), _triton_version())
-    except Exception:
-        return True
-
-
-def fla_takes_chunk_size() -> bool:
-    """Whether the installed fla's ``chunk_delta_rule`` takes ``chunk_size`` (fla >= 0.5.2)."""
-    try:
-        fla = importlib.import_module("fla")
-        return _version_tuple(getattr(fla, "__version__", "0")) >= FLA_CHUNK_SIZE_FROM
-    except Exception:
-        return False
 
 
 def kernel_dtype(x: torch.Tensor) -> torch.dtype:
@@ -181,17 +179,15 @@ def select_backend(
     needs_grad: bool,
     fla_ok: bool,
     fla_refuses_gated_backward: bool = False,
-    fla_delta_chunk64_reported_wrong: bool = False,
-    fla_takes_chunk_size: bool = True,
+    fla_unusable: str | None = None,
 ) -> str:
     """Decide "torch", "compiled" or "fla" for a delta-rule call (``dtype``: the kernel dtype).
 
     ``"torch"`` / ``"compiled"`` force the PyTorch form (eager / ``torch.compile``); ``"fla"`` forces
-    flash-linear-attention and raises UserError when it is not importable or the tensors are not on
-    CUDA; ``"auto"`` picks fla for CUDA fp16/bf16 (or autocast) with fla importable, except the compiled
-    form for a call that needs a gradient where fla's backward is refused or reported wrong and cannot be
-    avoided: a gated call where fla refuses the gated backward, an ungated one where chunk 64 is reported
-    wrong and fla cannot be asked for another chunk size (see :func:`fla_chunk_size`); else torch.
+    flash-linear-attention and raises UserError when it cannot be used (``fla_unusable``: why, for the
+    message) or the tensors are not on CUDA; ``"auto"`` picks fla for CUDA fp16/bf16 (or autocast) with fla
+    usable, except the compiled form for a gated call that needs a gradient where fla refuses the gated
+    backward; else torch.
     """
     if backend not in BACKENDS:
         raise UserError(f"delta_rule: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -199,10 +195,8 @@ def select_backend(
         return backend
     if backend == "fla":
         if not fla_ok:
-            raise UserError(
-                "delta_rule: backend='fla' needs flash-linear-attention and triton "
-                "(pip install flash-linear-attention), which cannot be imported here"
-            )
+            raise UserError(f"delta_rule: backend='fla' cannot run: "
+                            f"{fla_unusable or 'flash-linear-attention cannot be imported here'}")
         if device_type not in FLA_DEVICE_TYPES:
             raise UserError(f"delta_rule: backend='fla' runs on CUDA tensors only, got {device_type} tensors")
         return "fla"
@@ -210,41 +204,35 @@ def select_backend(
         return "torch"
     if gated and needs_grad and fla_refuses_gated_backward:
         return "compiled"
-    if not gated and needs_grad and fla_delta_chunk64_reported_wrong and not fla_takes_chunk_size:
-        return "compiled"
     return "fla"
 
 
 _WHY = {
     "fla": "flash-linear-attention's kernels",
-    "torch": "the chunkwise PyTorch form: fla not importable, not on CUDA, or fp32 outside autocast",
+    "torch": "the chunkwise PyTorch form: fla not importable (or too old), not on CUDA, or fp32 outside autocast",
 }
 
 
 def log_choice_once(requested: str, chosen: str, device_type: str, dtype: torch.dtype, gated: bool,
-                    needs_grad: bool, fla_chunk: int | None = None) -> None:
-    """Log each distinct backend decision once per process (``fla_chunk``: the chunk size asked of fla,
-    None for its default)."""
-    key = (requested, chosen, device_type, dtype, gated, needs_grad, fla_chunk)
+                    needs_grad: bool, fla_unusable: str | None = None) -> None:
+    """Log each distinct backend decision once per process: a warning where ``"auto"`` avoids fla on a call
+    fla would take (its gated backward refused, or ``fla_unusable``: why fla cannot be used here)."""
+    key = (requested, chosen, device_type, dtype, gated, needs_grad, fla_unusable)
     if key in _logged:
         return
     _logged.add(key)
-    avoided = fla_chunk is not None or (chosen == "compiled" and requested != "compiled")
-    if chosen == "fla" and fla_chunk is not None:
-        why = (f"flash-linear-attention's kernel at chunk size {fla_chunk}: fla issue 984 reports its delta-rule "
-               "backward wrong in dk and dbeta at chunk 64 on Hopper with Triton >= 3.4, not yet measured here")
-    elif chosen == requested:
+    fla_missing = (requested == "auto" and chosen == "torch" and fla_unusable is not None
+                   and device_type in FLA_DEVICE_TYPES and dtype in LOW_PRECISION)
+    if chosen == requested:
         why = "as requested"
-    elif chosen == "compiled" and gated:
+    elif chosen == "compiled":
         why = ("fla refuses the gated backward on this GPU (Hopper, 3.4 <= Triton < 3.7.1, no TileLang): the "
                "chunkwise form compiled with torch.compile")
-    elif chosen == "compiled":
-        why = ("fla issue 984 reports fla's delta-rule backward wrong at chunk 64 on this GPU (Hopper, Triton >= "
-               "3.4) and this fla cannot be asked for chunk 32 (fla < 0.5.2): the chunkwise form compiled with "
-               "torch.compile")
+    elif fla_missing:
+        why = f"the chunkwise PyTorch form: {fla_unusable}"
     else:
         why = _WHY[chosen]
-    level = logging.WARNING if avoided else logging.INFO
+    level = logging.WARNING if chosen == "compiled" and requested != "compiled" or fla_missing else logging.INFO
     logger.log(level, "delta_rule: backend=%r -> %r for %s %s %s, %s (%s)", requested, chosen, device_type,
                str(dtype).replace("torch.", ""), "gated" if gated else "ungated",
                "training" if needs_grad else "no grad", why)
@@ -253,8 +241,9 @@ def log_choice_once(requested: str, chosen: str, device_type: str, dtype: torch.
 def fla_delta_rule(q, k, v, beta, scale, initial_state, output_final_state, log_decay, qk_l2norm,
                    chunk_size: int | None = None):
     """Call fla's kernel with the contract of the module docstring: q, k, v, beta cast to the kernel
-    dtype, g and the state fp32; ``chunk_size`` passed on only when given (fla's default is 64).
-    Returns ``(o in the kernel dtype, final state fp32 or None)``."""
+    dtype, g and the state fp32 (each passed as it is when already so: no copy); ``chunk_size`` passed on
+    only when given (fla's default is 64, which the dispatch leaves; the GPU queue's gradient checks ask
+    for others). Returns ``(o in the kernel dtype, final state fp32 or None)``."""
     chunk_delta, chunk_gated = _fla_functions()
     dtype = kernel_dtype(q)
     q, k, v, beta = (x.to(dtype) for x in (q, k, v, beta))
