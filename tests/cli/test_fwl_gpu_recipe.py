@@ -1,0 +1,213 @@
+"""benchmarks/gpu/fwl_smollm2_gpu.py, issue 41's GPU recipe, on the CPU: its dry run (``--device cpu --tiny``: a
+tiny random Llama, tiny texts, a few steps) writes a JSON with the command, the device, the versions, the
+settings and finite numbers for every row and text, the gain split adding up; its training loop carries the
+state across windows exactly as one long call does and never lets a window see later tokens; the slow part
+is the head with zero step sizes, restored after; the static row is the backbone's own logits; the training
+streams are consecutive stretches of documents that are never scored; bad input is one line with exit 2."""
+
+import importlib
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import ROOT, tiny_llama_dir
+
+SCRIPT = ROOT / "benchmarks" / "gpu" / "fwl_smollm2_gpu.py"
+
+
+def run(*args, timeout=300):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("OUT", None)
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        yield importlib.import_module("fwl_smollm2_gpu")
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fwl_gpu") / "result.json"
+    r = run("--device", "cpu", "--tiny", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout, json.loads(out.read_text())
+
+
+def finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def test_the_dry_run_records_the_command_device_versions_and_settings(dry_run, recipe):
+    stdout, res = dry_run
+    assert res["command"].endswith("benchmarks/gpu/fwl_smollm2_gpu.py --device cpu --tiny")  # --out left out
+    assert res["complete"] is True and res["tiny"] is True and "error" not in res
+    assert res["device"]["type"] == "cpu" and res["versions"]["torch"] == torch.__version__
+    assert res["versions"]["transformers"] and res["git"]["commit"] and res["probes"]
+    import dataclasses
+
+    assert res["settings"] == dataclasses.asdict(recipe.TINY)
+    from fastweights.hf.fwl_head import PRETRAINED_FWL_DEFAULTS
+
+    assert all(res["fwl_options"][k] == v for k, v in PRETRAINED_FWL_DEFAULTS.items())
+    assert set(res["excerpts"]) == set(recipe.SCORED_TEXTS)
+    assert all(e["predictions"] == recipe.TINY.tokens for e in res["excerpts"].values())
+    assert "training for" in stdout and "FWL vs static" in stdout
+
+
+def test_every_row_and_text_has_finite_numbers_and_the_gain_split_adds_up(dry_run, recipe):
+    _, res = dry_run
+    rows = res["results"]
+    assert list(rows) == ["static", "fwl_at_init", "fwl", "fwl_slow"]
+    for row, r in rows.items():
+        assert set(r["per_text"]) == set(recipe.SCORED_TEXTS), row
+        for k, t in r["per_text"].items():
+            assert t["tokens"] == recipe.TINY.tokens and finite(t["perplexity"]) and t["perplexity"] > 1, (row, k)
+            assert finite(t["tokens_per_s"]) and t["tokens_per_s"] > 0 and finite(t["throughput_ratio_to_static"])
+    for k in recipe.SCORED_TEXTS:  # the head starts as the identity: before training it scores as static does
+        assert rows["fwl_at_init"]["per_text"][k]["loss_nats"] == pytest.approx(
+            rows["static"]["per_text"][k]["loss_nats"], rel=1e-5)
+        s = res["gain_split"][k]
+        assert s["gain_nats"] == pytest.approx(s["slow_gain_nats"] + s["fast_gain_nats"], abs=1e-9)
+        assert s["gain_nats"] == pytest.approx(rows["static"]["per_text"][k]["loss_nats"]
+                                               - rows["fwl"]["per_text"][k]["loss_nats"], abs=1e-9)
+        assert s["slow_perplexity"] == pytest.approx(rows["fwl_slow"]["per_text"][k]["perplexity"])
+        assert all(finite(v) for v in s.values())
+
+
+def test_training_ran_its_steps_on_documents_never_scored(dry_run, recipe):
+    _, res = dry_run
+    tr = res["training"]
+    assert tr["steps"] == recipe.TINY.max_steps == len(tr["history"]) and tr["tokens"] > 0
+    assert all(finite(h[3]) for h in tr["history"])
+    assert [h[2] for h in tr["history"]] == [0, 1, 0, 1]  # the windows of each stream, in order
+    assert tr["streams"] == recipe.TINY.batch * 2 and set(tr["corpora"]) <= set(recipe.TRAINING_CORPORA)
+    from fastweights.hf.fwl_training import HELD_OUT_NAMES
+
+    scored_docs = {e["document"].split(":")[1].lower() for e in res["excerpts"].values()}
+    for doc in tr["documents"]:
+        name = doc.split(":", 1)[1].lower()
+        assert not any(n in name for n in HELD_OUT_NAMES) and name not in scored_docs, doc
+
+
+@pytest.fixture(scope="module")
+def tiny_fwl(tmp_path_factory, recipe):
+    """A float64 tiny Llama with an FWL head whose fast update acts (non-zero gain and step sizes)."""
+    import dataclasses
+
+    from fastweights.hf.transformers_as_ours import load_hf_model
+
+    backbone, tok = load_hf_model(str(tiny_llama_dir(tmp_path_factory.mktemp("llama"))))
+    options = dataclasses.replace(recipe.FWLOptions(**recipe.PRETRAINED_FWL_DEFAULTS), segment_len=8, chunk_size=16,
+                                  step_size_init=0.05)
+    torch.manual_seed(0)
+    model = recipe.HFCausalLMWithFWL(backbone, options, trainable_blocks=1).double().eval()
+    with torch.no_grad():
+        model.head.ln_weight.fill_(0.5)
+    return model, tok
+
+
+@torch.no_grad()
+def test_state_carried_across_training_windows_equals_one_long_call(tiny_fwl, recipe):
+    model, _ = tiny_fwl
+    tokens = torch.randint(0, 500, (2, 3 * 20 + 8))  # windows of 20, a shorter last one
+    one = model(tokens[:, :-1])
+    nll = torch.nn.functional.cross_entropy(one.logits.transpose(1, 2), tokens[:, 1:], reduction="none")
+    windows = list(recipe.stream_windows(model, tokens, 20))
+    assert [j for j, _ in windows] == [0, 1, 2, 3]
+    for j, out in windows:
+        assert out.loss.item() == pytest.approx(nll[:, 20 * j:20 * (j + 1)].mean().item(), rel=1e-10, abs=1e-12), j
+    state = windows[-1][1].state  # carried detached: no graph reaches back into earlier windows
+    leaves = [t for t in torch.utils._pytree.tree_leaves(recipe.detached(state)) if isinstance(t, torch.Tensor)]
+    assert leaves and not any(t.requires_grad for t in leaves)
+
+
+@torch.no_grad()
+def test_a_training_window_never_sees_later_tokens(tiny_fwl, recipe):
+    model, _ = tiny_fwl
+    tokens = torch.randint(0, 500, (1, 61))
+    changed = tokens.clone()
+    changed[:, 41:] = (changed[:, 41:] + 7) % 500  # after window 1's last target (token 40)
+    before = [out.loss.item() for _, out in recipe.stream_windows(model, tokens, 20)]
+    after = [out.loss.item() for _, out in recipe.stream_windows(model, changed, 20)]
+    assert after[:2] == before[:2] and after[2] != before[2]
+
+
+@torch.no_grad()
+def test_the_slow_part_is_the_head_with_zero_step_sizes_restored_after(tiny_fwl, recipe):
+    model, _ = tiny_fwl
+    tokens = torch.randint(0, 500, (1, 40))
+    full = model(tokens).logits
+    saved = {n: float(p) for n, p in model.head.step_sizes.items()}
+    with recipe.step_sizes_zeroed(model.head) as head:
+        assert all(float(a) == 0.0 for a in head.current_step_sizes().values())
+        slow = model(tokens).logits
+        h, _ = model.backbone.forward_features(tokens)
+        torch.testing.assert_close(slow, model.head.slow_forward(h), rtol=1e-10, atol=1e-10)
+    assert {n: float(p) for n, p in model.head.step_sizes.items()} == saved
+    assert not torch.allclose(slow, full)
+    torch.testing.assert_close(model(tokens).logits, full, rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_the_static_row_is_the_backbones_own_logits(tiny_fwl, recipe):
+    model, _ = tiny_fwl
+    tokens = torch.randint(0, 500, (2, 30))
+    static = recipe.PretrainedLogits(model.backbone)
+    first = static(tokens[:, :17])
+    second = static(tokens[:, 17:], first.state)
+    own = model.backbone(tokens).logits
+    torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), own.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_parameter_groups_give_the_step_sizes_and_decays_their_own_rate(tiny_fwl, recipe):
+    model, _ = tiny_fwl
+    groups = {g["name"]: g for g in recipe.param_groups(model, recipe.RECIPE)}
+    ids = lambda ps: {id(p) for p in ps}  # noqa: E731
+    fast = list(model.head.step_sizes.values()) + list(model.head.decay_logits.values())
+    assert ids(groups["fast"]["params"]) == ids(fast) and groups["fast"]["lr"] == recipe.RECIPE.lr_fast
+    assert ids(groups["blocks"]["params"]) == ids(model.backbone.layers[-1].parameters())
+    assert groups["head"]["lr"] == recipe.RECIPE.lr_head and groups["blocks"]["lr"] == recipe.RECIPE.lr_blocks
+    every = [p for g in groups.values() for p in g["params"]]
+    assert len(every) == len(ids(every)) == sum(1 for p in model.parameters() if p.requires_grad)
+
+
+def test_training_streams_are_consecutive_stretches_of_each_document(tiny_fwl, recipe):
+    _, tok = tiny_fwl
+    from fastweights.data import load_corpus
+
+    it = recipe.training_streams(tok, 50, seed=0, streams_per_doc=2)
+    first = [next(it) for _ in range(6)]
+    assert [s.split(":")[0] for _, s in first] == list(recipe.TRAINING_CORPORA) * 2  # the corpora in turn
+    for i, (ids, source) in enumerate(first):
+        corpus, doc_name = source.split(":", 1)
+        (doc,) = [d for d in load_corpus(corpus) if d.name == doc_name]
+        whole = torch.as_tensor(tok.encode(doc.text[:2 * 50 * 8]))
+        k = i // len(recipe.TRAINING_CORPORA)  # the first and then the second stretch of the same document
+        assert first[i % 3][1] == source and torch.equal(ids, whole[k * 50:(k + 1) * 50]), source
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--device", "cuda", "--tiny"], "CUDA is not available"),
+    (["--device", "cpu", "--gguf", "missing/smollm2.gguf"], "no such file"),
+    (["--device", "cpu", "--tiny", "--gguf", "x.gguf"], "--tiny builds its own"),
+    (["--device", "cpu", "--tiny", "--minutes", "0"], "--minutes must be > 0"),
+    (["--device", "cpu", "--tiny", "--batch", "two"], "invalid int value"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, says):
+    if "cuda" in args and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    out = tmp_path / "r.json"
+    r = run(*args, "--out", str(out), timeout=120)
+    assert r.returncode == 2 and says in r.stderr, r.stderr[-2000:]
+    assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: ")
+    assert not out.exists()
