@@ -96,10 +96,11 @@ def test_a_failure_keeps_the_rest_and_the_end_names_what_is_pending(dry_run, gq)
     assert all(items[i]["status"] in ("ok", "partial", "not_written") for i in after)
     assert items["like/gdn_chunk64_vs_32"]["status"] == "ok"
     assert "error" in items["like/hybrid"]["result"]["parts"]["fla_gdn_hybrid"]  # fla's model: not in the stand-in
-    assert items["fwl/smollm2_recipe"]["status"] == "not_written"
+    assert items["fwl/smollm2_recipe"]["status"] == "ok"  # the recipe's own dry run (--tiny)
+    assert items["fwl/smollm2_recipe"]["result"]["recipe"]["complete"] is True
     pending = summary["pending"]
     assert list(pending) == [i.id for i in gq.ITEMS]  # a dry run measures nothing for a GPU
-    assert "injected" in pending[FAIL] and pending["fwl/smollm2_recipe"].startswith("not yet written")
+    assert "injected" in pending[FAIL] and pending["fwl/smollm2_recipe"] == "dry run: not a GPU measurement"
     assert pending["grad/delta_c64"] == "dry run: not a GPU measurement"
     tail = stdout[stdout.index("still pending on a GPU:"):]
     assert all(f"  {i.id}: " in tail for i in gq.ITEMS)
