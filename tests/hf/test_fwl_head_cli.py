@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 from fastweights import cli  # noqa: E402
 from fastweights.adapt.dynamic import DynamicEvaluator  # noqa: E402
 from fastweights.hf.fwl_head import load_fwl_head  # noqa: E402
+from fastweights.hf.fwl_training import RECIPE, TRAINING_MIX  # noqa: E402
 from helpers import stderr_text, tiny_llama_dir  # noqa: E402
 
 TEXT = ("Happy families are all alike; every unhappy family is unhappy in its own way. Everything was in "
@@ -36,8 +37,18 @@ def trained(backbone_dir, tmp_path_factory):
 def test_train_writes_a_checkpoint_and_its_summary(trained):
     summary = json.loads((trained / "training.json").read_text())
     assert summary["steps"] >= 1 and summary["variant"] == "fwl" and summary["validation"]["windows"] == 4
-    assert set(summary["training_sources"]) == {"shakespeare-train", "state-of-the-union", "bible-es"}
+    assert set(summary["training_sources"]) <= set(TRAINING_MIX) and summary["data"] == "mix:" + "+".join(TRAINING_MIX)
     assert (trained / "checkpoint.json").is_file()
+
+
+def test_the_flags_defaults_are_the_recipes():
+    """Nothing given: every training setting the command hands the library is RECIPE's. Mutation caught: a flag
+    with its own default (or a setting not passed on: the summary test above would then differ)."""
+    args = cli.build_parser().parse_args(["fwl-head", "train", "--out", "x"])
+    assert (args.windows, args.window, args.doc_windows, 60 * args.minutes, args.streams, args.lr, args.step_lr,
+            args.trainable_blocks, args.seed, args.variant, args.data) == \
+        (RECIPE.windows, RECIPE.window, RECIPE.doc_windows, RECIPE.budget_cpu_s, RECIPE.batch_size, RECIPE.lr,
+         RECIPE.step_lr, RECIPE.trainable_blocks, RECIPE.seed, RECIPE.variant, None)
 
 
 def test_eval_generate_and_dynamic_eval_take_the_checkpoint(trained, tmp_path, capsys):
@@ -77,3 +88,24 @@ def test_bad_input_is_one_line(trained, tmp_path, capsys):
     assert cli.main(["fwl-head", "export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "x")]) == 2
     assert "not a checkpoint written by" in stderr_text(capsys)
     assert cli.main(["fwl-head", "train", "--out", str(tmp_path / "r"), "--variant", "other"]) == 2
+
+
+def test_every_training_flag_is_passed_on(monkeypatch, capsys):
+    """Mutation caught: a flag parsed but not handed to the library (its default used instead)."""
+    from fastweights.hf import fwl_training
+
+    seen = {}
+
+    def fake(hf, out, **kw):
+        seen.update(kw)
+        return {"steps": 0, "cpu_s": 0.0, "validation": {"loss_nats": 1.0, "static_nats": 1.0, "gain_nats": 0.0}}
+
+    monkeypatch.setattr(fwl_training, "train_recipe", fake)
+    assert cli.main(["fwl-head", "train", "--out", "x", "--data", "novels", "--doc-windows", "5", "--streams", "3",
+                     "--step-lr", "0.02", "--lr", "0.004", "--trainable-blocks", "2", "--windows", "11", "--window",
+                     "256", "--minutes", "2", "--seed", "7", "--max-steps", "9", "--quiet"]) == 0
+    assert {k: seen[k] for k in ("data", "doc_windows", "batch_size", "step_lr", "lr", "trainable_blocks", "windows",
+                                 "window", "budget_cpu_s", "seed", "max_steps")} == {
+        "data": "novels", "doc_windows": 5, "batch_size": 3, "step_lr": 0.02, "lr": 0.004, "trainable_blocks": 2,
+        "windows": 11, "window": 256, "budget_cpu_s": 120.0, "seed": 7, "max_steps": 9}
+    assert "gain +0.0000" in capsys.readouterr().out

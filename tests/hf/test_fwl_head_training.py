@@ -1,7 +1,8 @@
 """Training an FWL head on a pretrained model (``fastweights fwl-head train``, ``hf.fwl_training``), held to what
 ``fastweights train`` promises (issue 39): SIGINT/SIGTERM save the step and say how to continue, and the run resumes
-bit-exactly (the head and its buffers, AdamW, the window order, the CPU budget spent); the hidden-state cache is
-keyed by the tokens, every backbone weight and the dtype, and checked when it is reused. A tiny offline Llama with
+bit-exactly (the head and its buffers, AdamW, the document order, each stream's window and carried head state, the
+CPU budget spent); the hidden-state cache is keyed by every field that changes its contents, and checked when it is
+reused. A tiny offline Llama with
 the bundled GPT-2 tokenizer; every test here also guards a mutation that no earlier test caught (named in each)."""
 
 import json
@@ -18,7 +19,8 @@ from safetensors.torch import load_file  # noqa: E402
 from fastweights import cli  # noqa: E402
 from fastweights.core.errors import UserError  # noqa: E402
 from fastweights.hf import fwl_training  # noqa: E402
-from fastweights.hf.fwl_training import cache_hidden_states, load_cache, train_recipe  # noqa: E402
+from fastweights.hf.fwl_cache import cache_hidden_states, load_cache  # noqa: E402
+from fastweights.hf.fwl_training import train_recipe  # noqa: E402
 from helpers import tiny_llama_dir  # noqa: E402
 
 WINDOW = 192  # three 64-token segments: the segment decays get a gradient
@@ -36,8 +38,10 @@ def cache(tmp_path_factory):
 
 
 def _recipe(backbone_dir, out, cache, steps, **kw):
-    return train_recipe(str(backbone_dir), out, windows=8, window=WINDOW, cache_dir=cache, max_steps=steps,
-                        budget_cpu_s=kw.pop("budget_cpu_s", 1e9), progress=False, **kw)
+    """8 windows of the default mix in documents of at most 3 windows (3 + 3 + 2), the last 4 held out: training
+    streams read documents of 3 and 1 windows."""
+    return train_recipe(str(backbone_dir), out, windows=8, window=WINDOW, doc_windows=3, cache_dir=cache,
+                        max_steps=steps, budget_cpu_s=kw.pop("budget_cpu_s", 1e9), progress=False, **kw)
 
 
 def _weights(d):
@@ -52,17 +56,18 @@ def _bit_equal(a, b) -> bool:
 
 
 def test_resume_is_bit_exact_and_restores_the_window_order(backbone_dir, cache, tmp_path):
-    """2 steps, then resumed to 7 (4 training windows: the order crosses into a second permutation): the same
-    weights, buffers and optimizer as 7 straight, the same windows in the same order. Mutations caught: the
-    window-order generator not restored on resume (the second permutation would repeat the first), the rest of
-    the current permutation not saved."""
+    """1 step, then resumed to 9 (2 training documents of 3 and 1 windows: the order crosses into later
+    permutations): the same weights, buffers and optimizer as 9 straight, the same windows in the same order.
+    Mutations caught: the document-order generator not restored on resume (the second permutation would repeat
+    the first), the rest of the current permutation not saved."""
     out = tmp_path / "straight"
-    want = _recipe(backbone_dir, out, cache, 7)
-    first = _recipe(backbone_dir, tmp_path / "run", cache, 2)
-    assert first["steps"] == 2
-    got = _recipe(backbone_dir, tmp_path / "run", cache, 7)
-    assert got["steps"] == 7
-    assert [h[3] for h in got["history"]] == [h[3] for h in want["history"]]
+    want = _recipe(backbone_dir, out, cache, 9)
+    first = _recipe(backbone_dir, tmp_path / "run", cache, 1)
+    assert first["steps"] == 1
+    got = _recipe(backbone_dir, tmp_path / "run", cache, 9)
+    assert got["steps"] == 9
+    assert [h["windows"] for h in got["history"]] == [h["windows"] for h in want["history"]]
+    assert sorted({w for h in want["history"] for w in h["windows"]}) == [0, 1, 2, 3]
     assert _bit_equal(_weights(out), _weights(tmp_path / "run"))
     a, b = load_file(str(out / "trainer_state.safetensors")), load_file(str(tmp_path / "run" / "trainer_state.safetensors"))
     assert _bit_equal({k: v for k, v in a.items()}, {k: v for k, v in b.items()})  # AdamW's moments, the generator
@@ -75,8 +80,8 @@ def test_resume_continues_the_cpu_budget_clock(backbone_dir, cache, tmp_path):
     spent = first["cpu_s"]
     again = _recipe(backbone_dir, tmp_path / "run", cache, 8, budget_cpu_s=spent + 1e-6)
     assert again["steps"] == 3 and again["cpu_s"] > spent
-    assert [h[0] for h in again["history"]] == [1, 2, 3]
-    assert again["history"][2][1] >= again["history"][1][1]  # the clock of the history continues too
+    assert [h["step"] for h in again["history"]] == [1, 2, 3]
+    assert again["history"][2]["cpu_s"] >= again["history"][1]["cpu_s"]  # the clock of the history continues too
 
 
 @pytest.mark.filterwarnings("ignore:fwl. training windows")
@@ -117,7 +122,7 @@ def test_a_signal_saves_the_step_and_resume_is_bit_exact(backbone_dir, signum, c
             str(tmp_path / "cache"), "--quiet"]
     assert cli.main([*args, "--out", str(tmp_path / "straight"), "--max-steps", "4"]) == 0
     calls = []
-    loss = fwl_training.window_loss
+    loss = fwl_training.stream_loss
 
     def signal_in_step_2(*a, **k):
         calls.append(1)
@@ -125,7 +130,7 @@ def test_a_signal_saves_the_step_and_resume_is_bit_exact(backbone_dir, signum, c
             signal.raise_signal(signum)
         return loss(*a, **k)
 
-    monkeypatch.setattr(fwl_training, "window_loss", signal_in_step_2)
+    monkeypatch.setattr(fwl_training, "stream_loss", signal_in_step_2)
     handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     capsys.readouterr()
     assert cli.main([*args, "--out", str(tmp_path / "stopped"), "--max-steps", "4"]) == code
@@ -134,7 +139,7 @@ def test_a_signal_saves_the_step_and_resume_is_bit_exact(backbone_dir, signum, c
     assert err[-1] == (f"interrupted by {signal.Signals(signum).name}: {tmp_path / 'stopped'} holds the checkpoint of "
                        "step 2; continue with the same `fastweights fwl-head train` command (it resumes from there)")
     assert json.loads((tmp_path / "stopped" / "checkpoint.json").read_text())["step"] == 2
-    monkeypatch.setattr(fwl_training, "window_loss", loss)
+    monkeypatch.setattr(fwl_training, "stream_loss", loss)
     assert cli.main([*args, "--out", str(tmp_path / "stopped"), "--max-steps", "4"]) == 0
     assert _bit_equal(_weights(tmp_path / "straight"), _weights(tmp_path / "stopped"))
 
@@ -180,30 +185,9 @@ def backbone(backbone_dir):
     return load_hf_model(str(backbone_dir))[0]
 
 
-def test_the_cache_is_rebuilt_for_another_dtype_backbone_or_tokens(backbone, tmp_path):
-    """A cache made in float16 is not reused for float32 (nor for other tokens or another backbone digest): its
-    files are rebuilt with the new key. Mutation caught: the cache reused across dtypes."""
-    d = tmp_path / "cache"
-    tokens = _tokens()
-    meta16 = cache_hidden_states(backbone, tokens, d, fingerprint="bb", progress=False, dtype="float16")
-    h16 = np.array(load_cache(d)[0])
-    meta32 = cache_hidden_states(backbone, tokens, d, fingerprint="bb", progress=False, dtype="float32")
-    hidden, _, meta = load_cache(d)
-    assert meta16["dtype"] == "float16" and meta32["dtype"] == meta["dtype"] == "float32"
-    assert hidden.dtype == np.float32
-    with torch.no_grad():
-        want = backbone.forward_features(torch.from_numpy(tokens[1:2]))[0][0].numpy()
-    assert np.array_equal(hidden[1], want) and not np.array_equal(h16.astype(np.float32), np.asarray(hidden))
-    for key in ({"fingerprint": "another"}, {"tokens": _tokens(seed=1)}):
-        kw = {"fingerprint": "bb", "tokens": tokens, **key}
-        m = cache_hidden_states(backbone, kw["tokens"], d, fingerprint=kw["fingerprint"], progress=False,
-                                dtype="float32")
-        assert m["backbone"] == kw["fingerprint"] and np.array_equal(load_cache(d)[1], kw["tokens"])
-
-
 def test_the_backbone_digest_covers_every_weight(backbone):
     """The cache's backbone key changes with any weight, not only the output layer the head's fingerprint reads."""
-    from fastweights.hf.fwl_training import backbone_digest
+    from fastweights.hf.fwl_cache import backbone_digest
 
     before = backbone_digest(backbone)
     w = backbone.layers[0].mlp.up_proj.weight

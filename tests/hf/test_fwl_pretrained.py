@@ -19,13 +19,8 @@ from fastweights.hf.fwl_head import (
     load_fwl_head,
     save_fwl_head,
 )
-from fastweights.hf.fwl_training import (
-    HELD_OUT_NAMES,
-    TRAINING_MIX,
-    cache_hidden_states,
-    load_cache,
-    train_head,
-)
+from fastweights.hf.fwl_cache import cache_hidden_states, load_cache
+from fastweights.hf.fwl_training import HELD_OUT_NAMES, TRAINING_MIX, train_head
 from fastweights.hf.transformers_as_ours import HFCausalLM
 from fastweights.layers.fwl import FWLOptions
 
@@ -179,7 +174,7 @@ def test_the_training_mix_holds_none_of_the_compared_texts():
         sys.path.pop(0)
     compared = [(spec, marker) for _, _, _, spec, marker, _ in KNOWN]
     assert {spec.split(":")[1].split("_")[0] for spec, _ in compared} <= {n.split("_")[0] for n in HELD_OUT_NAMES}
-    mix_corpora = {corpus for corpus, _ in TRAINING_MIX}
+    mix_corpora = set(TRAINING_MIX)
     mix_text = []
     for corpus in mix_corpora:
         for doc in load_corpus(corpus):

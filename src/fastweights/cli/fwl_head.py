@@ -4,11 +4,14 @@
     fastweights fwl-head export --checkpoint runs/fwl-smollm2/fwl --out runs/fwl-smollm2-hf
     fastweights dynamic eval --hf runs/fwl-smollm2/fwl --data FILE --lr 0                # score it (static)
 
-``train`` caches the frozen backbone's hidden states of the training mix once (shared by the variants in
-``--cache``), then trains the head for ``--minutes`` CPU-minutes (or ``--max-steps``) with progress,
-checkpoints and resume (run the same command again to continue a run cut short; SIGINT/SIGTERM save the step
-first and say so, exit status 130/143). Its defaults are the recipe's
-(``fastweights.hf.fwl_training.RECIPE``, the settings the recorded ``fwl_smollm2.json`` was made with).
+``train`` caches the frozen part of the backbone's hidden states of the training text once (``--data``, any
+corpus spec; default: the English mix of long documents that leaves out every compared text; shared by the
+variants in ``--cache``, rebuilt when the text, window, trainable blocks, backbone or dtype change), then trains
+the head, and with ``--trainable-blocks K`` the top K backbone blocks, on consecutive windows of each document
+with the head's running update carried across them, for ``--minutes`` CPU-minutes (or ``--max-steps``) with
+progress, checkpoints and resume (run the same command again to continue a run cut short; SIGINT/SIGTERM save
+the step first and say so, exit status 130/143). Losses are logged in nats, with the gain over the static
+model on the same windows. Its defaults are the recipe's (``fastweights.hf.fwl_training.RECIPE``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from fastweights.core.errors import UserError
 def register(sub, parser_class) -> None:
     p = sub.add_parser("fwl-head", help="a Fast Weight Layer on a pretrained Hugging Face model: train, export")
     s = p.add_subparsers(dest="fwl_command", metavar="{train,export}", parser_class=parser_class, required=True)
-    from fastweights.hf.fwl_training import RECIPE, VARIANTS
+    from fastweights.hf.fwl_training import RECIPE, TRAINING_MIX, VARIANTS
 
     t = s.add_parser("train", help="cache the backbone's hidden states of the training mix, train the FWL head")
     t.add_argument("--hf", default="smollm2-135m", metavar="NAME_OR_PATH",
@@ -39,15 +42,28 @@ def register(sub, parser_class) -> None:
                    help="training budget in CPU-minutes of this process (the cache comes on top: 3.5 CPU-minutes "
                         "for 96 windows of SmolLM2-135M in benchmarks/results/fwl_smollm2.json)")
     t.add_argument("--windows", type=positive_int, default=RECIPE.windows,
-                   help=f"windows of the training mix cached (the last {RECIPE.val_windows} "
-                        "held out)")
+                   help=f"windows of the training text cached in all (the last {RECIPE.val_windows} held out)")
     t.add_argument("--window", type=positive_int, default=RECIPE.window,
                    help="tokens per window (at most the model's position limit; a cache of another window size is "
                         "rebuilt)")
+    t.add_argument("--data", metavar="SPEC", default=None,
+                   help="training text: a file, a folder, a registered corpus name (`fastweights data list`), ... as "
+                        "--data elsewhere (default: English long documents of the bundled corpora, the compared texts "
+                        "left out: " + ", ".join(TRAINING_MIX) + ")")
+    t.add_argument("--doc-windows", type=positive_int, default=RECIPE.doc_windows,
+                   help="consecutive windows a document gives at most (the head's state is carried through them)")
+    t.add_argument("--streams", type=positive_int, default=RECIPE.batch_size,
+                   help="parallel streams (documents) per step: the batch size")
+    t.add_argument("--trainable-blocks", type=nonneg_int, default=RECIPE.trainable_blocks, metavar="K",
+                   help="train the top K of the backbone's N blocks with the head (Llama-family models); the cache "
+                        "then holds the input of block N-K, the blocks below stay frozen")
     t.add_argument("--cache", metavar="DIR", default=None,
                    help="hidden-state cache (default: hidden-cache next to --out, shared by the variants)")
-    t.add_argument("--lr", type=positive_float, default=RECIPE.lr, help="AdamW learning rate of the head")
-    t.add_argument("--seed", type=seed_type, default=RECIPE.seed, help="random seed (window order)")
+    t.add_argument("--lr", type=positive_float, default=RECIPE.lr,
+                   help="AdamW learning rate of the head's weights and the trained backbone blocks")
+    t.add_argument("--step-lr", type=positive_float, default=RECIPE.step_lr,
+                   help="AdamW learning rate of the head's step sizes and segment decays")
+    t.add_argument("--seed", type=seed_type, default=RECIPE.seed, help="random seed (document order, initialisation)")
     t.add_argument("--max-steps", type=nonneg_int, default=0,
                    help="stop after this many steps in all (a resumed run counts its earlier ones; 0: the budget "
                         "alone decides)")
@@ -66,12 +82,14 @@ def cmd_train(args) -> int:
     from fastweights.hf.fwl_training import train_recipe
 
     summary = train_recipe(args.hf, args.out, variant=args.variant, budget_cpu_s=60.0 * args.minutes,
-                           windows=args.windows, window=args.window, cache_dir=args.cache, lr=args.lr, seed=args.seed,
-                           progress=not args.quiet, max_steps=args.max_steps or None)
+                           windows=args.windows, window=args.window, doc_windows=args.doc_windows, data=args.data,
+                           cache_dir=args.cache, lr=args.lr, step_lr=args.step_lr, batch_size=args.streams,
+                           trainable_blocks=args.trainable_blocks, seed=args.seed, progress=not args.quiet,
+                           max_steps=args.max_steps or None)
     val = summary["validation"]
     print(f"trained {summary['steps']} steps ({summary['cpu_s'] / 60:.1f} CPU-min); held-out windows: "
-          f"{val['fwl_bits']:.4f} bits/token with the head, {val['pretrained_bits']:.4f} without "
-          f"-> {Path(args.out) / 'training.json'}")
+          f"{val['loss_nats']:.4f} nats/token with the head, {val['static_nats']:.4f} static (gain "
+          f"{val['gain_nats']:+.4f}) -> {Path(args.out) / 'training.json'}")
     return 0
 
 

@@ -14,7 +14,10 @@ unembedding E, c:
 with the LayerNorm gain and every step size alpha starting at 0: before any training the logits are
 exactly the pretrained model's (both the branch and its update are zero). Training learns the slow
 head, the step sizes and the segment decays by the FWL's second-order objective (the backbone frozen
-by default; :mod:`fastweights.hf.fwl_training` trains from hidden states cached on disk).
+by default; :mod:`fastweights.hf.fwl_training` trains from hidden states cached on disk). With
+``trainable_blocks = K`` the top K decoder blocks train too: :func:`blocks_input` gives the input of block N - K
+(what the cache stores) and :func:`top_blocks` the final hidden state from it, through the model's own rotary
+embedding, causal mask and final norm (Llama-family models).
 
 Variants (the paper's Table 2): ``test_time_only`` (the head trained with the slow loss, the update
 applied at test time with one global step size, tuned on tuning text) and ``bias_only`` (only the
@@ -117,6 +120,67 @@ class HFCausalLMWithFWL(nn.Module):
         names = {n for n, p in self.named_parameters() if p.requires_grad}
         return {k: v.detach().contiguous() for k, v in self.state_dict().items()
                 if k in names or k.startswith("head.")}
+
+
+#: the model types whose decoder blocks :func:`blocks_input` / :func:`top_blocks` run one by one (the rotary
+#: embedding, the causal mask and the final norm of a transformers ``LlamaModel``; SmolLM2 is a Llama)
+BLOCK_SPLIT_TYPES = ("llama",)
+
+
+def llama_base(backbone, k: int):
+    """``backbone.hf.model`` of a Llama-family backbone with at least ``k`` blocks (one-line UserError otherwise)."""
+    base = backbone.hf.base_model
+    kind = getattr(backbone.hf.config, "model_type", "?")
+    if kind not in BLOCK_SPLIT_TYPES or not all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm",
+                                                                           "rotary_emb")):
+        raise UserError(f"training backbone blocks (trainable blocks {k}) runs the decoder blocks of Llama-family "
+                        f"models only ({', '.join(BLOCK_SPLIT_TYPES)}); this backbone is {kind!r}: use trainable "
+                        "blocks 0")
+    if not 0 <= k <= len(base.layers):
+        raise UserError(f"trainable blocks must be in 0..{len(base.layers)}, got {k}")
+    return base
+
+
+def _run_blocks(base, h: torch.Tensor, blocks) -> torch.Tensor:
+    """``h [B, T, d]`` through ``blocks`` (decoder layers of ``base``) at positions 0..T-1 with the model's own
+    rotary embedding and causal mask (no KV cache: the window is read alone)."""
+    import inspect
+
+    from transformers.masking_utils import create_causal_mask
+
+    B, T, _ = h.shape
+    position_ids = torch.arange(T, device=h.device)[None].expand(B, T)
+    accepted = inspect.signature(create_causal_mask).parameters
+    kw = {"config": base.config, "inputs_embeds": h, "attention_mask": None, "position_ids": position_ids}
+    for name, value in (("cache", None), ("past_key_values", None), ("cache_position", torch.arange(T))):
+        if name in accepted:
+            kw[name] = value
+    mask = create_causal_mask(**kw)
+    position_embeddings = base.rotary_emb(h, position_ids=position_ids)
+    for block in blocks:
+        out = block(h, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings)
+        h = out[0] if isinstance(out, tuple) else out
+    return h
+
+
+def blocks_input(backbone, tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """``[B, T, d]``: what the top ``k`` decoder blocks of ``backbone`` read for ``tokens [B, T]`` read alone
+    (positions 0..T-1): the output of the N - k blocks below; ``k = 0``: the final hidden state (after the final
+    norm, :meth:`~fastweights.hf.transformers_as_ours.HFCausalLM.forward_features`), for any architecture."""
+    if k == 0:
+        return backbone.forward_features(tokens)[0]
+    base = llama_base(backbone, k)
+    return _run_blocks(base, base.embed_tokens(tokens), list(base.layers)[: len(base.layers) - k])
+
+
+def top_blocks(backbone, h: torch.Tensor, k: int) -> torch.Tensor:
+    """The final hidden state ``[B, T, d]`` (the output layer's input) from ``h = blocks_input(backbone, tokens,
+    k)``: the top ``k`` blocks and the final norm (``k = 0``: ``h`` itself). ``top_blocks(blocks_input(x, k), k)``
+    equals ``forward_features(x)`` (tests/hf/test_fwl_trainable_blocks.py)."""
+    if k == 0:
+        return h
+    base = llama_base(backbone, k)
+    return base.norm(_run_blocks(base, h, list(base.layers)[len(base.layers) - k:]))
 
 
 def tensors_digest(named: list[tuple[str, torch.Tensor]]) -> str:

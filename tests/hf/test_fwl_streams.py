@@ -1,0 +1,194 @@
+"""Training the FWL head on streams of consecutive windows (``hf.fwl_training``, issue 41): the head's running
+update carried across a document's windows (equal to one call over the document), saved with the checkpoint and
+restored bit-exactly on resume; step sizes and decays at their own learning rate; the history in nats beside the
+static model's loss on the same windows; and a hidden-state cache rebuilt when any field of its key changes. Each
+test names the one-line bug it catches (shown failing on that mutant when written)."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+
+from safetensors.torch import load_file  # noqa: E402
+
+from fastweights.hf.fwl_cache import KEY_FIELDS, cache_hidden_states, load_cache  # noqa: E402
+from fastweights.hf.fwl_head import PRETRAINED_FWL_DEFAULTS, HFCausalLMWithFWL, blocks_input  # noqa: E402
+from fastweights.hf.fwl_training import param_groups, train_head  # noqa: E402
+from fastweights.layers.fwl import FWLOptions  # noqa: E402
+from helpers import tiny_llama_dir  # noqa: E402
+
+W = 24  # tokens per window: 3 segments of 8
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return tiny_llama_dir(tmp_path_factory.mktemp("tiny-llama-4"), n_layers=4)
+
+
+def acting_model(llama_dir, trainable_blocks=0):
+    """The tiny 4-block Llama with an FWL head (seed 0) whose fast update acts (non-zero step sizes and gain)."""
+    from fastweights.hf.transformers_as_ours import load_hf_model
+
+    backbone, _ = load_hf_model(str(llama_dir))
+    torch.manual_seed(0)
+    options = FWLOptions(**{**PRETRAINED_FWL_DEFAULTS, "segment_len": 8, "step_size_init": 0.05})
+    model = HFCausalLMWithFWL(backbone, options, trainable_blocks=trainable_blocks)
+    with torch.no_grad():
+        model.head.ln_weight.fill_(0.5)
+    return model
+
+
+def windows(n=7, seed=0):
+    return np.random.default_rng(seed).integers(0, 1000, size=(n, W)).astype(np.int64)
+
+
+def build_cache(model, d, tokens, doc_windows, **kw):
+    return cache_hidden_states(model.backbone, tokens, d, fingerprint="bb", progress=False, dtype="float32",
+                               doc_windows=doc_windows, trainable_blocks=model.trainable_blocks, **kw)
+
+
+# ----------------------------------------------------------------------------- the carried state
+
+
+def test_a_stream_carries_the_head_state_through_its_document(llama_dir, tmp_path):
+    """lr = step_lr = 0 (the head fixed): each step's loss is the mean loss of that window's positions in ONE
+    call of the head over the whole document's cached hidden states, and the first step of a document starts
+    fresh. Mutations caught: the state not carried to the stream's next window; a stream keeping the previous
+    document's state when it starts another."""
+    model = acting_model(llama_dir)
+    tokens = windows(7)
+    build_cache(model, tmp_path / "c", tokens, [3, 4])  # two documents; val_windows=0
+    summary = train_head(model, tmp_path / "c", tmp_path / "run", "tiny", budget_cpu_s=1e9, lr=0.0, step_lr=0.0,
+                         val_windows=0, max_steps=7, progress=False)
+    hidden, _, meta = load_cache(tmp_path / "c")
+    model.train()
+    want = {}
+    with torch.no_grad():
+        for first, end in ((0, 3), (3, 7)):
+            h = torch.from_numpy(np.asarray(hidden[first:end])).reshape(1, -1, hidden.shape[-1])
+            x = torch.from_numpy(tokens[first:end]).reshape(1, -1)
+            logits, _ = model.head(h, x)
+            nll = F.cross_entropy(logits[0, :-1], x[0, 1:], reduction="none")
+            for j in range(first, end):  # the W - 1 predictions inside window j
+                a = (j - first) * W
+                want[j] = nll[a:a + W - 1].mean().item()
+    seen = [(h["windows"][0], h["loss_nats"]) for h in summary["history"]]
+    assert sorted(j for j, _ in seen) == list(range(7))  # each document read once, in order
+    for j, loss in seen:
+        assert loss == pytest.approx(want[j], abs=1e-5), j
+    # the carried state matters: window 1 read with a fresh state scores differently
+    with torch.no_grad():
+        fresh = model.head(torch.from_numpy(np.asarray(hidden[1:2])), torch.from_numpy(tokens[1:2]))[0]
+    assert abs(F.cross_entropy(fresh[0, :-1], torch.from_numpy(tokens[1, 1:])).item() - want[1]) > 1e-4
+
+
+def test_resume_restores_each_streams_carried_state(llama_dir, tmp_path):
+    """2 streams over documents of 3 windows: 2 steps, then resumed to 6, equals 6 straight bit for bit (weights,
+    AdamW, streams), and the checkpoint at step 2 holds the streams' carried states (mid-document). Mutation
+    caught: the carried state not saved or not restored on resume (the streams would restart fresh)."""
+    tokens = windows(9)
+    build_cache(acting_model(llama_dir), tmp_path / "c", tokens, [3, 3, 3])
+    kw = dict(budget_cpu_s=1e9, batch_size=2, val_windows=0, progress=False, lr=1e-2, step_lr=1e-2)
+    train_head(acting_model(llama_dir), tmp_path / "c", tmp_path / "straight", "tiny", max_steps=6, **kw)
+    train_head(acting_model(llama_dir), tmp_path / "c", tmp_path / "run", "tiny", max_steps=2, **kw)
+    ts = load_file(str(tmp_path / "run" / "trainer_state.safetensors"))
+    assert len(ts) > 10  # AdamW's moments and the two streams' carried tensors
+    from fastweights.hf.fwl_head import load_fwl_head
+
+    model = acting_model(llama_dir)
+    _, _, state = load_fwl_head(tmp_path / "run", backbone_loader=lambda _n: (model.backbone, None),
+                                with_trainer_state=True)
+    assert all(s["state"] is not None and s["state"]["pos"] == 2 * W for s in state["streams"])
+    train_head(model, tmp_path / "c", tmp_path / "run", "tiny", max_steps=6, **kw)
+    for name in ("model.safetensors", "trainer_state.safetensors"):
+        a, b = load_file(str(tmp_path / "straight" / name)), load_file(str(tmp_path / "run" / name))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+
+
+# ----------------------------------------------------------------------------- learning rates, history
+
+
+def test_step_sizes_and_decays_get_their_own_learning_rate(llama_dir, tmp_path):
+    """One AdamW step (its first update is lr x sign(gradient)): the step sizes and decays move by step_lr, the
+    head's weights by lr. Mutation caught: one parameter group for every tensor (step_lr not passed on)."""
+    model = acting_model(llama_dir)
+    groups = param_groups(model, 1e-6, 1e-2)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert {names[id(p)].split(".")[1] for p in groups[1]["params"]} == {"step_sizes", "decay_logits"}
+    build_cache(model, tmp_path / "c", windows(3), [3])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    train_head(model, tmp_path / "c", tmp_path / "run", "tiny", budget_cpu_s=1e9, lr=1e-6, step_lr=1e-2,
+               val_windows=0, max_steps=1, progress=False)
+    moved = {n: (p.detach() - before[n]).abs().max().item() for n, p in model.named_parameters()}
+    fast = [n for n in moved if n.startswith(("head.step_sizes.", "head.decay_logits."))]
+    assert fast and max(moved[n] for n in fast) == pytest.approx(1e-2, rel=1e-3)
+    assert max(moved[n] for n in moved if n.startswith("head.") and n not in fast) <= 2e-6
+
+
+def test_the_history_is_in_nats_beside_the_static_loss_of_the_same_windows(llama_dir, tmp_path):
+    """At initialisation the head is the identity (zero step sizes and gain): the first step's loss_nats equals
+    static_nats, and both equal the backbone's own cross-entropy of that window in nats; gain_nats is their
+    difference. Mutations caught: the loss logged in bits; the static loss of another window."""
+    from fastweights.hf.transformers_as_ours import load_hf_model
+
+    backbone, _ = load_hf_model(str(llama_dir))
+    model = HFCausalLMWithFWL(backbone)
+    tokens = windows(4)
+    build_cache(model, tmp_path / "c", tokens, [2, 2])
+    out = train_head(model, tmp_path / "c", tmp_path / "run", "tiny", budget_cpu_s=1e9, val_windows=0, max_steps=1,
+                     progress=False)
+    (h,) = out["history"]
+    (j,) = h["windows"]
+    with torch.no_grad():
+        x = torch.from_numpy(tokens[j:j + 1])
+        want = F.cross_entropy(backbone(x).logits[0, :-1].float(), x[0, 1:]).item()
+    assert h["loss_nats"] == pytest.approx(want, abs=1e-5) and h["static_nats"] == pytest.approx(want, abs=1e-5)
+    assert h["gain_nats"] == h["static_nats"] - h["loss_nats"]
+
+
+# ----------------------------------------------------------------------------- the cache key
+
+
+CHANGES = {  # one field of the key changed at a time (the base: float32, data "a", documents [2, 1], K = 0)
+    "tokens_sha": {"tokens": windows(3, seed=1)},
+    "data": {"data": "b"},
+    "window": {"tokens": windows(3)[:, :W - 8]},
+    "doc_windows": {"doc_windows": [1, 2]},
+    "trainable_blocks": {"trainable_blocks": 2},
+    "backbone": {"fingerprint": "another"},
+    "dtype": {"dtype": "float16"},
+}
+
+
+def test_every_key_field_is_tested():
+    assert set(CHANGES) == set(KEY_FIELDS)
+
+
+@pytest.mark.parametrize("field", sorted(CHANGES))
+def test_a_changed_key_field_rebuilds_the_cache(llama_dir, tmp_path, field):
+    """The same cache twice is reused (nothing computed); one field changed rebuilds it, with the contents of the
+    new key (K = 2: the input of block 2 of 4). Mutation caught: that field missing from the key."""
+    from fastweights.hf.transformers_as_ours import load_hf_model
+
+    backbone, _ = load_hf_model(str(llama_dir))
+    base = {"tokens": windows(3), "data": "a", "doc_windows": [2, 1], "trainable_blocks": 0, "fingerprint": "bb",
+            "dtype": "float32"}
+
+    def make(kw):
+        return cache_hidden_states(backbone, kw["tokens"], tmp_path / "c", fingerprint=kw["fingerprint"],
+                                   progress=False, dtype=kw["dtype"], doc_windows=kw["doc_windows"], data=kw["data"],
+                                   trainable_blocks=kw["trainable_blocks"])
+
+    assert make(base)["computed_this_call"] == 3
+    assert make(base)["computed_this_call"] == 0
+    new = {**base, **CHANGES[field]}
+    meta = make(new)
+    assert meta["computed_this_call"] == 3
+    hidden, tokens, meta = load_cache(tmp_path / "c")
+    assert np.array_equal(tokens, new["tokens"]) and meta["data"] == new["data"]
+    with torch.no_grad():
+        want = blocks_input(backbone, torch.from_numpy(new["tokens"]), new["trainable_blocks"])
+    np.testing.assert_allclose(np.asarray(hidden, dtype=np.float32), want.to(getattr(torch, new["dtype"])).float(),
+                               rtol=0, atol=0)

@@ -1,0 +1,51 @@
+"""The training text of ``fwl-head train`` (``hf.fwl_training.training_windows``, issue 41): the default mix is
+English long documents with none the comparison scores or tunes on; user data is read as ``--data`` elsewhere,
+with one warning when it holds a compared text; documents give consecutive windows in order."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+from fastweights.hf.fwl_training import HELD_OUT_NAMES, TRAINING_MIX, training_windows
+
+
+class Chars:
+    """A character tokenizer (one id per character): the windows without a model."""
+
+    def encode(self, text):
+        return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.int64)
+
+
+def test_the_default_mix_is_english_long_documents_without_a_compared_text():
+    """Mutation caught: a held-out document (or Spanish text) let into the default mix."""
+    text = training_windows(Chars(), 2048, max_windows=60, doc_windows=4)
+    corpora = {s.split(":")[0] for s in text.sources}
+    assert corpora == set(TRAINING_MIX) and "bible-es" not in corpora and "novels" not in TRAINING_MIX
+    assert not any(n in s.lower() for s in text.sources for n in HELD_OUT_NAMES)
+    assert sum(text.doc_windows) == len(text.tokens) == 60 and max(text.doc_windows) == 4
+
+
+def test_a_documents_windows_are_consecutive(tmp_path):
+    """Each document gives its first windows in order, at most doc_windows, a short one none. Mutation caught:
+    windows taken from every other stretch of the document (the carried state would join unrelated text)."""
+    (tmp_path / "a.txt").write_text("".join(chr(65 + i % 26) for i in range(1000)))
+    (tmp_path / "b.txt").write_text("short")
+    (tmp_path / "c.txt").write_text("xyz" * 100)
+    text = training_windows(Chars(), 100, str(tmp_path), doc_windows=4)
+    assert text.doc_windows == [4, 3]
+    a = Chars().encode((tmp_path / "a.txt").read_text())
+    np.testing.assert_array_equal(text.tokens[:4].ravel(), a[:400])
+    assert text.sources[:5] == ["%s:a.txt#%d" % (tmp_path, i) for i in range(4)] + [f"{tmp_path}:c.txt#0"]
+
+
+def test_user_data_holding_a_compared_text_is_trained_on_with_one_warning(tmp_path):
+    (tmp_path / "anna_karenina.txt").write_text("x" * 500)
+    (tmp_path / "mine.txt").write_text("y" * 500)
+    with pytest.warns(UserWarning, match="anna_karenina") as record:
+        text = training_windows(Chars(), 100, str(tmp_path))
+    assert len(record) == 1 and text.doc_windows == [5, 5]
+    (tmp_path / "anna_karenina.txt").unlink()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        training_windows(Chars(), 100, str(tmp_path))
