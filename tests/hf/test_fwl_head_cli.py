@@ -46,9 +46,9 @@ def test_the_flags_defaults_are_the_recipes():
     with its own default (or a setting not passed on: the summary test above would then differ)."""
     args = cli.build_parser().parse_args(["fwl-head", "train", "--out", "x"])
     assert (args.windows, args.window, args.doc_windows, 60 * args.minutes, args.streams, args.lr, args.step_lr,
-            args.trainable_blocks, args.seed, args.variant, args.data) == \
+            args.block_lr, args.trainable_blocks, args.seed, args.variant, args.data) == \
         (RECIPE.windows, RECIPE.window, RECIPE.doc_windows, RECIPE.budget_cpu_s, RECIPE.batch_size, RECIPE.lr,
-         RECIPE.step_lr, RECIPE.trainable_blocks, RECIPE.seed, RECIPE.variant, None)
+         RECIPE.step_lr, RECIPE.block_lr, RECIPE.trainable_blocks, RECIPE.seed, RECIPE.variant, None)
 
 
 def test_eval_generate_and_dynamic_eval_take_the_checkpoint(trained, tmp_path, capsys):
@@ -102,10 +102,10 @@ def test_every_training_flag_is_passed_on(monkeypatch, capsys):
 
     monkeypatch.setattr(fwl_training, "train_recipe", fake)
     assert cli.main(["fwl-head", "train", "--out", "x", "--data", "novels", "--doc-windows", "5", "--streams", "3",
-                     "--step-lr", "0.02", "--lr", "0.004", "--trainable-blocks", "2", "--windows", "11", "--window",
+                     "--step-lr", "0.02", "--lr", "0.004", "--block-lr", "3e-6", "--trainable-blocks", "2", "--windows", "11", "--window",
                      "256", "--minutes", "2", "--seed", "7", "--max-steps", "9", "--quiet"]) == 0
-    assert {k: seen[k] for k in ("data", "doc_windows", "batch_size", "step_lr", "lr", "trainable_blocks", "windows",
+    assert {k: seen[k] for k in ("data", "doc_windows", "batch_size", "step_lr", "lr", "block_lr", "trainable_blocks", "windows",
                                  "window", "budget_cpu_s", "seed", "max_steps")} == {
-        "data": "novels", "doc_windows": 5, "batch_size": 3, "step_lr": 0.02, "lr": 0.004, "trainable_blocks": 2,
+        "data": "novels", "doc_windows": 5, "batch_size": 3, "step_lr": 0.02, "lr": 0.004, "block_lr": 3e-6, "trainable_blocks": 2,
         "windows": 11, "window": 256, "budget_cpu_s": 120.0, "seed": 7, "max_steps": 9}
     assert "gain +0.0000" in capsys.readouterr().out

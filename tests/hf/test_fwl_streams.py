@@ -127,6 +127,21 @@ def test_step_sizes_and_decays_get_their_own_learning_rate(llama_dir, tmp_path):
     assert max(moved[n] for n in moved if n.startswith("head.") and n not in fast) <= 2e-6
 
 
+def test_trained_backbone_blocks_get_their_own_learning_rate(llama_dir, tmp_path):
+    """With a trained block, one AdamW step (lr x sign(gradient)) moves it by block_lr and the head's weights by
+    lr. Mutation caught: the blocks in the head's group, or block_lr not passed on to the optimizer."""
+    model = acting_model(llama_dir, trainable_blocks=1)
+    build_cache(model, tmp_path / "c", windows(3), [3])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    train_head(model, tmp_path / "c", tmp_path / "run", "tiny", budget_cpu_s=1e9, lr=1e-2, step_lr=1e-2,
+               block_lr=3e-5, val_windows=0, max_steps=1, progress=False)
+    moved = {n: (p.detach() - before[n]).abs().max().item() for n, p in model.named_parameters()}
+    block = [n for n in moved if n.startswith("backbone.") and moved[n] > 0]
+    assert block and all(".layers.3." in n for n in block)
+    assert max(moved[n] for n in block) == pytest.approx(3e-5, rel=1e-2)
+    assert max(moved[n] for n in moved if n.startswith("head.")) == pytest.approx(1e-2, rel=1e-2)
+
+
 def test_the_history_is_in_nats_beside_the_static_loss_of_the_same_windows(llama_dir, tmp_path):
     """At initialisation the head is the identity (zero step sizes and gain): the first step's loss_nats equals
     static_nats, and both equal the backbone's own cross-entropy of that window in nats; gain_nats is their

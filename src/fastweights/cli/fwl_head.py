@@ -60,9 +60,11 @@ def register(sub, parser_class) -> None:
     t.add_argument("--cache", metavar="DIR", default=None,
                    help="hidden-state cache (default: hidden-cache next to --out, shared by the variants)")
     t.add_argument("--lr", type=positive_float, default=RECIPE.lr,
-                   help="AdamW learning rate of the head's weights and the trained backbone blocks")
+                   help="AdamW learning rate of the head's weights")
     t.add_argument("--step-lr", type=positive_float, default=RECIPE.step_lr,
                    help="AdamW learning rate of the head's step sizes and segment decays")
+    t.add_argument("--block-lr", type=positive_float, default=RECIPE.block_lr,
+                   help="AdamW learning rate of the backbone blocks trained with --trainable-blocks")
     t.add_argument("--seed", type=seed_type, default=RECIPE.seed, help="random seed (document order, initialisation)")
     t.add_argument("--max-steps", type=nonneg_int, default=0,
                    help="stop after this many steps in all (a resumed run counts its earlier ones; 0: the budget "
@@ -83,7 +85,7 @@ def cmd_train(args) -> int:
 
     summary = train_recipe(args.hf, args.out, variant=args.variant, budget_cpu_s=60.0 * args.minutes,
                            windows=args.windows, window=args.window, doc_windows=args.doc_windows, data=args.data,
-                           cache_dir=args.cache, lr=args.lr, step_lr=args.step_lr, batch_size=args.streams,
+                           cache_dir=args.cache, lr=args.lr, step_lr=args.step_lr, block_lr=args.block_lr, batch_size=args.streams,
                            trainable_blocks=args.trainable_blocks, seed=args.seed, progress=not args.quiet,
                            max_steps=args.max_steps or None)
     val = summary["validation"]

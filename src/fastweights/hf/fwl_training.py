@@ -76,7 +76,10 @@ class FWLHeadRecipe:
     doc_windows: int = 8  # consecutive windows a document gives at most (8 x 1,024 tokens carried in one stream)
     budget_cpu_s: float = 1200.0  # training budget in process CPU-seconds (the cache comes on top)
     batch_size: int = 1  # parallel streams (documents), one window of each per step
-    lr: float = 1e-3  # AdamW learning rate of the head's weights and of trained backbone blocks
+    lr: float = 1e-3  # AdamW learning rate of the head's weights
+    # AdamW learning rate of trained backbone blocks (--trainable-blocks): pretrained weights take a far smaller one
+    # than a fresh head (at 1e-3 two of SmolLM2's blocks lost 0.95 nats a window within 4 steps)
+    block_lr: float = 1e-5
     step_lr: float = 1e-3  # AdamW learning rate of the step sizes and segment decays (head.step_sizes/decay_logits)
     trainable_blocks: int = 0  # top backbone blocks trained with the head (0: the backbone frozen)
     val_windows: int = 4  # the last cached windows, held out for the validation losses
@@ -163,14 +166,17 @@ def _detached(state):
     return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, state)
 
 
-def param_groups(model, lr: float, step_lr: float) -> list[dict]:
-    """AdamW's groups: the step sizes and segment decays (``head.step_sizes.*``, ``head.decay_logits.*``) at
-    ``step_lr``, every other trainable tensor (the head, trainable backbone blocks) at ``lr``."""
-    step, rest = [], []
+def param_groups(model, lr: float, step_lr: float, block_lr: float = RECIPE.block_lr) -> list[dict]:
+    """AdamW's groups: the head's weights at ``lr``, its step sizes and segment decays (``head.step_sizes.*``,
+    ``head.decay_logits.*``) at ``step_lr``, trained backbone blocks at ``block_lr``."""
+    head, step, blocks = [], [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
-            (step if name.startswith(("head.step_sizes.", "head.decay_logits.")) else rest).append(p)
-    return [{"params": rest, "lr": lr}, {"params": step, "lr": step_lr}]
+            if name.startswith(("head.step_sizes.", "head.decay_logits.")):
+                step.append(p)
+            else:
+                (head if name.startswith("head.") else blocks).append(p)
+    return [{"params": head, "lr": lr}, {"params": step, "lr": step_lr}, {"params": blocks, "lr": block_lr}]
 
 
 def documents(doc_windows: list, upto: int) -> list[tuple[int, int]]:
@@ -186,7 +192,7 @@ def documents(doc_windows: list, upto: int) -> list[tuple[int, int]]:
 
 def train_head(model, cache_dir: str | Path, out_dir: str | Path, backbone_name: str, *, budget_cpu_s: float,
                batch_size: int = RECIPE.batch_size, lr: float = RECIPE.lr, step_lr: float = RECIPE.step_lr,
-               val_windows: int = RECIPE.val_windows, seed: int = RECIPE.seed,
+               block_lr: float = RECIPE.block_lr, val_windows: int = RECIPE.val_windows, seed: int = RECIPE.seed,
                save_every_s: float = RECIPE.save_every_s, resume: bool = True, progress: bool = True,
                max_steps: int | None = None) -> dict:
     """Train ``model.head`` (an :class:`~fastweights.hf.fwl_head.HFCausalLMWithFWL`'s) and its trainable
@@ -220,7 +226,7 @@ def train_head(model, cache_dir: str | Path, out_dir: str | Path, backbone_name:
     static = meta["static_nats"]
     head, backbone = model.head, model.backbone
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(param_groups(model, lr, step_lr), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(param_groups(model, lr, step_lr, block_lr), weight_decay=0.0)
     step, used_cpu, gen, history = 0, 0.0, torch.Generator().manual_seed(seed), []
     order = torch.empty(0, dtype=torch.long)  # the rest of the current permutation of the training documents
     streams: list[dict | None] = [None] * batch_size  # {"next": window, "end": its document's end, "state"}
@@ -305,7 +311,7 @@ def train_head(model, cache_dir: str | Path, out_dir: str | Path, backbone_name:
     model.eval()
     val = validation_losses(model, hidden, tokens, meta, n_train) if val_windows else None
     return {"steps": step, "cpu_s": used_cpu, "batch_size": batch_size, "lr": lr, "step_lr": step_lr,
-            "window": meta["window"], "trainable_blocks": k, "train_windows": n_train,
+            "block_lr": block_lr, "window": meta["window"], "trainable_blocks": k, "train_windows": n_train,
             "train_documents": len(docs), "tokens_seen": step * batch_size * meta["window"], "history": history,
             "validation": val}
 
@@ -341,8 +347,8 @@ VARIANTS = {
 def train_recipe(hf: str, out_dir: str | Path, *, variant: str = RECIPE.variant,
                  budget_cpu_s: float = RECIPE.budget_cpu_s, windows: int = RECIPE.windows, window: int = RECIPE.window,
                  doc_windows: int = RECIPE.doc_windows, data: str | None = None, cache_dir: str | Path | None = None,
-                 lr: float = RECIPE.lr, step_lr: float = RECIPE.step_lr, batch_size: int = RECIPE.batch_size,
-                 trainable_blocks: int = RECIPE.trainable_blocks, seed: int = RECIPE.seed, progress: bool = True,
+                 lr: float = RECIPE.lr, step_lr: float = RECIPE.step_lr, block_lr: float = RECIPE.block_lr,
+                 batch_size: int = RECIPE.batch_size, trainable_blocks: int = RECIPE.trainable_blocks, seed: int = RECIPE.seed, progress: bool = True,
                  max_steps: int | None = None) -> dict:
     """The recipe (:class:`FWLHeadRecipe`), end to end: load ``hf`` (e.g. ``"smollm2-135m"``), wrap it with an FWL
     head of the given variant and ``trainable_blocks`` trained backbone blocks, cache ``windows`` windows of the
@@ -398,7 +404,7 @@ def train_recipe(hf: str, out_dir: str | Path, *, variant: str = RECIPE.variant,
         setup_signals.restore()
     cache_cpu = time.process_time() - t0
     summary = train_head(model, cache_dir, out_dir, hf, budget_cpu_s=budget_cpu_s, batch_size=batch_size, lr=lr,
-                         step_lr=step_lr, seed=seed, progress=progress, max_steps=max_steps)
+                         step_lr=step_lr, block_lr=block_lr, seed=seed, progress=progress, max_steps=max_steps)
     summary.update({"hf": hf, "variant": variant, "options": dataclasses.asdict(options), "cache_dir": str(cache_dir),
                     "data": meta["data"], "cache_windows": meta["windows"], "doc_windows": doc_windows,
                     "cache_windows_computed": meta["computed_this_call"], "cache_cpu_s_this_call": cache_cpu,
