@@ -80,7 +80,7 @@ class FWLHeadRecipe:
     # AdamW learning rate of trained backbone blocks (--trainable-blocks): pretrained weights take a far smaller one
     # than a fresh head (at 1e-3 two of SmolLM2's blocks lost 0.95 nats a window within 4 steps)
     block_lr: float = 1e-5
-    step_lr: float = 1e-3  # AdamW learning rate of the step sizes and segment decays (head.step_sizes/decay_logits)
+    step_lr: float = 1e-2  # AdamW learning rate of the step sizes and segment decays (head.step_sizes/decay_logits)
     trainable_blocks: int = 0  # top backbone blocks trained with the head (0: the backbone frozen)
     val_windows: int = 4  # the last cached windows, held out for the validation losses
     seed: int = 0  # document order (and the head's initialisation in train_recipe)
