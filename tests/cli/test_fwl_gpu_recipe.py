@@ -73,9 +73,9 @@ def test_every_row_and_text_has_finite_numbers_and_the_gain_split_adds_up(dry_ru
         for k, t in r["per_text"].items():
             assert t["tokens"] == recipe.TINY.tokens and finite(t["perplexity"]) and t["perplexity"] > 1, (row, k)
             assert finite(t["tokens_per_s"]) and t["tokens_per_s"] > 0 and finite(t["throughput_ratio_to_static"])
-    for k in recipe.SCORED_TEXTS:  # the head starts as the identity: before training it scores as static does
+    for k in recipe.SCORED_TEXTS:  # the head starts near the identity (the recipe's LayerNorm gain 0.05)
         assert rows["fwl_at_init"]["per_text"][k]["loss_nats"] == pytest.approx(
-            rows["static"]["per_text"][k]["loss_nats"], rel=1e-5)
+            rows["static"]["per_text"][k]["loss_nats"], rel=1e-3)
         s = res["gain_split"][k]
         assert s["gain_nats"] == pytest.approx(s["slow_gain_nats"] + s["fast_gain_nats"], abs=1e-9)
         assert s["gain_nats"] == pytest.approx(rows["static"]["per_text"][k]["loss_nats"]

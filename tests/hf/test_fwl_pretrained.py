@@ -53,8 +53,13 @@ def ids(n, batch=2, seed=3):
     return torch.randint(0, V, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
+#: the exact identity at initialisation: zero LayerNorm gain and zero (linear) step sizes; the recipe's own
+#: initialisation (a gain of 0.05, log step sizes) starts near it instead (hf/fwl_head.PRETRAINED_FWL_DEFAULTS)
+IDENTITY_INIT = {"ln_gain_init": 0.0, "step_size_log": False, "step_size_init": 0.0}
+
+
 def test_before_training_the_logits_are_the_backbones():
-    model = wrapped(acting=False)
+    model = wrapped(acting=False, **IDENTITY_INIT)
     x = ids(30)
     with torch.no_grad():
         torch.testing.assert_close(model(x).logits, model.backbone(x).logits, rtol=0, atol=0)
@@ -117,7 +122,7 @@ def test_training_from_cached_hidden_states_equals_training_through_the_backbone
     np.testing.assert_array_equal(tokens, windows)
     # three steps from the cache (every window in every batch: the order is fixed) ...
     train_head(a, tmp_path / "cache", tmp_path / "run", "tiny", budget_cpu_s=1e9, batch_size=3, val_windows=0,
-               max_steps=3, progress=False)
+               max_steps=3, progress=False, lr=1e-3, step_lr=1e-3)  # one learning rate, as the reference below
     # ... and the same steps with the features computed through the backbone inside the model's forward
     opt = torch.optim.AdamW([p for p in b.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.0)
     x = torch.from_numpy(windows)

@@ -143,13 +143,14 @@ def test_trained_backbone_blocks_get_their_own_learning_rate(llama_dir, tmp_path
 
 
 def test_the_history_is_in_nats_beside_the_static_loss_of_the_same_windows(llama_dir, tmp_path):
-    """At initialisation the head is the identity (zero step sizes and gain): the first step's loss_nats equals
+    """At an identity initialisation (zero step sizes and gain) the head adds nothing: the first step's loss_nats equals
     static_nats, and both equal the backbone's own cross-entropy of that window in nats; gain_nats is their
     difference. Mutations caught: the loss logged in bits; the static loss of another window."""
     from fastweights.hf.transformers_as_ours import load_hf_model
 
     backbone, _ = load_hf_model(str(llama_dir))
-    model = HFCausalLMWithFWL(backbone)
+    identity = {"ln_gain_init": 0.0, "step_size_log": False, "step_size_init": 0.0}
+    model = HFCausalLMWithFWL(backbone, FWLOptions(**{**PRETRAINED_FWL_DEFAULTS, **identity}))
     tokens = windows(4)
     build_cache(model, tmp_path / "c", tokens, [2, 2])
     out = train_head(model, tmp_path / "c", tmp_path / "run", "tiny", budget_cpu_s=1e9, val_windows=0, max_steps=1,
