@@ -51,7 +51,9 @@ from fastweights.core.errors import UserError
 
 DYNAMIC_LR_FACTORS = (0.5, 1.0, 2.0)  # x the chosen setting's lr (smollm2_dynamic_eval.json, chosen on 2 x 1,024)
 TOP_BLOCKS = 2  # decoder blocks of the "few layers" row (plus the final norm)
-TOP_BLOCKS_LR_FACTORS = (1.5, 3.0, 6.0)  # x the chosen lr (the last-6-blocks subset's best was 1.56x there)
+# x the chosen lr (the last 6 blocks' best was 1.56x there; the last 2's was <= 0.37x on 2 x 256 tuning tokens in a
+# trial run with the grid 1.5, 3, 6 extended twice downwards)
+TOP_BLOCKS_LR_FACTORS = (0.5, 1.0, 2.0, 4.0)
 LOWRANK_RANKS = (8, 16, 32)  # the middle one first, with the lr grid; the others at its best lr
 LOWRANK_LR_FACTORS = (15.8, 31.6, 63.2)  # x the chosen lr (rank 16's best was 31.6x there)
 LR_EXTENSIONS = 2  # grid points added past an edge that is best, at most
@@ -175,7 +177,7 @@ def tune_step_scale(model, hidden_and_ids, grid=STEP_SCALES) -> dict:
             results[scale] = head_loss_on(model, hidden_and_ids)
     best = min(results, key=results.get)
     return {"grid_nats": {f"{k:g}": v for k, v in results.items()}, "best": best,
-            "learned_step_sizes": {k: float(v) for k, v in model.head.current_step_sizes().items()}}
+            "learned_step_sizes": {k: float(v.detach()) for k, v in model.head.current_step_sizes().items()}}
 
 
 def fwl_rows(heads: dict, scored: dict, tuning: list[torch.Tensor], segment_len: int, log=print) -> tuple[dict, dict]:
@@ -218,7 +220,7 @@ def search_lr(make: Callable[[float], DynamicEvaluator], tuning: list[torch.Tens
               name: str = "") -> dict:
     """The lr of ``make(lr)`` with the lowest :func:`tuning_loss`: the ascending geometric ``grid``, extended by
     its own ratio past an edge that is best, at most :data:`LR_EXTENSIONS` times. Returns ``{"grid_nats": {lr:
-    loss}, "best": lr, "cpu_s"}``."""
+    loss}, "best": lr, "best_at_edge": whether it is still the smallest or largest lr tried, "cpu_s"}``."""
     c, losses = cpu(), {}
 
     def run(lr: float) -> None:
@@ -239,7 +241,8 @@ def search_lr(make: Callable[[float], DynamicEvaluator], tuning: list[torch.Tens
         else:
             break
     best = min(losses, key=losses.get)
-    return {"grid_nats": {f"{k:.3g}": v for k, v in sorted(losses.items())}, "best": best, "cpu_s": cpu() - c}
+    return {"grid_nats": {f"{k:.3g}": v for k, v in sorted(losses.items())}, "best": best,
+            "best_at_edge": best in (min(losses), max(losses)), "cpu_s": cpu() - c}
 
 
 def top_blocks_include(lm, k: int = TOP_BLOCKS) -> str:

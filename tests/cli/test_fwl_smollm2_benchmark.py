@@ -198,6 +198,26 @@ def test_the_settings_are_chosen_on_tuning_text(llama, rows):
     assert {n.split(".")[3] for n in names if ".layers." in n} == {"0", "1"}
 
 
+class _Quadratic:
+    """An evaluator stand-in whose tuning loss is (log10 lr - log10 optimum)^2 per prediction."""
+
+    def __init__(self, lr, optimum):
+        self.loss = (math.log10(lr) - math.log10(optimum)) ** 2
+
+    def evaluate_documents(self, docs):
+        from fastweights.loops.evaluate import EvalResult
+
+        return EvalResult(self.loss * 10, 10)
+
+
+@pytest.mark.parametrize("optimum, best, at_edge", [(2.2e-5, 2e-5, False), (1e-2, 1.6e-4, True), (1e-9, 2.5e-6, True)])
+def test_the_lr_search_extends_past_a_best_edge_at_most_twice(optimum, best, at_edge):
+    """Mutants caught: extension in the wrong direction, or without limit."""
+    r = fc.search_lr(lambda lr: _Quadratic(lr, optimum), [], [1e-5, 2e-5, 4e-5], log=lambda _m: None)
+    assert r["best"] == pytest.approx(best) and r["best_at_edge"] is at_edge
+    assert len(r["grid_nats"]) == 3 + (2 if at_edge else 0)
+
+
 def test_the_gain_split_adds_up(rows):
     out, _, scored, heads = rows
     for row in heads:
