@@ -140,7 +140,7 @@ def head_loss_on(model, hidden_and_ids, piece: int = 512) -> float:
         for a in range(0, ids.numel() - 1, piece):
             b = min(a + piece, ids.numel() - 1)
             logits, state = model.head(h[:, a:b], ids[None, a:b], state)
-            total += torch.nn.functional.cross_entropy(logits[0].float(), ids[a + 1:b + 1], reduction="sum").item()
+            total += torch.nn.functional.cross_entropy(logits[0], ids[a + 1:b + 1], reduction="sum").item()
         n += ids.numel() - 1
     return total / n
 

@@ -238,3 +238,33 @@ def test_missing_checkpoints_are_one_line_and_exit_2(tmp_path, monkeypatch, caps
     assert bench.main() == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "no trained FWL head" in err[0]
+
+
+def test_a_later_token_moves_no_earlier_score_in_the_rows(llama):
+    """Through score(), the rows that learn from the text (the FWL with scaled steps, its slow part, dynamic
+    evaluation of the top blocks, low-rank) give the same losses before position j whatever follows j."""
+    lm, _ = llama
+    x = ids(41, seed=11)
+    y = x.clone()
+    y[25:] = ids(16, seed=12)
+    model = head_on(lm, step_size_init=0.2)
+    evaluators = [fc.static_evaluator(model, L),
+                  fc.DynamicEvaluator(lm, rule="sgd", lr=1e-2, segment_len=L, context=lm.default_context,
+                                      include=fc.top_blocks_include(lm)),
+                  fc.LowRankDynamicEvaluator(lm, rule="sgd", lr=1e-2, segment_len=L, context=lm.default_context, rank=4)]
+    for factor in (0.5, 0.0):
+        for ev in evaluators:
+            with fc.scaled_step_sizes(model.head, factor):
+                a, b = fc.score(ev, x)["losses"], fc.score(ev, y)["losses"]
+            torch.testing.assert_close(a[:24], b[:24], rtol=0, atol=0)
+            assert not torch.equal(a[24:], b[24:])
+
+
+def test_the_tuning_loss_in_pieces_equals_one_call(llama):
+    """head_loss_on reads each text in pieces with the head's state carried: the same loss as one call."""
+    lm, _ = llama
+    model = head_on(lm, step_size_init=0.2)
+    hidden = fc.tuning_hidden(lm, [ids(40, seed=13), ids(29, seed=14)])
+    one = fc.head_loss_on(model, hidden, piece=10_000)
+    assert fc.head_loss_on(model, hidden, piece=7) == pytest.approx(one, rel=1e-10)
+    assert fc.head_loss_on(model, hidden, piece=1) == pytest.approx(one, rel=1e-10)
