@@ -253,6 +253,9 @@ def main() -> int:
             raise UserError(f"{args.dynamic_from}: the chosen setting {chosen_src['chosen']!r} is not a plain rule")
         lm, tok = load_hf_model("smollm2-135m")
         texts = load_texts(tok, args.tokens, args.val_tokens)
+        # the FWL variants on the same backbone object, loaded first: a bad checkpoint costs no scoring
+        heads = {row: load_fwl_head(runs / v, backbone_loader=lambda _name: (lm, tok))[0]
+                 for v, row in VARIANT_ROWS.items()}
     except (UserError, OSError, KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -261,17 +264,17 @@ def main() -> int:
     (stats_ids,) = by_role("statistics").values()
     english = {k for k in scored if texts[k][1]["english"]}
     L = int(chosen["segment_len"])
+    training = {row: json.loads((runs / v / "training.json").read_text()) if (runs / v / "training.json").is_file()
+                else None for v, row in VARIANT_ROWS.items()}
+    # Figure 2's token frequencies in the text the FWL was trained on (first: a failure here costs no scoring)
+    mix_tokens, _ = training_windows(tok, 1024, TRAINING_MIX, max_windows=(training["fwl"] or {}).get("cache_windows"))
+    counts = Counter(mix_tokens.ravel().tolist())
 
     rows: dict = {"static": score_texts(static_evaluator(lm, L), scored)}  # row -> text -> score()
     log("static: " + ", ".join(f"{k} {r['perplexity']:.3f}" for k, r in rows["static"].items()))
     dyn_rows, tuned = dynamic_rows(lm, scored, tuning, stats_ids, chosen, L, log=log)
     rows.update(dyn_rows)
 
-    heads, training = {}, {}  # the FWL variants on the same backbone object (loaded once)
-    for v, row in VARIANT_ROWS.items():
-        heads[row], _ = load_fwl_head(runs / v, backbone_loader=lambda _name: (lm, tok))
-        tj = runs / v / "training.json"
-        training[row] = json.loads(tj.read_text()) if tj.is_file() else None
     fwl_scored, fwl_tuned = fwl_rows(heads, scored, tuning, L, log=log)
     rows.update(fwl_scored)
     tuned.update(fwl_tuned)
@@ -282,10 +285,6 @@ def main() -> int:
     split["fwl_step_scaled"] = gain_split(rows["static"], rows["fwl_step_scaled"], rows["fwl" + SLOW_PART])
     acceptance = acceptance_of(results)
 
-    # Figure 2: training-mix token frequencies (the text the FWL was trained on)
-    trained_on = (training["fwl"] or {}).get("cache_windows")
-    mix_tokens, _ = training_windows(tok, 1024, TRAINING_MIX, max_windows=trained_on)
-    counts = Counter(mix_tokens.ravel().tolist())
     fig2 = figure2(scored, rows, [r for r in rows if r != "static"], counts)
     dyn = tuned["dynamic"]
     names = {"static": "static",

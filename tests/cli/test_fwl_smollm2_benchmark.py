@@ -15,7 +15,7 @@ from helpers import benchmark_script, tiny_llama_dir  # noqa: E402
 
 from fastweights.hf.fwl_head import PRETRAINED_FWL_DEFAULTS, HFCausalLMWithFWL  # noqa: E402
 from fastweights.hf.fwl_training import HELD_OUT_NAMES, TRAINING_MIX  # noqa: E402
-from fastweights.layers.fwl import FastWeightLayer, FWLOptions  # noqa: E402
+from fastweights.layers.fwl import FWLOptions  # noqa: E402
 
 sys.path.insert(0, str(benchmark_script("fwl_smollm2").parent))
 import fwl_comparators as fc  # noqa: E402
@@ -124,12 +124,12 @@ def rows(llama, monkeypatch_module):
     tuning = [ids(25, seed=7), ids(25, seed=8)]
     stats_ids = ids(600, seed=9)
     chosen = {"rule": "rms", "lr": 1e-3, "include": None, "exclude": "hf.model.embed_tokens.*"}
+    heads = {"fwl": head_on(lm, step_size_init=0.2),  # first, as the script loads them (freezing the backbone)
+             "fwl_test_time_only": head_on(lm, test_time_only=True),
+             "fwl_bias_only": head_on(lm, bias_only=True, step_size_init=0.2)}
     out = {"static": fc.score_texts(fc.static_evaluator(lm, L), scored)}
     dyn, tuned = fc.dynamic_rows(lm, scored, tuning, stats_ids, chosen, L, log=lambda _m: None)
     out.update(dyn)
-    heads = {"fwl": head_on(lm, step_size_init=0.2),
-             "fwl_test_time_only": head_on(lm, test_time_only=True),
-             "fwl_bias_only": head_on(lm, bias_only=True, step_size_init=0.2)}
     fwl, fwl_tuned = fc.fwl_rows(heads, scored, tuning, L, log=lambda _m: None)
     out.update(fwl)
     return out, {**tuned, **fwl_tuned}, scored, heads
