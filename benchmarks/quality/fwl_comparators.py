@@ -1,0 +1,317 @@
+"""The rows of the FWL-on-SmolLM2 comparison (``fwl_smollm2.py``): scoring through one evaluator loop, the FWL's
+gain split into its slow and fast parts, and the FWL paper's comparators, every setting chosen on tuning text.
+
+Clark et al. 2022, "Meta-Learning Fast Weight Language Models" (arXiv 2212.02475), section 3 and Table 2;
+dynamic evaluation: Krause et al. 2019 (arXiv 1904.08378).
+
+Scoring (:func:`score`): every row goes through ``DynamicEvaluator``'s loop on the same token ids, segments of
+``segment_len`` predictions, the whole text in the KV cache. Static rows (``lr`` 0: the pretrained model, and
+every FWL row, whose adaptation is inside the head) use its static pass; the dynamic rows its
+score-then-update loop. Time is process CPU seconds around the loop alone.
+
+The gain split (issue 41, scope 3). The FWL head scores
+
+    logits'_t = (h_t + f_{theta'_t}(h_t)) E + c,   theta'_t = theta - alpha . (Delta_k + sum_{s<t in k} g_s)
+
+With every step size alpha = 0, theta'_t = theta: the head's *slow part*, what its trained slow weights give
+alone. Its *fast part* is the rest: relative perplexity reduction against static of the full head minus that
+of the slow part (so slow + fast = full, per text and in the mean), and the same in nats per token.
+:func:`scaled_step_sizes` multiplies the step sizes the head uses by one factor without touching its
+parameters (the head reads them through ``current_step_sizes()``, however they are parameterised: learned,
+log-parameterised, or the test-time-only head's global step), and restores the method on exit; factor 0 is
+:func:`slow_part`, a factor chosen on tuning text the ``fwl_step_scaled`` diagnosis.
+
+Comparators (scope 4), each with its learning rate (and rank) chosen on the tuning texts by :func:`search_lr`
+(the loss of ``evaluate_documents`` over the tuning texts, each its own document):
+
+- ``dynamic``: the setting ``smollm2_dynamic_eval.json`` chose on tuning text (its rule and parameter subset),
+  its lr re-chosen here on the longer tuning texts from :data:`DYNAMIC_LR_FACTORS` x its lr;
+- ``dynamic_top_blocks``: the same rule on the last :data:`TOP_BLOCKS` decoder blocks and the final norm only
+  (the paper's "dynamic evaluation of a few layers"), lr from :data:`TOP_BLOCKS_LR_FACTORS` x the chosen lr;
+- ``dynamic_lowrank``: the same rule on rank-r deltas W + A B of every MLP projection (``adapt.lowrank``), lr
+  from :data:`LOWRANK_LR_FACTORS` x the chosen lr at rank ``LOWRANK_RANKS[1]``, then the other ranks at that lr.
+
+MS_g of the RMS rules: on the statistics text (neither scored nor tuned on), all weights but the excluded ones
+(the tied embedding), which covers the top-blocks subset; the low-rank A's their own per rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Callable
+
+import torch
+
+from fastweights.adapt.dynamic import DynamicEvaluator
+from fastweights.adapt.lowrank import LowRankDynamicEvaluator, collect_lowrank_grad_stats
+from fastweights.adapt.update_rules import collect_grad_stats
+from fastweights.core.errors import UserError
+
+DYNAMIC_LR_FACTORS = (0.5, 1.0, 2.0)  # x the chosen setting's lr (smollm2_dynamic_eval.json, chosen on 2 x 1,024)
+TOP_BLOCKS = 2  # decoder blocks of the "few layers" row (plus the final norm)
+# x the chosen lr (the last 6 blocks' best was 1.56x there; the last 2's was <= 0.37x on 2 x 256 tuning tokens in a
+# trial run with the grid 1.5, 3, 6 extended twice downwards)
+TOP_BLOCKS_LR_FACTORS = (0.5, 1.0, 2.0, 4.0)
+LOWRANK_RANKS = (8, 16, 32)  # the middle one first, with the lr grid; the others at its best lr
+LOWRANK_LR_FACTORS = (15.8, 31.6, 63.2)  # x the chosen lr (rank 16's best was 31.6x there)
+LR_EXTENSIONS = 2  # grid points added past an edge that is best, at most
+STEP_SCALES = (0.0, 0.125, 0.25, 0.5, 1.0, 2.0)  # factors on the FWL's learned step sizes
+TEST_TIME_STEPS = (0.0, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2)  # the test-time-only head's global step size, x3 grid
+STATS = {"batch_size": 4, "max_batches": 16, "context": 1024}  # MS_g: 16 batches of 4 x segment_len targets
+
+
+def cpu() -> float:
+    return time.process_time()
+
+
+def static_evaluator(model, segment_len: int) -> DynamicEvaluator:
+    """The evaluator of a row without test-time updates of the weights (lr 0: its static pass)."""
+    return DynamicEvaluator(model, rule="sgd", lr=0.0, segment_len=segment_len, context=model.default_context)
+
+
+def score(ev: DynamicEvaluator, ids: torch.Tensor) -> dict:
+    """``ids`` [T] through ``ev``'s loop: per-token losses (nats, [T - 1]) of ``ids[1:]``, their mean, the
+    perplexity, and the process CPU seconds and tokens per CPU-second of the loop."""
+    c = cpu()
+    if ev.update_rule.lr == 0.0:
+        r = ev.static(ids, keep_token_losses=True)
+    else:
+        r, _ = ev.evaluate(ids, keep_token_losses=True)
+    seconds = max(cpu() - c, 1e-9)
+    losses = torch.tensor(r.token_losses, dtype=torch.float64)
+    return {"losses": losses, "cpu_s": seconds, "loss_nats": losses.mean().item(),
+            "perplexity": math.exp(losses.mean().item()), "tokens_per_cpu_s": losses.numel() / seconds}
+
+
+def score_texts(ev: DynamicEvaluator, texts: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """:func:`score` of each text (name -> ids [T])."""
+    return {k: score(ev, ids) for k, ids in texts.items()}
+
+
+# ----------------------------------------------------------------------------- the FWL's slow and fast parts
+
+
+@contextlib.contextmanager
+def scaled_step_sizes(head, factor: float):
+    """Within the block, the FWL ``head`` uses ``factor`` x the step sizes it would use (its parameters are not
+    touched): its ``current_step_sizes`` is replaced on the instance and put back on exit, even on an error."""
+    own = vars(head).get("current_step_sizes")  # an earlier replacement (nested blocks), else the class method
+    original = head.current_step_sizes
+    head.current_step_sizes = lambda: {n: a * factor for n, a in original().items()}
+    try:
+        yield head
+    finally:
+        if own is not None:
+            head.current_step_sizes = own
+        else:
+            del head.current_step_sizes
+
+
+def slow_part(head):
+    """The head with every step size 0: theta'_t = theta, its trained slow weights alone."""
+    return scaled_step_sizes(head, 0.0)
+
+
+def gain_split(static: dict, full: dict, slow: dict) -> dict:
+    """Per text (the keys of ``full``) and in the mean: the relative perplexity reduction against ``static`` of
+    the full head, of its slow part and their difference (the fast part), and the fast part in nats per token
+    (slow loss - full loss; positive = the fast update helps). Arguments: text -> :func:`score` result."""
+    per = {}
+    for k in full:
+        s, f, sl = static[k]["perplexity"], full[k]["perplexity"], slow[k]["perplexity"]
+        per[k] = {"full_perplexity": f, "slow_perplexity": sl, "static_perplexity": s,
+                  "full_reduction": 1 - f / s, "slow_reduction": 1 - sl / s, "fast_reduction": (sl - f) / s,
+                  "fast_nats_per_token": slow[k]["loss_nats"] - full[k]["loss_nats"]}
+    mean = {f"mean_{m}": sum(p[m] for p in per.values()) / len(per)
+            for m in ("full_reduction", "slow_reduction", "fast_reduction", "fast_nats_per_token")}
+    return {"per_text": per, **mean}
+
+
+@torch.no_grad()
+def head_loss_on(model, hidden_and_ids, piece: int = 512) -> float:
+    """Mean loss (nats) of ``model.head`` on precomputed backbone hidden states ``[(h [1, T, d], ids [T])]``,
+    each text read in pieces of ``piece`` positions with the head's state carried (equal to one call, without
+    [T, vocab] logits at once)."""
+    total, n = 0.0, 0
+    for h, ids in hidden_and_ids:
+        state = None
+        for a in range(0, ids.numel() - 1, piece):
+            b = min(a + piece, ids.numel() - 1)
+            logits, state = model.head(h[:, a:b], ids[None, a:b], state)
+            total += torch.nn.functional.cross_entropy(logits[0], ids[a + 1:b + 1], reduction="sum").item()
+        n += ids.numel() - 1
+    return total / n
+
+
+def tuning_hidden(lm, tuning: list[torch.Tensor]) -> list:
+    """``[(h [1, T, d], ids)]``: the backbone's final hidden states of each tuning text, one pass each."""
+    with torch.no_grad():
+        return [(lm.forward_features(ids[None])[0], ids) for ids in tuning]
+
+
+def tune_test_time_step(model, hidden_and_ids, grid=TEST_TIME_STEPS) -> dict:
+    """The test-time-only head's global step size on the tuning texts: ``grid``, extended x3 while its largest
+    value is best; set on the head."""
+    grid, results = list(grid), {}
+    while True:
+        for step in grid:
+            if step not in results:
+                model.head.options.test_time_step_size = step
+                results[step] = head_loss_on(model, hidden_and_ids)
+        best = min(results, key=results.get)
+        if best != max(results) or best >= 10.0:
+            break
+        grid.append(best * 3)
+    model.head.options.test_time_step_size = best
+    return {"grid_nats": {f"{k:g}": v for k, v in sorted(results.items())}, "best": best}
+
+
+def tune_step_scale(model, hidden_and_ids, grid=STEP_SCALES) -> dict:
+    """One factor on every step size the FWL head uses, chosen on the tuning texts (not set: score the row
+    under ``scaled_step_sizes(model.head, best)``)."""
+    results = {}
+    for scale in grid:
+        with scaled_step_sizes(model.head, scale):
+            results[scale] = head_loss_on(model, hidden_and_ids)
+    best = min(results, key=results.get)
+    return {"grid_nats": {f"{k:g}": v for k, v in results.items()}, "best": best,
+            "learned_step_sizes": {k: float(v.detach()) for k, v in model.head.current_step_sizes().items()}}
+
+
+def fwl_rows(heads: dict, scored: dict, tuning: list[torch.Tensor], segment_len: int, log=print) -> tuple[dict, dict]:
+    """The FWL rows: for each head (row name -> ``HFCausalLMWithFWL``; ``fwl`` the recipe's, and any of
+    ``fwl_test_time_only``, ``fwl_bias_only``) the full head and its slow part (``<row>_slow_part``), and for
+    ``fwl`` the step-scaled diagnosis (its slow part is ``fwl``'s). Settings chosen on the ``tuning`` texts:
+    the test-time-only step size (set on that head), the step scale. Returns (rows: name -> text -> score,
+    tuned)."""
+    rows, tuned = {}, {}
+    some = next(iter(heads.values()))
+    hidden = tuning_hidden(some.backbone, tuning)
+    if "fwl_test_time_only" in heads:
+        tuned["fwl_test_time_only"] = tune_test_time_step(heads["fwl_test_time_only"], hidden)
+        log(f"test-time-only step size: {tuned['fwl_test_time_only']['best']:g}")
+    for row, model in heads.items():
+        ev = static_evaluator(model, segment_len)
+        rows[row] = score_texts(ev, scored)
+        with slow_part(model.head):
+            rows[f"{row}_slow_part"] = score_texts(ev, scored)
+        log(f"{row}: " + ", ".join(f"{k} {r['perplexity']:.3f} (slow part {rows[f'{row}_slow_part'][k]['perplexity']:.3f})"
+                                   for k, r in rows[row].items()))
+    if "fwl" in heads:
+        tuned["fwl_step_scale"] = tune_step_scale(heads["fwl"], hidden)
+        log(f"FWL step-size scale chosen on tuning text: {tuned['fwl_step_scale']['best']:g}")
+        with scaled_step_sizes(heads["fwl"].head, tuned["fwl_step_scale"]["best"]):
+            rows["fwl_step_scaled"] = score_texts(static_evaluator(heads["fwl"], segment_len), scored)
+    return rows, tuned
+
+
+# ----------------------------------------------------------------------------- the paper's comparators
+
+
+def tuning_loss(ev: DynamicEvaluator, tuning: list[torch.Tensor]) -> float:
+    """Mean loss (nats per prediction) of ``ev`` over the tuning texts, each its own document (inf if it diverged)."""
+    r = ev.evaluate_documents(tuning)
+    return r.nll / r.tokens if math.isfinite(r.nll) else math.inf
+
+
+def search_lr(make: Callable[[float], DynamicEvaluator], tuning: list[torch.Tensor], grid, log=print,
+              name: str = "") -> dict:
+    """The lr of ``make(lr)`` with the lowest :func:`tuning_loss`: the ascending geometric ``grid``, extended by
+    its own ratio past an edge that is best, at most :data:`LR_EXTENSIONS` times. Returns ``{"grid_nats": {lr:
+    loss}, "best": lr, "best_at_edge": whether it is still the smallest or largest lr tried, "cpu_s"}``."""
+    c, losses = cpu(), {}
+
+    def run(lr: float) -> None:
+        lr = float(f"{lr:.3g}")
+        if lr not in losses:
+            losses[lr] = tuning_loss(make(lr), tuning)
+            log(f"   {name} lr {lr:.3g}: tuning loss {losses[lr]:.4f}")
+
+    for lr in grid:
+        run(lr)
+    ratio = grid[1] / grid[0] if len(grid) > 1 else 2.0
+    for _ in range(LR_EXTENSIONS):
+        best, lrs = min(losses, key=losses.get), sorted(losses)
+        if best == lrs[-1]:
+            run(best * ratio)
+        elif best == lrs[0]:
+            run(best / ratio)
+        else:
+            break
+    best = min(losses, key=losses.get)
+    return {"grid_nats": {f"{k:.3g}": v for k, v in sorted(losses.items())}, "best": best,
+            "best_at_edge": best in (min(losses), max(losses)), "cpu_s": cpu() - c}
+
+
+def top_blocks_include(lm, k: int = TOP_BLOCKS) -> str:
+    """Glob patterns (comma-separated) of the last ``k`` decoder blocks and the final norm of ``lm`` (an
+    ``HFCausalLM``), as ``select_parameters`` names them."""
+    names = {id(m): n for n, m in lm.named_modules()}
+    blocks = list(lm.layers)
+    if not 1 <= k <= len(blocks):
+        raise UserError(f"top blocks must be in 1..{len(blocks)}, got {k}")
+    base = lm.hf.base_model
+    norm = getattr(base, "norm", None) or getattr(base, "ln_f", None)
+    if norm is None:
+        raise UserError(f"{type(base).__name__}: no final norm (norm or ln_f) found")
+    return ",".join(f"{names[id(m)]}.*" for m in [*blocks[len(blocks) - k:], norm])
+
+
+def dynamic_rows(lm, scored: dict, tuning: list[torch.Tensor], stats_ids: torch.Tensor, chosen: dict,
+                 segment_len: int, log=print) -> tuple[dict, dict]:
+    """The dynamic-evaluation rows (``dynamic``, ``dynamic_top_blocks``, ``dynamic_lowrank``; the module
+    docstring) on ``lm``: ``chosen`` is the setting chosen on tuning text (``rule``, ``lr``, ``include``,
+    ``exclude``). Returns (rows: name -> text -> score, tuned: name -> the settings and their searches)."""
+    L, rule, lr0 = segment_len, chosen["rule"], float(chosen["lr"])
+    rms = rule.startswith("rms")
+    ctx = lm.default_context
+    stats_kw = {"seq_len": L, **STATS}
+    c = cpu()
+    stats = collect_grad_stats(lm, stats_ids, exclude=chosen["exclude"], **stats_kw) if rms else None
+    stats_s = cpu() - c
+    rows, tuned = {}, {}
+
+    def full(include, exclude):
+        return lambda lr: DynamicEvaluator(lm, rule=rule, lr=lr, segment_len=L, context=ctx, include=include,
+                                           exclude=exclude, grad_stats=stats)
+
+    make = full(chosen["include"], chosen["exclude"])
+    search = search_lr(make, tuning, [lr0 * f for f in DYNAMIC_LR_FACTORS], log, "dynamic")
+    tuned["dynamic"] = {"rule": rule, "include": chosen["include"], "exclude": chosen["exclude"],
+                        "ms_g_cpu_s": stats_s, "lr_search": search, "lr": search["best"]}
+    rows["dynamic"] = score_texts(make(search["best"]), scored)
+
+    top = top_blocks_include(lm)
+    make = full(top, None)
+    search = search_lr(make, tuning, [lr0 * f for f in TOP_BLOCKS_LR_FACTORS], log, "top blocks")
+    tuned["dynamic_top_blocks"] = {"rule": rule, "include": top, "blocks": TOP_BLOCKS, "lr_search": search,
+                                   "lr": search["best"]}
+    rows["dynamic_top_blocks"] = score_texts(make(search["best"]), scored)
+
+    lr_stats: dict[int, tuple] = {}
+
+    def lowrank(rank):
+        if rank not in lr_stats:
+            c = cpu()
+            s = collect_lowrank_grad_stats(lm, stats_ids, rank=rank, **stats_kw) if rms else None
+            lr_stats[rank] = (s, cpu() - c)
+        return lambda lr: LowRankDynamicEvaluator(lm, rule=rule, lr=lr, segment_len=L, context=ctx, rank=rank,
+                                                  grad_stats=lr_stats[rank][0])
+
+    mid = LOWRANK_RANKS[len(LOWRANK_RANKS) // 2]
+    search = search_lr(lowrank(mid), tuning, [lr0 * f for f in LOWRANK_LR_FACTORS], log, f"low-rank {mid}")
+    by_rank = {mid: (min(search["grid_nats"].values()), search["best"])}
+    for rank in LOWRANK_RANKS:
+        if rank not in by_rank:
+            by_rank[rank] = (tuning_loss(lowrank(rank)(search["best"]), tuning), search["best"])
+            log(f"   low-rank {rank} lr {search['best']:.3g}: tuning loss {by_rank[rank][0]:.4f}")
+    rank = min(by_rank, key=lambda r: by_rank[r][0])
+    tuned["dynamic_lowrank"] = {"rule": rule, "rank": rank, "lr": search["best"], "lr_search": search,
+                                "lr_search_rank": mid, "rank_nats": {str(r): v[0] for r, v in sorted(by_rank.items())},
+                                "ms_g_cpu_s": {str(r): v[1] for r, v in sorted(lr_stats.items())}}
+    rows["dynamic_lowrank"] = score_texts(lowrank(rank)(search["best"]), scored)
+    for name in rows:
+        log(f"{name}: " + ", ".join(f"{k} {r['perplexity']:.3f}" for k, r in rows[name].items()))
+    return rows, tuned

@@ -1,0 +1,270 @@
+"""benchmarks/quality/fwl_smollm2.py and its rows (fwl_comparators.py) on a tiny offline Llama, in seconds: the
+texts are long enough and never training text, the slow-part block zeroes the FWL's fast effect whatever the
+step sizes' parameterisation and puts the head back, the static row is the model without a head, the gain
+split adds up, and every row has its throughput and its setting chosen on tuning text."""
+
+import math
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from helpers import benchmark_script, tiny_llama_dir  # noqa: E402
+
+from fastweights.hf.fwl_head import PRETRAINED_FWL_DEFAULTS, HFCausalLMWithFWL  # noqa: E402
+from fastweights.hf.fwl_training import HELD_OUT_NAMES, TRAINING_MIX  # noqa: E402
+from fastweights.layers.fwl import FWLOptions  # noqa: E402
+
+sys.path.insert(0, str(benchmark_script("fwl_smollm2").parent))
+import fwl_comparators as fc  # noqa: E402
+import fwl_smollm2 as bench  # noqa: E402
+
+sys.path.pop(0)
+
+L = 8  # segment length of the tiny rows
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    from fastweights.hf.transformers_as_ours import load_hf_model
+
+    lm, tok = load_hf_model(str(tiny_llama_dir(tmp_path_factory.mktemp("llama"), max_positions=512)))
+    return lm.double().eval(), tok
+
+
+def head_on(lm, acting=True, **options):
+    """An FWL head on ``lm``; ``acting``: a LayerNorm gain and step sizes as after training, so the fast part acts;
+    otherwise the identity (gain and bias 0: f(h) = 0)."""
+    opts = FWLOptions(**{**PRETRAINED_FWL_DEFAULTS, "segment_len": 4, "chunk_size": 8, **options})
+    model = HFCausalLMWithFWL(lm, opts).double()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        model.head.ln_weight.copy_(0.5 + 0.1 * torch.randn(model.head.ln_weight.shape, generator=g) if acting else 0.0)
+        model.head.ln_bias.zero_()
+    return model.eval()
+
+
+def ids(n, seed=3, vocab=50257):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def test_the_texts_are_long_enough_and_never_training_text(llama):
+    """>= 3 English scored texts and Don Quijote, 2 tuning texts, each >= 4,096 predictions (GPT-2's tokenizer,
+    a BPE of SmolLM2's kind); every scored and tuning document is held out of the training mix, by name and by
+    content."""
+    from fastweights.data import load_corpus
+
+    _, tok = llama
+    texts = bench.load_texts(tok, 4096, 4096)
+    roles = {k: info["role"] for k, (_, info) in texts.items()}
+    scored = [k for k, r in roles.items() if r == "scored"]
+    assert len([k for k in scored if texts[k][1]["english"]]) >= 3 and "don_quijote" in scored
+    assert list(roles.values()).count("validation") >= 2 and list(roles.values()).count("statistics") == 1
+    for k, (x, info) in texts.items():
+        assert x.numel() == {"statistics": bench.STATS_TOKENS}.get(info["role"], 4096) + 1, k
+    mix = "\n".join(d.text for corpus, _ in TRAINING_MIX for d in load_corpus(corpus)
+                    if not any(n in d.name.lower() for n in HELD_OUT_NAMES))
+    for key, _, spec, marker, role, _ in bench.TEXTS:
+        if role == "statistics":
+            continue  # gradient statistics come from training-like text (the module docstring)
+        assert any(n in spec.lower() for n in HELD_OUT_NAMES), spec
+        (doc,) = load_corpus(spec)
+        start = doc.text.find(marker)
+        assert doc.text[start + 500: start + 700] not in mix, spec
+
+
+@pytest.mark.parametrize("options", [{}, {"step_size_log": True, "step_size_init": 0.2},
+                                     {"test_time_only": True, "test_time_step_size": 0.2},
+                                     {"bias_only": True}], ids=["learned", "log", "test-time-only", "bias-only"])
+def test_the_slow_part_zeroes_the_fast_effect_and_puts_the_head_back(llama, options):
+    """Inside ``slow_part`` the head's logits are its slow pass (step sizes 0: theta' = theta), however the step
+    sizes are parameterised; after it (also after an error inside) the head's step sizes and logits are as
+    before and no replacement is left on it. Mutant caught: the method not put back on exit."""
+    lm, _ = llama
+    model = head_on(lm, **{"step_size_init": 0.2, **options})
+    head = model.head
+    x = ids(40)[None]
+    with torch.no_grad():
+        h, _ = lm.forward_features(x)
+        full, _ = head(h, x)
+        slow = head.slow_forward(h)
+        before = {n: a.detach().clone() for n, a in head.current_step_sizes().items()}
+        assert (full - slow).abs().max() > 1e-4  # the fast part acts
+        with fc.slow_part(head):
+            assert all(float(a) == 0.0 for a in head.current_step_sizes().values())
+            zeroed, _ = head(h, x)
+        torch.testing.assert_close(zeroed, slow, rtol=0, atol=1e-10)
+        with pytest.raises(RuntimeError), fc.slow_part(head):
+            raise RuntimeError("inside the block")
+        assert "current_step_sizes" not in vars(head)
+        after = head.current_step_sizes()
+        assert set(after) == set(before) and all(torch.equal(after[n].detach(), before[n]) for n in before)
+        again, _ = head(h, x)
+    torch.testing.assert_close(again, full, rtol=0, atol=0)
+
+
+def test_scaled_step_sizes_nest_and_scale(llama):
+    lm, _ = llama
+    head = head_on(lm, step_size_init=0.2).head
+    with fc.scaled_step_sizes(head, 0.5):
+        with fc.scaled_step_sizes(head, 0.5):
+            assert all(math.isclose(float(a.detach()), 0.05, rel_tol=1e-6) for a in head.current_step_sizes().values())
+        assert all(math.isclose(float(a.detach()), 0.1, rel_tol=1e-6) for a in head.current_step_sizes().values())
+    assert all(math.isclose(float(a.detach()), 0.2, rel_tol=1e-6) for a in head.current_step_sizes().values())
+
+
+@pytest.fixture(scope="module")
+def rows(llama, monkeypatch_module):
+    """Every row of the benchmark on the tiny Llama: 2 scored texts of 40 predictions, 2 tuning texts of 24."""
+    lm, _ = llama
+    monkeypatch_module.setattr(fc, "LOWRANK_RANKS", (2, 4, 8))  # the tiny MLP's projections have rank <= 16
+    scored = {"a": ids(41, seed=5), "b": ids(41, seed=6)}
+    tuning = [ids(25, seed=7), ids(25, seed=8)]
+    stats_ids = ids(600, seed=9)
+    chosen = {"rule": "rms", "lr": 1e-3, "include": None, "exclude": "hf.model.embed_tokens.*"}
+    heads = {"fwl": head_on(lm, step_size_init=0.2),  # first, as the script loads them (freezing the backbone)
+             "fwl_test_time_only": head_on(lm, test_time_only=True),
+             "fwl_bias_only": head_on(lm, bias_only=True, step_size_init=0.2)}
+    out = {"static": fc.score_texts(fc.static_evaluator(lm, L), scored)}
+    dyn, tuned = fc.dynamic_rows(lm, scored, tuning, stats_ids, chosen, L, log=lambda _m: None)
+    out.update(dyn)
+    fwl, fwl_tuned = fc.fwl_rows(heads, scored, tuning, L, log=lambda _m: None)
+    out.update(fwl)
+    return out, {**tuned, **fwl_tuned}, scored, heads
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def test_the_static_row_is_the_model_without_a_head(llama, rows):
+    """Static: the backbone's own one-pass losses (not a head's), and an identity head scores the same."""
+    lm, _ = llama
+    out, _, scored, _ = rows
+    for k, x in scored.items():
+        with torch.no_grad():
+            logits = lm(x[None]).logits[0, :-1]
+        want = torch.nn.functional.cross_entropy(logits.double(), x[1:], reduction="none")
+        torch.testing.assert_close(out["static"][k]["losses"], want, rtol=0, atol=1e-9)
+        identity = fc.score(fc.static_evaluator(head_on(lm, acting=False), L), x)
+        torch.testing.assert_close(identity["losses"], want, rtol=0, atol=1e-9)
+
+
+def test_every_row_has_its_throughput_and_the_summary_its_ratios(rows):
+    out, tuned, scored, heads = rows
+    expected = {"static", "dynamic", "dynamic_top_blocks", "dynamic_lowrank", "fwl", "fwl_slow_part",
+                "fwl_test_time_only", "fwl_test_time_only_slow_part", "fwl_bias_only", "fwl_bias_only_slow_part",
+                "fwl_step_scaled"}
+    assert set(out) == expected
+    results = bench.summarise(out, english={"a"})
+    for row in expected:
+        for k in scored:
+            r = results[row]["per_text"][k]
+            assert r["tokens_per_cpu_s"] > 0 and math.isfinite(r["throughput_ratio_to_static"]), (row, k)
+        assert math.isfinite(results[row]["mean_throughput_ratio_to_static"])
+        assert results[row]["mean_relative_perplexity_reduction_english"] == pytest.approx(
+            results[row]["per_text"]["a"]["relative_perplexity_reduction"])
+    assert results["static"]["mean_relative_perplexity_reduction"] == 0.0
+    for row in ("dynamic", "dynamic_top_blocks", "dynamic_lowrank", "fwl"):  # each one changes the scores
+        assert out[row]["a"]["loss_nats"] != out["static"]["a"]["loss_nats"], row
+    acc = bench.acceptance_of(results)
+    assert {"share_met", "speed_met", "throughput_over_static_met", "fwl_throughput_over_static"} <= set(acc)
+
+
+def test_the_settings_are_chosen_on_tuning_text(llama, rows):
+    lm, _ = llama
+    out, tuned, _, heads = rows
+    for row in ("dynamic", "dynamic_top_blocks"):
+        search = tuned[row]["lr_search"]
+        assert tuned[row]["lr"] == search["best"] and search["grid_nats"][f"{search['best']:.3g}"] == min(
+            search["grid_nats"].values())
+    assert tuned["dynamic_lowrank"]["rank"] in (2, 4, 8)
+    assert tuned["dynamic_lowrank"]["rank_nats"][str(tuned["dynamic_lowrank"]["rank"])] == min(
+        tuned["dynamic_lowrank"]["rank_nats"].values())
+    assert heads["fwl_test_time_only"].head.options.test_time_step_size == tuned["fwl_test_time_only"]["best"]
+    assert str(tuned["fwl_step_scale"]["best"]) in {f"{s:g}" for s in fc.STEP_SCALES} | {
+        str(s) for s in fc.STEP_SCALES}
+    # the top-blocks row adapts the last 2 decoder blocks and the final norm, nothing else
+    from fastweights.adapt.update_rules import select_parameters
+
+    names = set(select_parameters(lm, fc.top_blocks_include(lm)))
+    assert names and all(n.startswith(("hf.model.layers.1.", "hf.model.layers.0.", "hf.model.norm.")) for n in names)
+    assert any(n.startswith("hf.model.norm.") for n in names)
+    # the tiny Llama has 2 blocks: both are the top 2
+    assert {n.split(".")[3] for n in names if ".layers." in n} == {"0", "1"}
+
+
+class _Quadratic:
+    """An evaluator stand-in whose tuning loss is (log10 lr - log10 optimum)^2 per prediction."""
+
+    def __init__(self, lr, optimum):
+        self.loss = (math.log10(lr) - math.log10(optimum)) ** 2
+
+    def evaluate_documents(self, docs):
+        from fastweights.loops.evaluate import EvalResult
+
+        return EvalResult(self.loss * 10, 10)
+
+
+@pytest.mark.parametrize("optimum, best, at_edge", [(2.2e-5, 2e-5, False), (1e-2, 1.6e-4, True), (1e-9, 2.5e-6, True)])
+def test_the_lr_search_extends_past_a_best_edge_at_most_twice(optimum, best, at_edge):
+    """Mutants caught: extension in the wrong direction, or without limit."""
+    r = fc.search_lr(lambda lr: _Quadratic(lr, optimum), [], [1e-5, 2e-5, 4e-5], log=lambda _m: None)
+    assert r["best"] == pytest.approx(best) and r["best_at_edge"] is at_edge
+    assert len(r["grid_nats"]) == 3 + (2 if at_edge else 0)
+
+
+def test_the_gain_split_adds_up(rows):
+    out, _, scored, heads = rows
+    for row in heads:
+        split = fc.gain_split(out["static"], out[row], out[row + bench.SLOW_PART])
+        for k in scored:
+            p = split["per_text"][k]
+            assert p["slow_reduction"] + p["fast_reduction"] == pytest.approx(p["full_reduction"], abs=1e-12)
+            assert p["fast_nats_per_token"] == pytest.approx(
+                out[row + bench.SLOW_PART][k]["loss_nats"] - out[row][k]["loss_nats"])
+        assert split["mean_slow_reduction"] + split["mean_fast_reduction"] == pytest.approx(
+            split["mean_full_reduction"], abs=1e-12)
+    # the FWL's slow part is its slow pass: an identity-free head whose fast part acts differs from it
+    assert out["fwl"]["a"]["loss_nats"] != out["fwl_slow_part"]["a"]["loss_nats"]
+
+
+def test_missing_checkpoints_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["fwl_smollm2.py", "--runs", str(tmp_path / "none")])
+    assert bench.main() == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "no trained FWL head" in err[0]
+
+
+def test_a_later_token_moves_no_earlier_score_in_the_rows(llama):
+    """Through score(), the rows that learn from the text (the FWL with scaled steps, its slow part, dynamic
+    evaluation of the top blocks, low-rank) give the same losses before position j whatever follows j."""
+    lm, _ = llama
+    x = ids(41, seed=11)
+    y = x.clone()
+    y[25:] = ids(16, seed=12)
+    model = head_on(lm, step_size_init=0.2)
+    evaluators = [fc.static_evaluator(model, L),
+                  fc.DynamicEvaluator(lm, rule="sgd", lr=1e-2, segment_len=L, context=lm.default_context,
+                                      include=fc.top_blocks_include(lm)),
+                  fc.LowRankDynamicEvaluator(lm, rule="sgd", lr=1e-2, segment_len=L, context=lm.default_context, rank=4)]
+    for factor in (0.5, 0.0):
+        for ev in evaluators:
+            with fc.scaled_step_sizes(model.head, factor):
+                a, b = fc.score(ev, x)["losses"], fc.score(ev, y)["losses"]
+            torch.testing.assert_close(a[:24], b[:24], rtol=0, atol=0)
+            assert not torch.equal(a[24:], b[24:])
+
+
+def test_the_tuning_loss_in_pieces_equals_one_call(llama):
+    """head_loss_on reads each text in pieces with the head's state carried: the same loss as one call."""
+    lm, _ = llama
+    model = head_on(lm, step_size_init=0.2)
+    hidden = fc.tuning_hidden(lm, [ids(40, seed=13), ids(29, seed=14)])
+    one = fc.head_loss_on(model, hidden, piece=10_000)
+    assert fc.head_loss_on(model, hidden, piece=7) == pytest.approx(one, rel=1e-10)
+    assert fc.head_loss_on(model, hidden, piece=1) == pytest.approx(one, rel=1e-10)
