@@ -82,7 +82,7 @@ import random  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 from collections import Counter  # noqa: E402
-from contextlib import contextmanager, nullcontext  # noqa: E402
+from contextlib import nullcontext  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quality"))  # the excerpt helpers' folder
@@ -98,7 +98,7 @@ from fastweights.evidence import probes  # noqa: E402
 from fastweights.evidence.result_files import RESULTS, command_line_without, provenance, write_json  # noqa: E402
 from fastweights.hf.fwl_head import PRETRAINED_FWL_DEFAULTS, HFCausalLMWithFWL  # noqa: E402
 from fastweights.hf.fwl_training import HELD_OUT_NAMES, VARIANTS  # noqa: E402
-from fastweights.layers.fwl import FWLOptions  # noqa: E402
+from fastweights.layers.fwl import FWLOptions, slow_part  # noqa: E402
 from fastweights.loops.evaluate import score_tokens  # noqa: E402
 from fastweights.models.lm import ModelOutput  # noqa: E402
 from fastweights.ops.linear_attention import no_autocast  # noqa: E402
@@ -278,18 +278,6 @@ def score_all(model, texts: dict, device, row: str, rows: dict) -> float:
     log(f"{row}: " + ", ".join(f"{k} {r['perplexity']:.3f} ({r['tokens_per_s']:,.0f} tok/s)"
                                for k, r in rows[row].items()))
     return time.perf_counter() - t
-
-
-@contextmanager
-def step_sizes_zeroed(head: nn.Module):
-    """The head with every step size 0 (its slow part: the fast update does nothing), whatever their
-    parameterisation: ``current_step_sizes`` is replaced on the instance and put back after."""
-    original = head.current_step_sizes
-    head.current_step_sizes = lambda: {n: a * 0.0 for n, a in original().items()}
-    try:
-        yield head
-    finally:
-        del head.current_step_sizes
 
 
 # ----------------------------------------------------------------------------- training
@@ -554,7 +542,7 @@ def run(argv: list[str], tmp: Path) -> int:
         record["timing"]["train_s"] = training["seconds"]
         log(f"trained {training['steps']} steps, {training['tokens']:,} tokens, {training['tokens_per_s']:,.0f} tok/s")
         score_all(model, texts, device, "fwl", rows)
-        with step_sizes_zeroed(model.head):
+        with slow_part(model.head):
             score_all(model, texts, device, "fwl_slow", rows)
         write({"training": training, "complete": True})
     except UserError as e:

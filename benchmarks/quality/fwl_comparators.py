@@ -16,10 +16,10 @@ The gain split (issue 41, scope 3). The FWL head scores
 With every step size alpha = 0, theta'_t = theta: the head's *slow part*, what its trained slow weights give
 alone. Its *fast part* is the rest: relative perplexity reduction against static of the full head minus that
 of the slow part (so slow + fast = full, per text and in the mean), and the same in nats per token.
-:func:`scaled_step_sizes` multiplies the step sizes the head uses by one factor without touching its
-parameters (the head reads them through ``current_step_sizes()``, however they are parameterised: learned,
-log-parameterised, or the test-time-only head's global step), and restores the method on exit; factor 0 is
-:func:`slow_part`, a factor chosen on tuning text the ``fwl_step_scaled`` diagnosis.
+``fastweights.layers.fwl.scaled_step_sizes`` multiplies the step sizes the head uses by one factor without
+touching its parameters (however they are parameterised: learned, log-parameterised, or the test-time-only
+head's global step), and restores them on exit; factor 0 is ``layers.fwl.slow_part``, a factor chosen on
+tuning text the ``fwl_step_scaled`` diagnosis.
 
 Comparators (scope 4), each with its learning rate (and rank) chosen on the tuning texts by :func:`search_lr`
 (the loss of ``evaluate_documents`` over the tuning texts, each its own document):
@@ -37,7 +37,6 @@ MS_g of the RMS rules: on the statistics text (neither scored nor tuned on), all
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from typing import Callable
@@ -48,6 +47,7 @@ from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.lowrank import LowRankDynamicEvaluator, collect_lowrank_grad_stats
 from fastweights.adapt.update_rules import collect_grad_stats
 from fastweights.core.errors import UserError
+from fastweights.layers.fwl import scaled_step_sizes, slow_part
 
 DYNAMIC_LR_FACTORS = (0.5, 1.0, 2.0)  # x the chosen setting's lr (smollm2_dynamic_eval.json, chosen on 2 x 1,024)
 TOP_BLOCKS = 2  # decoder blocks of the "few layers" row (plus the final norm)
@@ -91,27 +91,6 @@ def score_texts(ev: DynamicEvaluator, texts: dict[str, torch.Tensor]) -> dict[st
 
 
 # ----------------------------------------------------------------------------- the FWL's slow and fast parts
-
-
-@contextlib.contextmanager
-def scaled_step_sizes(head, factor: float):
-    """Within the block, the FWL ``head`` uses ``factor`` x the step sizes it would use (its parameters are not
-    touched): its ``current_step_sizes`` is replaced on the instance and put back on exit, even on an error."""
-    own = vars(head).get("current_step_sizes")  # an earlier replacement (nested blocks), else the class method
-    original = head.current_step_sizes
-    head.current_step_sizes = lambda: {n: a * factor for n, a in original().items()}
-    try:
-        yield head
-    finally:
-        if own is not None:
-            head.current_step_sizes = own
-        else:
-            del head.current_step_sizes
-
-
-def slow_part(head):
-    """The head with every step size 0: theta'_t = theta, its trained slow weights alone."""
-    return scaled_step_sizes(head, 0.0)
 
 
 def gain_split(static: dict, full: dict, slow: dict) -> dict:

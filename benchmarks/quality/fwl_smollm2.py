@@ -240,7 +240,7 @@ def main() -> int:
     t_start, c_start = time.time(), cpu()
     try:
         from fastweights.hf.fwl_head import load_fwl_head
-        from fastweights.hf.fwl_training import TRAINING_MIX, training_windows
+        from fastweights.hf.fwl_training import RECIPE, training_windows
         from fastweights.hf.transformers_as_ours import load_hf_model
 
         runs = Path(args.runs)
@@ -267,7 +267,11 @@ def main() -> int:
     training = {row: json.loads((runs / v / "training.json").read_text()) if (runs / v / "training.json").is_file()
                 else None for v, row in VARIANT_ROWS.items()}
     # Figure 2's token frequencies in the text the FWL was trained on (first: a failure here costs no scoring)
-    mix_tokens, _ = training_windows(tok, 1024, TRAINING_MIX, max_windows=(training["fwl"] or {}).get("cache_windows"))
+    fw = training["fwl"] or {}
+    spec = fw.get("data")
+    spec = None if spec is None or spec.startswith("mix:") else spec  # "mix:..." names the default mix
+    mix_tokens = training_windows(tok, fw.get("window", RECIPE.window), spec, max_windows=fw.get("cache_windows"),
+                                  doc_windows=fw.get("doc_windows", RECIPE.doc_windows)).tokens
     counts = Counter(mix_tokens.ravel().tolist())
 
     rows: dict = {"static": score_texts(static_evaluator(lm, L), scored)}  # row -> text -> score()

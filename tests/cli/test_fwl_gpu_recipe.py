@@ -16,6 +16,8 @@ import pytest
 import torch
 from helpers import ROOT, tiny_llama_dir
 
+from fastweights.layers.fwl import slow_part
+
 SCRIPT = ROOT / "benchmarks" / "gpu" / "fwl_smollm2_gpu.py"
 
 
@@ -148,7 +150,7 @@ def test_the_slow_part_is_the_head_with_zero_step_sizes_restored_after(tiny_fwl,
     tokens = torch.randint(0, 500, (1, 40))
     full = model(tokens).logits
     saved = {n: float(p) for n, p in model.head.step_sizes.items()}
-    with recipe.step_sizes_zeroed(model.head) as head:
+    with slow_part(model.head) as head:
         assert all(float(a) == 0.0 for a in head.current_step_sizes().values())
         slow = model(tokens).logits
         h, _ = model.backbone.forward_features(tokens)

@@ -15,6 +15,7 @@ from helpers import benchmark_script, tiny_llama_dir  # noqa: E402
 
 from fastweights.hf.fwl_head import PRETRAINED_FWL_DEFAULTS, HFCausalLMWithFWL  # noqa: E402
 from fastweights.hf.fwl_training import HELD_OUT_NAMES, TRAINING_MIX  # noqa: E402
+from fastweights.layers.fwl import scaled_step_sizes, slow_part  # noqa: E402
 from fastweights.layers.fwl import FWLOptions  # noqa: E402
 
 sys.path.insert(0, str(benchmark_script("fwl_smollm2").parent))
@@ -36,8 +37,9 @@ def llama(tmp_path_factory):
 
 def head_on(lm, acting=True, **options):
     """An FWL head on ``lm``; ``acting``: a LayerNorm gain and step sizes as after training, so the fast part acts;
-    otherwise the identity (gain and bias 0: f(h) = 0)."""
-    opts = FWLOptions(**{**PRETRAINED_FWL_DEFAULTS, "segment_len": 4, "chunk_size": 8, **options})
+    otherwise the identity (gain, bias and step sizes 0: f(h) = 0 and no update)."""
+    identity = {} if acting else {"ln_gain_init": 0.0, "step_size_log": False, "step_size_init": 0.0}
+    opts = FWLOptions(**{**PRETRAINED_FWL_DEFAULTS, "segment_len": 4, "chunk_size": 8, **identity, **options})
     model = HFCausalLMWithFWL(lm, opts).double()
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -64,7 +66,7 @@ def test_the_texts_are_long_enough_and_never_training_text(llama):
     assert list(roles.values()).count("validation") >= 2 and list(roles.values()).count("statistics") == 1
     for k, (x, info) in texts.items():
         assert x.numel() == {"statistics": bench.STATS_TOKENS}.get(info["role"], 4096) + 1, k
-    mix = "\n".join(d.text for corpus, _ in TRAINING_MIX for d in load_corpus(corpus)
+    mix = "\n".join(d.text for corpus in TRAINING_MIX for d in load_corpus(corpus)
                     if not any(n in d.name.lower() for n in HELD_OUT_NAMES))
     for key, _, spec, marker, role, _ in bench.TEXTS:
         if role == "statistics":
@@ -92,11 +94,11 @@ def test_the_slow_part_zeroes_the_fast_effect_and_puts_the_head_back(llama, opti
         slow = head.slow_forward(h)
         before = {n: a.detach().clone() for n, a in head.current_step_sizes().items()}
         assert (full - slow).abs().max() > 1e-4  # the fast part acts
-        with fc.slow_part(head):
+        with slow_part(head):
             assert all(float(a) == 0.0 for a in head.current_step_sizes().values())
             zeroed, _ = head(h, x)
         torch.testing.assert_close(zeroed, slow, rtol=0, atol=1e-10)
-        with pytest.raises(RuntimeError), fc.slow_part(head):
+        with pytest.raises(RuntimeError), slow_part(head):
             raise RuntimeError("inside the block")
         assert "current_step_sizes" not in vars(head)
         after = head.current_step_sizes()
@@ -108,8 +110,8 @@ def test_the_slow_part_zeroes_the_fast_effect_and_puts_the_head_back(llama, opti
 def test_scaled_step_sizes_nest_and_scale(llama):
     lm, _ = llama
     head = head_on(lm, step_size_init=0.2).head
-    with fc.scaled_step_sizes(head, 0.5):
-        with fc.scaled_step_sizes(head, 0.5):
+    with scaled_step_sizes(head, 0.5):
+        with scaled_step_sizes(head, 0.5):
             assert all(math.isclose(float(a.detach()), 0.05, rel_tol=1e-6) for a in head.current_step_sizes().values())
         assert all(math.isclose(float(a.detach()), 0.1, rel_tol=1e-6) for a in head.current_step_sizes().values())
     assert all(math.isclose(float(a.detach()), 0.2, rel_tol=1e-6) for a in head.current_step_sizes().values())
@@ -254,7 +256,7 @@ def test_a_later_token_moves_no_earlier_score_in_the_rows(llama):
                   fc.LowRankDynamicEvaluator(lm, rule="sgd", lr=1e-2, segment_len=L, context=lm.default_context, rank=4)]
     for factor in (0.5, 0.0):
         for ev in evaluators:
-            with fc.scaled_step_sizes(model.head, factor):
+            with scaled_step_sizes(model.head, factor):
                 a, b = fc.score(ev, x)["losses"], fc.score(ev, y)["losses"]
             torch.testing.assert_close(a[:24], b[:24], rtol=0, atol=0)
             assert not torch.equal(a[24:], b[24:])

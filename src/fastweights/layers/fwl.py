@@ -55,6 +55,7 @@ inputs) with autocast off; logits come back in fp32.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from dataclasses import dataclass
@@ -424,3 +425,29 @@ def tune_test_time_step_size(model, tokens: Tensor, seq_len: int, grid: list[flo
     head.options.test_time_step_size = best
     model.train(was_training)
     return {"grid": results, "best": best}
+
+
+# ----------------------------------------------------------------------------- the slow and fast parts
+
+
+@contextlib.contextmanager
+def scaled_step_sizes(head: FastWeightLayer, factor: float):
+    """Within the block, the FWL ``head`` uses ``factor`` x the step sizes it would use (its parameters are not
+    touched, so learned, log-parameterised and test-time steps alike): its ``current_step_sizes`` is replaced on
+    the instance and put back on exit, even on an error."""
+    own = vars(head).get("current_step_sizes")  # an earlier replacement (nested blocks), else the class method
+    original = head.current_step_sizes
+    head.current_step_sizes = lambda: {n: a * factor for n, a in original().items()}
+    try:
+        yield head
+    finally:
+        if own is not None:
+            head.current_step_sizes = own
+        else:
+            del head.current_step_sizes
+
+
+def slow_part(head: FastWeightLayer):
+    """The head with every step size 0 (theta'_t = theta: its trained slow weights alone), restored after; the
+    full head minus this is the fast update's part of a gain."""
+    return scaled_step_sizes(head, 0.0)
