@@ -224,6 +224,37 @@ def plot(fig2: dict, labels: dict, path: Path, texts: str) -> None:
     plt.close(fig)
 
 
+PART_SETTINGS = ("tokens", "val_tokens", "dynamic_from", "threads")  # what both halves must share
+
+
+def save_part(parts_dir: Path, args, rows: dict, tuned: dict, cpu_s: float, elapsed_s: float) -> None:
+    """One half's rows (per-token losses included) and settings, for :func:`load_part`."""
+    parts_dir.mkdir(parents=True, exist_ok=True)
+    torch.save({"part": args.part, "settings": {k: getattr(args, k) for k in PART_SETTINGS}, "rows": rows,
+                "tuned": tuned, "cpu_s": cpu_s, "elapsed_s": elapsed_s}, parts_dir / f"{args.part}.pt")
+
+
+def load_part(parts_dir: Path, part: str, args) -> dict:
+    """A half written by ``--part``: one line if it is missing, made with other settings, or its static row's
+    losses are not the other half's (the same model on the same tokens must score the same)."""
+    path = parts_dir / f"{part}.pt"
+    if not path.is_file():
+        raise UserError(f"{path}: missing; run this script with --part {part} first")
+    got = torch.load(path, weights_only=False)
+    want = {k: getattr(args, k) for k in PART_SETTINGS}
+    if got["settings"] != want:
+        raise UserError(f"{path} was made with {got['settings']}, this run has {want}")
+    return got
+
+
+def same_static(a: dict, b: dict, tol: float = 1e-9) -> None:
+    """The two halves' static rows score the same tokens with the same model: their per-token losses agree."""
+    for k in a:
+        if k not in b or a[k]["losses"].shape != b[k]["losses"].shape or \
+                (a[k]["losses"] - b[k]["losses"]).abs().max().item() > tol:
+            raise UserError(f"the halves' static losses differ on {k}: not the same model, tokens or code")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -235,7 +266,16 @@ def main() -> int:
                     help="the result whose setting chosen on tuning text (rule, parameter subset) the "
                          "dynamic-evaluation rows take")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (timings are process CPU seconds)")
+    ap.add_argument("--part", choices=("all", "dynamic", "fwl"), default="all",
+                    help="dynamic or fwl: static and that half of the rows only, saved under RUNS/parts/ (two "
+                         "processes on two cores); then --combine writes the result from both")
+    ap.add_argument("--combine", action="store_true",
+                    help="write the result from RUNS/parts/dynamic.pt and fwl.pt (each half's throughput against "
+                         "the static row scored in its own process)")
     args = ap.parse_args()
+    if args.combine and args.part != "all":
+        print("error: --combine reads both halves: drop --part", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
     t_start, c_start = time.time(), cpu()
     try:
@@ -274,17 +314,39 @@ def main() -> int:
                                   doc_windows=fw.get("doc_windows", RECIPE.doc_windows)).tokens
     counts = Counter(mix_tokens.ravel().tolist())
 
-    rows: dict = {"static": score_texts(static_evaluator(lm, L), scored)}  # row -> text -> score()
-    log("static: " + ", ".join(f"{k} {r['perplexity']:.3f}" for k, r in rows["static"].items()))
-    dyn_rows, tuned = dynamic_rows(lm, scored, tuning, stats_ids, chosen, L, log=log)
-    rows.update(dyn_rows)
-
-    fwl_scored, fwl_tuned = fwl_rows(heads, scored, tuning, L, log=log)
-    rows.update(fwl_scored)
-    tuned.update(fwl_tuned)
-    tuned["step_size_log"] = {row: bool(getattr(m.head.options, "step_size_log", False)) for row, m in heads.items()}
-
-    results = summarise(rows, english)
+    parts_dir = runs / "parts"
+    before_cpu, before_s = 0.0, 0.0  # the halves' own CPU and wall seconds, when combined
+    if args.combine:
+        try:
+            dyn, fw = (load_part(parts_dir, part, args) for part in ("dynamic", "fwl"))
+            same_static(dyn["rows"]["static"], fw["rows"]["static"])
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        rows = {**dyn["rows"], **{k: v for k, v in fw["rows"].items() if k != "static"}}
+        tuned = {**dyn["tuned"], **fw["tuned"]}
+        results = {**summarise(dyn["rows"], english),
+                   **{k: v for k, v in summarise(fw["rows"], english).items() if k != "static"}}
+        results["static_of_the_fwl_process"] = summarise({"static": fw["rows"]["static"]}, english)["static"]
+        before_cpu, before_s = dyn["cpu_s"] + fw["cpu_s"], max(dyn["elapsed_s"], fw["elapsed_s"])
+    else:
+        rows = {"static": score_texts(static_evaluator(lm, L), scored)}  # row -> text -> score()
+        log("static: " + ", ".join(f"{k} {r['perplexity']:.3f}" for k, r in rows["static"].items()))
+        tuned = {}
+        if args.part in ("all", "dynamic"):
+            dyn_rows, dyn_tuned = dynamic_rows(lm, scored, tuning, stats_ids, chosen, L, log=log)
+            rows.update(dyn_rows)
+            tuned.update(dyn_tuned)
+        if args.part in ("all", "fwl"):
+            fwl_scored, fwl_tuned = fwl_rows(heads, scored, tuning, L, log=log)
+            rows.update(fwl_scored)
+            tuned.update(fwl_tuned)
+            tuned["step_size_log"] = {row: bool(m.head.options.step_size_log) for row, m in heads.items()}
+        if args.part != "all":
+            save_part(parts_dir, args, rows, tuned, cpu() - c_start, time.time() - t_start)
+            log(f"wrote {parts_dir / args.part}.pt; run the other --part, then --combine")
+            return 0
+        results = summarise(rows, english)
     split = {row: gain_split(rows["static"], rows[row], rows[row + SLOW_PART]) for row in heads}
     split["fwl_step_scaled"] = gain_split(rows["static"], rows["fwl_step_scaled"], rows["fwl" + SLOW_PART])
     acceptance = acceptance_of(results)
@@ -337,7 +399,10 @@ def main() -> int:
                      "grids": {"dynamic_lr_factors": DYNAMIC_LR_FACTORS, "top_blocks_lr_factors": TOP_BLOCKS_LR_FACTORS,
                                "lowrank_lr_factors": LOWRANK_LR_FACTORS, "lowrank_ranks": LOWRANK_RANKS,
                                "of": f"the lr of {Path(args.dynamic_from).name}'s chosen setting"},
-                     "timing": "process CPU seconds, one thread, through the same evaluator loop for every row",
+                     "timing": "process CPU seconds, one thread, through the same evaluator loop for every row"
+                               + ("; the dynamic-evaluation rows and the FWL rows scored in two processes, one per core,"
+                                  " each row's throughput against the static row of its own process (that of the FWL"
+                                  " process: results/static_of_the_fwl_process)" if args.combine else ""),
                      "threads": args.threads},
         "excerpts": {k: info for k, (ids, info) in texts.items()},
         "dynamic_setting": {"from": Path(args.dynamic_from).name, "chosen": chosen_src["chosen"],
@@ -346,7 +411,7 @@ def main() -> int:
                             "ms_g_cpu_s": dyn["ms_g_cpu_s"]},
         "row_names": names, "training": training, "tuned": tuned, "results": results, "gain_split": split,
         "acceptance": acceptance, "figure2": fig2, "figure2_labels": labels, "figure": png.name,
-        "headline": headline, "elapsed_s": time.time() - t_start, "cpu_s": cpu() - c_start,
+        "headline": headline, "elapsed_s": before_s + time.time() - t_start, "cpu_s": before_cpu + cpu() - c_start,
         "note": "Perplexity per SmolLM2 token; the FWL heads were trained with the backbone frozen (hidden states "
                 "cached once), the paper fine-tunes the whole model."})
     gain = results["fwl"]["mean_relative_perplexity_reduction"]

@@ -22,6 +22,8 @@ sys.path.insert(0, str(benchmark_script("fwl_smollm2").parent))
 import fwl_comparators as fc  # noqa: E402
 import fwl_smollm2 as bench  # noqa: E402
 
+from fastweights.core.errors import UserError  # noqa: E402
+
 sys.path.pop(0)
 
 L = 8  # segment length of the tiny rows
@@ -270,3 +272,22 @@ def test_the_tuning_loss_in_pieces_equals_one_call(llama):
     one = fc.head_loss_on(model, hidden, piece=10_000)
     assert fc.head_loss_on(model, hidden, piece=7) == pytest.approx(one, rel=1e-10)
     assert fc.head_loss_on(model, hidden, piece=1) == pytest.approx(one, rel=1e-10)
+
+
+def test_the_two_halves_are_saved_and_refused_when_they_do_not_match(tmp_path):
+    """--part dynamic / fwl then --combine: a half made with other settings, or whose static losses are not the
+    other half's, is refused in one line (mutants caught: the settings not compared; the static rows not compared)."""
+    import argparse
+
+    args = argparse.Namespace(part="dynamic", tokens=8, val_tokens=8, dynamic_from="x.json", threads=1)
+    static = {"a": {"losses": torch.tensor([1.0, 2.0], dtype=torch.float64)}}
+    bench.save_part(tmp_path, args, {"static": static}, {"dynamic": {}}, 1.0, 2.0)
+    got = bench.load_part(tmp_path, "dynamic", args)
+    assert got["rows"]["static"]["a"]["losses"].tolist() == [1.0, 2.0] and got["cpu_s"] == 1.0
+    with pytest.raises(UserError, match="--part fwl"):
+        bench.load_part(tmp_path, "fwl", args)
+    with pytest.raises(UserError, match="made with"):
+        bench.load_part(tmp_path, "dynamic", argparse.Namespace(**{**vars(args), "tokens": 16}))
+    bench.same_static(static, {"a": {"losses": static["a"]["losses"].clone()}})
+    with pytest.raises(UserError, match="static losses differ on a"):
+        bench.same_static(static, {"a": {"losses": static["a"]["losses"] + 1e-6}})
