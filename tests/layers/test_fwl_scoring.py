@@ -13,8 +13,8 @@ from fastweights.ops.fwl import (
     fwl_parallel,
     fwl_recurrent_reference,
     segment_pieces,
-    unembedding_grad_streamed,
 )
+from fastweights.ops.streamed_unembedding import unembedding_grad_streamed, unembedding_streamed
 
 DT = torch.float64
 
@@ -45,8 +45,8 @@ def steps_for(names, seed=1):
 
 
 @pytest.mark.parametrize("vocab_chunk", [1, 4, 7, 23, 64])  # one column, slices with a ragged end, one slice
-def test_streamed_unembedding_grad_equals_the_softmax_formula(vocab_chunk):
-    """scale * E (softmax(y E + c) - onehot) computed directly, against the online softmax over slices; the
+def test_streamed_unembedding_equals_the_direct_formulas(vocab_chunk):
+    """scale * E (softmax(y E + c) - onehot) and y E + c computed directly, against the slice loops; the
     logits are large (|logit| ~ 300) so a slice loop that did not carry the running max would overflow."""
     g = torch.Generator().manual_seed(4)
     y = torch.randn(9, 5, generator=g, dtype=DT) * 30
@@ -59,6 +59,7 @@ def test_streamed_unembedding_grad_equals_the_softmax_formula(vocab_chunk):
     streamed = unembedding_grad_streamed(y, E, c, labels, scale, vocab_chunk)
     assert torch.isfinite(streamed).all()
     torch.testing.assert_close(streamed, direct, rtol=0, atol=1e-10)
+    torch.testing.assert_close(unembedding_streamed(y, E, c, vocab_chunk), y @ E + c, rtol=0, atol=1e-12)
 
 
 CASES = {

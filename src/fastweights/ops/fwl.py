@@ -58,7 +58,9 @@ Computation of the sums: a call of at most ``chunk_size`` positions is one exact
 ``(q k^T * D) v`` with D the strict mask times the segment decays (the spec's G = 1 form of mixed chunk
 attention); a longer call goes piece by piece through the chunked linear-attention op (memory linear in
 T). Both equal :func:`fwl_recurrent_reference`, the explicit per-step weights. Arithmetic is in the
-inputs' dtype (the head calls this in fp32, or fp64, with autocast off).
+inputs' dtype (the head calls this in fp32, or fp64, with autocast off). Scoring without autograd never
+forms the slow logits: g3 = E e_s comes from an online softmax over slices of E
+(:mod:`fastweights.ops.streamed_unembedding`), the same numbers to rounding.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastweights.ops.linear_attention import linear_attention
+from fastweights.ops.streamed_unembedding import unembedding_grad_streamed, unembedding_streamed
 
 # Fast tensors of the block, in forward order (the unembedding E, c is slow unless bias_only).
 BLOCK_FAST = ("U", "a", "W", "b", "ln_weight", "ln_bias")
@@ -165,50 +168,10 @@ def block_backward(sp: SlowPass, params: dict[str, Tensor], g3: Tensor | None, d
     return g3, g2, g1
 
 
-# ----------------------------------------------------------------------------- no-grad scoring
-
-
-#: vocabulary columns per step of :func:`unembedding_grad_streamed`: the slice of E (576 x 1,024 fp32 = 2.4 MB
-#: for SmolLM2) is read from memory once for both of its products; measured fastest of 1,024-8,192 on one thread
-VOCAB_CHUNK = 1024
-
-
-@torch.no_grad()
-def unembedding_grad_streamed(y: Tensor, E: Tensor, c: Tensor, labels: Tensor, scale: Tensor,
-                              vocab_chunk: int = VOCAB_CHUNK) -> Tensor:
-    """``g3 = scale * E (softmax(y E + c) - onehot(label))`` without the ``[M, V]`` logits (no autograd).
-
-    The same value as :func:`upstream_grads`'s g3 (to rounding), computed over slices of ``vocab_chunk``
-    columns of E with an online softmax: per slice j, logits ``L_j = y E_j + c_j``, running max ``m``,
-    ``l <- l exp(m_old - m) + sum exp(L_j - m)``, ``acc <- acc exp(m_old - m) + exp(L_j - m) E_j^T``; at the
-    end ``g3 = scale (acc / l - E[:, label]^T)``. Each slice of E serves both products while it is in
-    cache, and only ``[M, vocab_chunk]`` floats are ever allocated.
-
-    Args:
-        y: ``[M, s]`` unembedding inputs; E: ``[s, V]``; c: ``[V]``; labels: ``[M]``; scale: ``[M]``
-            (w / Z of each row).
-    """
-    m_rows, vocab = y.shape[0], E.shape[1]
-    run_max = y.new_full((m_rows, 1), float("-inf"))
-    run_sum = y.new_zeros(m_rows, 1)
-    acc = y.new_zeros(m_rows, E.shape[0])  # [M, s]
-    for lo in range(0, vocab, vocab_chunk):
-        e_slice = E[:, lo : lo + vocab_chunk]  # [s, C]
-        logits = torch.addmm(c[lo : lo + vocab_chunk], y, e_slice)  # [M, C]
-        new_max = torch.maximum(run_max, logits.amax(-1, keepdim=True))
-        logits.sub_(new_max).exp_()
-        rescale = torch.exp(run_max - new_max)  # 0 at the first slice (exp(-inf))
-        run_sum = run_sum * rescale + logits.sum(-1, keepdim=True)
-        acc = torch.addmm(acc * rescale, logits, e_slice.T)
-        run_max = new_max
-    return (acc / run_sum - E[:, labels].T) * scale.unsqueeze(-1)  # [M, s]
-
-
 def scoring_upstream(sp: SlowPass, params: dict[str, Tensor], labels: Tensor, weights: Tensor, z_norm,
                      depth: int) -> Upstream:
-    """:func:`upstream_grads` without autograd or the logits (``e`` None, so not for a fast c; depth >= 1):
-    g3 of the rows with a non-zero weight from :func:`unembedding_grad_streamed` (a row of weight 0 has g3 = 0,
-    and the stream skips it: the last position of a call, whose label is not known yet)."""
+    """:func:`upstream_grads` without autograd or logits (``e`` None: not for a fast c; depth >= 1): g3 of the
+    rows of non-zero weight from :func:`unembedding_grad_streamed`, 0 for the others (a call's last position)."""
     b, n, s = sp.y.shape
     scale = (weights.to(sp.y.dtype) / z_norm).flatten()  # [B N]
     rows = scale.nonzero().squeeze(1)
@@ -583,7 +546,8 @@ def fwl_parallel(
     else:
         y = (xhat * gain + bias)[:, logits_from:]  # gain and bias are per position when fast
         y = y + h[:, logits_from:] if residual else y
-        logits = torch.addmm(params["c"], y.flatten(0, 1), params["E"]).view(*y.shape[:-1], -1)  # [B, N', V]
+        logits = (unembedding_streamed(y.flatten(0, 1), params["E"], params["c"]) if scoring
+                  else torch.addmm(params["c"], y.flatten(0, 1), params["E"])).view(*y.shape[:-1], -1)  # [B, N', V]
     if "c" in fast:
         logits = logits - vector_term("c")[:, logits_from:]
     return logits, writes
