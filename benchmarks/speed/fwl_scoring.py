@@ -28,6 +28,7 @@ A missing optional package or a bad file: one error line, exit 2.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import sys
@@ -40,18 +41,32 @@ from fastweights.core.errors import UserError
 from fastweights.evidence import probes
 from fastweights.evidence.result_files import RESULTS, provenance, write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quality"))  # the texts of the quality benchmark
-from smollm2_dynamic_eval import default_data, excerpt, parse_data  # noqa: E402
+from fastweights.adapt.dynamic import DynamicEvaluator
+from fastweights.data import load_corpus
 
-from fastweights.adapt.dynamic import DynamicEvaluator  # noqa: E402
-
-TEXT = "anna_karenina"
+# the first scored text of benchmarks/quality/smollm2_dynamic_eval.py (its KNOWN table), which fwl_smollm2.py scores
+TEXT = {"title": "Tolstoy, Anna Karenina (Garnett translation)", "document": "novels:anna_karenina_tolstoy_garnett.txt",
+        "start_marker": "Happy families are all alike"}
 SEGMENT_LEN = 64  # fwl_smollm2.py's protocol (and the recipe's segment_len)
 
 
 def probe_specs() -> list[dict]:
     """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
     return [probes.probe("hf_fwl", variant="fwl")]
+
+
+def excerpt(tok, predictions: int) -> tuple[torch.Tensor, dict]:
+    """``predictions`` + 1 token ids of :data:`TEXT` from its marker, as ``smollm2_dynamic_eval.excerpt`` cuts them
+    (the text from the marker's first occurrence, 8 characters per token encoded, the first ids kept)."""
+    (doc,) = load_corpus(TEXT["document"])
+    start = doc.text.find(TEXT["start_marker"])
+    need = predictions + 1
+    ids = tok.encode(doc.text[start : start + 8 * need])
+    if start < 0 or len(ids) <= need:
+        raise UserError(f"{TEXT['document']}: no {need} tokens after {TEXT['start_marker']!r}")
+    ids = torch.as_tensor(ids[:need], dtype=torch.long)
+    digest = hashlib.sha256(ids.numpy().tobytes()).hexdigest()
+    return ids, {**TEXT, "start_char": start, "tokens": need, "predictions": predictions, "ids_sha256": digest}
 
 
 def median(v: list[float]) -> float:
@@ -152,8 +167,7 @@ def main() -> int:
     from fastweights.hf.fwl_head import PRETRAINED_FWL_DEFAULTS, HFCausalLMWithFWL
     from fastweights.layers.fwl import FWLOptions
 
-    ((key, _, title, spec, marker, role),) = [r for r in parse_data(default_data("scored"), "scored") if r[0] == TEXT]
-    ids, info = excerpt(tok, key, title, spec, marker, role, a.tokens)
+    ids, info = excerpt(tok, a.tokens)
     options = FWLOptions(**{**PRETRAINED_FWL_DEFAULTS, "step_size_init": a.step_size})
     torch.manual_seed(a.seed)
     fwl = HFCausalLMWithFWL(lm, options).eval()
