@@ -7,7 +7,7 @@
 Protocol of ``benchmarks/quality/fwl_smollm2.py`` (``score()``): the Anna Karenina excerpt of
 ``smollm2_dynamic_eval.py`` (4,096 predictions from "Happy families are all alike"), the whole excerpt in
 the KV cache, segments of 64 tokens, each model scored by
-``DynamicEvaluator(model, lr=0, segment_len=64, context=model.default_context).static(ids)``. The FWL
+``DynamicEvaluator(model, rule="sgd", lr=0, segment_len=64, context=model.default_context).static(ids)``. The FWL
 model is ``HFCausalLMWithFWL`` with the recipe's options (``hf.fwl_head.PRETRAINED_FWL_DEFAULTS``) but a
 random head that does real work: step sizes ``--step-size`` (not the recipe's 0, whose update is zero) and
 a LayerNorm gain of ``--gain`` (not 0, which zeroes the branch and every block update), so the slow pass,
@@ -15,8 +15,11 @@ the inner gradient through the 49,152-way unembedding and the fast pass all run 
 
 Static and FWL passes alternate for ``--rounds`` rounds; the ratio is static's CPU seconds over the FWL's
 in each round, then the median (process CPU time, one torch thread: robust to the load of a shared
-machine). Also recorded, per 64-token segment: the head alone on cached hidden states and one plain
-unembedding ``[64, 576] @ [576, 49152]`` (the cost model's unit), and each model's mean NLL (the FWL's
+machine; the ratio still moves with the load, by a few hundredths between runs, so compare runs only through
+ratios measured in the same run). Also recorded, per 64-token segment: the head alone on cached hidden
+states, static's output layer on 64 rows (the cost model's unit), the head's two streamed vocabulary
+passes, what the rest of the head costs, the ratio if that rest were free (the ceiling of exact
+arithmetic with three vocabulary-sized products per position), and each model's mean NLL (the FWL's
 differs from static's: its update is not the identity).
 
 ``--before FILE`` embeds a result of this same script run on the code before a change (for instance
