@@ -22,9 +22,10 @@ passes, what the rest of the head costs, the ratio if that rest were free (the c
 arithmetic with three vocabulary-sized products per position), and each model's mean NLL (the FWL's
 differs from static's: its update is not the identity).
 
-``--before FILE`` embeds a result of this same script run on the code before a change (for instance
-``PYTHONPATH=/path/to/main/src python benchmarks/speed/fwl_scoring.py --out /tmp/before.json``), with
-its own commit, next to this run's ratio. Writes benchmarks/results/fwl_scoring.json (or ``--out``).
+``--before FILE`` embeds a result of this same script run on the code before a change (for instance with
+``PYTHONPATH`` naming another checkout's ``src`` and ``--out FILE``), with its commit and its command (the
+script and its options, without the paths of the files), next to this run's ratio; this run's recorded
+command leaves ``--before`` out, so the JSON names no file outside the repository. Writes benchmarks/results/fwl_scoring.json (or ``--out``).
 A missing optional package or a bad file: one error line, exit 2.
 """
 
@@ -42,7 +43,7 @@ import torch
 
 from fastweights.core.errors import UserError
 from fastweights.evidence import probes
-from fastweights.evidence.result_files import RESULTS, provenance, write_json
+from fastweights.evidence.result_files import RESULTS, command_line_without, provenance, write_json
 
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.data import load_corpus
@@ -211,13 +212,20 @@ def main() -> int:
                    "met": results["ratio_to_static"] >= 0.81},
     }
     if before is not None:
-        record["before"] = {"file": str(a.before), "git": before.get("git"), "command": before.get("command"),
+        words = str(before.get("command", "")).split()
+        at = next((i for i, w in enumerate(words) if w.endswith("benchmarks/speed/fwl_scoring.py")), len(words))
+        options = words[at + 1:]  # the script's options, less --out and its file
+        kept = [w for prev, w in zip([None, *options], options) if prev != "--out" and not w.startswith("--out")]
+        record["before"] = {"git": before.get("git"),
+                            "command": " ".join(["python benchmarks/speed/fwl_scoring.py", *kept]),
                             "ratio_to_static": before_ratio,
+                            "ratio_per_round": before["results"].get("ratio_per_round"),
                             "tokens_per_cpu_s": before["results"].get("tokens_per_cpu_s"),
                             "per_segment_cpu_s": before["results"].get("per_segment_cpu_s")}
     print(f"FWL / static throughput: {results['ratio_to_static']:.3f} (rounds {[round(r, 3) for r in ratios]}); "
           f"head {costs['head'] * 1e3:.0f} ms per segment = {costs['head_in_unembeddings']:.2f} unembeddings")
-    write_json(a.out, {**provenance(), **record})
+    command = {"command": command_line_without(sys.argv[1:], "--before")} if a.before is not None else {}
+    write_json(a.out, {**provenance(), **record, **command})
     return 0
 
 
