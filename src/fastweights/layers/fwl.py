@@ -305,12 +305,13 @@ class FastWeightLayer(nn.Module):
             labels = torch.cat([labels, labels.new_zeros(bsz, 1)], 1)  # [B, N]; the last has no label yet
             weights = torch.ones(bsz, h_all.shape[1], dtype=cd, device=h.device)
             weights[:, -1] = 0
-            logits, _, writes = fwl_parallel(
+            logits, writes = fwl_parallel(
                 h_all, labels, weights, self.params(cd),
                 {n: a.to(cd) for n, a in self.current_step_sizes().items()},
                 z_norm=self._z_norm(weights), eps=o.ln_eps, chunk_size=o.chunk_size,
                 segment_len=o.segment_len, start=pos - offset, decays=decays, state=deltas,
                 stopgrad_segments=o.stopgrad_segments, first_order=o.first_order, residual=o.residual,
+                logits_from=offset,  # the carried position was scored by the previous call
             )
         # The deltas are folded lazily: the state keeps this call's gradient factors ("writes") and the
         # next call adds them (costing K x V per position only when there is a next call).
@@ -322,7 +323,7 @@ class FastWeightLayer(nn.Module):
             "writes": writes,
             "writes_start": pos - offset,
         }
-        return logits[:, offset:], new_state
+        return logits, new_state
 
     def _padded_forward(self, h: Tensor, tokens: Tensor, state, mask: Tensor | None):
         """Each row's real tokens alone (segments and labels are positions of the real text, which a shifted,

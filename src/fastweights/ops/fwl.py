@@ -58,7 +58,9 @@ Computation of the sums: a call of at most ``chunk_size`` positions is one exact
 ``(q k^T * D) v`` with D the strict mask times the segment decays (the spec's G = 1 form of mixed chunk
 attention); a longer call goes piece by piece through the chunked linear-attention op (memory linear in
 T). Both equal :func:`fwl_recurrent_reference`, the explicit per-step weights. Arithmetic is in the
-inputs' dtype (the head calls this in fp32, or fp64, with autocast off).
+inputs' dtype (the head calls this in fp32, or fp64, with autocast off). Scoring without autograd never
+forms the slow logits: g3 = E e_s comes from an online softmax over slices of E
+(:mod:`fastweights.ops.streamed_unembedding`), the same numbers to rounding.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastweights.ops.linear_attention import linear_attention
+from fastweights.ops.streamed_unembedding import unembedding_grad_streamed, unembedding_streamed
 
 # Fast tensors of the block, in forward order (the unembedding E, c is slow unless bias_only).
 BLOCK_FAST = ("U", "a", "W", "b", "ln_weight", "ln_bias")
@@ -87,7 +90,8 @@ class SlowPass(NamedTuple):
     o: Tensor  # u W + b                        [B, N, s]
     xhat: Tensor  # (o - mean) * rstd           [B, N, s]
     rstd: Tensor  # 1 / sqrt(var(o) + eps)      [B, N, 1]
-    logits: Tensor  # LN(o) E + c               [B, N, V]
+    y: Tensor  # LN(o) (+ h when residual), the unembedding's input   [B, N, s]
+    logits: Tensor | None  # y E + c            [B, N, V] (None from slow_block)
 
 
 class Upstream(NamedTuple):
@@ -97,6 +101,22 @@ class Upstream(NamedTuple):
     g3: Tensor | None  # w.r.t. the LN output       [B, N, s]
     g2: Tensor | None  # w.r.t. o                   [B, N, s]
     g1: Tensor | None  # w.r.t. z                   [B, N, 4s]
+
+
+def slow_block(h: Tensor, params: dict[str, Tensor], eps: float = 1e-5, residual: bool = False) -> SlowPass:
+    """The block with the slow weights, without the unembedding: a :class:`SlowPass` whose ``logits`` is None
+    and whose ``y`` is the unembedding's input (see :func:`slow_pass` for the arguments)."""
+    z = h @ params["U"] + params["a"]
+    r = F.relu(z)
+    u = r * r
+    o = u @ params["W"] + params["b"]
+    var, mean = torch.var_mean(o, -1, unbiased=False, keepdim=True)
+    rstd = torch.rsqrt(var + eps)
+    xhat = (o - mean) * rstd
+    y = xhat * params["ln_weight"] + params["ln_bias"]
+    if residual:
+        y = y + h
+    return SlowPass(z, r, u, o, xhat, rstd, y, None)
 
 
 def slow_pass(h: Tensor, params: dict[str, Tensor], eps: float = 1e-5, residual: bool = False) -> SlowPass:
@@ -110,18 +130,9 @@ def slow_pass(h: Tensor, params: dict[str, Tensor], eps: float = 1e-5, residual:
         residual: add the input to the block's output before the unembedding, ``(h + y) E + c`` (needs
             s = d_in); the head of a pretrained model, which starts as the identity when the LN gain is 0.
     """
-    z = h @ params["U"] + params["a"]
-    r = F.relu(z)
-    u = r * r
-    o = u @ params["W"] + params["b"]
-    var, mean = torch.var_mean(o, -1, unbiased=False, keepdim=True)
-    rstd = torch.rsqrt(var + eps)
-    xhat = (o - mean) * rstd
-    y = xhat * params["ln_weight"] + params["ln_bias"]
-    if residual:
-        y = y + h
-    logits = torch.addmm(params["c"], y.flatten(0, -2), params["E"]).view(*xhat.shape[:-1], -1)
-    return SlowPass(z, r, u, o, xhat, rstd, logits)
+    sp = slow_block(h, params, eps, residual)
+    logits = torch.addmm(params["c"], sp.y.flatten(0, -2), params["E"]).view(*sp.y.shape[:-1], -1)
+    return sp._replace(logits=logits)
 
 
 def upstream_grads(sp: SlowPass, params: dict[str, Tensor], labels: Tensor, weights: Tensor, z_norm,
@@ -140,15 +151,34 @@ def upstream_grads(sp: SlowPass, params: dict[str, Tensor], labels: Tensor, weig
     probs = torch.softmax(sp.logits, dim=-1)  # [B, N, V]
     minus_onehot = torch.zeros_like(probs).scatter_(-1, labels.unsqueeze(-1), -1.0)
     e = (weights.to(probs.dtype) / z_norm).unsqueeze(-1) * (probs + minus_onehot)
-    g3 = g2 = g1 = None
+    g3 = None
     if depth >= 1:
         g3 = e @ params["E"].T  # [B, N, s]
+    return Upstream(e, *block_backward(sp, params, g3, depth))
+
+
+def block_backward(sp: SlowPass, params: dict[str, Tensor], g3: Tensor | None, depth: int):
+    """``(g3, g2, g1)`` from g3 through the LayerNorm and the two layers, to ``depth`` (as :func:`upstream_grads`)."""
+    g2 = g1 = None
     if depth >= 2:
         gh = g3 * params["ln_weight"]
         g2 = sp.rstd * (gh - gh.mean(-1, keepdim=True) - sp.xhat * (gh * sp.xhat).mean(-1, keepdim=True))
     if depth >= 3:
         g1 = (g2 @ params["W"].T) * (2.0 * sp.r)  # [B, N, 4s], ReLU(z)^2 has slope 2 ReLU(z)
-    return Upstream(e, g3, g2, g1)
+    return g3, g2, g1
+
+
+def scoring_upstream(sp: SlowPass, params: dict[str, Tensor], labels: Tensor, weights: Tensor, z_norm,
+                     depth: int) -> Upstream:
+    """:func:`upstream_grads` without autograd or logits (``e`` None: not for a fast c; depth >= 1): g3 of the
+    rows of non-zero weight from :func:`unembedding_grad_streamed`, 0 for the others (a call's last position)."""
+    b, n, s = sp.y.shape
+    scale = (weights.to(sp.y.dtype) / z_norm).flatten()  # [B N]
+    rows = scale.nonzero().squeeze(1)
+    g3 = sp.y.new_zeros(b * n, s)
+    g3[rows] = unembedding_grad_streamed(sp.y.flatten(0, 1)[rows], params["E"], params["c"],
+                                         labels.flatten()[rows], scale[rows])
+    return Upstream(None, *block_backward(sp, params, g3.view(b, n, s), depth))
 
 
 def upstream_grads_autograd(h: Tensor, params: dict[str, Tensor], labels: Tensor, weights: Tensor, z_norm,
@@ -345,13 +375,19 @@ def fold_deltas(base: Tensor | None, carry: Tensor | None, k: Tensor | None, v: 
 
     ``k [B, N, K]``, ``v [B, N, V]`` for a matrix tensor (each position writes k^T v), ``k = None`` and
     ``v [B, N, D]`` for a vector. Applies ``Delta <- gamma Delta + (finished segment sum)`` at each
-    boundary between pieces. Returns the new ``(base, carry)`` at the last piece.
+    boundary between pieces, as ``carry + (gamma - 1) Delta``, and adds each piece's ``k^T v`` in the same
+    op (``baddbmm``): a few passes over a K x V matrix, never one of the inputs changed in place. Returns the
+    new ``(base, carry)`` at the last piece.
     """
     for i, (lo, hi) in enumerate(pieces):
-        if i > 0:
-            base = carry = _cross_boundary(base, carry, gamma, stopgrad=False)
-        total = v[:, lo:hi].sum(1) if k is None else k[:, lo:hi].transpose(1, 2) @ v[:, lo:hi]
-        carry = total if carry is None else carry + total
+        if i > 0:  # Delta <- gamma Delta + (carry - Delta), the finished segment's sum added
+            base = carry = carry if base is None else torch.addcmul(carry, base, gamma - 1)
+        if k is None:
+            total = v[:, lo:hi].sum(1)
+            carry = total if carry is None else carry + total
+        else:
+            k_t, v_p = k[:, lo:hi].transpose(1, 2), v[:, lo:hi]  # [B, K, n], [B, n, V]
+            carry = k_t @ v_p if carry is None else torch.baddbmm(carry, k_t, v_p)
     return base, carry
 
 
@@ -373,7 +409,8 @@ def fwl_parallel(
     first_order: bool = False,
     upstream: str = "manual",
     residual: bool = False,
-) -> tuple[Tensor, Tensor, dict]:
+    logits_from: int = 0,
+) -> tuple[Tensor, dict]:
     """FWL logits for every position, in parallel (slow pass, hand-written backward, fast pass).
 
     Args:
@@ -400,24 +437,32 @@ def fwl_parallel(
         upstream: ``"manual"`` (hand-written backward) or ``"autograd"`` (the reference).
         residual: the block's output is added to its input, ``(h + y') E + c`` (see :func:`slow_pass`); the
             inner-gradient formulas are unchanged (h does not depend on the fast tensors).
+        logits_from: the first position whose logits are computed and returned (the head's position carried
+            from its previous call, already scored there, needs none).
+
+    Without autograd (``torch.no_grad()``, scoring) the slow logits are never formed: the inner gradient
+    through the unembedding comes from :func:`scoring_upstream` (unless c is fast, whose update needs them).
 
     Returns:
-        ``(logits' [B, N, V], slow logits [B, N, V], writes)``; ``writes[name] = (k or None, v)`` are the
-        detached per-position gradient factors of each fast tensor, for :func:`fold_deltas`.
+        ``(logits' [B, N - logits_from, V], writes)``; ``writes[name] = (k or None, v)`` are the detached
+        per-position gradient factors of each fast tensor, for :func:`fold_deltas`.
     """
     fast = set(step_sizes)
     unknown = fast - set(BLOCK_FAST) - {"c"}
     if unknown:
         raise ValueError(f"unknown fast tensors {sorted(unknown)}")
-    sp = slow_pass(h, params, eps, residual)
     depth = 3 if fast & {"U", "a"} else 2 if fast & {"W", "b"} else 1 if fast & {"ln_weight", "ln_bias"} else 0
+    if upstream not in ("manual", "autograd"):
+        raise ValueError(f"upstream must be 'manual' or 'autograd', got {upstream!r}")
+    scoring = not torch.is_grad_enabled() and upstream == "manual" and depth >= 1 and "c" not in fast
+    sp = slow_block(h, params, eps, residual) if scoring else slow_pass(h, params, eps, residual)
     with torch.set_grad_enabled(torch.is_grad_enabled() and not first_order):
-        if upstream == "autograd":
+        if scoring:
+            g = scoring_upstream(sp, params, labels, weights, z_norm, depth)
+        elif upstream == "autograd":
             g = upstream_grads_autograd(h, params, labels, weights, z_norm, eps, residual)
-        elif upstream == "manual":
-            g = upstream_grads(sp, params, labels, weights, z_norm, depth)
         else:
-            raise ValueError(f"upstream must be 'manual' or 'autograd', got {upstream!r}")
+            g = upstream_grads(sp, params, labels, weights, z_norm, depth)
     keys = {"h": h, "u": sp.u, "xhat": sp.xhat}
     if first_order:  # the whole inner gradient k_s^T v_s is a constant
         keys = {name: t.detach() for name, t in keys.items()}
@@ -497,13 +542,15 @@ def fwl_parallel(
     if "ln_bias" in fast:
         bias = bias - vector_term("ln_bias")
     if xhat is sp.xhat and "ln_weight" not in fast and "ln_bias" not in fast:
-        logits = sp.logits
+        logits = sp.logits[:, logits_from:]
     else:
-        y = xhat * gain + bias
-        logits = (y + h if residual else y) @ params["E"] + params["c"]
+        y = (xhat * gain + bias)[:, logits_from:]  # gain and bias are per position when fast
+        y = y + h[:, logits_from:] if residual else y
+        logits = (unembedding_streamed(y.flatten(0, 1), params["E"], params["c"]) if scoring
+                  else torch.addmm(params["c"], y.flatten(0, 1), params["E"])).view(*y.shape[:-1], -1)  # [B, N', V]
     if "c" in fast:
-        logits = logits - vector_term("c")
-    return logits, sp.logits, writes
+        logits = logits - vector_term("c")[:, logits_from:]
+    return logits, writes
 
 
 # slow reference, kept independent of the fast path it checks; it takes fwl_parallel's leading arguments
