@@ -284,7 +284,7 @@ def main() -> int:
         from fastweights.hf.transformers_as_ours import load_hf_model
 
         runs = Path(args.runs)
-        for v in VARIANT_ROWS:
+        for v in VARIANT_ROWS if args.part != "dynamic" else ():  # the dynamic half scores no head
             if not (runs / v / "checkpoint.json").is_file():
                 raise UserError(f"{runs / v}: no trained FWL head (run the recipe of this script's docstring)")
         chosen_src = json.loads(Path(args.dynamic_from).read_text())
@@ -295,7 +295,7 @@ def main() -> int:
         texts = load_texts(tok, args.tokens, args.val_tokens)
         # the FWL variants on the same backbone object, loaded first: a bad checkpoint costs no scoring
         heads = {row: load_fwl_head(runs / v, backbone_loader=lambda _name: (lm, tok))[0]
-                 for v, row in VARIANT_ROWS.items()}
+                 for v, row in VARIANT_ROWS.items() if args.part != "dynamic"}
     except (UserError, OSError, KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
