@@ -97,7 +97,7 @@ from fastweights.core.errors import UserError  # noqa: E402
 from fastweights.evidence import probes  # noqa: E402
 from fastweights.evidence.result_files import RESULTS, command_line_without, provenance, write_json  # noqa: E402
 from fastweights.hf.fwl_head import PRETRAINED_FWL_DEFAULTS, HFCausalLMWithFWL  # noqa: E402
-from fastweights.hf.fwl_training import HELD_OUT_NAMES, VARIANTS  # noqa: E402
+from fastweights.hf.fwl_training import HELD_OUT_NAMES, RECIPE, VARIANTS  # noqa: E402
 from fastweights.layers.fwl import FWLOptions, slow_part  # noqa: E402
 from fastweights.loops.evaluate import score_tokens  # noqa: E402
 from fastweights.models.lm import ModelOutput  # noqa: E402
@@ -125,9 +125,9 @@ class Recipe:
     window: int = 1024  # tokens per training window (one optimizer step)
     windows_per_stream: int = 4  # consecutive windows of one document the state is carried through (4,096 tokens)
     streams_per_doc: int = 0  # streams cut from each document (0: all of it)
-    lr_blocks: float = 3e-5  # AdamW learning rate of the trainable backbone blocks
-    lr_head: float = 1e-3  # ... of the head's slow weights (U, a, W, b, the LayerNorm)
-    lr_fast: float = 1e-4  # ... of the head's step sizes and segment decays (their own, issue 41)
+    lr_blocks: float = RECIPE.block_lr  # AdamW learning rates: the CPU recipe's (hf/fwl_training.RECIPE), for
+    lr_head: float = RECIPE.lr  # the trainable backbone blocks, the head's slow weights (U, a, W, b, the LayerNorm)
+    lr_fast: float = RECIPE.step_lr  # and its step sizes and segment decays (their own, issue 41)
     warmup_steps: int = 20  # linear warm-up of every learning rate
     final_lr_fraction: float = 0.1  # learning rates decay linearly to this fraction by the end of the budget
     tokens: int = 4096  # predictions scored per text
