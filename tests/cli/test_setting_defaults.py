@@ -154,13 +154,14 @@ def test_the_library_settings_recipe_and_harness_read_the_same_constants():
 
 def test_the_recipe_is_what_the_recorded_result_was_made_with():
     rec = json.loads((ROOT / "benchmarks/results/fwl_smollm2.json").read_text())["training"]["fwl"]
-    assert (rec["cache_windows"], rec["window"], rec["batch_size"], rec["lr"]) == \
-        (RECIPE.windows, RECIPE.window, RECIPE.batch_size, RECIPE.lr)
+    assert (rec["cache_windows"], rec["window"], rec["doc_windows"], rec["batch_size"], rec["lr"], rec["step_lr"],
+            rec["trainable_blocks"]) == (RECIPE.windows, RECIPE.window, RECIPE.doc_windows, RECIPE.batch_size,
+                                         RECIPE.lr, RECIPE.step_lr, RECIPE.trainable_blocks)
     assert rec["train_windows"] == RECIPE.windows - RECIPE.val_windows
     assert RECIPE.budget_cpu_s <= rec["cpu_s"] < RECIPE.budget_cpu_s + 60  # stopped at the first step past it
     from fastweights.hf.fwl_head import PRETRAINED_FWL_DEFAULTS
 
-    assert rec["options"]["segment_len"] == PRETRAINED_FWL_DEFAULTS["segment_len"]
+    assert {k: rec["options"][k] for k in PRETRAINED_FWL_DEFAULTS} == PRETRAINED_FWL_DEFAULTS
 
 
 @pytest.mark.parametrize("name", ["DEFAULT_LR", "DEFAULT_DECAY", "DEFAULT_RULE", "DEFAULT_EPS", "DEFAULT_SEGMENT_LEN",
