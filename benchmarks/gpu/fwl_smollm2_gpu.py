@@ -54,6 +54,7 @@ PROCESS_START = time.perf_counter()  # the budget counts from here: imports incl
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import hashlib  # noqa: E402
+import importlib.util  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
