@@ -23,7 +23,7 @@ What runs, all on ``--device`` under bf16 autocast (the head computes in fp32 it
    also sets the scoring reserve of the budget).
 3. Training (:func:`train`, a small loop of its own: ``hf/fwl_training.py`` trains the head from a CPU
    cache of hidden states): streams of ``windows_per_stream`` consecutive windows of ``window`` tokens of
-   English long documents (``TRAINING_CORPORA``, no document whose name holds one of ``HELD_OUT_NAMES``),
+   English long documents (``TRAINING_MIX``, no document whose name holds one of ``HELD_OUT_NAMES``),
    ``batch`` streams at once; each window is one AdamW step on the mean cross-entropy of the fast logits;
    the state (the head's running update ``state["fwl"]`` and the KV cache) is carried, detached, to the
    next window of the same stream, and reset at a new stream. Learning rates: the K blocks, the head, and
@@ -88,7 +88,8 @@ from fastweights.core.errors import UserError  # noqa: E402
 from fastweights.evidence import probes  # noqa: E402
 from fastweights.evidence.result_files import RESULTS, command_line_without, provenance, write_json  # noqa: E402
 from fastweights.hf.fwl_head import PRETRAINED_FWL_DEFAULTS, HFCausalLMWithFWL  # noqa: E402
-from fastweights.hf.fwl_training import HELD_OUT_NAMES, RECIPE, VARIANTS  # noqa: E402
+from fastweights.hf.fwl_training import HELD_OUT_NAMES, RECIPE, TRAINING_MIX, VARIANTS  # noqa: E402
+from fastweights.hf.fwl_training import param_groups as library_param_groups  # noqa: E402
 from fastweights.layers.fwl import FWLOptions, slow_part  # noqa: E402
 from fastweights.loops.evaluate import score_tokens  # noqa: E402
 from fastweights.models.lm import ModelOutput  # noqa: E402
@@ -97,7 +98,6 @@ from fastweights.ops.linear_attention import no_autocast  # noqa: E402
 NAME = "fwl_smollm2_gpu"
 #: the bundled English corpora of long documents that share no document with the scored or tuning texts
 #: (novels, shakespeare-heldout and don-quijote hold those); HELD_OUT_NAMES is checked on every document too
-TRAINING_CORPORA = ("shakespeare-train", "state-of-the-union", "bible-en")
 #: the scored texts: keys of smollm2_dynamic_eval.KNOWN, found among its scored and statistics rows
 SCORED_TEXTS = ("anna_karenina", "hamlet", "war_and_peace", "don_quijote")
 #: scoring segment (tokens per call, the KV cache and the head's state carried): the CPU comparison's 64
@@ -175,7 +175,7 @@ def scored_texts(tok, predictions: int) -> dict:
     return {k: picked[k] for k in SCORED_TEXTS}
 
 
-def training_streams(tok, length: int, seed: int, streams_per_doc: int = 0, corpora=TRAINING_CORPORA):
+def training_streams(tok, length: int, seed: int, streams_per_doc: int = 0, corpora=TRAINING_MIX):
     """Endless iterator of ``(ids [length] int64, source)``: consecutive, non-overlapping stretches of ``length``
     tokens of each document (at most ``streams_per_doc``, 0 = all), the corpora in turn, the documents of each
     in a seeded order that is drawn again every pass. Documents are tokenized when first reached."""
@@ -293,19 +293,10 @@ def stream_windows(model: nn.Module, tokens: torch.Tensor, window: int, amp=null
 
 
 def param_groups(model: HFCausalLMWithFWL, recipe: Recipe) -> list[dict]:
-    """AdamW groups: the trainable backbone blocks, the head's slow weights, the head's step sizes and decays."""
-    groups = {"blocks": [], "head": [], "fast": []}
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        if not name.startswith("head."):
-            groups["blocks"].append(p)
-        elif "step_size" in name or "decay" in name:
-            groups["fast"].append(p)
-        else:
-            groups["head"].append(p)
-    lrs = {"blocks": recipe.lr_blocks, "head": recipe.lr_head, "fast": recipe.lr_fast}
-    return [{"name": k, "params": ps, "lr": lrs[k], "base_lr": lrs[k]} for k, ps in groups.items() if ps]
+    """AdamW groups: the library's (``hf.fwl_training.param_groups``: the head's slow weights, its step sizes and
+    decays, the trainable backbone blocks) at the recipe's rates, named and with the base rate the schedule scales."""
+    groups = library_param_groups(model, recipe.lr_head, recipe.lr_fast, recipe.lr_blocks)
+    return [{**g, "name": name, "base_lr": g["lr"]} for name, g in zip(("head", "fast", "blocks"), groups) if g["params"]]
 
 
 def train(model: HFCausalLMWithFWL, streams, recipe: Recipe, device: torch.device, budget_s: float) -> dict:
@@ -412,11 +403,8 @@ def device_info(device: torch.device) -> dict:
 
 
 def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 # ----------------------------------------------------------------------------- the command
@@ -506,7 +494,7 @@ def run(argv: list[str], tmp: Path) -> int:
                         "blocks": len(backbone.layers), "max_positions": backbone.max_positions},
               "settings": dataclasses.asdict(recipe), "fwl_options": dataclasses.asdict(options),
               "protocol": {"score_segment": SCORE_SEGMENT, "context": backbone.default_context,
-                           "autocast": "bf16", "training_corpora": list(TRAINING_CORPORA),
+                           "autocast": "bf16", "training_corpora": list(TRAINING_MIX),
                            "held_out_names": list(HELD_OUT_NAMES), "timing": "wall clock, device synchronized"},
               "excerpts": {k: info for k, (_, info) in texts.items()}, "complete": False,
               "timing": {"load_s": time.perf_counter() - PROCESS_START}}

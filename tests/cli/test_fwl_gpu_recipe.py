@@ -92,7 +92,7 @@ def test_training_ran_its_steps_on_documents_never_scored(dry_run, recipe):
     assert tr["steps"] == recipe.TINY.max_steps == len(tr["history"]) and tr["tokens"] > 0
     assert all(finite(h[3]) for h in tr["history"])
     assert [h[2] for h in tr["history"]] == [0, 1, 0, 1]  # the windows of each stream, in order
-    assert tr["streams"] == recipe.TINY.batch * 2 and set(tr["corpora"]) <= set(recipe.TRAINING_CORPORA)
+    assert tr["streams"] == recipe.TINY.batch * 2 and set(tr["corpora"]) <= set(recipe.TRAINING_MIX)
     from fastweights.hf.fwl_training import HELD_OUT_NAMES
 
     scored_docs = {e["document"].split(":")[1].lower() for e in res["excerpts"].values()}
@@ -189,12 +189,12 @@ def test_training_streams_are_consecutive_stretches_of_each_document(tiny_fwl, r
 
     it = recipe.training_streams(tok, 50, seed=0, streams_per_doc=2)
     first = [next(it) for _ in range(6)]
-    assert [s.split(":")[0] for _, s in first] == list(recipe.TRAINING_CORPORA) * 2  # the corpora in turn
+    assert [s.split(":")[0] for _, s in first] == list(recipe.TRAINING_MIX) * 2  # the corpora in turn
     for i, (ids, source) in enumerate(first):
         corpus, doc_name = source.split(":", 1)
         (doc,) = [d for d in load_corpus(corpus) if d.name == doc_name]
         whole = torch.as_tensor(tok.encode(doc.text[:2 * 50 * 8]))
-        k = i // len(recipe.TRAINING_CORPORA)  # the first and then the second stretch of the same document
+        k = i // len(recipe.TRAINING_MIX)  # the first and then the second stretch of the same document
         assert first[i % 3][1] == source and torch.equal(ids, whole[k * 50:(k + 1) * 50]), source
 
 

@@ -77,7 +77,8 @@ class FWLHeadRecipe:
     batch_size: int = 1  # parallel streams (documents), one window of each per step
     lr: float = 1e-3  # AdamW learning rate of the head's weights
     # AdamW learning rate of trained backbone blocks (--trainable-blocks): pretrained weights take a far smaller one
-    # than a fresh head (at 1e-3 two of SmolLM2's blocks lost 0.95 nats a window within 4 steps)
+    # than a fresh head (at 1e-3 two of SmolLM2's blocks lost 0.95 nats a window within 4 steps, a hand-run
+    # measurement, not a stored result)
     block_lr: float = 1e-5
     step_lr: float = 1e-2  # AdamW learning rate of the step sizes and segment decays (head.step_sizes/decay_logits)
     trainable_blocks: int = 0  # top backbone blocks trained with the head (0: the backbone frozen)
