@@ -60,7 +60,8 @@ attention); a longer call goes piece by piece through the chunked linear-attenti
 T). Both equal :func:`fwl_recurrent_reference`, the explicit per-step weights. Arithmetic is in the
 inputs' dtype (the head calls this in fp32, or fp64, with autocast off). Scoring without autograd never
 forms the slow logits: g3 = E e_s comes from an online softmax over slices of E
-(:mod:`fastweights.ops.streamed_unembedding`), the same numbers to rounding.
+(:mod:`fastweights.ops.streamed_unembedding`, whose products on a CPU go through oneDNN's fp32 GEMM), the
+same numbers to rounding.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastweights.ops.linear_attention import linear_attention
-from fastweights.ops.streamed_unembedding import unembedding_grad_streamed, unembedding_streamed
+from fastweights.ops.streamed_unembedding import unembedding_grad_streamed, unembedding_no_grad
 
 # Fast tensors of the block, in forward order (the unembedding E, c is slow unless bias_only).
 BLOCK_FAST = ("U", "a", "W", "b", "ln_weight", "ln_bias")
@@ -546,7 +547,7 @@ def fwl_parallel(
     else:
         y = (xhat * gain + bias)[:, logits_from:]  # gain and bias are per position when fast
         y = y + h[:, logits_from:] if residual else y
-        logits = (unembedding_streamed(y.flatten(0, 1), params["E"], params["c"]) if scoring
+        logits = (unembedding_no_grad(y.flatten(0, 1), params["E"], params["c"]) if scoring
                   else torch.addmm(params["c"], y.flatten(0, 1), params["E"])).view(*y.shape[:-1], -1)  # [B, N', V]
     if "c" in fast:
         logits = logits - vector_term("c")[:, logits_from:]
