@@ -16,8 +16,7 @@ What runs, all on ``--device`` under bf16 autocast (the head computes in fp32 it
    ``HFCausalLMWithFWL(backbone, FWLOptions(PRETRAINED_FWL_DEFAULTS + VARIANTS["fwl"]), trainable_blocks=K)``,
    the options ``fastweights fwl-head train`` uses.
 2. Scored texts (never trained on): Anna Karenina, Hamlet, War and Peace, Don Quijote, ``--tokens``
-   predictions each from the markers of ``benchmarks/quality/smollm2_dynamic_eval.py`` (``excerpt``,
-   ``default_data``), the whole excerpt in the KV cache, segments of 64 tokens (``score_tokens``).
+   predictions each, the excerpts of the CPU comparison (``fastweights.data.excerpts``), the whole excerpt in the KV cache, segments of 64 tokens (``score_tokens``).
    Before training: ``static`` (the pretrained model alone, its logits in fp32 like the head's) and
    ``fwl_at_init`` (the untrained head: near static, as the recipe starts near the identity; its time
    also sets the scoring reserve of the budget).
@@ -54,7 +53,6 @@ PROCESS_START = time.perf_counter()  # the budget counts from here: imports incl
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import hashlib  # noqa: E402
-import importlib.util  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
@@ -69,22 +67,11 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 
-def _quality_module(name: str):
-    """A module of benchmarks/quality (this script's folder is benchmarks/gpu), loaded from its file."""
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "quality" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-_excerpts = _quality_module("smollm2_dynamic_eval")  # the excerpt helpers of the CPU comparison
-default_data, excerpt, log, parse_data = (_excerpts.default_data, _excerpts.excerpt, _excerpts.log,
-                                          _excerpts.parse_data)
 from torch import nn  # noqa: E402
 from torch.utils._pytree import tree_map  # noqa: E402
 
 from fastweights.core.errors import UserError  # noqa: E402
+from fastweights.data.excerpts import bundled_excerpt, token_excerpt  # noqa: E402
 from fastweights.evidence import probes  # noqa: E402
 from fastweights.evidence.result_files import RESULTS, command_line_without, provenance, write_json  # noqa: E402
 from fastweights.hf.fwl_head import PRETRAINED_FWL_DEFAULTS, HFCausalLMWithFWL  # noqa: E402
@@ -96,10 +83,14 @@ from fastweights.models.lm import ModelOutput  # noqa: E402
 from fastweights.ops.linear_attention import no_autocast  # noqa: E402
 
 NAME = "fwl_smollm2_gpu"
-#: the bundled English corpora of long documents that share no document with the scored or tuning texts
-#: (novels, shakespeare-heldout and don-quijote hold those); HELD_OUT_NAMES is checked on every document too
-#: the scored texts: keys of smollm2_dynamic_eval.KNOWN, found among its scored and statistics rows
-SCORED_TEXTS = ("anna_karenina", "hamlet", "war_and_peace", "don_quijote")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+#: the scored texts: the CPU comparison's (fwl_smollm2.py), keys of fastweights.data.excerpts.BUNDLED_EXCERPTS
+SCORED_TEXTS = ("anna_karenina", "hamlet", "war_and_peace_ch2", "don_quijote")
 #: scoring segment (tokens per call, the KV cache and the head's state carried): the CPU comparison's 64
 SCORE_SEGMENT = PRETRAINED_FWL_DEFAULTS["segment_len"]
 
@@ -163,16 +154,7 @@ def tiny_llama(directory: Path) -> str:
 
 def scored_texts(tok, predictions: int) -> dict:
     """``{key: (ids [predictions + 1], info)}`` of :data:`SCORED_TEXTS`, picked as the CPU comparison picks them."""
-    rows = parse_data(",".join(default_data(r) for r in ("scored", "statistics")), "scored")
-    picked = {}
-    for key, _, title, spec, marker, role in rows:
-        name = next((k for k in SCORED_TEXTS if key.startswith(k)), None)
-        if name is not None and name not in picked:
-            picked[name] = excerpt(tok, key, title, spec, marker, role, predictions)
-    missing = [k for k in SCORED_TEXTS if k not in picked]
-    if missing:
-        raise UserError(f"smollm2_dynamic_eval.KNOWN names no {', '.join(missing)} text")
-    return {k: picked[k] for k in SCORED_TEXTS}
+    return {k: token_excerpt(tok, bundled_excerpt(k)._replace(role="scored"), predictions) for k in SCORED_TEXTS}
 
 
 def training_streams(tok, length: int, seed: int, streams_per_doc: int = 0, corpora=TRAINING_MIX):

@@ -7,7 +7,7 @@ experiment, Clark et al. 2022 section 3, Tables 1 and 2, Figure 2), offline on a
     fastweights fwl-head train --hf smollm2-135m --out runs/fwl-smollm2/bias-only --variant bias-only --minutes 5
     python benchmarks/quality/fwl_smollm2.py --runs runs/fwl-smollm2 --threads 1
 
-Texts (:data:`TEXTS`, excerpts cut by ``smollm2_dynamic_eval.excerpt`` from the bundled corpora, every one of
+Texts (:data:`TEXTS`, excerpts cut by ``fastweights.data.excerpts.token_excerpt`` from the bundled corpora, every one of
 them a document the training mix skips: ``hf.fwl_training.HELD_OUT_NAMES``, checked by a test):
 
 - scored, ``--tokens`` predictions each (4,096), the whole excerpt in the KV cache, segments of 64
@@ -66,28 +66,24 @@ from fastweights.evidence.result_files import RESULTS, write_result
 from fwl_comparators import (DYNAMIC_LR_FACTORS, LOWRANK_LR_FACTORS, LOWRANK_RANKS, STATS, TOP_BLOCKS,
                              TOP_BLOCKS_LR_FACTORS, cpu, dynamic_rows, fwl_rows, gain_split, score_texts,
                              static_evaluator)
-from smollm2_dynamic_eval import excerpt, log
+from smollm2_dynamic_eval import log
 
 from fastweights.core.errors import UserError
+from fastweights.data.excerpts import ExcerptSpec, bundled_excerpt, token_excerpt
 from fastweights.evidence import probes
 
 LN2 = math.log(2)
 VARIANT_ROWS = {"fwl": "fwl", "test-time-only": "fwl_test_time_only", "bias-only": "fwl_bias_only"}
-#: (key, title, CORPUS:DOCUMENT, start marker, role, English): the excerpts, cut by smollm2_dynamic_eval.excerpt
+#: (excerpt, English): the bundled excerpts (War and Peace scored here) and a statistics text of the training mix's corpora
 TEXTS = (
-    ("anna_karenina", "Tolstoy, Anna Karenina (Garnett translation)", "novels:anna_karenina_tolstoy_garnett.txt",
-     "Happy families are all alike", "scored", True),
-    ("hamlet", "Shakespeare, Hamlet", "shakespeare-heldout:hamlet_gut.txt", "ACT I.\n", "scored", True),
-    ("war_and_peace_ch2", "Tolstoy, War and Peace (Maude), from Chapter II", "novels:war_and_peace_tolstoy_maude.txt",
-     "CHAPTER II\n", "scored", True),
-    ("don_quijote", "Cervantes, Don Quijote (Spanish)", "don-quijote:don_quijote_cervantes.txt",
-     "En un lugar de la Mancha", "scored", False),
-    ("crime_and_punishment_part3", "Dostoevsky, Crime and Punishment (Garnett), from Part III",
-     "novels:crime_and_punishment_dostoevsky_garnett.txt", "PART III\n", "validation", True),
-    ("macbeth_act3", "Shakespeare, Macbeth, from Act III", "shakespeare-heldout:macbeth_gut.txt", "ACT III.\n",
-     "validation", True),
-    ("state_of_the_union_1946", "Truman, State of the Union address, 1946", "state-of-the-union:1946-Truman.txt",
-     "", "statistics", True),
+    (bundled_excerpt("anna_karenina"), True),
+    (bundled_excerpt("hamlet"), True),
+    (bundled_excerpt("war_and_peace_ch2")._replace(role="scored"), True),
+    (bundled_excerpt("don_quijote"), False),
+    (bundled_excerpt("crime_and_punishment_part3"), True),
+    (bundled_excerpt("macbeth_act3"), True),
+    (ExcerptSpec("state_of_the_union_1946", "State of the Union 1946", "Truman, State of the Union address, 1946",
+                 "state-of-the-union:1946-Truman.txt", "", "statistics"), True),
 )
 STATS_TOKENS = STATS["batch_size"] * STATS["max_batches"] * 64  # MS_g's targets at segment length 64
 SLOW_PART = "_slow_part"
@@ -105,9 +101,9 @@ def load_texts(tok, tokens: int, val_tokens: int) -> dict:
     ``val_tokens`` per tuning text, :data:`STATS_TOKENS` for the statistics text."""
     sizes = {"scored": tokens, "validation": val_tokens, "statistics": STATS_TOKENS}
     out = {}
-    for key, title, spec, marker, role, english in TEXTS:
-        ids, info = excerpt(tok, key, title, spec, marker, role, sizes[role])
-        out[key] = (ids, {**info, "english": english})
+    for spec, english in TEXTS:
+        ids, info = token_excerpt(tok, spec, sizes[spec.role])
+        out[spec.key] = (ids, {**info, "english": english})
     return out
 
 

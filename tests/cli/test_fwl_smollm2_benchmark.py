@@ -70,12 +70,12 @@ def test_the_texts_are_long_enough_and_never_training_text(llama):
         assert x.numel() == {"statistics": bench.STATS_TOKENS}.get(info["role"], 4096) + 1, k
     mix = "\n".join(d.text for corpus in TRAINING_MIX for d in load_corpus(corpus)
                     if not any(n in d.name.lower() for n in HELD_OUT_NAMES))
-    for key, _, spec, marker, role, _ in bench.TEXTS:
-        if role == "statistics":
+    for spec, _ in bench.TEXTS:
+        if spec.role == "statistics":
             continue  # gradient statistics come from training-like text (the module docstring)
-        assert any(n in spec.lower() for n in HELD_OUT_NAMES), spec
-        (doc,) = load_corpus(spec)
-        start = doc.text.find(marker)
+        assert any(n in spec.document.lower() for n in HELD_OUT_NAMES), spec
+        (doc,) = load_corpus(spec.document)
+        start = doc.text.find(spec.marker)
         assert doc.text[start + 500: start + 700] not in mix, spec
 
 

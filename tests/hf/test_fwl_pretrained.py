@@ -3,7 +3,6 @@ built offline, the wrapper starts as the backbone exactly, never lets a later to
 (scoring and training), equals itself in pieces with the state carried, trains from cached hidden states
 exactly as through the backbone, round-trips its checkpoint, and trains on no text the comparison scores."""
 
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -168,16 +167,10 @@ def test_trainable_blocks_and_refusals():
 def test_the_training_mix_holds_none_of_the_compared_texts():
     """No document of the training mix is one the comparison scores, tunes on or takes statistics from, in
     any edition: by name, and by content (a passage of each compared excerpt is nowhere in the mix)."""
-    import sys
-
     from fastweights.data import load_corpus
+    from fastweights.data.excerpts import BUNDLED_EXCERPTS
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "quality"))
-    try:
-        from smollm2_dynamic_eval import KNOWN
-    finally:
-        sys.path.pop(0)
-    compared = [(spec, marker) for _, _, _, spec, marker, _ in KNOWN]
+    compared = [(r.document, r.marker) for r in BUNDLED_EXCERPTS]
     assert {spec.split(":")[1].split("_")[0] for spec, _ in compared} <= {n.split("_")[0] for n in HELD_OUT_NAMES}
     mix_corpora = set(TRAINING_MIX)
     mix_text = []

@@ -30,9 +30,10 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
+import torch
 
 from fastweights.cli import main
-from fastweights.data import CORPORA, load_corpus, split_corpus
+from fastweights.data import CORPORA, ByteTokenizer, load_corpus, split_corpus
 from fastweights.data.bundled import BUNDLED, EXTERNAL, HELDOUT_PLAYS, PTB_PIP, read_asset
 from fastweights.core.errors import UserError
 from helpers import ROOT as REPO
@@ -346,17 +347,40 @@ def test_data_list(capsys):
     assert "required" in capsys.readouterr().err
 
 
-def test_smollm2_benchmark_names_its_texts_by_corpus():
-    bench = _benchmark("smollm2_dynamic_eval")
+def test_bundled_excerpts_name_their_texts_by_corpus():
+    from fastweights.data.excerpts import BUNDLED_EXCERPTS, bundled_excerpt, default_excerpts, parse_excerpts
+
     # the defaults are the bundled texts, each resolving in the registry and starting where its marker says
-    rows = [r for role in ("scored", "validation", "statistics") for r in bench.parse_data(bench.default_data(role), role)]
-    assert [r[0] for r in rows] == [k[0] for k in bench.KNOWN]
-    for key, _, _, spec_, marker, _ in rows:
-        (doc,) = load_corpus(spec_)
-        assert marker in doc.text, key
-    # any CORPUS:DOCUMENT of the registry, with or without a marker (\n written as \\n)
-    (row,) = bench.parse_data("shakespeare-heldout:macbeth_gut.txt@ACT II.\\n", "scored")
-    assert row[3] == "shakespeare-heldout:macbeth_gut.txt" and row[4] == "ACT II.\n"
-    assert bench.parse_data("tinyshakespeare", "scored")[0][:2] == ("tinyshakespeare", "tinyshakespeare")
+    rows = [r for role in ("scored", "validation", "statistics") for r in parse_excerpts(default_excerpts(role), role)]
+    assert rows == list(BUNDLED_EXCERPTS)
+    for row in rows:
+        (doc,) = load_corpus(row.document)
+        assert row.marker in doc.text, row.key
+    # any CORPUS:DOCUMENT of the registry, with or without a marker (\n written as \\n); a bundled one in another role
+    (row,) = parse_excerpts("shakespeare-heldout:macbeth_gut.txt@ACT II.\\n", "scored")
+    assert row.document == "shakespeare-heldout:macbeth_gut.txt" and row.marker == "ACT II.\n"
+    assert parse_excerpts("tinyshakespeare", "scored")[0][:2] == ("tinyshakespeare", "tinyshakespeare")
+    assert parse_excerpts(default_excerpts("statistics"), "scored") == [bundled_excerpt("war_and_peace_ch2")._replace(role="scored")]
     with pytest.raises(UserError, match="no scored text"):
-        bench.parse_data(" , ", "scored")
+        parse_excerpts(" , ", "scored")
+    with pytest.raises(UserError, match="no bundled excerpt 'war_and_peace'"):
+        bundled_excerpt("war_and_peace")
+
+
+def test_token_excerpt_cuts_from_the_marker_and_says_where():
+    from fastweights.data.excerpts import ExcerptSpec, token_excerpt
+
+    tok = ByteTokenizer()
+    spec = ExcerptSpec("macbeth", "Macbeth", "Macbeth from Act II", "shakespeare-heldout:macbeth_gut.txt", "ACT II.\n",
+                       "scored")
+    ids, info = token_excerpt(tok, spec, 300)
+    (doc,) = load_corpus(spec.document)
+    start = doc.text.find("ACT II.\n")
+    assert ids.dtype == torch.long and ids.shape == (301,)
+    assert bytes(ids.tolist()) == doc.text[start:].encode()[:301]
+    assert info["start_char"] == start and info["predictions"] == 300 and info["tokens"] == 301
+    assert info["ids_sha256"] == hashlib.sha256(ids.numpy().tobytes()).hexdigest()
+    with pytest.raises(UserError, match="start marker"):
+        token_excerpt(tok, spec._replace(marker="no such marker anywhere"), 10)
+    with pytest.raises(UserError, match="fewer than"):
+        token_excerpt(tok, spec, 10**7)

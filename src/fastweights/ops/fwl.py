@@ -59,9 +59,8 @@ Computation of the sums: a call of at most ``chunk_size`` positions is one exact
 attention); a longer call goes piece by piece through the chunked linear-attention op (memory linear in
 T). Both equal :func:`fwl_recurrent_reference`, the explicit per-step weights. Arithmetic is in the
 inputs' dtype (the head calls this in fp32, or fp64, with autocast off). Scoring without autograd never
-forms the slow logits: g3 = E e_s comes from an online softmax over slices of E
-(:mod:`fastweights.ops.streamed_unembedding`, whose products on a CPU go through oneDNN's fp32 GEMM), the
-same numbers to rounding.
+forms the slow logits: g3 = E e_s comes from an online softmax over slices of E (oneDNN's fp32 GEMM on a
+CPU, :mod:`fastweights.ops.streamed_unembedding`), the same numbers to rounding.
 """
 
 from __future__ import annotations
