@@ -2,8 +2,12 @@
 a repetitive token stream. A plain module (``tests/`` is on ``sys.path``, see ``conftest.py``): tests import
 from here, never from another test module."""
 
+import importlib
 import io
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository
@@ -16,6 +20,26 @@ def benchmark_script(name: str) -> Path:
     found = sorted(BENCHMARKS.glob(f"*/{name}.py"))
     assert len(found) == 1, f"benchmark script {name}.py: {found or 'in no folder of benchmarks/'}"
     return found[0]
+def import_benchmark(name: str):
+    """The benchmark script ``name`` as a module, imported as ``python benchmarks/KIND/NAME.py`` sees its folder
+    (on ``sys.path`` while it imports, removed after)."""
+    folder = str(benchmark_script(name).parent)
+    sys.path.insert(0, folder)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(folder)
+
+
+def run_script(script: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGS`` from the repository root on one torch thread, stdout and stderr captured; a device
+    machine's ``$OUT`` is not passed on (a script writes where its arguments say)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("OUT", None)
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=ROOT)
+
+
 DATA = Path(__file__).resolve().parent / "data"  # files the tests read (memory_golden.pt)
 
 

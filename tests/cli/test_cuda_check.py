@@ -3,18 +3,13 @@ writes, and bad input is one line on stderr with exit status 2 (the GPU run itse
 benchmarks/results/cuda_check.json)."""
 
 import json
-import os
-import subprocess
-import sys
-from helpers import ROOT
+from helpers import ROOT, run_script
 
 SCRIPT = ROOT / "benchmarks" / "gpu" / "cuda_check.py"
 
 
 def run(*args, timeout=60):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=ROOT)
+    return run_script(SCRIPT, *args, timeout=timeout)
 
 
 def test_cpu_dry_run_writes_every_part(tmp_path):

@@ -4,20 +4,15 @@ carrying provenance and the exact command; bad input is one line on stderr with 
 are benchmarks/results/cuda_scale.json and cuda_scale_kernels.json)."""
 
 import json
-import os
 import shlex
-import subprocess
-import sys
-from helpers import ROOT
+from helpers import ROOT, run_script
 
 SCRIPT = ROOT / "benchmarks" / "gpu" / "cuda_scale.py"
 ITEMS = "models/ours_hybrid*,kernels/T32/*,fwpkm_layer/*_B1"
 
 
 def run(*args, timeout=400):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=ROOT)
+    return run_script(SCRIPT, *args, timeout=timeout)
 
 
 def test_cpu_dry_run_measures_our_side_and_records_the_rest(tmp_path):

@@ -5,16 +5,12 @@ state across windows exactly as one long call does and never lets a window see l
 is the head with zero step sizes, restored after; the static row is the backbone's own logits; the training
 streams are consecutive stretches of documents that are never scored; bad input is one line with exit 2."""
 
-import importlib
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import ROOT, tiny_llama_dir
+from helpers import ROOT, import_benchmark, run_script, tiny_llama_dir
 
 from fastweights.layers.fwl import slow_part
 
@@ -22,19 +18,12 @@ SCRIPT = ROOT / "benchmarks" / "gpu" / "fwl_smollm2_gpu.py"
 
 
 def run(*args, timeout=300):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("OUT", None)
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=ROOT)
+    return run_script(SCRIPT, *args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def recipe():
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        yield importlib.import_module("fwl_smollm2_gpu")
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    return import_benchmark("fwl_smollm2_gpu")
 
 
 @pytest.fixture(scope="module")

@@ -4,33 +4,23 @@ its command, an item made to fail is recorded and the rest still run, and the en
 on a GPU; ``--list`` and the minute plan; the gradient check catching a wrong kernel (the stand-in imitating
 fla issue 984); a device run's summary unpacked into result files; bad input is one line with exit status 2."""
 
-import importlib
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, import_benchmark, run_script
 
 SCRIPT = ROOT / "benchmarks" / "gpu" / "gpu_queue.py"
 FAIL = "like/delta_op_T8192"
 
 
 def run(*args, timeout=300):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=ROOT)
+    return run_script(SCRIPT, *args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def gq():
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        yield importlib.import_module("gpu_queue")
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    return import_benchmark("gpu_queue")
 
 
 @pytest.fixture(scope="module")

