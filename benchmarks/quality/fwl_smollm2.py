@@ -93,6 +93,7 @@ def probe_specs() -> list[dict]:
     """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
     return ([probes.probe("hf_fwl", variant=v) for v in VARIANT_ROWS]
             + [probes.probe("hf_dynamic", rule=r) for r in ("rms", "sgd")]
+            + [probes.probe("hf_dynamic", rule="rms", rank=4)]
             + [probes.probe("hf_dynamic", rule="rms", include="hf.transformer.h.1.*,hf.transformer.ln_f.*")])
 
 

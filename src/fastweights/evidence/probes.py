@@ -23,7 +23,7 @@ fp64). Between the CPU kernels of one machine their outputs differ by about 1e-1
 Kinds (``args`` are JSON, so a result names its probes completely):
     model     {"config": model config}          logits, loss and every gradient, two calls with state carried
     stream    {"config", "mode"}                the streaming scorer (``stream_eval``) on one document
-    dynamic   {"config", "rule", ...}           dynamic evaluation's per-token losses (and updates)
+    dynamic   {"config", "rule", ...}           dynamic evaluation's per-token losses ("rank": low-rank deltas)
     hf_dynamic {"rule", ...}                    the same through the Hugging Face wrapper (a tiny GPT-2)
     layer     {"role", "name", "options"}       one registered component, two calls, outputs and gradients
     ops       {"op"}                            an operator family's fast paths (delta rule, linear attention, FWL)
@@ -154,16 +154,22 @@ def _stream(config: dict, mode: str = "carry", seq_len: int = 16) -> dict:
             "document_losses": torch.tensor(losses, dtype=torch.float64)}
 
 
-def _dynamic(config: dict | None, rule: str, lr: float = PROBE_DYNAMIC_LR, segment_len: int = 5, **kw) -> dict:
+def _dynamic(config: dict | None, rule: str, lr: float = PROBE_DYNAMIC_LR, segment_len: int = 5,
+             rank: int | None = None, **kw) -> dict:
+    """``rank``: low-rank dynamic evaluation (``adapt.lowrank``: rank-r deltas of the MLP projections)."""
     from fastweights.adapt.dynamic import DynamicEvaluator
+    from fastweights.adapt.lowrank import LowRankDynamicEvaluator, collect_lowrank_grad_stats
     from fastweights.adapt.update_rules import collect_grad_stats, rule_needs_stats
 
     model = probe_model_of(config).eval() if config is not None else _tiny_gpt2()
     settings = {**kw, "lr": lr}
+    lowrank = {} if rank is None else {"rank": rank}
     if rule_needs_stats(rule):
-        settings["grad_stats"] = collect_grad_stats(model, _tokens(200, 3), batch_size=4, seq_len=segment_len,
-                                                    max_batches=3)
-    ev = DynamicEvaluator(model, rule=rule, segment_len=segment_len, **settings)
+        collect = collect_lowrank_grad_stats if lowrank else collect_grad_stats
+        settings["grad_stats"] = collect(model, _tokens(200, 3), batch_size=4, seq_len=segment_len, max_batches=3,
+                                         **lowrank)
+    evaluator = LowRankDynamicEvaluator if lowrank else DynamicEvaluator
+    ev = evaluator(model, rule=rule, segment_len=segment_len, **settings, **lowrank)
     tokens = _tokens(41, 4)
     first, state = ev.evaluate(tokens[:23], final=False)
     second, _ = ev.evaluate(tokens[23:], state=state)
