@@ -74,3 +74,36 @@ def test_streamed_passes_in_fp32_take_the_oneDNN_route_and_match_fp64(monkeypatc
     assert n_grad == 2 * 3  # two products per slice of 1,024 columns, three slices
     torch.testing.assert_close(su.unembedding_no_grad(y, E, c).double(), logits64, rtol=1e-5, atol=1e-4)
     assert len(calls) == n_grad + 1  # one GEMM for the whole logits
+
+
+@needs_onednn
+def test_fwl_scoring_in_fp32_on_the_oneDNN_route_matches_the_fp64_training_path(monkeypatch):
+    """The whole no-grad FWL pass (residual head, every tensor fast, segments, a vocabulary of several
+    slices) in fp32 through oneDNN against the differentiable path in fp64 (torch's kernels), and the
+    vocabulary products really went through oneDNN."""
+    from fastweights.ops.fwl import BLOCK_FAST, fwl_parallel
+
+    calls = _spy(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    s, v, b, t = 8, 2300, 2, 13
+
+    def r(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
+
+    params = {"U": r(s, 4 * s, scale=0.3), "a": r(4 * s, scale=0.1), "W": r(4 * s, s, scale=0.3), "b": r(s, scale=0.1),
+              "ln_weight": 0.5 + r(s, scale=0.1), "ln_bias": r(s, scale=0.1), "E": r(s, v), "c": r(v, scale=0.2)}
+    h, labels = r(b, t, s), torch.randint(0, v, (b, t), generator=g)
+    weights = torch.ones(b, t, dtype=torch.float64)
+    weights[:, -1] = 0
+    steps = {n: torch.tensor(0.05 + 0.05 * i, dtype=torch.float64) for i, n in enumerate(BLOCK_FAST)}
+    decays = {n: torch.tensor(0.7, dtype=torch.float64) for n in BLOCK_FAST}
+    kw = dict(segment_len=5, start=3, decays=decays, residual=True, logits_from=1)
+    want, _ = fwl_parallel(h, labels, weights, {n: p.requires_grad_(True) for n, p in params.items()}, steps, **kw)
+
+    def f32(d):
+        return {n: x.detach().float() for n, x in d.items()}
+
+    with torch.no_grad():
+        got, _ = fwl_parallel(h.float(), labels, weights.float(), f32(params), f32(steps), **{**kw, "decays": f32(decays)})
+    torch.testing.assert_close(got.double(), want.detach(), rtol=1e-4, atol=1e-4)
+    assert len(calls) >= 2 * 3 + 1  # the inner gradient's two products per slice, and the fast logits
