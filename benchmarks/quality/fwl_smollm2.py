@@ -53,6 +53,7 @@ one error line, exit 2.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import sys
@@ -221,13 +222,23 @@ def plot(fig2: dict, labels: dict, path: Path, texts: str) -> None:
     plt.close(fig)
 
 
-PART_SETTINGS = ("tokens", "val_tokens", "dynamic_from", "threads")  # what both halves must share
+PART_SETTINGS = ("tokens", "val_tokens", "threads")  # what both halves must share, with --dynamic-from's content
+
+
+def part_settings(args) -> dict:
+    """The settings both halves must share: :data:`PART_SETTINGS` and the sha256 of the ``--dynamic-from`` file
+    (its content, not its path: the halves may run from two checkouts)."""
+    try:
+        digest = hashlib.sha256(Path(args.dynamic_from).read_bytes()).hexdigest()
+    except OSError as e:
+        raise UserError(f"--dynamic-from {args.dynamic_from}: {e.strerror}") from None
+    return {**{k: getattr(args, k) for k in PART_SETTINGS}, "dynamic_from_sha256": digest}
 
 
 def save_part(parts_dir: Path, args, rows: dict, tuned: dict, cpu_s: float, elapsed_s: float) -> None:
     """One half's rows (per-token losses included) and settings, for :func:`load_part`."""
     parts_dir.mkdir(parents=True, exist_ok=True)
-    torch.save({"part": args.part, "settings": {k: getattr(args, k) for k in PART_SETTINGS}, "rows": rows,
+    torch.save({"part": args.part, "settings": part_settings(args), "rows": rows,
                 "tuned": tuned, "cpu_s": cpu_s, "elapsed_s": elapsed_s}, parts_dir / f"{args.part}.pt")
 
 
@@ -238,7 +249,7 @@ def load_part(parts_dir: Path, part: str, args) -> dict:
     if not path.is_file():
         raise UserError(f"{path}: missing; run this script with --part {part} first")
     got = torch.load(path, weights_only=False)
-    want = {k: getattr(args, k) for k in PART_SETTINGS}
+    want = part_settings(args)
     if got["settings"] != want:
         raise UserError(f"{path} was made with {got['settings']}, this run has {want}")
     return got

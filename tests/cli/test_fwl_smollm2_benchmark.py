@@ -276,14 +276,25 @@ def test_the_tuning_loss_in_pieces_equals_one_call(llama):
 
 def test_the_two_halves_are_saved_and_refused_when_they_do_not_match(tmp_path):
     """--part dynamic / fwl then --combine: a half made with other settings, or whose static losses are not the
-    other half's, is refused in one line (mutants caught: the settings not compared; the static rows not compared)."""
+    other half's, is refused in one line (mutants caught: the settings not compared; the static rows not compared);
+    the dynamic setting's file is compared by content, so halves run from two checkouts combine."""
     import argparse
 
-    args = argparse.Namespace(part="dynamic", tokens=8, val_tokens=8, dynamic_from="x.json", threads=1)
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    for d in ("one", "two"):
+        (tmp_path / d / "x.json").write_text('{"chosen": "rms"}')
+    args = argparse.Namespace(part="dynamic", tokens=8, val_tokens=8, dynamic_from=str(tmp_path / "one" / "x.json"),
+                              threads=1)
     static = {"a": {"losses": torch.tensor([1.0, 2.0], dtype=torch.float64)}}
     bench.save_part(tmp_path, args, {"static": static}, {"dynamic": {}}, 1.0, 2.0)
     got = bench.load_part(tmp_path, "dynamic", args)
     assert got["rows"]["static"]["a"]["losses"].tolist() == [1.0, 2.0] and got["cpu_s"] == 1.0
+    elsewhere = argparse.Namespace(**{**vars(args), "dynamic_from": str(tmp_path / "two" / "x.json")})
+    assert bench.load_part(tmp_path, "dynamic", elsewhere)["cpu_s"] == 1.0  # the same file in another checkout
+    (tmp_path / "two" / "x.json").write_text('{"chosen": "sgd"}')
+    with pytest.raises(UserError, match="made with"):
+        bench.load_part(tmp_path, "dynamic", elsewhere)
     with pytest.raises(UserError, match="--part fwl"):
         bench.load_part(tmp_path, "fwl", args)
     with pytest.raises(UserError, match="made with"):
