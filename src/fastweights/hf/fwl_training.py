@@ -68,14 +68,17 @@ class FWLHeadRecipe:
 
     ``benchmarks/results/fwl_smollm2.json`` (``training.fwl``) records the run of these values that the
     comparison scored (a test holds the two together): 96 windows of 1,024 tokens (92 trained, 4 held out),
-    documents of up to 8 consecutive windows, one stream, lr 1e-3, step_lr 1e-2, 1,200 CPU-seconds."""
+    documents of up to 8 consecutive windows, one stream, lr 3e-4, step_lr 1e-2, 1,200 CPU-seconds."""
 
     windows: int = 96  # windows of the training text cached in all (the last val_windows held out)
     window: int = 1024  # tokens per window
     doc_windows: int = 8  # consecutive windows a document gives at most (8 x 1,024 tokens carried in one stream)
     budget_cpu_s: float = 1200.0  # training budget in process CPU-seconds (the cache comes on top)
     batch_size: int = 1  # parallel streams (documents), one window of each per step
-    lr: float = 1e-3  # AdamW learning rate of the head's weights
+    # AdamW learning rate of the head's weights: at 1e-3 the slow head drifted toward the training mix (its slow part
+    # 2.2% worse than static on the scored texts); of 1e-4, 3e-4 and 1e-3, 3e-4 has the lowest loss on the tuning
+    # texts (3.169, against 3.170 and 3.194 nats) and on the held-out windows (hand-run measurements, not stored results)
+    lr: float = 3e-4
     # AdamW learning rate of trained backbone blocks (--trainable-blocks): pretrained weights take a far smaller one
     # than a fresh head (at 1e-3 two of SmolLM2's blocks lost 0.95 nats a window within 4 steps, a hand-run
     # measurement, not a stored result)
