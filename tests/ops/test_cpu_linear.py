@@ -107,3 +107,18 @@ def test_fwl_scoring_in_fp32_on_the_oneDNN_route_matches_the_fp64_training_path(
         got, _ = fwl_parallel(h.float(), labels, weights.float(), f32(params), f32(steps), **{**kw, "decays": f32(decays)})
     torch.testing.assert_close(got.double(), want.detach(), rtol=1e-4, atol=1e-4)
     assert len(calls) >= 2 * 3 + 1  # the inner gradient's two products per slice, and the fast logits
+
+
+def test_cpu_linear_keeps_autograd_where_a_gradient_is_wanted():
+    """oneDNN's op has no autograd formula (backward through it gives no gradient, with only a warning): with
+    grad enabled and an input that requires it, cpu_linear must be torch's linear, gradients and all."""
+    emb, bias, x, _ = _weights()
+    for leaf in ("x", "weight", "bias"):
+        args = {"x": x.clone(), "weight": emb.clone(), "bias": bias.clone()}
+        args[leaf].requires_grad_(True)
+        su.cpu_linear(args["x"], args["weight"], args["bias"]).square().sum().backward()
+        got = args[leaf].grad
+        ref = {k: v.detach().clone().requires_grad_(k == leaf) for k, v in args.items()}
+        F.linear(ref["x"], ref["weight"], ref["bias"]).square().sum().backward()
+        assert got is not None, leaf
+        torch.testing.assert_close(got, ref[leaf].grad, rtol=1e-5, atol=1e-4)

@@ -47,10 +47,12 @@ ONEDNN_LINEAR = _onednn_linear()
 
 
 def cpu_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``x weight^T + bias`` (``x [M, K]``, ``weight [N, K]``, any strides, ``bias [N]`` or None -> ``[M, N]``),
-    without autograd: oneDNN's GEMM for fp32 CPU tensors where it exists and ``torch.backends.mkldnn`` is
-    enabled, ``torch.nn.functional.linear`` otherwise (other dtypes, devices and machines)."""
-    if _onednn_serves(x, weight):
+    """``x weight^T + bias`` (``x [M, K]``, ``weight [N, K]``, any strides, ``bias [N]`` or None -> ``[M, N]``):
+    oneDNN's GEMM for fp32 CPU tensors where it exists, ``torch.backends.mkldnn`` is enabled and no gradient is
+    wanted (the op has no autograd formula: backward through it would silently give none);
+    ``torch.nn.functional.linear`` otherwise (autograd, other dtypes, devices and machines)."""
+    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    if not wants_grad and _onednn_serves(x, weight):
         return ONEDNN_LINEAR(x, weight, bias, "none", [], "")
     return torch.nn.functional.linear(x, weight, bias)
 
