@@ -3,6 +3,8 @@ torch's linear elsewhere. Both routes must give F.linear's numbers (fp32 roundin
 head passes (a transposed view of the output embedding, vocabulary slices of it, a bias or none), and the
 route must be taken exactly where it applies: fp32 on the CPU with oneDNN enabled."""
 
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -122,3 +124,15 @@ def test_cpu_linear_keeps_autograd_where_a_gradient_is_wanted():
         F.linear(ref["x"], ref["weight"], ref["bias"]).square().sum().backward()
         assert got is not None, leaf
         torch.testing.assert_close(got, ref[leaf].grad, rtol=1e-5, atol=1e-4)
+
+
+def test_the_oneDNN_op_is_dropped_where_it_is_missing_or_gives_other_numbers(monkeypatch):
+    """A private op: a build without it, or one whose op means something else, falls back to torch's linear."""
+    class Ops:
+        pass
+
+    monkeypatch.setattr(torch.ops, "mkldnn", Ops())  # no _linear_pointwise at all
+    assert su._onednn_linear() is None
+    wrong = types.SimpleNamespace(default=lambda x, w, b, *rest: F.linear(x, w))  # ignores the bias
+    monkeypatch.setattr(torch.ops, "mkldnn", types.SimpleNamespace(_linear_pointwise=wrong))
+    assert su._onednn_linear() is None

@@ -34,13 +34,18 @@ VOCAB_CHUNK = 1024
 
 def _onednn_linear():
     """oneDNN's linear on dense tensors (``torch.ops.mkldnn._linear_pointwise``, the op torch's compiler emits
-    for CPU linears), or None where this torch build or machine has none (not x86, no oneDNN)."""
+    for CPU linears), or None where this torch build or machine has none (not x86, no oneDNN) or where the op,
+    a private one, no longer gives ``F.linear``'s numbers for a small strided call (another signature or meaning)."""
     if platform.machine().lower() not in ("x86_64", "amd64") or not torch.backends.mkldnn.is_available():
         return None
     try:
-        return torch.ops.mkldnn._linear_pointwise.default
-    except (AttributeError, RuntimeError):
+        op = torch.ops.mkldnn._linear_pointwise.default
+        x, w, b = torch.linspace(-1, 1, 12).view(3, 4), torch.linspace(1, -2, 20).view(4, 5).T, torch.arange(5.0)
+        with torch.no_grad():
+            ok = torch.allclose(op(x, w, b, "none", [], ""), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    except (AttributeError, RuntimeError, TypeError):
         return None
+    return op if ok else None
 
 
 ONEDNN_LINEAR = _onednn_linear()
