@@ -3,6 +3,7 @@ texts are long enough and never training text, the slow-part block zeroes the FW
 step sizes' parameterisation and puts the head back, the static row is the model without a head, the gain
 split adds up, and every row has its throughput and its setting chosen on tuning text."""
 
+import json
 import math
 import sys
 
@@ -11,7 +12,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from helpers import benchmark_script, tiny_llama_dir  # noqa: E402
+from helpers import benchmark_script, import_benchmark, tiny_llama_dir  # noqa: E402
 
 from fastweights.hf.fwl_head import PRETRAINED_FWL_DEFAULTS, HFCausalLMWithFWL  # noqa: E402
 from fastweights.hf.fwl_training import HELD_OUT_NAMES, TRAINING_MIX  # noqa: E402
@@ -302,3 +303,17 @@ def test_the_two_halves_are_saved_and_refused_when_they_do_not_match(tmp_path):
     bench.same_static(static, {"a": {"losses": static["a"]["losses"].clone()}})
     with pytest.raises(UserError, match="static losses differ on a"):
         bench.same_static(static, {"a": {"losses": static["a"]["losses"] + 1e-6}})
+
+
+def test_the_lr_comparison_reads_head_folders_by_lr_and_refuses_none(tmp_path):
+    """fwl_head_lr.py's --runs: the folders with a training.json, ordered by their learning rate; none is one line."""
+    lr_bench = import_benchmark("fwl_head_lr")
+    for name, lr in (("b", 1e-3), ("a", 3e-4), ("c", 1e-4)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "training.json").write_text(json.dumps({"lr": lr}))
+    (tmp_path / "cache").mkdir()  # no training.json: not a head
+    assert [d.name for d in lr_bench.head_dirs(tmp_path)] == ["c", "a", "b"]
+    with pytest.raises(UserError, match="no trained head"):
+        lr_bench.head_dirs(tmp_path / "cache")
+    with pytest.raises(UserError, match="no trained head"):
+        lr_bench.head_dirs(tmp_path / "missing")
