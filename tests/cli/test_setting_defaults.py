@@ -164,6 +164,11 @@ def test_the_recipe_is_what_the_recorded_result_was_made_with():
     assert {k: rec["options"][k] for k in PRETRAINED_FWL_DEFAULTS} == PRETRAINED_FWL_DEFAULTS
 
 
+def test_the_recipe_lr_is_the_one_chosen_on_tuning_text():
+    rec = json.loads((ROOT / "benchmarks/results/fwl_head_lr.json").read_text())
+    assert rec["chosen_lr"] == RECIPE.lr and RECIPE.lr in [h["lr"] for h in rec["heads"]] and len(rec["heads"]) >= 3
+
+
 @pytest.mark.parametrize("name", ["DEFAULT_LR", "DEFAULT_DECAY", "DEFAULT_RULE", "DEFAULT_EPS", "DEFAULT_SEGMENT_LEN",
                                   "DEFAULT_STATS_BATCHES", "DEFAULT_STATS_BATCH_SIZE", "PRETRAINED_FWL_DEFAULTS"])
 def test_each_constant_is_defined_once(name):

@@ -77,7 +77,7 @@ class FWLHeadRecipe:
     batch_size: int = 1  # parallel streams (documents), one window of each per step
     # AdamW learning rate of the head's weights: at 1e-3 the slow head drifted toward the training mix (its slow part
     # 2.2% worse than static on the scored texts); of 1e-4, 3e-4 and 1e-3, 3e-4 has the lowest loss on the tuning
-    # texts (3.169, against 3.170 and 3.194 nats) and on the held-out windows (hand-run measurements, not stored results)
+    # texts and the largest gain on the held-out windows (benchmarks/results/fwl_head_lr.json)
     lr: float = 3e-4
     # AdamW learning rate of trained backbone blocks (--trainable-blocks): pretrained weights take a far smaller one
     # than a fresh head (at 1e-3 two of SmolLM2's blocks lost 0.95 nats a window within 4 steps, a hand-run
