@@ -75,7 +75,7 @@ from fastweights.data.excerpts import bundled_excerpt, token_excerpt  # noqa: E4
 from fastweights.evidence import probes  # noqa: E402
 from fastweights.evidence.result_files import RESULTS, command_line_without, provenance, write_json  # noqa: E402
 from fastweights.hf.fwl_head import PRETRAINED_FWL_DEFAULTS, HFCausalLMWithFWL  # noqa: E402
-from fastweights.hf.fwl_training import HELD_OUT_NAMES, RECIPE, TRAINING_MIX, VARIANTS  # noqa: E402
+from fastweights.hf.fwl_training import HELD_OUT_NAMES, RECIPE, TRAINING_MIX, VARIANTS, held_out, round_robin  # noqa: E402
 from fastweights.hf.fwl_training import param_groups as library_param_groups  # noqa: E402
 from fastweights.layers.fwl import FWLOptions, slow_part  # noqa: E402
 from fastweights.loops.evaluate import score_tokens  # noqa: E402
@@ -163,7 +163,7 @@ def training_streams(tok, length: int, seed: int, streams_per_doc: int = 0, corp
     in a seeded order that is drawn again every pass. Documents are tokenized when first reached."""
     from fastweights.data import load_corpus
 
-    docs = {c: [d for d in load_corpus(c) if not any(n in d.name.lower() for n in HELD_OUT_NAMES)] for c in corpora}
+    docs = {c: [d for d in load_corpus(c) if not held_out(d.name)] for c in corpora}
     rng, encoded = random.Random(seed), {}  # the token ids of each document, kept for the next pass
 
     def of_corpus(corpus: str, order: list):
@@ -182,15 +182,9 @@ def training_streams(tok, length: int, seed: int, streams_per_doc: int = 0, corp
             order = list(docs[c])
             rng.shuffle(order)
             streams.append(of_corpus(c, order))
-        while streams:  # round-robin over the corpora, a corpus that runs out dropping out
-            alive = []
-            for s in streams:
-                item = next(s, None)
-                if item is not None:
-                    alive.append(s)
-                    given += 1
-                    yield item
-            streams = alive
+        for item in round_robin(streams):
+            given += 1
+            yield item
         if not given:
             raise UserError(f"no document of {', '.join(corpora)} holds {length} tokens")
 

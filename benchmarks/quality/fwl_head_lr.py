@@ -29,7 +29,7 @@ import torch
 from fwl_comparators import head_loss_on, tuning_hidden
 from fwl_smollm2 import load_texts
 
-from fastweights.core.errors import UserError
+from fastweights.core.errors import UserError, exit_status
 from fastweights.evidence import probes
 from fastweights.evidence.result_files import RESULTS, provenance, write_json
 
@@ -94,8 +94,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(exit_status(main))

@@ -72,9 +72,11 @@ from smollm2_dynamic_eval import log
 from fastweights.core.errors import UserError
 from fastweights.data.excerpts import ExcerptSpec, bundled_excerpt, token_excerpt
 from fastweights.evidence import probes
+from fastweights.hf.fwl_training import VARIANTS
 
 LN2 = math.log(2)
-VARIANT_ROWS = {"fwl": "fwl", "test-time-only": "fwl_test_time_only", "bias-only": "fwl_bias_only"}
+#: the result's row of each variant of the recipe (fwl_training.VARIANTS): fwl, fwl_test_time_only, fwl_bias_only
+VARIANT_ROWS = {v: "fwl" if v == "fwl" else "fwl_" + v.replace("-", "_") for v in VARIANTS}
 #: (excerpt, English): the bundled excerpts (War and Peace scored here) and a statistics text of the training mix's corpora
 TEXTS = (
     (bundled_excerpt("anna_karenina"), True),

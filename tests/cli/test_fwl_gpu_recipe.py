@@ -202,3 +202,9 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, says):
     assert r.returncode == 2 and says in r.stderr, r.stderr[-2000:]
     assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: ")
     assert not out.exists()
+
+
+def test_the_recipe_scores_the_texts_of_the_cpu_comparison(recipe):
+    """The GPU recipe's scored texts are fwl_smollm2.py's, so the two results compare text for text."""
+    cpu = import_benchmark("fwl_smollm2")
+    assert set(recipe.SCORED_TEXTS) == {spec.key for spec, _ in cpu.TEXTS if spec.role == "scored"}

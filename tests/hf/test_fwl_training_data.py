@@ -49,3 +49,10 @@ def test_user_data_holding_a_compared_text_is_trained_on_with_one_warning(tmp_pa
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         training_windows(Chars(), 100, str(tmp_path))
+
+
+def test_round_robin_takes_each_iterator_in_turn_until_all_run_out():
+    from fastweights.hf.fwl_training import round_robin
+
+    assert list(round_robin([iter("abc"), iter("x"), iter("12")])) == ["a", "x", "1", "b", "2", "c"]
+    assert list(round_robin([])) == [] and list(round_robin([iter(())])) == []

@@ -8,6 +8,18 @@ class UserError(Exception):
     """
 
 
+def exit_status(main) -> int:
+    """``main()``'s exit status, a :class:`UserError` from it printed as one line on stderr with status 2 (a
+    script's ``sys.exit(exit_status(main))``)."""
+    import sys
+
+    try:
+        return main()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
 _SCORE_WORDS = ("loss", "perplexity", "bits", "nll")
 
 

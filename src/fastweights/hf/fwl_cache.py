@@ -68,7 +68,7 @@ def cache_hidden_states(backbone, tokens: np.ndarray, directory: str | Path, sou
     meta_path = directory / CACHE_META
     key = {"tokens_sha": _digest(tokens), "data": data, "window": window, "doc_windows": doc_windows,
            "trainable_blocks": int(trainable_blocks), "backbone": fingerprint, "dtype": dtype}
-    meta = _read_meta(directory) if meta_path.is_file() else None
+    meta = read_meta(directory) if meta_path.is_file() else None
     if meta is not None and any(meta.get(k) != key[k] for k in KEY_FIELDS):
         meta = None  # made for other contents: rebuilt
 
@@ -125,7 +125,7 @@ _META_KEYS = {"tokens_sha": str, "backbone": str, "dtype": str, "data": str, "wi
               "d_model": int, "done": int, "trainable_blocks": int, "doc_windows": list, "static_nats": list}
 
 
-def _read_meta(directory: Path) -> dict:
+def read_meta(directory: Path) -> dict:
     """The cache's metadata, checked (one-line UserError when it is unreadable)."""
     path = directory / CACHE_META
     try:
@@ -179,7 +179,7 @@ def load_cache(directory: str | Path) -> tuple[np.ndarray, np.ndarray, dict]:
     directory = Path(directory)
     if not (directory / CACHE_META).is_file():
         raise UserError(f"hidden-state cache {directory} holds no {CACHE_META}: not a cache")
-    meta = _read_meta(directory)
+    meta = read_meta(directory)
     if meta["done"] < meta["windows"]:
         raise UserError(f"hidden-state cache {directory} is incomplete ({meta['done']} of {meta['windows']} windows)")
     try:

@@ -31,6 +31,7 @@ state}``; one call equals any split of the text into calls with the state carrie
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -150,19 +151,26 @@ def llama_base(backbone, k: int):
     return base
 
 
-def _run_blocks(base, h: torch.Tensor, blocks) -> torch.Tensor:
-    """``h [B, T, d]`` through ``blocks`` (decoder layers of ``base``) at positions 0..T-1 with the model's own
-    rotary embedding and causal mask (no KV cache: the window is read alone)."""
+@functools.cache
+def _causal_mask_parameters() -> frozenset:
+    """The parameter names of this transformers version's ``create_causal_mask`` (read once, not every step)."""
     import inspect
 
     from transformers.masking_utils import create_causal_mask
 
+    return frozenset(inspect.signature(create_causal_mask).parameters)
+
+
+def _run_blocks(base, h: torch.Tensor, blocks) -> torch.Tensor:
+    """``h [B, T, d]`` through ``blocks`` (decoder layers of ``base``) at positions 0..T-1 with the model's own
+    rotary embedding and causal mask (no KV cache: the window is read alone)."""
+    from transformers.masking_utils import create_causal_mask
+
     B, T, _ = h.shape
     position_ids = torch.arange(T, device=h.device)[None].expand(B, T)
-    accepted = inspect.signature(create_causal_mask).parameters
     kw = {"config": base.config, "inputs_embeds": h, "attention_mask": None, "position_ids": position_ids}
     for name, value in (("cache", None), ("past_key_values", None), ("cache_position", torch.arange(T))):
-        if name in accepted:
+        if name in _causal_mask_parameters():
             kw[name] = value
     mask = create_causal_mask(**kw)
     position_embeddings = base.rotary_emb(h, position_ids=position_ids)

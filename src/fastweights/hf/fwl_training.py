@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_map
 
 from fastweights.core.errors import UserError
 from fastweights.core.progress import Progress
-from fastweights.hf.fwl_cache import CACHE_META, _read_meta, backbone_digest, cache_hidden_states, load_cache
+from fastweights.hf.fwl_cache import CACHE_META, read_meta, backbone_digest, cache_hidden_states, load_cache
 
 #: documents the comparison scores, tunes on or takes gradient statistics from (benchmarks/smollm2_*):
 #: never in the default training text, in any edition (a document whose name contains one is left out)
@@ -94,6 +94,24 @@ class FWLHeadRecipe:
 RECIPE = FWLHeadRecipe()
 
 
+def held_out(name: str) -> bool:
+    """Whether a document called ``name`` is one the comparison scores or tunes on (:data:`HELD_OUT_NAMES`)."""
+    return any(n in name.lower() for n in HELD_OUT_NAMES)
+
+
+def round_robin(iterators: list):
+    """The items of each iterator in turn (the first item of each, then the second, ...), one that runs out
+    dropping out: the default training text takes its corpora this way."""
+    while iterators:
+        alive = []
+        for it in iterators:
+            item = next(it, None)
+            if item is not None:
+                alive.append(it)
+                yield item
+        iterators = alive
+
+
 class TrainingText(NamedTuple):
     """Windows of a training text: ``tokens [n, window]`` int64 in document order, ``sources`` (one
     ``"CORPUS:DOCUMENT#i"`` per window), ``doc_windows`` (consecutive windows per document, summing to n)."""
@@ -114,21 +132,12 @@ def training_windows(tokenizer, window: int, data: str | None = None, max_window
 
     def docs_of(spec: str, leave_out: bool):
         for doc in load_corpus(spec):
-            if leave_out and any(name in doc.name.lower() for name in HELD_OUT_NAMES):
+            if leave_out and held_out(doc.name):
                 continue
             yield spec, doc
 
     if data is None:
-        streams = [docs_of(corpus, True) for corpus in TRAINING_MIX]
-        docs = []
-        while streams:  # round-robin over the corpora, a corpus that runs out dropping out
-            alive = []
-            for s in streams:
-                d = next(s, None)
-                if d is not None:
-                    docs.append(d)
-                    alive.append(s)
-            streams = alive
+        docs = list(round_robin([docs_of(corpus, True) for corpus in TRAINING_MIX]))
     else:
         docs = list(docs_of(data, False))
         inside = sorted({n for _, d in docs for n in HELD_OUT_NAMES if n in d.name.lower()})
@@ -399,7 +408,7 @@ def train_recipe(hf: str, out_dir: str | Path, *, variant: str = RECIPE.variant,
         import signal
 
         code = getattr(e, "exit_code", 130)
-        done = _read_meta(cache_dir)["done"] if (cache_dir / CACHE_META).is_file() else 0
+        done = read_meta(cache_dir)["done"] if (cache_dir / CACHE_META).is_file() else 0
         raise RunInterrupted(f"interrupted by {signal.Signals(code - 128).name} while caching hidden states: "
                              f"{cache_dir} holds {done} of {len(text.tokens)} windows and nothing was trained; the same "
                              "`fastweights fwl-head train` command continues", code) from None
