@@ -53,7 +53,10 @@ def test_generate_is_deterministic_by_seed(trained, capsys):
     assert capsys.readouterr().out == a
 
 
-def test_resume_continues_to_the_same_loss(tmp_path):
+@pytest.mark.parametrize("route", ["auto", "onednn"])
+def test_resume_continues_to_the_same_loss(tmp_path, route, monkeypatch):
+    """Also with every linear forced onto oneDNN's products (ops.linear), the custom backward in every step."""
+    monkeypatch.setenv("FASTWEIGHTS_LINEAR", route)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     common = [*TINY, "--set", "train.max_steps=12", "--set", "train.eval_every=0", "--set", "train.save_every=6"]
     assert main(["train", *common, "--out", str(straight)]) == 0

@@ -116,3 +116,32 @@ def test_trim_helpers():
         reencode_budget(0, 65, 64)
     with pytest.raises(ValueError):
         HFCausalLM(tiny_gpt2(), sinks=-1)
+
+
+def test_a_wrapped_backbone_computes_its_linears_through_ops_linear_for_the_call_only(monkeypatch):
+    """dynamic eval --hf, the harness and fwl-head score through HFCausalLM: every nn.Linear of the backbone (the
+    output layer too) goes through ops.linear during the call, with the same logits, and is its own again after
+    it (also after an error inside). Mutants caught: the block not entered; the forwards not put back."""
+    from fastweights.ops import linear as lin
+
+    hf = tiny_llama()
+    hf.float()
+    lm = HFCausalLM(hf)
+    x = ids(20, seed=3)[None]
+    want = hf(input_ids=x).logits
+    monkeypatch.setenv("FASTWEIGHTS_LINEAR", "onednn")
+    if not lin.onednn_available():
+        pytest.skip("no oneDNN linear on this machine or build")
+    calls = []
+    real = lin.KERNELS["onednn"]
+    monkeypatch.setitem(lin.KERNELS, "onednn", lambda a, w, b: calls.append(1) or real(a, w, b))
+    out, _ = lm.forward_features(x)
+    assert calls
+    n_linears = sum(isinstance(m, torch.nn.Linear) for m in hf.modules())
+    calls.clear()
+    torch.testing.assert_close(lm(x).logits, want, rtol=1e-4, atol=1e-5)
+    assert len(calls) == n_linears  # every linear, the output layer among them
+    assert not any("forward" in vars(m) for m in hf.modules())
+    calls.clear()
+    hf(input_ids=x)  # called directly, outside the wrapper: torch's own
+    assert not calls

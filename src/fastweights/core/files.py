@@ -38,6 +38,12 @@ from pathlib import Path
 from fastweights.core.errors import UserError
 
 
+def user_cache_dir() -> Path:
+    """The library's folder in the user's cache (``fastweights`` in ``$XDG_CACHE_HOME``, else in the home's ``.cache``):
+    what is measured or built once per machine (compiled kernels, kernel choices); created by whoever writes."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fastweights"
+
+
 def fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

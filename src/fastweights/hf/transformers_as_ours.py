@@ -45,6 +45,7 @@ from torch import nn
 
 from fastweights.core.errors import UserError
 from fastweights.models.lm import ModelOutput
+from fastweights.ops.linear import fast_linears
 from fastweights.ops.nll import upcast_logits
 
 from fastweights.hf.kv_context import (DEFAULT_SINKS, context_metadata, needs_reencoding, reencode_budget,
@@ -139,14 +140,15 @@ class HFCausalLM(nn.Module):
             if L:  # re-encode the cached tokens from position 0 under the current weights (the base model
                 # computes the same keys and values as the whole LM, without the output layer)
                 base = self.hf.base_model
-                with torch.no_grad():
+                with torch.no_grad(), fast_linears(base):
                     out = base(input_ids=ctx, position_ids=torch.arange(L, device=ctx.device)[None].expand(B, L),
                                use_cache=True)
                 kv, pos = tuple((k.detach(), v.detach()) for k, v in _kv_tuples(_output_cache(out))), L
         cache = DynamicCache(ddp_cache_data=kv) if kv else DynamicCache()
         position_ids = torch.arange(pos, pos + T, device=tokens.device)[None].expand(B, T)
-        out = module(input_ids=tokens, position_ids=position_ids, use_cache=True, **{_cache_keyword(module): cache},
-                     **kwargs)
+        with fast_linears(module):  # the backbone's linears on this machine's faster CPU GEMM (ops.linear)
+            out = module(input_ids=tokens, position_ids=position_ids, use_cache=True,
+                         **{_cache_keyword(module): cache}, **kwargs)
         new_state = {"kv": _kv_tuples(_output_cache(out)), "tokens": torch.cat([ctx, tokens], 1), "pos": pos + T}
         return out, new_state
 

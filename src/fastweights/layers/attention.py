@@ -29,6 +29,7 @@ from torch import nn
 
 from fastweights.components import register_mixer
 from fastweights.layers.common import RotaryEmbedding, real_positions
+from fastweights.ops.linear import Linear
 
 
 @dataclass
@@ -59,8 +60,8 @@ class CausalSelfAttention(nn.Module):
             raise ValueError("window must be >= 0")
         self.window = options.window
         inner = n_heads * self.head_dim
-        self.qkv = nn.Linear(d_model, 3 * inner, bias=False)
-        self.out = nn.Linear(inner, d_model, bias=False)
+        self.qkv = Linear(d_model, 3 * inner, bias=False)
+        self.out = Linear(inner, d_model, bias=False)
         self.out.is_residual_proj = True
         self.rope = RotaryEmbedding(self.head_dim, options.rope_base)
 

@@ -57,11 +57,11 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 
 from fastweights.core.errors import UserError
+from fastweights.ops.linear import Linear, linear
 
 PERSISTENCE = ("stream", "official", "per_sequence")
 
@@ -243,13 +243,13 @@ class FastMemoryIO(nn.Module):
         self.value_norm = value_norm
         self.gating = gating
         self.q_norm = OffsetRMSNorm(d_model, norm_eps)
-        self.q_proj = nn.Linear(d_model, d_query)
+        self.q_proj = Linear(d_model, d_query)
         self.v_norm = OffsetRMSNorm(d_model, norm_eps)
-        self.v_proj = nn.Linear(d_model, d_value)
+        self.v_proj = Linear(d_model, d_value)
         self.g_norm = OffsetRMSNorm(d_model, norm_eps)
-        self.g_proj = nn.Linear(d_model, 1 if gate_form == "linear" else 8)
+        self.g_proj = Linear(d_model, 1 if gate_form == "linear" else 8)
         self.out_norm = OffsetRMSNorm(d_value, norm_eps)
-        self.out_proj = nn.Linear(d_value, d_model)
+        self.out_proj = Linear(d_value, d_model)
 
     def inputs(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h ``[B, T, d]`` -> q ``[B, T, d_query]``, v ``[B, T, d_value]``, g ``[B, T]`` in (0, 1).
@@ -263,7 +263,7 @@ class FastMemoryIO(nn.Module):
         xhat = self.q_norm.normalize(h).to(h.dtype)  # [B, T, d]
         weight = torch.cat([p.weight * (1.0 + n.weight).to(p.weight.dtype) for n, p in zip(norms, projs)])
         bias = torch.cat([p.bias for p in projs])
-        q, v, g_logits = F.linear(xhat, weight, bias).split([p.out_features for p in projs], -1)
+        q, v, g_logits = linear(xhat, weight, bias).split([p.out_features for p in projs], -1)
         if self.value_norm:
             v = zscore(v.to(fast_dtype(v)))
         g = torch.sigmoid(g_logits.to(fast_dtype(g_logits)).mean(-1))  # [B, T]
@@ -279,5 +279,5 @@ class FastMemoryIO(nn.Module):
             o = v_hat + v.to(v_hat.dtype)
         # out_proj(out_norm(o)) with the norm's gain (1 + w) folded into the weight's columns
         gain = (1.0 + self.out_norm.weight).to(self.out_proj.weight.dtype)
-        return F.linear(self.out_norm.normalize(o), self.out_proj.weight * gain, self.out_proj.bias)
+        return linear(self.out_norm.normalize(o), self.out_proj.weight * gain, self.out_proj.bias)
 

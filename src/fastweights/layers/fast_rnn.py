@@ -42,6 +42,7 @@ from fastweights.core.errors import UserError
 from fastweights.layers.common import per_row
 from fastweights.ops.fast_rnn import fast_rnn_attention, fast_rnn_reference, fold_history
 from fastweights.ops.linear_attention import no_autocast
+from fastweights.ops.linear import Linear
 
 READ_MODES = ("auto", "matrix", "attention")
 
@@ -108,7 +109,7 @@ class FastWeightRNN(nn.Module):
             raise UserError(f"fast_rnn: read_mode must be one of {', '.join(READ_MODES)}, got {read_mode!r}")
         self.hidden, self.lam, self.eta, self.inner_steps = hidden, lam, eta, inner_steps
         self.ln_preliminary, self.fast_weights, self.read_mode, self.eps = ln_preliminary, fast_weights, read_mode, eps
-        self.in_proj = nn.Linear(input_size, hidden)  # C (and its bias)
+        self.in_proj = Linear(input_size, hidden)  # C (and its bias)
         self.W = nn.Parameter(0.05 * torch.eye(hidden))  # slow recurrent weights, 0.05 I as in the paper
         self.ln = nn.LayerNorm(hidden, eps=eps) if layer_norm else None
 
@@ -199,7 +200,7 @@ class FastRNNMixer(nn.Module):
         super().__init__()
         o = asdict(options or FastRNNOptions())
         self.rnn = FastWeightRNN(d_model, o.pop("hidden") or d_model, **o)  # the other options are its arguments
-        self.out_proj = nn.Linear(self.rnn.hidden, d_model, bias=False)
+        self.out_proj = Linear(self.rnn.hidden, d_model, bias=False)
         self.out_proj.is_residual_proj = True  # scaled init in LanguageModel, like the attention output
 
     def forward(self, x: Tensor, state: FastRNNState | None = None,

@@ -64,6 +64,7 @@ from fastweights.ops.feature_maps import (
     sum_normalize,
 )
 from fastweights.ops.linear_attention import compute_dtype, gated_rule, linear_attention
+from fastweights.ops.linear import Linear
 
 RULES = ("sum", "gated", "delta", "gated_delta")
 
@@ -163,8 +164,8 @@ class FastWeightProgrammer(nn.Module):
         self.uses_decay = opt.rule == "gated_delta"
         # One bias-free projection to q, k, v (and beta, and the decay gate), as lmtool-fwp's qkvb_net.
         self.n_scalars = int(self.uses_beta) + int(self.uses_decay)
-        self.qkv = nn.Linear(d_model, n_heads * (3 * head_dim + self.n_scalars), bias=False)
-        self.out = nn.Linear(n_heads * head_dim, d_model, bias=False)
+        self.qkv = Linear(d_model, n_heads * (3 * head_dim + self.n_scalars), bias=False)
+        self.out = Linear(n_heads * head_dim, d_model, bias=False)
         self.out.is_residual_proj = True  # scaled init in LanguageModel, like the attention output
         if self.uses_decay:
             a_log, dt_bias = init_gdn_gate(n_heads)

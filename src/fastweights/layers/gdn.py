@@ -42,6 +42,7 @@ from fastweights.layers.fwp import gdn_log_decay, init_gdn_gate
 from fastweights.ops.delta_rule import delta_rule
 from fastweights.ops.fla_backend import BACKENDS
 from fastweights.ops.linear_attention import compute_dtype
+from fastweights.ops.linear import Linear
 
 
 @dataclass
@@ -92,9 +93,9 @@ class GatedDeltaNet(nn.Module):
         self.head_k, self.head_v = head_k, head_v
         self.key_dim, self.value_dim = n_heads * head_k, n_heads * head_v
         self.qkv_dim = 2 * self.key_dim + self.value_dim
-        self.qkv = nn.Linear(d_model, self.qkv_dim, bias=False)  # q, k, v projections, concatenated
-        self.a_proj = nn.Linear(d_model, n_heads, bias=False)
-        self.b_proj = nn.Linear(d_model, n_heads, bias=False)
+        self.qkv = Linear(d_model, self.qkv_dim, bias=False)  # q, k, v projections, concatenated
+        self.a_proj = Linear(d_model, n_heads, bias=False)
+        self.b_proj = Linear(d_model, n_heads, bias=False)
         a_log, dt_bias = init_gdn_gate(n_heads)
         self.A_log = nn.Parameter(a_log)
         self.dt_bias = nn.Parameter(dt_bias)
@@ -103,9 +104,9 @@ class GatedDeltaNet(nn.Module):
             self.conv_weight = nn.Parameter(torch.empty(self.qkv_dim, 1, opt.conv_size))
             nn.init.kaiming_uniform_(self.conv_weight, a=5**0.5)  # nn.Conv1d's default init
         if opt.use_gate:
-            self.g_proj = nn.Linear(d_model, self.value_dim, bias=False)
+            self.g_proj = Linear(d_model, self.value_dim, bias=False)
         self.norm_weight = nn.Parameter(torch.ones(head_v))
-        self.out = nn.Linear(self.value_dim, d_model, bias=False)
+        self.out = Linear(self.value_dim, d_model, bias=False)
         self.out.is_residual_proj = True  # scaled init in LanguageModel, like the attention output
 
     def initial_state(self, batch_size: int, device=None) -> dict:

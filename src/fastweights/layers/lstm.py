@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from fastweights.components import register_mixer
 from fastweights.core.errors import UserError
 from fastweights.layers.common import per_row
+from fastweights.ops.linear import Linear
 
 
 class LSTMState(NamedTuple):
@@ -100,7 +101,7 @@ class LSTMMixer(nn.Module):
         super().__init__()
         o = options or LSTMOptions()
         self.rnn = LSTMLayer(d_model, o.hidden or d_model)
-        self.out_proj = nn.Linear(self.rnn.hidden, d_model, bias=False)
+        self.out_proj = Linear(self.rnn.hidden, d_model, bias=False)
         self.out_proj.is_residual_proj = True  # scaled init in LanguageModel, like the attention output
 
     def forward(self, x: Tensor, state: LSTMState | None = None,

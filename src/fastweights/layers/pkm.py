@@ -35,6 +35,7 @@ from torch import nn
 from fastweights.components import register_memory
 from fastweights.core.errors import UserError
 from fastweights.ops.pkm import pkm_read, pkm_search, softmax_short
+from fastweights.ops.linear import Linear
 
 
 @dataclass
@@ -97,7 +98,7 @@ class PKM(nn.Module):
         self.options = o
         self.d_model = d_model
         self.n_slots = o.n_subkeys**2
-        self.query_proj = nn.Linear(d_model, o.heads * o.d_key)
+        self.query_proj = Linear(d_model, o.heads * o.d_key)
         self.query_norm = nn.RMSNorm(o.heads * o.d_key, eps=1e-6) if o.query_norm else nn.Identity()
         half = o.d_key // 2
         self.keys1 = nn.Parameter(torch.empty(o.heads, o.n_subkeys, half))
@@ -107,11 +108,11 @@ class PKM(nn.Module):
         self.values.lr_scale = o.values_lr_scale
         self.values.no_weight_decay = not o.values_weight_decay
         if o.swilu:
-            self.swilu_proj = nn.Linear(d_model, o.d_value)
-            self.value_proj = nn.Linear(o.d_value, d_model)
+            self.swilu_proj = Linear(d_model, o.d_value)
+            self.value_proj = Linear(o.d_value, d_model)
         elif o.d_value != d_model:
             self.swilu_proj = None
-            self.value_proj = nn.Linear(o.d_value, d_model)
+            self.value_proj = Linear(o.d_value, d_model)
         else:
             self.swilu_proj = None
             self.value_proj = None

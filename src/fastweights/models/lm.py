@@ -31,6 +31,7 @@ from fastweights.checkpoints.format import load_model_as, save_model
 from fastweights.core.config import ModelConfig, from_dict
 from fastweights.core.errors import UserError
 from fastweights.layers.common import RMSNorm, ShortConv, SwiGLU, swiglu_hidden
+from fastweights.ops.linear import linear
 from fastweights.ops.nll import upcast_logits
 from fastweights.components import (
     HEADS,
@@ -108,7 +109,7 @@ class LinearHead(nn.Module):
     def forward(self, h: torch.Tensor, tokens: torch.Tensor | None = None, state=None, attention_mask=None):
         # position by position: padding changes nothing here
         w = self.tied_to[0].weight if self.tied_to is not None else self.weight
-        return F.linear(h, w), None
+        return linear(h, w), None
 
 
 def _layer_state(state: dict | None, i: int):

@@ -25,6 +25,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from fastweights.core.files import user_cache_dir
+
 # ----------------------------------------------------------------------------- compiled step kernel
 #
 # In torch ops the attention-form recurrence is slow on CPU: each step is ~20 small ops, the two reads are
@@ -92,7 +94,7 @@ def _build_kernel() -> ctypes.CDLL | None:
             cpu = next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         pass
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fastweights"
+    cache = user_cache_dir()
     user = os.getuid() if hasattr(os, "getuid") else 0
     for folder, flags in itertools.product((cache, Path(tempfile.gettempdir()) / f"fastweights-{user}"), flag_sets):
         key = hashlib.sha256("\0".join([source, cc, *flags, platform.machine(), cpu]).encode()).hexdigest()[:16]

@@ -58,9 +58,10 @@ Computation of the sums: a call of at most ``chunk_size`` positions is one exact
 ``(q k^T * D) v`` with D the strict mask times the segment decays (the spec's G = 1 form of mixed chunk
 attention); a longer call goes piece by piece through the chunked linear-attention op (memory linear in
 T). Both equal :func:`fwl_recurrent_reference`, the explicit per-step weights. Arithmetic is in the
-inputs' dtype (the head calls this in fp32, or fp64, with autocast off). Scoring without autograd never
-forms the slow logits: g3 = E e_s comes from an online softmax over slices of E (oneDNN's fp32 GEMM on a
-CPU, :mod:`fastweights.ops.streamed_unembedding`), the same numbers to rounding.
+inputs' dtype (the head calls this in fp32, or fp64, with autocast off); every product with a weight goes
+through :func:`fastweights.ops.linear.linear` (the machine's faster CPU GEMM, any order of autograd). Scoring
+without autograd never forms the slow logits: g3 = E e_s comes from an online softmax over slices of E
+(:mod:`fastweights.ops.streamed_unembedding`), the same numbers to rounding.
 """
 
 from __future__ import annotations
@@ -71,12 +72,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fastweights.ops.linear import linear
 from fastweights.ops.linear_attention import linear_attention
 from fastweights.ops.streamed_unembedding import unembedding_grad_streamed, unembedding_no_grad
-
 # Fast tensors of the block, in forward order (the unembedding E, c is slow unless bias_only).
 BLOCK_FAST = ("U", "a", "W", "b", "ln_weight", "ln_bias")
-
 
 # ----------------------------------------------------------------------------- slow pass
 
@@ -106,10 +106,10 @@ class Upstream(NamedTuple):
 def slow_block(h: Tensor, params: dict[str, Tensor], eps: float = 1e-5, residual: bool = False) -> SlowPass:
     """The block with the slow weights, without the unembedding: a :class:`SlowPass` whose ``logits`` is None
     and whose ``y`` is the unembedding's input (see :func:`slow_pass` for the arguments)."""
-    z = h @ params["U"] + params["a"]
+    z = linear(h, params["U"].T, params["a"])
     r = F.relu(z)
     u = r * r
-    o = u @ params["W"] + params["b"]
+    o = linear(u, params["W"].T, params["b"])
     var, mean = torch.var_mean(o, -1, unbiased=False, keepdim=True)
     rstd = torch.rsqrt(var + eps)
     xhat = (o - mean) * rstd
@@ -131,7 +131,7 @@ def slow_pass(h: Tensor, params: dict[str, Tensor], eps: float = 1e-5, residual:
             s = d_in); the head of a pretrained model, which starts as the identity when the LN gain is 0.
     """
     sp = slow_block(h, params, eps, residual)
-    logits = torch.addmm(params["c"], sp.y.flatten(0, -2), params["E"]).view(*sp.y.shape[:-1], -1)
+    logits = linear(sp.y, params["E"].T, params["c"])
     return sp._replace(logits=logits)
 
 
@@ -153,7 +153,7 @@ def upstream_grads(sp: SlowPass, params: dict[str, Tensor], labels: Tensor, weig
     e = (weights.to(probs.dtype) / z_norm).unsqueeze(-1) * (probs + minus_onehot)
     g3 = None
     if depth >= 1:
-        g3 = e @ params["E"].T  # [B, N, s]
+        g3 = linear(e, params["E"])  # e E^T [B, N, s]
     return Upstream(e, *block_backward(sp, params, g3, depth))
 
 
@@ -164,7 +164,7 @@ def block_backward(sp: SlowPass, params: dict[str, Tensor], g3: Tensor | None, d
         gh = g3 * params["ln_weight"]
         g2 = sp.rstd * (gh - gh.mean(-1, keepdim=True) - sp.xhat * (gh * sp.xhat).mean(-1, keepdim=True))
     if depth >= 3:
-        g1 = (g2 @ params["W"].T) * (2.0 * sp.r)  # [B, N, 4s], ReLU(z)^2 has slope 2 ReLU(z)
+        g1 = linear(g2, params["W"]) * (2.0 * sp.r)  # g2 W^T [B, N, 4s], ReLU(z)^2 has slope 2 ReLU(z)
     return g3, g2, g1
 
 
@@ -530,7 +530,7 @@ def fwl_parallel(
         u = F.relu(z)
         u = u * u
     # layer 2: query u'_t from the fast pass, keys u_s from the slow pass
-    o = sp.o if u is sp.u else u @ params["W"] + params["b"]
+    o = sp.o if u is sp.u else linear(u, params["W"].T, params["b"])
     if "W" in fast:
         o = o - matrix_term("W", u, keys["u"], g.g2)
     if "b" in fast:
@@ -547,7 +547,7 @@ def fwl_parallel(
         y = (xhat * gain + bias)[:, logits_from:]  # gain and bias are per position when fast
         y = y + h[:, logits_from:] if residual else y
         logits = (unembedding_no_grad(y.flatten(0, 1), params["E"], params["c"]) if scoring
-                  else torch.addmm(params["c"], y.flatten(0, 1), params["E"])).view(*y.shape[:-1], -1)  # [B, N', V]
+                  else linear(y.flatten(0, 1), params["E"].T, params["c"])).view(*y.shape[:-1], -1)  # [B, N', V]
     if "c" in fast:
         logits = logits - vector_term("c")[:, logits_from:]
     return logits, writes

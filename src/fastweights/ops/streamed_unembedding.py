@@ -14,57 +14,22 @@ Each slice of E (``[s, vocab_chunk]``) serves both of its products while it is i
 memory once, not twice, and no ``[M, V]`` tensor is allocated. Used by the FWL's no-grad scoring
 (:func:`fastweights.ops.fwl.scoring_upstream`); the differentiable path is :func:`fastweights.ops.fwl.upstream_grads`.
 
-The products go through :func:`cpu_linear`: on an x86 CPU in fp32, oneDNN's GEMM, not torch's (MKL's). On an
-AMD EPYC core (AVX-512) MKL's fp32 GEMM runs its AVX2 path, about 85 GFLOP/s for SmolLM2's 64 x 576 x 49,152,
-where oneDNN's reaches about 175 (one thread; ``benchmarks/speed/fwl_scoring.py`` records both on the machine
-it runs on). Same fp32 arithmetic, another summation order: the results agree to rounding.
+The products go through :func:`fastweights.ops.linear.linear`: each on the faster of torch's (MKL's) and oneDNN's
+fp32 GEMM on the machine that runs it (on an AMD EPYC core oneDNN's, about 175 GFLOP/s for SmolLM2's
+64 x 576 x 49,152 against MKL's 85; on an Intel Xeon the two are level). Same fp32 arithmetic, another summation
+order: the results agree to rounding.
 """
 
 from __future__ import annotations
 
-import platform
-
 import torch
 from torch import Tensor
+
+from fastweights.ops.linear import call_kernels, linear
 
 #: vocabulary columns per slice (576 x 1,024 fp32 = 2.4 MB of SmolLM2's E): on one thread 512 to 2,048 measured
 #: about equal for the gradient (MKL and oneDNN), 4,096 and 8,192 slower
 VOCAB_CHUNK = 1024
-
-
-def _onednn_linear():
-    """oneDNN's linear on dense tensors (``torch.ops.mkldnn._linear_pointwise``, the op torch's compiler emits
-    for CPU linears), or None where this torch build or machine has none (not x86, no oneDNN) or where the op,
-    a private one, no longer gives ``F.linear``'s numbers for a small strided call (another signature or meaning)."""
-    if platform.machine().lower() not in ("x86_64", "amd64") or not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        op = torch.ops.mkldnn._linear_pointwise.default
-        x, w, b = torch.linspace(-1, 1, 12).view(3, 4), torch.linspace(1, -2, 20).view(4, 5).T, torch.arange(5.0)
-        with torch.no_grad():
-            ok = torch.allclose(op(x, w, b, "none", [], ""), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    except (AttributeError, RuntimeError, TypeError):
-        return None
-    return op if ok else None
-
-
-ONEDNN_LINEAR = _onednn_linear()
-
-
-def cpu_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``x weight^T + bias`` (``x [M, K]``, ``weight [N, K]``, any strides, ``bias [N]`` or None -> ``[M, N]``):
-    oneDNN's GEMM for fp32 CPU tensors where it exists, ``torch.backends.mkldnn`` is enabled and no gradient is
-    wanted (the op has no autograd formula: backward through it would silently give none);
-    ``torch.nn.functional.linear`` otherwise (autograd, other dtypes, devices and machines)."""
-    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    if not wants_grad and _onednn_serves(x, weight):
-        return ONEDNN_LINEAR(x, weight, bias, "none", [], "")
-    return torch.nn.functional.linear(x, weight, bias)
-
-
-def _onednn_serves(*tensors: Tensor) -> bool:
-    return (ONEDNN_LINEAR is not None and torch.backends.mkldnn.enabled
-            and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors))
 
 
 @torch.no_grad()
@@ -88,23 +53,23 @@ def unembedding_grad_streamed(y: Tensor, E: Tensor, c: Tensor, labels: Tensor, s
     acc = y.new_zeros(m_rows, E.shape[0])  # [M, s]
     for lo in range(0, vocab, vocab_chunk):
         e_slice = E[:, lo : lo + vocab_chunk]  # [s, C]
-        logits = cpu_linear(y, e_slice.T, c[lo : lo + vocab_chunk])  # [M, C]
+        logits = linear(y, e_slice.T, c[lo : lo + vocab_chunk])  # [M, C]
         new_max = torch.maximum(run_max, logits.amax(-1, keepdim=True))
         logits.sub_(new_max).exp_()
         rescale = torch.exp(run_max - new_max)  # 0 at the first slice (exp(-inf))
         run_sum = run_sum * rescale + logits.sum(-1, keepdim=True)
-        acc = acc.mul_(rescale).add_(cpu_linear(logits, e_slice))  # + exp(L_j - m) E_j^T
+        acc = acc.mul_(rescale).add_(linear(logits, e_slice))  # + exp(L_j - m) E_j^T
         run_max = new_max
     return (acc / run_sum - E[:, labels].T) * scale.unsqueeze(-1)  # [M, s]
 
 
 @torch.no_grad()
 def unembedding_no_grad(y: Tensor, E: Tensor, c: Tensor, vocab_chunk: int = VOCAB_CHUNK) -> Tensor:
-    """``y E + c`` (``y [M, s]`` -> ``[M, V]``, no autograd): one oneDNN GEMM where :func:`cpu_linear` takes
-    that route; otherwise written ``vocab_chunk`` columns at a time, so that a slice of the output stays in
+    """``y E + c`` (``y [M, s]`` -> ``[M, V]``, no autograd): one oneDNN GEMM where :func:`fastweights.ops.linear.linear`
+    chooses oneDNN for it; otherwise written ``vocab_chunk`` columns at a time, so that a slice of the output stays in
     cache while it is written (with MKL, 43 against 47 ms for SmolLM2's 64 x 576 x 49,152 on one thread)."""
-    if _onednn_serves(y, E, c):
-        return cpu_linear(y, E.T, c)
+    if (call_kernels(y, E.T, c) or ["torch"])[0] != "torch":
+        return linear(y, E.T, c)
     out = y.new_empty(y.shape[0], E.shape[1])
     for lo in range(0, E.shape[1], vocab_chunk):
         torch.addmm(c[lo : lo + vocab_chunk], y, E[:, lo : lo + vocab_chunk], out=out[:, lo : lo + vocab_chunk])

@@ -55,6 +55,7 @@ from fastweights.core.errors import UserError
 from fastweights.ops.delta_rule import delta_rule
 from fastweights.ops.feature_maps import apply_feature_map, feature_dim, orthogonal_random_features, sum_normalize
 from fastweights.ops.linear_attention import gated_rule, linear_attention
+from fastweights.ops.linear import Linear
 
 RULES = ("sum", "gated", "delta")
 FEATURE_MAPS = ("elu1", "dpfp", "favor")
@@ -153,9 +154,9 @@ class AssocModel(nn.Module):
         embed = int(2 * n_keys * 1.1)
         self.register_buffer("value_onehot", torch.eye(n_keys))  # fixed, untrained value vectors
         self.key_embedding = nn.Embedding(2 * n_keys, embed)  # rows S..2S-1 (values) are never looked up
-        self.w_k = nn.Linear(embed + n_keys, hidden)
-        self.w_q = nn.Linear(embed, hidden)
-        self.w_b = nn.Linear(embed + n_keys, 1)
+        self.w_k = Linear(embed + n_keys, hidden)
+        self.w_q = Linear(embed, hidden)
+        self.w_b = Linear(embed + n_keys, 1)
         nn.init.normal_(self.key_embedding.weight, 0.0, 1.0)
         bound = 1 / math.sqrt(hidden)
         nn.init.uniform_(self.w_k.weight, -bound, bound)

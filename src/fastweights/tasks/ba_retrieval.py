@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from fastweights.core.errors import UserError
 from fastweights.layers.fast_rnn import FastWeightRNN
 from fastweights.layers.lstm import LSTMLayer
+from fastweights.ops.linear import Linear
 
 VOCAB = "abcdefghijklmnopqrstuvwxyz0123456789?"  # token id = index
 NUM_LETTERS = 26
@@ -166,8 +167,8 @@ class RetrievalNet(nn.Module):
             self.rnn = LSTMLayer(embed, hidden)
         else:
             self.rnn = IRNN(embed, hidden)
-        self.hidden_layer = nn.Linear(hidden, mlp)
-        self.out = nn.Linear(mlp, 10 if digit_head else len(VOCAB))
+        self.hidden_layer = Linear(hidden, mlp)
+        self.out = Linear(mlp, 10 if digit_head else len(VOCAB))
         self.digit_head = digit_head
 
     def forward(self, tokens: Tensor) -> Tensor:

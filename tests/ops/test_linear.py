@@ -1,0 +1,397 @@
+"""ops.linear: one CPU linear whose three products each run on the faster of torch's and oneDNN's fp32 GEMM, as
+measured on the machine. Held here: the autograd formula against F.linear (fp64, and double backward), oneDNN's
+products against F.linear in fp32 for every layout our layers and the FWL head pass, the route taken exactly where
+it applies, the choice measured and never slower (a stand-in slower kernel loses), and the choice kept per machine
+and thread count in the cache file (a second process computes with the same kernels)."""
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastweights.ops import linear as lin
+from fastweights.ops import streamed_unembedding as su
+
+needs_onednn = pytest.mark.skipif(not lin.onednn_available(), reason="no oneDNN linear on this machine or build")
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """Every test with its own cache folder and no choices in memory."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(lin, "_CHOICES", {})
+    monkeypatch.delenv("FASTWEIGHTS_LINEAR", raising=False)
+
+
+def _spy(monkeypatch):
+    """Count oneDNN's kernel calls (by the dtype of their first argument)."""
+    calls = []
+    real = lin.KERNELS["onednn"]
+    monkeypatch.setitem(lin.KERNELS, "onednn", lambda a, w, b: calls.append(a.dtype) or real(a, w, b))
+    return calls
+
+
+def _leaves(shape_x, n, dtype=torch.float32, bias=True, seed=0, weight_t=False):
+    g = torch.Generator().manual_seed(seed)
+    k = shape_x[-1]
+    x = torch.randn(*shape_x, generator=g, dtype=dtype).requires_grad_()
+    w = torch.randn(k, n, generator=g, dtype=dtype).T if weight_t else torch.randn(n, k, generator=g, dtype=dtype)
+    b = torch.randn(n, generator=g, dtype=dtype) if bias else None
+    w.requires_grad_()
+    if b is not None:
+        b.requires_grad_()
+    return x, w, b
+
+
+def _grads(fn, x, w, b):
+    leaves = [t for t in (x, w, b) if t is not None]
+    for t in leaves:
+        t.grad = None
+    y = fn(x, w, b)
+    (y * torch.linspace(-1, 1, y.shape[-1], dtype=y.dtype)).square().sum().backward()
+    return [y.detach()] + [t.grad.clone() for t in leaves]
+
+
+@pytest.mark.parametrize("kernels", [("torch",) * 3, ("onednn", "torch", "onednn"), ("torch", "onednn", "torch")])
+def test_the_autograd_formula_equals_F_linear_in_fp64(kernels):
+    """The Function's backward (dx = g W, dW = g^T x, db = sum g) against F.linear's, fp64, whatever kernel each
+    product is said to run on (oneDNN has no fp64: the stand-in is torch's kernel under oneDNN's name)."""
+    kernels_fp64 = {"torch": lin._torch_kernel, "onednn": lambda a, w, b: F.linear(a, w, b)}
+    x, w, b = _leaves((37, 19), 23, torch.float64)
+    old = dict(lin.KERNELS)
+    lin.KERNELS.update(kernels_fp64)
+    try:
+        got = _grads(lambda x, w, b: lin._Linear.apply(x, w, b, kernels), x, w, b)
+        assert torch.autograd.gradcheck(lambda x, w, b: lin._Linear.apply(x, w, b, kernels), (x, w, b))
+    finally:
+        lin.KERNELS.update(old)
+    want = _grads(F.linear, x, w, b)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+
+
+@needs_onednn
+def test_double_backward_through_the_oneDNN_route(monkeypatch):
+    """create_graph (the FWL's second-order gradients): the gradient is itself differentiable, and its
+    gradient is F.linear's."""
+    monkeypatch.setenv("FASTWEIGHTS_LINEAR", "onednn")
+    calls = _spy(monkeypatch)
+
+    def second(fn):
+        x, w, b = _leaves((64, 32), 48, seed=2)
+        y = fn(x, w, b)
+        (gx,) = torch.autograd.grad(y.sin().sum(), x, create_graph=True)
+        gx.square().sum().backward()
+        return [gx.detach(), w.grad, b.grad, x.grad]
+
+    got = second(lin.linear)
+    assert calls  # the forward went through oneDNN
+    for a, e in zip(got, second(F.linear)):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
+
+
+SHAPES = {  # the shape classes our layers pass: [B, T, d] projections, [M, d] heads, odd sizes, one row
+    "projection_3d": ((4, 16, 64), 192, True, False),
+    "mlp_down_no_bias": ((2, 32, 160), 64, False, False),
+    "lm_head_odd_vocab": ((3, 20, 48), 65, False, False),
+    "one_row": ((1, 256), 512, True, False),
+    "weight_stored_transposed": ((40, 96), 80, True, True),
+}
+
+
+@needs_onednn
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_oneDNN_products_equal_F_linear_in_fp32(name, monkeypatch):
+    shape, n, bias, weight_t = SHAPES[name]
+    monkeypatch.setenv("FASTWEIGHTS_LINEAR", "onednn")
+    monkeypatch.setattr(lin, "MIN_WORK", 0)
+    calls = _spy(monkeypatch)
+    x, w, b = _leaves(shape, n, bias=bias, weight_t=weight_t, seed=7)
+    got = _grads(lin.linear, x, w, b)
+    assert len(calls) == 3  # forward, input grad, weight grad
+    for a, e in zip(got, _grads(F.linear, x, w, b)):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
+
+
+def _weights(seed=0, vocab=300, width=24):
+    g = torch.Generator().manual_seed(seed)
+    emb = torch.randn(vocab, width, generator=g)  # an output embedding [V, s], as HF stores it
+    return emb, torch.randn(vocab, generator=g), torch.randn(7, width, generator=g), g
+
+
+@needs_onednn
+@pytest.mark.parametrize("layout", ["rows", "transposed_view", "vocab_slice", "slice_of_view"])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_no_grad_oneDNN_equals_F_linear_for_the_FWL_heads_strides(layout, with_bias, monkeypatch):
+    monkeypatch.setenv("FASTWEIGHTS_LINEAR", "onednn")
+    monkeypatch.setattr(lin, "MIN_WORK", 0)
+    calls = _spy(monkeypatch)
+    emb, bias, x, g = _weights()
+    if layout == "rows":  # x emb^T: the logits
+        weight, b = emb, bias
+    elif layout == "transposed_view":  # e emb: the inner gradient's second product, weight = emb^T (a view)
+        x, weight, b = torch.randn(7, emb.shape[0], generator=g), emb.T, bias[: emb.shape[1]]
+    elif layout == "vocab_slice":
+        weight, b = emb[40:140], bias[40:140]
+    else:  # E = emb^T [s, V] sliced along the vocabulary, then transposed back: what the streamed loop passes
+        weight, b = emb.T[:, 40:140].T, bias[40:140]
+    b = b if with_bias else None
+    with torch.no_grad():
+        torch.testing.assert_close(lin.linear(x, weight, b), F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+    assert calls == [torch.float32]
+
+
+@needs_onednn
+def test_the_route_is_taken_exactly_where_it_applies(monkeypatch):
+    monkeypatch.setenv("FASTWEIGHTS_LINEAR", "onednn")
+    monkeypatch.setattr(lin, "MIN_WORK", 0)
+    calls = _spy(monkeypatch)
+    x, w, b = (t.detach() for t in _leaves((8, 32), 16))
+    lin.linear(x, w, b)
+    assert calls == [torch.float32]
+    lin.linear(x.double(), w.double(), b.double())  # fp64
+    lin.linear(x.bfloat16(), w.bfloat16(), b.bfloat16())  # bf16
+    lin.linear(x.T.contiguous().T, w, b)  # an input that is not contiguous
+    lin.linear(x, torch.randn(16, 64)[:, ::2], None)  # a weight with no unit stride
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lin.linear(x, w, b)
+    torch.func.vmap(lambda xx: lin.linear(xx, w, b))(x.view(2, 4, 32))
+    torch.func.grad(lambda xx: lin.linear(xx, w, b).sum())(x)
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)  # the user switched oneDNN off
+    lin.linear(x, w, b)
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", True)
+    monkeypatch.setenv("FASTWEIGHTS_LINEAR", "torch")
+    lin.linear(x, w, b)
+    assert calls == [torch.float32]
+
+
+@needs_onednn
+def test_a_call_whose_products_are_all_torchs_is_F_linear_itself(monkeypatch):
+    """Nothing slower where torch's kernel wins: no Python Function between the call and torch's autograd."""
+    monkeypatch.setattr(lin, "kernels_for", lambda *a: ["torch", "torch", "torch"])
+    monkeypatch.setattr(lin._Linear, "apply", lambda *a: pytest.fail("the Function was used"))
+    x, w, b = _leaves((64, 32), 48)
+    y = lin.linear(x, w, b)
+    assert y.grad_fn.name() == F.linear(x, w, b).grad_fn.name()
+    # the input grad alone on oneDNN: an input that needs no gradient does not need the Function either
+    monkeypatch.setattr(lin, "kernels_for", lambda *a: ["torch", "onednn", "torch"])
+    lin.linear(x.detach(), w, b)
+
+
+def test_tiny_calls_are_not_measured(monkeypatch):
+    monkeypatch.setattr(lin, "measure", lambda *a, **k: pytest.fail("measured"))
+    assert lin.kernels_for(4, 8, 8, False) == ["torch"] * 3
+
+
+def test_the_choice_takes_oneDNN_only_where_it_is_clearly_faster():
+    t = {"forward": {"torch": 1.0, "onednn": 0.5}, "input_grad": {"torch": 1.0, "onednn": 0.95},
+         "weight_grad": {"torch": 0.5, "onednn": 1.0}}
+    assert lin.choose(t) == ["onednn", "torch", "torch"]
+
+
+def _slow_kernel(a, w, b):
+    for _ in range(3):
+        y = F.linear(a, w, b)
+    return y
+
+
+def test_a_slower_kernel_is_never_chosen():
+    """On a machine where torch's default is the fastest, nothing is slower: a stand-in kernel doing the work
+    three times, and one that gives other numbers, both lose to torch's at every product."""
+    assert lin.choose(lin.measure(256, 128, 128, False, kernels={"torch": lin._torch_kernel,
+                                                                   "onednn": _slow_kernel})) == ["torch"] * 3
+    wrong = {"torch": lin._torch_kernel, "onednn": lambda a, w, b: torch.zeros(a.shape[0], w.shape[0])}
+    times = lin.measure(256, 128, 128, False, kernels=wrong)
+    assert all(times[p]["onednn"] == float("inf") for p in lin.PRODUCTS)
+
+
+@needs_onednn
+def test_the_choice_is_measured_once_and_kept_per_machine_and_thread_count(monkeypatch):
+    measured = []
+    real = lin.measure
+
+    def counting(*args, **kw):
+        measured.append(args)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(lin, "measure", counting)
+    first = lin.kernels_for(200, 128, 96, False)
+    assert lin.kernels_for(256, 128, 96, False) == first  # the same class (M rounded up to 256)
+    assert measured == [(256, 128, 96, False)]
+    lin.kernels_for(200, 128, 96, True)  # the weight stored transposed: another class
+    assert len(measured) == 2
+    # a new process (no choices in memory) reads the file and measures nothing
+    monkeypatch.setattr(lin, "_CHOICES", {})
+    assert lin.kernels_for(256, 128, 96, False) == first
+    assert len(measured) == 2
+    torch.set_num_threads(2)  # another thread count: measured again
+    lin.kernels_for(256, 128, 96, False)
+    assert len(measured) == 3
+
+
+@needs_onednn
+def test_a_stored_choice_is_what_a_second_process_computes_with(monkeypatch):
+    """The kernels a run used are the ones its resume uses: a stored choice is followed, not re-measured."""
+    key = lin.shape_key(256, 128, 96, False)
+    lin._store_choice(lin._machine_key(), key, ["onednn", "onednn", "torch"])
+    monkeypatch.setattr(lin, "measure", lambda *a, **k: pytest.fail("measured"))
+    assert lin.kernels_for(256, 128, 96, False) == ["onednn", "onednn", "torch"]
+
+
+@needs_onednn
+def test_a_broken_or_unwritable_cache_measures_again_and_still_computes(tmp_path, monkeypatch):
+    path = lin._cache_path()
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    assert len(lin.kernels_for(256, 128, 96, False)) == 3
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))  # a file where the folder should be
+    monkeypatch.setattr(lin, "_CHOICES", {})
+    x, w, b = (t.detach() for t in _leaves((256, 128), 96))
+    torch.testing.assert_close(lin.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_the_oneDNN_op_is_dropped_where_it_is_missing_or_gives_other_numbers(monkeypatch):
+    """A private op: a build without it, or one whose op means something else, leaves every product on torch's."""
+    monkeypatch.setattr(torch.ops, "mkldnn", types.SimpleNamespace())  # no _linear_pointwise at all
+    lin.onednn_available.cache_clear()
+    try:
+        assert not lin.onednn_available()
+        wrong = types.SimpleNamespace(default=lambda x, w, b, *rest: F.linear(x, w))  # ignores the bias
+        monkeypatch.setattr(torch.ops, "mkldnn", types.SimpleNamespace(_linear_pointwise=wrong))
+        lin.onednn_available.cache_clear()
+        assert not lin.onednn_available()
+        bad_signature = types.SimpleNamespace(default=lambda x, w: F.linear(x, w))  # TypeError
+        monkeypatch.setattr(torch.ops, "mkldnn", types.SimpleNamespace(_linear_pointwise=bad_signature))
+        lin.onednn_available.cache_clear()
+        assert not lin.onednn_available()
+        assert lin.kernels_for(4096, 256, 256, False) == ["torch"] * 3
+    finally:
+        monkeypatch.undo()
+        lin.onednn_available.cache_clear()
+
+
+def test_Linear_is_nn_Linear_with_the_same_state_dict():
+    torch.manual_seed(0)
+    ours = lin.Linear(12, 7)
+    torch.manual_seed(0)
+    theirs = nn.Linear(12, 7)
+    assert isinstance(ours, nn.Linear)
+    assert ours.state_dict().keys() == theirs.state_dict().keys()
+    for k in theirs.state_dict():
+        torch.testing.assert_close(ours.state_dict()[k], theirs.state_dict()[k], rtol=0, atol=0)
+
+
+@needs_onednn
+def test_fast_linears_lends_the_route_for_the_block_only(monkeypatch):
+    monkeypatch.setenv("FASTWEIGHTS_LINEAR", "onednn")
+    monkeypatch.setattr(lin, "MIN_WORK", 0)
+    calls = _spy(monkeypatch)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    hooked = model[2]
+    hooked.forward = lambda x: F.linear(x, hooked.weight, hooked.bias)  # replaced on the instance: left alone
+    x = torch.randn(5, 16)
+    want = model(x)
+    with lin.fast_linears(model):
+        torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
+    assert len(calls) == 1  # the first layer only
+    assert "forward" not in vars(model[0]) and "forward" in vars(hooked)
+    with pytest.raises(RuntimeError), lin.fast_linears(model):
+        raise RuntimeError("an error inside the block")
+    assert "forward" not in vars(model[0])
+    model(x)
+    assert len(calls) == 1
+
+
+# ------------------------------------------------------------------- the FWL head's vocabulary products
+
+
+@needs_onednn
+def test_streamed_passes_in_fp32_take_the_oneDNN_route_and_match_fp64(monkeypatch):
+    """The FWL's two vocabulary passes in fp32 (oneDNN) against the fp64 formulas, with a non-zero bias c."""
+    monkeypatch.setenv("FASTWEIGHTS_LINEAR", "onednn")
+    monkeypatch.setattr(lin, "MIN_WORK", 0)
+    calls = _spy(monkeypatch)
+    emb, c, y, g = _weights(seed=3, vocab=2500)
+    E = emb.T  # [s, V], a view as the head passes it
+    labels = torch.randint(0, 2500, (7,), generator=g)
+    scale = torch.rand(7, generator=g) + 0.5
+    logits64 = y.double() @ E.double() + c.double()
+    direct = scale.double()[:, None] * ((torch.softmax(logits64, -1) - F.one_hot(labels, 2500).double()) @ E.double().T)
+    torch.testing.assert_close(su.unembedding_grad_streamed(y, E, c, labels, scale).double(), direct,
+                               rtol=1e-4, atol=1e-5)
+    n_grad = len(calls)
+    assert n_grad == 2 * 3  # two products per slice of 1,024 columns, three slices
+    torch.testing.assert_close(su.unembedding_no_grad(y, E, c).double(), logits64, rtol=1e-5, atol=1e-4)
+    assert len(calls) == n_grad + 1  # one GEMM for the whole logits
+
+
+def test_no_grad_logits_in_slices_where_torchs_kernel_is_chosen(monkeypatch):
+    monkeypatch.setenv("FASTWEIGHTS_LINEAR", "torch")
+    emb, c, y, _ = _weights(seed=4, vocab=2500)
+    torch.testing.assert_close(su.unembedding_no_grad(y, emb.T, c), F.linear(y, emb, c), rtol=1e-5, atol=1e-4)
+
+
+@needs_onednn
+def test_fwl_scoring_in_fp32_on_the_oneDNN_route_matches_the_fp64_training_path(monkeypatch):
+    """The whole no-grad FWL pass (residual head, every tensor fast, segments, a vocabulary of several
+    slices) in fp32 through oneDNN against the differentiable path in fp64 (torch's kernels), and the
+    vocabulary products really went through oneDNN."""
+    from fastweights.ops.fwl import BLOCK_FAST, fwl_parallel
+
+    monkeypatch.setenv("FASTWEIGHTS_LINEAR", "onednn")
+    monkeypatch.setattr(lin, "MIN_WORK", 0)
+    calls = _spy(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    s, v, b, t = 8, 2300, 2, 13
+
+    def r(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
+
+    params = {"U": r(s, 4 * s, scale=0.3), "a": r(4 * s, scale=0.1), "W": r(4 * s, s, scale=0.3), "b": r(s, scale=0.1),
+              "ln_weight": 0.5 + r(s, scale=0.1), "ln_bias": r(s, scale=0.1), "E": r(s, v), "c": r(v, scale=0.2)}
+    h, labels = r(b, t, s), torch.randint(0, v, (b, t), generator=g)
+    weights = torch.ones(b, t, dtype=torch.float64)
+    weights[:, -1] = 0
+    steps = {n: torch.tensor(0.05 + 0.05 * i, dtype=torch.float64) for i, n in enumerate(BLOCK_FAST)}
+    decays = {n: torch.tensor(0.7, dtype=torch.float64) for n in BLOCK_FAST}
+    kw = dict(segment_len=5, start=3, decays=decays, residual=True, logits_from=1)
+    want, _ = fwl_parallel(h, labels, weights, {n: p.requires_grad_(True) for n, p in params.items()}, steps, **kw)
+
+    def f32(d):
+        return {n: x.detach().float() for n, x in d.items()}
+
+    with torch.no_grad():
+        got, _ = fwl_parallel(h.float(), labels, weights.float(), f32(params), f32(steps), **{**kw, "decays": f32(decays)})
+    torch.testing.assert_close(got.double(), want.detach(), rtol=1e-4, atol=1e-4)
+    assert len(calls) >= 2 * 3 + 1  # the inner gradient's two products per slice, and the fast logits
+
+
+@needs_onednn
+def test_a_training_run_on_the_oneDNN_route_follows_torchs(monkeypatch):
+    """Five AdamW steps of a small LM with every product forced onto oneDNN give torch's losses to fp32 rounding."""
+    from fastweights.core.config import ModelConfig
+    from fastweights.models.lm import LanguageModel
+
+    def losses(route):
+        monkeypatch.setenv("FASTWEIGHTS_LINEAR", route)
+        torch.manual_seed(0)
+        model = LanguageModel(ModelConfig(vocab_size=40, d_model=32, n_layers=2, n_heads=2))
+        opt = torch.optim.AdamW(model.parameters(), 1e-2)
+        x = torch.randint(0, 40, (4, 17), generator=torch.Generator().manual_seed(1))
+        out = []
+        for _ in range(5):
+            loss = model(x[:, :-1], targets=x[:, 1:]).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            out.append(loss.item())
+        return out
+
+    calls = _spy(monkeypatch)
+    on_onednn = losses("onednn")
+    assert calls
+    assert on_onednn == pytest.approx(losses("torch"), rel=1e-4)
