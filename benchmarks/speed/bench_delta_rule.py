@@ -8,6 +8,18 @@ Memory of forward+backward, two ways:
   * peak resident memory growth of a fresh process (VmHWM) around one forward+backward, across
     T (at D=64) and across D (at T=1024), to show the growth with T*D (ours) vs T*D^2 (loop).
 
+Against flash-linear-attention on the CPU (same run, T = 512, 1024, 2048, B=1, H=4, D=64, fp32, one thread):
+fla's pure-PyTorch chunked forms, the only ones of its that run without Triton, at chunk 16, 32 and 64 --
+``delta_rule_chunkwise`` (fla/ops/delta_rule/naive.py, [B, H, T, D]) and ``naive_chunk_gated_delta_rule``
+(fla/ops/gated_delta_rule/naive.py; with g = 0 for the plain rule) -- forward+backward through autograd, against
+``delta_rule`` (backend "torch", C=64). Recorded per T: every timing, fla's fastest, and the ratio
+fla_fastest / ours (median and minimum, process CPU time and wall). fla is loaded from wherever ``fla`` is
+importable (its package ``__init__`` needs Triton, so the two naive files are loaded directly; they need
+einops); without it the record says so. For example, fla-core 0.6.0 installed apart from the project:
+
+    .venv/bin/python -m pip install --no-deps --target runs/peers/fla fla-core==0.6.0 einops
+    PYTHONPATH=runs/peers/fla OMP_NUM_THREADS=1 .venv/bin/python benchmarks/speed/bench_delta_rule.py
+
 GPU (``--device cuda``): B=8, T=4096, H=16, D=128, bf16, forward+backward of ours (backend "torch" and
 "auto") and fla's ``chunk_delta_rule`` when installed, as time ratios, with peak CUDA memory.
 
@@ -20,10 +32,14 @@ Writes ``benchmarks/results/bench_delta_rule.json`` (or ``bench_delta_rule_cuda.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import importlib.metadata
+import importlib.util
 import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from fastweights.evidence.result_files import write_result
 import torch
@@ -127,6 +143,124 @@ def rss_growth(impl, t, d):
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_growth_bytes"]
 
 
+FLA_SEQ_LENS = (512, 1024, 2048)
+FLA_CHUNKS = (16, 32, 64)
+FLA_FILES = {"delta": "ops/delta_rule/naive.py", "gated": "ops/gated_delta_rule/naive.py"}
+
+
+def load_fla_cpu():
+    """fla's two pure-PyTorch chunked modules ``{"delta": module, "gated": module}`` and a description
+    ``{"version", "files"}`` (each file's sha256); or None and the reason they cannot be used."""
+    spec = importlib.util.find_spec("fla")  # finds the package without running its __init__ (which needs Triton)
+    if spec is None or not spec.submodule_search_locations:
+        return None, {"reason": "flash-linear-attention (fla-core) is not importable"}
+    root = Path(next(iter(spec.submodule_search_locations)))
+    mods = {}
+    for name, rel in FLA_FILES.items():
+        file_spec = importlib.util.spec_from_file_location(f"_fla_cpu_{name}", root / rel)
+        mod = importlib.util.module_from_spec(file_spec)
+        try:
+            file_spec.loader.exec_module(mod)
+        except Exception as e:  # noqa: BLE001  (a missing einops, a moved file: recorded, not fatal)
+            return None, {"reason": f"fla/{rel} does not load: {type(e).__name__}: {e}"}
+        mods[name] = mod
+    try:
+        version = importlib.metadata.version("fla-core")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    files = {f"fla/{rel}": hashlib.sha256((root / rel).read_bytes()).hexdigest() for rel in FLA_FILES.values()}
+    return mods, {"version": version, "files": files}
+
+
+def fla_candidates(mods, gated):
+    """fla's CPU forms of the (gated) delta rule: ``name -> (fn(q, k, v, beta, g) -> o, wants [B, H, T, D])``."""
+    cands = {}
+    for c in FLA_CHUNKS:
+        if not gated:
+            cands[f"delta_rule_chunkwise_C{c}"] = (
+                lambda q, k, v, beta, g, c=c: mods["delta"].delta_rule_chunkwise(q, k, v, beta, chunk_size=c)[0],
+                True)
+        cands[f"naive_chunk_gated_delta_rule_C{c}"] = (
+            lambda q, k, v, beta, g, c=c: mods["gated"].naive_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=c)[0],
+            False)
+    return cands
+
+
+def vs_fla_cpu(args) -> dict:
+    """Ours against fla's fastest CPU form per T, forward+backward, all candidates timed round-robin."""
+    mods, info = load_fla_cpu()
+    if mods is None:
+        print(f"fla CPU comparison not performed: {info['reason']}", flush=True)
+        return {"performed": False, **info}
+    b, h, d = 1, 4, 64
+    by_t = {}
+    for t in args.fla_seq_lens:
+        row = {}
+        for gated in (False, True):
+            xs, g = make_inputs(b, t, h, d, gated=gated)
+            if g is None:
+                g_in = torch.zeros(b, t, h)  # the gated form with g = 0 is the plain rule
+            else:
+                g_in = g.clone().requires_grad_()
+                g = g_in
+            bh_layout = [x.detach().transpose(1, 2).contiguous().requires_grad_() for x in xs]  # [B, H, T, (D)]
+
+            def run(fn, inputs, g_arg):
+                for x in (*inputs, g_arg):
+                    if x is not None:
+                        x.grad = None
+                o = fn(*inputs, g_arg)
+                o.float().pow(2).mean().backward()
+                return o
+
+            def ours(q, k, v, be, gg):
+                return delta_rule(q, k, v, be, log_decay=gg, backend="torch")[0]
+
+            fns = {"ours": lambda xs=xs, g=g: run(ours, xs, g)}
+            with torch.no_grad():
+                ref = delta_rule(*xs, log_decay=g, backend="torch")[0]
+            agreement = {}
+            for name, (fn, bhtd) in fla_candidates(mods, gated).items():
+                inputs, ld = (bh_layout, g_in) if bhtd else (xs, g_in)
+                fns["fla_" + name] = lambda fn=fn, inputs=inputs, ld=ld: run(fn, inputs, ld)
+                with torch.no_grad():
+                    o = fn(*[x.detach() for x in inputs], ld.detach())
+                o = o.transpose(1, 2) if bhtd else o
+                agreement["fla_" + name] = ((o - ref).norm() / ref.norm()).item()
+            times = {name: [] for name in fns}
+            for f in fns.values():
+                f()  # warm-up
+            for _ in range(args.fla_repeat):
+                for name, f in fns.items():
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    f()
+                    times[name].append((time.perf_counter() - t0, time.process_time() - c0))
+            st = {name: stats(v) for name, v in times.items()}
+            fla_names = [n for n in st if n != "ours"]
+            fastest = min(fla_names, key=lambda n: st[n]["cpu_median_s"])
+            ratio = {stat: min(st[n][f"{stat}_s"] for n in fla_names) / st["ours"][f"{stat}_s"]
+                     for stat in ("cpu_median", "wall_median", "cpu_min", "wall_min")}
+            name = "gated_delta" if gated else "delta"
+            row[name] = {"times": st, "fla_fastest_by_cpu_median": fastest,
+                         "ratio_fla_fastest_over_ours": ratio, "fla_output_rel_err_vs_ours": agreement}
+            print(f"T={t} {name}: ours {st['ours']['cpu_median_s'] * 1e3:.1f} ms cpu median, fla fastest "
+                  f"({fastest}) {st[fastest]['cpu_median_s'] * 1e3:.1f} ms: {ratio['cpu_median']:.2f}x cpu, "
+                  f"{ratio['wall_median']:.2f}x wall", flush=True)
+        by_t[t] = row
+    return {
+        "performed": True, "fla": info, "files": {k: f"fla/{v}" for k, v in FLA_FILES.items()},
+        "shape": {"B": b, "H": h, "D": d, "dtype": "float32", "threads": torch.get_num_threads()},
+        "ours": "delta_rule(..., backend='torch'), chunk 64",
+        "fla_chunks": list(FLA_CHUNKS), "repeats": args.fla_repeat,
+        "by_T": by_t,
+        "rule": "ratio = fla's fastest candidate (each statistic's own minimum over fla's forms and chunk sizes) / "
+                "ours, forward+backward of mean(o^2) through every input; the target is >= 3 at T=2048",
+        "target_3x_at_T2048": {k: min(v["ratio_fla_fastest_over_ours"]["cpu_median"],
+                                      v["ratio_fla_fastest_over_ours"]["wall_median"]) >= 3
+                               for k, v in by_t.get(2048, {}).items()},
+    }
+
+
 def cpu_benchmark(args) -> dict:
     torch.set_num_threads(args.threads)
     b, t, h, d = 1, args.seq_len, 4, 64
@@ -206,6 +340,7 @@ def cpu_benchmark(args) -> dict:
                for k, v in speed.items()},
         },
         "memory": memory,
+        "vs_fla_cpu": {"performed": False, "reason": "--skip-fla"} if args.skip_fla else vs_fla_cpu(args),
         "gpu": {"performed": False,
                 "reason": "no GPU in this run; run `benchmarks/speed/bench_delta_rule.py --device cuda` on a CUDA machine"},
         "note": "shared 2-core machine: other engineers' jobs ran at the same time. Times are the minimum and "
@@ -259,6 +394,10 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--loop-repeat", type=int, default=3)
     p.add_argument("--skip-rss", action="store_true", help="skip the subprocess peak-RSS measurements")
+    p.add_argument("--skip-fla", action="store_true", help="skip the comparison with fla's CPU forms")
+    p.add_argument("--fla-repeat", type=int, default=9, help="repeats of each form in the fla comparison")
+    p.add_argument("--fla-seq-lens", type=lambda s: [int(x) for x in s.split(",")], default=list(FLA_SEQ_LENS),
+                   help="sequence lengths of the fla comparison (default 512,1024,2048)")
     p.add_argument("--rss-child", nargs=3, metavar=("IMPL", "T", "D"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.rss_child:
