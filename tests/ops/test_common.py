@@ -36,39 +36,3 @@ def test_rope_matches_rotation_and_gradcheck():
     b = (rope(q, 13) * rope(k, 17)).sum()
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
-
-def _swiglu_reference(gate_up):
-    gate, up = gate_up.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
-
-
-def test_swiglu_matches_autograd_of_the_formula_in_fp64_to_second_order():
-    """The fused activation's hand-written backward (one gradient buffer, silu' in one pass) against autograd of
-    silu(g) * u, and its double backward (the differentiable branch)."""
-    from fastweights.layers.common import swiglu
-
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(3, 5, 2 * 7, generator=g, dtype=torch.float64, requires_grad=True)
-    dh = torch.randn(3, 5, 7, generator=g, dtype=torch.float64)
-    (got,) = torch.autograd.grad(swiglu(x), x, dh)
-    (want,) = torch.autograd.grad(_swiglu_reference(x), x, dh)
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    assert torch.autograd.gradcheck(swiglu, (x,))
-    assert torch.autograd.gradgradcheck(swiglu, (x,))
-
-
-def test_swiglu_in_fp32_bf16_and_under_vmap():
-    from fastweights.layers.common import swiglu
-
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(4, 6, 20, generator=g, requires_grad=True)
-    dh = torch.randn(4, 6, 10, generator=g)
-    (got,) = torch.autograd.grad(swiglu(x), x, dh)
-    (want,) = torch.autograd.grad(_swiglu_reference(x), x, dh)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    xb = x.detach().bfloat16()
-    torch.testing.assert_close(swiglu(xb), _swiglu_reference(xb))
-    # batched dynamic evaluation runs the model under vmap and takes gradients there
-    per_row = torch.func.vmap(torch.func.grad(lambda t: swiglu(t).pow(2).sum()))(x.detach())
-    want_rows = torch.func.vmap(torch.func.grad(lambda t: _swiglu_reference(t).pow(2).sum()))(x.detach())
-    torch.testing.assert_close(per_row, want_rows, rtol=1e-5, atol=1e-6)

@@ -74,50 +74,10 @@ class SwiGLU(nn.Module):
         self.down.is_residual_proj = True  # scaled init, see LanguageModel._init_weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(swiglu(self.gate_up(x)))  # [B, T, 2F] -> [B, T, F] -> [B, T, d]
-
-
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(g) * u`` of ``gate_up = [g | u]`` (``[..., 2F]`` -> ``[..., F]``); its gradient is written into one
-    ``[..., 2F]`` buffer (autograd of ``chunk`` would concatenate two halves, a fifth of the activation's CPU
-    time). fp32 and fp64 only: other dtypes (autocast's bf16) go through autograd."""
-    if gate_up.dtype in (torch.float32, torch.float64):
-        return _SwiGLU.apply(gate_up)[0]
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-class _SwiGLU(torch.autograd.Function):
-    """h = s u with s = silu(g) = g sigmoid(g);  du = dh s,  dg = silu'(g) (dh u), written into the halves of
-    one buffer (``aten::silu_backward``'s out form computes silu' in one pass)."""
-
-    generate_vmap_rule = True  # works under torch.func.vmap (batched dynamic evaluation)
-
-    @staticmethod
-    def forward(gate_up):
-        gate, up = gate_up.chunk(2, dim=-1)
-        s = F.silu(gate)
-        return s * up, s
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        (gate_up,) = inputs
-        _, s = output
-        ctx.mark_non_differentiable(s)
-        ctx.save_for_backward(gate_up, s)
-
-    @staticmethod
-    def backward(ctx, dh, _ds):
-        gate_up, s = ctx.saved_tensors
-        gate, up = gate_up.chunk(2, dim=-1)
-        if torch.is_grad_enabled():  # double backward (torch.func's grad too): differentiable ops
-            sig = torch.sigmoid(gate)
-            return torch.cat([dh * up * sig * (1 + gate * (1 - sig)), dh * gate * sig], dim=-1)  # s recomputed
-        grad = torch.empty_like(gate_up)
-        d_gate, d_up = grad.chunk(2, dim=-1)
-        torch.mul(dh, s, out=d_up)
-        torch.ops.aten.silu_backward.grad_input(dh * up, gate, grad_input=d_gate)
-        return grad
+        # chunk's backward concatenates the two halves' gradients; an autograd Function writing them into one
+        # buffer measured no faster (6.9 against 6.7 ms per [32, 128, 704] activation, one thread, Intel Xeon)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # [B, T, 2F] -> 2 x [B, T, F]
+        return self.down(F.silu(gate) * up)
 
 
 class RotaryEmbedding(nn.Module):

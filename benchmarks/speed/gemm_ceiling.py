@@ -1,0 +1,145 @@
+"""How far each CPU path is from the machine's GEMM limit: the fp32 GEMMs of a training step of the demo model and of
+SmolLM2-135M's scoring, on torch's kernel, on oneDNN's and on the route :mod:`fastweights.ops.linear` chooses, and
+the share of each training preset's step spent in GEMMs.
+
+    python benchmarks/speed/gemm_ceiling.py [--threads 1] [--rounds 5]
+
+Per shape and product (forward x W^T, input grad g W, weight grad g^T x): GFLOP/s of each kernel (the best of
+``--rounds`` interleaved rounds, each the best of several calls) and of the chosen route, which must be within 10%
+of the best kernel (``route_within_10pct``). Per preset (``shakespeare-char`` is the demo's): seconds per training
+step (forward, backward, AdamW) with every linear on torch's kernel and on the chosen route, and the share of the
+step that the profiler puts in GEMM ops. Writes ``benchmarks/results/gemm_ceiling.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+
+import torch
+
+from fastweights.core.config import make_config
+from fastweights.evidence import probes
+from fastweights.evidence.result_files import write_result
+from fastweights.evidence.timing import bench_clock, timeit
+from fastweights.loops.schedule import make_optimizer
+from fastweights.models.lm import LanguageModel
+from fastweights.ops import linear as lin
+
+# (name, M, K, N): the demo model's linears at its batch (32 x 128 tokens, d 128, SwiGLU hidden 352, 65 characters)
+# and SmolLM2-135M's for one 64-token scoring segment (d 576, 3 KV heads of 64, MLP 1,536, vocabulary 49,152)
+SHAPES = [
+    ("demo.qkv", 4096, 128, 384), ("demo.out", 4096, 128, 128), ("demo.gate_up", 4096, 128, 704),
+    ("demo.down", 4096, 352, 128), ("demo.head", 4096, 128, 65),
+    ("smollm2.q_o", 64, 576, 576), ("smollm2.k_v", 64, 576, 192), ("smollm2.gate_up", 64, 576, 1536),
+    ("smollm2.down", 64, 1536, 576), ("smollm2.head", 64, 576, 49152),
+]
+PRESETS = ["shakespeare-char", "shakespeare-char-fwl", "shakespeare-char-fwp-delta-dpfp", "longdocs-fwpkm"]
+GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "mkldnn::_linear_pointwise"}
+
+
+def probe_specs() -> list[dict]:
+    """The behaviour probes of the code measured: the presets' models (their linears among them)."""
+    return [spec for preset in PRESETS for spec in probes.preset_probes(preset)]
+
+
+def gemm_table(rounds: int) -> list[dict]:
+    rows = []
+    for name, m, k, n in SHAPES:
+        x, w, g = torch.rand(m, k) - 0.5, torch.rand(n, k) - 0.5, torch.rand(m, n) - 0.5
+        chosen = lin.kernels_for(m, k, n, False)
+        for i, product in enumerate(lin.PRODUCTS):
+            best = {kern: float("inf") for kern in lin.KERNELS}
+            for _ in range(rounds):  # interleaved, so that load on a shared machine hits both kernels alike
+                for kern, fn in lin.KERNELS.items():
+                    best[kern] = min(best[kern], lin._best_time(lambda: lin._product(product, fn, x, w, g), most=10))
+            gflops = {kern: 2 * m * k * n / t / 1e9 for kern, t in best.items()}
+            route = gflops[chosen[i]]
+            rows.append({"shape": name, "M": m, "K": k, "N": n, "product": product, "gflops": gflops,
+                         "route_kernel": chosen[i], "route_gflops": route,
+                         "route_over_best": route / max(gflops.values()),
+                         "route_within_10pct": route >= 0.9 * max(gflops.values())})
+            print(f"{name:18s} {product:12s} " + " ".join(f"{k}={v:6.1f}" for k, v in gflops.items())
+                  + f"  route={chosen[i]}")
+    return rows
+
+
+def preset_step(preset: str, route: str) -> tuple:
+    """A training step of ``preset``'s model at its batch and sequence length (random characters)."""
+    cfg = make_config(preset, ["model.vocab_size=65"])
+    torch.manual_seed(0)
+    model = LanguageModel(cfg.model)
+    opt = make_optimizer(model, cfg.train)
+    x = torch.randint(0, 65, (cfg.train.batch_size, cfg.train.seq_len + 1))
+
+    def step():
+        os.environ["FASTWEIGHTS_LINEAR"] = route
+        out = model(x[:, :-1], targets=x[:, 1:])
+        loss = out.loss if out.aux_loss is None else out.loss + out.aux_loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return step, cfg.train.batch_size * cfg.train.seq_len
+
+
+def gemm_share(step, steps: int = 3) -> float:
+    """The share of a step's CPU time that the profiler puts in GEMM ops (their own time over all ops' own)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    return sum(e.self_cpu_time_total for e in events if e.key in GEMM_OPS) / total
+
+
+def preset_table(rounds: int, repeat: int) -> list[dict]:
+    clock, _ = bench_clock("cpu")
+    rows = []
+    for preset in PRESETS:
+        steps = {route: preset_step(preset, route) for route in ("torch", "auto")}
+        tokens = steps["torch"][1]
+        times = {route: [] for route in steps}
+        for _ in range(rounds):
+            for route, (step, _) in steps.items():
+                times[route].append(timeit(step, warmup=1, repeat=repeat, clock=clock))
+        sec = {route: sorted(v)[len(v) // 2] for route, v in times.items()}
+        ratios = sorted(a / b for a, b in zip(times["torch"], times["auto"]))
+        row = {"preset": preset, "tokens_per_step": tokens, "seconds_per_step": sec,
+               "tokens_per_s": {r: tokens / s for r, s in sec.items()},
+               "route_speedup_over_torch": ratios[len(ratios) // 2],
+               "gemm_share": {route: gemm_share(step) for route, (step, _) in steps.items()}}
+        rows.append(row)
+        print(row)
+    os.environ.pop("FASTWEIGHTS_LINEAR", None)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (one: the choice is per thread count)")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per GEMM and per preset")
+    ap.add_argument("--repeat", type=int, default=3, help="timed training steps per preset and route per round")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    t0 = time.time()
+    gemms = gemm_table(a.rounds)
+    presets = preset_table(a.rounds, a.repeat)
+    best = max(max(r["gflops"].values()) for r in gemms)
+    res = {"config": vars(a), "cpu": platform.processor() or platform.machine(),
+           "onednn_available": lin.onednn_available(), "gemms": gemms, "presets": presets,
+           "best_gflops_any_shape": best, "all_routes_within_10pct": all(r["route_within_10pct"] for r in gemms),
+           "seconds": time.time() - t0}
+    res["headline"] = [
+        {"what": "chosen CPU linear / best kernel's GFLOP/s, the lowest over the listed shapes and products",
+         "value": round(min(r["route_over_best"] for r in gemms), 3), "target": ">= 0.9"},
+        *({"what": f"{r['preset']} training step, chosen route / torch's kernel (speed-up)",
+           "value": round(r["route_speedup_over_torch"], 3), "target": ">= 1 (nothing slower)"} for r in presets),
+    ]
+    write_result("gemm_ceiling", res)
+
+
+if __name__ == "__main__":
+    main()
