@@ -395,3 +395,20 @@ def test_a_training_run_on_the_oneDNN_route_follows_torchs(monkeypatch):
     on_onednn = losses("onednn")
     assert calls
     assert on_onednn == pytest.approx(losses("torch"), rel=1e-4)
+
+
+@needs_onednn
+def test_a_call_reads_no_file_once_the_choice_is_known(monkeypatch):
+    """The machine's key (the CPU read from /proc/cpuinfo) and the stored choices are read once per process, not
+    at every call: a per-call read cost more than the products of a small model's step."""
+    import builtins
+
+    x, w, b = _leaves((256, 128), 96)
+    lin.linear(x, w, b).sum().backward()  # measured, stored, the machine's key computed
+    opened = []
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda *a, **k: opened.append(a[0]) or real_open(*a, **k))
+    monkeypatch.setattr(type(lin._cache_path()), "read_text", lambda *a, **k: opened.append("cache") or "{}")
+    for _ in range(5):
+        lin.linear(x, w, b).sum().backward()
+    assert opened == []

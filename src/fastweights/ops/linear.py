@@ -109,6 +109,13 @@ def _product(product: str, fn, x: Tensor, w: Tensor, g: Tensor | None, bias: Ten
 
 def _machine_key() -> str:
     """What a kernel's speed depends on besides the shape: the CPU, torch and its oneDNN, the thread count."""
+    return f"{_cpu_key()}-t{torch.get_num_threads()}"
+
+
+@functools.cache
+def _cpu_key() -> str:
+    """The CPU (model and flags), torch's version and whether it has oneDNN, hashed: read once per process (a
+    linear call asks for it every time)."""
     cpu = ""
     try:
         with open("/proc/cpuinfo") as f:
@@ -116,7 +123,7 @@ def _machine_key() -> str:
     except OSError:
         cpu = platform.processor()
     parts = [platform.machine(), cpu, torch.__version__, str(torch.backends.mkldnn.is_available())]
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16] + f"-t{torch.get_num_threads()}"
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
 def shape_key(m: int, k: int, n: int, weight_transposed: bool) -> str:
