@@ -6,12 +6,16 @@ synchronisation, and on a busy machine spinning threads can slow tiny matmuls a 
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # for subprocesses the tests start
+# The library's per-machine cache (the CPU linear's kernel choices, the compiled fast-RNN kernel) in a folder of the
+# tests', shared by their processes: a choice measured under the suite's load is never kept for the user's own runs
+os.environ["XDG_CACHE_HOME"] = str(Path(tempfile.gettempdir()) / f"fastweights-tests-cache-{os.getuid()}")
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import helpers` from every folder of tests/
 
