@@ -412,3 +412,17 @@ def test_a_call_reads_no_file_once_the_choice_is_known(monkeypatch):
     for _ in range(5):
         lin.linear(x, w, b).sum().backward()
     assert opened == []
+
+
+def test_a_misspelt_route_is_one_clear_error_and_exit_2(tmp_path):
+    """FASTWEIGHTS_LINEAR=onedn (a typo) is said, not silently measured: the command exits 2 with one line."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "FASTWEIGHTS_LINEAR": "onedn"}
+    r = subprocess.run([sys.executable, "-m", "fastweights", "train", "--preset", "tiny", "--quiet", "--out",
+                        str(tmp_path / "run")], capture_output=True, text=True, env=env)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == "error: FASTWEIGHTS_LINEAR must be one of auto, torch, onednn, got 'onedn'\n"
+    assert not (tmp_path / "run").exists()  # said before anything is written

@@ -130,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         from fastweights.cli.common import set_threads
 
         set_threads(args)  # --threads of every command that runs a model
+        from fastweights.ops.linear import linear_route
+
+        linear_route()  # FASTWEIGHTS_LINEAR checked before anything is written
         from fastweights.models.loading import unverified_checkpoints
 
         with unverified_checkpoints(getattr(args, "unverified", False)):

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fastweights.core.errors import UserError
 from fastweights.core.files import atomic_write, user_cache_dir
 
 log = logging.getLogger(__name__)
@@ -89,9 +90,12 @@ def onednn_available() -> bool:
         return False
 
 
-def _route() -> str:
+def linear_route() -> str:
+    """``FASTWEIGHTS_LINEAR`` (one of :data:`ROUTES`, default ``auto``); a UserError for any other value."""
     route = os.environ.get("FASTWEIGHTS_LINEAR", "auto")
-    return route if route in ROUTES else "auto"
+    if route not in ROUTES:  # a misspelt route is said, not silently measured
+        raise UserError(f"FASTWEIGHTS_LINEAR must be one of {', '.join(ROUTES)}, got {route!r}")
+    return route
 
 
 def _product(product: str, fn, x: Tensor, w: Tensor, g: Tensor | None, bias: Tensor | None = None) -> Tensor:
@@ -220,7 +224,7 @@ def choose(times: dict[str, dict[str, float]]) -> list[str]:
 def kernels_for(m: int, k: int, n: int, weight_transposed: bool) -> list[str]:
     """The kernel of each product (:data:`PRODUCTS`) for a call of this shape on this machine: forced by
     ``FASTWEIGHTS_LINEAR``, else the stored choice, else measured now and stored."""
-    route = _route()
+    route = linear_route()
     if route == "torch" or not onednn_available():
         return ["torch"] * 3
     if route == "onednn":
@@ -289,7 +293,7 @@ def _serves(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
 def call_kernels(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> list[str] | None:
     """The kernel of each product :func:`linear` computes this call with, or None where the call is ``F.linear``
     whatever is measured (module docstring)."""
-    if _route() == "torch" or not _serves(x, weight, bias):
+    if linear_route() == "torch" or not _serves(x, weight, bias):
         return None
     layout = _layout(weight)
     if layout is None:
