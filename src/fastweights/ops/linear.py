@@ -10,10 +10,10 @@ torch's compiler emits for CPU linears) is another. On one core of an AMD EPYC (
 about 85 GFLOP/s, where oneDNN's reaches 175-230 on the same shapes; on an Intel Xeon both reach 150-170 and MKL
 is as fast or faster (``benchmarks/speed/gemm_ceiling.py`` records both on the machine it runs on). So no kernel
 is assumed. For each shape class of a call (M rounded up to a power of two, K, N, the weight's layout) the three
-products are timed once on both kernels, on this machine and thread count; oneDNN is taken for a product only
-where it is at least :data:`MARGIN` faster and gives torch's numbers, and the choice is kept in a file under the
-user's cache folder, so that every process of the machine (a run and its resume) computes with the same kernels,
-bit for bit.
+products are timed on both kernels (two rounds, in turn), on this machine and thread count; oneDNN is taken for a
+product only where it is at least :data:`MARGIN` faster and gives torch's numbers, and the choice is kept in a file
+under the user's cache folder, so that every process of the machine (a run and its resume) computes with the same
+kernels, bit for bit.
 
 Where torch's kernel is chosen for every product a call needs, the call is ``F.linear`` itself (torch's own
 autograd, no Python Function in between): on a machine where torch's kernel is the fastest, nothing is slower.
