@@ -69,7 +69,9 @@ def test_reset_never_carries_the_schedule(char_checkpoint, two_docs, capsys):
     docs, _ = encode_texts(tok, load_texts(str(two_docs), cfg, "test"))
     ev = DynamicEvaluator(model, rule="sgd", lr=0.5, segment_len=10, context=32, lr_schedule="warmup:6")
     assert m["dynamic"]["nll"] == pytest.approx(ev.evaluate_documents(docs, reset="never").nll, rel=1e-9)
-    assert m["dynamic_cache"]["nll"] == m["dynamic"]["nll"]  # mix 0, carried the same way
+    # mix 0, carried the same way; to rounding: the mixture scores -log(exp(log p)), whose last bits depend on the
+    # CPU kernels (exact on AVX-512, 7e-9 apart with ATEN_CPU_CAPABILITY=avx2 on an Intel Xeon)
+    assert m["dynamic_cache"]["nll"] == pytest.approx(m["dynamic"]["nll"], rel=1e-7)
 
 
 def test_lowrank(char_checkpoint, capsys):
