@@ -28,15 +28,14 @@ from fastweights.loops.schedule import make_optimizer
 from fastweights.models.lm import LanguageModel
 from fastweights.ops import linear as lin
 
-# (name, M, K, N): the demo model's linears at its batch (32 x 128 tokens, d 128, SwiGLU hidden 352, 65 characters)
-# and SmolLM2-135M's for one 64-token scoring segment (d 576, 3 KV heads of 64, MLP 1,536, vocabulary 49,152)
-SHAPES = [
-    ("demo.qkv", 4096, 128, 384), ("demo.out", 4096, 128, 128), ("demo.gate_up", 4096, 128, 704),
-    ("demo.down", 4096, 352, 128), ("demo.head", 4096, 128, 65),
+DEMO = "shakespeare-char"
+# (name, M, K, N) of SmolLM2-135M's linears for one 64-token scoring segment (its config: d 576, 9 heads and 3 KV
+# heads of 64, MLP 1,536, vocabulary 49,152); the demo's are read off its model (demo_shapes)
+SMOLLM2_SHAPES = [
     ("smollm2.q_o", 64, 576, 576), ("smollm2.k_v", 64, 576, 192), ("smollm2.gate_up", 64, 576, 1536),
     ("smollm2.down", 64, 1536, 576), ("smollm2.head", 64, 576, 49152),
 ]
-PRESETS = ["shakespeare-char", "shakespeare-char-fwl", "shakespeare-char-fwp-delta-dpfp", "longdocs-fwpkm"]
+PRESETS = [DEMO, "shakespeare-char-fwl", "shakespeare-char-fwp-delta-dpfp", "longdocs-fwpkm"]
 # A step on the route "nothing slower" than on torch's kernel: the median ratio over rounds at least this (with the
 # same kernels on both sides, 9 rounds on a 2-core Intel Xeon gave per-round ratios of 0.85-1.17, medians 0.99-1.0)
 LEVEL = 0.98
@@ -48,17 +47,28 @@ def probe_specs() -> list[dict]:
     return [spec for preset in PRESETS for spec in probes.preset_probes(preset)]
 
 
+def demo_shapes() -> list[tuple]:
+    """(name, M, K, N) of each distinct linear of the demo's model at its batch: M = batch x sequence length."""
+    cfg = make_config(DEMO, ["model.vocab_size=65"])
+    model = LanguageModel(cfg.model)
+    m = cfg.train.batch_size * cfg.train.seq_len
+    shapes = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            shapes.setdefault((module.in_features, module.out_features), f"demo.{name.split('.')[-1]}")
+    shapes.setdefault((cfg.model.d_model, cfg.model.vocab_size), "demo.head")  # the head (tied to the embedding)
+    return [(name, m, k, n) for (k, n), name in shapes.items()]
+
+
 def gemm_table(rounds: int) -> list[dict]:
+    """GFLOP/s of every product on every kernel (``ops.linear.measure``: the kernels in turn, best of ``rounds``),
+    and of the kernel the route chose."""
     rows = []
-    for name, m, k, n in SHAPES:
-        x, w, g = torch.rand(m, k) - 0.5, torch.rand(n, k) - 0.5, torch.rand(m, n) - 0.5
+    for name, m, k, n in demo_shapes() + SMOLLM2_SHAPES:
         chosen = lin.kernels_for(m, k, n, False)
+        seconds = lin.measure(m, k, n, False, rounds=rounds)
         for i, product in enumerate(lin.PRODUCTS):
-            best = {kern: float("inf") for kern in lin.KERNELS}
-            for _ in range(rounds):  # interleaved, so that load on a shared machine hits both kernels alike
-                for kern, fn in lin.KERNELS.items():
-                    best[kern] = min(best[kern], lin._best_time(lambda: lin._product(product, fn, x, w, g), most=10))
-            gflops = {kern: 2 * m * k * n / t / 1e9 for kern, t in best.items()}
+            gflops = {kern: 2 * m * k * n / t / 1e9 for kern, t in seconds[product].items()}
             route = gflops[chosen[i]]
             rows.append({"shape": name, "M": m, "K": k, "N": n, "product": product, "gflops": gflops,
                          "route_kernel": chosen[i], "route_gflops": route,

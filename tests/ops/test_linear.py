@@ -4,6 +4,7 @@ products against F.linear in fp32 for every layout our layers and the FWL head p
 it applies, the choice measured and never slower (a stand-in slower kernel loses), and the choice kept per machine
 and thread count in the cache file (a second process computes with the same kernels)."""
 
+import json
 import types
 
 import pytest
@@ -162,6 +163,10 @@ def test_the_route_is_taken_exactly_where_it_applies(monkeypatch):
     monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)  # the user switched oneDNN off
     lin.linear(x, w, b)
     monkeypatch.setattr(torch.backends.mkldnn, "enabled", True)
+    is_compiling = torch.compiler.is_compiling
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # traced by torch.compile: its own linear
+    lin.linear(x, w, b)
+    monkeypatch.setattr(torch.compiler, "is_compiling", is_compiling)
     monkeypatch.setenv("FASTWEIGHTS_LINEAR", "torch")
     lin.linear(x, w, b)
     assert calls == [torch.float32]
@@ -246,6 +251,10 @@ def test_a_broken_or_unwritable_cache_measures_again_and_still_computes(tmp_path
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
     assert len(lin.kernels_for(256, 128, 96, False)) == 3
+    # an entry naming a kernel this version does not have (another version's file, a hand edit): measured again
+    path.write_text(json.dumps({lin._machine_key(): {lin.shape_key(256, 128, 64, False): ["bogus", "torch", "torch"]}}))
+    monkeypatch.setattr(lin, "_CHOICES", {})
+    assert set(lin.kernels_for(256, 128, 64, False)) <= set(lin.KERNELS)
     blocked = tmp_path / "file"
     blocked.write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))  # a file where the folder should be
@@ -426,3 +435,33 @@ def test_a_misspelt_route_is_one_clear_error_and_exit_2(tmp_path):
     assert r.returncode == 2, r.stderr
     assert r.stderr == "error: FASTWEIGHTS_LINEAR must be one of auto, torch, onednn, got 'onedn'\n"
     assert not (tmp_path / "run").exists()  # said before anything is written
+
+
+@needs_onednn
+def test_oneDNN_backward_takes_an_expanded_or_transposed_upstream_gradient(monkeypatch):
+    """The gradient autograd hands the Function need not be contiguous: ``y.sum()``'s is an expanded view of zero
+    strides, and a transposed one can come from a later op."""
+    monkeypatch.setenv("FASTWEIGHTS_LINEAR", "onednn")
+    calls = _spy(monkeypatch)
+    for upstream in (None, torch.randn(48, 64, generator=torch.Generator().manual_seed(3)).T):
+        got, want = [], []
+        for fn, out in ((lin.linear, got), (F.linear, want)):
+            x, w, b = _leaves((64, 32), 48, seed=4)
+            y = fn(x, w, b)
+            y.sum().backward() if upstream is None else y.backward(upstream)
+            out += [x.grad, w.grad, b.grad]
+        for a, e in zip(got, want):
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+    assert len(calls) == 6  # forward, input grad and weight grad, twice
+
+
+def test_fast_linears_walks_a_models_modules_once(monkeypatch):
+    """The lent forwards are found on the first block and reused (a generation step calls the backbone once per
+    token: walking every module each time cost a millisecond)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with lin.fast_linears(model):
+        assert "forward" in vars(model[0])
+    monkeypatch.setattr(model, "modules", lambda: pytest.fail("the modules were walked again"))
+    with lin.fast_linears(model):
+        assert "forward" in vars(model[0]) and "forward" in vars(model[2])
+    assert "forward" not in vars(model[0])

@@ -40,6 +40,7 @@ import logging
 import os
 import platform
 import time
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -130,10 +131,15 @@ def _cpu_key() -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
+def _rows_class(m: int) -> int:
+    """M rounded up to a power of two: a scoring loop's ragged last segment shares its full segments' class."""
+    return 1 << max(m - 1, 0).bit_length()
+
+
 def shape_key(m: int, k: int, n: int, weight_transposed: bool) -> str:
-    """The shape class of a call: M rounded up to a power of two (a scoring loop's ragged last segment shares
-    its class), K, N and whether the weight is stored transposed (``[K, N]`` contiguous, seen as ``[N, K]``)."""
-    return f"{1 << max(m - 1, 0).bit_length()}x{k}x{n}{'T' if weight_transposed else ''}"
+    """The shape class of a call: :func:`_rows_class` of M, K, N and whether the weight is stored transposed
+    (``[K, N]`` contiguous, seen as ``[N, K]``)."""
+    return f"{_rows_class(m)}x{k}x{n}{'T' if weight_transposed else ''}"
 
 
 _CHOICES: dict[str, dict[str, list[str]]] = {}  # machine key -> shape key -> kernel per product
@@ -182,10 +188,12 @@ def _best_time(fn, budget_s: float = 0.02, most: int = 20) -> float:
 
 
 @torch.no_grad()
-def measure(m: int, k: int, n: int, weight_transposed: bool, kernels=None) -> dict[str, dict[str, float]]:
-    """Seconds (best of several) of each product on each kernel, for ``x [m, k]`` and ``W [n, k]`` of random
-    fp32 values (drawn from a private generator: the global random stream is not touched). A kernel whose result
-    differs from torch's beyond fp32 rounding gets ``inf``."""
+def measure(m: int, k: int, n: int, weight_transposed: bool, kernels=None,
+            rounds: int = 2) -> dict[str, dict[str, float]]:
+    """Seconds (the best over ``rounds`` rounds, the kernels taking turns, each round the best of several calls) of
+    each product on each kernel, for ``x [m, k]`` and ``W [n, k]`` of random fp32 values (drawn from a private
+    generator: the global random stream is not touched). A kernel whose result differs from torch's beyond fp32
+    rounding gets ``inf``."""
     kernels = kernels or KERNELS
     gen = torch.Generator().manual_seed(0)
     x = torch.rand(m, k, generator=gen) - 0.5
@@ -195,18 +203,20 @@ def measure(m: int, k: int, n: int, weight_transposed: bool, kernels=None) -> di
     for product in PRODUCTS:
         want = _product(product, _torch_kernel, x, w, g)
         scale = float(want.abs().max()) + 1e-6
-        times[product] = {}
+        times[product] = {name: float("inf") for name in kernels}  # a kernel with other numbers is never chosen
+        right = []
         for name, fn in kernels.items():
-            try:
-                ok = (_product(product, fn, x, w, g) - want).abs().max() <= 1e-4 * scale * max(k, m, 1) ** 0.5
+            try:  # each product sums over one of m, k, n: rounding grows with the square root of the longest
+                if (_product(product, fn, x, w, g) - want).abs().max() <= 1e-4 * scale * max(k, m, n) ** 0.5:
+                    right.append(name)
             except (RuntimeError, TypeError):
-                ok = False
-            times[product][name] = float("inf") if not ok else _best_time(lambda: _product(product, fn, x, w, g))
-        # a second round, kernels in the other order: a burst of load on a shared machine during one kernel's
-        # timing would otherwise decide the choice
-        for name, fn in reversed(kernels.items()):
-            if times[product][name] < float("inf"):
-                times[product][name] = min(times[product][name], _best_time(lambda: _product(product, fn, x, w, g)))
+                pass
+        # rounds with the kernels in turn, every other round in the other order: a burst of load on a shared
+        # machine during one kernel's timing would otherwise decide the choice
+        for r in range(rounds):
+            for name in right if r % 2 == 0 else right[::-1]:
+                t = _best_time(lambda: _product(product, kernels[name], x, w, g))
+                times[product][name] = min(times[product][name], t)
     return times
 
 
@@ -221,10 +231,10 @@ def choose(times: dict[str, dict[str, float]]) -> list[str]:
     return chosen
 
 
-def kernels_for(m: int, k: int, n: int, weight_transposed: bool) -> list[str]:
-    """The kernel of each product (:data:`PRODUCTS`) for a call of this shape on this machine: forced by
-    ``FASTWEIGHTS_LINEAR``, else the stored choice, else measured now and stored."""
-    route = linear_route()
+def kernels_for(m: int, k: int, n: int, weight_transposed: bool, route: str | None = None) -> list[str]:
+    """The kernel of each product (:data:`PRODUCTS`) for a call of this shape on this machine: forced by the route
+    (``FASTWEIGHTS_LINEAR`` unless given), else the stored choice, else measured now and stored."""
+    route = route or linear_route()
     if route == "torch" or not onednn_available():
         return ["torch"] * 3
     if route == "onednn":
@@ -234,8 +244,7 @@ def kernels_for(m: int, k: int, n: int, weight_transposed: bool) -> list[str]:
     machine, key = _machine_key(), shape_key(m, k, n, weight_transposed)
     stored = _load_choices(machine)
     if key not in stored:
-        mb = 1 << max(m - 1, 0).bit_length()
-        stored[key] = choose(measure(mb, k, n, weight_transposed))
+        stored[key] = choose(measure(_rows_class(m), k, n, weight_transposed))
         log.info("linear %s: %s (measured on this machine)", key, dict(zip(PRODUCTS, stored[key])))
         _store_choice(machine, key, stored[key])
     return stored[key]
@@ -293,13 +302,14 @@ def _serves(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
 def call_kernels(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> list[str] | None:
     """The kernel of each product :func:`linear` computes this call with, or None where the call is ``F.linear``
     whatever is measured (module docstring)."""
-    if linear_route() == "torch" or not _serves(x, weight, bias):
+    route = linear_route()
+    if route == "torch" or not _serves(x, weight, bias):
         return None
     layout = _layout(weight)
     if layout is None:
         return None
     n, k = weight.shape
-    return kernels_for(x.numel() // k, k, n, layout)
+    return kernels_for(x.numel() // k, k, n, layout, route)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -334,16 +344,25 @@ def _linear_forward(module: nn.Linear, x: Tensor) -> Tensor:
     return linear(x, module.weight, module.bias)
 
 
+#: per model, its ``nn.Linear`` modules and the forward each is lent: found once (walking a 30-block model's
+#: modules and building the forwards cost a millisecond, a generation step's tenth), so a module added to the model
+#: later is not lent
+_LENDABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 @contextlib.contextmanager
 def fast_linears(model: nn.Module):
     """Every ``nn.Linear`` of ``model`` computes through :func:`linear` inside the block, and as before after it
     (a module whose ``forward`` was already replaced on the instance, by a hook library say, is left alone)."""
-    lent = [m for m in model.modules() if isinstance(m, nn.Linear) and not isinstance(m, Linear)
-            and "forward" not in vars(m)]
-    for m in lent:
-        m.forward = functools.partial(_linear_forward, m)
+    if model not in _LENDABLE:
+        _LENDABLE[model] = [(m, functools.partial(_linear_forward, m)) for m in model.modules()
+                            if isinstance(m, nn.Linear) and not isinstance(m, Linear)]
+    # the instance's __dict__ directly: nn.Module.__setattr__'s checks, for a plain function, end there too
+    lent = [(m.__dict__, fwd) for m, fwd in _LENDABLE[model] if "forward" not in m.__dict__]
+    for attrs, fwd in lent:
+        attrs["forward"] = fwd
     try:
         yield model
     finally:
-        for m in lent:
-            vars(m).pop("forward", None)
+        for attrs, _ in lent:
+            attrs.pop("forward", None)
