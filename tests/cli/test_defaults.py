@@ -60,9 +60,10 @@ def test_every_command_that_runs_a_model_takes_threads():
         assert threads, f"{p.prog} has no --threads"
 
 
-def test_threads_default_and_effect(char_checkpoint, capsys):
+def test_threads_default_and_effect(char_checkpoint, capsys, monkeypatch):
     args = build_parser().parse_args(["generate", "--checkpoint", str(char_checkpoint)])
-    assert args.threads == SCORING_THREADS
+    assert (args.threads, args.thread_work) == (0, "scoring")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # conftest sets it for subprocesses
     torch.set_num_threads(3)
     assert main(["generate", "--checkpoint", str(char_checkpoint), "--prompt", "the ", "--max-tokens", "2"]) == 0
     assert torch.get_num_threads() == SCORING_THREADS

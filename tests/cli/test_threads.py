@@ -37,7 +37,7 @@ def test_busy_cores_sees_a_busy_process():
 
 @pytest.mark.parametrize("omp, set_threads, want", [(None, 0, 2), ("1", 0, 1), (None, 3, 3), ("1", 3, 3)])
 def test_train_takes_idle_cores_unless_told(tmp_path, monkeypatch, omp, set_threads, want):
-    monkeypatch.setattr("fastweights.loops.train.training_threads", lambda: 2)
+    monkeypatch.setattr(threads_module, "training_threads", lambda: 2)
     if omp is None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     else:
@@ -60,18 +60,47 @@ def test_the_demo_times_its_own_training_step():
     assert 0 < demo.timed_steps_per_s(cfg, steps=1) < 1e4
 
 
-def test_every_scoring_front_end_defaults_to_the_scoring_threads():
+def test_every_front_end_resolves_its_threads_by_its_kind_of_work():
     import inspect
 
     from fastweights.cli import build_parser
-    from fastweights.core.threads import SCORING_THREADS
     from fastweights.harness.models import FastweightsLM
 
-    assert inspect.signature(FastweightsLM.__init__).parameters["threads"].default == SCORING_THREADS
-    for argv in (["eval", "--checkpoint", "x"], ["generate", "--checkpoint", "x"],
-                 ["dynamic", "eval", "--checkpoint", "x", "--data", "y"]):
-        assert build_parser().parse_args(argv).threads == SCORING_THREADS
-    assert build_parser().parse_args(["demo"]).threads == 0  # training: the idle cores (scoring inside: one)
+    assert inspect.signature(FastweightsLM.__init__).parameters["threads"].default == 0
+    for argv, work in ((["eval", "--checkpoint", "x"], "scoring"), (["generate", "--checkpoint", "x"], "scoring"),
+                       (["dynamic", "eval", "--checkpoint", "x", "--data", "y"], "scoring"),
+                       (["task", "assoc"], "task")):
+        args = build_parser().parse_args(argv)
+        assert (args.threads, args.thread_work) == (0, work)
+    for argv in (["demo"], ["train", "--preset", "tiny"]):  # resolved inside run_demo / train (train.threads)
+        assert getattr(build_parser().parse_args(argv), "thread_work", None) is None
+
+
+@pytest.mark.parametrize("work, omp, requested, want", [
+    ("scoring", None, 0, 1), ("task", None, 0, 1), ("training", None, 0, 2), ("training", "1", 0, 1),
+    ("scoring", "2", 0, 2), ("scoring", "2", 3, 3), ("training", "x", 0, 2), ("scoring", None, 2, 2)])
+def test_use_threads_takes_the_request_then_omp_num_threads_then_the_work_default(monkeypatch, work, omp, requested,
+                                                                                   want):
+    monkeypatch.setattr(threads_module, "training_threads", lambda: 2)
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    before = torch.get_num_threads()
+    try:
+        assert threads_module.use_threads(work, requested) == want
+        assert torch.get_num_threads() == want
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_torch_threads_are_set_in_one_place():
+    import pathlib
+
+    src = pathlib.Path(threads_module.__file__).parents[1]
+    callers = sorted(str(p.relative_to(src)) for p in src.rglob("*.py")
+                     if "torch.set_num_threads(" in p.read_text() and p.name != "probes.py")
+    assert callers == ["core/threads.py"]
 
 
 def test_the_command_line_lets_idle_openmp_threads_sleep_unless_told_otherwise():

@@ -127,9 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         args.argv = list(sys.argv[1:] if argv is None else argv)  # what result files record as the command
-        from fastweights.cli.common import set_threads
+        if getattr(args, "thread_work", None):  # every command that runs a model (train: train.threads, in train())
+            from fastweights.core.threads import use_threads
 
-        set_threads(args)  # --threads of every command that runs a model
+            use_threads(args.thread_work, args.threads)
         from fastweights.ops.linear import linear_route
 
         linear_route()  # FASTWEIGHTS_LINEAR checked before anything is written

@@ -9,10 +9,10 @@ import torch
 
 from fastweights.cli.types import nonneg_int
 from fastweights.core.errors import UserError
-from fastweights.core.threads import SCORING_THREADS
+from fastweights.core.threads import WORK
 
 
-THREADS_HELP = "torch CPU threads, as measured in docs/language-model.md#threads (0: torch's choice, one per core)"
+
 
 
 def device_flag(p, default: str = "auto") -> None:
@@ -20,8 +20,13 @@ def device_flag(p, default: str = "auto") -> None:
                                                      "CPU), cpu, cuda or cuda:N")
 
 
-def threads_flag(p, default: int | None = SCORING_THREADS, help: str = THREADS_HELP) -> None:
-    p.add_argument("--threads", type=nonneg_int, default=default, help=help)
+def threads_flag(p, work: str = "scoring") -> None:
+    """``--threads N`` of a command whose kind of work (``core.threads.WORK``) is ``work``; the command line
+    sets it once (:func:`fastweights.core.threads.use_threads`) before the command runs."""
+    p.add_argument("--threads", type=nonneg_int, default=0,
+                   help=f"torch CPU threads (0: OMP_NUM_THREADS when set, else {WORK[work]}; "
+                        "docs/language-model.md#threads)")
+    p.set_defaults(thread_work=work)
 
 
 def common_flags(p, several: bool = False) -> None:
@@ -43,12 +48,6 @@ def out_flag(p, default: str | None, writes: str, optional: bool = False) -> Non
     where = "" if default else " (default: not written)" if optional else " (default: a new runs/NAME-DATE-TIME)"
     p.add_argument("--out", metavar="DIR", default=default,
                    help=f"directory to write {writes} into (created if missing){where}")
-
-
-def set_threads(args):
-    """``--threads N`` (0: leave torch's default); :func:`fastweights.cli.main` calls it for every command."""
-    if getattr(args, "threads", None):
-        torch.set_num_threads(args.threads)
 
 
 def load(path, device: str = "auto"):

@@ -92,7 +92,7 @@ def _register_assoc(sub) -> None:
     p.add_argument("--patience", type=nonneg_int, default=10,
                    help="stop a run after this many evaluations without improvement")
     p.add_argument("--seed", type=seed, default=1, help="initialisation and data seed")
-    threads_flag(p, help="torch CPU threads (0: one per core); one thread for this small model")
+    threads_flag(p, "task")
     p.add_argument("--json", action="store_true", help="print the result(s) as JSON")
     out_flag(p, None, "assoc.json (the results with the command) and assoc.png (final loss against S)", optional=True)
     p.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier run in --out")
@@ -131,7 +131,7 @@ def _register_ba_retrieval(sub) -> None:
     p.add_argument("--inner-steps", type=positive_int, default=1, help="fast-rnn: inner-loop steps S")
     p.add_argument("--no-layer-norm", action="store_true", help="fast-rnn: ablate LayerNorm")
     p.add_argument("--no-fast-weights", action="store_true", help="fast-rnn: ablate the fast weights (LN-RNN)")
-    threads_flag(p, help="torch CPU threads (0: one per core); one thread for this small model")
+    threads_flag(p, "task")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     out_flag(p, None, "ba_retrieval.json", optional=True)
     p.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier run in --out")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fastweights.cli.common import out_flag, threads_flag
+from fastweights.cli.common import out_flag
 from fastweights.cli.types import nonneg_int, positive_int
 from fastweights.core.errors import UserError
 from fastweights.experiments.demo import DEMO_STEPS
@@ -54,7 +54,9 @@ def register(sub, parser_class) -> None:
     out_flag(d, "runs/demo", "the checkpoint, its tuned dynamic-evaluation settings, demo.json and the loss curve")
     d.add_argument("--steps", type=positive_int, default=DEMO_STEPS,
                    help="training steps (about five minutes on an idle 2-core machine)")
-    threads_flag(d, default=0, help="torch CPU threads for training (0: the cores idle at start; scoring uses one)")
+    d.add_argument("--threads", type=nonneg_int, default=0,
+                   help="torch CPU threads for training (0: OMP_NUM_THREADS when set, else the cores idle at start; "
+                        "scoring uses one)")
     d.set_defaults(func=cmd_demo)
 
     data = sub.add_parser("data", help="corpora shipped with the package: list",

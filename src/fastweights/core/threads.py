@@ -15,6 +15,10 @@ and with a busy process on one core:
   two idle cores sleeping threads cost 6% (5.47 against 5.85 steps/s; a comparison run by hand on this project's
   2-core machine on 2026-11-28, not a stored result: benchmarks/results/threads.json measures the sleeping threads
   only). So two threads stay the right choice when a core gets busy after the run started.
+
+:func:`use_threads` is the one place a command's thread count is decided and set: the count asked for, else
+``OMP_NUM_THREADS`` (torchrun sets it for its processes; a user's shell may), else the default of the command's
+kind of work (:data:`WORK`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ import sys
 import time
 
 SCORING_THREADS = 1
+#: a command's kind of work -> what 0 (the default) threads means for it
+WORK = {"scoring": "one thread (scoring and sampling)",
+        "training": "the cores idle when it starts",
+        "task": "one thread (the synthetic tasks' small models)"}
 _SAMPLE_S = 0.25  # how long the CPU is watched to count busy cores: long enough to average a scheduler tick
 
 
@@ -70,3 +78,25 @@ def busy_cores(sample_s: float = _SAMPLE_S) -> float:
 def training_threads(sample_s: float = _SAMPLE_S) -> int:
     """The cores this process may use that nothing else keeps busy now, at least one."""
     return max(1, min(usable_cores(), round(usable_cores() - busy_cores(sample_s))))
+
+
+def _omp_threads() -> int | None:
+    """``OMP_NUM_THREADS`` as a count, or None when unset or not a positive integer (torch ignores it then)."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def use_threads(work: str, requested: int | None = 0) -> int:
+    """Set torch's CPU threads for ``work`` (a key of :data:`WORK`) and return the count: ``requested`` when
+    positive (``--threads``, ``train.threads``), else ``OMP_NUM_THREADS`` when set, else the work's default
+    (:data:`SCORING_THREADS` for scoring and tasks, :func:`training_threads` for training). The only caller of
+    ``torch.set_num_threads`` in the library."""
+    import torch
+
+    if work not in WORK:
+        raise ValueError(f"unknown kind of work {work!r}; one of {', '.join(WORK)}")
+    count = requested if requested and requested > 0 else _omp_threads()
+    if count is None:
+        count = training_threads() if work == "training" else SCORING_THREADS
+    torch.set_num_threads(count)
+    return count

@@ -21,7 +21,7 @@ import torch
 
 from fastweights.core.config import make_config
 from fastweights.core.files import atomic_write
-from fastweights.core.threads import SCORING_THREADS, training_threads
+from fastweights.core.threads import use_threads
 
 PRESET = "shakespeare-char"
 # The rate the demo's own timed steps showed on this project's idle 2-core machine (two threads,
@@ -75,9 +75,8 @@ def run_demo(out: Path, steps: int = DEMO_STEPS, threads: int = 0) -> int:
     from fastweights.loops.train import train
     from fastweights.models.loading import load_checkpoint
 
-    threads = threads or training_threads()
+    threads = use_threads("training", threads)  # decided once: train() below is given the count
     cfg = make_config(PRESET, [f"train.max_steps={steps}", "train.max_minutes=0", f"train.threads={threads}"])
-    torch.set_num_threads(threads)
     rate = timed_steps_per_s(cfg)
     print(f"== training a char-level Transformer on tinyshakespeare for {steps:,} steps on {threads} CPU "
           f"thread{'s' if threads > 1 else ''} (about {steps / rate / 60:.0f} minutes here)")
@@ -88,7 +87,7 @@ def run_demo(out: Path, steps: int = DEMO_STEPS, threads: int = 0) -> int:
     print(f"   {summary['steps']:,} steps in {summary['elapsed_s']:.0f} s, {summary['parameters']:,} parameters; "
           f"validation {summary['val_bits_per_token']:.3f} bits/char")
 
-    torch.set_num_threads(SCORING_THREADS)  # scoring and sampling: one thread (core/threads.py)
+    use_threads("scoring")  # scoring and sampling (core/threads.py)
     model, tokenizer, cfg = load_checkpoint(out)
     splits = split_corpus(load_corpus(cfg.data.corpus), cfg.data.split, cfg.data.val_fraction, cfg.data.test_fraction)
     print("== held-out evaluation (test split, state carried across chunks)")

@@ -7,7 +7,7 @@ k=v,...``):
     device=auto                cpu, cuda, ... (auto: CUDA where there is a GPU, else the CPU; lm-eval's
                                ``--device`` sets it too, and ``python -m fastweights.harness`` passes auto, not
                                lm-eval's default cuda:0, when ``--device`` is not given)
-    threads=1                  torch CPU threads (one for scoring: docs/language-model.md#threads; 0: torch's own)
+    threads=0                  torch CPU threads (0: OMP_NUM_THREADS when set, else one: docs/language-model.md#threads)
     segment_len=0              predictions per segment (0: the library's default for the tokenizer,
                                ``fastweights.adapt.setup.default_segment_len``)
     context=0                  tokens of context (0: the checkpoint's training seq_len; Hugging Face
@@ -50,7 +50,7 @@ from fastweights.core.distributed import resolve_device
 from fastweights.core.errors import UserError
 from fastweights.core.numbers import BadNumber
 from fastweights.core.progress import Progress
-from fastweights.core.threads import SCORING_THREADS
+from fastweights.core.threads import use_threads
 from fastweights.loops.evaluate import EvalResult, score_tokens
 from fastweights.loops.generate import generate_tokens
 from fastweights.ops.nll import log_probs
@@ -132,7 +132,7 @@ class FastweightsLM(LM):
     dynamic = False
 
     def __init__(self, checkpoint: str | None = None, hf: str | None = None, device: str | None = None,
-                 threads: int = SCORING_THREADS, segment_len: int = 0, context: int = 0, bos: bool = False, sinks: int | None = None,
+                 threads: int = 0, segment_len: int = 0, context: int = 0, bos: bool = False, sinks: int | None = None,
                  **kwargs):
         super().__init__()
         if (checkpoint is None) == (hf is None):
@@ -149,8 +149,7 @@ class FastweightsLM(LM):
         kwargs.pop("max_batch_size", None)
         if size is not None and str(size).strip() != "1":
             warnings.warn(BATCH_IGNORED.format(name=self.name, size=size), stacklevel=2)
-        if threads:
-            torch.set_num_threads(int(threads))
+        use_threads("scoring", int(threads or 0))
         hf = str(hf) if hf is not None else None
         try:
             resolve_device(device or "auto")

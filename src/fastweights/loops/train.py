@@ -30,7 +30,7 @@ from fastweights.core.errors import UserError
 from fastweights.core.files import atomic_write, make_dirs, open_nofollow, save_figure
 from fastweights.models.lm import LanguageModel, detach_state
 from fastweights.core.progress import Progress
-from fastweights.core.threads import training_threads
+from fastweights.core.threads import use_threads
 from fastweights.loops.signals import SetupSignals, StopSignals, agreed_signal
 from fastweights.loops.schedule import Schedule, check_optimizer_state, make_optimizer, minutes
 
@@ -209,8 +209,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
     check_deep_model(cfg, force_ram)  # a deep model too big is refused in seconds, before the meta build
     meta_model(cfg.model)  # and the mechanisms' own options, building nothing
     summary_writer = _tensorboard_writer_class() if tc.log == "tensorboard" else None  # refuse before writing files
-    if tc.threads or "OMP_NUM_THREADS" not in os.environ:  # torchrun sets OMP_NUM_THREADS for its processes
-        torch.set_num_threads(tc.threads or training_threads())  # 0: the cores idle now (core/threads.py)
+    use_threads("training", tc.threads)  # 0: OMP_NUM_THREADS (torchrun's), else the cores idle now
     dist, device = init_distributed(tc.device)
     if tc.batch_size % dist.world:
         raise UserError(f"train.batch_size={tc.batch_size} is not divisible by the {dist.world} processes")
