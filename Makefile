@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test lint bench venv clean
 
 venv: $(STAMP)
 
@@ -19,9 +19,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python -m fastweights demo --out runs/demo
 
-# one worker per core (pytest-xdist): the tests run single-threaded, so two cores take about half the time
-test: $(STAMP)
+# the linter first (seconds), then one worker per core (pytest-xdist): the tests run single-threaded, so two cores
+# take about half the time
+test: lint
 	$(BIN)/python -m pytest -n auto --timeout=600 --durations=10 tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check src benchmarks tests
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/speed/train_throughput.py

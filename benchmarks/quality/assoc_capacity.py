@@ -53,7 +53,7 @@ PAPER_LOGS = {
 }
 
 
-def machine() -> dict:
+def machine_with_note() -> dict:
     info = machine()
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -155,7 +155,7 @@ def write(out: Path, args, results: list[dict], seconds: float) -> None:
     report = {
         "benchmark": "assoc_capacity",
         **provenance(),  # command, date, git commit and dirty flag
-        "machine": machine(),
+        "machine": machine_with_note(),
         "protocol": {
             "paper": "Schlag, Irie, Schmidhuber 2021, sec. 6.1 (ischlag/fast-weight-transformers/synthetic)",
             "per_run_caps": {"max_steps": args.max_steps, "max_minutes": args.max_minutes},

@@ -34,14 +34,14 @@ from fastweights.evidence.result_files import git_state, repo_relative, write_re
 from fastweights.evidence import probes
 
 PRESET = "shakespeare-char-fast-rnn"
-O = "model.options.fast_rnn."
+OPTION = "model.options.fast_rnn."
 VARIANTS = {  # name -> (what, overrides)
-    "paper": ("Ba et al.'s eta 0.5, lambda 0.95 (the preset before this sweep)", [O + "eta=0.5"]),
-    "eta0.05": ("eta 0.05", [O + "eta=0.05"]),
-    "eta0.005": ("eta 0.005", [O + "eta=0.005"]),
-    "eta0.0005": ("eta 0.0005", [O + "eta=0.0005"]),
-    "eta0.0005-lam0.5": ("eta 0.0005, lambda 0.5", [O + "eta=0.0005", O + "lam=0.5"]),
-    "ln-rnn": ("no fast weights: the LN-RNN ablation", [O + "fast_weights=false"]),
+    "paper": ("Ba et al.'s eta 0.5, lambda 0.95 (the preset before this sweep)", [OPTION + "eta=0.5"]),
+    "eta0.05": ("eta 0.05", [OPTION + "eta=0.05"]),
+    "eta0.005": ("eta 0.005", [OPTION + "eta=0.005"]),
+    "eta0.0005": ("eta 0.0005", [OPTION + "eta=0.0005"]),
+    "eta0.0005-lam0.5": ("eta 0.0005, lambda 0.5", [OPTION + "eta=0.0005", OPTION + "lam=0.5"]),
+    "ln-rnn": ("no fast weights: the LN-RNN ablation", [OPTION + "fast_weights=false"]),
 }
 HELDOUT_CHARS = 16384
 EVERY = 200
@@ -51,7 +51,7 @@ def train(name: str, minutes: float, out: Path) -> Path:
     run = out / name
     if (run / "summary.json").exists() and "interrupted_by" not in json.loads((run / "summary.json").read_text()):
         return run
-    sets = [f'data.corpus="shakespeare-train"', f"train.max_minutes={minutes}", "train.max_steps=1000000",
+    sets = ['data.corpus="shakespeare-train"', f"train.max_minutes={minutes}", "train.max_steps=1000000",
             "train.threads=1", 'train.budget_clock="cpu"', f"train.eval_every={EVERY}", *VARIANTS[name][1]]
     cmd = [sys.executable, "-m", "fastweights", "train", "--preset", PRESET, "--out", str(run), "--overwrite",
            "--quiet", *(x for s in sets for x in ("--set", s))]

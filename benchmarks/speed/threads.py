@@ -32,13 +32,13 @@ import torch  # noqa: E402
 
 from fastweights.evidence.result_files import write_result  # noqa: E402
 
-from fastweights.adapt.dynamic import DynamicEvaluator
-from fastweights.core.config import make_config
-from fastweights.core.threads import SCORING_THREADS, training_threads
-from fastweights.evidence import probes
-from fastweights.loops.evaluate import score_tokens
-from fastweights.loops.generate import generate_tokens
-from fastweights.models.lm import LanguageModel
+from fastweights.adapt.dynamic import DynamicEvaluator  # noqa: E402
+from fastweights.core.config import make_config  # noqa: E402
+from fastweights.core.threads import SCORING_THREADS, training_threads  # noqa: E402
+from fastweights.evidence import probes  # noqa: E402
+from fastweights.loops.evaluate import score_tokens  # noqa: E402
+from fastweights.loops.generate import generate_tokens  # noqa: E402
+from fastweights.models.lm import LanguageModel  # noqa: E402
 
 PRESET = "shakespeare-char"
 FAST_WEIGHT_PRESET = "shakespeare-char-fwp-delta-dpfp"

@@ -271,7 +271,7 @@ def test_a_signal_before_training_starts_leaves_out_as_it_was(signum, code, exis
     real = train_module.prepare_data
 
     def encode_then_signal(*args, **kw):
-        data = real(*args, **kw)  # the token cache is now written under OUT/data
+        real(*args, **kw)  # the token cache is now written under OUT/data
         assert (out / "data").is_dir()
         # raised in this (the main) thread: os.kill lets any thread take it, and a thread left by an earlier test
         # then takes it while the main thread sleeps on (seen in one process running the whole suite)

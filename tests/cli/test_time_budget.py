@@ -238,7 +238,7 @@ def test_the_progress_line_shows_the_binding_limit_from_the_start(tmp_path, fake
     assert lines[0][1].startswith("train | preparing the data") and lines[0][0] == start
     assert re.match(r"train \| 0/100,000 steps \|", lines[1][1]) and lines[1][0] == start  # before the first step
     running = [(t, line) for t, line in lines if "ETA" in line]
-    assert running and all(f"train (time budget 1:00) | " in line for _, line in running)
+    assert running and all("train (time budget 1:00) | " in line for _, line in running)
     end_of_training = next(t for t, line in lines if re.search(rf"\b{steps}/{steps} steps", line))
     for t, line in running:
         done, total = re.search(r"(\d+)/~(\d+) steps", line).groups()

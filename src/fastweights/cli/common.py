@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import torch
 
 from fastweights.cli.types import nonneg_int
 from fastweights.core.errors import UserError

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 
 from fastweights.core.errors import UserError
-from fastweights.data.corpus import AnyDocument, Document
+from fastweights.data.corpus import AnyDocument
 
 
 def split_corpus(docs: list[AnyDocument], how: str = "span", val_fraction: float = 0.05,

@@ -40,7 +40,7 @@ import contextlib
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import torch

@@ -104,7 +104,6 @@ class WordHaystack:
     def load(cls, spec: str | None = None, part: tuple[float, float] = (0.0, 1.0)) -> "WordHaystack":
         """The words of a corpus (anything ``load_corpus`` accepts; default tinyshakespeare), the fraction
         ``part`` of them (e.g. ``(0.9, 1.0)``: the last tenth, never used by :func:`training_text`)."""
-        from fastweights.data import load_corpus
 
         spec = spec or "tinyshakespeare"
         words = _corpus_words(spec)
