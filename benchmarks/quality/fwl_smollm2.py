@@ -238,19 +238,28 @@ def part_settings(args) -> dict:
 
 
 def save_part(parts_dir: Path, args, rows: dict, tuned: dict, cpu_s: float, elapsed_s: float) -> None:
-    """One half's rows (per-token losses included) and settings, for :func:`load_part`."""
+    """One half's rows (per-token losses included, as lists) and settings, as JSON for :func:`load_part`
+    (never a pickle: a parts folder is read back by this script)."""
     parts_dir.mkdir(parents=True, exist_ok=True)
-    torch.save({"part": args.part, "settings": part_settings(args), "rows": rows,
-                "tuned": tuned, "cpu_s": cpu_s, "elapsed_s": elapsed_s}, parts_dir / f"{args.part}.pt")
+    rows = {row: {k: {**r, "losses": r["losses"].tolist()} for k, r in per.items()} for row, per in rows.items()}
+    (parts_dir / f"{args.part}.json").write_text(json.dumps(
+        {"part": args.part, "settings": part_settings(args), "rows": rows, "tuned": tuned, "cpu_s": cpu_s,
+         "elapsed_s": elapsed_s}))
 
 
 def load_part(parts_dir: Path, part: str, args) -> dict:
     """A half written by ``--part``: one line if it is missing, made with other settings, or its static row's
     losses are not the other half's (the same model on the same tokens must score the same)."""
-    path = parts_dir / f"{part}.pt"
+    path = parts_dir / f"{part}.json"
     if not path.is_file():
         raise UserError(f"{path}: missing; run this script with --part {part} first")
-    got = torch.load(path, weights_only=False)
+    try:
+        got = json.loads(path.read_text())
+        for per in got["rows"].values():
+            for r in per.values():
+                r["losses"] = torch.tensor(r["losses"], dtype=torch.float64)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"{path}: not a parts file of this script ({e})") from None
     want = part_settings(args)
     if got["settings"] != want:
         raise UserError(f"{path} was made with {got['settings']}, this run has {want}")
@@ -280,7 +289,7 @@ def main() -> int:
                     help="dynamic or fwl: static and that half of the rows only, saved under RUNS/parts/ (two "
                          "processes on two cores); then --combine writes the result from both")
     ap.add_argument("--combine", action="store_true",
-                    help="write the result from RUNS/parts/dynamic.pt and fwl.pt (each half's throughput against "
+                    help="write the result from RUNS/parts/dynamic.json and fwl.json (each half's throughput against "
                          "the static row scored in its own process)")
     args = ap.parse_args()
     if args.combine and args.part != "all":
@@ -355,7 +364,7 @@ def main() -> int:
             tuned["step_size_log"] = {row: bool(m.head.options.step_size_log) for row, m in heads.items()}
         if args.part != "all":
             save_part(parts_dir, args, rows, tuned, cpu() - c_start, time.time() - t_start)
-            log(f"wrote {parts_dir / args.part}.pt; run the other --part, then --combine")
+            log(f"wrote {parts_dir / args.part}.json; run the other --part, then --combine")
             return 0
         results = summarise(rows, english)
     split = {row: gain_split(rows["static"], rows[row], rows[row + SLOW_PART]) for row in heads}

@@ -85,6 +85,7 @@ def main() -> int:
     ap.add_argument("--data", default=DATA, help=f"haystack of the memory probe's text: a registered corpus (default {DATA})")
     ap.add_argument("--name", default="niah_pilots")
     a = ap.parse_args()
+    from fastweights.checkpoints.format import TRAINER_STATE, parse_trainer_state
     from fastweights.models.loading import load_checkpoint
 
     torch.set_num_threads(1)
@@ -95,7 +96,7 @@ def main() -> int:
         if not sep or not (ckpt / "model.safetensors").exists():
             print(f"error: {spec!r} is not LABEL=CHECKPOINT_DIR with a checkpoint", file=sys.stderr)
             return 2
-        trainer = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
+        trainer = parse_trainer_state((ckpt / TRAINER_STATE).read_bytes(), str(ckpt))  # no pickle: safetensors
         model, tok, cfg = load_checkpoint(ckpt)
         model.eval()
         acc = answer_digit_accuracy(ckpt, chars=a.chars)
