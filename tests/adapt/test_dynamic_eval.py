@@ -347,6 +347,32 @@ def test_tuner_grid_and_search():
     assert stages[0] == "coarse lr" and "fine lr" in stages and "decay" in stages
 
 
+def test_the_tuner_never_chooses_a_point_that_does_not_beat_static():
+    """A diverged point (a non-finite loss, or more than DIVERGED_MARGIN above static) is marked and never best;
+    a grid where no point beats static is refused in one line (issue 49: a setting 377% worse than static was
+    saved as the checkpoint's default)."""
+    from fastweights.adapt.tune import DIVERGED_MARGIN, point_status
+
+    assert point_status(float("nan"), 2.0) == point_status(float("inf"), 2.0) == "diverged"
+    assert point_status(2.0 * (1 + DIVERGED_MARGIN) * 1.001, 2.0) == "diverged"
+    assert point_status(2.01, 2.0) == "worse than static" and point_status(1.99, 2.0) == "ok"
+    model = tiny_model(n_layers=1)
+    docs = [tokens(31)]
+
+    def make(lr, decay):
+        return DynamicEvaluator(model, rule="sgd", lr=lr, decay=decay, segment_len=10, context=30)
+
+    res = tune_dynamic(make, docs, lrs=[0.1, 1e6])
+    by_lr = {g["lr"]: g for g in res["grid"]}
+    assert by_lr[1e6]["status"] == "diverged" and by_lr[0.1]["status"] == "ok"
+    assert res["best"]["lr"] == 0.1 and "!" in format_table(res)
+    with pytest.raises(UserError, match="beats static") as e:
+        tune_dynamic(make, docs, lrs=[1e6, 3e6])
+    assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match="worse than static"):  # lr 0 scores as static: not below it
+        tune_dynamic(make, docs, lrs=[0.0])
+
+
 # ----------------------------------------------------------------------------- command line
 
 
@@ -442,3 +468,15 @@ def test_demo_helper_and_eval_arguments(char_checkpoint, capsys):
     model, tok, cfg = load_checkpoint(char_checkpoint)
     out = evaluate_static_and_dynamic(dynamic_settings(args), model, tok, cfg, ["the cat sat on the mat. " * 4])
     assert out["static"]["loss_nats"] == out["dynamic"]["loss_nats"] and out["settings"]["segment_len"] == 10
+
+
+def test_cli_dynamic_tune_where_every_point_diverges_exits_2_and_saves_nothing(char_checkpoint, tmp_path, capsys):
+    from fastweights.cli import main
+
+    ck, doc = str(char_checkpoint), str(char_checkpoint / "doc.txt")
+    out = tmp_path / "tuned.json"
+    assert main(["dynamic", "tune", "--checkpoint", ck, "--data", doc, "--rule", "sgd", "--lrs", "1e6,3e6",
+                 "--save", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "beats static" in err and len(err.splitlines()) == 1
+    assert not out.exists()

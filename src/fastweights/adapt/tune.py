@@ -13,6 +13,11 @@ Unlike the official grid, RMS_norm is recomputed (and clipped at 1/lambda) for e
 instead of being clipped in place.
 
 Never tune on the text you report: pass validation documents (pitfall 1 of the spec).
+
+A search never chooses a point that does not beat static evaluation: a point whose loss is not finite or
+more than :data:`DIVERGED_MARGIN` above static's is marked ``diverged`` (its ``status``), one at most that much
+worse ``worse than static``, and the best is the lowest loss among the points below static's; when none is,
+the search is a ``UserError`` (nothing is saved, so ``dynamic eval`` never uses a setting that hurts).
 """
 
 from __future__ import annotations
@@ -36,6 +41,14 @@ COARSE_LRS = (1e-6, 3e-6, 1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 LR_REFINE = (0.5, 0.7, 1.4, 2.0)
 DECAY_FACTORS = (0.0, 0.1, 0.25, 0.5, 2.0, 4.0)  # 0: no prior at all
 TUNED_FILE = "dynamic_tuned.json"
+DIVERGED_MARGIN = 0.05  # a point's loss this fraction above static's (nats): diverged, not a near miss
+
+
+def point_status(loss: float, static: float) -> str:
+    """``ok`` (below static), ``worse than static`` (by at most :data:`DIVERGED_MARGIN`) or ``diverged``."""
+    if not math.isfinite(loss) or loss > static * (1 + DIVERGED_MARGIN):
+        return "diverged"
+    return "ok" if loss < static else "worse than static"
 
 
 def official_grid(segment_len: int) -> tuple[list[float], list[float]]:
@@ -58,8 +71,9 @@ def tune_dynamic(make_evaluator: Callable[[float, float], DynamicEvaluator], doc
     decay times :data:`DECAY_FACTORS`. Rules without a prior use decay 0.
 
     Returns {"static": {...}, "grid": [{"lr", "decay", "loss_nats", "bits_per_token",
-    "relative_improvement", "stage"}, ...] in run order, "best": the entry with the lowest loss,
-    "tokens", "settings", "reset"}. A diverged run counts as infinite loss.
+    "relative_improvement", "stage", "status"}, ...] in run order, "best": the entry with the lowest loss
+    among those below static's, "tokens", "settings", "reset"}. A run with a non-finite loss counts as infinite
+    loss; :func:`point_status` marks each point. UserError when no point beats static.
     """
     probe = make_evaluator(lrs[0] if lrs else COARSE_LRS[0], 0.0)
     has_prior = canonical_rule(probe.rule) not in ("sgd", "rms")
@@ -95,11 +109,13 @@ def tune_dynamic(make_evaluator: Callable[[float, float], DynamicEvaluator], doc
             loss = r.nll / r.tokens
             loss = loss if math.isfinite(loss) else math.inf
             done[key] = {"lr": key[0], "decay": key[1], "loss_nats": loss, "bits_per_token": loss / math.log(2),
-                         "relative_improvement": 1 - loss / static, "stage": stage}
+                         "relative_improvement": 1 - loss / static, "stage": stage,
+                         "status": point_status(loss, static)}
             grid.append(done[key])
         return done[key]["loss_nats"]
 
     def best() -> dict:
+        """The lowest loss below static's (while searching: the lowest so far, to centre the next stage)."""
         return min(grid, key=lambda g: g["loss_nats"])
 
     if lrs:
@@ -129,6 +145,12 @@ def tune_dynamic(make_evaluator: Callable[[float, float], DynamicEvaluator], doc
             for f in factors:
                 run(lr_best, decay * f, "decay")
     bar.close()
+    if best()["status"] != "ok":
+        b = best()
+        raise UserError(f"dynamic tune: none of the {len(grid)} settings tried beats static evaluation on the "
+                        f"validation text (static {static / math.log(2):.4f} bits/token, the best lr {b['lr']:.3g} "
+                        f"decay {b['decay']:.3g}: {b['bits_per_token']:.4f}, {b['status']}); nothing saved: try "
+                        "other --lrs, another rule or more validation text")
     return {"static": {"loss_nats": static, "bits_per_token": static / math.log(2)}, "grid": grid, "best": best(),
             "tokens": tokens, "settings": probe.metadata() | {"lr": None, "decay": None}, "reset": reset}
 
@@ -163,10 +185,12 @@ class _SearchBar:
 
 
 def format_table(result: dict) -> str:
-    """The grid as text: one row per decay, one column per learning rate, bits per token (best starred)."""
+    """The grid as text: one row per decay, one column per learning rate, bits per token (best starred, diverged
+    points marked !)."""
     lrs = sorted({g["lr"] for g in result["grid"]})
     decays = sorted({g["decay"] for g in result["grid"]})
     cell = {(g["decay"], g["lr"]): g["bits_per_token"] for g in result["grid"]}
+    status = {(g["decay"], g["lr"]): g.get("status") for g in result["grid"]}
     best = (result["best"]["decay"], result["best"]["lr"])
     lines = [f"static: {result['static']['bits_per_token']:.4f} bits/token over {result['tokens']} tokens; "
              "dynamic bits/token per setting:",
@@ -175,12 +199,14 @@ def format_table(result: dict) -> str:
         row = f"{d:<11.3g}"
         for lr in lrs:
             v = cell.get((d, lr))
-            row += (f"{v:>10.4f}" if v is not None else f"{'-':>10}") + ("*" if (d, lr) == best else " ")
+            mark = "*" if (d, lr) == best else "!" if status.get((d, lr)) == "diverged" else " "
+            row += (f"{v:>10.4f}" if v is not None else f"{'-':>10}") + mark
         lines.append(row)
+    if "diverged" in status.values():
+        lines.append(f"! diverged: a loss not finite or more than {100 * DIVERGED_MARGIN:g}% above static's")
     b = result["best"]
     lines.append(f"best: lr {b['lr']:.3g}, decay {b['decay']:.3g}: {b['bits_per_token']:.4f} bits/token "
-                 + (f"({100 * b['relative_improvement']:.2f}% lower than static)" if b["relative_improvement"] >= 0
-                    else f"({-100 * b['relative_improvement']:.2f}% higher than static (worse))"))
+                 f"({100 * b['relative_improvement']:.2f}% lower than static)")
     return "\n".join(lines)
 
 
