@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench venv clean
+.PHONY: demo test lint mutants bench venv clean
 
 venv: $(STAMP)
 
@@ -26,6 +26,10 @@ test: lint
 
 lint: $(STAMP)
 	$(BIN)/ruff check src benchmarks tests
+
+# mutation testing of the lines changed since BASE (default: the last tag, else origin/main's merge base)
+mutants: $(STAMP)
+	$(BIN)/python benchmarks/tools/mutants.py $(if $(BASE),--base $(BASE))
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/speed/train_throughput.py

@@ -480,3 +480,18 @@ def test_cli_dynamic_tune_where_every_point_diverges_exits_2_and_saves_nothing(c
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "beats static" in err and len(err.splitlines()) == 1
     assert not out.exists()
+
+
+def test_the_tuning_table_stars_the_best_and_marks_the_diverged_points():
+    g = lambda lr, decay, bits, status: {"lr": lr, "decay": decay, "bits_per_token": bits,  # noqa: E731
+                                         "relative_improvement": 1 - bits / 2.0, "status": status}
+    best = g(0.1, 0.0, 1.0, "ok")
+    grid = [best, g(1.0, 0.0, 2.05, "worse than static"), g(10.0, 0.0, 9.0, "diverged"), g(0.1, 0.5, 1.5, "ok")]
+    lines = format_table({"static": {"bits_per_token": 2.0}, "tokens": 30, "grid": grid, "best": best}).splitlines()
+    assert lines[1].split() == ["decay", "\\", "lr", "0.1", "1", "10"]
+    assert lines[2] == f"{0.0:<11.3g}" + "    1.0000*    2.0500     9.0000!"
+    assert lines[3] == f"{0.5:<11.3g}" + "    1.5000 " + f"{'-':>10} " * 2
+    assert lines[4] == "! diverged: a loss not finite or more than 5% above static's"
+    assert lines[5] == "best: lr 0.1, decay 0: 1.0000 bits/token (50.00% lower than static)"
+    no_diverged = format_table({"static": {"bits_per_token": 2.0}, "tokens": 30, "grid": grid[:2], "best": best})
+    assert "! diverged" not in no_diverged and "!" not in no_diverged.splitlines()[2]

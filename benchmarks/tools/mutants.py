@@ -1,0 +1,243 @@
+"""Mutation testing of a change (``make mutants``): mutmut 3 mutates only the lines the change touches and runs
+the tests that reach them; every surviving mutant is killed by a new test or accepted, with its reason, in
+``tests/mutants/accepted.toml``.
+
+    make mutants                                   # the change since BASE (default: origin/main's merge base)
+    make mutants BASE=1e50585                      # since a commit
+    python benchmarks/tools/mutants.py --base 1e50585 --out benchmarks/results/mutants.json
+
+What it does (mutmut 3.8, pinned in the dev extra; its own docs: https://mutmut.readthedocs.io):
+
+1. The committed tree at HEAD goes into a temporary worktree (the checkout is never touched), with a
+   ``[tool.mutmut]`` section naming the changed files under ``src/`` (``only_mutate``) and the test files that
+   import their modules (``pytest_add_cli_args_test_selection``; ``--tests`` names others).
+2. mutmut writes every mutant of those files; the ones whose mutated line is not a line the change added or
+   modified (``git diff -U0 BASE HEAD``) are left out.
+3. ``mutmut run`` on the rest, on one core (``--max-children``): it first records which of the selected tests
+   reach which function, then runs, per mutant, only those tests.
+4. Each mutant's status (killed, survived, no tests, timeout, ...) and, for a survivor, its one-line diff; a
+   survivor matching an entry of the accepted file (its function glob and, when given, the mutated line's
+   text) is ``accepted`` with that entry's reason. The score is killed / (mutants - accepted - no tests).
+
+Writes the JSON (``--out``, default: printed only) with the command, the base, per-file counts and every
+survivor; exit status 1 when an unaccepted survivor is left, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+ACCEPTED = REPO / "tests" / "mutants" / "accepted.toml"
+STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 34: "skipped", 36: "timeout",
+          -24: "timeout", 37: "caught by type check", None: "not checked"}  # mutmut.stats.status_by_exit_code
+# mutmut's generation step, as ``mutmut run`` does it (mutmut 3.8.1's internal functions: the pin keeps them)
+GENERATE = ("import os; from mutmut.__main__ import create_mutants; "
+            "from mutmut.utils.file_utils import copy_also_copy_files, copy_src_dir; "
+            "os.makedirs('mutants', exist_ok=True); copy_src_dir(); copy_also_copy_files(); create_mutants(1)")
+
+
+def git(*args: str, cwd: Path = REPO) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
+
+
+def default_base() -> str:
+    """The last tag, else origin/main's merge base with HEAD."""
+    for args in (["describe", "--tags", "--abbrev=0"], ["merge-base", "HEAD", "origin/main"]):
+        try:
+            return git(*args).strip()
+        except subprocess.CalledProcessError:
+            continue
+    raise SystemExit("error: no tag and no origin/main here: give --base REV")
+
+
+def changed_lines(base: str) -> dict[str, set[int]]:
+    """src/ Python file -> the line numbers (at HEAD) the change since ``base`` added or modified."""
+    out: dict[str, set[int]] = {}
+    current = None
+    for line in git("diff", "-U0", "--no-color", base, "HEAD", "--", "src").splitlines():
+        if line.startswith("+++ "):
+            path = line[4:].removeprefix("b/")
+            current = path if path.endswith(".py") and path != "/dev/null" else None
+        elif line.startswith("@@") and current:
+            m = re.match(r"@@ -\S+ \+(\d+)(?:,(\d+))? @@", line)
+            start, count = int(m.group(1)), int(m.group(2) or 1)
+            out.setdefault(current, set()).update(range(start, start + count))
+    return {f: lines for f, lines in out.items() if lines}
+
+
+def tests_for(files: list[str]) -> list[str]:
+    """The test files that name one of ``files``' modules (``fastweights.a.b`` or ``from fastweights.a import b``)."""
+    modules = [f.removeprefix("src/").removesuffix(".py").replace("/", ".") for f in files]
+    patterns = []
+    for mod in modules:
+        package, _, name = mod.rpartition(".")
+        patterns.append(re.compile(rf"\b{re.escape(mod)}\b|from {re.escape(package)} import .*\b{re.escape(name)}\b"))
+    found = []
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        text = path.read_text()
+        if any(p.search(text) for p in patterns):
+            found.append(str(path.relative_to(REPO)))
+    return found
+
+
+def package_data() -> list[str]:
+    """The package's files that are not Python (presets, corpora, ...): mutmut copies only the .py files of src/."""
+    return sorted({str(Path(p)) for p in git("ls-files", "src").splitlines() if not p.endswith(".py")})
+
+
+def mutant_lines(tmp: Path, files: list[str]) -> dict[str, tuple[str, int, str, str]]:
+    """mutant name -> (file, line at HEAD, the original line, the mutated line), from mutmut's generated files
+    (each function's copies ``x_f__mutmut_N`` beside its ``x_f__mutmut_orig``, their spans in ``.spans``)."""
+    result = {}
+    for f in files:
+        generated = tmp / "mutants" / f
+        spans_file = generated.with_name(generated.name + ".spans")
+        if not spans_file.is_file():
+            continue
+        spans = json.loads(spans_file.read_text())["spans"]
+        lines = generated.read_text().splitlines()
+        source = (tmp / f).read_text().splitlines()
+        module = f.removeprefix("src/").removesuffix(".py").replace("/", ".")
+        for orig_name, (a0, b0) in spans.items():
+            if not orig_name.endswith("__mutmut_orig"):
+                continue
+            orig = lines[a0 - 1:b0]
+            body = [i for i, text in enumerate(orig) if text.strip()]  # where the function's text sits in the source
+            at = _find_block(source, [orig[i] for i in body[1:]])  # the def line's name differs: match below it
+            stem = orig_name.removesuffix("orig")
+            for name, (a, b) in spans.items():
+                if not name.startswith(stem) or name == orig_name:
+                    continue
+                mutant = [text.replace(name, orig_name) for text in lines[a - 1:b]]  # the def line: its name
+                k = next((i for i, (x, y) in enumerate(zip(orig, mutant)) if x != y), None)
+                if k is None or at is None:
+                    continue
+                line = at + (k - body[1]) + 1  # 1-based, in the file at HEAD
+                result[f"{module}.{name}"] = (f, line, orig[k].strip(), lines[a - 1 + k].strip())
+    return result
+
+
+def _find_block(source: list[str], block: list[str]) -> int | None:
+    """Index in ``source`` of the first line of ``block`` (blank lines ignored on both sides), or None."""
+    want = [x for x in block if x.strip()]
+    if not want:
+        return None
+    for i, text in enumerate(source):
+        if text == want[0]:
+            j, ok = i, True
+            for w in want[1:]:
+                j += 1
+                while j < len(source) and not source[j].strip():
+                    j += 1
+                if j >= len(source) or source[j] != w:
+                    ok = False
+                    break
+            if ok:
+                return i
+    return None
+
+
+def accepted_reason(entries: list[dict], name: str, mutated: str) -> str | None:
+    import fnmatch
+
+    for e in entries:
+        if fnmatch.fnmatch(name, e["mutant"]) and ("line" not in e or e["line"] == mutated):
+            return e["reason"]
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", help="the change is HEAD against this revision (default: the last tag, else "
+                                   "origin/main's merge base)")
+    ap.add_argument("--tests", help="test files or folders to run, comma-separated (default: those importing the "
+                                    "changed modules)")
+    ap.add_argument("--max-children", type=int, default=1, help="mutants tested at once (one core: 1)")
+    ap.add_argument("--out", help="write the JSON here (default: print the summary only)")
+    args = ap.parse_args(argv)
+    if shutil.which("mutmut") is None and not (Path(sys.executable).parent / "mutmut").exists():
+        print("error: mutmut is not installed: pip install -e '.[dev]'", file=sys.stderr)
+        return 2
+    try:
+        base = args.base or default_base()
+        git("rev-parse", "--verify", base + "^{commit}")
+    except subprocess.CalledProcessError:
+        print(f"error: --base {args.base}: not a commit here", file=sys.stderr)
+        return 2
+    lines_by_file = changed_lines(base)
+    files = sorted(lines_by_file)
+    if not files:
+        print(f"no Python line under src/ changed since {base}: nothing to mutate")
+        return 0
+    tests = args.tests.split(",") if args.tests else tests_for(files)
+    mutmut = str(Path(sys.executable).parent / "mutmut") if (Path(sys.executable).parent / "mutmut").exists() \
+        else "mutmut"
+    started = time.time()
+    tmp = Path(tempfile.mkdtemp(prefix="fastweights-mutants-"))
+    try:
+        git("worktree", "add", "--detach", str(tmp / "tree"), "HEAD")
+        tree = tmp / "tree"
+        with open(tree / "pyproject.toml", "a") as f:
+            f.write("\n[tool.mutmut]\n" + "\n".join(f"{k} = {json.dumps(v)}" for k, v in {
+                "source_paths": ["src/"], "only_mutate": files, "pytest_add_cli_args_test_selection": tests,
+                "pytest_add_cli_args": ["-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:randomly"],
+                "also_copy": ["benchmarks", "docs", "README.md", "Makefile", *package_data()]}.items()) + "\n")
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        subprocess.run([sys.executable, "-c", GENERATE], cwd=tree, env=env, check=True, capture_output=True)
+        where = mutant_lines(tree, files)
+        chosen = sorted(n for n, (f, line, _, _) in where.items() if line in lines_by_file[f])
+        print(f"{len(chosen)} mutants on the {sum(map(len, lines_by_file.values()))} changed lines of {len(files)} "
+              f"files since {base} ({len(where)} in those files); tests: {len(tests)} files", flush=True)
+        if chosen:
+            done = subprocess.run([mutmut, "run", "--max-children", str(args.max_children), *chosen], cwd=tree,
+                                  env=env, capture_output=True, text=True)
+            if done.returncode:
+                raise SystemExit(f"error: mutmut run failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        codes = {}
+        for f in files:
+            meta = tree / "mutants" / (f + ".meta")
+            if meta.is_file():
+                codes.update(json.loads(meta.read_text())["exit_code_by_key"])
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(tmp / "tree")], cwd=REPO, capture_output=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    entries = tomllib.loads(ACCEPTED.read_text()).get("accepted", []) if ACCEPTED.is_file() else []
+    rows, counts = [], {}
+    for name in chosen:
+        f, line, original, mutated = where[name]
+        status = STATUS.get(codes.get(name), "suspicious")
+        reason = accepted_reason(entries, name, mutated) if status == "survived" else None
+        status = "accepted" if reason else status
+        counts[status] = counts.get(status, 0) + 1
+        if status not in ("killed",):
+            rows.append({"mutant": name, "file": f, "line": line, "original": original, "mutated": mutated,
+                         "status": status, **({"reason": reason} if reason else {})})
+    judged = sum(v for k, v in counts.items() if k not in ("accepted", "no tests"))
+    score = counts.get("killed", 0) / judged if judged else 1.0
+    summary = {"base": base, "files": {f: len(lines_by_file[f]) for f in files}, "tests": tests,
+               "mutants": len(chosen), "counts": counts, "score": score, "elapsed_s": time.time() - started,
+               "not_killed": rows}
+    for r in rows:
+        print(f"{r['status']:>12}  {r['file']}:{r['line']}  {r['original']}  ->  {r['mutated']}")
+    print(f"score {score:.3f}: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
+    if args.out:
+        from fastweights.evidence.result_files import write_json
+        from fastweights.evidence.provenance import provenance
+
+        write_json(Path(args.out), {**provenance(REPO, sys.argv), **summary})
+    return 1 if counts.get("survived") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""benchmarks/tools/mutants.py (``make mutants``): which lines a change touched, where each mutmut mutant sits
+in the file at HEAD, and which survivors the accepted list covers. The mutmut run itself is the tool's own
+job (minutes); these are its pure parts, on made-up inputs."""
+
+import json
+
+from helpers import import_benchmark
+
+mutants = import_benchmark("mutants")
+
+
+def test_a_function_block_is_found_whatever_blank_lines_lie_between():
+    source = ["import x", "", "def f(a):", "    '''doc'''", "", "    return a + 1", "", "def g():", "    pass"]
+    assert mutants._find_block(source, ["    '''doc'''", "    return a + 1"]) == 3
+    assert mutants._find_block(source, ["    '''doc'''", "", "    return a + 1"]) == 3
+    assert mutants._find_block(source, ["    return a + 2"]) is None
+
+
+def test_each_mutant_is_placed_on_its_line_of_the_source(tmp_path):
+    source = ["import math", "", "", "def f(a):", "    '''doc'''", "", "    b = a + 1", "    return b * 2", ""]
+    generated = ["import math", "", "",
+                 "def x_f__mutmut_orig(a):", "    '''doc'''", "", "    b = a + 1", "    return b * 2", "",
+                 "def x_f__mutmut_1(a):", "    '''doc'''", "", "    b = a - 1", "    return b * 2", "",
+                 "def x_f__mutmut_2(a):", "    '''doc'''", "", "    b = a + 1", "    return b / 2", ""]
+    (tmp_path / "src" / "pkg").mkdir(parents=True)
+    (tmp_path / "src" / "pkg" / "mod.py").write_text("\n".join(source))
+    out = tmp_path / "mutants" / "src" / "pkg"
+    out.mkdir(parents=True)
+    (out / "mod.py").write_text("\n".join(generated))
+    spans = {"x_f__mutmut_orig": [4, 9], "x_f__mutmut_1": [10, 15], "x_f__mutmut_2": [16, 21]}
+    (out / "mod.py.spans").write_text(json.dumps({"version": 1, "spans": spans}))
+    where = mutants.mutant_lines(tmp_path, ["src/pkg/mod.py"])
+    assert where == {"pkg.mod.x_f__mutmut_1": ("src/pkg/mod.py", 7, "b = a + 1", "b = a - 1"),
+                     "pkg.mod.x_f__mutmut_2": ("src/pkg/mod.py", 8, "return b * 2", "return b / 2")}
+
+
+def test_changed_lines_are_the_lines_the_change_added_or_modified(monkeypatch):
+    diff = "\n".join(["diff --git a/src/p/a.py b/src/p/a.py", "--- a/src/p/a.py", "+++ b/src/p/a.py",
+                      "@@ -3,0 +4,2 @@", "+x", "+y", "@@ -10 +12 @@", "-old", "+new", "@@ -20,2 +21,0 @@",
+                      "diff --git a/src/p/b.txt b/src/p/b.txt", "--- a/src/p/b.txt", "+++ b/src/p/b.txt",
+                      "@@ -1 +1 @@", "-a", "+b"])
+    monkeypatch.setattr(mutants, "git", lambda *args, **kw: diff)
+    assert mutants.changed_lines("BASE") == {"src/p/a.py": {4, 5, 12}}
+
+
+def test_a_survivor_is_accepted_only_by_an_entry_that_matches_it():
+    entries = [{"mutant": "m.x_show__*", "reason": "display"},
+               {"mutant": "m.x_f__*", "line": "return b / 2", "reason": "equivalent"}]
+    assert mutants.accepted_reason(entries, "m.x_show__mutmut_3", "anything") == "display"
+    assert mutants.accepted_reason(entries, "m.x_f__mutmut_2", "return b / 2") == "equivalent"
+    assert mutants.accepted_reason(entries, "m.x_f__mutmut_1", "b = a - 1") is None
+    assert mutants.accepted_reason(entries, "m.x_g__mutmut_1", "return b / 2") is None
