@@ -468,7 +468,9 @@ def command_problems(spans) -> list[str]:
             elif w == "make" and (i == 0 or prev in ENDS) and i + 1 < len(words):
                 end = next((k for k in range(i + 1, len(words)) if words[k] in ENDS), len(words))
                 for target in words[i + 1:end]:
-                    if not target.startswith("-") and not re.search(rf"^{re.escape(target)}:", makefile, re.M):
+                    if target.startswith("-") or re.fullmatch(r"[A-Z_]+=\S*", target):  # a flag, a VAR=value
+                        continue
+                    if not re.search(rf"^{re.escape(target)}:", makefile, re.M):
                         problems.append(f"{s.where()}: `make {target}`: no such Makefile target")
                 claimed.update(range(i, end))
             elif w in OTHER_PROGRAMS and (i == 0 or prev in ENDS):
