@@ -10,13 +10,25 @@ the whole suite), which keeps the check to a few CPU minutes; the JSON names the
 
     python benchmarks/tools/mutation_check.py                 # writes benchmarks/results/mutation_check.json
     python benchmarks/tools/mutation_check.py --only fwl_default_mask_inclusive
+
+A bar (``--bar FILE``): a JSON list of ``{"file", "original", "mutant", "tests": [node ids], "what"}``, each a
+one-line bug an audit found the suite missed and the tests written for it (``tests/mutants/issue49_bar.json``).
+Each is applied alone to a copy of HEAD as above, its named tests run, and the bar holds when every named test
+fails on its mutant (a parametrized test's node id counts when any of its cases fails) after all of them passed
+on the unmutated copy. It prints one line per mutant and exits 1 on a survivor; it writes no result file. Not
+part of the default suite (it runs the named tests once per mutant); ``tests/mutants/test_bars.py`` checks only
+that each bar can still be applied (its original line once in its file, its tests present).
+
+    python benchmarks/tools/mutation_check.py --bar tests/mutants/issue49_bar.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -168,12 +180,73 @@ def probe_specs() -> list[dict]:
 
 
 
+def load_bar(path: Path) -> list[dict]:
+    """The mutants of a bar file (module docstring), checked for the fields each needs."""
+    bar = json.loads(Path(path).read_text())
+    if not isinstance(bar, list) or not bar:
+        raise SystemExit(f"{path}: not a non-empty JSON list of mutants")
+    for i, m in enumerate(bar):
+        if not (isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("file", "original", "mutant"))
+                and isinstance(m.get("tests"), list) and m["tests"] and all(isinstance(x, str) for x in m["tests"])
+                and m["original"] != m["mutant"]):
+            raise SystemExit(f"{path}: mutant {i} needs file, original and mutant (strings that differ) and tests "
+                             "(node ids)")
+    return bar
+
+
+def _failed(node: str, failed: list[str]) -> bool:
+    """Whether the test ``node`` failed: its node id among ``failed``, or one of its parametrized cases."""
+    return any(f == node or f.startswith(node + "[") for f in failed)
+
+
+def run_bar(path: Path, timeout: float) -> int:
+    """Apply each mutant of the bar at ``path`` alone to a copy of HEAD and run its named tests: 0 when every
+    named test passes on the unmutated copy and fails on its mutant, else 1."""
+    bar = load_bar(path)
+    nodes = sorted({n for m in bar for n in m["tests"]})
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    survivors = 0
+    with tempfile.TemporaryDirectory(prefix="fw-bar-") as tmp:
+        control = Path(tmp) / "control"
+        control.mkdir()
+        copy_commit(control, head)
+        ctl = run_tests(control, nodes, timeout)
+        print(f"control (unmutated {head[:10]}, {len(nodes)} tests): rc={ctl['returncode']} {ctl['summary']}",
+              flush=True)
+        if ctl["returncode"] != 0:
+            print("the unmutated copy fails the bar's tests: no mutant can be judged", file=sys.stderr)
+            return 1
+        for i, m in enumerate(bar):
+            root = Path(tmp) / f"m{i}"
+            root.mkdir()
+            copy_commit(root, head)
+            target = root / m["file"]
+            text = target.read_text()
+            if text.count(m["original"]) != 1:
+                raise SystemExit(f"mutant {i}: {m['original']!r} occurs {text.count(m['original'])} times in "
+                                 f"{m['file']}, not once: update {path}")
+            target.write_text(text.replace(m["original"], m["mutant"]))
+            res = run_tests(root, m["tests"], timeout)
+            missed = [n for n in m["tests"] if not _failed(n, res["failed_tests"])]
+            caught = res["returncode"] != 0 and not missed
+            survivors += not caught
+            print(f"{'caught  ' if caught else 'SURVIVED'} {m['file']}: {m['original'].strip()!r} -> "
+                  f"{m['mutant'].strip()!r}" + (f" (passed: {', '.join(missed)})" if missed else ""), flush=True)
+            shutil.rmtree(root)
+    print(f"{len(bar) - survivors} of {len(bar)} mutants caught by their named tests", flush=True)
+    return 1 if survivors else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", help="mutation names (default: all)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per test run")
     ap.add_argument("--name", default="mutation_check", help="result file stem")
+    ap.add_argument("--bar", type=Path, help="a bar file of mutants and the tests that must catch them (docstring)")
     a = ap.parse_args()
+    if a.bar is not None:
+        return run_bar(a.bar, a.timeout)
     chosen = [m for m in MUTATIONS if not a.only or m[0] in a.only]
     files = sorted({f for m in chosen for f in m[3]})
     results = []

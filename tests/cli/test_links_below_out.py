@@ -61,6 +61,23 @@ def test_the_root_itself_may_be_a_link_and_missing_folders_are_made(tmp_path, vi
         refuse_links(root, root / ".." / "victim" / "f")
 
 
+def test_a_run_refuses_a_linked_token_cache_file_before_anything_is_written(tmp_path, victim):
+    """``check_run_links``, the check a run makes before it writes anything, looks at each file of the token
+    cache folder ``out/data`` (a planted link there would be read, or replaced by a new encoding), not only at
+    the folder: a regular folder holding one linked cache file is refused in one line naming that file. Mutation
+    caught: the loop over ``data``'s files checking the folder again instead of each file (issue 49)."""
+    from fastweights.checkpoints.run_dir import check_run_links
+
+    out = tmp_path / "out"
+    (out / "data").mkdir(parents=True)
+    (out / "data" / "val-abc.bin").write_bytes(b"")
+    check_run_links(out)  # regular files only: nothing to refuse
+    (out / "data" / "train-abc.bin").symlink_to(victim / "precious.txt")
+    with pytest.raises(UserError, match=r"data/train-abc\.bin is a symbolic link; refusing to write the token cache"):
+        check_run_links(out)
+    _unchanged(victim)
+
+
 def test_write_into_refuses_a_linked_destination_before_moving_anything(tmp_path, victim):
     exp = tmp_path / "exp"
     exp.mkdir()

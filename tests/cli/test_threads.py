@@ -35,6 +35,22 @@ def test_busy_cores_sees_a_busy_process():
     assert loaded >= 0.6 and loaded > idle - 0.5  # one core spinning reads as about one busy core
 
 
+
+def test_busy_cores_counts_iowait_as_idle(monkeypatch):
+    """A core waiting on the disk (iowait in /proc/stat) is free for training's threads: between two readings
+    where only iowait grew the machine reads as idle, and where user time grew by half the jiffies as half its
+    cores busy. Read from two stand-in /proc/stat first lines (user nice system idle iowait irq softirq steal
+    guest guest_nice), on 4 cores. Mutation caught: iowait counted as busy (``idle = fields[3]``, issue 49)."""
+    import io
+    import os
+
+    lines = iter(["cpu  100 0 100 1000 0 0 0 0 0 0\n", "cpu  100 0 100 1000 400 0 0 0 0 0\n",
+                  "cpu  100 0 100 1000 0 0 0 0 0 0\n", "cpu  300 0 100 1200 0 0 0 0 0 0\n"])
+    monkeypatch.setattr(threads_module, "open", lambda path, *a, **k: io.StringIO(next(lines)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    assert threads_module.busy_cores(0.0) == 0.0  # only iowait grew
+    assert threads_module.busy_cores(0.0) == pytest.approx(2.0)  # 200 of 400 jiffies busy on 4 cores
+
 @pytest.mark.parametrize("omp, set_threads, want", [(None, 0, 2), ("1", 0, 1), (None, 3, 3), ("1", 3, 3)])
 def test_train_takes_idle_cores_unless_told(tmp_path, monkeypatch, omp, set_threads, want):
     monkeypatch.setattr(threads_module, "training_threads", lambda: 2)
@@ -58,6 +74,31 @@ def test_the_demo_warns_only_a_machine_much_slower_than_the_one_it_was_sized_on(
 def test_the_demo_times_its_own_training_step():
     cfg = make_config(demo.PRESET, [f"train.max_steps={demo.DEMO_STEPS}", "train.max_minutes=0"])
     assert 0 < demo.timed_steps_per_s(cfg, steps=1) < 1e4
+
+
+def test_the_demos_timed_rate_counts_only_the_timed_steps(monkeypatch):
+    """The rate the slow-machine warning is judged on is the timed steps over their time: on a stand-in clock
+    that each optimizer step moves by half a second, 2 timed steps after the :data:`demo.WARMUP_STEPS` untimed
+    ones read as 2.0 steps/s, whatever the warm-up cost. Mutation caught: the warm-up steps counted in the rate
+    (``(steps + WARMUP_STEPS) / ...``: 5 steps/s, the warning given too rarely; issue 49)."""
+    import types
+
+    import fastweights.loops.schedule as schedule
+
+    clock = [0.0]
+    real = schedule.make_optimizer
+
+    def ticking(model, cfg):
+        opt = real(model, cfg)
+        step = opt.step
+        opt.step = lambda *a, **k: (clock.__setitem__(0, clock[0] + 0.5), step(*a, **k))[1]
+        return opt
+
+    monkeypatch.setattr(schedule, "make_optimizer", ticking)
+    monkeypatch.setattr(demo, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    cfg = make_config(demo.PRESET, [f"train.max_steps={demo.DEMO_STEPS}", "train.max_minutes=0"])
+    assert demo.timed_steps_per_s(cfg, steps=2) == pytest.approx(2.0)
+    assert clock[0] == pytest.approx(0.5 * (2 + demo.WARMUP_STEPS))  # the warm-up steps did run
 
 
 def test_every_front_end_resolves_its_threads_by_its_kind_of_work():

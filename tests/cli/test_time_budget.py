@@ -250,6 +250,25 @@ def test_the_progress_line_shows_the_binding_limit_from_the_start(tmp_path, fake
     assert closing, "the closing line counts the steps run against themselves"
 
 
+def test_a_twice_resumed_runs_trainer_state_counts_every_process_time(tmp_path, fake_clock):
+    """The trainer state's ``elapsed`` (what a resumed run's budget and schedule continue from) is the time of
+    every process of the run, not only the last one's: after a run of 3 steps resumed to 6 and again to 9, each
+    on the fake clock, it is more than all the earlier processes took together and at most all of them with this
+    one (the last save's own cost is after the reading). Mutation caught: the checkpoint recording
+    ``clock() - t0`` alone (a twice-resumed run's budget restarts; issue 49)."""
+    import fastweights.loops.train as train_module
+    from fastweights.core.config import make_config
+    from fastweights.models.loading import load_for_resume
+
+    out, spent = tmp_path / "run", []
+    for k, steps in enumerate((3, 6, 9)):
+        start = fake_clock.clock.t
+        train_module.train(make_config("tiny", [f"train.max_steps={steps}"]), out, resume=k > 0, progress=False)
+        spent.append(fake_clock.clock.t - start)
+        elapsed = load_for_resume(out)["state"]["elapsed"]
+        assert sum(spent[:-1]) < elapsed <= sum(spent), (k, elapsed, spent)
+
+
 def test_a_step_limit_that_binds_first_keeps_its_exact_total(tmp_path, fake_clock):
     summary, _ = _train(tmp_path, fake_clock, "train.max_minutes=10", "train.max_steps=40")
     assert summary["steps"] == 40 and not summary["stopped_by_time_budget"]

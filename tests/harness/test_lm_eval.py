@@ -269,6 +269,21 @@ def test_a_request_longer_than_the_context_reads_exactly_context_tokens(checkpoi
     assert ll == pytest.approx(want, rel=1e-6, abs=1e-6)
 
 
+def test_a_contexts_trailing_spaces_move_to_the_continuation(checkpoint):
+    """lm-eval's tasks end a context with a space ("Question: ... Answer: ", "word"): those spaces are cut from the
+    context and scored as the start of the continuation, never dropped, so ("To be, ", "or") is
+    ("To be,", " or") in ids and in log-likelihood, the whole text encoded once. Mutation caught: the spaces cut
+    from the context without being put before the continuation (issue 49)."""
+    lm = FastweightsStatic(checkpoint=str(checkpoint), device="cpu")
+    tok = lm.tokenizer
+    ctx, cont = lm._encode_pair("To be,  ", "or")
+    assert (ctx, cont) == lm._encode_pair("To be,", "  or")
+    assert tok.decode(ctx) == "To be," and tok.decode(cont) == "  or"
+    (a, _), (b, _) = lm.loglikelihood([Instance("loglikelihood", {}, ("To be,  ", "or"), 0),
+                                       Instance("loglikelihood", {}, ("To be,", "  or"), 1)])
+    assert a == b
+
+
 def test_greedy_means_every_continuation_token_is_the_argmax(checkpoint):
     """The greedy flag of loglikelihood: True only when greedy decoding gives every token of the continuation
     (a continuation whose first token is the argmax and whose second is not is not greedy)."""

@@ -251,6 +251,28 @@ def test_a_damaged_cache_is_refused_in_one_line(backbone, tmp_path, damage, need
     assert needle in str(e.value) and "\n" not in str(e.value) and f"delete {d}" in str(e.value)
 
 
+def test_a_partial_cache_is_resumed_only_if_its_windows_on_disk_are_finite(backbone, tmp_path):
+    """A cache cut short after 2 of 3 windows (its metadata saying 2 done) is resumed where it stopped, the
+    windows on disk reused without recomputing them; when one of those holds NaN (a file damaged while the run
+    was stopped), the resume is refused in one line naming the window, rather than adding the last window to a
+    cache whose training would read NaN. Mutation caught: the resume opening hidden.npy without checking the
+    windows already done (issue 49)."""
+    d = tmp_path / "cache"
+    cache_hidden_states(backbone, _tokens(), d, fingerprint="bb", progress=False)
+    meta = json.loads((d / "cache.json").read_text())
+    meta["done"], meta["static_nats"] = 2, meta["static_nats"][:2]  # as if stopped after the second window
+    (d / "cache.json").write_text(json.dumps(meta))
+    assert cache_hidden_states(backbone, _tokens(), d, fingerprint="bb", progress=False)["computed_this_call"] == 1
+    (d / "cache.json").write_text(json.dumps(meta))
+    h = np.load(d / "hidden.npy", mmap_mode="r+")
+    h[1, 3, 2] = np.nan
+    h.flush()
+    del h
+    with pytest.raises(UserError) as e:
+        cache_hidden_states(backbone, _tokens(), d, fingerprint="bb", progress=False)
+    assert "window 1 of hidden.npy holds NaN or infinite values" in str(e.value) and "\n" not in str(e.value)
+
+
 # ----------------------------------------------------------------------------- export
 
 

@@ -164,6 +164,22 @@ def test_trainable_blocks_and_refusals():
         HFCausalLMWithFWL(llama(), FWLOptions())
 
 
+def test_every_block_or_none_may_be_trainable():
+    """K runs over 0..L inclusive: K = L (every decoder block trains with the head) and K = 0 (the head alone)
+    are both accepted, and only L + 1 or a negative K refused. Mutation caught: the bound made ``k < len(layers)``
+    (K = all blocks refused, issue 49)."""
+    model = wrapped(acting=False)
+    n_blocks = len(model.layers)
+    model.set_trainable_blocks(n_blocks)
+    trainable = {n.split(".")[4] for n, p in model.named_parameters() if p.requires_grad and n.startswith("backbone.")
+                 and ".layers." in n}
+    assert trainable == {str(i) for i in range(n_blocks)} and model.trainable_blocks == n_blocks
+    model.set_trainable_blocks(0)
+    assert not any(p.requires_grad for n, p in model.named_parameters() if n.startswith("backbone"))
+    with pytest.raises(UserError):
+        model.set_trainable_blocks(-1)
+
+
 def test_the_training_mix_holds_none_of_the_compared_texts():
     """No document of the training mix is one the comparison scores, tunes on or takes statistics from, in
     any edition: by name, and by content (a passage of each compared excerpt is nowhere in the mix)."""

@@ -15,7 +15,14 @@ from safetensors.torch import load_file  # noqa: E402
 
 from fastweights.hf.fwl_cache import KEY_FIELDS, cache_hidden_states, load_cache  # noqa: E402
 from fastweights.hf.fwl_head import PRETRAINED_FWL_DEFAULTS, HFCausalLMWithFWL, blocks_input  # noqa: E402
-from fastweights.hf.fwl_training import param_groups, train_head  # noqa: E402
+from fastweights.core.errors import UserError  # noqa: E402
+from fastweights.hf.fwl_training import (  # noqa: E402
+    documents,
+    param_groups,
+    stream_loss,
+    train_head,
+    validation_losses,
+)
 from fastweights.layers.fwl import FWLOptions  # noqa: E402
 from helpers import tiny_llama_dir  # noqa: E402
 
@@ -105,6 +112,66 @@ def test_resume_restores_each_streams_carried_state(llama_dir, tmp_path):
     for name in ("model.safetensors", "trainer_state.safetensors"):
         a, b = load_file(str(tmp_path / "straight" / name)), load_file(str(tmp_path / "run" / name))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+
+
+# ----------------------------------------------------------------------------- held-out windows
+
+
+def test_a_document_starting_at_the_first_held_out_window_is_not_a_training_document(llama_dir, tmp_path):
+    """``documents`` keeps only the documents with a window below the held-out ones: one that starts exactly at
+    the first held-out window is dropped, not kept empty. An empty document ``(n_train, n_train)`` drawn by a stream
+    would have it read window n_train, and on, the validation windows. Held on ``documents`` itself and on a run of
+    one stream over documents [3, 3] with the second held out: every trained window is below 3. Mutation caught:
+    ``end >= start`` for ``end > start`` (issue 49)."""
+    assert documents([3, 3], 3) == [(0, 3)]
+    assert documents([3, 2, 3], 5) == [(0, 3), (3, 5)]
+    assert documents([3, 2, 3], 4) == [(0, 3), (3, 4)]  # a document cut by the held-out boundary keeps its part
+    model = acting_model(llama_dir)
+    build_cache(model, tmp_path / "c", windows(6), [3, 3])
+    out = train_head(model, tmp_path / "c", tmp_path / "run", "tiny", budget_cpu_s=1e9, lr=0.0, step_lr=0.0,
+                     val_windows=3, max_steps=6, progress=False)
+    assert out["train_documents"] == 1
+    assert sorted({j for h in out["history"] for j in h["windows"]}) == [0, 1, 2]
+
+
+def test_validation_reads_each_held_out_document_from_a_fresh_state(llama_dir, tmp_path):
+    """The validation loss of held-out documents [2, 2] (after 2 training windows) is the mean over their windows
+    of each document read as one stream from a fresh head state: the state carried within a document, never from
+    one held-out document into the next (the carried state changes the loss here, so the check has teeth).
+    Mutation caught: the state reset only at the first held-out window (issue 49)."""
+    model = acting_model(llama_dir).eval()
+    build_cache(model, tmp_path / "c", windows(6), [2, 2, 2])
+    hidden, tokens, meta = load_cache(tmp_path / "c")
+
+    def read(spans):
+        losses = []
+        with torch.no_grad():
+            for first, end in spans:
+                state = None
+                for i in range(first, end):
+                    loss, state = stream_loss(model.head, torch.from_numpy(np.asarray(hidden[i:i + 1])),
+                                              torch.from_numpy(tokens[i:i + 1]), state)
+                    losses.append(loss.item())
+        return float(np.mean(losses))
+
+    val = validation_losses(model, hidden, tokens, meta, 2)
+    assert val["windows"] == 4
+    assert val["loss_nats"] == pytest.approx(read([(2, 4), (4, 6)]), abs=1e-6)
+    assert abs(read([(2, 6)]) - read([(2, 4), (4, 6)])) > 1e-4  # carried across the documents: another loss
+
+
+def test_resume_refuses_streams_past_this_caches_training_windows(llama_dir, tmp_path):
+    """A run saved while its streams read windows 0-5 of documents [3, 3] (nothing held out), resumed with the last
+    3 windows held out: a stream's document ends past the 3 training windows, so the resume is refused in one
+    line (accepted, that stream would go on training on the held-out windows). Mutation caught: the check
+    ``s["end"] <= n_train`` dropped (issue 49)."""
+    build_cache(acting_model(llama_dir), tmp_path / "c", windows(6), [3, 3])
+    kw = dict(budget_cpu_s=1e9, batch_size=2, progress=False, lr=1e-2, step_lr=1e-2)
+    train_head(acting_model(llama_dir), tmp_path / "c", tmp_path / "run", "tiny", max_steps=1, val_windows=0, **kw)
+    with pytest.raises(UserError, match="do not fit this cache of 3 training windows") as e:
+        train_head(acting_model(llama_dir), tmp_path / "c", tmp_path / "run", "tiny", max_steps=2, val_windows=3,
+                   **kw)
+    assert "\n" not in str(e.value)
 
 
 # ----------------------------------------------------------------------------- learning rates, history

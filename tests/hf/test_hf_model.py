@@ -193,6 +193,27 @@ def test_forward_loss_padding_and_cache_checks():
         assert torch.equal(a.logits, b.logits)
 
 
+
+def test_forward_loss_leaves_padded_labels_out():
+    """``labels`` given with an ``attention_mask`` (a left-padded batch, as a Trainer's collator gives it): the
+    loss is the mean over the real positions' next tokens only, padding never a target, whatever label the padded
+    positions carry (here the padding's own random tokens, not -100). Mutation caught: the labels not masked by
+    ``attention_mask`` (padded positions counted in the loss; issue 49)."""
+    lm = tiny_model("mixer", "attention", seed=3)
+    hf = FastWeightsForCausalLM.from_language_model(lm)
+    x = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :4] = 0  # the second row left-padded: 5 real tokens
+    with torch.no_grad():
+        out = hf(x, attention_mask=mask, labels=x, use_cache=False)
+        logits = out.logits[:, :-1].float().flatten(0, 1)
+        want = torch.nn.functional.cross_entropy(logits, x.masked_fill(mask == 0, -100)[:, 1:].flatten(),
+                                                 ignore_index=-100)
+        with_padding = torch.nn.functional.cross_entropy(logits, x[:, 1:].flatten())
+    torch.testing.assert_close(out.loss.float(), want)
+    assert abs(float(with_padding - want)) > 1e-3  # the padded labels would move the loss
+
+
 # ----------------------------------------------------------------------------- export-hf
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\nAll: Speak, speak.\n"

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from fastweights.core.config import ModelConfig
 from fastweights.core.errors import UserError
-from fastweights.layers.fwl import FastWeightLayer, FWLOptions
+from fastweights.layers.fwl import FastWeightLayer, FWLOptions, tune_test_time_step_size
 from fastweights.models.lm import LanguageModel
 from fastweights.ops.fwl import (
     BLOCK_FAST,
@@ -333,6 +333,37 @@ def test_test_time_only_mode():
     params = {n: p.detach() for n, p in head.params().items()}
     ref = sgd_step_reference(h, labels, w, params, {n: torch.tensor(0.07, dtype=DT) for n in BLOCK_FAST}, 1.0)
     torch.testing.assert_close(y, ref, rtol=0, atol=1e-10)
+
+
+
+@pytest.mark.parametrize("decay_init", [0.9, 0.5, 0.25])
+def test_a_new_heads_segment_decays_start_at_decay_init(decay_init):
+    """gamma = sigmoid(rho) of each fast tensor starts at ``decay_init``: rho is initialised as logit(gamma), not
+    log(gamma) (which would start a 0.9 decay at 0.47). Mutation caught: ``math.log(opt.decay_init)`` (issue 49)."""
+    head = FastWeightLayer(6, 7, FWLOptions(hidden=4, segment_len=4, decay_init=decay_init))
+    decays = head.decays()
+    assert decays and all(float(g.detach()) == pytest.approx(decay_init, abs=1e-6) for g in decays.values())
+
+
+def test_tuning_the_test_time_step_size_weighs_every_window_once():
+    """The tuned loss of a step size is the mean over the windows: with 3 windows in batches of 2 the last
+    batch holds one window and counts once, so each grid value equals the mean of the windows' own losses (the
+    model run on one window at a time), and the best is the grid's lowest, set on the head. Mutation caught: a
+    short last batch weighed as a full one (``out.loss.item() * batch_size``, issue 49)."""
+    model = fwl_model(segment_len=0, test_time_only=True)
+    tokens = torch.randint(0, 11, (3 * 6 + 1,), generator=torch.Generator().manual_seed(7))
+    x, y = tokens[:-1].view(3, 6), tokens[1:].view(3, 6)
+    grid = [0.0, 0.5, 2.0]
+    want = {}
+    model.eval()
+    for step in grid:
+        model.head.options.test_time_step_size = step
+        with torch.no_grad():
+            want[step] = sum(model(x[i:i + 1], targets=y[i:i + 1]).loss.item() for i in range(3)) / 3
+    assert len(set(want.values())) == 3  # the step size matters here, so the weighting does too
+    out = tune_test_time_step_size(model, tokens, 6, grid, batch_size=2)
+    assert out["grid"] == pytest.approx(want, rel=1e-12)
+    assert out["best"] == min(want, key=want.get) == model.head.options.test_time_step_size
 
 
 # ----------------------------------------------------------------------------- in the language model

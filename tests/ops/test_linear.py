@@ -185,6 +185,24 @@ def test_a_call_whose_products_are_all_torchs_is_F_linear_itself(monkeypatch):
     lin.linear(x.detach(), w, b)
 
 
+@needs_onednn
+def test_under_no_grad_only_the_forward_kernel_counts_whatever_requires_grad(monkeypatch):
+    """Scoring with parameters (the FWL head's, a model's under ``torch.no_grad()``): the tensors require grad but
+    no gradient is computed, so the call is the forward's kernel alone, never the Python Function: ``F.linear``
+    itself where the forward is torch's (the backward products' oneDNN choice is irrelevant), oneDNN's kernel
+    directly where it is oneDNN's. Mutation caught: ``wants_grad`` ignoring ``torch.is_grad_enabled()`` (issue 49)."""
+    monkeypatch.setattr(lin._Linear, "apply", lambda *a: pytest.fail("the Function was used under no_grad"))
+    calls = _spy(monkeypatch)
+    x, w, b = _leaves((64, 32), 48)
+    with torch.no_grad():
+        monkeypatch.setattr(lin, "kernels_for", lambda *a: ["torch", "onednn", "onednn"])
+        torch.testing.assert_close(lin.linear(x, w, b), F.linear(x, w, b))
+        assert calls == []
+        monkeypatch.setattr(lin, "kernels_for", lambda *a: ["onednn", "torch", "torch"])
+        torch.testing.assert_close(lin.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        assert calls == [torch.float32]
+
+
 def test_tiny_calls_are_not_measured(monkeypatch):
     monkeypatch.setattr(lin, "measure", lambda *a, **k: pytest.fail("measured"))
     assert lin.kernels_for(4, 8, 8, False) == ["torch"] * 3
