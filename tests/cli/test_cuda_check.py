@@ -3,12 +3,12 @@ writes, and bad input is one line on stderr with exit status 2 (the GPU run itse
 benchmarks/results/cuda_check.json)."""
 
 import json
-from helpers import ROOT, run_script
+from helpers import HANG_GUARD_S, ROOT, run_script
 
 SCRIPT = ROOT / "benchmarks" / "gpu" / "cuda_check.py"
 
 
-def run(*args, timeout=60):
+def run(*args, timeout=HANG_GUARD_S):
     return run_script(SCRIPT, *args, timeout=timeout)
 
 
@@ -37,7 +37,7 @@ def test_cpu_dry_run_writes_every_part(tmp_path):
 def test_bad_input_is_one_line_and_exit_2(tmp_path):
     (tmp_path / "file").write_text("")
     for args in (["--device", "tpu"], ["--device", "cpu", "--out-dir", str(tmp_path / "file")], ["--bogus"]):
-        r = run(*args, timeout=30)
+        r = run(*args, timeout=HANG_GUARD_S)
         assert r.returncode == 2, (args, r.stdout, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("cuda_check: "), r.stderr
         assert not (tmp_path / "cuda_check.json").exists()

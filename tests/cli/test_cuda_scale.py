@@ -5,13 +5,13 @@ are benchmarks/results/cuda_scale.json and cuda_scale_kernels.json)."""
 
 import json
 import shlex
-from helpers import ROOT, run_script
+from helpers import HANG_GUARD_S, ROOT, run_script
 
 SCRIPT = ROOT / "benchmarks" / "gpu" / "cuda_scale.py"
 ITEMS = "models/ours_hybrid*,kernels/T32/*,fwpkm_layer/*_B1"
 
 
-def run(*args, timeout=400):
+def run(*args, timeout=HANG_GUARD_S):
     return run_script(SCRIPT, *args, timeout=timeout)
 
 
@@ -41,7 +41,7 @@ def test_cpu_dry_run_measures_our_side_and_records_the_rest(tmp_path):
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path):
     for args in (["--device", "tpu"], ["--budget-s", "0"], ["--bogus"]):
-        r = run(*args, "--out", str(tmp_path / "x.json"), timeout=60)
+        r = run(*args, "--out", str(tmp_path / "x.json"), timeout=HANG_GUARD_S)
         assert r.returncode == 2, (args, r.stdout, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("cuda_scale: "), r.stderr
         assert not (tmp_path / "x.json").exists()

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from fastweights.cli import main
+from helpers import HANG_GUARD_S
 
 COMMON = ["--preset", "tiny", "--quiet", "--set", "train.max_steps=6", "--set", "train.eval_every=0",
           "--set", "train.batch_size=8", "--set", "train.grad_accum=2", "--set", "train.threads=1"]
@@ -24,9 +25,9 @@ def torchrun(args, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "fastweights", "train", *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180, cwd=tmp_path)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=HANG_GUARD_S, cwd=tmp_path)
     if r.returncode != 0 and GLOO_ABORT in r.stderr and "--overwrite" not in args:
-        r = subprocess.run(cmd + ["--overwrite"], capture_output=True, text=True, env=env, timeout=180, cwd=tmp_path)
+        r = subprocess.run(cmd + ["--overwrite"], capture_output=True, text=True, env=env, timeout=HANG_GUARD_S, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
 
 

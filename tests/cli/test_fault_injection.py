@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from helpers import HANG_GUARD_S
 
 KILLS = 24
 STEPS = 40
@@ -37,7 +38,7 @@ def test_kill_9_at_random_instants_leaves_a_complete_checkpoint_that_resumes_bit
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, __file__, str(tmp_path)], env=env, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["kills"] >= 20

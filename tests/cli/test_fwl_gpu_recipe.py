@@ -10,14 +10,14 @@ import math
 
 import pytest
 import torch
-from helpers import ROOT, import_benchmark, run_script, tiny_llama_dir
+from helpers import HANG_GUARD_S, ROOT, import_benchmark, run_script, tiny_llama_dir
 
 from fastweights.layers.fwl import slow_part
 
 SCRIPT = ROOT / "benchmarks" / "gpu" / "fwl_smollm2_gpu.py"
 
 
-def run(*args, timeout=300):
+def run(*args, timeout=HANG_GUARD_S):
     return run_script(SCRIPT, *args, timeout=timeout)
 
 
@@ -198,7 +198,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, says):
     if "cuda" in args and torch.cuda.is_available():
         pytest.skip("CUDA is available here")
     out = tmp_path / "r.json"
-    r = run(*args, "--out", str(out), timeout=120)
+    r = run(*args, "--out", str(out), timeout=HANG_GUARD_S)
     assert r.returncode == 2 and says in r.stderr, r.stderr[-2000:]
     assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: ")
     assert not out.exists()

@@ -8,13 +8,13 @@ import json
 
 import pytest
 import torch
-from helpers import ROOT, import_benchmark, run_script
+from helpers import HANG_GUARD_S, ROOT, import_benchmark, run_script
 
 SCRIPT = ROOT / "benchmarks" / "gpu" / "gpu_queue.py"
 FAIL = "like/delta_op_T8192"
 
 
-def run(*args, timeout=300):
+def run(*args, timeout=HANG_GUARD_S):
     return run_script(SCRIPT, *args, timeout=timeout)
 
 
@@ -150,7 +150,7 @@ def test_done_items_leave_the_queue_and_a_summary_unpacks(gq, tmp_path, monkeypa
 def test_bad_input_is_one_line_and_exit_2(tmp_path):
     for args in (["--device", "tpu", "--tiny"], ["--device", "cpu"], ["--device", "cpu", "--tiny", "--minutes", "0"],
                  ["--device", "cpu", "--tiny", "--items", "nope/*"], ["--bogus"]):
-        r = run(*args, "--out", str(tmp_path), timeout=120)
+        r = run(*args, "--out", str(tmp_path), timeout=HANG_GUARD_S)
         assert r.returncode == 2, (args, r.stdout, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("gpu_queue: "), r.stderr
         assert not list(tmp_path.iterdir())

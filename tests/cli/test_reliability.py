@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from fastweights.cli import main
+from helpers import HANG_GUARD_S
 
 TINY = ["--preset", "tiny", "--quiet"]
 SHORT = [*TINY, "--set", "train.max_steps=6", "--set", "train.eval_every=0"]
@@ -343,7 +344,7 @@ def test_train_without_out_makes_a_dated_directory_and_warnings_are_one_line(tmp
     argv = [sys.executable, "-m", "fastweights", "train", "--preset", "tiny", "--quiet", "--set", 'model.head="fwl"',
             "--set", "train.max_steps=1", "--set", "train.eval_every=0", "--set", "train.eval_tokens=64",
             "--set", "train.warmup_steps=0"]
-    proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-2000:]
     made = sorted(p.name for p in (tmp_path / "runs").iterdir() if p.name != "latest")
     assert len(made) == 1 and re.fullmatch(r"tiny-\d{8}-\d{6}", made[0]), made

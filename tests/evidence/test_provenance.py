@@ -10,7 +10,7 @@ from pathlib import Path
 
 import fastweights.evidence.provenance as provenance_module
 from fastweights.evidence.provenance import cli_provenance, command_line, git_state, provenance, repo_relative
-from helpers import ROOT
+from helpers import HANG_GUARD_S, ROOT
 
 # Scripts that still add their folder to sys.path, with why (each entry must still be true, so the list
 # only shrinks): written while the other scripts were changed, by work in progress elsewhere.
@@ -62,5 +62,5 @@ def test_benchmark_scripts_import_without_sys_path_changes():
     for folder in sorted(folders):
         names = [p.stem for p in scripts if p.parent == ROOT / folder]
         r = subprocess.run([sys.executable, "-c", code, str(ROOT / folder), *names],
-                           capture_output=True, text=True, timeout=300, cwd="/")
+                           capture_output=True, text=True, timeout=HANG_GUARD_S, cwd="/")
         assert r.returncode == 0, f"{folder}: {r.stderr[-2000:]}"

@@ -7,7 +7,7 @@ import sys
 
 from fastweights.evidence import probes
 
-from helpers import BENCHMARKS, ROOT
+from helpers import HANG_GUARD_S, BENCHMARKS, ROOT
 
 
 def _record(name: str, spec: dict, summary: dict) -> dict:
@@ -38,5 +38,5 @@ def test_current_results_are_stamped_and_stale_ones_refused_untouched(tmp_path):
 
 def test_a_name_that_is_no_commit_is_one_line_and_status_2(tmp_path):
     out = subprocess.run([sys.executable, str(BENCHMARKS / "tools" / "stamp_probes.py"), "--verified-at", "nosuchrev",
-                          "--results", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                          "--results", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert out.returncode == 2 and out.stderr.strip().splitlines() == ["error: 'nosuchrev' is no commit of this repository"]

@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("lm_eval")
 
 import helpers  # noqa: E402
-from helpers import FakeTime, TimedLog  # noqa: E402
+from helpers import HANG_GUARD_S, FakeTime, TimedLog  # noqa: E402
 
 DOCS = [helpers.ROOT / "docs" / "lm-eval-harness.md", helpers.ROOT / "README.md"]
 PREFIX = "python -m fastweights.harness "
@@ -32,7 +32,7 @@ def documented_lines() -> list[str]:
     return [ln.strip() for doc in DOCS for ln in doc.read_text().splitlines() if ln.strip().startswith(PREFIX)]
 
 
-def run_harness(argv: list[str], cwd, timeout: float = 180) -> subprocess.CompletedProcess:
+def run_harness(argv: list[str], cwd, timeout: float = HANG_GUARD_S) -> subprocess.CompletedProcess:
     """``python -m fastweights.harness ARGV`` with CUDA hidden, offline, one thread (the test's speed only)."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "HF_DATASETS_OFFLINE": "1",

@@ -22,7 +22,7 @@ from fastweights import components as registry  # noqa: E402
 from fastweights.hf.ours_as_transformers import FastWeightsCache, FastWeightsConfig, FastWeightsForCausalLM  # noqa: E402
 import fastweights.hf.ours_as_transformers as hf_module  # noqa: E402
 from fastweights.models.lm import LanguageModel  # noqa: E402
-from helpers import component_fields
+from helpers import HANG_GUARD_S, component_fields
 
 VOCAB = 13
 MAX_ELEMENTS = 100_000  # parameters + buffers of one test model
@@ -311,7 +311,7 @@ def test_exported_directory_loads_for_dynamic_evaluation_in_a_fresh_process(tmp_
             "'--rule', 'sgd', '--lr', '0.01', '--segment-len', '4', '--context', '8']))")
     (tmp_path / "doc.txt").write_text(text)
     r = subprocess.run([sys.executable, "-c", code, str(out), str(tmp_path / "doc.txt")], capture_output=True,
-                       text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       text=True, timeout=HANG_GUARD_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout)
     assert got["static"]["tokens"] == got["dynamic"]["tokens"] == len(tok.encode(text)) - 1
@@ -336,7 +336,7 @@ def test_exported_directory_loads_with_trust_remote_code_and_asks_for_it_otherwi
             "m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
             "print(json.dumps(m(torch.tensor([json.loads(sys.argv[2])])).logits[0, -1].tolist()))\n")
     r = subprocess.run([sys.executable, "-c", code, str(out), json.dumps(x)], capture_output=True, text=True,
-                       timeout=120, stdin=subprocess.DEVNULL,
+                       timeout=HANG_GUARD_S, stdin=subprocess.DEVNULL,
                        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     first, logits = r.stdout.strip().splitlines()[-2:]

@@ -25,7 +25,7 @@ from fastweights.checkpoints.format import save_model  # noqa: E402
 from fastweights.core.config import ModelConfig, RunConfig  # noqa: E402
 from fastweights.data import build_tokenizer  # noqa: E402
 from fastweights.models.lm import LanguageModel  # noqa: E402
-from helpers import gpt2_tokenizer  # noqa: E402
+from helpers import HANG_GUARD_S, gpt2_tokenizer  # noqa: E402
 
 SRC = Path(fastweights.__file__).resolve().parents[1]
 TEXT = "ROMEO: But soft, what light through yonder window breaks? It is the east.\n" * 4
@@ -155,7 +155,7 @@ def test_plain_import_fastweights_stays_light():
     r = subprocess.run([sys.executable, "-W", "error", "-c",
                         "import sys, fastweights; print(sorted({'torch', 'transformers'} & set(sys.modules)))"],
                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(SRC)},
-                       stdin=subprocess.DEVNULL, timeout=120)
+                       stdin=subprocess.DEVNULL, timeout=HANG_GUARD_S)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
 
 

@@ -35,7 +35,7 @@ from fastweights.cli import main
 from fastweights.data import CORPORA, ByteTokenizer, load_corpus, split_corpus
 from fastweights.data.bundled import BUNDLED, EXTERNAL, HELDOUT_PLAYS, PTB_PIP, read_asset
 from fastweights.core.errors import UserError
-from helpers import ROOT as REPO
+from helpers import HANG_GUARD_S, ROOT as REPO
 from helpers import benchmark_script, import_benchmark
 
 # The development machines' data folder the corpora were copied from; only used, when present, to
@@ -225,7 +225,7 @@ def test_every_preset_corpus_resolves_in_a_clone_without_shared(tmp_path):
         outside = sorted({p for p in opened if not any(p == a or p.startswith(a.rstrip("/") + "/") for a in allowed)})
         print(json.dumps({"presets": result, "outside": outside}))
     """)
-    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(report["presets"]) == set(_presets())
