@@ -190,6 +190,17 @@ def _signal_after(step: int, signum: int, metrics, stop: threading.Event) -> thr
     return t
 
 
+def _not_json(constant: str):
+    raise AssertionError(f"{constant} is not JSON (RFC 8259): an interrupted run's summary.json held it (issue 49)")
+
+
+def test_json_text_writes_a_non_finite_number_as_null():
+    from fastweights.core.files import json_text
+
+    text = json_text({"a": float("nan"), "b": [float("inf"), 1.5, (float("-inf"),)], "c": {"d": 2}}, indent=None)
+    assert json.loads(text, parse_constant=_not_json) == {"a": None, "b": [None, 1.5, [None]], "c": {"d": 2}}
+
+
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_saves_the_step_and_resume_is_bit_exact(signum, code, tmp_path, capsys):
     args = [*TINY, "--set", "train.max_steps=30", "--set", "train.eval_every=10", "--set", "train.log_every=1"]
@@ -203,7 +214,7 @@ def test_a_signal_saves_the_step_and_resume_is_bit_exact(signum, code, tmp_path,
         stop.set()
     line = _err_line(capsys)
     k = json.loads((stopped / "checkpoint.json").read_text())["step"]
-    summary = json.loads((stopped / "summary.json").read_text())
+    summary = json.loads((stopped / "summary.json").read_text(), parse_constant=_not_json)  # strict JSON: no NaN
     assert 4 <= k < 30 and summary["steps"] == k and summary["interrupted_by"] == signal.Signals(signum).name
     assert f"holds the checkpoint of step {k}" in line and signal.Signals(signum).name in line
     assert main(["train", "--resume", "--quiet", "--out", str(stopped)]) == 0

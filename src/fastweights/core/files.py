@@ -174,6 +174,24 @@ def open_nofollow(path: Path, flags: int, what: str = "", root: Path | None = No
         raise
 
 
+def json_text(obj, indent: int | None = 2) -> str:
+    """``obj`` as strict JSON (RFC 8259 has no NaN or Infinity, which json.dumps writes and other readers refuse):
+    a non-finite float becomes null."""
+    import json
+    import math
+
+    def finite(o):
+        if isinstance(o, float) and not math.isfinite(o):
+            return None
+        if isinstance(o, dict):
+            return {k: finite(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return [finite(v) for v in o]
+        return o
+
+    return json.dumps(finite(obj), indent=indent, allow_nan=False)
+
+
 def atomic_write(path: Path, write, root: Path | None = None, what: str = "") -> None:
     """Call ``write(tmp_path)``, fsync, then rename the temporary file onto ``path``.
 

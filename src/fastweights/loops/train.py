@@ -27,7 +27,7 @@ from fastweights.core.distributed import (all_finite, all_mean, barrier, close_d
                                      init_distributed, load_full_state, values_from_rank0, wrap_model)
 from fastweights.core.config import RunConfig
 from fastweights.core.errors import UserError
-from fastweights.core.files import atomic_write, make_dirs, open_nofollow, save_figure
+from fastweights.core.files import atomic_write, json_text, make_dirs, open_nofollow, save_figure
 from fastweights.models.lm import LanguageModel, detach_state
 from fastweights.core.progress import Progress
 from fastweights.core.threads import use_threads
@@ -342,7 +342,7 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_ram, dist, dev
 
     def write_log(rec: dict) -> None:
         if log is not None:
-            log.write(json.dumps(rec) + "\n")
+            log.write(json_text(rec, indent=None) + "\n")  # a diverged loss: null, not NaN
             log.flush()
         if tb is not None:
             for k, v in rec.items():
@@ -498,7 +498,7 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_ram, dist, dev
 
         summary["interrupted_by"] = signal.Signals(signum).name
     if dist.main:
-        atomic_write(out_dir / "summary.json", lambda p: p.write_text(json.dumps(summary, indent=2) + "\n"),
+        atomic_write(out_dir / "summary.json", lambda p: p.write_text(json_text(summary) + "\n"),  # NaN: null
                      root=out_dir)
         plot_loss_curve(log_path, out_dir / "loss_curve.png", root=out_dir)
     if signum is not None:
@@ -560,9 +560,9 @@ def plot_loss_curve(metrics_path: Path, png_path: Path, root: Path | None = None
             rec = json.loads(line)
         except ValueError:  # a line torn by a kill
             continue
-        if "loss" in rec:
+        if rec.get("loss") is not None:  # null: a loss that was not finite
             train_pts.append((rec["step"], rec["loss"] / math.log(2)))
-        if "val_loss" in rec:
+        if rec.get("val_bits") is not None:
             val_pts.append((rec["step"], rec["val_bits"]))
     fig, ax = plt.subplots(figsize=(6, 4))
     if train_pts:
