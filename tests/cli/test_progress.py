@@ -28,6 +28,15 @@ def test_eta_from_rate():
     assert line.startswith("train | 10/100 steps | 1.0 steps/s") and line.endswith("ETA 01:30")
 
 
+def test_a_resumed_runs_rate_and_eta_count_only_this_processs_work():
+    """Issue 49: after a resume at step 804 the line read 97,430,925 steps/s (all steps since 0 over this
+    process's time). The steps done before are in the count, not in the rate or the ETA."""
+    bar = Progress(1500, "steps", desc="train", min_interval=0, initial=804)
+    bar.update(10)
+    line = _line(bar, 25.0)  # 10 steps in 25 s: 2.5 s/step, 686 to go
+    assert line.startswith("train | 814/1,500 steps | 2.5 s/step") and line.endswith("ETA 28:35")
+
+
 def test_eta_never_exceeds_the_time_budget():
     bar = Progress(5000, "steps", desc="train", time_limit=300.0)
     bar.n = 40

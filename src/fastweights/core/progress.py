@@ -64,12 +64,15 @@ class Progress:
     training time budget), so the ETA never exceeds it; ``bar.until_time_limit = True`` says that limit
     is the one that binds (the total is then what it allows), and the ETA is the time left to it.
     ``clock``: what elapsed time, rate and ETA count, wall-clock seconds (default, ``time.perf_counter``)
-    or ``time.process_time`` (shown as ``cpu``), which must match the clock of ``time_limit``.
+    or ``time.process_time`` (shown as ``cpu``), which must match the clock of ``time_limit``. ``initial``: the
+    count done before this process (a resumed run's steps): shown in the count, left out of the rate and ETA,
+    which measure only this process's work.
     """
 
     def __init__(self, total: float | None, unit: str = "it", desc: str = "", enabled: bool = True,
                  min_interval: float = 0.2, log_interval: float = 8.0, stream=None, time_limit: float | None = None,
-                 clock=None, first_interval: float = 2.0, approximate: bool = False, loss_unit: str = ""):
+                 clock=None, first_interval: float = 2.0, approximate: bool = False, loss_unit: str = "",
+                 initial: float = 0.0):
         self.total, self.unit, self.desc, self.enabled = total, unit, desc, enabled
         self.loss_unit = loss_unit
         self.approximate = approximate
@@ -80,7 +83,7 @@ class Progress:
         self.stream = stream or sys.stderr
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.interval = min_interval if self.tty else log_interval
-        self.n = 0.0
+        self.n = self.initial = float(initial)
         self.start = self.clock()
         # redraw timing is always wall-clock; a log prints its first line first_interval seconds in
         self.last = time.perf_counter() - (0.0 if self.tty else max(0.0, self.interval - first_interval))
@@ -124,7 +127,7 @@ class Progress:
     def line(self, now: float, final: bool = False) -> str:
         """The progress line at clock time ``now`` (``final``: the closing line, without an ETA)."""
         elapsed = now - self.start
-        rate = self.n / elapsed if elapsed > 0 else 0.0
+        rate = (self.n - self.initial) / elapsed if elapsed > 0 else 0.0  # this process's work only
         parts = [self.desc] if self.desc else []
         if self.total:
             parts.append(f"{_fmt_count(self.n)}/{'~' if self.approximate else ''}{_fmt_count(self.total)} {self.unit}")

@@ -268,9 +268,8 @@ def train_head(model, cache_dir: str | Path, out_dir: str | Path, backbone_name:
         save_fwl_head(model, out_dir, backbone_name, step=step, trainer_state=ts)
 
     model.train()
-    bar = Progress(budget_cpu_s, "CPU-sec", desc="train fwl head", enabled=progress, time_limit=budget_cpu_s,
-                   clock=time.process_time)
-    bar.update(used_cpu)
+    bar = Progress(budget_cpu_s, "CPU-sec", desc="train fwl head", enabled=progress, time_limit=budget_cpu_s - used_cpu,
+                   clock=time.process_time, initial=used_cpu)  # a resumed run's CPU seconds: not in the rate
     # the budget clock continues from the CPU seconds a resumed run had spent
     start, last_save = time.process_time() - used_cpu, time.process_time()
     stop = StopSignals()  # SIGINT/SIGTERM: finish the step, save, say how to continue

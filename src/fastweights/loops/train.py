@@ -392,8 +392,8 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_ram, dist, dev
                         n_params=model.num_parameters(), state=saved_unit["state"].get("schedule") if resume else None,
                         step=step)
     bar = Progress(tc.max_steps, "steps", desc="train", enabled=progress, loss_unit="nats",
-                   time_limit=schedule.training_time() - elapsed_before if schedule.timed else None, clock=clock)
-    bar.n = step
+                   time_limit=schedule.training_time() - elapsed_before if schedule.timed else None, clock=clock,
+                   initial=step)  # a resumed run's steps: counted, not in the rate
     bar.show()  # the total at once: the first step may take long (a large model, a busy machine, compilation)
     t0 = clock()
     wrapped.train()
