@@ -258,7 +258,7 @@ def accumulate_grad_stats(forward: Callable, leaves: list[torch.Tensor], names: 
     # fp32 sums (fp64 for fp64 parameters: no fp32 rounding in an fp64 model's statistics)
     sums = [torch.zeros_like(p, dtype=torch.float64 if p.dtype == torch.float64 else torch.float32) for p in leaves]
     state = None
-    bar = Progress(steps, "batches", desc="dynamic eval: gradient statistics", enabled=progress, loss_unit="nats")
+    bar = Progress(steps, "batches", desc="gradient statistics (MS_g)", enabled=progress, loss_unit="nats")
     for i in range(steps):
         a = i * seq_len
         b = min(a + seq_len, per_stream - 1)
