@@ -379,3 +379,11 @@ def test_eval_stream_without_out_writes_fresh_names(run, doc, tmp_path, monkeypa
     assert len(made) == 2 and all(sorted(q.name for q in d.iterdir()) == ["stream.json", "stream.png"] for d in made), made
     assert all(d.name.startswith("stream-") for d in made)
     assert (tmp_path / "runs" / "stream.json").read_text() == "earlier"
+
+
+def test_train_names_the_unit_eval_names(tmp_path, capsys):
+    """A character model's validation loss is bits per char in train's last line, as in eval's (issue 49: train
+    said bits/token)."""
+    assert main(["train", *TINY, "--set", "train.max_steps=2", "--out", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "bits/char ->" in out and "bits/token" not in out

@@ -141,8 +141,9 @@ def cmd_train(args) -> int:
                     overwrite=args.overwrite, force_ram=args.force_ram)
     if summary.get("processes", 1) > 1 and int(__import__("os").environ.get("RANK", "0")) != 0:
         return 0
+    per = {"char": "char", "byte": "byte"}.get(summary["tokenizer"], "token")  # as eval says: a char model's bits/char
     print(json.dumps(summary, indent=2) if args.json else
-          f"done: {summary['steps']} steps, val {summary['val_bits_per_token']:.4f} bits/token -> {args.out}")
+          f"done: {summary['steps']} steps, val {summary['val_bits_per_token']:.4f} bits/{per} -> {args.out}")
     return 0
 
 
