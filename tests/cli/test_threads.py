@@ -159,3 +159,29 @@ def test_the_command_line_lets_idle_openmp_threads_sleep_unless_told_otherwise()
     code = "import torch, fastweights.cli, os; print(os.environ.get('OMP_WAIT_POLICY'))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "None"  # torch (and OpenMP) already loaded: too late, so nothing is set
+
+
+def test_the_demo_continues_its_own_run_and_refuses_any_other(tmp_path):
+    """An interrupted demo continues on the same --out (issue 49: it had no --resume and its message said to use
+    one); a folder holding another run is refused, never replaced (issue 52)."""
+    from fastweights.core.errors import UserError
+
+    cfg = make_config(demo.PRESET, ["train.max_steps=3", "train.max_minutes=0", "train.threads=1",
+                                    "train.eval_every=0"])
+    assert demo.demo_run_step(tmp_path / "none", cfg) is None
+    train(make_config(demo.PRESET, ["train.max_steps=2", "train.max_minutes=0", "train.threads=1",
+                                    "train.eval_every=0"]), tmp_path / "other_steps", progress=False)
+    train(cfg, tmp_path / "own", progress=False)
+    assert demo.demo_run_step(tmp_path / "own", cfg) == 3
+    # the thread count is not part of the run: another machine continues it
+    assert demo.demo_run_step(tmp_path / "own", make_config(demo.PRESET, [
+        "train.max_steps=3", "train.max_minutes=0", "train.threads=2", "train.eval_every=0"])) == 3
+    with pytest.raises(UserError, match="never replaces"):
+        demo.demo_run_step(tmp_path / "other_steps", cfg)
+    train(make_config("tiny", ["train.max_steps=1"]), tmp_path / "tiny", progress=False)
+    with pytest.raises(UserError, match="never replaces"):
+        demo.demo_run_step(tmp_path / "tiny", cfg)
+    (tmp_path / "loose").mkdir()
+    (tmp_path / "loose" / "config.json").write_text("{}")
+    with pytest.raises(UserError, match="never replaces"):
+        demo.demo_run_step(tmp_path / "loose", cfg)

@@ -7,6 +7,11 @@ moves the last bits only): the steps, not a clock, end the training, so a busy o
 instead of training less. :data:`DEMO_STEPS` were chosen to fit about five minutes on an idle 2-core machine
 with two threads; before training, eight steps are timed, and a machine that would take much longer than
 that is told so with its own estimate.
+
+An interrupted demo continues where it stopped: run it again on the same ``--out``. A folder holding this
+demo's run (the same preset and steps) resumes its training from the last checkpoint, then runs the later
+stages (evaluation, dynamic evaluation, the sample: deterministic, a minute), so the model and ``demo.json``'s
+scores are those of an uninterrupted demo. A folder holding any other run is refused, never replaced.
 """
 
 from __future__ import annotations
@@ -67,23 +72,55 @@ def slow_machine_warning(steps: int, rate: float) -> str | None:
             "will be the same, only later")
 
 
+def demo_run_step(out: Path, cfg) -> int | None:
+    """The step of the demo's own checkpoint in ``out`` (its preset's model, data and training settings, the
+    thread count aside), None when ``out`` holds no run; a UserError when it holds another run."""
+    from dataclasses import replace
+
+    from fastweights.checkpoints.run_dir import describe_run
+    from fastweights.core.errors import UserError
+    from fastweights.models.loading import read_run_config
+
+    held = describe_run(out)
+    if held is None:
+        return None
+    try:
+        saved = read_run_config(out)
+    except UserError:
+        saved = None
+    same = saved is not None and replace(saved.train, threads=0) == replace(cfg.train, threads=0) and \
+        saved.data == cfg.data and saved.model == replace(cfg.model, vocab_size=saved.model.vocab_size)
+    if not same or not held.startswith("a checkpoint at step"):
+        raise UserError(f"--out {out} already holds {held}, not this demo's run: the demo never replaces a run; "
+                        "choose another --out")
+    return int(held.rsplit(" ", 1)[1])
+
+
 def run_demo(out: Path, steps: int = DEMO_STEPS, threads: int = 0) -> int:
     from fastweights.adapt.evaluate import demo_dynamic
     from fastweights.data import load_corpus, split_corpus
     from fastweights.loops.evaluate import evaluate_documents
     from fastweights.loops.generate import generate_tokens
-    from fastweights.loops.train import train
+    from fastweights.loops.train import RunInterrupted, train
     from fastweights.models.loading import load_checkpoint
 
     threads = use_threads("training", threads)  # decided once: train() below is given the count
     cfg = make_config(PRESET, [f"train.max_steps={steps}", "train.max_minutes=0", f"train.threads={threads}"])
+    done = demo_run_step(out, cfg)  # this demo's checkpoint in out: continue it (None: a new run)
     rate = timed_steps_per_s(cfg)
-    print(f"== training a char-level Transformer on tinyshakespeare for {steps:,} steps on {threads} CPU "
-          f"thread{'s' if threads > 1 else ''} (about {steps / rate / 60:.0f} minutes here)")
-    warning = slow_machine_warning(steps, rate)
+    left = steps - (done or 0)
+    what = f"continuing the demo in {out} from step {done:,}: {left:,} steps" if done is not None else \
+        f"training a char-level Transformer on tinyshakespeare for {steps:,} steps"
+    print(f"== {what} on {threads} CPU thread{'s' if threads > 1 else ''} (about {left / rate / 60:.0f} minutes "
+          "here)")
+    warning = slow_machine_warning(left, rate)
     if warning:
         print(warning, file=sys.stderr)
-    summary = train(cfg, out)
+    try:
+        summary = train(cfg, out, resume=done is not None)
+    except RunInterrupted as e:  # saved: the same command continues it (the demo has no --resume)
+        raise RunInterrupted(str(e).replace("continue with --resume", "run the demo again with the same --out "
+                                            "to continue"), e.exit_code) from None
     print(f"   {summary['steps']:,} steps in {summary['elapsed_s']:.0f} s, {summary['parameters']:,} parameters; "
           f"validation {summary['val_bits_per_token']:.3f} bits/char")
 
