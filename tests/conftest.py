@@ -20,6 +20,15 @@ torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import helpers` from every folder of tests/
 
 
+def pytest_runtest_logreport(report):
+    """A failing test's name on stderr the moment it fails (issue 49: under ``-q`` a suite killed by a time limit on a
+    busy machine lost every failure's name with the summary it never printed). With xdist this runs in the
+    controller, which receives every worker's reports."""
+    if report.failed and not hasattr(report, "wasxfail") and "PYTEST_XDIST_WORKER" not in os.environ:
+        sys.stderr.write(f"\nFAILED {report.nodeid} ({report.when})\n")
+        sys.stderr.flush()
+
+
 @pytest.fixture(autouse=True)
 def one_thread():
     """Every test starts on one thread, whatever an earlier test set (a training run's train.threads, say)."""
