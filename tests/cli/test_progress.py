@@ -37,6 +37,24 @@ def test_a_resumed_runs_rate_and_eta_count_only_this_processs_work():
     assert line.startswith("train | 814/1,500 steps | 2.5 s/step") and line.endswith("ETA 28:35")
 
 
+def test_a_cpu_second_eta_shows_the_wall_time_it_takes_here():
+    """Issue 49: fwl-head train --minutes 3 (CPU minutes) took 30 wall minutes on a busy machine, and the line
+    showed only the CPU ETA. Beside it: the wall time at this process's share of a core so far."""
+    bar = Progress(100, "CPU-sec", desc="train", min_interval=0, clock=time.process_time)
+    wall = iter([0.0, 40.0])  # 40 wall seconds for the 10 CPU seconds below: a quarter of a core
+    bar.wall_clock = lambda: next(wall)
+    bar.wall_start = bar.wall_clock()
+    bar.update(10)
+    assert _line(bar, 10.0).endswith("ETA 01:30 (wall ~06:00)")
+    idle = Progress(100, "CPU-sec", min_interval=0, clock=time.process_time)
+    idle.wall_clock, idle.wall_start = (lambda: 5.0), 0.0  # a second thread: fewer wall than CPU seconds
+    idle.update(10)
+    assert _line(idle, 10.0).endswith("ETA 01:30 (wall ~01:30)")
+    wall_clock = Progress(100, "steps", min_interval=0)
+    wall_clock.update(10)
+    assert _line(wall_clock, 10.0).endswith("ETA 01:30")  # a wall-clock budget: its ETA is already wall time
+
+
 def test_eta_never_exceeds_the_time_budget():
     bar = Progress(5000, "steps", desc="train", time_limit=300.0)
     bar.n = 40

@@ -66,7 +66,9 @@ class Progress:
     ``clock``: what elapsed time, rate and ETA count, wall-clock seconds (default, ``time.perf_counter``)
     or ``time.process_time`` (shown as ``cpu``), which must match the clock of ``time_limit``. ``initial``: the
     count done before this process (a resumed run's steps): shown in the count, left out of the rate and ETA,
-    which measure only this process's work.
+    which measure only this process's work. With the CPU clock the ETA is in CPU seconds, and the wall-clock
+    time it will take at this process's share of a core so far is shown beside it (``ETA 05:00 (wall ~12:30)``):
+    on a busy machine a CPU-minute budget takes many wall minutes.
     """
 
     def __init__(self, total: float | None, unit: str = "it", desc: str = "", enabled: bool = True,
@@ -85,6 +87,8 @@ class Progress:
         self.interval = min_interval if self.tty else log_interval
         self.n = self.initial = float(initial)
         self.start = self.clock()
+        self.wall_clock = time.perf_counter  # beside a CPU clock: how its seconds turn into wall seconds
+        self.wall_start = self.wall_clock()
         # redraw timing is always wall-clock; a log prints its first line first_interval seconds in
         self.last = time.perf_counter() - (0.0 if self.tty else max(0.0, self.interval - first_interval))
         self.fields: dict = {}
@@ -147,7 +151,11 @@ class Progress:
             if self.time_limit is not None:
                 limit = max(0.0, self.time_limit - elapsed)
                 eta = limit if self.until_time_limit else min(eta, limit)
-            parts.append(f"ETA {_fmt_time(eta)}")
+            wall = ""
+            if self.clock is time.process_time and elapsed > 0:  # CPU seconds: the wall time they will take here
+                per_cpu_s = max(1.0, (self.wall_clock() - self.wall_start) / elapsed)
+                wall = f" (wall ~{_fmt_time(eta * per_cpu_s)})"
+            parts.append(f"ETA {_fmt_time(eta)}{wall}")
         return " | ".join(parts)
 
     def _draw(self, now: float, final: bool = False) -> None:
