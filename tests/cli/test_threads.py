@@ -185,3 +185,24 @@ def test_the_demo_continues_its_own_run_and_refuses_any_other(tmp_path):
     (tmp_path / "loose" / "config.json").write_text("{}")
     with pytest.raises(UserError, match="never replaces"):
         demo.demo_run_step(tmp_path / "loose", cfg)
+
+
+@pytest.mark.parametrize("cores, busy, threads, warned", [(2, 0.1, 2, False), (2, 0.9, 2, True), (2, 0.9, 1, False),
+                                                          (2, 1.9, 1, True), (8, 2.0, 4, False)])
+def test_a_cpu_budget_on_a_busy_machine_is_warned_about(monkeypatch, cores, busy, threads, warned):
+    """Issue 49: the niah-token preset's 15 CPU-minutes took hours of wall time on a busy machine, unannounced."""
+    monkeypatch.setattr(threads_module, "usable_cores", lambda: cores)
+    monkeypatch.setattr(threads_module, "busy_cores", lambda sample_s=0.0: busy)
+    warning = threads_module.busy_machine_warning(threads, 900.0)
+    assert (warning is not None) == warned
+    if warned:
+        assert warning.startswith("warning: ") and "15.0 CPU-minutes" in warning
+
+
+def test_train_warns_of_a_busy_machine_only_for_a_cpu_budget(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(threads_module, "busy_cores", lambda sample_s=0.0: 5.0)
+    monkeypatch.setattr(threads_module, "usable_cores", lambda: 2)
+    for clock, warned in (("cpu", True), ("wall", False)):
+        cfg = make_config("tiny", ["train.max_steps=1", "train.max_minutes=5", f"train.budget_clock={clock}"])
+        train(cfg, tmp_path / clock, progress=True)
+        assert ("CPU-minutes" in capsys.readouterr().err) == warned

@@ -80,6 +80,17 @@ def training_threads(sample_s: float = _SAMPLE_S) -> int:
     return max(1, min(usable_cores(), round(usable_cores() - busy_cores(sample_s))))
 
 
+def busy_machine_warning(threads: int, budget_cpu_s: float, sample_s: float = _SAMPLE_S) -> str | None:
+    """What to tell a user whose CPU-second budget will take longer in wall time because other work keeps the cores
+    this run's ``threads`` need busy (None on a machine with a core free per thread)."""
+    busy, cores = busy_cores(sample_s), usable_cores()
+    if cores - busy >= threads - 0.25:  # a quarter of a core of noise is not a busy machine
+        return None
+    return (f"warning: other work keeps {busy:.1f} of this machine's {cores} cores busy: the budget of "
+            f"{budget_cpu_s / 60:,.1f} CPU-minutes on {threads} thread{'s' if threads > 1 else ''} will take longer "
+            "in wall time (the progress line shows both ETAs)")
+
+
 def _omp_threads() -> int | None:
     """``OMP_NUM_THREADS`` as a count, or None when unset or not a positive integer (torch ignores it then)."""
     value = os.environ.get("OMP_NUM_THREADS", "").strip()

@@ -34,6 +34,7 @@ trained on, with one warning.
 from __future__ import annotations
 
 import json
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -268,6 +269,12 @@ def train_head(model, cache_dir: str | Path, out_dir: str | Path, backbone_name:
         save_fwl_head(model, out_dir, backbone_name, step=step, trainer_state=ts)
 
     model.train()
+    if progress and budget_cpu_s - used_cpu > 0:  # CPU-minutes on a busy machine take longer: say so at the start
+        from fastweights.core.threads import busy_machine_warning
+
+        warning = busy_machine_warning(torch.get_num_threads(), budget_cpu_s - used_cpu)
+        if warning:
+            print(warning, file=sys.stderr)
     bar = Progress(budget_cpu_s, "CPU-sec", desc="train fwl head", enabled=progress, time_limit=budget_cpu_s - used_cpu,
                    clock=time.process_time, initial=used_cpu)  # a resumed run's CPU seconds: not in the rate
     # the budget clock continues from the CPU seconds a resumed run had spent

@@ -30,7 +30,7 @@ from fastweights.core.errors import UserError
 from fastweights.core.files import atomic_write, json_text, make_dirs, open_nofollow, save_figure
 from fastweights.models.lm import LanguageModel, detach_state
 from fastweights.core.progress import Progress
-from fastweights.core.threads import use_threads
+from fastweights.core.threads import busy_machine_warning, use_threads
 from fastweights.loops.signals import SetupSignals, StopSignals, agreed_signal
 from fastweights.loops.schedule import Schedule, check_optimizer_state, make_optimizer, minutes
 
@@ -385,6 +385,10 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_ram, dist, dev
     micro = tc.batch_size // dist.world  # rows of the global micro-batch on this rank
     tokens_per_step = tc.batch_size * tc.seq_len * tc.grad_accum
     budget = tc.max_minutes * 60 if tc.max_minutes > 0 else math.inf
+    if progress and clock is time.process_time and math.isfinite(budget):  # CPU-minutes on a busy machine: say so
+        warning = busy_machine_warning(torch.get_num_threads(), budget)
+        if warning:
+            print(warning, file=sys.stderr)
     val_windows = min(len(data.val) - 1, tc.eval_tokens) // tc.seq_len
     # the learning rate of every step, and (with a budget) the step after which the run stops in time for its
     # final validation and save
