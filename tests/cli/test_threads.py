@@ -206,3 +206,19 @@ def test_train_warns_of_a_busy_machine_only_for_a_cpu_budget(tmp_path, monkeypat
         cfg = make_config("tiny", ["train.max_steps=1", "train.max_minutes=5", f"train.budget_clock={clock}"])
         train(cfg, tmp_path / clock, progress=True)
         assert ("CPU-minutes" in capsys.readouterr().err) == warned
+
+
+def test_a_thread_count_past_four_per_core_is_refused_in_one_line(monkeypatch, tmp_path, capsys):
+    """Issue 52: --threads 5000 hung a 2-core machine and 100000 crashed torch; now one line, exit 2, nothing
+    written."""
+    from fastweights.cli import main
+    from fastweights.core.errors import UserError
+
+    monkeypatch.setattr(threads_module, "usable_cores", lambda: 2)
+    assert threads_module.use_threads("scoring", 8) == 8
+    torch.set_num_threads(1)
+    with pytest.raises(UserError, match="at most 8"):
+        threads_module.use_threads("scoring", 9)
+    assert main(["train", "--preset", "tiny", "--out", str(tmp_path / "run"), "--set", "train.threads=5000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and len(err.splitlines()) == 1 and not (tmp_path / "run").exists()

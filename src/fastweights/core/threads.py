@@ -28,6 +28,7 @@ import sys
 import time
 
 SCORING_THREADS = 1
+MAX_THREADS_PER_CORE = 4  # more threads than this per usable core only thrash (and tens of thousands crash torch)
 #: a command's kind of work -> what 0 (the default) threads means for it
 WORK = {"scoring": "one thread (scoring and sampling)",
         "training": "the cores idle when it starts",
@@ -106,6 +107,11 @@ def use_threads(work: str, requested: int | None = 0) -> int:
 
     if work not in WORK:
         raise ValueError(f"unknown kind of work {work!r}; one of {', '.join(WORK)}")
+    most = MAX_THREADS_PER_CORE * usable_cores()
+    if requested and requested > most:  # 5,000 threads hung a 2-core machine, 100,000 crashed torch (issue 52)
+        from fastweights.core.errors import UserError
+
+        raise UserError(f"threads={requested}: at most {most} ({MAX_THREADS_PER_CORE} per core this process may use)")
     count = requested if requested and requested > 0 else _omp_threads()
     if count is None:
         count = training_threads() if work == "training" else SCORING_THREADS
