@@ -416,9 +416,14 @@ def check_shapes(expected: dict, got: dict, where: str) -> None:
 
 def check_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
     """Refuse weights that do not fit ``model`` (one line naming the first mismatching tensor) or are not finite."""
-    check_shapes({k: tuple(v.shape) for k, v in model.state_dict().items()},
+    expected = model.state_dict()
+    check_shapes({k: tuple(v.shape) for k, v in expected.items()},
                  {k: tuple(v.shape) for k, v in tensors.items()}, where)
     for name, t in tensors.items():
+        if expected[name].is_floating_point() and not t.is_floating_point():  # copied in, 0.7 would read as 0
+            raise UserError(f"{where}: tensor {name} is {str(t.dtype).removeprefix('torch.')} in model.safetensors "
+                            f"where the model holds {str(expected[name].dtype).removeprefix('torch.')}; these "
+                            "weights are not this model's (an integer tensor loses every fraction)")
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise UserError(f"{where}: tensor {name} holds NaN or inf values; these weights are unusable "
                             "(saved from a diverged run?)")
