@@ -23,7 +23,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from helpers import HANG_GUARD_S
 
 KILLS = 24
 STEPS = 40
@@ -35,6 +34,8 @@ PAUSE = "0.002"  # seconds at each phase of a save
 
 
 def test_kill_9_at_random_instants_leaves_a_complete_checkpoint_that_resumes_bit_exactly(tmp_path):
+    from helpers import HANG_GUARD_S  # here, not at the top: this file also runs as a script, without tests/ on the path
+
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, __file__, str(tmp_path)], env=env, capture_output=True, text=True,

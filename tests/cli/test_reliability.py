@@ -387,3 +387,28 @@ def test_train_names_the_unit_eval_names(tmp_path, capsys):
     assert main(["train", *TINY, "--set", "train.max_steps=2", "--out", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
     assert "bits/char ->" in out and "bits/token" not in out
+
+
+def test_overwrite_never_clears_a_users_files(tmp_path, capsys):
+    """Issue 52: a folder holding only a user's config.json was described as a run, the message suggested
+    --overwrite, and --overwrite deleted the config.json and the folder's whole tensorboard/ tree."""
+    user = tmp_path / "user"
+    (user / "tensorboard").mkdir(parents=True)
+    (user / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    (user / "tensorboard" / "notes.txt").write_text("mine")
+    for extra in ([], ["--overwrite"]):
+        assert main(["train", *TINY, "--set", "train.max_steps=1", "--set", "train.warmup_steps=0", "--out", str(user), *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "not a fastweights run" in err and "--overwrite" not in err.split("holds")[0] and len(err.splitlines()) == 1
+    assert (user / "config.json").read_text().startswith('{"architectures"')
+    assert (user / "tensorboard" / "notes.txt").read_text() == "mine"
+    # a run of ours with tensorboard events and a user's file in tensorboard/: --overwrite removes only the events
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--set", "train.max_steps=1", "--set", "train.log=tensorboard", "--out", str(run)]) == 0
+    assert list((run / "tensorboard").rglob("events.out.tfevents.*"))
+    (run / "tensorboard" / "notes.txt").write_text("mine")
+    old = {p.name for p in (run / "tensorboard").rglob("events.out.tfevents.*")}
+    assert main(["train", *TINY, "--set", "train.max_steps=1", "--set", "train.log=tensorboard", "--out", str(run),
+                 "--overwrite"]) == 0
+    assert (run / "tensorboard" / "notes.txt").read_text() == "mine"
+    assert not old & {p.name for p in (run / "tensorboard").rglob("events.out.tfevents.*")}

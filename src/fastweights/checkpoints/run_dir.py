@@ -66,11 +66,28 @@ def check_run_links(out: Path, tensorboard: bool = False) -> None:
             refuse_links(out, p, "the token cache")
 
 
+FOREIGN = "files that are not a fastweights run's"  # describe_run's answer for a folder no --overwrite may clear
+
+
+def is_run_config(path: Path) -> bool:
+    """Whether ``path`` is a run's config.json (a table with model, data and train), not a user's own file of that
+    name (a Hugging Face config, notes)."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(d, dict) and all(isinstance(d.get(k), dict) for k in ("model", "data", "train"))
+
+
 def describe_run(out: Path) -> str | None:
-    """What run ``out`` holds ("a checkpoint at step 690", ...), or None if it holds none."""
+    """What run ``out`` holds ("a checkpoint at step 690", ...), None if it holds none, or :data:`FOREIGN` (with
+    the file named) when it holds a config.json that is not a run's: train refuses such a folder, --overwrite
+    too (issue 52: it deleted a user's config.json and tensorboard/ tree)."""
     out = Path(out)
     if not out.is_dir():
         return None
+    if (out / "config.json").is_file() and not is_run_config(out / "config.json"):
+        return f"{FOREIGN} (config.json)"
     for name in (MANIFEST, f"{PENDING}/{MANIFEST}"):
         if (out / name).is_file():
             try:
@@ -101,6 +118,13 @@ def remove_run(out: Path) -> None:
     for name in RUN_DIRS:
         if (out / name).is_symlink():
             (out / name).unlink()
+        elif name == "tensorboard" and (out / name).is_dir():  # the run's event files only, never a user's files
+            for p in (out / name).rglob("events.out.tfevents.*"):
+                if p.is_file() and not p.is_symlink():
+                    p.unlink()
+            for d in sorted((p for p in (out / name).rglob("*") if p.is_dir()), reverse=True) + [out / name]:
+                if not any(d.iterdir()):
+                    d.rmdir()
         elif (out / name).is_dir():
             shutil.rmtree(out / name)
     for p in out.glob(f"{TMP_PREFIX}*"):

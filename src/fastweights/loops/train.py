@@ -200,7 +200,8 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
     (:mod:`fastweights.loops.schedule`).
     """
     from fastweights.models.size import check_deep_model, meta_model
-    from fastweights.checkpoints.run_dir import Restore, RunLock, check_out_dir, check_run_links, describe_run
+    from fastweights.checkpoints.run_dir import (FOREIGN, Restore, RunLock, check_out_dir, check_run_links,
+                                                 describe_run)
     from fastweights.checkpoints.config_checks import validate_config
 
     out_dir = Path(out_dir)
@@ -226,6 +227,9 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False, progress: bool = 
         if lock is not None:
             lock.acquire()
             held = describe_run(out_dir)
+            if held is not None and held.startswith(FOREIGN):
+                raise UserError(f"--out {out_dir} holds {held}: a run never replaces them, --overwrite neither; "
+                                "choose another --out")
             if held is not None and not resume and not overwrite:
                 hint = "pass --resume to continue it, --overwrite" if "checkpoint" in held else "it has no checkpoint to " \
                     "resume (a run that diverged or stopped before its first save); pass --overwrite"
