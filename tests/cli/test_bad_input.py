@@ -253,6 +253,8 @@ def test_checkpoints_that_parse_but_are_wrong(run, tmp_path, capsys):
     save_file(t, str(tampered / "model.safetensors"))  # the manifest still records the old bytes
     bad_cfg = _copy(run, tmp_path, "bad-config")
     _rewrite_config(bad_cfg, lambda c: c["model"].update(n_heads=0))
+    deep = _copy(run, tmp_path, "deep")  # issue 52: n_layers=1e6 hung the loader (a meta build of a million blocks)
+    _rewrite_config(deep, lambda c: c["model"].update(n_layers=1_000_000))
     integer = _copy(run, tmp_path, "integer")  # issue 52: an int8 model scored as if it were one (all weights 0)
     _rewrite_weights(integer, lambda t: t.update({k: v.to(torch.int8) for k, v in t.items()}))
     f = tmp_path / "doc.txt"
@@ -263,6 +265,7 @@ def test_checkpoints_that_parse_but_are_wrong(run, tmp_path, capsys):
         (tampered, "model.safetensors does not match checkpoint.json", str(tampered)),
         (bad_cfg, "model.n_heads", "config.json"),
         (integer, "int8", "not this model's"),
+        (deep, "n_layers=1000000", "blocks"),
     ]
     for ckpt, *needles in cases:
         for argv in (["eval", "--checkpoint", str(ckpt), "--quiet", "--data", str(f)],

@@ -440,6 +440,16 @@ def _header_shapes(data: bytes) -> dict:
     return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
 
 
+def check_depth(cfg: RunConfig, shapes: dict, where: str) -> None:
+    """config.json's ``model.n_layers`` against the blocks model.safetensors holds (``blocks.<i>.`` tensors), before
+    anything is built: issue 52's n_layers=1e6 hung the loader in the meta build."""
+    n_layers = getattr(cfg.model, "n_layers", None)
+    blocks = {int(k.split(".")[1]) for k in shapes if k.startswith("blocks.") and k.split(".")[1].isdigit()}
+    if isinstance(n_layers, int) and blocks and n_layers != len(blocks):
+        raise UserError(f"{where}: config.json says model.n_layers={n_layers} but model.safetensors holds "
+                        f"{len(blocks)} blocks; config.json does not match the weights")
+
+
 def _meta_shapes(cfg: RunConfig, model_cls) -> dict | None:
     """The state-dict shapes of the model config.json describes, built on the meta device (nothing allocated;
     the global RNG untouched); None when a class cannot be built there (then the weights are checked after)."""
@@ -459,6 +469,7 @@ def model_from(ckpt: Checkpoint, cfg: RunConfig, map_location: str, model_cls):
         shapes = _header_shapes(data)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise UserError(f"checkpoint {ckpt.directory}: corrupt model.safetensors ({e})") from None
+    check_depth(cfg, shapes, f"checkpoint {ckpt.directory}")  # first: a meta build of 10^6 blocks alone takes hours
     expected = _meta_shapes(cfg, model_cls)  # config.json against the weights before the model is allocated
     if expected is not None:
         check_shapes(expected, shapes, f"checkpoint {ckpt.directory}")
