@@ -109,3 +109,19 @@ def test_every_training_flag_is_passed_on(monkeypatch, capsys):
         "data": "novels", "doc_windows": 5, "batch_size": 3, "step_lr": 0.02, "lr": 0.004, "block_lr": 3e-6, "trainable_blocks": 2,
         "windows": 11, "window": 256, "budget_cpu_s": 120.0, "seed": 7, "max_steps": 9}
     assert "gain +0.0000" in capsys.readouterr().out
+
+
+def test_a_link_planted_at_the_default_cache_is_refused(backbone_dir, tmp_path, capsys):
+    """Issue 52: the default cache (hidden-cache beside --out, a path the user never named) followed a planted
+    link, deleted the target's hidden.npy and wrote the cache into the target folder."""
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "hidden.npy").write_bytes(b"someone else's")
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "hidden-cache").symlink_to(target)
+    assert cli.main(["fwl-head", "train", "--hf", str(backbone_dir), "--out", str(tmp_path / "runs" / "fwl"),
+                     "--windows", "6", "--minutes", "0.02", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "link" in err and len(err.splitlines()) == 1
+    assert sorted(p.name for p in target.iterdir()) == ["hidden.npy"]
+    assert (target / "hidden.npy").read_bytes() == b"someone else's"

@@ -388,7 +388,11 @@ def train_recipe(hf: str, out_dir: str | Path, *, variant: str = RECIPE.variant,
     if variant not in VARIANTS:
         raise UserError(f"unknown FWL variant {variant!r}; choose one of {', '.join(VARIANTS)}")
     out_dir = Path(out_dir)
-    cache_dir = Path(cache_dir) if cache_dir is not None else out_dir.parent / "hidden-cache"
+    if cache_dir is None:  # the default, which the user did not name: a link planted there is refused (issue 52)
+        from fastweights.core.files import refuse_links
+
+        cache_dir = refuse_links(out_dir.parent, out_dir.parent / "hidden-cache", "the shared hidden-state cache")
+    cache_dir = Path(cache_dir)
     torch.manual_seed(seed)
     backbone, tokenizer = load_hf_model(hf)
     if not isinstance(backbone, HFCausalLM):
