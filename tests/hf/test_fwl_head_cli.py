@@ -125,3 +125,11 @@ def test_a_link_planted_at_the_default_cache_is_refused(backbone_dir, tmp_path, 
     assert err.startswith("error: ") and "link" in err and len(err.splitlines()) == 1
     assert sorted(p.name for p in target.iterdir()) == ["hidden.npy"]
     assert (target / "hidden.npy").read_bytes() == b"someone else's"
+
+
+def test_a_one_token_window_is_refused_before_any_cache_is_written(backbone_dir, tmp_path, capsys):
+    """Issue 52: --window 1 wrote a shared cache that every later run refused until it was deleted by hand."""
+    assert cli.main(["fwl-head", "train", "--hf", str(backbone_dir), "--out", str(tmp_path / "runs" / "fwl"),
+                     "--window", "1", "--windows", "6", "--minutes", "0.02", "--quiet"]) == 2
+    assert "at least 2 tokens" in capsys.readouterr().err
+    assert not (tmp_path / "runs" / "hidden-cache").exists()

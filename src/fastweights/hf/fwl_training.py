@@ -403,6 +403,8 @@ def train_recipe(hf: str, out_dir: str | Path, *, variant: str = RECIPE.variant,
                         "(a model directory, a .gguf file or smollm2-135m)")
     if window > backbone.max_positions:
         raise UserError(f"{hf} reads at most {backbone.max_positions} positions: windows of {window} tokens do not fit")
+    if window < 2:  # one token predicts nothing: such a cache was written and then refused by every later run
+        raise UserError(f"--window {window}: a window needs at least 2 tokens (it predicts window - 1 of them)")
     options = FWLOptions(**{**PRETRAINED_FWL_DEFAULTS, **VARIANTS[variant]})
     model = HFCausalLMWithFWL(backbone, options, trainable_blocks=trainable_blocks)
     if trainable_blocks:
