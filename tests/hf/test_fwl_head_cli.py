@@ -133,3 +133,17 @@ def test_a_one_token_window_is_refused_before_any_cache_is_written(backbone_dir,
                      "--window", "1", "--windows", "6", "--minutes", "0.02", "--quiet"]) == 2
     assert "at least 2 tokens" in capsys.readouterr().err
     assert not (tmp_path / "runs" / "hidden-cache").exists()
+
+
+def test_a_second_run_on_the_same_out_is_refused_while_the_first_holds_it(backbone_dir, tmp_path, capsys):
+    """Issue 52: two fwl-head train runs on one --out both exited 0 and one result was lost."""
+    from fastweights.checkpoints.run_dir import LOCK, RunLock
+
+    out = tmp_path / "runs" / "fwl"
+    args = ["fwl-head", "train", "--hf", str(backbone_dir), "--out", str(out), "--windows", "6", "--minutes", "0.02",
+            "--quiet"]
+    with RunLock(out):  # the first run, still going
+        assert cli.main(args) == 2
+        assert "in use by another training run" in capsys.readouterr().err
+    assert cli.main(args) == 0  # once it ended
+    assert not (out / LOCK).exists() and not (tmp_path / "runs" / "hidden-cache" / LOCK).exists()

@@ -376,14 +376,10 @@ def train_recipe(hf: str, out_dir: str | Path, *, variant: str = RECIPE.variant,
     earlier) and write ``out_dir/training.json``. Returns its summary (``cache_windows_computed``: windows the
     backbone ran on in this call, 0 when the cache was reused). SIGTERM while the cache is built stops as Ctrl-C
     does (the cache keeps the windows done, and the same call continues it)."""
-    import dataclasses
-
-    from fastweights.core.files import atomic_write
+    from fastweights.checkpoints.run_dir import RunLock
     from fastweights.hf.fwl_head import PRETRAINED_FWL_DEFAULTS, HFCausalLMWithFWL, llama_base
     from fastweights.hf.transformers_as_ours import HFCausalLM, load_hf_model
     from fastweights.layers.fwl import FWLOptions
-    from fastweights.loops.signals import SetupSignals
-    from fastweights.loops.train import RunInterrupted
 
     if variant not in VARIANTS:
         raise UserError(f"unknown FWL variant {variant!r}; choose one of {', '.join(VARIANTS)}")
@@ -410,15 +406,33 @@ def train_recipe(hf: str, out_dir: str | Path, *, variant: str = RECIPE.variant,
     if trainable_blocks:
         llama_base(backbone, trainable_blocks)  # other architectures: one line, before anything is cached
     text = training_windows(tokenizer, window, data, max_windows=windows, doc_windows=doc_windows)
+    # one run per --out, one writer per cache (issue 52: two runs on one --out both exited 0, one result lost)
+    with RunLock(out_dir):
+        return _train_recipe_locked(model, backbone, hf, text, out_dir, cache_dir, variant, options, data,
+                                    doc_windows, trainable_blocks, budget_cpu_s, batch_size, lr, step_lr, block_lr,
+                                    seed, progress, max_steps)
+
+
+def _train_recipe_locked(model, backbone, hf, text, out_dir, cache_dir, variant, options, data, doc_windows,
+                         trainable_blocks, budget_cpu_s, batch_size, lr, step_lr, block_lr, seed, progress,
+                         max_steps) -> dict:
+    """:func:`train_recipe` from the cache on, with ``out_dir`` locked: the cache built under its own lock."""
+    import dataclasses
+    import signal
+
+    from fastweights.checkpoints.run_dir import RunLock
+    from fastweights.core.files import atomic_write
+    from fastweights.loops.signals import SetupSignals
+    from fastweights.loops.train import RunInterrupted
+
     t0 = time.process_time()
     setup_signals = SetupSignals()  # SIGTERM while caching: stop as Ctrl-C does (the cache resumes)
     try:
-        meta = cache_hidden_states(backbone, text.tokens, cache_dir, text.sources, backbone_digest(backbone), progress,
-                                   doc_windows=text.doc_windows, data=data or "mix:" + "+".join(TRAINING_MIX),
-                                   trainable_blocks=trainable_blocks)
+        with RunLock(cache_dir):  # the variants share it: one builds it at a time
+            meta = cache_hidden_states(backbone, text.tokens, cache_dir, text.sources, backbone_digest(backbone),
+                                       progress, doc_windows=text.doc_windows,
+                                       data=data or "mix:" + "+".join(TRAINING_MIX), trainable_blocks=trainable_blocks)
     except KeyboardInterrupt as e:
-        import signal
-
         code = getattr(e, "exit_code", 130)
         done = read_meta(cache_dir)["done"] if (cache_dir / CACHE_META).is_file() else 0
         raise RunInterrupted(f"interrupted by {signal.Signals(code - 128).name} while caching hidden states: "
