@@ -9,6 +9,7 @@ script lives in), and ``benchmarks/tools/report.py --check`` re-runs the behavio
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import re
@@ -67,19 +68,38 @@ def machine() -> dict:
     return info
 
 
-def git_state(root: Path) -> dict:
-    """The commit of the checkout at ``root`` and whether the tree differed from it (``dirty``, with
-    the changed tracked paths, at most 20). ``{"commit": None}`` outside a git checkout."""
+# The code a result's numbers can depend on: what ``code`` in :func:`git_state` hashes (results, pages and tests
+# are not code a measurement runs)
+CODE_PATHS = ("src", "benchmarks", "configs", "pyproject.toml", ":(exclude)benchmarks/results")
 
-    def git(*args):
-        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True).stdout
+
+def _code_hash(commit: str, diff: bytes = b""):
+    return hashlib.sha256(commit.encode() + diff)
+
+
+def clean_code(commit: str) -> str:
+    """The ``code`` :func:`git_state` records for a tree at ``commit`` with no differences from it."""
+    return _code_hash(commit).hexdigest()[:16]
+
+
+def git_state(root: Path) -> dict:
+    """The commit of the checkout at ``root``, whether the tree differed from it (``dirty``, with the changed
+    tracked paths, at most 20), and ``code``: a hash of the commit and every difference from it in
+    :data:`CODE_PATHS`, untracked files included, so that two records with the same ``code`` ran the same
+    code. ``{"commit": None}`` outside a git checkout."""
+
+    def git(*args, text=True):
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=text, check=True).stdout
 
     try:
         commit = git("rev-parse", "HEAD").strip()
         changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
+        code = _code_hash(commit, git("diff", "HEAD", "--binary", "--", *CODE_PATHS, text=False))
+        for name in sorted(git("ls-files", "--others", "--exclude-standard", "--", *CODE_PATHS).splitlines()):
+            code.update(name.encode() + b"\0" + (root / name).read_bytes())
     except (OSError, subprocess.CalledProcessError):
         return {"commit": None, "dirty": None}
-    return {"commit": commit, "dirty": bool(changed), "dirty_paths": changed[:20]}
+    return {"commit": commit, "dirty": bool(changed), "dirty_paths": changed[:20], "code": code.hexdigest()[:16]}
 
 
 def provenance(root: Path, argv: list[str] | None = None, program: str | None = None, git: dict | None = None) -> dict:
