@@ -258,7 +258,6 @@ def train_model(kind: str, cfg: dict, device, bypass: bool = False) -> dict:
     res.update(parameters=n_params, fast_weight_buffer_bytes=fast_bytes, tokens_per_step=tokens,
                tokens_per_s=tokens / res["seconds_median"],
                losses=[round(float(x), 4) for x in losses], finite=all(math.isfinite(float(x)) for x in losses))
-    del model, opt
     return res
 
 

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from fastweights.evidence.provenance import machine
+from fastweights.evidence.provenance import machine as machine_info
 from fastweights.evidence.result_files import provenance
 import torch
 
@@ -54,7 +54,7 @@ PAPER_LOGS = {
 
 
 def machine() -> dict:
-    info = machine()
+    info = machine_info()
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         info["cpu_model"] = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))

@@ -18,7 +18,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path

@@ -51,7 +51,7 @@ def train(name: str, minutes: float, out: Path) -> Path:
     run = out / name
     if (run / "summary.json").exists() and "interrupted_by" not in json.loads((run / "summary.json").read_text()):
         return run
-    sets = [f'data.corpus="shakespeare-train"', f"train.max_minutes={minutes}", "train.max_steps=1000000",
+    sets = ['data.corpus="shakespeare-train"', f"train.max_minutes={minutes}", "train.max_steps=1000000",
             "train.threads=1", 'train.budget_clock="cpu"', f"train.eval_every={EVERY}", *VARIANTS[name][1]]
     cmd = [sys.executable, "-m", "fastweights", "train", "--preset", PRESET, "--out", str(run), "--overwrite",
            "--quiet", *(x for s in sets for x in ("--set", s))]

@@ -332,7 +332,6 @@ def main() -> int:
     if unknown:
         print(f"error: unknown variants {unknown}; choose from {[*VARIANTS, *EVAL_ONLY]}", file=sys.stderr)
         return 2
-    t0 = time.process_time()
     for n in names:
         base = EVAL_ONLY.get(n, (n,))[0]
         train(base, a)

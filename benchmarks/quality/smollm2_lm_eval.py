@@ -132,7 +132,7 @@ def main() -> int:
     headline = [
         {"what": f"{what}: static perplexity", "value": totals["harness_static_perplexity"], "unit": "ppl",
          "target": ""},
-        {"what": f"  same: dynamic evaluation (SGD, lr 0.005, segment 64; tuned on other text): perplexity",
+        {"what": "  same: dynamic evaluation (SGD, lr 0.005, segment 64; tuned on other text): perplexity",
          "value": totals["harness_dynamic_perplexity"], "unit": "ppl", "target": "< static"},
         {"what": "  same: largest NLL difference from the library's own numbers (fastweights dynamic eval's engine)",
          "value": worst, "unit": "nats", "target": "< 1e-6"},
