@@ -30,7 +30,6 @@ from fastweights.evidence.result_files import provenance
 import torch
 
 from fastweights.tasks.assoc import AssocConfig, plot_capacity, train_assoc
-from fastweights.evidence import probes
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
@@ -99,8 +98,8 @@ def acceptance(results: list[dict]) -> dict:
     return out
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     # the retrieval model of every (rule, feature map) the sweep trains, and the task's sampler
     runs = {(rule, fm, setting) for setting, rule, fm, _, _ in SWEEP}
     return ([probes.probe("assoc_model", rule=r, feature_map=fm, setting=st) for r, fm, st in sorted(runs)]

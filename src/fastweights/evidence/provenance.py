@@ -1,10 +1,12 @@
 """What a result file records about how it was made: the command (with paths inside the repository
 made relative to its root, so a reader can run it from any clone), the date, the git commit with the
-paths that differed from it, and the machine with its load.
+paths that differed from it and a hash of the code it ran, and the machine with its load.
 
 The benchmark scripts record this through ``src/fastweights/evidence/result_files.py`` (``root`` = the repository the
-script lives in), and ``benchmarks/tools/report.py --check`` re-runs the behaviour probes a result recorded
-(:mod:`fastweights.evidence.probes`) to tell whether the code it measured still behaves the same.
+script lives in), the ``fastweights`` commands through :func:`write_cli_result`. Neither runs behaviour probes:
+the repository's tools (``benchmarks/tools/evidence.py``) summarise a stored result's probes after it was
+written, while ``code`` still matches, and ``benchmarks/tools/report.py --check`` re-runs them to tell whether
+the code it measured still behaves the same.
 """
 
 from __future__ import annotations
@@ -138,14 +140,13 @@ def cli_provenance(argv: list[str] | None = None) -> dict:
     return provenance(Path.cwd(), argv, program="fastweights", git={"commit": None, "dirty": None, "version": installed})
 
 
-def write_cli_result(path: Path, payload: dict, argv: list[str] | None, probes: list[dict]) -> None:
+def write_cli_result(path: Path, payload: dict, argv: list[str] | None) -> None:
     """Write ``payload`` as JSON at ``path`` after :func:`cli_provenance` (``argv``: the command's words,
-    as ``fastweights.cli.main`` keeps them in ``args.argv``), the file's own path (``result_file``) and the
-    summarised behaviour ``probes`` of the code the command measured
-    (:func:`fastweights.evidence.probes.summarised`), whole or not at all."""
+    as ``fastweights.cli.main`` keeps them in ``args.argv``) and the file's own path (``result_file``),
+    whole or not at all."""
     import json
 
     from fastweights.core.files import atomic_write
 
-    record = {**cli_provenance(argv), "result_file": Path(path).as_posix(), "probes": probes, **payload}
+    record = {**cli_provenance(argv), "result_file": Path(path).as_posix(), **payload}
     atomic_write(Path(path), lambda p: p.write_text(json.dumps(record, indent=2) + "\n"))
