@@ -235,12 +235,12 @@ def stamp(path: Path) -> str | None:
         specs = declared_probes(rec)
     except (OSError, KeyError, ValueError) as e:
         return f"its probes cannot be derived ({type(e).__name__}: {e})"
-    stamped = {}
-    for key, value in rec.items():  # the probes after the provenance, as results always held them
+    summaries, stamped = summarised(specs), {}
+    for key, value in rec.items():  # the probes right after the provenance (command, date, git, machine)
         stamped[key] = value
-        if key == "result_file":
-            stamped["probes"] = summarised(specs)
-    stamped.setdefault("probes", summarised(specs))
+        if key == "machine":
+            stamped["probes"] = summaries
+    stamped.setdefault("probes", summaries)
     atomic_write(path, lambda p: p.write_text(json.dumps(stamped, indent=2) + "\n"))
     return None
 

@@ -57,6 +57,24 @@ def test_a_command_writes_no_probes_and_the_tools_summarise_them_afterwards(char
     assert evidence.staleness(stamped) is None
 
 
+def test_the_probes_of_other_commands_come_from_what_they_recorded(char_checkpoint, tmp_path):
+    doc = char_checkpoint / "doc.txt"
+    assert main(["eval", "--stream", "--checkpoint", str(char_checkpoint), "--data", str(doc), "--modes", "frozen,carry",
+                 "--dynamic", "sgd", "--quiet", "--out", str(tmp_path / "stream")]) == 0
+    assert main(["task", "assoc", "--setting", "2", "--keys", "4", "--model", "delta:dpfp1", "--max-steps", "5",
+                 "--eval-every", "5", "--eval-sequences", "2", "--quiet", "--out", str(tmp_path / "assoc")]) == 0
+    stream, assoc = tmp_path / "stream" / "stream.json", tmp_path / "assoc" / "assoc.json"
+    assert "probes" not in json.loads(stream.read_text()) and "probes" not in json.loads(assoc.read_text())
+    assert evidence.stamp_new(tmp_path) == []
+    config = json.loads((char_checkpoint / "config.json").read_text())["model"]
+    # frozen is no probed mode; the rule comes from the run that used it
+    assert json.loads(stream.read_text())["probes"] == probes.summarised(
+        probes.checkpoint_probes(config, ("carry",), "sgd"))
+    assert [(p["kind"], p["args"]) for p in json.loads(assoc.read_text())["probes"]] == [
+        ("assoc_model", {"feature_map": "dpfp", "n_features": json.loads(assoc.read_text())["results"][0]["n_features"],
+                         "nu": 1, "rule": "delta", "setting": 2}), ("task", {"name": "assoc"})]
+
+
 def test_a_result_written_by_other_code_is_not_summarised(tmp_path):
     stored = json.loads((BENCHMARKS / "results" / "bench_delta_rule.json").read_text())
     rec = {k: v for k, v in stored.items() if k != "probes"}
