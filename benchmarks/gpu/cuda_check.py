@@ -48,7 +48,6 @@ import torch
 import torch.nn.functional as F
 
 from fastweights.ops.delta_rule import delta_rule
-from fastweights.evidence import probes
 
 dr = sys.modules["fastweights.ops.delta_rule"]  # the module (fastweights.ops.delta_rule is the function)
 
@@ -493,8 +492,8 @@ def parse_args(argv):
     return a
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     return probes.registry_probes() + [s for p in PRESETS for s in probes.preset_probes(p)]
 
 

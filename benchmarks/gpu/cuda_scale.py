@@ -464,10 +464,8 @@ def parse_args(argv):
     return a
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
-    from fastweights.evidence import probes
-
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     # the kernels, and the hybrids' parts: gdn and attention mixers, the FwPKM memory at the paper's options
     return [probes.probe("ops", op="delta_rule"), probes.probe("ops", op="gated_delta_rule"),
             probes.probe("layer", role="mixer", name="gdn"), probes.probe("layer", role="mixer", name="attention"),

@@ -72,7 +72,6 @@ from torch.utils._pytree import tree_map  # noqa: E402
 
 from fastweights.core.errors import UserError  # noqa: E402
 from fastweights.data.excerpts import bundled_excerpt, token_excerpt  # noqa: E402
-from fastweights.evidence import probes  # noqa: E402
 from fastweights.evidence.result_files import RESULTS, command_line_without, provenance, write_json  # noqa: E402
 from fastweights.hf.fwl_head import PRETRAINED_FWL_DEFAULTS, HFCausalLMWithFWL  # noqa: E402
 from fastweights.hf.fwl_training import HELD_OUT_NAMES, RECIPE, TRAINING_MIX, VARIANTS, held_out, round_robin  # noqa: E402
@@ -123,8 +122,8 @@ TINY = dataclasses.replace(RECIPE, minutes=3.0, trainable_blocks=1, batch=2, win
                            windows_per_stream=2, streams_per_doc=1, warmup_steps=2, tokens=256, max_steps=4)
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     return [probes.probe("hf_fwl", variant="fwl")]
 
 

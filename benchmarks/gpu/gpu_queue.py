@@ -242,9 +242,9 @@ def write(path: Path, rec: dict) -> None:
     tmp.replace(path)
 
 
-def probe_specs() -> list[dict]:
+def probe_specs(probes) -> list[dict]:
     """The behaviour probes of the code the queue measures: cuda_scale's (the delta rules, gdn, attention, FwPKM)."""
-    return cs.probe_specs()
+    return cs.probe_specs(probes)
 
 
 def main(argv=None) -> int:

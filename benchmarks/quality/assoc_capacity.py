@@ -25,12 +25,11 @@ import sys
 import time
 from pathlib import Path
 
-from fastweights.evidence.provenance import machine
+from fastweights.evidence.provenance import machine as machine_info
 from fastweights.evidence.result_files import provenance
 import torch
 
 from fastweights.tasks.assoc import AssocConfig, plot_capacity, train_assoc
-from fastweights.evidence import probes
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
@@ -53,8 +52,8 @@ PAPER_LOGS = {
 }
 
 
-def machine_with_note() -> dict:
-    info = machine()
+def machine() -> dict:
+    info = machine_info()
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         info["cpu_model"] = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
@@ -99,8 +98,8 @@ def acceptance(results: list[dict]) -> dict:
     return out
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     # the retrieval model of every (rule, feature map) the sweep trains, and the task's sampler
     runs = {(rule, fm, setting) for setting, rule, fm, _, _ in SWEEP}
     return ([probes.probe("assoc_model", rule=r, feature_map=fm, setting=st) for r, fm, st in sorted(runs)]
@@ -155,7 +154,7 @@ def write(out: Path, args, results: list[dict], seconds: float) -> None:
     report = {
         "benchmark": "assoc_capacity",
         **provenance(),  # command, date, git commit and dirty flag
-        "machine": machine_with_note(),
+        "machine": machine(),
         "protocol": {
             "paper": "Schlag, Irie, Schmidhuber 2021, sec. 6.1 (ischlag/fast-weight-transformers/synthetic)",
             "per_run_caps": {"max_steps": args.max_steps, "max_minutes": args.max_minutes},

@@ -26,7 +26,6 @@ import torch
 
 from fastweights.evidence.result_files import provenance
 from fastweights.tasks.ba_retrieval import RetrievalNet, make_splits, train_retrieval
-from fastweights.evidence import probes
 
 
 def one_run(job: dict) -> dict:
@@ -57,8 +56,8 @@ def one_run(job: dict) -> dict:
     return {**job, **result}
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     return [probes.probe("retrieval_net", model=m) for m in ("fast-rnn", "lstm")] + [probes.probe("task", name="ba_retrieval")]
 
 

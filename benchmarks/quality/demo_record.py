@@ -14,11 +14,10 @@ import json
 from pathlib import Path
 
 from fastweights.evidence.result_files import write_result
-from fastweights.evidence import probes
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     config = probes.preset_model_config("shakespeare-char")  # the demo's model (fastweights/experiments/demo.py)
     return probes.model_probes(config) + [probes.probe("dynamic", config=config, rule="rms-global-prior")]
 

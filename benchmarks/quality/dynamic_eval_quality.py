@@ -47,7 +47,6 @@ from fastweights.core.config import make_config
 from fastweights.data import load_corpus, split_corpus
 from fastweights.core.errors import UserError
 from fastweights.loops.generate import generate_tokens
-from fastweights.evidence import probes
 
 # documents of the held-out plays corpus (--data, default the bundled shakespeare-heldout)
 TEST_PLAYS = ["hamlet_gut.txt", "macbeth_gut.txt", "othello_gut.txt"]
@@ -85,8 +84,8 @@ def bpc(nll: float, tokens: int) -> float:
     return nll / tokens / LN2
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     config = probes.preset_model_config("shakespeare-char")
     return probes.model_probes(config) + [probes.probe("dynamic", config=config, rule=r)
                                           for r in ("sgd", "rms", "rms-global-prior")]

@@ -31,7 +31,6 @@ import sys
 from pathlib import Path
 
 from fastweights.evidence.result_files import git_state, repo_relative, write_result
-from fastweights.evidence import probes
 
 PRESET = "shakespeare-char-fast-rnn"
 OPTION = "model.options.fast_rnn."
@@ -126,8 +125,8 @@ def measure(name: str, run: Path) -> dict:
     return rec
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     return [s for _, overrides in VARIANTS.values() for s in probes.preset_probes(PRESET, overrides, ("carry",))]
 
 

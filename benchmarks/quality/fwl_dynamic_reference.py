@@ -31,11 +31,10 @@ from fastweights.adapt.evaluate import demo_dynamic
 from fastweights.adapt.setup import load_texts
 from fastweights.models.loading import load_checkpoint, read_run_config
 from fastweights.loops.evaluate import evaluate_documents
-from fastweights.evidence import probes
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     base = probes.preset_model_config("shakespeare-char")
     return (probes.model_probes(base) + probes.preset_probes("shakespeare-char-fwl")
             + [probes.probe("dynamic", config=base, rule="rms-global-prior")])

@@ -30,12 +30,11 @@ from fwl_comparators import head_loss_on, tuning_hidden
 from fwl_smollm2 import load_texts
 
 from fastweights.core.errors import UserError, exit_status
-from fastweights.evidence import probes
 from fastweights.evidence.result_files import RESULTS, provenance, write_json
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     return [probes.probe("hf_fwl", variant="fwl")]
 
 

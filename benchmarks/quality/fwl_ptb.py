@@ -46,7 +46,6 @@ from fastweights.core.config import make_config
 from fastweights.data.streams import TokenStream
 from fastweights.core.errors import UserError
 from fastweights.loops.evaluate import score_tokens
-from fastweights.evidence import probes
 
 # segment_len 16: four segments per 64-word window, so the segment decays train (gamma first enters in the
 # third segment); at the default 32 they never move and the running update drifts over a long stream
@@ -107,8 +106,8 @@ def dynamic_eval_of_base(ckpt: Path, data: Path, files: dict, segment_len: int =
             "scored": d.tokens, "cpu_seconds": time.process_time() - cpu0}
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     return [s for overrides in VARIANTS.values() for s in probes.preset_probes(None, [*MODEL_SETTINGS, *overrides])]
 
 

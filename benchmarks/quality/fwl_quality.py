@@ -46,7 +46,6 @@ from fastweights.data import load_corpus, split_corpus
 from fastweights.loops.evaluate import evaluate_documents
 from fastweights.layers.fwl import tune_test_time_step_size
 from fastweights.loops.train import prepare_data, train
-from fastweights.evidence import probes
 
 VARIANTS = {
     "base": ("shakespeare-char", []),
@@ -112,8 +111,8 @@ def run_variant(name: str, a) -> dict:
     return rec
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     return [s for preset, overrides in VARIANTS.values() for s in probes.preset_probes(preset, overrides)]
 
 

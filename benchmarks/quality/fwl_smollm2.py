@@ -71,7 +71,6 @@ from smollm2_dynamic_eval import log
 
 from fastweights.core.errors import UserError
 from fastweights.data.excerpts import ExcerptSpec, bundled_excerpt, token_excerpt
-from fastweights.evidence import probes
 from fastweights.hf.fwl_training import VARIANTS
 
 LN2 = math.log(2)
@@ -92,8 +91,8 @@ STATS_TOKENS = STATS["batch_size"] * STATS["max_batches"] * 64  # MS_g's targets
 SLOW_PART = "_slow_part"
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     return ([probes.probe("hf_fwl", variant=v) for v in VARIANT_ROWS]
             + [probes.probe("hf_dynamic", rule=r) for r in ("rms", "sgd")]
             + [probes.probe("hf_dynamic", rule="rms", rank=4)]

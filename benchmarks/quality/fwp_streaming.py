@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 from fastweights.evidence.result_files import write_result
-from fastweights.evidence import probes
 
 PRESET = "shakespeare-char-fwp-delta-dpfp"
 DATA = "tinyshakespeare"
@@ -80,8 +79,8 @@ def score(run: Path, quiet: bool) -> dict:
     return out
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     return [s for _, overrides in VARIANTS.values()
             for s in probes.preset_probes(PRESET, overrides, ("carry", "memory", "windows"))]
 

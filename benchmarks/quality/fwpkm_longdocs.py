@@ -54,7 +54,6 @@ from fastweights.loops.evaluate import score_tokens
 from fastweights.experiments.addressing import windowed_addressing_stats
 from fastweights.models.memory_switches import memory_writes
 from fastweights.loops.train import train
-from fastweights.evidence import probes
 
 ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = {
@@ -149,8 +148,8 @@ def addressing(reads, mems, window_factor: int = 1) -> dict:
     return {"mean_over_layers": mean, "layers": layers}
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     return [s for preset, overrides in VARIANTS.values() for s in probes.preset_probes(preset, overrides, ("carry",))]
 
 

@@ -47,7 +47,6 @@ import time
 from pathlib import Path
 
 from fastweights.evidence.result_files import RESULTS, git_state, repo_relative, write_result
-from fastweights.evidence import probes
 from heldout_plays import HELDOUT, SEQ_LEN, STRIDE, heldout_documents
 
 TRAIN_CORPUS = "shakespeare-train"
@@ -213,8 +212,7 @@ def entry_row(name: str, seed: int, minutes: float, out: Path, chars: int) -> di
     else:
         rec = train(name, seed, minutes, out)
     # the probes of the code this row measured, summarised now, when it is scored (the aggregate keeps them)
-    row = {"entry": name, "seed": seed, **rec, **score(name, seed, out, chars),
-           "probes": probes.summarised(entry_probe_specs(name))}
+    row = {"entry": name, "seed": seed, **rec, **score(name, seed, out, chars), "probes": row_probes(name)}
     row["streamed_minus_windows_bits"] = row["streamed"]["bits_per_char"] - row["windows"]["bits_per_char"]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(row, indent=2) + "\n")
@@ -369,7 +367,7 @@ def aggregate(out: Path, a) -> None:
                       "value": t["streamed_bits_per_char"], "unit": "bits/char",
                       "target": "streamed <= windows + 0.05"} for t in table],
     }
-    write_result("leaderboard", record, probes=measured_probes(rows))
+    write_result("leaderboard", {"probes": measured_probes(rows), **record})
     plot_leaderboard(record, RESULTS / "leaderboard.png")
 
 
@@ -498,7 +496,7 @@ def plot_leaderboard(rec: dict, path: Path) -> Path:
     return save_figure(leaderboard_figure(rec), path, dpi=110, bbox_inches="tight")
 
 
-def entry_probe_specs(name: str) -> list[dict]:
+def entry_probe_specs(probes, name: str) -> list[dict]:
     """The behaviour probes of one entry: its model, streamed with the state carried and in windows
     (dynamic-eval: its base model and the rule)."""
     if ENTRIES[name][1] is None:
@@ -509,9 +507,19 @@ def entry_probe_specs(name: str) -> list[dict]:
     return probes.preset_probes(preset, [o for o in overrides if not o.startswith("train.")], ("carry", "windows"))
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py): every entry's."""
-    return [s for name in ENTRIES for s in entry_probe_specs(name)]
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py): every entry's."""
+    return [s for name in ENTRIES for s in entry_probe_specs(probes, name)]
+
+
+def row_probes(name: str) -> list[dict]:
+    """:func:`entry_probe_specs` of ``name``, summarised by the repository's tools (benchmarks/tools/evidence.py,
+    in a process of its own: the probes are no part of the package, and no script imports them)."""
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "tools" / "evidence.py"),
+                           "summarise", __file__, "entry_probe_specs", name], capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"error: summarising the probes of {name} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout)
 
 
 def main() -> int:

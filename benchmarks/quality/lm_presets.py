@@ -25,7 +25,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fastweights.evidence.result_files import write_result
-from fastweights.evidence import probes
 
 DATA = "tinyshakespeare"  # the corpus of the shakespeare-char presets this script compares (fastweights data list)
 
@@ -51,8 +50,8 @@ def run_preset(run: str, minutes: float, out_root: Path, extra: list[str]) -> di
             "test_bits_per_char": test["bits_per_char"], "sample": sample}
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     return [s for p in ("shakespeare-char",) for s in probes.preset_probes(p)] + probes.preset_probes(
         "shakespeare-char", ["model.short_conv=4"])
 

@@ -32,7 +32,6 @@ from pathlib import Path
 import torch
 
 from fastweights.evidence.result_files import RESULTS, repo_relative, write_result
-from fastweights.evidence import probes
 
 DATA = "tinyshakespeare"  # the haystack: the text the preset's corpus niah-tinyshakespeare is built from
 
@@ -74,8 +73,8 @@ def answer_digit_accuracy(ckpt: Path, chars: int = 40_000) -> dict:
             "questions": hits["question"][1] // VALUE_DIGITS, "chars": len(text)}
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     return probes.preset_probes("niah-cpu") + [probes.probe("task", name="niah")]
 
 

@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 
 from fastweights.evidence.result_files import write_result
-from fastweights.evidence import probes
 from niah_cpu import DATA, answer_digit_accuracy
 
 
@@ -72,8 +71,8 @@ def memory_value_probe(model, tok, chars: int = 4096, seed: int = 7, haystack: s
             if near else None}
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     return probes.preset_probes("niah-cpu") + [probes.probe("task", name="niah")]
 
 

@@ -38,7 +38,6 @@ import time
 from pathlib import Path
 
 from fastweights.evidence.result_files import RESULTS, write_result
-from fastweights.evidence import probes
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_MEMORY = ['model.memory=""', "model.memory_layers=[]"]
@@ -299,8 +298,8 @@ def diagnostics(names: list[str], a) -> dict:
     return out
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     return ([s for overrides in VARIANTS.values() for s in probes.preset_probes("niah-token", overrides)]
             + [probes.probe("task", name="niah")])
 

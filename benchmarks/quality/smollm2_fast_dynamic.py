@@ -44,7 +44,6 @@ from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.lowrank import LowRankDynamicEvaluator, collect_lowrank_grad_stats
 from fastweights.adapt.update_rules import collect_grad_stats
 from fastweights.core.errors import UserError
-from fastweights.evidence import probes
 from fastweights.evidence.result_files import RESULTS, write_result
 
 TOP_MLP_BLOCKS = (10, 15, 20)  # K: the last K of SmolLM2's 30 blocks get low-rank MLP deltas
@@ -53,7 +52,7 @@ SPEED_TARGET = 0.5  # x static's tokens per CPU-second (issue 47)
 SHARE_TARGET = 0.9  # x full dynamic evaluation's mean reduction
 
 
-def probe_specs() -> list[dict]:
+def probe_specs(probes) -> list[dict]:
     """The behaviour probes of the code this benchmark measures."""
     return [probes.probe("hf_dynamic", rule="rms"), probes.probe("hf_dynamic", rule="rms", rank=4)]
 

@@ -32,15 +32,14 @@ import torch
 
 from fastweights.evidence.result_files import write_result
 
-from fastweights.evidence import probes
 
 TASK = "fastweights_heldout_plays"
 DYNAMIC = {"rule": "sgd", "lr": 0.005, "segment_len": 64, "exclude_params": "hf.model.embed_tokens.*"}
 MODEL = "smollm2-135m"
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py): SGD dynamic evaluation
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py): SGD dynamic evaluation
     through the Hugging Face wrapper (a tiny GPT-2: the SmolLM2 weights are not at hand in a probe)."""
     return [probes.probe("hf_dynamic", rule="sgd")]
 

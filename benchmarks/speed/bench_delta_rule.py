@@ -46,7 +46,6 @@ import torch
 import torch.nn.functional as F
 
 from fastweights.ops.delta_rule import delta_rule, delta_rule_recurrent, fla_available
-from fastweights.evidence import probes
 
 
 def make_inputs(b, t, h, d, *, device="cpu", dtype=torch.float32, gated=False, seed=0):
@@ -380,8 +379,8 @@ def cuda_benchmark(args) -> dict:
     return result
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     return [probes.probe("ops", op="delta_rule"), probes.probe("ops", op="gated_delta_rule")]
 
 

@@ -35,7 +35,6 @@ from fastweights.adapt.update_rules import collect_grad_stats
 from fastweights.core.config import make_config
 from fastweights.data import build_tokenizer, load_corpus, split_corpus, text_pieces
 from fastweights.models.lm import LanguageModel
-from fastweights.evidence import probes
 
 
 DATA = "tinyshakespeare"  # the corpus of the shakespeare-char preset and of the demo model (fastweights data list)
@@ -47,8 +46,8 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     config = probes.preset_model_config("shakespeare-char")
     return [probes.probe("dynamic", config=config, rule="rms-global-prior")]
 

@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from fastweights.evidence.result_files import command_line, provenance
 
 from fastweights.layers.fast_rnn import FastWeightRNN
-from fastweights.evidence import probes
 
 LAM, ETA = 0.95, 0.5
 
@@ -222,8 +221,8 @@ def machine() -> dict:
     }
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     return [probes.probe("layer", role="mixer", name="fast_rnn")]
 
 

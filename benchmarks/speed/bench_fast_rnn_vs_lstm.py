@@ -33,7 +33,6 @@ from fastweights.ops import fast_rnn
 from fastweights.models.lm import LanguageModel
 from fastweights.ops.fast_rnn_kernel import step_kernel
 from fastweights.loops.schedule import make_optimizer
-from fastweights.evidence import probes
 
 FAST, LSTM = "shakespeare-char-fast-rnn", "shakespeare-char-lstm"
 VOCAB = 66  # the char vocabulary of tinyshakespeare (65 characters + unknown), as the presets count it
@@ -153,8 +152,8 @@ def mixer_breakdown(fast_model, lstm_model, info: dict, rounds: int) -> dict:
                     "fast_rnn_recurrence_only_kernel is fast_rnn_attention alone (the compiled kernel)"}
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     return probes.preset_probes(FAST) + probes.preset_probes(LSTM)
 
 

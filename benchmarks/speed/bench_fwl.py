@@ -39,7 +39,6 @@ from fastweights.core.config import make_config
 from fastweights.data import load_corpus
 from fastweights.loops.evaluate import score_tokens
 from fastweights.models.lm import LanguageModel
-from fastweights.evidence import probes
 
 
 DATA = "tinyshakespeare"  # the corpus of both presets (fastweights data list)
@@ -57,8 +56,8 @@ def build(preset: str, overrides: list[str], vocab: int, device) -> LanguageMode
     return LanguageModel(cfg.model).to(device)
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     return probes.preset_probes("shakespeare-char") + probes.preset_probes("shakespeare-char-fwl")
 
 

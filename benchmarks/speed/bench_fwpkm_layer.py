@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastweights.evidence.result_files import write_result
-from fastweights.evidence import probes
 
 PAPER = dict(d_model=768, n_subkeys=512, d_key=512, d_value=512, heads=1, topk=8, chunk_size=512, seq_len=4096)
 
@@ -150,8 +149,8 @@ def run_case(kind: str, batch: int, n_subkeys: int | None, mode: str, repeat: in
     return out
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     return [probes.probe("layer", role="memory", name="fwpkm")]
 
 

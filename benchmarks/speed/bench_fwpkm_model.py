@@ -27,7 +27,6 @@ from fastweights.evidence.timing import timeit
 
 from fastweights.core.config import ModelConfig
 from fastweights.models.lm import LanguageModel
-from fastweights.evidence import probes
 
 
 def build(a, with_memory: bool) -> LanguageModel:
@@ -53,8 +52,8 @@ def step_fn(model, x, y):
     return step
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     return [probes.probe("model", config={"mixer": "attention", "memory": "fwpkm", "memory_layers": [1],
                                           "d_model": 32, "n_layers": 2, "n_heads": 2})]
 

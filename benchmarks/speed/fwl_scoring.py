@@ -46,7 +46,6 @@ from pathlib import Path
 import torch
 
 from fastweights.core.errors import UserError, exit_status
-from fastweights.evidence import probes
 from fastweights.evidence.result_files import RESULTS, command_line_without, provenance, write_json
 
 from fastweights.adapt.dynamic import DynamicEvaluator
@@ -57,8 +56,8 @@ from fastweights.ops.linear import linear
 SEGMENT_LEN = PRETRAINED_FWL_DEFAULTS["segment_len"]  # the recipe's segments, fwl_smollm2.py's protocol (64)
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     return [probes.probe("hf_fwl", variant="fwl")]
 
 

@@ -21,7 +21,6 @@ import time
 import torch
 
 from fastweights.core.config import make_config
-from fastweights.evidence import probes
 from fastweights.evidence.result_files import write_result
 from fastweights.evidence.timing import bench_clock, timeit
 from fastweights.loops.schedule import make_optimizer
@@ -42,7 +41,7 @@ LEVEL = 0.98
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "mkldnn::_linear_pointwise"}
 
 
-def probe_specs() -> list[dict]:
+def probe_specs(probes) -> list[dict]:
     """The behaviour probes of the code measured: the presets' models (their linears among them)."""
     return [spec for preset in PRESETS for spec in probes.preset_probes(preset)]
 

@@ -23,7 +23,6 @@ from pathlib import Path
 from fastweights.evidence.result_files import write_result
 
 from fastweights.data import load_corpus, to_utf8
-from fastweights.evidence import probes
 
 DATA = "tinyshakespeare"
 
@@ -39,8 +38,8 @@ def run(cmd: list[str]) -> tuple[float, float]:
     return time.perf_counter() - t, peak / 1024
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     return [probes.probe("corpus", name="tinyshakespeare")]
 
 

@@ -23,7 +23,6 @@ import subprocess
 import sys
 
 from fastweights.evidence.result_files import write_result
-from fastweights.evidence import probes
 
 FWPKM = dict(d_model=64, n_layers=2, n_heads=4, memory="fwpkm", memory_layers=[1],
              options={"fwpkm": dict(n_subkeys=64, d_key=64, d_value=64, topk=8, chunk_size=256)})
@@ -56,8 +55,8 @@ def child(name: str, tokens: int, data: str, threads: int) -> dict:
             "peak_rss_mb": peak_rss_mb(), "curve_bins": len(res.curve.to_dict()["position"])}
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     return [s for config in MODELS.values() for s in probes.model_probes(config, ("carry",))]
 
 

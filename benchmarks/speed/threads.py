@@ -35,7 +35,6 @@ from fastweights.evidence.result_files import write_result  # noqa: E402
 from fastweights.adapt.dynamic import DynamicEvaluator  # noqa: E402
 from fastweights.core.config import make_config  # noqa: E402
 from fastweights.core.threads import SCORING_THREADS, training_threads  # noqa: E402
-from fastweights.evidence import probes  # noqa: E402
 from fastweights.loops.evaluate import score_tokens  # noqa: E402
 from fastweights.loops.generate import generate_tokens  # noqa: E402
 from fastweights.models.lm import LanguageModel  # noqa: E402
@@ -46,8 +45,8 @@ VOCAB = 65  # tinyshakespeare's characters
 TRAINING = ("train_step", "train_step_fwp")  # the workloads whose default is training_threads()
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     return (probes.preset_probes(PRESET) + probes.preset_probes(FAST_WEIGHT_PRESET)
             + [probes.probe("dynamic", config=probes.preset_model_config(PRESET), rule="sgd")])
 

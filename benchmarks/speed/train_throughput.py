@@ -28,7 +28,6 @@ from fastweights.evidence.timing import bench_clock, timeit
 from fastweights.core.config import make_config
 from fastweights.loops.schedule import make_optimizer
 from fastweights.models.lm import LanguageModel
-from fastweights.evidence import probes
 
 
 class NanoBlock(nn.Module):
@@ -87,8 +86,8 @@ def step_fn(model, opt, x, y, ours, route="auto"):
     return step
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     return [spec for preset in dict.fromkeys(p for p, _ in MODELS.values()) for spec in probes.preset_probes(preset)]
 
 

@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 
 from fastweights.evidence.result_files import REPO, write_result
-from fastweights.evidence import probes
 
 S = "src/fastweights/"
 LEAK, REG = "tests/contracts/test_leaks.py", "tests/contracts/test_registry_causality.py"
@@ -171,8 +170,8 @@ def _children_cpu() -> float:
     return delta
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py)."""
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
     sites: dict[str, list[str]] = {}
     for _, path, edits, _, _ in MUTATIONS:
         sites.setdefault(path, []).extend(old for old, _ in edits)

@@ -1,8 +1,12 @@
 """Regenerate the results and claims tables of the README and docs/*.md from benchmarks/results/*.json, so
 no number is typed by hand.
 
-    python benchmarks/tools/report.py            # rewrite every table between results / claims markers
+    python benchmarks/tools/report.py            # summarise new results' probes, rewrite every table
     python benchmarks/tools/report.py --check    # exit 1 if any page is out of date (used by the tests)
+
+Run after a benchmark or a ``fastweights`` command wrote a result into benchmarks/results/: a result is written
+with its provenance only, and this adds the summaries of its behaviour probes (``evidence.stamp``) while the code
+is still the code that wrote it.
 
 A results table (``<!-- results:start -->`` ... ``<!-- results:end -->``) lists every result file
 (docs/results.md holds that full list); a docs page lists only the files it names:
@@ -377,6 +381,9 @@ def main() -> int:
     for name, marker in REQUIRED.items():
         if not (ROOT / name).is_file() or marker not in (ROOT / name).read_text():
             raise SystemExit(f"{name} must hold a {marker} block")
+    if not args.check:
+        for why in evidence.stamp_new():
+            print(f"not summarised: {why}", file=sys.stderr)
     stale = []
     rerun = evidence.rerun_page()
     if not evidence.RERUN_PAGE.exists() or evidence.RERUN_PAGE.read_text() != rerun:

@@ -15,7 +15,7 @@ cost CPU-hours; this script instead proves, for each result, that nothing but th
    ``--tolerance`` of its norm (default 1e-6: precision changes between the two, such as an fp32 loss made
    fp64, move outputs by about 1e-7; a change of behaviour by far more). A probe that disagrees is refused.
 3. Each result whose probes all agree gets its probes' summaries from the current code (its own default
-   dtype, :data:`fastweights.evidence.probes.PROBE_DTYPE`), and a ``probes_stamped`` record naming
+   dtype, :data:`probes.PROBE_DTYPE`), and a ``probes_stamped`` record naming
    ``COMMIT`` and this command. Nothing else in a result changes.
 
 Exit status: 0 when every result was stamped, 1 when some were refused (they are listed and left as they
@@ -44,10 +44,12 @@ import importlib, json, os, sys
 import torch
 root, out, dtype, results = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 sys.path[:0] = [os.path.join(root, "benchmarks", "tools"), os.path.join(root, "benchmarks")]  # evidence.py, now or then
-try:
-    probes = importlib.import_module("fastweights.evidence.probes")
-except ImportError:
-    probes = importlib.import_module("fastweights.experiments.probes")
+for name in ("probes", "fastweights.evidence.probes", "fastweights.experiments.probes"):  # where they lived
+    try:
+        probes = importlib.import_module(name)
+        break
+    except ImportError:
+        continue
 assert probes.__file__.startswith(root), probes.__file__
 if hasattr(probes, "PROBE_DTYPE"):
     probes.PROBE_DTYPE = getattr(torch, dtype)
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", type=Path, default=evidence.RESULTS,
                     help="the folder of result JSON files to stamp (default: benchmarks/results)")
     args = ap.parse_args(argv)
-    from fastweights.evidence.probes import PROBE_DTYPE, run_probe
+    from probes import PROBE_DTYPE, run_probe  # benchmarks/tools/probes.py
 
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", f"{args.verified_at}^{{commit}}"],
                             capture_output=True, text=True)

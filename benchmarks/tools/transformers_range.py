@@ -37,13 +37,12 @@ from pathlib import Path
 
 from fastweights.evidence.result_files import REPO, git_state, write_result
 
-from fastweights.evidence import probes
 
 TESTS = "tests/hf"
 
 
-def probe_specs() -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see src/fastweights/evidence/result_files.py): the Hugging Face
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py): the Hugging Face
     wrapper under dynamic evaluation (the code tests/hf exercises against each transformers release)."""
     return [probes.probe("hf_dynamic", rule="sgd")]
 

@@ -140,7 +140,7 @@ def test_torch_threads_are_set_in_one_place():
 
     src = pathlib.Path(threads_module.__file__).parents[1]
     callers = sorted(str(p.relative_to(src)) for p in src.rglob("*.py")
-                     if "torch.set_num_threads(" in p.read_text() and p.name != "probes.py")
+                     if "torch.set_num_threads(" in p.read_text())
     assert callers == ["core/threads.py"]
 
 

@@ -19,7 +19,7 @@ FLOORS = [
     ("loops", "hf", "tasks"),  # train / evaluate / generate, the Hugging Face bridges, the synthetic tasks
     ("adapt",),  # dynamic evaluation and continual adaptation
     ("experiments", "harness"),  # streaming, NIAH runs, analyses, the demo; the lm-evaluation-harness models
-    ("evidence",),  # provenance, behaviour probes (they build from every floor below) and their summaries
+    ("evidence",),  # provenance and result writing (the behaviour probes are benchmarks/tools/probes.py)
     ("cli",),  # the command line: nothing below imports it
     ("__main__",),
 ]

@@ -1,4 +1,4 @@
-"""Evidence by behaviour (benchmarks/tools/evidence.py, fastweights.evidence.probes): a result is stale when
+"""Evidence by behaviour (benchmarks/tools/evidence.py and probes.py): a result is stale when
 the code it measured behaves differently, found by re-running its probes, never by a list of files."""
 
 import json
@@ -11,13 +11,13 @@ import sys
 import pytest
 import torch
 
-from fastweights.evidence import probes, summaries
-
 from helpers import BENCHMARKS, ROOT
 
 sys.path.insert(0, str(BENCHMARKS / "tools"))
 
 import evidence  # noqa: E402
+import probes  # noqa: E402
+import summaries  # noqa: E402
 
 
 def _result(**over):
@@ -90,9 +90,11 @@ def test_every_stored_result_records_probes_and_its_file():
     assert evidence.problems() == []
 
 
-def _stale_results_with(tmp_path, path: str, old: str, new: str, only: tuple[str, ...] = ()) -> list[str]:
+def _stale_results_with(tmp_path, path: str, old: str, new: str, only: tuple[str, ...] = (),
+                        capability: str | None = None) -> list[str]:
     """The stored results (``only`` these, if given) that are stale when ``path`` in a copy of the source tree
-    has ``old`` replaced by ``new`` (run in a fresh process on the copy)."""
+    has ``old`` replaced by ``new`` (run in a fresh process on the copy, under ``ATEN_CPU_CAPABILITY=capability``
+    when given)."""
     src = tmp_path / "src"
     shutil.copytree(ROOT / "src", src, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     file = src / path
@@ -105,6 +107,9 @@ def _stale_results_with(tmp_path, path: str, old: str, new: str, only: tuple[str
               "print(json.dumps([evidence.result_key(p) for p in evidence.result_paths()"
               " if (not only or evidence.result_key(p) in only) and evidence.staleness(json.loads(p.read_text()))]))")
     env = {**os.environ, "PYTHONPATH": str(src), "PYTHONWARNINGS": "ignore"}
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    if capability:
+        env["ATEN_CPU_CAPABILITY"] = capability
     out = subprocess.run([sys.executable, "-c", script, str(src), *only], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -121,9 +126,14 @@ def test_a_behaviour_preserving_refactor_leaves_every_result_current(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_one_character_change_in_an_imported_operator_marks_the_results_that_reach_it(tmp_path):
-    # the delta rule reaches ops/linear_attention.py only through an import; its default query scale changes
+@pytest.mark.parametrize("capability", [None, "avx2", "default"])
+def test_a_one_character_change_in_an_imported_operator_marks_the_results_that_reach_it(tmp_path, capability):
+    # the delta rule reaches ops/linear_attention.py only through an import; its default query scale changes (on
+    # the CPU kernels torch picks, and on the AVX2 and the portable ones: tests/evidence/test_kernels.py holds the
+    # stored results current under each, and 1e-12 noise stales none)
+    if capability == "avx2" and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        pytest.skip("this CPU has no AVX2")
     stale = _stale_results_with(tmp_path, "fastweights/ops/linear_attention.py", "** -0.5", "** -0.4",
-                                only=("bench_delta_rule", "bench_fwpkm_layer"))
+                                only=("bench_delta_rule", "bench_fwpkm_layer"), capability=capability)
     assert "bench_delta_rule" in stale
     assert "bench_fwpkm_layer" not in stale  # a result that never reaches the operator stays current

@@ -10,13 +10,13 @@ import sys
 import pytest
 import torch
 
-from fastweights.evidence import probes, summaries
-
 from helpers import BENCHMARKS, ROOT
 
 sys.path.insert(0, str(BENCHMARKS / "tools"))
 
 import evidence  # noqa: E402
+import probes  # noqa: E402
+import summaries  # noqa: E402
 
 
 def capabilities() -> list[str]:

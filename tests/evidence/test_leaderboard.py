@@ -11,6 +11,7 @@ from helpers import BENCHMARKS, ROOT, benchmark_script
 sys.path[:0] = [str(benchmark_script("leaderboard").parent), str(BENCHMARKS / "tools")]
 
 import leaderboard  # noqa: E402
+import probes  # noqa: E402
 import report  # noqa: E402
 
 
@@ -38,10 +39,21 @@ def test_rows_from_two_commits_record_the_oldest_and_keep_every_rows_probes():
 
 
 def test_each_entry_probes_its_own_model():
-    specs = {name: leaderboard.entry_probe_specs(name) for name in leaderboard.ENTRIES}
+    specs = {name: leaderboard.entry_probe_specs(probes, name) for name in leaderboard.ENTRIES}
     assert specs["gdn"] != specs["attention"] and specs["fwl"] != specs["attention"]
     assert specs["fwl-carry"] == specs["fwl"]  # a training setting: the same model
     assert any(s["kind"] == "dynamic" for s in specs["dynamic-eval"])
+
+
+def test_a_row_gets_its_probes_from_the_tools_as_the_stored_rows_hold_them():
+    import summaries
+
+    stored = {json.dumps([p["kind"], p["args"]], sort_keys=True): p["summary"]
+              for p in json.loads((BENCHMARKS / "results" / "leaderboard.json").read_text())["probes"]}
+    now = leaderboard.row_probes("lstm")  # benchmarks/tools/evidence.py summarise, in a process of its own
+    assert len(now) == 3  # the model, streamed carried and in windows
+    for p in now:
+        assert summaries.differences(stored[json.dumps([p["kind"], p["args"]], sort_keys=True)], p["summary"]) == []
 
 
 def test_markdown_table_ranks_by_streamed_score_and_flags_a_collapse():

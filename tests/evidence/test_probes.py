@@ -1,12 +1,18 @@
-"""The probes themselves (fastweights.evidence.probes): they leave the caller's random state and default dtype
+"""The probes themselves (benchmarks/tools/probes.py): they leave the caller's random state and default dtype
 as they were, and each runs the code path it names (the model probe's second call carries the first call's
 state), so a stored summary means what it says (issue 39: mutants the stored summaries alone would catch)."""
+
+import sys
 
 import pytest
 import torch
 from torch.testing import assert_close
 
-from fastweights.evidence import probes
+from helpers import BENCHMARKS
+
+sys.path.insert(0, str(BENCHMARKS / "tools"))
+
+import probes  # noqa: E402
 
 
 def test_a_probe_leaves_the_callers_random_state_threads_and_dtype_alone():

@@ -35,6 +35,28 @@ def test_provenance_records_the_commit_and_the_machine():
     assert git_state(Path("/"))["commit"] is None  # not a checkout
 
 
+def test_the_code_hash_changes_with_the_code_and_not_with_results(tmp_path):
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], capture_output=True, check=True)
+
+    git("init", "-q")
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "m.py").write_text("x = 1\n")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    clean = git_state(tmp_path)
+    assert clean["code"] == provenance_module.clean_code(clean["commit"])  # a named commit's code, as a copy of it
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "results" / "r.json").write_text("{}")  # a result written: no code changed
+    (tmp_path / "README.md").write_text("notes\n")
+    assert git_state(tmp_path)["code"] == clean["code"]
+    (tmp_path / "src" / "new.py").write_text("y = 2\n")  # an untracked module
+    assert git_state(tmp_path)["code"] != clean["code"]
+    (tmp_path / "src" / "new.py").unlink()
+    (tmp_path / "src" / "m.py").write_text("x = 2\n")  # a tracked change
+    assert git_state(tmp_path)["code"] != clean["code"]
+
+
 def test_a_fastweights_command_records_the_checkout_it_runs_from(monkeypatch):
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     rec = cli_provenance(["continual", "--out", str(ROOT / "benchmarks" / "results" / "x")])

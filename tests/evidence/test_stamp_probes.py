@@ -5,9 +5,11 @@ import json
 import subprocess
 import sys
 
-from fastweights.evidence import probes
-
 from helpers import HANG_GUARD_S, BENCHMARKS, ROOT
+
+sys.path.insert(0, str(BENCHMARKS / "tools"))
+
+import probes  # noqa: E402
 
 
 def _record(name: str, spec: dict, summary: dict) -> dict:

@@ -14,7 +14,6 @@ from fastweights.cli.common import common_flags, describe, load, out_flag, outpu
 from fastweights.adapt.evaluate import scores_not_finite_because
 from fastweights.cli.types import nonneg_int, positive_int
 from fastweights.core.errors import UserError, refuse_non_finite
-from fastweights.evidence.probes import run_probes
 from fastweights.evidence.provenance import write_cli_result
 
 
@@ -64,8 +63,7 @@ def cmd_continual(args) -> int:
     refuse_non_finite(res, scores_not_finite_because(ev))
     res.update(checkpoint=str(args.checkpoint), model=describe(cfg),
                dynamic=(ev.metadata() | info) if ev is not None else None)
-    write_cli_result(out.with_suffix(".json"), res, getattr(args, "argv", None),
-                     run_probes(cfg, dynamic_rule=ev.rule if ev is not None else None))
+    write_cli_result(out.with_suffix(".json"), res, getattr(args, "argv", None))
     plot_adapt(res, out.with_suffix(".png"), title=f"continual adaptation: {Path(args.checkpoint).name} ({describe(cfg)})"
                + (f" + dynamic {ev.rule}" if ev else ""))
     if args.json:

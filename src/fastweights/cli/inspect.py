@@ -19,7 +19,6 @@ from fastweights.experiments.analysis import analyze, plot_analysis
 from fastweights.cli.common import common_flags, device_flag, load, out_flag, output_prefix, threads_flag
 from fastweights.cli.types import nonneg_int, positive_int
 from fastweights.core.errors import UserError
-from fastweights.evidence.probes import run_probes
 from fastweights.evidence.provenance import write_cli_result
 
 
@@ -35,14 +34,12 @@ def register(top, parser_class) -> None:
 
 def cmd_compare(args) -> int:
     from fastweights.core.distributed import resolve_device
-    from fastweights.models.loading import read_run_config
 
     result = analyze(Path(args.base), Path(args.model), data=args.data, split=args.split, seq_len=args.seq_len,
                      stride=args.stride, max_chars=args.max_chars, freq_from=args.freq_from,
                      device=str(resolve_device(args.device)), progress=not args.quiet)
     out = Path(args.out)
-    measured = [p for d in (args.base, args.model) for p in run_probes(read_run_config(Path(d)))]
-    write_cli_result(out / "analysis.json", result, getattr(args, "argv", None), measured)  # with command, commit, probes
+    write_cli_result(out / "analysis.json", result, getattr(args, "argv", None))  # with command, commit, machine
     plot_analysis(result, out / "analysis.png")
     o = result["overall"]
     print(f"{result['data']}: {o['tokens']} tokens, base {o['base_bits']:.4f} -> model {o['model_bits']:.4f} "
@@ -218,7 +215,7 @@ def cmd_gates(args) -> int:
     doc = {"checkpoint": str(args.checkpoint), "tokens": tokens,
            "gates": {str(k): [round(float(x), 5) for x in v] for k, v in gates.items()},
            "mean_gate": {str(k): float(v.mean()) for k, v in gates.items()}}
-    write_cli_result(out.with_suffix(".json"), doc, getattr(args, "argv", None), run_probes(cfg))
+    write_cli_result(out.with_suffix(".json"), doc, getattr(args, "argv", None))
     if args.json:
         print(json.dumps({k: doc[k] for k in ("checkpoint", "mean_gate")}, indent=2))
     else:

@@ -17,10 +17,7 @@ from fastweights.adapt.evaluate import scores_not_finite_because
 from fastweights.cli.common import describe, load, output_prefix
 from fastweights.cli.types import nonneg_int, positive_int
 from fastweights.core.errors import UserError, refuse_non_finite
-from fastweights.evidence.probes import run_probes
 from fastweights.evidence.provenance import write_cli_result
-
-PROBED_MODES = ("carry", "reset", "memory", "windows")  # stream modes a result's probes re-run (frozen: as carry)
 
 
 def add_stream_arguments(p) -> None:
@@ -67,7 +64,7 @@ def run_stream_eval(args) -> int:
     quiet = getattr(args, "quiet", False)
     data = getattr(args, "data", None)
     split = getattr(args, "split", None) or "test"
-    runs, measured = [], []
+    runs = []
     for k, path in enumerate(ckpts):
         model, tok, cfg = load(path, getattr(args, "device", "auto"))
         seq_len = getattr(args, "seq_len", 0) or cfg.train.seq_len
@@ -79,7 +76,6 @@ def run_stream_eval(args) -> int:
                                 cfg.data.val_fraction, cfg.data.test_fraction)[split]
         built = _evaluator(args, model, tok, cfg, path, seq_len)
         ev, info = built if built else (None, None)
-        measured += run_probes(cfg, tuple(m for m in modes if m in PROBED_MODES), ev.rule if ev is not None else None)
         label = labels[k] if labels else f"{Path(path).name} ({describe(cfg)})"
         for i, mode in enumerate(modes):
             run = k * len(modes) + i + 1
@@ -97,7 +93,7 @@ def run_stream_eval(args) -> int:
         _mark_equal_modes(runs[-len(modes):])
     doc = {"data": data or f"{cfg.data.corpus}:{split}", "modes": modes, "runs": runs}
     refuse_non_finite(doc, scores_not_finite_because(ev))
-    write_cli_result(out.with_suffix(".json"), doc, getattr(args, "argv", None), measured)
+    write_cli_result(out.with_suffix(".json"), doc, getattr(args, "argv", None))
     plot_stream(runs, out.with_suffix(".png"), unit="bits" if tok.name in ("char", "byte") else "nats")
     if getattr(args, "json", False):
         print(json.dumps({**doc, "runs": [{k: v for k, v in r.items() if k not in ("curve", "documents", "state_norm")} for r in runs]},

@@ -21,7 +21,6 @@ import fastweights.tasks.niah_token  # noqa: F401  (registers "niah-token-tinysh
 from fastweights.cli.common import common_flags, describe, load, out_flag, output_prefix, threads_flag
 from fastweights.cli.types import fraction, ints, nonneg_float, nonneg_int, positive_float, positive_int, seed
 from fastweights.core.errors import UserError
-from fastweights.evidence.probes import probe, run_probes, summarised
 from fastweights.evidence.provenance import write_cli_result
 from fastweights.tasks.assoc import FEATURE_MAPS, RULES, AssocConfig, parse_keys, parse_model, plot_capacity, run_sweep
 from fastweights.tasks.ba_retrieval import MODELS, SPLIT_SIZES
@@ -43,9 +42,7 @@ def cmd_assoc(args) -> int:
     out = output_prefix(args, "assoc") if args.out else None
     results = run_sweep(base, parse_keys(args.keys), models, progress=not args.quiet)
     if out is not None:
-        measured = summarised([probe("assoc_model", setting=args.setting, **m) for m in models]
-                                 + [probe("task", name="assoc")])
-        write_cli_result(out.with_suffix(".json"), {"results": results}, getattr(args, "argv", None), measured)
+        write_cli_result(out.with_suffix(".json"), {"results": results}, getattr(args, "argv", None))
         plot_capacity(results, out.with_suffix(".png"))
     if args.json:
         print(json.dumps(results[0] if len(results) == 1 else results, indent=2))
@@ -284,8 +281,7 @@ def cmd_niah(args) -> int:
             "seed": args.seed, "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(opts).items()},
             "train_seq_len": cfg.train.seq_len}
     doc = records_to_json(records, summary, meta)
-    write_cli_result(out.with_suffix(".json"), doc, getattr(args, "argv", None),
-                     run_probes(cfg) + summarised([probe("task", name="niah")]))
+    write_cli_result(out.with_suffix(".json"), doc, getattr(args, "argv", None))
     plot_niah(summary, out.with_suffix(".png"), title=f"NIAH: {Path(args.checkpoint).name} ({describe(cfg)})")
     for s in samples[: args.show]:
         recs = [r for r in records if r["seed"] == s.seed]

@@ -1,12 +1,14 @@
-"""Evidence: what a stored result records so that a reader can tell whether it still measures the code.
+"""Evidence: what a stored result records about how it was made, and writing it.
 
-* :mod:`fastweights.evidence.provenance` -- the command, date, commit and machine a result was made with;
-* :mod:`fastweights.evidence.probes` -- behaviour probes: seconds-long fp64 runs of the code path a result
-  measured, each reduced to a summary;
-* :mod:`fastweights.evidence.summaries` -- those summaries, and their comparison with one tolerance;
+* :mod:`fastweights.evidence.provenance` -- the command, date, commit (with a hash of the code it ran) and
+  machine a result was made with; :func:`~fastweights.evidence.provenance.write_cli_result` writes a
+  ``fastweights`` command's result file with them;
 * :mod:`fastweights.evidence.result_files` -- a benchmark's result file in the checkout's benchmarks/results/;
 * :mod:`fastweights.evidence.timing` -- how a benchmark times a call (CPU or wall seconds, the median).
 
-This floor sits just below the command line: probes build models, layers, evaluators and tasks from every
-floor beneath it. ``benchmarks/tools/evidence.py`` decides with it which stored results are stale.
+Nothing here runs behaviour probes, and ``import fastweights`` imports none: the probes that tell whether a
+stored result still measures the code (fp64 runs of the code path it measured, their summaries and the one
+tolerance), the stamping of a new result's probes and the report are the repository's tools
+(``benchmarks/tools/probes.py``, ``summaries.py``, ``evidence.py``, ``report.py``), not the package's.
+This floor sits below the command line, which writes result files with it; it imports only ``core``.
 """

@@ -1,14 +1,17 @@
 """What a result file records about how it was made: the command (with paths inside the repository
 made relative to its root, so a reader can run it from any clone), the date, the git commit with the
-paths that differed from it, and the machine with its load.
+paths that differed from it and a hash of the code it ran, and the machine with its load.
 
 The benchmark scripts record this through ``src/fastweights/evidence/result_files.py`` (``root`` = the repository the
-script lives in), and ``benchmarks/tools/report.py --check`` re-runs the behaviour probes a result recorded
-(:mod:`fastweights.evidence.probes`) to tell whether the code it measured still behaves the same.
+script lives in), the ``fastweights`` commands through :func:`write_cli_result`. Neither runs behaviour probes:
+the repository's tools (``benchmarks/tools/evidence.py``) summarise a stored result's probes after it was
+written, while ``code`` still matches, and ``benchmarks/tools/report.py --check`` re-runs them to tell whether
+the code it measured still behaves the same.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import re
@@ -67,19 +70,38 @@ def machine() -> dict:
     return info
 
 
-def git_state(root: Path) -> dict:
-    """The commit of the checkout at ``root`` and whether the tree differed from it (``dirty``, with
-    the changed tracked paths, at most 20). ``{"commit": None}`` outside a git checkout."""
+# The code a result's numbers can depend on: what ``code`` in :func:`git_state` hashes (results, pages and tests
+# are not code a measurement runs)
+CODE_PATHS = ("src", "benchmarks", "configs", "pyproject.toml", ":(exclude)benchmarks/results")
 
-    def git(*args):
-        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True).stdout
+
+def _code_hash(commit: str, diff: bytes = b""):
+    return hashlib.sha256(commit.encode() + diff)
+
+
+def clean_code(commit: str) -> str:
+    """The ``code`` :func:`git_state` records for a tree at ``commit`` with no differences from it."""
+    return _code_hash(commit).hexdigest()[:16]
+
+
+def git_state(root: Path) -> dict:
+    """The commit of the checkout at ``root``, whether the tree differed from it (``dirty``, with the changed
+    tracked paths, at most 20), and ``code``: a hash of the commit and every difference from it in
+    :data:`CODE_PATHS`, untracked files included, so that two records with the same ``code`` ran the same
+    code. ``{"commit": None}`` outside a git checkout."""
+
+    def git(*args, text=True):
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=text, check=True).stdout
 
     try:
         commit = git("rev-parse", "HEAD").strip()
         changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
+        code = _code_hash(commit, git("diff", "HEAD", "--binary", "--", *CODE_PATHS, text=False))
+        for name in sorted(git("ls-files", "--others", "--exclude-standard", "--", *CODE_PATHS).splitlines()):
+            code.update(name.encode() + b"\0" + (root / name).read_bytes())
     except (OSError, subprocess.CalledProcessError):
         return {"commit": None, "dirty": None}
-    return {"commit": commit, "dirty": bool(changed), "dirty_paths": changed[:20]}
+    return {"commit": commit, "dirty": bool(changed), "dirty_paths": changed[:20], "code": code.hexdigest()[:16]}
 
 
 def provenance(root: Path, argv: list[str] | None = None, program: str | None = None, git: dict | None = None) -> dict:
@@ -118,14 +140,13 @@ def cli_provenance(argv: list[str] | None = None) -> dict:
     return provenance(Path.cwd(), argv, program="fastweights", git={"commit": None, "dirty": None, "version": installed})
 
 
-def write_cli_result(path: Path, payload: dict, argv: list[str] | None, probes: list[dict]) -> None:
+def write_cli_result(path: Path, payload: dict, argv: list[str] | None) -> None:
     """Write ``payload`` as JSON at ``path`` after :func:`cli_provenance` (``argv``: the command's words,
-    as ``fastweights.cli.main`` keeps them in ``args.argv``), the file's own path (``result_file``) and the
-    summarised behaviour ``probes`` of the code the command measured
-    (:func:`fastweights.evidence.probes.summarised`), whole or not at all."""
+    as ``fastweights.cli.main`` keeps them in ``args.argv``) and the file's own path (``result_file``),
+    whole or not at all."""
     import json
 
     from fastweights.core.files import atomic_write
 
-    record = {**cli_provenance(argv), "result_file": Path(path).as_posix(), "probes": probes, **payload}
+    record = {**cli_provenance(argv), "result_file": Path(path).as_posix(), **payload}
     atomic_write(Path(path), lambda p: p.write_text(json.dumps(record, indent=2) + "\n"))

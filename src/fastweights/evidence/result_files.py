@@ -5,10 +5,10 @@ The scripts (``benchmarks/speed``, ``quality``, ``gpu``, ``tools``) import it fr
 a script runs as ``python benchmarks/KIND/X.py`` from any folder without changing ``sys.path``; the library
 code they measure is the same installed ``fastweights`` (an editable install of the checkout).
 
-Every script defines ``probe_specs() -> list[dict]``: the behaviour probes
-(:mod:`fastweights.evidence.probes`) of the code it measures. :func:`provenance` runs them and
-records their summaries, so that ``report.py`` can tell later whether that code still behaves as
-it did when the result was measured.
+A result is written with its provenance only. Every script also defines ``probe_specs(probes)``: the
+behaviour probes of the code it measures, which the repository's tools (``benchmarks/tools/evidence.py``,
+run by ``report.py``) summarise into the result after it was written, so that ``report.py --check`` can tell
+later whether that code still behaves as it did; the package never runs a probe.
 """
 
 from __future__ import annotations
@@ -55,24 +55,10 @@ def git_state() -> dict:
     return _provenance.git_state(REPO)
 
 
-def script_probe_specs() -> list[dict]:
-    """The probes the running script declares (its module-level ``probe_specs()``)."""
-    main = sys.modules.get("__main__")
-    specs = getattr(main, "probe_specs", None)
-    if specs is None:
-        raise RuntimeError(f"{getattr(main, '__file__', 'the running script')} declares no probe_specs(): every "
-                           "benchmark names the behaviour probes of the code it measures (see common.py)")
-    return specs()
-
-
-def provenance(argv: list[str] | None = None, probes: list[dict] | None = None) -> dict:
-    """What every result JSON records: command, date, commit, machine, and the summarised probes
-    (``probes``, default the running script's ``probe_specs()``). Scripts that write their JSON
-    themselves merge this in and write it with :func:`write_json`."""
-    from fastweights.evidence.probes import summarised
-
-    specs = script_probe_specs() if probes is None else probes
-    return {**_provenance.provenance(REPO, argv), "probes": summarised(specs)}
+def provenance(argv: list[str] | None = None) -> dict:
+    """What every result JSON records: command, date, commit (with the hash of the code it ran) and machine.
+    Scripts that write their JSON themselves merge this in and write it with :func:`write_json`."""
+    return _provenance.provenance(REPO, argv)
 
 
 def write_json(path: Path, record: dict) -> Path:
@@ -86,6 +72,6 @@ def write_json(path: Path, record: dict) -> Path:
     return path
 
 
-def write_result(name: str, payload: dict, probes: list[dict] | None = None) -> Path:
-    """Write ``benchmarks/results/<name>.json``: :func:`provenance` (with ``probes``) and ``payload``."""
-    return write_json(RESULTS / f"{name}.json", {**provenance(probes=probes), **payload})
+def write_result(name: str, payload: dict) -> Path:
+    """Write ``benchmarks/results/<name>.json``: :func:`provenance` and ``payload``."""
+    return write_json(RESULTS / f"{name}.json", {**provenance(), **payload})

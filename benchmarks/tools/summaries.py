@@ -1,6 +1,6 @@
 """Summaries of a probe's outputs, and their comparison with one tolerance.
 
-A probe (:mod:`fastweights.evidence.probes`) returns a dict of named outputs: tensors (logits, losses,
+A probe (``probes.py`` beside this file) returns a dict of named outputs: tensors (logits, losses,
 gradients), numbers, strings. A stored result keeps, for each output, a short summary line:
 
     floating tensor   "2x48x96: N S P1 P2"     N = ||t||_2, S = <t, 1>/sqrt(n), Pk = <t, r_k>/sqrt(n)

@@ -1,18 +1,23 @@
 """Behaviour probes: the evidence that a stored result still measures the code as it is.
 
-A result (``benchmarks/results/*.json``, or a file a ``fastweights`` command writes) records the
-probes of the code path it measured, each as a spec and the summary of its outputs::
+A result in ``benchmarks/results/`` (a benchmark script's, or a file a ``fastweights`` command wrote) records
+the probes of the code path it measured, each as a spec and the summary of its outputs::
 
     "probes": [{"kind": "model", "args": {"config": {...}}, "summary": {"logits": "2x48x96: ...", ...}}, ...]
 
 A probe is a seconds-long, deterministic fp64 run of exactly that code path (a model built from the
 measured configuration with seeded random weights, a layer, a dynamic-evaluation rule, a scorer, a
-task generator) on fixed inputs; its summary (:mod:`fastweights.evidence.summaries`) holds, for each
+task generator) on fixed inputs; its summary (``summaries.py`` beside this file) holds, for each
 output and gradient, its norm and a few fixed projections. ``benchmarks/tools/evidence.py`` recomputes
 every stored probe: a result whose summaries moved by more than the tolerance measured code that no longer
 behaves the same, and is marked stale with the command that re-runs it. A refactor that leaves the
 behaviour alone (a renamed variable, a moved function, a new import) leaves every result current; a
 one-character change in an operator a result reaches only through an import moves its probe.
+
+The repository's tools, not the ``fastweights`` package, hold the probes: the package records provenance and
+writes results, and ``import fastweights`` never builds a probe. A benchmark declares its probes in
+``probe_specs(probes)`` (this module is passed in, so no script imports it) and ``evidence.py`` stamps a new
+result's summaries after it was written, when the code is still the code that wrote it.
 
 Probes run in fp64 from the first weight on (the default dtype is float64 while a probe builds and runs:
 an fp32 initialisation would carry the last bits of a CPU's vectorised random-number kernels, which differ
@@ -45,7 +50,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from fastweights.evidence.summaries import summarise
+from summaries import summarise  # benchmarks/tools/summaries.py
 
 PROBE_VOCAB = 96  # vocabulary of probe models (a tokenizer's size changes no code path)
 PROBE_CHUNK = 8  # chunk/segment sizes above this are shrunk so the probe's few tokens cross boundaries
@@ -365,7 +370,7 @@ def probe(kind: str, **args) -> dict:
 
 def run_probe(spec: dict) -> dict[str, str]:
     """The summary of ``spec`` ({"kind", "args"}) under the code as it is now
-    (:func:`fastweights.evidence.summaries.summarise` of its outputs)."""
+    (:func:`summaries.summarise` of its outputs)."""
     kind = spec["kind"]
     if kind not in KINDS:
         raise ValueError(f"unknown probe kind {kind!r}; known: {sorted(KINDS)}")
@@ -421,9 +426,3 @@ def checkpoint_probes(config: dict, stream_modes: tuple[str, ...] = (), dynamic_
     if dynamic_rule:
         specs.append(probe("dynamic", config=config, rule=dynamic_rule))
     return specs
-
-
-def run_probes(cfg, stream_modes: tuple[str, ...] = (), dynamic_rule: str | None = None) -> list[dict]:
-    """The summarised probes of a trained run (its :class:`~fastweights.core.config.RunConfig`), as a
-    ``fastweights`` command that measured it records them."""
-    return summarised(checkpoint_probes(dataclasses.asdict(cfg.model), stream_modes, dynamic_rule))
