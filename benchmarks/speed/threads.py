@@ -36,7 +36,7 @@ from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.core.config import make_config
 from fastweights.core.threads import SCORING_THREADS, training_threads
 from fastweights.evidence import probes
-from fastweights.loops.evaluate import score_tokens
+from fastweights.loops.evaluate import SCORING_SEGMENT_LEN, score_tokens
 from fastweights.loops.generate import generate_tokens
 from fastweights.models.lm import LanguageModel
 
@@ -88,7 +88,7 @@ def _workloads(model, cfg, eval_chars: int, generate_tokens_n: int):
 
     def run_dynamic_eval():  # what `fastweights dynamic eval` does: score a segment, then update on it
         model.eval()
-        DynamicEvaluator(model, rule="sgd", lr=1e-5, segment_len=64, context=seq_len).evaluate(dyn_text)
+        DynamicEvaluator(model, rule="sgd", lr=1e-5, segment_len=SCORING_SEGMENT_LEN, context=seq_len).evaluate(dyn_text)
 
     return {"eval": run_eval, "generate": run_generate, "dynamic_eval": run_dynamic_eval,
             "train_step": lambda: step(model, opt), "train_step_fwp": lambda: step(fw_model, fw_opt)}

@@ -28,7 +28,7 @@ from fastweights.adapt.update_rules import as_token_stream, carry_state
 from fastweights.core import numbers
 from fastweights.core.config import setting_field
 from fastweights.core.errors import UserError
-from fastweights.loops.evaluate import EvalResult
+from fastweights.loops.evaluate import SCORING_SEGMENT_LEN, EvalResult
 from fastweights.core.progress import Progress
 
 
@@ -160,7 +160,8 @@ class NeuralCache:
 
     def __init__(self, model, window: int = CacheSettings.window, flatness: float = CacheSettings.flatness,
                  mix: float = CacheSettings.mix, similarity: str = CacheSettings.similarity,
-                 warmup_window: bool = CacheSettings.warmup_window, segment_len: int = 64, context: int | None = None):
+                 warmup_window: bool = CacheSettings.warmup_window, segment_len: int = SCORING_SEGMENT_LEN,
+                 context: int | None = None):
         if window < 1:
             raise UserError(f"cache window must be >= 1, got {window}")
         if not 0 <= mix <= 1:
