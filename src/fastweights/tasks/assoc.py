@@ -203,7 +203,8 @@ def retrieval_loss(y_hat: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def parse_keys(text: str) -> list[int]:
-    """``"60"``, ``"20,40,60"`` or ``"20:100:20"`` (inclusive end, as the reference's --begin/--end/--step)."""
+    """``"60"``, ``"20,40,60"`` or ``"20:100:20"`` (inclusive end, as the reference's --begin/--end/--step): the
+    type of ``--keys`` (its messages follow argparse's ``argument --keys:``)."""
     try:
         if ":" in text:
             parts = [int(p) for p in text.split(":")]
@@ -213,9 +214,9 @@ def parse_keys(text: str) -> list[int]:
         else:
             values = [int(p) for p in text.split(",") if p.strip()]
     except ValueError:
-        raise UserError(f"assoc: --keys must look like 60, 20,40,60 or 20:100:20, got {text!r}") from None
+        raise UserError(f"must look like 60, 20,40,60 or 20:100:20, got {text!r}") from None
     if not values or min(values) < 1:
-        raise UserError(f"assoc: --keys must list positive integers, got {text!r}")
+        raise UserError(f"must list positive integers, got {text!r}")
     return values
 
 

@@ -44,12 +44,12 @@ DIGIT0 = 26  # token id of "0"
 QUERY_MARK = 36  # token id of "?"
 SPLIT_SIZES = {"train": 100_000, "val": 10_000, "test": 20_000}
 MODELS = ("fast-rnn", "lstm", "irnn")
-_FAST = FastRNNOptions()  # the fast-weights RNN's own defaults, which the task network starts from
 
 
 @dataclass
 class BaRetrievalConfig:
-    """One run of the task: data, network and training (defaults: the paper's setting, R = 20, K = 4).
+    """One run of the task: data, network and training (defaults: the paper's setting, R = 20, K = 4; the
+    fast-weights RNN's own, ``FastRNNOptions``, for lam, eta, inner_steps, layer_norm and fast_weights).
     ``fastweights task ba-retrieval``'s flags are generated from these fields (``cli.settings``) and
     :func:`train_retrieval` takes its defaults from them."""
 
@@ -72,12 +72,16 @@ class BaRetrievalConfig:
     val_size: int = setting_field(SPLIT_SIZES["val"], "generated validation sequences", type=numbers.positive_int)
     test_size: int = setting_field(SPLIT_SIZES["test"], "generated test sequences", type=numbers.positive_int)
     digit_head: bool = setting_field(False, "10-way digit output instead of the 37-token vocabulary")
-    lam: float = setting_field(_FAST.lam, "fast-rnn: decay lambda of the fast weights", type=numbers.fraction)
-    eta: float = setting_field(_FAST.eta, "fast-rnn: eta, the fast weights' own write strength (a model constant, "
-                                          "not trained, unlike --lr)", type=numbers.nonneg_float)
-    inner_steps: int = setting_field(_FAST.inner_steps, "fast-rnn: inner-loop steps S", type=numbers.positive_int)
-    layer_norm: bool = setting_field(_FAST.layer_norm, "fast-rnn: LayerNorm before every ReLU (off: the ablation)")
-    fast_weights: bool = setting_field(_FAST.fast_weights, "fast-rnn: the fast weights (off: the LN-RNN ablation)")
+    lam: float = setting_field(FastRNNOptions.lam, "fast-rnn: decay lambda of the fast weights",
+                               type=numbers.fraction)
+    eta: float = setting_field(FastRNNOptions.eta, "fast-rnn: eta, the fast weights' own write strength (a model "
+                               "constant, not trained, unlike --lr)", type=numbers.nonneg_float)
+    inner_steps: int = setting_field(FastRNNOptions.inner_steps, "fast-rnn: inner-loop steps S",
+                                     type=numbers.positive_int)
+    layer_norm: bool = setting_field(FastRNNOptions.layer_norm, "fast-rnn: LayerNorm before every ReLU (off: the "
+                                     "ablation)")
+    fast_weights: bool = setting_field(FastRNNOptions.fast_weights, "fast-rnn: the fast weights (off: the LN-RNN "
+                                       "ablation)")
 
     def split_sizes(self) -> dict[str, int]:
         return {"train": self.train_size, "val": self.val_size, "test": self.test_size}
