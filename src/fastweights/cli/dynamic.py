@@ -155,9 +155,9 @@ def comparison_options(args) -> ComparisonOptions:
     """The parsed flags of ``dynamic eval`` (or ``eval --dynamic``) as :class:`ComparisonOptions`."""
     from dataclasses import fields
 
+    given = {f.name: getattr(args, f.name) for f in fields(ComparisonOptions) if hasattr(args, f.name)}
     cache = settings_from(args, CacheSettings, prefix=CACHE_PREFIX, exclude=CACHE_NOT_ON_THE_COMMAND_LINE)
-    return ComparisonOptions(**{f.name: getattr(args, f.name) for f in fields(ComparisonOptions) if hasattr(args, f.name)},
-                             neural_cache=cache)
+    return ComparisonOptions(**given, neural_cache=cache)
 
 
 def _load(args):

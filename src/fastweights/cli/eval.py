@@ -132,8 +132,9 @@ def cmd_eval(args) -> int:
 
 def _eval_pretrained_with_head(args) -> int:
     """``eval`` of a checkpoint of ``fwl-head train`` (a pretrained model with an FWL head): each text of
-    ``--data`` streamed in calls of ``--stride`` tokens (default: ``loops.evaluate.SCORING_SEGMENT_LEN``) with the KV cache and the fast weights
-    carried, the whole text in context up to the model's position limit (or ``--context``)."""
+    ``--data`` streamed in calls of ``--stride`` tokens (default: ``loops.evaluate.SCORING_SEGMENT_LEN``) with the
+    KV cache and the fast weights carried, the whole text in context up to the model's position limit (or
+    ``--context``)."""
     from fastweights.adapt.dynamic import DynamicEvaluator
     from fastweights.adapt.setup import encode_texts, load_model_and_tokenizer, load_texts
     from fastweights.loops.evaluate import EvalResult
