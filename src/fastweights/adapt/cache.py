@@ -40,7 +40,7 @@ class CacheSettings:
     """The neural cache's settings, defined once: :class:`NeuralCache`, ``adapt.dynamic_cache.DynamicNeuralCache``
     and :func:`cache_mix` take their defaults from here, and so do ``dynamic eval``'s ``--cache-*`` flags
     (``cli.settings``). The defaults are ``pointer.py``'s (window 500, theta 1.0, lambda 0.1); the paper's text8
-    runs kept 3,000 positions, and the benchmarks pass the window they tuned with (2,000)."""
+    runs kept 3,000 positions; the benchmarks pass their own window (2,000, with flatness and mix tuned for it)."""
 
     window: int = setting_field(500, "past positions it remembers", type=numbers.positive_int)
     flatness: float = setting_field(1.0, "theta, the flatness of its distribution over remembered positions",
