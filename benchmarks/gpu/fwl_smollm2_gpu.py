@@ -77,7 +77,7 @@ from fastweights.hf.fwl_head import PRETRAINED_FWL_DEFAULTS, HFCausalLMWithFWL  
 from fastweights.hf.fwl_training import HELD_OUT_NAMES, RECIPE, TRAINING_MIX, VARIANTS, held_out, round_robin  # noqa: E402
 from fastweights.hf.fwl_training import param_groups as library_param_groups  # noqa: E402
 from fastweights.layers.fwl import FWLOptions, slow_part  # noqa: E402
-from fastweights.loops.evaluate import score_tokens  # noqa: E402
+from fastweights.loops.evaluate import SCORING_SEGMENT_LEN, score_tokens  # noqa: E402
 from fastweights.models.lm import ModelOutput  # noqa: E402
 from fastweights.ops.linear_attention import no_autocast  # noqa: E402
 
@@ -90,8 +90,8 @@ def log(msg: str) -> None:
 
 #: the scored texts: the CPU comparison's (fwl_smollm2.py), keys of fastweights.data.excerpts.BUNDLED_EXCERPTS
 SCORED_TEXTS = ("anna_karenina", "hamlet", "war_and_peace_ch2", "don_quijote")
-#: scoring segment (tokens per call, the KV cache and the head's state carried): the CPU comparison's 64
-SCORE_SEGMENT = PRETRAINED_FWL_DEFAULTS["segment_len"]
+#: scoring segment (tokens per call, the KV cache and the head's state carried): the CPU comparison's
+SCORE_SEGMENT = SCORING_SEGMENT_LEN
 
 
 @dataclasses.dataclass(frozen=True)

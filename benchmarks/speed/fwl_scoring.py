@@ -51,9 +51,10 @@ from fastweights.evidence.result_files import RESULTS, command_line_without, pro
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.data.excerpts import bundled_excerpt, token_excerpt
 from fastweights.hf.fwl_head import PRETRAINED_FWL_DEFAULTS, HFCausalLMWithFWL
+from fastweights.loops.evaluate import SCORING_SEGMENT_LEN
 from fastweights.ops.linear import linear
 
-SEGMENT_LEN = PRETRAINED_FWL_DEFAULTS["segment_len"]  # the recipe's segments, fwl_smollm2.py's protocol (64)
+SEGMENT_LEN = SCORING_SEGMENT_LEN  # the head's segments too (PRETRAINED_FWL_DEFAULTS), fwl_smollm2.py's protocol
 
 
 def probe_specs(probes) -> list[dict]:

@@ -35,7 +35,7 @@ from fastweights.evidence.result_files import write_result  # noqa: E402
 from fastweights.adapt.dynamic import DynamicEvaluator  # noqa: E402
 from fastweights.core.config import make_config  # noqa: E402
 from fastweights.core.threads import SCORING_THREADS, training_threads  # noqa: E402
-from fastweights.loops.evaluate import score_tokens  # noqa: E402
+from fastweights.loops.evaluate import SCORING_SEGMENT_LEN, score_tokens  # noqa: E402
 from fastweights.loops.generate import generate_tokens  # noqa: E402
 from fastweights.models.lm import LanguageModel  # noqa: E402
 
@@ -87,7 +87,7 @@ def _workloads(model, cfg, eval_chars: int, generate_tokens_n: int):
 
     def run_dynamic_eval():  # what `fastweights dynamic eval` does: score a segment, then update on it
         model.eval()
-        DynamicEvaluator(model, rule="sgd", lr=1e-5, segment_len=64, context=seq_len).evaluate(dyn_text)
+        DynamicEvaluator(model, rule="sgd", lr=1e-5, segment_len=SCORING_SEGMENT_LEN, context=seq_len).evaluate(dyn_text)
 
     return {"eval": run_eval, "generate": run_generate, "dynamic_eval": run_dynamic_eval,
             "train_step": lambda: step(model, opt), "train_step_fwp": lambda: step(fw_model, fw_opt)}

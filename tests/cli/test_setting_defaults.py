@@ -1,10 +1,14 @@
-"""One default per setting (issue 38, scope 6): each default is defined once and read by the library, the command
-line and the harness.
+"""One default per setting (issue 38, scope 6; issue 48, scope 1): each default is defined once and read by the
+library, the command line and the harness.
 
-- Every parser of ``fastweights`` is walked; every option that shows a default for one of these settings (the
-  dynamic-evaluation rule, lr, decay, eps, segment length and gradient-statistics batches; the ``fwl-head train``
-  recipe) shows the library's constant, in its default or, for a default decided at run time (None, 0), in its
-  help. An option of one of these names on a command this test does not know fails, so a new command cannot
+- Every parser of ``fastweights`` is walked; every flag whose dest is a field of a workflow's settings dataclass
+  (the task configs, the neural cache, the ``fwl-head train`` recipe) takes that field's default and shows it in
+  its help. Most of these flags are generated from the dataclass (``cli.settings``); the walk catches one typed by
+  hand with its own value.
+- The dynamic-evaluation flags, whose defaults are decided at run time (None, 0) where the library's settings
+  have them, are checked by name: every option that shows a default for one of these settings (the rule, lr,
+  decay, eps, segment length and gradient-statistics batches) shows the library's constant, in its default or in
+  its help. An option of one of these names on a command this test does not know fails, so a new command cannot
   bring its own default unseen.
 - The library's own signatures (the evaluators, ``DynamicSettings``, ``train_recipe`` / ``train_head``, the
   harness models) read the same constants, and each constant has one definition in ``src/``.
@@ -15,6 +19,7 @@ line and the harness.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import re
@@ -24,12 +29,16 @@ from pathlib import Path
 import pytest
 
 from fastweights.adapt import update_rules as ur
+from fastweights.adapt.cache import CacheSettings
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.lowrank import LowRankDynamicEvaluator
 from fastweights.adapt.setup import DynamicSettings
 from fastweights.adapt.sparse import SparseDynamicEvaluator
 from fastweights.cli import build_parser
+from fastweights.cli.settings import flag_dest
 from fastweights.hf.fwl_training import RECIPE, FWLHeadRecipe, train_head, train_recipe
+from fastweights.tasks.assoc import AssocConfig
+from fastweights.tasks.ba_retrieval import BaRetrievalConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,6 +54,43 @@ def _parsers(parser=None):
 
 def shown_help(parser, action) -> str:
     return " ".join(parser._get_formatter()._expand_help(action).split()) if action.help else ""
+
+
+# The workflows' settings and where their flags live: (dataclass, flag prefix) per command. A prefixed dest
+# (cache_window) is checked on every command that has it, an unprefixed one (lr) on these commands only.
+WORKFLOWS = {"fastweights task assoc": [(AssocConfig, "")],
+             "fastweights task ba-retrieval": [(BaRetrievalConfig, "")],
+             "fastweights dynamic eval": [(CacheSettings, "cache-")],
+             "fastweights fwl-head train": [(FWLHeadRecipe, "")]}
+
+
+def _workflow_fields(prog: str) -> dict:
+    """dest -> (dataclass, field) of the settings a flag of ``prog`` may carry."""
+    out = {}
+    for workflows in WORKFLOWS.values():
+        for cls, prefix in workflows:
+            if prefix or (cls, prefix) in WORKFLOWS.get(prog, []):
+                out.update({flag_dest(f, prefix): (cls, f) for f in dataclasses.fields(cls)})
+    return out
+
+
+def test_every_flag_of_a_workflow_setting_takes_the_fields_default_and_shows_it():
+    checked = {}
+    for parser in _parsers():
+        fields = _workflow_fields(parser.prog)
+        for action in parser._actions:
+            if action.dest not in fields or not action.option_strings:
+                continue
+            cls, f = fields[action.dest]
+            flag = "/".join(action.option_strings)
+            assert action.default == f.default and type(action.default) is type(f.default), \
+                f"{parser.prog} {flag}: default {action.default!r}, {cls.__name__}.{f.name} is {f.default!r}"
+            if action.nargs != 0 or isinstance(action, argparse.BooleanOptionalAction):  # a value, or --x/--no-x
+                assert f"(default: {f.default})" in shown_help(parser, action), f"{parser.prog} {flag}: default not shown"
+            checked.setdefault(parser.prog, set()).add(action.dest)
+    assert set(checked) >= set(WORKFLOWS), f"commands without their settings' flags: {set(WORKFLOWS) - set(checked)}"
+    assert len(checked["fastweights task assoc"]) == 16 and len(checked["fastweights task ba-retrieval"]) == 22
+    assert len(checked["fastweights dynamic eval"]) == 4 and len(checked["fastweights fwl-head train"]) >= 9
 
 
 def _options(parser) -> dict:
@@ -70,21 +116,19 @@ def _dynamic_expectations(prog: str) -> dict:
 
 STATS = {"--batch-size": (ur.DEFAULT_STATS_BATCH_SIZE, []), "--max-batches": (ur.DEFAULT_STATS_BATCHES, []),
          "--segment-len": (0, [f"{ur.DEFAULT_SEGMENT_LEN} for char/byte", f"{ur.SUBWORD_SEGMENT_LEN} for subword"])}
-FWL_HEAD = {"--windows": (RECIPE.windows, []), "--minutes": (RECIPE.budget_cpu_s / 60, []), "--lr": (RECIPE.lr, []),
-            "--seed": (RECIPE.seed, []), "--variant": (RECIPE.variant, [])}
 # the names of these settings; on any other command they must be a setting this test knows is another one
 WATCHED = {"--rule", "--dynamic", "--lr", "--decay", "--decays", "--eps", "--segment-len", "--windows", "--minutes",
            "--batch-size", "--max-batches"}
 # other settings of the same name: training learning rates, a fast-weight task's rule, other budgets and batches
+# (the workflows' own flags are checked by the walk above)
 OTHER_SETTINGS = {"fastweights demo": {"--minutes"}, "fastweights task assoc": {"--rule", "--lr", "--batch-size"},
-                  "fastweights task ba-retrieval": {"--lr", "--batch-size"}}
+                  "fastweights task ba-retrieval": {"--lr", "--batch-size"},
+                  "fastweights fwl-head train": {"--windows", "--minutes", "--lr"}}
 
 
 def _expectations(parser) -> dict:
     if parser.prog == "fastweights dynamic stats":
         return STATS
-    if parser.prog == "fastweights fwl-head train":
-        return FWL_HEAD
     if _is_dynamic(parser):
         return _dynamic_expectations(parser.prog)
     return {}
@@ -105,7 +149,7 @@ def test_every_shown_default_of_these_settings_is_the_librarys():
             elif option in WATCHED:
                 assert option in OTHER_SETTINGS.get(parser.prog, ()), \
                     f"{parser.prog} {option} (default {action.default!r}): a setting this test does not know; check it here"
-    assert checked >= 40  # six dynamic commands, dynamic stats, fwl-head train
+    assert checked >= 35  # six dynamic commands, dynamic stats
 
 
 def test_unset_flags_resolve_to_the_librarys_settings():
@@ -155,8 +199,9 @@ def test_the_library_settings_recipe_and_harness_read_the_same_constants():
 def test_the_recipe_is_what_the_recorded_result_was_made_with():
     rec = json.loads((ROOT / "benchmarks/results/fwl_smollm2.json").read_text())["training"]["fwl"]
     assert (rec["cache_windows"], rec["window"], rec["doc_windows"], rec["batch_size"], rec["lr"], rec["step_lr"],
-            rec["trainable_blocks"]) == (RECIPE.windows, RECIPE.window, RECIPE.doc_windows, RECIPE.batch_size,
-                                         RECIPE.lr, RECIPE.step_lr, RECIPE.trainable_blocks)
+            rec["block_lr"], rec["trainable_blocks"]) == \
+        (RECIPE.windows, RECIPE.window, RECIPE.doc_windows, RECIPE.batch_size, RECIPE.lr, RECIPE.step_lr,
+         RECIPE.block_lr, RECIPE.trainable_blocks)  # docs/experiments/fast-weight-layers.md cites these as RECIPE
     assert rec["train_windows"] == RECIPE.windows - RECIPE.val_windows
     assert RECIPE.budget_cpu_s <= rec["cpu_s"] < RECIPE.budget_cpu_s + 60  # stopped at the first step past it
     from fastweights.hf.fwl_head import PRETRAINED_FWL_DEFAULTS

@@ -14,6 +14,7 @@ from fastweights import cli  # noqa: E402
 from fastweights.adapt.dynamic import DynamicEvaluator  # noqa: E402
 from fastweights.hf.fwl_head import load_fwl_head  # noqa: E402
 from fastweights.hf.fwl_training import RECIPE, TRAINING_MIX  # noqa: E402
+from fastweights.loops.evaluate import SCORING_SEGMENT_LEN  # noqa: E402
 from helpers import stderr_text, tiny_llama_dir  # noqa: E402
 
 TEXT = ("Happy families are all alike; every unhappy family is unhappy in its own way. Everything was in "
@@ -56,7 +57,7 @@ def test_eval_generate_and_dynamic_eval_take_the_checkpoint(trained, tmp_path, c
     data.write_text(TEXT)
     model, tok = load_fwl_head(trained)
     ids = torch.as_tensor(tok.encode(TEXT))
-    want = DynamicEvaluator(model, rule="sgd", lr=0.0, segment_len=64, context=model.default_context).static(ids)
+    want = DynamicEvaluator(model, rule="sgd", lr=0.0, segment_len=SCORING_SEGMENT_LEN, context=model.default_context).static(ids)
     capsys.readouterr()
     assert cli.main(["eval", "--checkpoint", str(trained), "--data", str(data), "--json", "--quiet"]) == 0
     got = json.loads(capsys.readouterr().out)

@@ -25,9 +25,31 @@ from dataclasses import dataclass
 import torch
 
 from fastweights.adapt.update_rules import as_token_stream, carry_state
+from fastweights.core import numbers
+from fastweights.core.config import setting_field
 from fastweights.core.errors import UserError
-from fastweights.loops.evaluate import EvalResult
+from fastweights.loops.evaluate import SCORING_SEGMENT_LEN, EvalResult
 from fastweights.core.progress import Progress
+
+
+SIMILARITIES = ("dot", "cosine")
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """The neural cache's settings, defined once: :class:`NeuralCache`, ``adapt.dynamic_cache.DynamicNeuralCache``
+    and :func:`cache_mix` take their defaults from here, and so do ``dynamic eval``'s ``--cache-*`` flags
+    (``cli.settings``). The defaults are ``pointer.py``'s (window 500, theta 1.0, lambda 0.1); the paper's text8
+    runs kept 3,000 positions; the benchmarks pass their own window (2,000, with flatness and mix tuned for it)."""
+
+    window: int = setting_field(500, "past positions it remembers", type=numbers.positive_int)
+    flatness: float = setting_field(1.0, "theta, the flatness of its distribution over remembered positions",
+                                    type=numbers.nonneg_float)
+    mix: float = setting_field(0.1, "lambda, the weight of the cache in the mixture with the model",
+                               type=numbers.fraction)
+    similarity: str = setting_field("dot", "how a position's hidden state is compared with the current one",
+                                    choices=SIMILARITIES)
+    warmup_window: bool = setting_field(False, "use the cache only once more than window pairs were seen")
 
 
 def _similarity(q: torch.Tensor, k: torch.Tensor, similarity: str) -> torch.Tensor:
@@ -36,14 +58,14 @@ def _similarity(q: torch.Tensor, k: torch.Tensor, similarity: str) -> torch.Tens
         q = q / q.norm(dim=-1, keepdim=True).clamp(min=1e-12)
         k = k / k.norm(dim=-1, keepdim=True).clamp(min=1e-12)
     elif similarity != "dot":
-        raise UserError(f"cache similarity must be dot or cosine, got {similarity!r}")
+        raise UserError(f"cache similarity must be one of {', '.join(SIMILARITIES)}, got {similarity!r}")
     return q @ k.transpose(0, 1)
 
 
 def cache_mix_reference(p_model: torch.Tensor, hidden: torch.Tensor, next_tokens: torch.Tensor,
                         mem_hidden: torch.Tensor, mem_tokens: torch.Tensor, seen: int, window: int,
-                        flatness: float, mix: float, similarity: str = "dot",
-                        warmup_window: bool = False) -> torch.Tensor:
+                        flatness: float, mix: float, similarity: str = CacheSettings.similarity,
+                        warmup_window: bool = CacheSettings.warmup_window) -> torch.Tensor:
     """Mixed distributions, one position at a time, straight from the equation.
 
     Args:
@@ -74,7 +96,8 @@ def cache_mix_reference(p_model: torch.Tensor, hidden: torch.Tensor, next_tokens
 
 def cache_mix(p_model: torch.Tensor, hidden: torch.Tensor, next_tokens: torch.Tensor, mem_hidden: torch.Tensor,
               mem_tokens: torch.Tensor, seen: int, window: int, flatness: float, mix: float,
-              similarity: str = "dot", warmup_window: bool = False) -> torch.Tensor:
+              similarity: str = CacheSettings.similarity,
+              warmup_window: bool = CacheSettings.warmup_window) -> torch.Tensor:
     """Same as :func:`cache_mix_reference` for a whole chunk at once. Shapes as there; returns [T, V]."""
     T, M = p_model.shape[0], mem_hidden.shape[0]
     keys = torch.cat([mem_hidden, hidden])  # [M + T, d]; key j has global index seen - M + j
@@ -126,17 +149,19 @@ class CacheState:
 class NeuralCache:
     """Score a stream with the model mixed with a continuous cache of its own hidden states.
 
-    Args:
-        window: pairs kept (``pointer.py`` default 500; the paper's text8 runs used 3000).
-        flatness: omega (theta in ``pointer.py``, default 1.0).
-        mix: lambda_c (default 0.1).
+    Args (defaults: :class:`CacheSettings`):
+        window: pairs kept.
+        flatness: omega (theta in ``pointer.py``).
+        mix: lambda_c.
         similarity: "dot" (paper) or "cosine" (``pointer.py`` variant).
         warmup_window: only use the cache after more than ``window`` pairs.
         segment_len: tokens per model call; context: KV-cache bound (as ``DynamicEvaluator``).
     """
 
-    def __init__(self, model, window: int = 500, flatness: float = 1.0, mix: float = 0.1, similarity: str = "dot",
-                 warmup_window: bool = False, segment_len: int = 64, context: int | None = None):
+    def __init__(self, model, window: int = CacheSettings.window, flatness: float = CacheSettings.flatness,
+                 mix: float = CacheSettings.mix, similarity: str = CacheSettings.similarity,
+                 warmup_window: bool = CacheSettings.warmup_window, segment_len: int = SCORING_SEGMENT_LEN,
+                 context: int | None = None):
         if window < 1:
             raise UserError(f"cache window must be >= 1, got {window}")
         if not 0 <= mix <= 1:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastweights.adapt.cache import cache_mix, forward_hidden
+from fastweights.adapt.cache import SIMILARITIES, CacheSettings, cache_mix, forward_hidden
 from fastweights.adapt.dynamic import DynamicEvaluator, DynamicState
 from fastweights.adapt.update_rules import as_token_stream
 from fastweights.core.errors import UserError
@@ -48,15 +48,17 @@ class DynamicNeuralCache:
 
     Args:
         evaluator: the dynamic evaluator whose model, rule, schedule, segment length and context are used.
-        window, flatness, mix, similarity, warmup_window: the cache's (``adapt.cache.NeuralCache``).
+        window, flatness, mix, similarity, warmup_window: the cache's (``adapt.cache.NeuralCache``; defaults:
+            ``adapt.cache.CacheSettings``, the same as the cache on the static model's).
     """
 
-    def __init__(self, evaluator: DynamicEvaluator, window: int = 2000, flatness: float = 1.0, mix: float = 0.1,
-                 similarity: str = "dot", warmup_window: bool = False):
+    def __init__(self, evaluator: DynamicEvaluator, window: int = CacheSettings.window,
+                 flatness: float = CacheSettings.flatness, mix: float = CacheSettings.mix,
+                 similarity: str = CacheSettings.similarity, warmup_window: bool = CacheSettings.warmup_window):
         if window < 0 or not 0.0 <= mix <= 1.0 or flatness < 0:
             raise UserError(f"cache needs window >= 0, 0 <= mix <= 1 and flatness >= 0 (got {window}, {mix}, {flatness})")
-        if similarity not in ("dot", "cosine"):
-            raise UserError(f"cache similarity must be dot or cosine, got {similarity!r}")
+        if similarity not in SIMILARITIES:
+            raise UserError(f"cache similarity must be one of {', '.join(SIMILARITIES)}, got {similarity!r}")
         self.ev = evaluator
         self.window, self.flatness, self.mix = int(window), float(flatness), float(mix)
         self.similarity, self.warmup_window = similarity, bool(warmup_window)

@@ -5,11 +5,12 @@ behind ``fastweights dynamic eval`` and ``fastweights eval --dynamic RULE``), an
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
+from fastweights.adapt.cache import CacheSettings, NeuralCache
 from fastweights.adapt.setup import (DynamicSettings, build_evaluator, encode_texts, evaluator_from, load_texts,
                                      resolve_setup, weights_fingerprint)
 from fastweights.core.errors import UserError, refuse_non_finite
@@ -24,8 +25,7 @@ class ComparisonOptions:
     tokenizer's BOS token; per_token: a path for every prediction's losses (``adapt.per_token``; with
     cache_on_dynamic each document also has its "dynamic_cache" losses, summing to "dynamic_cache_nll");
     cache: the neural cache baseline on the static model; cache_on_dynamic: the neural cache on the
-    dynamically adapted model; cache_window / cache_flatness / cache_mix / cache_similarity: both caches'
-    settings."""
+    dynamically adapted model; neural_cache: both caches' settings."""
 
     reset: str = "per_document"
     batch_docs: int = 1
@@ -33,10 +33,7 @@ class ComparisonOptions:
     per_token: str | None = None
     cache: bool = False
     cache_on_dynamic: bool = False
-    cache_window: int = 500
-    cache_flatness: float = 1.0
-    cache_mix: float = 0.1
-    cache_similarity: str = "dot"
+    neural_cache: CacheSettings = field(default_factory=CacheSettings)
 
 
 def scores_not_finite_because(evaluator=None, lr_flag: str = "--lr") -> str:
@@ -92,10 +89,6 @@ def _carried(ev):
         return DynamicCacheState(new, torch.zeros(0, 0, device=ev.device),
                                  torch.zeros(0, dtype=torch.long, device=ev.device), 0)
     return start
-
-
-def _cache_settings(opt: ComparisonOptions) -> dict:
-    return dict(window=opt.cache_window, flatness=opt.cache_flatness, mix=opt.cache_mix, similarity=opt.cache_similarity)
 
 
 def evaluate_static_and_dynamic(settings: DynamicSettings, model, tokenizer, cfg, texts: list[str],
@@ -157,9 +150,8 @@ def evaluate_static_and_dynamic(settings: DynamicSettings, model, tokenizer, cfg
         dynamic, losses["dynamic"] = _score_documents(ev.evaluate, docs, reset, keep, bar, _carried(ev))
     out = {"static": _metrics(static, tokenizer, chars), "dynamic": _metrics(dynamic, tokenizer, chars)}
     if opt.cache:
-        from fastweights.adapt.cache import NeuralCache
 
-        cache = NeuralCache(model, **_cache_settings(opt), segment_len=ev.segment_len, context=ev.context)
+        cache = NeuralCache(model, **asdict(opt.neural_cache), segment_len=ev.segment_len, context=ev.context)
         bar = pass_bar("cache")
         with bar.adopting():  # the cache's own bar counts toward this pass's line
             r = cache.evaluate_documents(docs, progress=False)
@@ -168,7 +160,7 @@ def evaluate_static_and_dynamic(settings: DynamicSettings, model, tokenizer, cfg
     if opt.cache_on_dynamic:
         from fastweights.adapt.dynamic_cache import DynamicNeuralCache
 
-        both = DynamicNeuralCache(ev, **_cache_settings(opt))
+        both = DynamicNeuralCache(ev, **asdict(opt.neural_cache))
         bar = pass_bar("dynamic+cache")
         r, losses["dynamic_cache"] = _score_documents(both.evaluate, docs, reset, keep, bar, _carried(ev))
         out["dynamic_cache"] = _metrics(r, tokenizer, chars) | {

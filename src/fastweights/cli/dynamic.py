@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from fastweights.adapt.cache import CacheSettings
 from fastweights.adapt.evaluate import ComparisonOptions, evaluate_static_and_dynamic, headline_key
 from fastweights.adapt.setup import (DynamicSettings, adaptation_spec, build_evaluator, collect_stats, default_context,
                                      default_segment_len, encode_texts, evaluator_from, load_model_and_tokenizer,
@@ -39,9 +40,12 @@ from fastweights.adapt.setup import (DynamicSettings, adaptation_spec, build_eva
 from fastweights.adapt.update_rules import (DEFAULT_DECAY, DEFAULT_EPS, DEFAULT_LR, DEFAULT_RULE, DEFAULT_SEGMENT_LEN,
                                            DEFAULT_STATS_BATCH_SIZE, DEFAULT_STATS_BATCHES, RULES, SUBWORD_SEGMENT_LEN)
 from fastweights.cli.common import change, output_prefix
-from fastweights.cli.types import floats, fraction, nonneg_float, nonneg_int, positive_float, positive_int, seed
+from fastweights.cli.settings import add_settings, settings_from
+from fastweights.cli.types import floats, nonneg_float, nonneg_int, positive_float, positive_int, seed
 from fastweights.core.errors import UserError
 
+CACHE_PREFIX = "cache-"  # --cache-window, --cache-flatness, --cache-mix, --cache-similarity
+CACHE_NOT_ON_THE_COMMAND_LINE = {"warmup_window"}  # pointer.py's variant: the library's only (no flag added for it)
 HF_STATS_CONTEXT = 1024  # dynamic stats' default KV-cache bound for Hugging Face models (x --batch-size streams)
 
 
@@ -151,7 +155,9 @@ def comparison_options(args) -> ComparisonOptions:
     """The parsed flags of ``dynamic eval`` (or ``eval --dynamic``) as :class:`ComparisonOptions`."""
     from dataclasses import fields
 
-    return ComparisonOptions(**{f.name: getattr(args, f.name) for f in fields(ComparisonOptions) if hasattr(args, f.name)})
+    given = {f.name: getattr(args, f.name) for f in fields(ComparisonOptions) if hasattr(args, f.name)}
+    cache = settings_from(args, CacheSettings, prefix=CACHE_PREFIX, exclude=CACHE_NOT_ON_THE_COMMAND_LINE)
+    return ComparisonOptions(**given, neural_cache=cache)
 
 
 def _load(args):
@@ -189,17 +195,12 @@ def register(top, parser_class) -> None:
                    help="start every document from the trained weights, or carry the adaptation across documents")
     d.add_argument("--batch-docs", type=positive_int, default=1,
                    help="evaluate this many documents at once, each with its own adapted weights")
-    d.add_argument("--cache", action="store_true", help="also report the neural cache baseline (Grave et al. 2017)")
-    d.add_argument("--cache-window", type=positive_int, default=500, help="neural cache: past positions it remembers")
-    d.add_argument("--cache-flatness", type=nonneg_float, default=1.0,
-                   help="neural cache: theta, the flatness of its distribution over remembered positions")
-    d.add_argument("--cache-mix", type=fraction, default=0.1,
-                   help="neural cache: lambda, the weight of the cache in the mixture with the model")
-    d.add_argument("--cache-similarity", default="dot", choices=["dot", "cosine"],
-                   help="neural cache: how a position's hidden state is compared with the current one")
-    d.add_argument("--cache-on-dynamic", action="store_true",
-                   help="also report the neural cache on top of dynamic evaluation (the --cache-* settings; "
-                        "documents one at a time)")
+    cache = d.add_argument_group("neural cache (Grave et al. 2017)")
+    cache.add_argument("--cache", action="store_true", help="also report the neural cache baseline")
+    cache.add_argument("--cache-on-dynamic", action="store_true",
+                       help="also report the neural cache on top of dynamic evaluation (the --cache-* settings; "
+                            "documents one at a time)")
+    add_settings(cache, CacheSettings, prefix=CACHE_PREFIX, exclude=CACHE_NOT_ON_THE_COMMAND_LINE)
     d.add_argument("--json", action="store_true", help="print the result as JSON")
     d.add_argument("--per-token", metavar="PATH",
                    help="write every prediction's static and dynamic (and dynamic+cache) loss (nats) as JSON to PATH "

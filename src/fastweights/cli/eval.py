@@ -10,6 +10,7 @@ from fastweights.cli.dynamic import add_dynamic_arguments
 from fastweights.cli.stream import add_stream_arguments, run_stream_eval
 from fastweights.cli.types import nonneg_float, nonneg_int, positive_int, seed
 from fastweights.core.errors import UserError, refuse_non_finite
+from fastweights.loops.evaluate import SCORING_SEGMENT_LEN
 
 STREAM_ONLY = ("modes", "bin", "max_tokens", "max_chars", "labels", "out", "overwrite")
 SPLIT_HELP = "split of the checkpoint's corpus to score when --data is not given"
@@ -26,7 +27,8 @@ def register(sub) -> None:
     e.add_argument("--split", default="test", choices=["train", "val", "test"], help=SPLIT_HELP)
     e.add_argument("--context", dest="seq_len", metavar="TOKENS", type=nonneg_int, default=0, help=CONTEXT_HELP)
     e.add_argument("--stride", type=positive_int, default=None,
-                   help="tokens scored per call (default: half the context)")
+                   help=f"tokens scored per call (default: half the context; {SCORING_SEGMENT_LEN} for a checkpoint of "
+                        "`fwl-head train`)")
     device_flag(e)
     threads_flag(e)
     e.add_argument("--stream", action="store_true",
@@ -130,8 +132,9 @@ def cmd_eval(args) -> int:
 
 def _eval_pretrained_with_head(args) -> int:
     """``eval`` of a checkpoint of ``fwl-head train`` (a pretrained model with an FWL head): each text of
-    ``--data`` streamed in calls of ``--stride`` tokens (default 64) with the KV cache and the fast weights
-    carried, the whole text in context up to the model's position limit (or ``--context``)."""
+    ``--data`` streamed in calls of ``--stride`` tokens (default: ``loops.evaluate.SCORING_SEGMENT_LEN``) with the
+    KV cache and the fast weights carried, the whole text in context up to the model's position limit (or
+    ``--context``)."""
     from fastweights.adapt.dynamic import DynamicEvaluator
     from fastweights.adapt.setup import encode_texts, load_model_and_tokenizer, load_texts
     from fastweights.loops.evaluate import EvalResult
@@ -145,7 +148,7 @@ def _eval_pretrained_with_head(args) -> int:
     texts = load_texts(args.data, None, "test")
     _warn_unknown(tokenizer, texts, "the evaluation text")
     ids, chars = encode_texts(tokenizer, texts)
-    ev = DynamicEvaluator(model, rule="sgd", lr=0.0, segment_len=args.stride or 64,
+    ev = DynamicEvaluator(model, rule="sgd", lr=0.0, segment_len=args.stride or SCORING_SEGMENT_LEN,
                           context=args.seq_len or model.default_context)
     result = EvalResult(0.0, 0, chars)
     for x in ids:

@@ -19,11 +19,12 @@ import torch
 import fastweights.tasks.niah  # noqa: F401  (registers the corpus "niah-tinyshakespeare" used by configs/niah-cpu.toml)
 import fastweights.tasks.niah_token  # noqa: F401  (registers "niah-token-tinyshakespeare", configs/niah-token.toml)
 from fastweights.cli.common import common_flags, describe, load, out_flag, output_prefix, threads_flag
-from fastweights.cli.types import fraction, ints, nonneg_float, nonneg_int, positive_float, positive_int, seed
+from fastweights.cli.settings import add_settings, settings_from
+from fastweights.cli.types import ints, nonneg_int, positive_int, seed
 from fastweights.core.errors import UserError
 from fastweights.evidence.provenance import write_cli_result
-from fastweights.tasks.assoc import FEATURE_MAPS, RULES, AssocConfig, parse_keys, parse_model, plot_capacity, run_sweep
-from fastweights.tasks.ba_retrieval import MODELS, SPLIT_SIZES
+from fastweights.tasks.assoc import AssocConfig, parse_model, plot_capacity, run_sweep
+from fastweights.tasks.ba_retrieval import BaRetrievalConfig
 
 
 def cmd_assoc(args) -> int:
@@ -31,16 +32,10 @@ def cmd_assoc(args) -> int:
     models = [parse_model(m) for m in args.model] if args.model else [
         {"rule": args.rule, "feature_map": args.feature_map, "nu": args.nu, "n_features": args.n_features}
     ]
-    for m in models:
-        if m["rule"] not in RULES:
-            raise UserError(f"assoc: unknown rule {m['rule']!r}; choose one of {', '.join(RULES)}")
-    base = AssocConfig(
-        setting=args.setting, hidden=args.hidden, batch_size=args.batch_size, lr=args.lr,
-        max_steps=args.max_steps, max_minutes=args.max_minutes, eval_every=args.eval_every,
-        eval_sequences=args.eval_sequences, stop_loss=args.stop_loss, patience=args.patience, seed=args.seed,
-    )
+    keys = args.keys if isinstance(args.keys, list) else [args.keys]  # the default: one count; given: parse_keys'
+    base = settings_from(args, AssocConfig, keys=keys[0])  # run_sweep sets each count in turn
     out = output_prefix(args, "assoc") if args.out else None
-    results = run_sweep(base, parse_keys(args.keys), models, progress=not args.quiet)
+    results = run_sweep(base, keys, models, progress=not args.quiet)
     if out is not None:
         write_cli_result(out.with_suffix(".json"), {"results": results}, getattr(args, "argv", None))
         plot_capacity(results, out.with_suffix(".png"))
@@ -68,27 +63,10 @@ def _register_assoc(sub) -> None:
         "assoc", help="synthetic associative retrieval (Schlag et al. 2021, sec. 6.1): capacity of fast weights",
         description="Train the paper's small fast weight model on associative retrieval; report the final eval loss.",
     )
-    p.add_argument("--setting", type=int, choices=(1, 2), default=1,
-                   help="1: S unique keys, length S; 2: keys with replacement, length 2S (overwrites)")
-    p.add_argument("--keys", default="20", help="number of keys S: 60, 20,40,60 or 20:100:20")
-    p.add_argument("--rule", choices=RULES, default="sum", help="fast weight update rule")
-    p.add_argument("--feature-map", choices=FEATURE_MAPS, default="elu1", help="feature map of keys and queries")
-    p.add_argument("--nu", type=positive_int, default=1, help="DPFP order (d_dot = 128 nu)")
-    p.add_argument("--n-features", type=positive_int, default=64, help="FAVOR+ random features m (d_dot = 2m)")
+    add_settings(p, AssocConfig, exclude={"max_eval_queries"})
     p.add_argument("--model", action="append", default=[],
                    help="RULE:MAP (e.g. sum:elu1, delta:dpfp1, sum:favor64); repeat for several; overrides --rule etc. "
                         "(default: the one model --rule and --feature-map describe)")
-    p.add_argument("--hidden", type=positive_int, default=64, help="model width")
-    p.add_argument("--batch-size", type=positive_int, default=32, help="sequences per training step")
-    p.add_argument("--lr", type=positive_float, default=1e-3, help="Adam learning rate")
-    p.add_argument("--max-steps", type=positive_int, default=100_000, help="training steps per run at most")
-    p.add_argument("--max-minutes", type=nonneg_float, default=0.0, help="wall-clock budget per run (0 = none)")
-    p.add_argument("--eval-every", type=positive_int, default=100, help="steps between evaluations")
-    p.add_argument("--eval-sequences", type=positive_int, default=20, help="batches of sequences per evaluation")
-    p.add_argument("--stop-loss", type=nonneg_float, default=0.001, help="stop a run once its eval loss (nats) is below this")
-    p.add_argument("--patience", type=nonneg_int, default=10,
-                   help="stop a run after this many evaluations without improvement")
-    p.add_argument("--seed", type=seed, default=1, help="initialisation and data seed")
     threads_flag(p, "task")
     p.add_argument("--json", action="store_true", help="print the result(s) as JSON")
     out_flag(p, None, "assoc.json (the results with the command) and assoc.png (final loss against S)", optional=True)
@@ -103,31 +81,7 @@ def _register_ba_retrieval(sub) -> None:
         help="associative retrieval of Ba et al. 2016 (e.g. c9k8j3f1??c -> 9)",
         description="Train the paper's task network on associative retrieval and report the test error.",
     )
-    p.add_argument("--model", default="fast-rnn", choices=MODELS, help="recurrent layer")
-    p.add_argument("--hidden", type=int, default=20, help="recurrent units R")
-    p.add_argument("--keys", type=int, default=4, help="key-value pairs K per sequence")
-    p.add_argument("--steps", type=int, default=45_000, help="maximum Adam updates")
-    p.add_argument("--max-minutes", type=nonneg_float, default=0.0, help="wall-clock limit of training (0 = none)")
-    p.add_argument("--target-val-error", type=fraction, default=0.01,
-                   help="stop once the validation error is at most this fraction")
-    p.add_argument("--batch-size", type=int, default=128, help="sequences per update")
-    p.add_argument("--lr", type=positive_float, default=1e-3, help="Adam learning rate")
-    p.add_argument("--decay-fraction", type=fraction, default=0.2,
-                   help="decay the learning rate linearly to 0 over this final fraction of --steps")
-    p.add_argument("--grad-clip", type=nonneg_float, default=5.0, help="gradient-norm clip (0 = off)")
-    p.add_argument("--eval-every", type=int, default=500, help="steps between validation passes")
-    p.add_argument("--seed", type=seed, default=0, help="initialisation and batch-order seed")
-    p.add_argument("--data-seed", type=seed, default=1234, help="seed of the generated splits")
-    p.add_argument("--train-size", type=int, default=SPLIT_SIZES["train"], help="generated training sequences")
-    p.add_argument("--val-size", type=int, default=SPLIT_SIZES["val"], help="generated validation sequences")
-    p.add_argument("--test-size", type=int, default=SPLIT_SIZES["test"], help="generated test sequences")
-    p.add_argument("--digit-head", action="store_true", help="10-way digit output instead of the 37-token vocabulary")
-    p.add_argument("--lam", type=fraction, default=0.95, help="fast-rnn: decay lambda of the fast weights")
-    p.add_argument("--eta", type=nonneg_float, default=0.5,
-                   help="fast-rnn: eta, the fast weights' own write strength (a model constant, not trained, unlike --lr)")
-    p.add_argument("--inner-steps", type=positive_int, default=1, help="fast-rnn: inner-loop steps S")
-    p.add_argument("--no-layer-norm", action="store_true", help="fast-rnn: ablate LayerNorm")
-    p.add_argument("--no-fast-weights", action="store_true", help="fast-rnn: ablate the fast weights (LN-RNN)")
+    add_settings(p, BaRetrievalConfig)
     threads_flag(p, "task")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     out_flag(p, None, "ba_retrieval.json", optional=True)
@@ -139,53 +93,34 @@ def cmd_ba_retrieval(args) -> int:
     """``fastweights task ba-retrieval``; returns the exit status."""
     from fastweights.tasks.ba_retrieval import VOCAB, RetrievalNet, decode, make_splits, train_retrieval
 
-    # the counts are checked here (one line naming the flag); the other numbers by their argparse types
-    for name in ("hidden", "keys", "steps", "batch_size", "eval_every", "train_size", "val_size", "test_size"):
-        if getattr(args, name) < 1:
-            raise UserError(f"ba-retrieval: --{name.replace('_', '-')} must be >= 1")
+    cfg = settings_from(args, BaRetrievalConfig)
     out = output_prefix(args, "ba_retrieval") if args.out else None
-    sizes = {"train": args.train_size, "val": args.val_size, "test": args.test_size}
-    splits = make_splits(args.data_seed, args.keys, sizes)
-    torch.manual_seed(args.seed)
-    fast = dict(
-        lam=args.lam,
-        eta=args.eta,
-        inner_steps=args.inner_steps,
-        layer_norm=not args.no_layer_norm,
-        fast_weights=not args.no_fast_weights,
-    )
-    net = RetrievalNet(args.model, args.hidden, digit_head=args.digit_head, fast_rnn=fast if args.model == "fast-rnn" else None)
+    sizes = cfg.split_sizes()
+    splits = make_splits(cfg.data_seed, cfg.keys, sizes)
+    torch.manual_seed(cfg.seed)
+    fast = cfg.fast_rnn()
+    net = RetrievalNet(cfg.model, cfg.hidden, digit_head=cfg.digit_head,
+                       fast_rnn=fast if cfg.model == "fast-rnn" else None)
     log = None if args.json else (lambda line: print(line, flush=True))
     if log:
-        log(f"{args.model} R={args.hidden} K={args.keys}: {sum(p.numel() for p in net.parameters())} parameters; "
+        log(f"{cfg.model} R={cfg.hidden} K={cfg.keys}: {sum(p.numel() for p in net.parameters())} parameters; "
             f"example {decode(splits['train'][0][0])} -> {VOCAB[int(splits['train'][1][0])]}")
-    result = train_retrieval(
-        net,
-        splits,
-        steps=args.steps,
-        max_minutes=args.max_minutes,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        decay_fraction=args.decay_fraction,
-        grad_clip=args.grad_clip,
-        eval_every=args.eval_every,
-        target_val_error=args.target_val_error,
-        seed=args.seed,
-        log=log,
-    )
+    result = train_retrieval(net, splits, steps=cfg.steps, max_minutes=cfg.max_minutes, batch_size=cfg.batch_size,
+                             lr=cfg.lr, decay_fraction=cfg.decay_fraction, grad_clip=cfg.grad_clip,
+                             eval_every=cfg.eval_every, target_val_error=cfg.target_val_error, seed=cfg.seed, log=log)
     report = {
         "task": "ba-retrieval",
-        "model": args.model,
-        "hidden": args.hidden,
-        "keys": args.keys,
-        "seed": args.seed,
-        "data_seed": args.data_seed,
+        "model": cfg.model,
+        "hidden": cfg.hidden,
+        "keys": cfg.keys,
+        "seed": cfg.seed,
+        "data_seed": cfg.data_seed,
         "split_sizes": sizes,
         "parameters": sum(p.numel() for p in net.parameters()),
-        "batch_size": args.batch_size,
-        "lr": args.lr,
+        "batch_size": cfg.batch_size,
+        "lr": cfg.lr,
         "threads": torch.get_num_threads(),
-        **({"fast_rnn": fast} if args.model == "fast-rnn" else {}),
+        **({"fast_rnn": fast} if cfg.model == "fast-rnn" else {}),
         **result,
         "test_accuracy": 1.0 - result["test_error"],
     }

@@ -9,24 +9,25 @@ from fastweights.core import numbers
 from fastweights.core.errors import UserError
 
 
-def _argparse_type(parse):
-    """An argparse type of a :mod:`fastweights.core.numbers` rule: its message, as argparse prints it."""
+def argparse_type(parse):
+    """An argparse type of a parser of text (a :mod:`fastweights.core.numbers` rule, or one of the library's that
+    raises ``UserError``): its message, as argparse prints it (``argument --x: must be >= 1, got 0``)."""
     def typed(text: str):
         try:
             return parse(text)
-        except numbers.BadNumber as e:
+        except (numbers.BadNumber, UserError) as e:
             raise argparse.ArgumentTypeError(str(e)) from None
 
     typed.__name__ = parse.__name__  # argparse names the type in its messages
     return typed
 
 
-nonneg_int = _argparse_type(numbers.nonneg_int)
-positive_int = _argparse_type(numbers.positive_int)
-nonneg_float = _argparse_type(numbers.nonneg_float)
-positive_float = _argparse_type(numbers.positive_float)
-fraction = _argparse_type(numbers.fraction)
-seed = _argparse_type(numbers.seed)
+nonneg_int = argparse_type(numbers.nonneg_int)
+positive_int = argparse_type(numbers.positive_int)
+nonneg_float = argparse_type(numbers.nonneg_float)
+positive_float = argparse_type(numbers.positive_float)
+fraction = argparse_type(numbers.fraction)
+seed = argparse_type(numbers.seed)
 
 
 def ints(text: str, what: str) -> list[int]:

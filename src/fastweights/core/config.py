@@ -24,6 +24,13 @@ from typing import Any
 from fastweights.core.errors import UserError
 
 
+
+def setting_field(default, help: str, **rules):
+    """A field of a workflow's settings dataclass with its default and help, written once: the command line's
+    flags are generated from such fields (``fastweights.cli.settings``). ``rules``: ``type`` (a parser of the
+    text, e.g. ``fastweights.core.numbers.positive_int``) and ``choices``."""
+    return field(default=default, metadata={"help": help, **rules})
+
 @dataclass
 class ModelConfig:
     vocab_size: int = 0  # filled from the tokenizer when 0

@@ -42,6 +42,7 @@ from torch import nn
 from fastweights.core.errors import UserError
 from fastweights.core.files import save_safetensors
 from fastweights.layers.fwl import FastWeightLayer, FWLOptions
+from fastweights.loops.evaluate import SCORING_SEGMENT_LEN
 from fastweights.models.lm import ModelOutput
 
 #: the recipe's head options (``fwl-head train``; its training settings are ``hf.fwl_training.RECIPE``), over
@@ -55,10 +56,10 @@ from fastweights.models.lm import ModelOutput
 #:   not exactly the identity at initialisation: +0.002 nats on 512 tokens of SmolLM2 with the slow branch alone.
 #:   In a pilot on cached SmolLM2 states (32 steps, both gains) the two ended level on the tuning texts.
 #: These numbers come from hand-run pilots outside the package, not from a stored result (issue 41's note).
-#: The segment length is 64, not the layer's 32, because the FWL is compared with dynamic evaluation of SmolLM2
-#: at its segment length of 64 tokens (smollm2_dynamic_eval.json's protocol).
+#: The segment is the scoring segment of pretrained models (loops.evaluate.SCORING_SEGMENT_LEN), not the layer's
+#: 32: the FWL is compared with dynamic evaluation of SmolLM2 on the same segments.
 PRETRAINED_FWL_DEFAULTS = {"residual": True, "step_size_init": 1e-3, "step_size_log": True, "ln_gain_init": 0.05,
-                           "segment_len": 64, "chunk_size": 256}
+                           "segment_len": SCORING_SEGMENT_LEN, "chunk_size": 256}
 CONFIG_NAME = "fwl_head.json"
 WEIGHTS_NAME = "model.safetensors"  # the name Checkpoint.fingerprint() reads
 

@@ -18,6 +18,13 @@ from fastweights.components import TrimsState
 from fastweights.ops.nll import token_nll
 from fastweights.core.progress import Progress
 
+# Tokens per call when a pretrained subword model is scored with the whole text in its KV cache: the segment of
+# the SmolLM2 comparisons (dynamic evaluation updates once per segment; the FWL head on SmolLM2 uses it as its
+# segment, hf.fwl_head.PRETRAINED_FWL_DEFAULTS, so the two are compared on the same segments), of `fastweights
+# eval` on an FWL-head checkpoint and of the neural cache's calls. Shorter segments mean more (and smaller)
+# forward calls per token; smollm2_dynamic_eval.json records it with every setting it measured.
+SCORING_SEGMENT_LEN = 64
+
 
 @dataclass
 class EvalResult:

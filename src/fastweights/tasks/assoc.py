@@ -51,6 +51,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fastweights.core import numbers
+from fastweights.core.config import setting_field
 from fastweights.core.errors import UserError
 from fastweights.ops.delta_rule import delta_rule
 from fastweights.ops.feature_maps import apply_feature_map, feature_dim, orthogonal_random_features, sum_normalize
@@ -200,27 +202,50 @@ def retrieval_loss(y_hat: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- training
 
 
+def parse_keys(text: str) -> list[int]:
+    """``"60"``, ``"20,40,60"`` or ``"20:100:20"`` (inclusive end, as the reference's --begin/--end/--step): the
+    type of ``--keys`` (its messages follow argparse's ``argument --keys:``)."""
+    try:
+        if ":" in text:
+            parts = [int(p) for p in text.split(":")]
+            if len(parts) != 3 or parts[2] < 1:
+                raise ValueError
+            values = list(range(parts[0], parts[1] + 1, parts[2]))
+        else:
+            values = [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise UserError(f"must look like 60, 20,40,60 or 20:100:20, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise UserError(f"must list positive integers, got {text!r}")
+    return values
+
+
 @dataclass
 class AssocConfig:
-    """One training run of the retrieval task (defaults: the paper's)."""
+    """One training run of the retrieval task (defaults: the paper's); ``fastweights task assoc``'s flags are
+    generated from these fields (``cli.settings``)."""
 
-    setting: int = 1
-    keys: int = 20
-    rule: str = "sum"
-    feature_map: str = "elu1"
-    nu: int = 1
-    n_features: int = 64
-    hidden: int = 64
-    batch_size: int = 32
-    lr: float = 1e-3
-    max_steps: int = 100_000
-    max_minutes: float = 0.0  # wall-clock budget per run; 0 = none
-    eval_every: int = 100
-    eval_sequences: int = 20
-    max_eval_queries: int = 200
-    stop_loss: float = 0.001
-    patience: int = 10  # stop after more than this many evaluations without improvement
-    seed: int = 1
+    setting: int = setting_field(1, "1: S unique keys, length S; 2: keys with replacement, length 2S (overwrites)",
+                                 choices=(1, 2))
+    keys: int = setting_field(20, "number of keys S; on the command line a sweep: 60, 20,40,60 or 20:100:20",
+                              type=parse_keys)
+    rule: str = setting_field("sum", "fast weight update rule", choices=RULES)
+    feature_map: str = setting_field("elu1", "feature map of keys and queries", choices=FEATURE_MAPS)
+    nu: int = setting_field(1, "DPFP order (d_dot = 128 nu)", type=numbers.positive_int)
+    n_features: int = setting_field(64, "FAVOR+ random features m (d_dot = 2m)", type=numbers.positive_int)
+    hidden: int = setting_field(64, "model width", type=numbers.positive_int)
+    batch_size: int = setting_field(32, "sequences per training step", type=numbers.positive_int)
+    lr: float = setting_field(1e-3, "Adam learning rate", type=numbers.positive_float)
+    max_steps: int = setting_field(100_000, "training steps per run at most", type=numbers.positive_int)
+    max_minutes: float = setting_field(0.0, "wall-clock budget per run (0 = none)", type=numbers.nonneg_float)
+    eval_every: int = setting_field(100, "steps between evaluations", type=numbers.positive_int)
+    eval_sequences: int = setting_field(20, "batches of sequences per evaluation", type=numbers.positive_int)
+    max_eval_queries: int = setting_field(200, "queries per evaluation sequence at most", type=numbers.positive_int)
+    stop_loss: float = setting_field(0.001, "stop a run once its eval loss (nats) is below this",
+                                     type=numbers.nonneg_float)
+    patience: int = setting_field(10, "stop a run after more than this many evaluations without improvement",
+                                  type=numbers.nonneg_int)
+    seed: int = setting_field(1, "initialisation and data seed", type=numbers.seed)
 
     def label(self) -> str:
         fm = {"dpfp": f"dpfp{self.nu}", "favor": f"favor{self.n_features}"}.get(self.feature_map, self.feature_map)
@@ -335,23 +360,6 @@ def plot_capacity(results: list[dict], path: Path, title: str | None = None) -> 
 
 
 # ----------------------------------------------------------------------------- CLI
-
-
-def parse_keys(text: str) -> list[int]:
-    """``"60"``, ``"20,40,60"`` or ``"20:100:20"`` (inclusive end, as the reference's --begin/--end/--step)."""
-    try:
-        if ":" in text:
-            parts = [int(p) for p in text.split(":")]
-            if len(parts) != 3 or parts[2] < 1:
-                raise ValueError
-            values = list(range(parts[0], parts[1] + 1, parts[2]))
-        else:
-            values = [int(p) for p in text.split(",") if p.strip()]
-    except ValueError:
-        raise UserError(f"assoc: --keys must look like 60, 20,40,60 or 20:100:20, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise UserError(f"assoc: --keys must list positive integers, got {text!r}")
-    return values
 
 
 def parse_model(text: str) -> dict:

@@ -24,14 +24,17 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fastweights.core import numbers
+from fastweights.core.config import setting_field
 from fastweights.core.errors import UserError
-from fastweights.layers.fast_rnn import FastWeightRNN
+from fastweights.layers.fast_rnn import FastRNNOptions, FastWeightRNN
 from fastweights.layers.lstm import LSTMLayer
 from fastweights.ops.linear import Linear
 
@@ -41,6 +44,52 @@ DIGIT0 = 26  # token id of "0"
 QUERY_MARK = 36  # token id of "?"
 SPLIT_SIZES = {"train": 100_000, "val": 10_000, "test": 20_000}
 MODELS = ("fast-rnn", "lstm", "irnn")
+
+
+@dataclass
+class BaRetrievalConfig:
+    """One run of the task: data, network and training (defaults: the paper's setting, R = 20, K = 4; the
+    fast-weights RNN's own, ``FastRNNOptions``, for lam, eta, inner_steps, layer_norm and fast_weights).
+    ``fastweights task ba-retrieval``'s flags are generated from these fields (``cli.settings``) and
+    :func:`train_retrieval` takes its defaults from them."""
+
+    model: str = setting_field("fast-rnn", "recurrent layer", choices=MODELS)
+    hidden: int = setting_field(20, "recurrent units R", type=numbers.positive_int)
+    keys: int = setting_field(4, "key-value pairs K per sequence", type=numbers.positive_int)
+    steps: int = setting_field(45_000, "maximum Adam updates", type=numbers.positive_int)
+    max_minutes: float = setting_field(0.0, "wall-clock limit of training (0 = none)", type=numbers.nonneg_float)
+    target_val_error: float = setting_field(0.01, "stop once the validation error is at most this fraction",
+                                            type=numbers.fraction)
+    batch_size: int = setting_field(128, "sequences per update", type=numbers.positive_int)
+    lr: float = setting_field(1e-3, "Adam learning rate", type=numbers.positive_float)
+    decay_fraction: float = setting_field(0.2, "decay the learning rate linearly to 0 over this final fraction of "
+                                               "--steps", type=numbers.fraction)
+    grad_clip: float = setting_field(5.0, "gradient-norm clip (0 = off)", type=numbers.nonneg_float)
+    eval_every: int = setting_field(500, "steps between validation passes", type=numbers.positive_int)
+    seed: int = setting_field(0, "initialisation and batch-order seed", type=numbers.seed)
+    data_seed: int = setting_field(1234, "seed of the generated splits", type=numbers.seed)
+    train_size: int = setting_field(SPLIT_SIZES["train"], "generated training sequences", type=numbers.positive_int)
+    val_size: int = setting_field(SPLIT_SIZES["val"], "generated validation sequences", type=numbers.positive_int)
+    test_size: int = setting_field(SPLIT_SIZES["test"], "generated test sequences", type=numbers.positive_int)
+    digit_head: bool = setting_field(False, "10-way digit output instead of the 37-token vocabulary")
+    lam: float = setting_field(FastRNNOptions.lam, "fast-rnn: decay lambda of the fast weights",
+                               type=numbers.fraction)
+    eta: float = setting_field(FastRNNOptions.eta, "fast-rnn: eta, the fast weights' own write strength (a model "
+                               "constant, not trained, unlike --lr)", type=numbers.nonneg_float)
+    inner_steps: int = setting_field(FastRNNOptions.inner_steps, "fast-rnn: inner-loop steps S",
+                                     type=numbers.positive_int)
+    layer_norm: bool = setting_field(FastRNNOptions.layer_norm, "fast-rnn: LayerNorm before every ReLU (off: the "
+                                     "ablation)")
+    fast_weights: bool = setting_field(FastRNNOptions.fast_weights, "fast-rnn: the fast weights (off: the LN-RNN "
+                                       "ablation)")
+
+    def split_sizes(self) -> dict[str, int]:
+        return {"train": self.train_size, "val": self.val_size, "test": self.test_size}
+
+    def fast_rnn(self) -> dict:
+        """The keyword arguments of :class:`FastWeightRNN` this run sets (``RetrievalNet(fast_rnn=...)``)."""
+        return dict(lam=self.lam, eta=self.eta, inner_steps=self.inner_steps, layer_norm=self.layer_norm,
+                    fast_weights=self.fast_weights)
 
 
 # ----------------------------------------------------------------------------- data
@@ -197,15 +246,15 @@ def train_retrieval(
     net: RetrievalNet,
     splits: dict[str, tuple[Tensor, Tensor]],
     *,
-    steps: int = 45_000,
-    max_minutes: float = 0.0,
-    batch_size: int = 128,
-    lr: float = 1e-3,
-    decay_fraction: float = 0.2,
-    grad_clip: float = 5.0,
-    eval_every: int = 500,
-    target_val_error: float = 0.01,
-    seed: int = 0,
+    steps: int = BaRetrievalConfig.steps,
+    max_minutes: float = BaRetrievalConfig.max_minutes,
+    batch_size: int = BaRetrievalConfig.batch_size,
+    lr: float = BaRetrievalConfig.lr,
+    decay_fraction: float = BaRetrievalConfig.decay_fraction,
+    grad_clip: float = BaRetrievalConfig.grad_clip,
+    eval_every: int = BaRetrievalConfig.eval_every,
+    target_val_error: float = BaRetrievalConfig.target_val_error,
+    seed: int = BaRetrievalConfig.seed,
     log=None,
 ) -> dict:
     """Adam on the final-step cross-entropy; keeps the parameters with the best validation error.
