@@ -40,13 +40,14 @@ def test_a_resumed_runs_rate_and_eta_count_only_this_processs_work():
 def test_a_cpu_second_eta_shows_the_wall_time_it_takes_here():
     """Issue 49: fwl-head train --minutes 3 (CPU minutes) took 30 wall minutes on a busy machine, and the line
     showed only the CPU ETA. Beside it: the wall time at this process's share of a core so far."""
-    bar = Progress(100, "CPU-sec", desc="train", min_interval=0, clock=time.process_time)
+    # enabled=False: update() never draws, so only _line below reads the wall clock (a loaded machine drew early)
+    bar = Progress(100, "CPU-sec", desc="train", min_interval=0, clock=time.process_time, enabled=False)
     wall = iter([0.0, 40.0])  # 40 wall seconds for the 10 CPU seconds below: a quarter of a core
     bar.wall_clock = lambda: next(wall)
     bar.wall_start = bar.wall_clock()
     bar.update(10)
     assert _line(bar, 10.0).endswith("ETA 01:30 (wall ~06:00)")
-    idle = Progress(100, "CPU-sec", min_interval=0, clock=time.process_time)
+    idle = Progress(100, "CPU-sec", min_interval=0, clock=time.process_time, enabled=False)
     idle.wall_clock, idle.wall_start = (lambda: 5.0), 0.0  # a second thread: fewer wall than CPU seconds
     idle.update(10)
     assert _line(idle, 10.0).endswith("ETA 01:30 (wall ~01:30)")

@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from helpers import BENCHMARKS, ROOT
+from helpers import HANG_GUARD_S, BENCHMARKS, ROOT
 
 sys.path.insert(0, str(BENCHMARKS / "tools"))
 
@@ -33,7 +33,7 @@ print(json.dumps(sorted(n for n, m in sys.modules.items() if n in ("probes", "su
 
 def test_importing_the_package_and_every_command_imports_no_probe_code():
     out = subprocess.run([sys.executable, "-c", _IMPORT_ALL, str(BENCHMARKS / "tools")], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
+                         text=True, timeout=HANG_GUARD_S)
     assert out.returncode == 0, out.stderr[-2000:]
     package, imported = out.stdout.strip().splitlines()[-2:]
     assert package.startswith(str(ROOT / "src")), package  # this checkout's package

@@ -376,10 +376,16 @@ def train_recipe(hf: str, out_dir: str | Path, *, variant: str = RECIPE.variant,
     earlier) and write ``out_dir/training.json``. Returns its summary (``cache_windows_computed``: windows the
     backbone ran on in this call, 0 when the cache was reused). SIGTERM while the cache is built stops as Ctrl-C
     does (the cache keeps the windows done, and the same call continues it)."""
+    import dataclasses
+    import signal
+
     from fastweights.checkpoints.run_dir import RunLock
+    from fastweights.core.files import atomic_write
     from fastweights.hf.fwl_head import PRETRAINED_FWL_DEFAULTS, HFCausalLMWithFWL, llama_base
     from fastweights.hf.transformers_as_ours import HFCausalLM, load_hf_model
     from fastweights.layers.fwl import FWLOptions
+    from fastweights.loops.signals import SetupSignals
+    from fastweights.loops.train import RunInterrupted
 
     if variant not in VARIANTS:
         raise UserError(f"unknown FWL variant {variant!r}; choose one of {', '.join(VARIANTS)}")
@@ -406,25 +412,6 @@ def train_recipe(hf: str, out_dir: str | Path, *, variant: str = RECIPE.variant,
     if trainable_blocks:
         llama_base(backbone, trainable_blocks)  # other architectures: one line, before anything is cached
     text = training_windows(tokenizer, window, data, max_windows=windows, doc_windows=doc_windows)
-    # one run per --out, one writer per cache (issue 52: two runs on one --out both exited 0, one result lost)
-    with RunLock(out_dir):
-        return _train_recipe_locked(model, backbone, hf, text, out_dir, cache_dir, variant, options, data,
-                                    doc_windows, trainable_blocks, budget_cpu_s, batch_size, lr, step_lr, block_lr,
-                                    seed, progress, max_steps)
-
-
-def _train_recipe_locked(model, backbone, hf, text, out_dir, cache_dir, variant, options, data, doc_windows,
-                         trainable_blocks, budget_cpu_s, batch_size, lr, step_lr, block_lr, seed, progress,
-                         max_steps) -> dict:
-    """:func:`train_recipe` from the cache on, with ``out_dir`` locked: the cache built under its own lock."""
-    import dataclasses
-    import signal
-
-    from fastweights.checkpoints.run_dir import RunLock
-    from fastweights.core.files import atomic_write
-    from fastweights.loops.signals import SetupSignals
-    from fastweights.loops.train import RunInterrupted
-
     t0 = time.process_time()
     setup_signals = SetupSignals()  # SIGTERM while caching: stop as Ctrl-C does (the cache resumes)
     try:
@@ -441,13 +428,17 @@ def _train_recipe_locked(model, backbone, hf, text, out_dir, cache_dir, variant,
     finally:
         setup_signals.restore()
     cache_cpu = time.process_time() - t0
-    summary = train_head(model, cache_dir, out_dir, hf, budget_cpu_s=budget_cpu_s, batch_size=batch_size, lr=lr,
-                         step_lr=step_lr, block_lr=block_lr, seed=seed, progress=progress, max_steps=max_steps)
-    summary.update({"hf": hf, "variant": variant, "options": dataclasses.asdict(options), "cache_dir": str(cache_dir),
-                    "data": meta["data"], "cache_windows": meta["windows"], "doc_windows": doc_windows,
-                    "cache_windows_computed": meta["computed_this_call"], "cache_cpu_s_this_call": cache_cpu,
-                    "training_sources": sorted({s.split(":")[0] for s in meta["sources"]}),
-                    "torch_threads": torch.get_num_threads()})
-    atomic_write(out_dir / "training.json", lambda p: p.write_text(json.dumps(summary, indent=1)), root=out_dir,
-                 what="the training summary")
+    # one run per --out (issue 52: two runs on one --out both exited 0, one result lost), taken once the cache is
+    # ready, so a refused cache leaves --out as it was
+    with RunLock(out_dir):
+        summary = train_head(model, cache_dir, out_dir, hf, budget_cpu_s=budget_cpu_s, batch_size=batch_size, lr=lr,
+                             step_lr=step_lr, block_lr=block_lr, seed=seed, progress=progress, max_steps=max_steps)
+        summary.update({"hf": hf, "variant": variant, "options": dataclasses.asdict(options),
+                        "cache_dir": str(cache_dir), "data": meta["data"], "cache_windows": meta["windows"],
+                        "doc_windows": doc_windows, "cache_windows_computed": meta["computed_this_call"],
+                        "cache_cpu_s_this_call": cache_cpu,
+                        "training_sources": sorted({s.split(":")[0] for s in meta["sources"]}),
+                        "torch_threads": torch.get_num_threads()})
+        atomic_write(out_dir / "training.json", lambda p: p.write_text(json.dumps(summary, indent=1)), root=out_dir,
+                     what="the training summary")
     return summary
