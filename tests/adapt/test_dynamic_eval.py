@@ -495,3 +495,38 @@ def test_the_tuning_table_stars_the_best_and_marks_the_diverged_points():
     assert lines[5] == "best: lr 0.1, decay 0: 1.0000 bits/token (50.00% lower than static)"
     no_diverged = format_table({"static": {"bits_per_token": 2.0}, "tokens": 30, "grid": grid[:2], "best": best})
     assert "! diverged" not in no_diverged and "!" not in no_diverged.splitlines()[2]
+
+
+def test_output_flags_refuse_inputs_and_files_they_did_not_write(char_checkpoint, tmp_path, capsys):
+    """Issue 52: dynamic stats --save CK/model.safetensors destroyed the checkpoint's weights, dynamic eval
+    --per-token T.txt overwrote the text it scored, dynamic tune --save notes.txt replaced an unrelated file. Each
+    is refused in one line before any work; a file of the command's own kind is replaced as a re-run should."""
+    import shutil
+
+    from fastweights.cli import main
+
+    ck = tmp_path / "ck"
+    shutil.copytree(char_checkpoint, ck)
+    doc = ck / "doc.txt"
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    weights, text = (ck / "model.safetensors").read_bytes(), doc.read_text()
+    for argv in (["dynamic", "stats", "--checkpoint", str(ck), "--max-batches", "2", "--save",
+                  str(ck / "model.safetensors")],
+                 ["dynamic", "eval", "--checkpoint", str(ck), "--data", str(doc), "--rule", "sgd", "--lr", "0.1",
+                  "--quiet", "--per-token", str(doc)],
+                 ["dynamic", "tune", "--checkpoint", str(ck), "--data", str(doc), "--rule", "sgd", "--lrs", "0.1",
+                  "--quiet", "--save", str(notes)],
+                 ["dynamic", "tune", "--checkpoint", str(ck), "--data", str(doc), "--rule", "sgd", "--lrs", "0.1",
+                  "--quiet", "--save", str(tmp_path)]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and len(err.splitlines()) == 1, err
+    assert (ck / "model.safetensors").read_bytes() == weights and doc.read_text() == text
+    assert notes.read_text() == "mine"
+    per_token = tmp_path / "per_token.json"
+    for _ in range(2):  # written, then replaced by the same command
+        assert main(["dynamic", "eval", "--checkpoint", str(ck), "--data", str(doc), "--rule", "sgd", "--lr", "0.1",
+                     "--quiet", "--per-token", str(per_token)]) == 0
+    assert json.loads(per_token.read_text())["unit"] == "nats"
+    capsys.readouterr()

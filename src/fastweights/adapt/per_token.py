@@ -38,6 +38,15 @@ def per_token_record(docs: list[torch.Tensor], static: list[list[float]], dynami
     return rec
 
 
+def is_per_token_file(path: str | Path) -> bool:
+    """Whether ``path`` holds a :func:`per_token_record` (a file ``--per-token`` may replace)."""
+    try:
+        rec = json.loads(Path(path).read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(rec, dict) and rec.get("unit") == "nats" and isinstance(rec.get("documents"), list)
+
+
 def write_per_token(path: str | Path, docs, static, dynamic, result: dict | None = None) -> Path:
     """Write :func:`per_token_record` to ``path`` (atomically); returns the path."""
     from fastweights.core.files import atomic_write

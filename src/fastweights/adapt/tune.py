@@ -227,6 +227,14 @@ def save_tuned(result: dict, path: str | Path, weights_sha256: str | None = None
     return path
 
 
+def is_tuned_file(path: str | Path) -> bool:
+    """Whether ``path`` is a file :func:`save_tuned` wrote (``dynamic tune --save`` may replace it)."""
+    try:
+        return load_tuned(path) is not None
+    except UserError:
+        return False
+
+
 def load_tuned(path: str | Path) -> dict | None:
     """The JSON written by :func:`save_tuned`, or None if there is none; UserError if it is not one.
 

@@ -195,6 +195,17 @@ class GradStats:
         atomic_write(path, lambda p: save_safetensors(tensors, p, metadata=meta))
         return path
 
+    @staticmethod
+    def is_stats_file(path: str | Path) -> bool:
+        """Whether ``path`` is a file :meth:`save` wrote (its metadata only: nothing loaded)."""
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                return (f.metadata() or {}).get("format") == "fastweights-grad-stats"
+        except (SafetensorError, OSError, ValueError):
+            return False
+
     @classmethod
     def load(cls, path: str | Path) -> "GradStats":
         """Read a file written by :meth:`save`; UserError when missing or not a statistics file."""

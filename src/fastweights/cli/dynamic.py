@@ -263,7 +263,18 @@ def register(top, parser_class) -> None:
     g.set_defaults(func=cmd_dynamic_generate)
 
 
+def _data_file(args) -> Path | None:
+    """``--data`` when it names a file (an input no output may replace)."""
+    return Path(args.data) if getattr(args, "data", None) and Path(args.data).is_file() else None
+
+
 def cmd_dynamic_eval(args) -> int:
+    if args.per_token:  # before any work: a path that is an input or someone else's file is refused in seconds
+        from fastweights.adapt.per_token import is_per_token_file
+        from fastweights.core.files import check_output_file
+
+        check_output_file(args.per_token, is_per_token_file, "--per-token", inputs=[_data_file(args), args.tuned,
+                                                                                     args.stats])
     model, tok, cfg, ckpt = _load(args)
     texts = load_texts(args.data, cfg, args.split, args.max_chars)
     res = evaluate_static_and_dynamic(dynamic_settings(args), model, tok, cfg, texts, ckpt, comparison_options(args),
@@ -300,8 +311,11 @@ def cmd_dynamic_eval(args) -> int:
 
 
 def cmd_tune_dynamic(args) -> int:
-    from fastweights.adapt.tune import TUNED_FILE, format_table, official_grid, save_tuned, tune_dynamic
+    from fastweights.adapt.tune import TUNED_FILE, format_table, is_tuned_file, official_grid, save_tuned, tune_dynamic
+    from fastweights.core.files import check_output_file
 
+    if args.save:
+        check_output_file(args.save, is_tuned_file, "--save", inputs=[_data_file(args), args.stats])
     model, tok, cfg, ckpt = _load(args)
     texts = load_texts(args.data, cfg, "val", args.tune_chars)
     docs, _ = encode_texts(tok, texts, args.bos)
@@ -325,6 +339,11 @@ def cmd_tune_dynamic(args) -> int:
 
 
 def cmd_collect_grad_stats(args) -> int:
+    if args.save:
+        from fastweights.adapt.update_rules import GradStats
+        from fastweights.core.files import check_output_file
+
+        check_output_file(args.save, GradStats.is_stats_file, "--save", inputs=[_data_file(args)])
     model, tok, cfg, ckpt = _load(args)
     if args.hf and not args.data:
         raise UserError("--data (training text) is required with --hf")

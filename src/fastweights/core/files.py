@@ -174,6 +174,23 @@ def open_nofollow(path: Path, flags: int, what: str = "", root: Path | None = No
         raise
 
 
+def check_output_file(path: str | Path, ours, what: str, inputs=()) -> Path:
+    """An output file a user named (``--save``, ``--per-token``): refused in one line when it is one of the command's
+    ``inputs`` (the same file under any name), a folder, or an existing file that ``ours(path)`` does not recognise
+    as one this command writes (issue 52: ``dynamic stats --save CK/model.safetensors`` destroyed the checkpoint's
+    weights, ``--per-token T.txt`` the text it scored). A file of its own kind is replaced, as a re-run should."""
+    path = Path(path)
+    for given in inputs:
+        if given is not None and path.exists() and Path(given).exists() and os.path.samefile(path, given):
+            raise UserError(f"{what} {path} is also an input of this command: it is never overwritten")
+    if path.is_dir():
+        raise UserError(f"{what} {path} is a folder; name a file")
+    if (path.exists() or path.is_symlink()) and not ours(path):
+        raise UserError(f"{what} {path} exists and was not written by this command: choose another path (or delete "
+                        "it first)")
+    return path
+
+
 def json_text(obj, indent: int | None = 2) -> str:
     """``obj`` as strict JSON (RFC 8259 has no NaN or Infinity, which json.dumps writes and other readers refuse):
     a non-finite float becomes null."""
