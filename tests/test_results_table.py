@@ -170,3 +170,16 @@ def test_every_users_guide_page_keeps_markers_out_of_its_prose():
     assert problems == [], "\n".join(problems)
     # the measurement write-ups are pages of report.py (rendered and checked)
     assert all(p in report.pages() for p in (ROOT / "docs" / "experiments").glob("*.md"))
+
+
+def test_a_non_finite_value_is_never_rendered_or_cited_as_a_result(tmp_path, monkeypatch):
+    """Issue 52: report.py rendered "nan ppl" into the README and --check passed."""
+    report = _report()
+    rec = {"command": "python x.py", "headline": [{"what": "x: perplexity", "value": float("nan"), "unit": "ppl"}],
+           "score": float("inf")}
+    (tmp_path / "bad.json").write_text(json.dumps(rec))
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    monkeypatch.setattr(report, "ROOT", tmp_path.parent)
+    with pytest.raises(SystemExit, match="not a result"):
+        report.table(["bad"])
+    assert "not a result" in report.cited_number_problems("3.2 <!-- src: bad score -->", "p.md")[0]

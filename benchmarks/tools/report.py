@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import operator
 import re
 import sys
@@ -121,6 +122,9 @@ def table(stems: list[str] | None = None) -> str:
         heads = rec.get("headline") or [{"what": what, "value": _get(rec, key), "unit": unit, "target": target}
                                          for stem, what, key, unit, target in extract_rows() if stem == path.stem]
         for i, h in enumerate(heads):
+            if isinstance(h["value"], float) and not math.isfinite(h["value"]):  # "nan ppl" is never a result
+                raise SystemExit(f"error: {path.relative_to(ROOT)}: {h['what'].strip()!r} is {h['value']}, not a "
+                                 "result: re-run it or drop the row")
             value = _fmt(h["value"]) + (f" {h['unit']}" if h.get("unit") else "")
             mark = evidence.status(path)
             source = f"`{path.relative_to(ROOT)}`" + (f" ({mark})" if mark else "")
@@ -301,6 +305,9 @@ def cited_number_problems(page: str, name: str) -> list[str]:
             value = float(_get(json.loads(path.read_text()), key))
         except (OSError, KeyError, IndexError, ValueError, TypeError) as e:
             out.append(f"{name}: {shown} cites {stem} {key}, which cannot be read ({type(e).__name__})")
+            continue
+        if not math.isfinite(value):
+            out.append(f"{name}: {shown} cites {stem} {key} = {value}, not a result")
             continue
         digits = len(shown.split(".")[1]) if "." in shown else 0
         scale = 100.0 if m.group(2).strip().startswith("%") else 1.0

@@ -94,9 +94,13 @@ def _disagreement(a: dict, b: dict, tolerance: float) -> str | None:
         if isinstance(x, torch.Tensor) and x.is_floating_point():
             if not isinstance(y, torch.Tensor) or x.shape != y.shape:
                 return f"{key}: shape or type differs"
+            if not (torch.isfinite(x).all() and torch.isfinite(y).all()):  # NaN agrees with nothing (issue 52)
+                if not torch.equal(x.isnan(), y.isnan()) or not torch.equal(torch.nan_to_num(x), torch.nan_to_num(y)):
+                    return f"{key}: not finite on one side or differently"
+                continue
             scale = max(float(x.norm()), float(y.norm()))
-            worst = float(torch.nan_to_num(x - y).abs().max()) if x.numel() else 0.0
-            if worst > tolerance * scale:
+            worst = float((x - y).abs().max()) if x.numel() else 0.0
+            if not worst <= tolerance * scale:
                 return f"{key}: differs by {worst / scale:.2g} of its norm"
         elif isinstance(x, (torch.Tensor, np.ndarray)):
             if not np.array_equal(np.asarray(x), np.asarray(y)):
@@ -106,6 +110,19 @@ def _disagreement(a: dict, b: dict, tolerance: float) -> str | None:
     return None
 
 
+def _tolerance(text: str) -> float:
+    """argparse type of --tolerance: a finite number >= 0 (nan compared as agreeing with everything)."""
+    import math
+
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return v
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--verified-at", required=True, metavar="COMMIT",
@@ -113,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capability", default="avx2", help="ATEN_CPU_CAPABILITY the old records were made under")
     ap.add_argument("--commit-probe-dtype", default="float32", choices=("float32", "float64"),
                     help="the default dtype COMMIT's probes built their models in")
-    ap.add_argument("--tolerance", type=float, default=1e-6,
+    ap.add_argument("--tolerance", type=_tolerance, default=1e-6,
                     help="largest difference, relative to an output's norm, between COMMIT's and today's outputs")
     ap.add_argument("--results", type=Path, default=evidence.RESULTS,
                     help="the folder of result JSON files to stamp (default: benchmarks/results)")

@@ -42,3 +42,25 @@ def test_a_name_that_is_no_commit_is_one_line_and_status_2(tmp_path):
     out = subprocess.run([sys.executable, str(BENCHMARKS / "tools" / "stamp_probes.py"), "--verified-at", "nosuchrev",
                           "--results", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert out.returncode == 2 and out.stderr.strip().splitlines() == ["error: 'nosuchrev' is no commit of this repository"]
+
+
+def test_a_probe_that_now_outputs_nan_disagrees_and_nan_is_no_tolerance():
+    """Issue 52: a probe whose output became NaN was taken as agreeing (nan_to_num of the difference), and
+    --tolerance nan was accepted."""
+    import argparse
+
+    import pytest
+    import torch
+
+    import stamp_probes
+
+    old = {"logits": torch.tensor([1.0, 2.0, 3.0])}
+    assert stamp_probes._disagreement(old, {"logits": torch.tensor([1.0, 2.0, 3.0])}, 1e-6) is None
+    assert stamp_probes._disagreement(old, {"logits": torch.tensor([1.0, float("nan"), 3.0])}, 1e-6) is not None
+    assert stamp_probes._disagreement(old, {"logits": torch.tensor([1.0, 2.0, float("inf")])}, 1e-6) is not None
+    both = {"logits": torch.tensor([float("nan"), 2.0])}
+    assert stamp_probes._disagreement(both, {"logits": torch.tensor([float("nan"), 2.0])}, 1e-6) is None
+    for bad in ("nan", "inf", "-1", "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            stamp_probes._tolerance(bad)
+    assert stamp_probes._tolerance("1e-5") == 1e-5
