@@ -51,11 +51,14 @@ from gpu_measurements import (  # noqa: E402  (its sibling benchmarks/gpu/gpu_me
     grad_check, hybrid)
 import torch  # noqa: E402
 
-from fastweights.evidence.result_files import REPO, RESULTS, command_line, repo_relative  # noqa: E402
+from fastweights.evidence.result_files import command_line, repo_relative  # noqa: E402
 from fastweights.ops import fla_backend as fb  # noqa: E402
 
 NAME = "gpu_queue"
 MAX_ITEM_FILES = 7  # + the summary: a device run returns at most 8 files
+# the checkout this script is in (issue 52: --unpack wrote into the installed package's checkout instead)
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "benchmarks" / "results"
 STANDIN = REPO / "tests" / "ops"  # fla_standin.py: the dry run's fla where fla is absent
 
 
@@ -226,10 +229,24 @@ def print_list(items: list[Item], minutes: float) -> None:
 
 
 def unpack(summary: str) -> int:
-    rec = json.loads(Path(summary).read_text())
-    for item_id, item_rec in rec.get("items", {}).items():
-        if "status" not in item_rec or item_rec["status"] == "not_written":
-            continue
+    """A device run's summary items into this checkout's benchmarks/results/: every item checked first (a known id,
+    measured on CUDA at full size: a dry run is no result), then written; bad input one line, exit 2."""
+    try:
+        rec = json.loads(Path(summary).read_text())
+        items = {k: v for k, v in rec["items"].items() if "status" in v and v["status"] != "not_written"}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        print(f"gpu_queue: --unpack {summary}: not a device run's summary ({e})", file=sys.stderr)
+        return 2
+    known = {i.id for i in ITEMS}
+    for item_id, item_rec in items.items():
+        device, tiny = item_rec.get("device_type", rec.get("device_type")), item_rec.get("tiny", rec.get("tiny"))
+        why = ("an item this queue does not have" if item_id not in known else
+               f"measured on {device!r}, not CUDA (a dry run)" if device != "cuda" else
+               "a tiny dry run" if tiny is not False else None)
+        if why:
+            print(f"gpu_queue: --unpack {summary}: {item_id!r} is {why}; nothing written", file=sys.stderr)
+            return 2
+    for item_id, item_rec in items.items():
         path = RESULTS / f"{NAME}_{item_id.replace('/', '_')}.json"
         write(path, {**item_rec, "result_file": repo_relative(path)})
     return 0

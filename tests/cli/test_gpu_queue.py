@@ -154,3 +154,23 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         assert r.returncode == 2, (args, r.stdout, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("gpu_queue: "), r.stderr
         assert not list(tmp_path.iterdir())
+
+
+def test_unpack_refuses_a_dry_run_and_unknown_items_and_writes_into_the_scripts_checkout(gq, tmp_path, monkeypatch,
+                                                                                        capsys):
+    """Issue 52: --unpack took a CPU dry run and unknown item ids as GPU results, and wrote into the installed
+    package's checkout instead of the script's."""
+    assert gq.RESULTS == ROOT / "benchmarks" / "results"  # the checkout of the script itself
+    monkeypatch.setattr(gq, "RESULTS", tmp_path / "results")
+    item = gq.ITEMS[1]
+    cases = {"dry": {"items": {item.id: {"status": "ok", "device_type": "cpu", "tiny": True}}},
+             "tiny_cuda": {"items": {item.id: {"status": "ok", "device_type": "cuda", "tiny": True}}},
+             "unknown": {"items": {"no/such_item": {"status": "ok", "device_type": "cuda", "tiny": False},
+                                   item.id: {"status": "ok", "device_type": "cuda", "tiny": False}}},
+             "garbled": [1, 2]}
+    for name, summary in cases.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(summary))
+        assert gq.unpack(str(tmp_path / f"{name}.json")) == 2, name
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("gpu_queue: --unpack") and len(err.splitlines()) == 1
+    assert not (tmp_path / "results").exists()
