@@ -156,3 +156,17 @@ def test_plot_capacity_writes_png(tmp_path):
             for s, loss in ((20, 0.0), (40, 0.1))]
     plot_capacity(rows, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_feature_widths_past_their_bound_are_refused_before_allocation():
+    """Issue 52: task assoc --nu 1e9 was killed at 13.5 GB. DPFP's nu is bounded by its rolls (2d - 1 distinct), any
+    map's d_dot by MAX_D_DOT, each one line before a model is built."""
+    from fastweights.core.errors import UserError
+    from fastweights.ops.feature_maps import feature_dim
+    from fastweights.tasks.assoc import MAX_D_DOT, AssocConfig, train_assoc
+
+    assert feature_dim("dpfp", 64, nu=127) == 2 * 64 * 127
+    with pytest.raises(UserError, match="nu must be in 1..127"):
+        feature_dim("dpfp", 64, nu=128)
+    with pytest.raises(UserError, match=f"at most {MAX_D_DOT:,}"):
+        train_assoc(AssocConfig(feature_map="favor", n_features=MAX_D_DOT, max_steps=1), progress=False)

@@ -110,6 +110,8 @@ def feature_dim(name: str, d: int, *, nu: int = 1, n_features: int = 16) -> int:
     if name in ("elu1", "identity"):
         return d
     if name == "dpfp":
+        if not 1 <= nu <= 2 * d - 1:  # the rolls of the 2d-wide vector repeat past 2d - 1 (issue 52: nu 1e9)
+            raise UserError(f"dpfp: nu must be in 1..{2 * d - 1} (2 x {d} - 1) for {d}-dimensional inputs, got {nu}")
         return 2 * d * nu
     if name == "favor":
         return 2 * n_features

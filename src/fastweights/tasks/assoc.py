@@ -61,6 +61,7 @@ from fastweights.ops.linear import Linear
 
 RULES = ("sum", "gated", "delta")
 FEATURE_MAPS = ("elu1", "dpfp", "favor")
+MAX_D_DOT = 65_536  # feature width of a fast weight memory (d_dot x hidden floats per sequence), at most
 
 
 # ----------------------------------------------------------------------------- vocabulary and data
@@ -270,6 +271,9 @@ def train_assoc(cfg: AssocConfig, progress: bool = True) -> dict:
     for name in ("keys", "batch_size", "max_steps", "eval_every", "eval_sequences", "hidden", "nu", "n_features"):
         if getattr(cfg, name) < 1:
             raise UserError(f"assoc: {name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    d_dot = feature_dim(cfg.feature_map, cfg.hidden, nu=cfg.nu, n_features=cfg.n_features)
+    if d_dot > MAX_D_DOT:  # a d_dot x hidden fast weight memory per sequence: --nu 1e9 was killed at 13.5 GB
+        raise UserError(f"assoc: d_dot = {d_dot:,} ({cfg.feature_map}); at most {MAX_D_DOT:,}")
     torch.manual_seed(cfg.seed)
     data = AssocData(cfg.keys, cfg.setting, np.random.default_rng(cfg.seed))
     model = AssocModel(cfg.keys, cfg.rule, cfg.feature_map, cfg.nu, cfg.n_features, cfg.hidden)
