@@ -530,3 +530,15 @@ def test_output_flags_refuse_inputs_and_files_they_did_not_write(char_checkpoint
                      "--quiet", "--per-token", str(per_token)]) == 0
     assert json.loads(per_token.read_text())["unit"] == "nats"
     capsys.readouterr()
+
+
+def test_a_statistics_segment_longer_than_its_streams_is_the_stream_and_recorded_so():
+    """Issue 52: dynamic stats --segment-len 1e18 recorded a segment it never had (and sized the carried state
+    by it)."""
+    model = tiny_model(n_layers=1)
+    long = collect_grad_stats(model, tokens(41), batch_size=2, seq_len=10**18)
+    assert (long.seq_len, long.batches) == (19, 1)
+    same = collect_grad_stats(model, tokens(41), batch_size=2, seq_len=19)
+    assert all(torch.equal(long.ms[k], same.ms[k]) for k in same.ms)
+    with pytest.raises(UserError, match="longer than the attention context"):
+        collect_grad_stats(model, tokens(41), batch_size=2, seq_len=10**18, context=30)

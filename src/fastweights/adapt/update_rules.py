@@ -261,6 +261,10 @@ def accumulate_grad_stats(forward: Callable, leaves: list[torch.Tensor], names: 
     if per_stream < 2:
         raise UserError(f"the training text has {tokens.numel()} tokens, too few for {batch_size} streams; "
                         "lower --batch-size")
+    if context and seq_len > context:  # issue 52: --segment-len 1e18 scored whole streams at once, 7 GB
+        raise UserError(f"segment length {seq_len:,} is longer than the attention context ({context:,} tokens)")
+    # a segment past a stream's end is the whole stream, and is recorded as what it was (the 1e18 was recorded)
+    seq_len = min(seq_len, per_stream - 1)
     streams = tokens[: per_stream * batch_size].view(batch_size, per_stream)  # [B, N/B], stream b = a contiguous slice
     steps = math.ceil((per_stream - 1) / seq_len)
     if max_batches:
