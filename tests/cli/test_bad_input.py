@@ -285,3 +285,17 @@ def test_resume_refuses_a_config_that_does_not_match(run, capsys):
     _one_line(capsys, "model config differs")
     assert _tree(run) == before
     assert torch.isfinite(next(iter(load_file(str(run / "model.safetensors")).values()))).all()
+
+
+def test_a_score_far_worse_than_uniform_is_not_reported(run, tmp_path, capsys):
+    """Issue 52: eval reported 77-205 nats/token (a uniform guess: 5.5) with exit 0. Past twice a uniform guess's
+    loss it is one line and exit 2; the model as trained still reports."""
+    f = tmp_path / "doc.txt"
+    f.write_text("First Citizen: speak, speak.\n" * 4)
+    assert main(["eval", "--checkpoint", str(run), "--quiet", "--data", str(f)]) == 0
+    capsys.readouterr()
+    loud = _copy(run, tmp_path, "loud")
+    _rewrite_weights(loud, lambda t: t.update({k: v * 1000.0 for k, v in t.items() if v.is_floating_point()}))
+    assert main(["eval", "--checkpoint", str(loud), "--quiet", "--data", str(f)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "a uniform guess" in err and "not a result" in err and len(err.splitlines()) == 1

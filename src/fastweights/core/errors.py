@@ -61,3 +61,20 @@ def refuse_non_finite(result, cause: str) -> None:
     found = non_finite_score(result)
     if found:
         raise UserError(f"{found[0]} is {found[1]}, not a number to report: {cause}")
+
+
+WORSE_THAN_UNIFORM = 2.0  # a mean loss this many times a uniform guess's: a broken model for the text, not a result
+
+
+def refuse_worse_than_uniform(loss_nats: float, vocab_size: int | None, what: str) -> None:
+    """UserError (one line) when a mean loss (nats per token) exceeds :data:`WORSE_THAN_UNIFORM` times a uniform
+    guess's, log(vocabulary): issue 52's FWL heads reported 77-205 nats/token with exit 0 where uniform is 5.5."""
+    import math
+
+    if not vocab_size or vocab_size < 2:
+        return
+    uniform = math.log(vocab_size)
+    if loss_nats > WORSE_THAN_UNIFORM * uniform:
+        raise UserError(f"{what}: {loss_nats:.4g} nats/token is {loss_nats / uniform:.1f}x a uniform guess over the "
+                        f"{vocab_size:,}-token vocabulary ({uniform:.2f} nats): not a result; the model is broken or "
+                        "diverges on this text")
