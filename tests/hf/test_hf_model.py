@@ -344,3 +344,30 @@ def test_exported_directory_loads_with_trust_remote_code_and_asks_for_it_otherwi
     with torch.no_grad():
         want = lm(torch.tensor([x])).logits[0, -1]
     torch.testing.assert_close(torch.tensor(json.loads(logits)), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_directory_of_integer_weights_is_refused(tmp_path, capsys):
+    """Issue 52: an HF directory whose weights were int8 (no quantization) loaded as zeros and was scored, exit 0."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from fastweights.cli import main
+    from helpers import tiny_llama_dir
+
+    d = tiny_llama_dir(tmp_path / "llama")
+    (tmp_path / "doc.txt").write_text("The cat sat on the mat. " * 8)
+    args = ["dynamic", "eval", "--hf", str(d), "--data", str(tmp_path / "doc.txt"), "--rule", "sgd", "--lr", "0",
+            "--quiet"]
+    assert main(args) == 0
+    capsys.readouterr()
+    for path in d.glob("*.safetensors"):
+        save_file({k: v.to(torch.int8) for k, v in load_file(str(path)).items()}, str(path))
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "I8" in err and "no quantization" in err and len(err.splitlines()) == 1
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "x"}}))
+    from fastweights.hf.transformers_as_ours import _refuse_integer_weights
+
+    _refuse_integer_weights(d)  # a quantised model's integers are its design

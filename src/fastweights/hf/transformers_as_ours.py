@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import inspect
+import json
 import pickle
 import socket
 from pathlib import Path
@@ -247,6 +248,7 @@ def load_hf_model(name_or_path: str, device: str | torch.device = "cpu", dtype: 
             if not Path(name).is_dir():
                 raise UserError(f"--hf {name}: expected a model directory, a .gguf file or a model name")
             _refuse_pickled_weights(Path(name))
+            _refuse_integer_weights(Path(name))
             kwargs["local_files_only"] = True
         else:
             _require_cached_or_reachable(name)
@@ -404,6 +406,31 @@ def _refuse_pickled_weights(directory: Path) -> None:
     if pickled:
         raise UserError(f"--hf {directory}: the weights are pickled ({pickled[0]}), which can run code when loaded; "
                         "refusing them (convert them to model.safetensors)")
+
+
+_INTEGER_DTYPES = ("BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64")
+
+
+def _refuse_integer_weights(directory: Path) -> None:
+    """A model directory whose safetensors hold integer tensors without a ``quantization_config`` in config.json:
+    refused (issue 52: an int8 model loaded as zeros and was scored, exit 0). Only the headers are read."""
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    if isinstance(config, dict) and config.get("quantization_config"):
+        return  # a quantised model stores integers by design
+    for path in sorted(directory.glob("*.safetensors")):
+        try:
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n)) if 0 < n < 100_000_000 else {}
+        except (OSError, ValueError):
+            continue  # a damaged file is transformers' to report
+        for tensor, info in header.items():
+            if tensor != "__metadata__" and isinstance(info, dict) and info.get("dtype") in _INTEGER_DTYPES:
+                raise UserError(f"--hf {directory}: tensor {tensor} in {path.name} is {info['dtype']} and config.json "
+                                "declares no quantization: these are not floating-point weights")
 
 
 def _require_cached_or_reachable(name: str) -> None:
