@@ -148,3 +148,28 @@ def test_a_second_run_on_the_same_out_is_refused_while_the_first_holds_it(backbo
         assert "in use by another training run" in capsys.readouterr().err
     assert cli.main(args) == 0  # once it ended
     assert not (out / LOCK).exists() and not (tmp_path / "runs" / "hidden-cache" / LOCK).exists()
+
+
+def test_a_head_loads_from_anywhere_and_never_onto_a_changed_backbone(backbone_dir, tmp_path, monkeypatch):
+    """Issue 52: a head pinned its backbone by the path as typed (a relative --hf broke from another folder) and by
+    its output layer only (a backbone changed in any other weight loaded silently)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from fastweights.core.errors import UserError
+    from fastweights.hf.fwl_head import load_fwl_head
+
+    shutil.copytree(backbone_dir, tmp_path / "llama")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["fwl-head", "train", "--hf", "llama", "--out", "runs/fwl", "--windows", "6", "--minutes", "0.02",
+                     "--quiet"]) == 0
+    monkeypatch.chdir(tmp_path / "runs")  # another folder: the relative name would not resolve
+    load_fwl_head(tmp_path / "runs" / "fwl")
+    path = next((tmp_path / "llama").glob("*.safetensors"))
+    tensors = load_file(str(path))
+    name = next(k for k in sorted(tensors) if "self_attn.q_proj" in k)
+    tensors[name] = tensors[name] * 1.001
+    save_file(tensors, str(path))
+    with pytest.raises(UserError, match="another backbone"):
+        load_fwl_head(tmp_path / "runs" / "fwl")

@@ -122,8 +122,10 @@ class HFCausalLMWithFWL(nn.Module):
     # ------------------------------------------------------------------ saving
 
     def head_config(self, backbone_name: str) -> dict:
+        if Path(backbone_name).exists():  # a local directory or file: absolute, so the head loads from anywhere
+            backbone_name = str(Path(backbone_name).resolve())
         return {"format": "fastweights-fwl-head", "version": 1, "backbone": backbone_name,
-                "backbone_fingerprint": backbone_fingerprint(self.backbone),
+                "backbone_fingerprint": backbone_fingerprint(self.backbone, self.trainable_blocks),
                 "trainable_blocks": self.trainable_blocks, "fwl": dataclasses.asdict(self.head.options)}
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
@@ -214,10 +216,15 @@ def tensors_digest(named: list[tuple[str, torch.Tensor]]) -> str:
     return h.hexdigest()
 
 
-def backbone_fingerprint(backbone: nn.Module) -> str:
-    """The identity a head checkpoint records of its backbone: the digest of its output layer, which no
-    recipe trains (trainable blocks change, so the whole backbone cannot be it)."""
-    return tensors_digest([("output", backbone.hf.get_output_embeddings().weight)])
+def backbone_fingerprint(backbone: nn.Module, trainable_blocks: int = 0) -> str:
+    """The identity a head checkpoint records of its backbone: the digest of every weight but those of the last
+    ``trainable_blocks`` decoder blocks, which the checkpoint itself stores (issue 52: the output layer alone let a
+    backbone replaced in every other weight load silently)."""
+    layers = list(backbone.layers)
+    trained = {id(p) for block in layers[len(layers) - trainable_blocks:] for p in block.parameters()} \
+        if trainable_blocks else set()
+    named = [(n, p) for n, p in sorted(backbone.hf.named_parameters()) if id(p) not in trained]
+    return tensors_digest([("output", backbone.hf.get_output_embeddings().weight), *named])
 
 
 def save_fwl_head(model: HFCausalLMWithFWL, directory: str | Path, backbone_name: str, step: int | None = None,
@@ -281,9 +288,9 @@ def load_fwl_head(directory: str | Path, backbone_loader=None, device: str = "cp
         from fastweights.hf.transformers_as_ours import load_hf_model as backbone_loader
     backbone, tok = backbone_loader(cfg["backbone"])
     model = HFCausalLMWithFWL(backbone, options, trainable_blocks=int(cfg.get("trainable_blocks", 0)))
-    if cfg.get("backbone_fingerprint") != backbone_fingerprint(backbone):
-        raise UserError(f"{directory}: the FWL head was trained on another backbone than {cfg['backbone']!r} "
-                        "(its output layer differs)")
+    if cfg.get("backbone_fingerprint") != backbone_fingerprint(backbone, int(cfg.get("trainable_blocks", 0))):
+        raise UserError(f"{directory}: the FWL head was trained on another backbone than the one at "
+                        f"{cfg['backbone']!r} now (its weights differ)")
     expected = model.trainable_state_dict()
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
