@@ -31,7 +31,8 @@ def test_eta_from_rate():
 def test_a_resumed_runs_rate_and_eta_count_only_this_processs_work():
     """Issue 49: after a resume at step 804 the line read 97,430,925 steps/s (all steps since 0 over this
     process's time). The steps done before are in the count, not in the rate or the ETA."""
-    bar = Progress(1500, "steps", desc="train", min_interval=0, initial=804)
+    bar = Progress(1500, "steps", desc="train", min_interval=0, initial=804, enabled=False)
+    bar.start = 0.0  # start + 25 - start is exactly 25 s (not 24.999... with a clock's value as the start)
     bar.update(10)
     line = _line(bar, 25.0)  # 10 steps in 25 s: 2.5 s/step, 686 to go
     assert line.startswith("train | 814/1,500 steps | 2.5 s/step") and line.endswith("ETA 28:35")
@@ -44,14 +45,15 @@ def test_a_cpu_second_eta_shows_the_wall_time_it_takes_here():
     bar = Progress(100, "CPU-sec", desc="train", min_interval=0, clock=time.process_time, enabled=False)
     wall = iter([0.0, 40.0])  # 40 wall seconds for the 10 CPU seconds below: a quarter of a core
     bar.wall_clock = lambda: next(wall)
-    bar.wall_start = bar.wall_clock()
+    bar.wall_start, bar.start = bar.wall_clock(), 0.0  # a start of 0: start + 10 - start is exactly 10 s
     bar.update(10)
     assert _line(bar, 10.0).endswith("ETA 01:30 (wall ~06:00)")
     idle = Progress(100, "CPU-sec", min_interval=0, clock=time.process_time, enabled=False)
-    idle.wall_clock, idle.wall_start = (lambda: 5.0), 0.0  # a second thread: fewer wall than CPU seconds
+    idle.wall_clock, idle.wall_start, idle.start = (lambda: 5.0), 0.0, 0.0  # two threads: fewer wall than CPU s
     idle.update(10)
     assert _line(idle, 10.0).endswith("ETA 01:30 (wall ~01:30)")
-    wall_clock = Progress(100, "steps", min_interval=0)
+    wall_clock = Progress(100, "steps", min_interval=0, enabled=False)
+    wall_clock.start = 0.0
     wall_clock.update(10)
     assert _line(wall_clock, 10.0).endswith("ETA 01:30")  # a wall-clock budget: its ETA is already wall time
 
