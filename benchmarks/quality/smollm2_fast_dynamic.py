@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from fwl_comparators import STATS, cpu, score_texts, search_lr, static_evaluator, tuning_loss
-from fwl_smollm2 import load_texts, summarise
+from fwl_smollm2 import load_texts, split_roles, summarise
 from smollm2_dynamic_eval import log
 
 from fastweights.adapt.dynamic import DynamicEvaluator
@@ -98,10 +98,7 @@ def main() -> int:
     except (UserError, OSError, KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    by_role = lambda role: {k: ids for k, (ids, info) in texts.items() if info["role"] == role}  # noqa: E731
-    scored, tuning = by_role("scored"), list(by_role("validation").values())
-    (stats_ids,) = by_role("statistics").values()
-    english = {k for k in scored if texts[k][1]["english"]}
+    scored, tuning, stats_ids, english = split_roles(texts)
     rule, rank, ctx = full["rule"], int(low["rank"]), lm.default_context
     stats_kw = {"seq_len": segment_len, **STATS}
 
