@@ -181,6 +181,14 @@ def test_the_demo_continues_its_own_run_and_refuses_any_other(tmp_path):
     train(make_config("tiny", ["train.max_steps=1"]), tmp_path / "tiny", progress=False)
     with pytest.raises(UserError, match="never replaces"):
         demo.demo_run_step(tmp_path / "tiny", cfg)
+    import json
+
+    from fastweights.checkpoints.format import MANIFEST
+
+    manifest = json.loads((tmp_path / "own" / MANIFEST).read_text())
+    (tmp_path / "own" / MANIFEST).write_text(json.dumps({k: v for k, v in manifest.items() if k != "step"}))
+    with pytest.raises(UserError, match="never replaces"):  # no step recorded: one line, not a traceback
+        demo.demo_run_step(tmp_path / "own", cfg)
     (tmp_path / "loose").mkdir()
     (tmp_path / "loose" / "config.json").write_text("{}")
     with pytest.raises(UserError, match="never replaces"):

@@ -14,5 +14,5 @@ def test_no_test_passes_a_timeout_shorter_than_the_hang_guard():
     short = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in sorted((ROOT / "tests").rglob("*.py"))
              for i, line in enumerate(p.read_text().splitlines(), 1)
              for m in re.finditer(r"\btimeout\s*[:=]\s*(?:float\s*=\s*)?(\d+(?:\.\d+)?)\b", line)
-             if float(m.group(1)) < 600]
+             if float(m.group(1)) < HANG_GUARD_S]
     assert short == []

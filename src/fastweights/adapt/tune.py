@@ -115,7 +115,7 @@ def tune_dynamic(make_evaluator: Callable[[float, float], DynamicEvaluator], doc
         return done[key]["loss_nats"]
 
     def best() -> dict:
-        """The lowest loss below static's (while searching: the lowest so far, to centre the next stage)."""
+        """The lowest loss so far (the next stage centres on it; at the end it must be below static's)."""
         return min(grid, key=lambda g: g["loss_nats"])
 
     if lrs:

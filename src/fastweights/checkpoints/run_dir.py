@@ -79,6 +79,19 @@ def is_run_config(path: Path) -> bool:
     return isinstance(d, dict) and all(isinstance(d.get(k), dict) for k in ("model", "data", "train"))
 
 
+def checkpoint_step(out: Path) -> int | None | bool:
+    """The step ``out``'s checkpoint manifest records (the committed one, else a save not yet swapped in); None
+    when a manifest names no step, False when there is no manifest."""
+    for name in (MANIFEST, f"{PENDING}/{MANIFEST}"):
+        if (Path(out) / name).is_file():
+            try:
+                step = json.loads((Path(out) / name).read_text()).get("step")
+            except (OSError, ValueError, AttributeError):
+                return None
+            return step if isinstance(step, int) and not isinstance(step, bool) else None
+    return False
+
+
 def describe_run(out: Path) -> str | None:
     """What run ``out`` holds ("a checkpoint at step 690", ...), None if it holds none, or :data:`FOREIGN` (with
     the file named) when it holds a config.json that is not a run's: train refuses such a folder, --overwrite
@@ -88,13 +101,9 @@ def describe_run(out: Path) -> str | None:
         return None
     if (out / "config.json").is_file() and not is_run_config(out / "config.json"):
         return f"{FOREIGN} (config.json)"
-    for name in (MANIFEST, f"{PENDING}/{MANIFEST}"):
-        if (out / name).is_file():
-            try:
-                step = json.loads((out / name).read_text()).get("step")
-            except (OSError, ValueError, AttributeError):
-                step = None
-            return f"a checkpoint at step {step}" if step is not None else "a checkpoint"
+    step = checkpoint_step(out)
+    if step is not False:
+        return f"a checkpoint at step {step}" if step is not None else "a checkpoint"
     found = [n for n in RUN_FILES if (out / n).is_file()]
     return f"files of a run ({', '.join(found)})" if found else None
 

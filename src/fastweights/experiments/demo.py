@@ -77,7 +77,7 @@ def demo_run_step(out: Path, cfg) -> int | None:
     thread count aside), None when ``out`` holds no run; a UserError when it holds another run."""
     from dataclasses import replace
 
-    from fastweights.checkpoints.run_dir import describe_run
+    from fastweights.checkpoints.run_dir import checkpoint_step, describe_run
     from fastweights.core.errors import UserError
     from fastweights.models.loading import read_run_config
 
@@ -90,10 +90,11 @@ def demo_run_step(out: Path, cfg) -> int | None:
         saved = None
     same = saved is not None and replace(saved.train, threads=0) == replace(cfg.train, threads=0) and \
         saved.data == cfg.data and saved.model == replace(cfg.model, vocab_size=saved.model.vocab_size)
-    if not same or not held.startswith("a checkpoint at step"):
+    step = checkpoint_step(out)
+    if not same or not isinstance(step, int) or isinstance(step, bool):  # a manifest without a step: not resumable
         raise UserError(f"--out {out} already holds {held}, not this demo's run: the demo never replaces a run; "
                         "choose another --out")
-    return int(held.rsplit(" ", 1)[1])
+    return step
 
 
 def run_demo(out: Path, steps: int = DEMO_STEPS, threads: int = 0) -> int:
