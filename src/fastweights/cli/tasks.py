@@ -18,6 +18,7 @@ import torch
 
 import fastweights.tasks.niah  # noqa: F401  (registers the corpus "niah-tinyshakespeare" used by configs/niah-cpu.toml)
 import fastweights.tasks.niah_token  # noqa: F401  (registers "niah-token-tinyshakespeare", configs/niah-token.toml)
+import fastweights.tasks.niah_multitoken  # noqa: F401  (registers "niah-multitoken-tinyshakespeare")
 from fastweights.cli.common import common_flags, describe, load, out_flag, output_prefix, threads_flag
 from fastweights.cli.settings import add_settings, settings_from
 from fastweights.cli.types import ints, nonneg_int, positive_int, seed
@@ -159,29 +160,42 @@ def _register_niah(sub) -> None:
     n.add_argument("--max-new-tokens", type=nonneg_int, default=0, help="decoding budget (0: automatic)")
     out_flag(n, "runs/niah", "niah.json and niah.png")
     n.add_argument("--show", type=nonneg_int, default=0, help="print the first N prompts with the model's answers")
-    n.add_argument("--format", default="auto", choices=["auto", "char", "token"],
+    n.add_argument("--format", default="auto", choices=["auto", "char", "token", "multitoken"],
                    help="needle format: 'char' (ID-3fa9 / 6 digits), 'token' (one-token keys and values, "
-                        "fastweights.tasks.niah_token); 'auto' picks token for a model trained on it")
+                        "fastweights.tasks.niah_token), 'multitoken' (two-token keys, three-token values, "
+                        "fastweights.tasks.niah_multitoken); 'auto' picks the format a model was trained on")
     n.add_argument("--frozen-memory", action="store_true",
                    help="memories never write (the paper's frozen-memory check, App. D.2)")
     n.add_argument("--keys", default="heldout", choices=["heldout", "train"],
-                   help="token format: keys never used in training needles (heldout) or the training keys")
+                   help="token formats: keys (and multitoken values) never used in training needles (heldout) "
+                        "or the training ones")
     n.set_defaults(func=cmd_niah)
+
+
+def needle_format(asked: str, tok) -> str:
+    """The needle format to use: ``asked`` ("auto" picks the token format a word-level model was trained on, else
+    "char"); UserError when a token format is asked of a model whose tokenizer lacks its reserved tokens."""
+    from fastweights.tasks import niah_multitoken, niah_token
+
+    trained = {"token": niah_token.is_token_format(tok), "multitoken": niah_multitoken.is_multitoken_format(tok)}
+    if asked == "auto":
+        return next((f for f, yes in trained.items() if yes), "char")
+    if asked in trained and not trained[asked]:
+        raise UserError(f"--format {asked} needs a word-level model trained on that needle format (the niah-{asked} "
+                        "preset); this model's tokenizer lacks its reserved tokens")
+    return asked
 
 
 def cmd_niah(args) -> int:
     from fastweights.tasks.niah import (Haystack, NiahOptions, evaluate_niah, make_samples, parse_depths, plot_niah,
                                         records_to_json, summarize, check_tokenizer)
 
-    from fastweights.tasks import niah_token
+    from fastweights.tasks import niah_multitoken, niah_token
 
     out = output_prefix(args, "niah")
     model, tok, cfg = load(args.checkpoint, args.device)
-    token_format = args.format == "token" or (args.format == "auto" and niah_token.is_token_format(tok))
-    if token_format and not niah_token.is_token_format(tok):
-        raise UserError("--format token needs a word-level model trained on the token needle format "
-                        "(e.g. the niah-token preset); this model's tokenizer lacks its reserved tokens")
-    if not token_format:
+    fmt = needle_format(args.format, tok)
+    if fmt == "char":
         check_tokenizer(tok)
     lengths = ints(args.lengths, "--lengths")
     iters = tuple(sorted(set(ints(args.iters, "--iters"))))
@@ -199,10 +213,11 @@ def cmd_niah(args) -> int:
                        context=args.context, carry=args.carry, max_new_tokens=args.max_new_tokens,
                        frozen_memory=args.frozen_memory)
     opts.validate()
-    if token_format:  # the default haystack's last tenth: text the token-format training never used
+    if fmt != "char":  # the default haystack's last tenth: text the token formats' training never used
         haystack = niah_token.eval_haystack(args.haystack)
-        samples = niah_token.make_samples(haystack, lengths, depths, args.samples, args.seed, keys=args.keys)
-        if args.keys == "heldout":  # never trained: drawn from the trained keys' embeddings (see the function)
+        builder = niah_token if fmt == "token" else niah_multitoken
+        samples = builder.make_samples(haystack, lengths, depths, args.samples, args.seed, keys=args.keys)
+        if fmt == "token" and args.keys == "heldout":  # never trained: drawn from the trained keys' embeddings
             niah_token.init_heldout_keys(model, tok, seed=args.seed)
     else:
         haystack = Haystack.load(args.haystack)
@@ -210,9 +225,10 @@ def cmd_niah(args) -> int:
     records = evaluate_niah(model, tok, samples, opts, progress=not args.quiet)
     summary = summarize(records, depths, args.depth_bins)
     meta = {"checkpoint": str(args.checkpoint), "model": describe(cfg),
-            "haystack": haystack.name, "format": "token" if token_format else "char",
-            **({"keys": args.keys, "heldout_key_embeddings": "mean + std * N(0, 1) of the trained keys'"
-                if args.keys == "heldout" else "trained"} if token_format else {}), "lengths": lengths, "depths": depths, "samples_per_cell": args.samples,
+            "haystack": haystack.name, "format": fmt,
+            **({"keys": args.keys} if fmt != "char" else {}),
+            **({"heldout_key_embeddings": "mean + std * N(0, 1) of the trained keys'"
+                if args.keys == "heldout" else "trained"} if fmt == "token" else {}), "lengths": lengths, "depths": depths, "samples_per_cell": args.samples,
             "seed": args.seed, "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(opts).items()},
             "train_seq_len": cfg.train.seq_len}
     doc = records_to_json(records, summary, meta)

@@ -285,15 +285,26 @@ def parse_depths(text: str) -> str | list[float]:
 # ----------------------------------------------------------------------------- scoring
 
 
-METRICS = {"char": ("exact", "digits", "candidate"), "token": ("exact", "candidate")}
+METRICS = {"char": ("exact", "digits", "candidate"), "token": ("exact", "candidate"),
+           "multitoken": ("exact", "per_token", "candidate")}
+METRIC_ORDER = ("exact", "digits", "per_token", "candidate")
 
 
 def score_answer(prediction: str, sample: NiahSample) -> dict:
-    """Exact match, per-digit accuracy and candidate match of a decoded answer (leading blanks ignored).
+    """Exact match, per-digit or per-token accuracy and candidate match of a decoded answer.
 
-    A token-format answer is one token (``<v23>``): it has no digits to count, so its record has no
-    "digits" (comparing the characters of ``<v23>`` and ``<v17>`` would score 0.6 for a wrong answer);
-    every record names its ``format``."""
+    Char format: the first ``len(answer)`` characters after leading blanks, "digits" the share of the 6 positions
+    right. Token format: the answer is one token (``<v23>``), so its record has no "digits" (comparing the
+    characters of ``<v23>`` and ``<v17>`` would score 0.6 for a wrong answer). Multi-token format: the first as
+    many generated tokens (words) as the answer has, "per_token" the share right position by position and
+    "token_hits" which. Every record names its ``format``."""
+    if sample.format == "multitoken":
+        want = sample.answer.split(" ")
+        got = prediction.split()[: len(want)]
+        hits = [int(a == b) for a, b in zip(got, want)] + [0] * (len(want) - len(got))
+        pred = " ".join(got)
+        return {"prediction": pred, "format": sample.format, "exact": float(got == want),
+                "per_token": sum(hits) / len(want), "token_hits": hits, "candidate": float(pred in sample.candidates)}
     pred = prediction.strip()[: len(sample.answer)]
     rec = {"prediction": pred, "format": sample.format, "exact": float(pred == sample.answer)}
     if "digits" in METRICS[sample.format]:
@@ -477,7 +488,7 @@ def summarize(records: Iterable[dict], depths: str | Sequence[float] = "uniform"
     records = list(records)
     formats = sorted({r.get("format", "char") for r in records})
     fmt = formats[0] if len(formats) == 1 else ("mixed" if formats else "char")
-    metrics = [m for m in METRICS["char"] if all(m in r for r in records)]
+    metrics = [m for m in METRIC_ORDER if all(m in r for r in records)]
     if isinstance(depths, str):
         labels = [round((b + 0.5) / depth_bins, 4) for b in range(depth_bins)]
         row_of = lambda r: labels[depth_bin(r["depth"], depth_bins)]  # noqa: E731

@@ -235,7 +235,7 @@ def make_samples(haystack: WordHaystack, lengths, depths="uniform", samples: int
 
 
 @contextlib.contextmanager
-def _capture_memory_calls(layer):
+def capture_memory_calls(layer):
     """Record ``(v, v_hat)`` of every call of ``layer.memory`` (the fast-weight core of FwPKM / FwMLP)."""
     calls: list[tuple] = []
     inner = layer.memory
@@ -271,7 +271,7 @@ def memory_probe(model, tokenizer, sample, iters: tuple[int, ...] = (1, 2), piec
     q_len = len(tokenizer.encode(sample.question))
     words = sample.context.split(" ")
     value_pos = [words.index(n.key) + 1 for n in sample.needles]  # the lookahead target of the key's query
-    with _capture_memory_calls(mems[0]) as calls:
+    with capture_memory_calls(mems[0]) as calls:
         evaluate_sample(model, tokenizer, sample, NiahOptions(iters=tuple(range(1, max(iters) + 1)), piece=piece))
     targets, reads, i = None, [], 0
     while i < len(calls):  # per read: the context's pieces, then the question, then the decoded tokens
