@@ -13,8 +13,8 @@ Neither piece of a key names it alone, and no value piece follows from the one b
 needle: the model must bind the first value piece to the two key pieces and each later piece to the key and
 the pieces before it. With the FwPKM memory's lookahead write (the query of token t stored with the value of
 token t + 1, eq 19 with L = 1) that is three bindings per needle, each keyed on a query that has to encode
-its local context, which is what a memory before any mixing cannot do (the preset gives the memory a short
-convolution or puts it after an attention layer).
+its local context, which a memory reading token embeddings alone cannot do: the ``niah-multitoken`` preset puts a
+short causal convolution (4 tokens) in front of it.
 
 Held-out keys and values: a fixed quarter of the 4,096 key pairs (:data:`HELDOUT_KEYS`, a seeded draw) and an
 eighth of the values (:func:`heldout_value`, a hash of the value) never occur in training needles; evaluation
