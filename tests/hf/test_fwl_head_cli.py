@@ -173,3 +173,17 @@ def test_a_head_loads_from_anywhere_and_never_onto_a_changed_backbone(backbone_d
     save_file(tensors, str(path))
     with pytest.raises(UserError, match="another backbone"):
         load_fwl_head(tmp_path / "runs" / "fwl")
+
+
+def test_train_says_what_it_trains_on_and_uses_one_long_file_beyond_its_first_windows(backbone_dir, tmp_path, capsys):
+    """Issue 49: ``--data`` one file trained on 4 windows and said nothing. Now the file gives stream after stream and
+    the command names the windows, tokens and streams before it caches."""
+    data = tmp_path / "book.txt"
+    data.write_text(TEXT * 40)
+    out = tmp_path / "run"
+    assert cli.main(["fwl-head", "train", "--hf", str(backbone_dir), "--out", str(out), "--data", str(data),
+                     "--window", "256", "--windows", "6", "--doc-windows", "2", "--max-steps", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "training text: 6 windows of 256 tokens (1,536 tokens, the last 4 held out) in 3 streams of at most 2 " \
+           "windows from 1 document(s)" in err
+    assert json.loads((out / "training.json").read_text())["cache_windows"] == 6

@@ -39,6 +39,23 @@ def test_a_documents_windows_are_consecutive(tmp_path):
     assert text.sources[:5] == ["%s:a.txt#%d" % (tmp_path, i) for i in range(4)] + [f"{tmp_path}:c.txt#0"]
 
 
+def test_one_long_file_gives_runs_of_consecutive_windows_until_the_windows_are_filled(tmp_path):
+    """Issue 49: ``--data`` one file gave its first doc_windows windows and nothing more (8 of 96 cached, 4 trained
+    on). Mutation caught: a document giving one run only."""
+    (tmp_path / "a.txt").write_text("".join(chr(65 + i % 26) for i in range(1000)))  # 10 windows of 100
+    (tmp_path / "b.txt").write_text("b" * 300)  # 3 windows
+    text = training_windows(Chars(), 100, str(tmp_path / "a.txt"), max_windows=10, doc_windows=4)
+    assert text.doc_windows == [4, 4, 2]
+    a = Chars().encode((tmp_path / "a.txt").read_text())
+    np.testing.assert_array_equal(text.tokens.ravel(), a)
+    assert text.sources == ["%s:a.txt#%d" % (tmp_path / "a.txt", i) for i in range(10)]
+    both = training_windows(Chars(), 100, str(tmp_path), max_windows=12, doc_windows=4)
+    assert both.doc_windows == [4, 3, 4, 1]  # each document's first run, then the next run of those with more
+    assert [s.rsplit(":", 1)[1] for s in both.sources] == [f"a.txt#{i}" for i in range(4)] + \
+        [f"b.txt#{i}" for i in range(3)] + [f"a.txt#{i}" for i in range(4, 9)]
+    assert training_windows(Chars(), 100, str(tmp_path), doc_windows=4).doc_windows == [4, 3]  # no limit: one run
+
+
 def test_user_data_holding_a_compared_text_is_trained_on_with_one_warning(tmp_path):
     (tmp_path / "anna_karenina.txt").write_text("x" * 500)
     (tmp_path / "mine.txt").write_text("y" * 500)

@@ -124,11 +124,14 @@ class TrainingText(NamedTuple):
 
 def training_windows(tokenizer, window: int, data: str | None = None, max_windows: int | None = None,
                      doc_windows: int = RECIPE.doc_windows) -> TrainingText:
-    """The first ``doc_windows`` consecutive windows of each document of ``data`` (a corpus spec as
+    """Runs of ``doc_windows`` consecutive windows of the documents of ``data`` (a corpus spec as
     :func:`fastweights.data.load_corpus` takes; None: :data:`TRAINING_MIX`, its corpora taken round-robin,
-    held-out documents left out), up to ``max_windows`` in all; documents shorter than one window give none.
-    Documents are tokenized only as far as the windows need. User data holding a held-out document gives one
-    warning (its results on that text would not be held out)."""
+    held-out documents left out), up to ``max_windows`` in all: the first run of every document, then, while the
+    windows are not filled, the second run of every document that has one, and so on (one long file gives as many
+    runs as it holds, not one: issue 49). Each run is a document of the result (``doc_windows``: its windows);
+    documents shorter than one window give none; ``max_windows`` None takes the first run of each. Documents are
+    tokenized only as far as the windows need. User data holding a held-out document gives one warning (its
+    results on that text would not be held out)."""
     from fastweights.data import load_corpus
 
     def docs_of(spec: str, leave_out: bool):
@@ -147,17 +150,26 @@ def training_windows(tokenizer, window: int, data: str | None = None, max_window
                           f"scores or tunes on ({', '.join(inside)}): results on them are not on held-out text",
                           stacklevel=2)
     rows, sources, counts = [], [], []
-    for spec, doc in docs:
-        if max_windows is not None and len(rows) >= max_windows:
-            break
-        want = doc_windows if max_windows is None else min(doc_windows, max_windows - len(rows))
-        ids = tokenizer.encode(doc.text[: want * window * 8])  # enough characters (>= 1 character a token)
-        got = min(want, len(ids) // window)
-        for i in range(got):
-            rows.append(np.asarray(ids[i * window:(i + 1) * window], dtype=np.int64))
-            sources.append(f"{spec}:{doc.name}#{i}")
-        if got:
-            counts.append(got)
+    live = list(range(len(docs)))  # documents that may hold another run
+    run = 0
+    while live and (max_windows is None and run == 0 or max_windows is not None and len(rows) < max_windows):
+        more = []
+        for d in live:
+            if max_windows is not None and len(rows) >= max_windows:
+                break
+            spec, doc = docs[d]
+            first = run * doc_windows  # this run's first window in the document
+            want = doc_windows if max_windows is None else min(doc_windows, max_windows - len(rows))
+            ids = tokenizer.encode(doc.text[: (first + want + 1) * window * 8])  # enough characters (>= 1 a token)
+            got = min(want, len(ids) // window - first)
+            for i in range(first, first + max(got, 0)):
+                rows.append(np.asarray(ids[i * window:(i + 1) * window], dtype=np.int64))
+                sources.append(f"{spec}:{doc.name}#{i}")
+            if got > 0:
+                counts.append(got)
+            if got == doc_windows and len(ids) // window > first + got:
+                more.append(d)
+        live, run = more, run + 1
     if not rows:
         raise UserError(f"the training text ({data or 'the default mix'}) holds no document of {window} tokens or more")
     return TrainingText(np.stack(rows), sources, counts)
@@ -412,6 +424,11 @@ def train_recipe(hf: str, out_dir: str | Path, *, variant: str = RECIPE.variant,
     if trainable_blocks:
         llama_base(backbone, trainable_blocks)  # other architectures: one line, before anything is cached
     text = training_windows(tokenizer, window, data, max_windows=windows, doc_windows=doc_windows)
+    if progress:  # what it trains on, before the minutes of caching (issue 49: one file silently gave 4 windows)
+        n_docs = len({s.rsplit("#", 1)[0] for s in text.sources})
+        print(f"training text: {len(text.tokens)} windows of {window} tokens ({len(text.tokens) * window:,} tokens, the "
+              f"last {RECIPE.val_windows} held out) in {len(text.doc_windows)} streams of at most {doc_windows} windows "
+              f"from {n_docs} document(s) of {data or 'the default mix'}", file=sys.stderr, flush=True)
     t0 = time.process_time()
     setup_signals = SetupSignals()  # SIGTERM while caching: stop as Ctrl-C does (the cache resumes)
     try:
