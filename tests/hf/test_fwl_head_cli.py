@@ -75,7 +75,11 @@ def test_eval_generate_and_dynamic_eval_take_the_checkpoint(trained, tmp_path, c
     # the exported directory: the same model for dynamic eval --hf
     export = tmp_path / "hf"
     assert cli.main(["fwl-head", "export", "--checkpoint", str(trained), "--out", str(export)]) == 0
-    capsys.readouterr()
+    said = capsys.readouterr().out  # a sentence, as export-hf says (issue 49: it printed JSON)
+    assert said.startswith(f"exported {trained} -> {export} (backbone llama; ") and "config.json" in said
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(export).padding_side == "left"  # as export-hf's (issue 49: it padded right)
     assert cli.main(["dynamic", "eval", "--hf", str(export), "--data", str(data), "--rule", "sgd", "--lr", "1e-3",
                      "--json", "--quiet"]) == 0
     again = json.loads(capsys.readouterr().out)

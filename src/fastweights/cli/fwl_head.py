@@ -16,7 +16,6 @@ model on the same windows. Its defaults are the recipe's (``fastweights.hf.fwl_t
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from fastweights.cli.common import threads_flag
@@ -106,5 +105,6 @@ def cmd_export(args) -> int:
         raise UserError(f"--out {out} exists and is not empty; choose another directory")
     model, tok = load_fwl_head(args.checkpoint)
     export_fwl_head(model, tok, out)
-    print(json.dumps({"exported": str(out), "backbone": model.backbone.hf.config.model_type}))
+    files = sorted(p.name for p in out.iterdir())
+    print(f"exported {args.checkpoint} -> {out} (backbone {model.backbone.hf.config.model_type}; {', '.join(files)})")
     return 0

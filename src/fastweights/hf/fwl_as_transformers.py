@@ -23,6 +23,8 @@ with the mode the user's umask gives. As for ``export-hf`` (:mod:`fastweights.hf
 
 from __future__ import annotations
 
+import json
+
 from dataclasses import field
 from pathlib import Path
 
@@ -109,6 +111,12 @@ def export_fwl_head(model: HFCausalLMWithFWL, tokenizer, out_dir: str | Path) ->
         wrapper.save_pretrained(staging)
         if tok is not None:
             tok.save_pretrained(staging)
+            # a decoder-only model pads on the left (generation continues from the last real token), as
+            # export-hf's tokenizers do; the backbone's own tokenizer may say right, and the object passed in is
+            # left as it was
+            cfg = staging / "tokenizer_config.json"
+            if cfg.is_file():
+                cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "padding_side": "left"}, indent=2))
         (staging / f"{REMOTE_MODULE}.py").write_text(module_source)
 
     from fastweights.core.files import write_into
