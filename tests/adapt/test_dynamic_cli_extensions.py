@@ -101,7 +101,7 @@ def test_lowrank_conflicts(char_checkpoint, extra, message, capsys):
 
 
 def test_lowrank_gradient_statistics(char_checkpoint, tmp_path, capsys):
-    from fastweights.adapt.update_rules import GradStats
+    from fastweights.adapt.grad_stats import GradStats
 
     ck, doc = str(char_checkpoint), str(char_checkpoint / "doc.txt")
     small = ["--max-batches", "2", "--batch-size", "2", "--segment-len", "10", "--quiet"]

@@ -23,10 +23,11 @@ from pathlib import Path
 
 import torch
 
+from fastweights.adapt.grad_stats import GRAD_STATS_FILE, GradStats, collect_grad_stats
+from fastweights.adapt.parameter_selection import glob_patterns
 from fastweights.adapt.update_rules import (DEFAULT_DECAY, DEFAULT_EPS, DEFAULT_LR, DEFAULT_RULE, DEFAULT_SEGMENT_LEN,
-                                           DEFAULT_STATS_BATCH_SIZE, DEFAULT_STATS_BATCHES, GRAD_STATS_FILE, PRIOR_RULES,
-                                           SUBWORD_SEGMENT_LEN, WORD_SEGMENT_LEN, GradStats, _patterns, canonical_rule,
-                                           collect_grad_stats, parse_schedule)
+                                           DEFAULT_STATS_BATCH_SIZE, DEFAULT_STATS_BATCHES, PRIOR_RULES,
+                                           SUBWORD_SEGMENT_LEN, WORD_SEGMENT_LEN, canonical_rule, parse_schedule)
 from fastweights.core.errors import UserError
 
 LOWRANK_SEED = 0  # the fixed random factors B of --lowrank-rank (LowRankDynamicEvaluator's default seed)
@@ -174,7 +175,7 @@ def adaptation_spec(settings: DynamicSettings, model) -> tuple | None:
                             "adapted projections with --lowrank-params GLOBS")
         from fastweights.adapt.lowrank import DEFAULT_MODULES
 
-        return "lowrank", rank, ",".join(_patterns(modules) or [DEFAULT_MODULES])
+        return "lowrank", rank, ",".join(glob_patterns(modules) or [DEFAULT_MODULES])
     if units <= 0:
         return None
     from fastweights.adapt.sparse import decoder_layers

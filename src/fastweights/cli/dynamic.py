@@ -340,7 +340,7 @@ def cmd_tune_dynamic(args) -> int:
 
 def cmd_collect_grad_stats(args) -> int:
     if args.save:
-        from fastweights.adapt.update_rules import GradStats
+        from fastweights.adapt.grad_stats import GradStats
         from fastweights.core.files import check_output_file
 
         check_output_file(args.save, GradStats.is_stats_file, "--save", inputs=[_data_file(args)])
