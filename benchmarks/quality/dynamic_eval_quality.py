@@ -41,7 +41,7 @@ from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.sparse import SparseDynamicEvaluator, collect_sparse_grad_stats
 from fastweights.adapt.timescale import plot_timescale, timescale_analysis
 from fastweights.adapt.tune import format_table, tune_dynamic
-from fastweights.adapt.update_rules import collect_grad_stats
+from fastweights.adapt.grad_stats import collect_grad_stats
 from fastweights.models.loading import load_checkpoint
 from fastweights.core.config import make_config
 from fastweights.data import load_corpus, split_corpus

@@ -45,7 +45,7 @@ import torch
 
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.lowrank import LowRankDynamicEvaluator, collect_lowrank_grad_stats
-from fastweights.adapt.update_rules import collect_grad_stats
+from fastweights.adapt.grad_stats import collect_grad_stats
 from fastweights.core.errors import UserError
 from fastweights.layers.fwl import scaled_step_sizes, slow_part
 

@@ -40,7 +40,7 @@ from ptb_dynamic_eval import DATA, MODEL_SETTINGS, PIP, SPLITS, load_penn, prepa
 
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.tune import tune_dynamic
-from fastweights.adapt.update_rules import collect_grad_stats
+from fastweights.adapt.grad_stats import collect_grad_stats
 from fastweights.models.loading import load_checkpoint
 from fastweights.core.config import make_config
 from fastweights.data.streams import TokenStream

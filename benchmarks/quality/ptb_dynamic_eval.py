@@ -37,7 +37,7 @@ from fastweights.evidence.result_files import repo_relative, write_result
 
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.tune import format_table, tune_dynamic
-from fastweights.adapt.update_rules import collect_grad_stats
+from fastweights.adapt.grad_stats import collect_grad_stats
 from fastweights.models.loading import load_checkpoint
 from fastweights.core.config import make_config
 from fastweights.data import TokenStream, WordTokenizer, cached_stream, load_corpus

@@ -59,7 +59,7 @@ import torch
 from fastweights.evidence.result_files import write_result
 
 from fastweights.adapt.dynamic import DynamicEvaluator
-from fastweights.adapt.update_rules import collect_grad_stats
+from fastweights.adapt.grad_stats import collect_grad_stats
 from fastweights.data.excerpts import default_excerpts, parse_excerpts, token_excerpt
 from fastweights.core.errors import UserError
 from fastweights.loops.evaluate import SCORING_SEGMENT_LEN

@@ -42,7 +42,7 @@ from smollm2_dynamic_eval import log
 
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.lowrank import LowRankDynamicEvaluator, collect_lowrank_grad_stats
-from fastweights.adapt.update_rules import collect_grad_stats
+from fastweights.adapt.grad_stats import collect_grad_stats
 from fastweights.core.errors import UserError
 from fastweights.evidence.result_files import RESULTS, write_result
 

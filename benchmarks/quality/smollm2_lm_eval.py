@@ -86,7 +86,8 @@ def main() -> int:
     from lm_eval.tasks import TaskManager
 
     from fastweights.adapt.evaluate import evaluate_static_and_dynamic
-    from fastweights.adapt.setup import DynamicSettings, load_model_and_tokenizer
+    from fastweights.adapt.setup import DynamicSettings
+    from fastweights.auto.sources import load_model_and_tokenizer
 
     tm = TaskManager(include_path=str(TASKS), include_defaults=False)
     common_args = {"hf": args.hf, "threads": args.threads, "device": "cpu"}

@@ -31,7 +31,7 @@ from fastweights.evidence.result_files import repo_relative, write_result
 
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.sparse import SparseDynamicEvaluator, collect_sparse_grad_stats
-from fastweights.adapt.update_rules import collect_grad_stats
+from fastweights.adapt.grad_stats import collect_grad_stats
 from fastweights.core.config import make_config
 from fastweights.data import build_tokenizer, load_corpus, split_corpus, text_pieces
 from fastweights.models.lm import LanguageModel

@@ -164,7 +164,8 @@ def _dynamic(config: dict | None, rule: str, lr: float = PROBE_DYNAMIC_LR, segme
     """``rank``: low-rank dynamic evaluation (``adapt.lowrank``: rank-r deltas of the MLP projections)."""
     from fastweights.adapt.dynamic import DynamicEvaluator
     from fastweights.adapt.lowrank import LowRankDynamicEvaluator, collect_lowrank_grad_stats
-    from fastweights.adapt.update_rules import collect_grad_stats, rule_needs_stats
+    from fastweights.adapt.grad_stats import collect_grad_stats
+    from fastweights.adapt.update_rules import rule_needs_stats
 
     model = probe_model_of(config).eval() if config is not None else _tiny_gpt2()
     settings = {**kw, "lr": lr}

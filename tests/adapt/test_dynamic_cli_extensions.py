@@ -101,7 +101,7 @@ def test_lowrank_conflicts(char_checkpoint, extra, message, capsys):
 
 
 def test_lowrank_gradient_statistics(char_checkpoint, tmp_path, capsys):
-    from fastweights.adapt.update_rules import GradStats
+    from fastweights.adapt.grad_stats import GradStats
 
     ck, doc = str(char_checkpoint), str(char_checkpoint / "doc.txt")
     small = ["--max-batches", "2", "--batch-size", "2", "--segment-len", "10", "--quiet"]
@@ -173,8 +173,9 @@ def test_eps_reaches_the_update_rule_through_the_settings(char_checkpoint, extra
     """A non-default eps travels DynamicSettings -> resolve_setup -> evaluator_from -> the update rule, for every
     kind of adaptation, and the result records it. Mutation caught (issue 39): eps not passed on by the settings
     (the default used instead)."""
-    from fastweights.adapt.setup import DynamicSettings, build_evaluator, load_model_and_tokenizer
+    from fastweights.adapt.setup import DynamicSettings, build_evaluator
     from fastweights.adapt.update_rules import DEFAULT_EPS
+    from fastweights.auto.sources import load_model_and_tokenizer
     from fastweights.cli import build_parser
     from fastweights.cli.dynamic import dynamic_settings
 

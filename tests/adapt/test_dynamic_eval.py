@@ -10,8 +10,9 @@ from fastweights.adapt.dynamic import DynamicEvaluator, DynamicState
 from fastweights.adapt.sparse import SparseAdaptation, SparseDynamicEvaluator, collect_sparse_grad_stats
 from fastweights.adapt.timescale import loss_by_position, timescale_analysis
 from fastweights.adapt.tune import format_table, tune_dynamic
-from fastweights.adapt.update_rules import (DEFAULT_DECAY, DEFAULT_LR, GradStats, UpdateRule, collect_grad_stats,
-                                           select_parameters)
+from fastweights.adapt.grad_stats import GradStats, collect_grad_stats
+from fastweights.adapt.parameter_selection import select_parameters
+from fastweights.adapt.update_rules import DEFAULT_DECAY, DEFAULT_LR, UpdateRule
 from fastweights.core.errors import UserError
 from fastweights.loops.evaluate import score_tokens
 from fastweights.loops.generate import generate_tokens

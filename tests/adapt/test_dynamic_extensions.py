@@ -10,7 +10,8 @@ from fastweights.adapt.cache import NeuralCache
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.dynamic_cache import DynamicNeuralCache
 from fastweights.adapt.lowrank import LowRankAdaptation, LowRankDynamicEvaluator, collect_lowrank_grad_stats
-from fastweights.adapt.update_rules import GradStats, parse_schedule, schedule_factor
+from fastweights.adapt.grad_stats import GradStats
+from fastweights.adapt.update_rules import parse_schedule, schedule_factor
 from fastweights.core.errors import UserError
 from fastweights.loops.evaluate import score_tokens
 from helpers import assert_score_ignores_its_own_token, motif_tokens, tiny_lm

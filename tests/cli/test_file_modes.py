@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fastweights import cli
-from fastweights.adapt.update_rules import GradStats
+from fastweights.adapt.grad_stats import GradStats
 from fastweights.core.files import current_umask, save_safetensors, umask_mode, write_into
 from helpers import tiny_training_run
 

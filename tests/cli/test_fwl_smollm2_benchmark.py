@@ -194,7 +194,7 @@ def test_the_settings_are_chosen_on_tuning_text(llama, rows):
     assert str(tuned["fwl_step_scale"]["best"]) in {f"{s:g}" for s in fc.STEP_SCALES} | {
         str(s) for s in fc.STEP_SCALES}
     # the top-blocks row adapts the last 2 decoder blocks and the final norm, nothing else
-    from fastweights.adapt.update_rules import select_parameters
+    from fastweights.adapt.parameter_selection import select_parameters
 
     names = set(select_parameters(lm, fc.top_blocks_include(lm)))
     assert names and all(n.startswith(("hf.model.layers.1.", "hf.model.layers.0.", "hf.model.norm.")) for n in names)

@@ -113,7 +113,7 @@ def test_trainer_state_round_trip_without_pickle(tmp_path):
 
 def test_derived_files_are_tied_to_their_weights(run, tmp_path, capsys):
     from fastweights.adapt.setup import DynamicSettings, build_evaluator
-    from fastweights.adapt.update_rules import GradStats
+    from fastweights.adapt.grad_stats import GradStats
     from fastweights.adapt.tune import save_tuned
     from fastweights.models.loading import load_checkpoint
     from fastweights.checkpoints.format import weights_fingerprint

@@ -31,6 +31,7 @@ import pytest
 from fastweights.adapt import update_rules as ur
 from fastweights.adapt.cache import CacheSettings
 from fastweights.adapt.dynamic import DynamicEvaluator
+from fastweights.adapt.grad_stats import collect_grad_stats
 from fastweights.adapt.lowrank import LowRankDynamicEvaluator
 from fastweights.adapt.setup import DynamicSettings
 from fastweights.adapt.sparse import SparseDynamicEvaluator
@@ -183,7 +184,7 @@ def test_the_library_settings_recipe_and_harness_read_the_same_constants():
     lib = DynamicSettings()
     assert (lib.rule, lib.stats_batch_size, lib.stats_batches) == \
         (ur.DEFAULT_RULE, ur.DEFAULT_STATS_BATCH_SIZE, ur.DEFAULT_STATS_BATCHES)
-    assert _defaults(ur.collect_grad_stats)["batch_size"] == ur.DEFAULT_STATS_BATCH_SIZE
+    assert _defaults(collect_grad_stats)["batch_size"] == ur.DEFAULT_STATS_BATCH_SIZE
     r = _defaults(train_recipe)
     assert (r["variant"], r["budget_cpu_s"], r["windows"], r["window"], r["lr"], r["batch_size"], r["seed"]) == \
         (RECIPE.variant, RECIPE.budget_cpu_s, RECIPE.windows, RECIPE.window, RECIPE.lr, RECIPE.batch_size, RECIPE.seed)

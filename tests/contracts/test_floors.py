@@ -17,6 +17,7 @@ FLOORS = [
     ("checkpoints",),  # the on-disk format, run directories, config checks
     ("models",),  # the language model, its size, loading a checkpoint
     ("loops", "hf", "tasks"),  # train / evaluate / generate, the Hugging Face bridges, the synthetic tasks
+    ("auto",),  # a model loaded by what its source is: our checkpoint, an FWL head, a transformers model, a GGUF
     ("adapt",),  # dynamic evaluation and continual adaptation
     ("experiments", "harness"),  # streaming, NIAH runs, analyses, the demo; the lm-evaluation-harness models
     ("evidence",),  # provenance and result writing (the behaviour probes are benchmarks/tools/probes.py)

@@ -15,7 +15,8 @@ from lm_eval.evaluator import simple_evaluate  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from fastweights.adapt.evaluate import evaluate_static_and_dynamic  # noqa: E402
-from fastweights.adapt.setup import DynamicSettings, load_model_and_tokenizer  # noqa: E402
+from fastweights.adapt.setup import DynamicSettings  # noqa: E402
+from fastweights.auto.sources import load_model_and_tokenizer  # noqa: E402
 from fastweights.harness import TASKS  # noqa: E402
 from fastweights.harness.corpora import documents  # noqa: E402
 from fastweights.harness.models import FastweightsDynamic, FastweightsStatic  # noqa: E402

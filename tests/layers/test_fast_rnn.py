@@ -378,10 +378,10 @@ def test_the_presets_fast_weight_read_does_not_drown_the_input():
 
 def test_decay_weights_below_the_normal_range_are_zero():
     # subnormal weights cost time in every read (lam 0.5 trained 1.3x slower per step); they weigh nothing
-    from fastweights.ops.fast_rnn_kernel import _decay_weights
+    from fastweights.ops.fast_rnn_kernel import decay_weights
 
     for dtype in (torch.float32, torch.float64):
-        rev = _decay_weights(2000, 0.5, 0.5, torch.empty(0, dtype=dtype))
+        rev = decay_weights(2000, 0.5, 0.5, torch.empty(0, dtype=dtype))
         tiny = torch.finfo(dtype).tiny
         assert not ((rev > 0) & (rev < tiny)).any() and rev[-1] == 0.5 and rev[0] == 0.0
         exact = 0.5 * 0.5 ** torch.arange(1999, -1, -1, dtype=torch.float64)

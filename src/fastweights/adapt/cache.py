@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastweights.adapt.update_rules import as_token_stream, carry_state
+from fastweights.adapt.stream_state import as_token_stream, carry_state
 from fastweights.core import numbers
 from fastweights.core.config import setting_field
 from fastweights.core.errors import UserError

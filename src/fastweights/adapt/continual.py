@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from fastweights.core.errors import UserError
-from fastweights.models.memory_switches import _trim, memory_only_state, memory_writes, unfrozen_fast_parts
+from fastweights.models.memory_switches import memory_only_state, memory_writes, trimmed_state, unfrozen_fast_parts
 from fastweights.core.progress import Progress
 
 
@@ -114,7 +114,7 @@ def adapt_test(model, domains: Sequence[Domain], seq_len: int, stride: int | Non
     model.eval()
 
     def evaluate_all(state, values):
-        start = memory_only_state(state) if eval_state == "memory" else _trim(model, state, keep)
+        start = memory_only_state(state) if eval_state == "memory" else trimmed_state(model, state, keep)
         row = []
         for d in domains:
             row.append(_score(model, d.eval, start, seq_len, stride, evaluator, values, progress=bar))

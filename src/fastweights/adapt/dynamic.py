@@ -18,8 +18,10 @@ The loop below enforces it structurally: the update receives only the gradient o
 scores are already recorded. A short last segment is scored and updated on like the others.
 The first token of a fresh stream is context only (T - 1 predictions), as in ``evaluate.py``.
 
-Update rules, their equations (paper eqs 4-8), MS_g and the learning-rate schedules live in
-:mod:`fastweights.adapt.update_rules`; the loss-against-position analysis (paper Figure 2) in
+Update rules, their equations (paper eqs 4-8) and the learning-rate schedules live in
+:mod:`fastweights.adapt.update_rules`; MS_g (eq. 5) in :mod:`fastweights.adapt.grad_stats`; which parameters
+are adapted in :mod:`fastweights.adapt.parameter_selection`; the carried state in
+:mod:`fastweights.adapt.stream_state`; the loss-against-position analysis (paper Figure 2) in
 :mod:`fastweights.adapt.timescale`.
 
 State (the DESIGN's "adapted parameters, a copy or a delta per sequence"): ``evaluate(tokens,
@@ -41,10 +43,11 @@ from typing import Iterable, Sequence
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from fastweights.adapt.grad_stats import UNITS, GradStats
+from fastweights.adapt.parameter_selection import select_parameters
+from fastweights.adapt.stream_state import as_token_stream, carry_state, logits_and_state
 from fastweights.adapt.update_rules import (DEFAULT_DECAY, DEFAULT_EPS, DEFAULT_LR, DEFAULT_RULE, DEFAULT_SEGMENT_LEN,
-                                           PRIOR_RULES, UNITS, GradStats, UpdateRule, as_token_stream, canonical_rule,
-                                           carry_state, logits_and_state, parse_schedule, schedule_factor,
-                                           select_parameters)
+                                           PRIOR_RULES, UpdateRule, canonical_rule, parse_schedule, schedule_factor)
 from fastweights.core.errors import UserError
 from fastweights.loops.evaluate import EvalResult, score_tokens
 from fastweights.ops.nll import token_nll

@@ -28,7 +28,7 @@ import torch
 
 from fastweights.adapt.cache import SIMILARITIES, CacheSettings, cache_mix, forward_hidden
 from fastweights.adapt.dynamic import DynamicEvaluator, DynamicState
-from fastweights.adapt.update_rules import as_token_stream
+from fastweights.adapt.stream_state import as_token_stream
 from fastweights.core.errors import UserError
 from fastweights.loops.evaluate import EvalResult
 from fastweights.ops.nll import log_probs, nll_at

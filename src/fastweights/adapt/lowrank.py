@@ -34,10 +34,11 @@ import torch
 from torch import nn
 
 from fastweights.adapt.dynamic import DynamicEvaluator
+from fastweights.adapt.grad_stats import GradStats, accumulate_grad_stats
+from fastweights.adapt.parameter_selection import frozen_weights, glob_patterns
+from fastweights.adapt.stream_state import logits_and_state
 from fastweights.adapt.update_rules import (DEFAULT_DECAY, DEFAULT_EPS, DEFAULT_LR, DEFAULT_RULE, DEFAULT_SEGMENT_LEN,
-                                            DEFAULT_STATS_BATCH_SIZE, GradStats,
-                                            _patterns, accumulate_grad_stats, logits_and_state)
-from fastweights.adapt.sparse import _frozen
+                                            DEFAULT_STATS_BATCH_SIZE)
 from fastweights.core.errors import UserError
 
 DEFAULT_MODULES = "*mlp.*"  # the MLP projections (ours: blocks.i.mlp.gate_up/down; Llama: mlp.gate/up/down_proj)
@@ -71,7 +72,7 @@ class LowRankAdaptation:
                  seed: int = 0):
         if rank < 1:
             raise UserError(f"low-rank rank must be >= 1, got {rank}")
-        pats = _patterns(modules) or [DEFAULT_MODULES]
+        pats = glob_patterns(modules) or [DEFAULT_MODULES]
         p0 = next(model.parameters())
         dtype = torch.float64 if p0.dtype == torch.float64 else torch.float32
         gen = torch.Generator().manual_seed(seed)
@@ -137,10 +138,10 @@ def collect_lowrank_grad_stats(model: nn.Module, train_tokens, modules=DEFAULT_M
     ``rank`` and ``seed`` as the evaluator (the B's must match)."""
     adaptation = LowRankAdaptation(model, modules, rank, seed)
     As = adaptation.zeros(requires_grad=True)
-    with _frozen(model), adaptation.attached(As):
+    with frozen_weights(model), adaptation.attached(As):
         stats = accumulate_grad_stats(lambda x, s: logits_and_state(model(x, s)), As, adaptation.names, train_tokens,
                                       batch_size, seq_len, context, max_batches, model=model, progress=progress)
-    stats.extra.update(lowrank_rank=rank, lowrank_seed=seed, lowrank_modules=",".join(_patterns(modules) or []))
+    stats.extra.update(lowrank_rank=rank, lowrank_seed=seed, lowrank_modules=",".join(glob_patterns(modules) or []))
     return stats
 
 
@@ -168,7 +169,7 @@ class LowRankDynamicEvaluator(DynamicEvaluator):
 
     def metadata(self) -> dict:
         modules, rank, seed = self._lowrank
-        return {**super().metadata(), "lowrank_modules": ",".join(_patterns(modules) or []), "lowrank_rank": rank,
+        return {**super().metadata(), "lowrank_modules": ",".join(glob_patterns(modules) or []), "lowrank_rank": rank,
                 "lowrank_seed": seed, "lowrank_projections": len(self.names)}
 
     @contextlib.contextmanager
@@ -179,7 +180,7 @@ class LowRankDynamicEvaluator(DynamicEvaluator):
         def forward(x, state):
             return logits_and_state(self.model(x, state))
 
-        with _frozen(self.model), self.adaptation.attached(As):
+        with frozen_weights(self.model), self.adaptation.attached(As):
             yield forward, As, As, (lambda: None), (lambda: [a.detach().clone() for a in As])
 
     @contextlib.contextmanager
@@ -188,5 +189,5 @@ class LowRankDynamicEvaluator(DynamicEvaluator):
             self.adaptation.A = list(values)  # [docs, out, r] each: one delta per document
             return logits_and_state(self.model(x, state))
 
-        with _frozen(self.model), self.adaptation.attached(self.theta_g):
+        with frozen_weights(self.model), self.adaptation.attached(self.theta_g):
             yield forward

@@ -1,5 +1,6 @@
-"""Setting up dynamic evaluation: loading a model and its texts, gradient statistics, and the evaluator
-a :class:`DynamicSettings` describes (the ``fastweights dynamic ...`` commands map their flags to one).
+"""Setting up dynamic evaluation: its texts, gradient statistics, and the evaluator a :class:`DynamicSettings`
+describes (the ``fastweights dynamic ...`` commands map their flags to one; the model comes from
+:func:`fastweights.auto.sources.load_model_and_tokenizer`).
 
 The setup flows one way. :func:`resolve_setup` resolves a :class:`DynamicSettings` once, in one pass, into a
 :class:`DynamicSetup` (every value the evaluator needs, nothing left to look up): the rule and the
@@ -23,10 +24,11 @@ from pathlib import Path
 
 import torch
 
+from fastweights.adapt.grad_stats import GRAD_STATS_FILE, GradStats, collect_grad_stats
+from fastweights.adapt.parameter_selection import glob_patterns
 from fastweights.adapt.update_rules import (DEFAULT_DECAY, DEFAULT_EPS, DEFAULT_LR, DEFAULT_RULE, DEFAULT_SEGMENT_LEN,
-                                           DEFAULT_STATS_BATCH_SIZE, DEFAULT_STATS_BATCHES, GRAD_STATS_FILE, PRIOR_RULES,
-                                           SUBWORD_SEGMENT_LEN, WORD_SEGMENT_LEN, GradStats, _patterns, canonical_rule,
-                                           collect_grad_stats, parse_schedule)
+                                           DEFAULT_STATS_BATCH_SIZE, DEFAULT_STATS_BATCHES, PRIOR_RULES,
+                                           SUBWORD_SEGMENT_LEN, WORD_SEGMENT_LEN, canonical_rule, parse_schedule)
 from fastweights.core.errors import UserError
 
 LOWRANK_SEED = 0  # the fixed random factors B of --lowrank-rank (LowRankDynamicEvaluator's default seed)
@@ -66,40 +68,7 @@ class DynamicSettings:
     stats_seq_len: int = 0
 
 
-# ----------------------------------------------------------------------------- loading
-
-
-def load_model_and_tokenizer(checkpoint: str | Path | None = None, hf: str | None = None, device: str = "auto",
-                             sinks: int | None = None):
-    """(model, tokenizer, run_config or None, checkpoint dir or None) from a checkpoint or a Hugging Face model."""
-    from fastweights.core.distributed import resolve_device
-
-    device = str(resolve_device(device))
-    if checkpoint is not None and not hf:
-        from fastweights.hf.fwl_head import is_fwl_head_checkpoint
-
-        if is_fwl_head_checkpoint(checkpoint):  # `fwl-head train` wrote it: a pretrained model with an FWL head
-            hf, checkpoint = str(checkpoint), None
-    if hf:
-        from fastweights.hf.fwl_head import is_fwl_head_checkpoint, load_fwl_head
-        from fastweights.hf.transformers_as_ours import load_hf_model, require
-
-        if is_fwl_head_checkpoint(hf):
-            model, tok = load_fwl_head(hf, device=device)
-            if sinks is not None:
-                model.backbone.sinks = int(sinks)
-            return model, tok, None, None
-        require("transformers", "pip install 'fastweights[hf]' (or pip install transformers)")
-        import fastweights.hf.fwl_as_transformers  # noqa: F401  (registers fastweights-fwl: `fwl-head export` dirs load)
-
-        model, tok = load_hf_model(hf, device=device, **({} if sinks is None else {"sinks": sinks}))
-        return model, tok, None, None
-    if sinks is not None:
-        raise UserError("--sinks applies to Hugging Face models (--hf); a checkpoint's context is its seq_len window")
-    from fastweights.models.loading import load_checkpoint
-
-    model, tok, cfg = load_checkpoint(Path(checkpoint), map_location=device)
-    return model, tok, cfg, Path(checkpoint)
+# ----------------------------------------------------------------------------- texts
 
 
 def load_texts(data: str | None, cfg, split: str, max_chars: int = 0) -> list[str]:
@@ -174,7 +143,7 @@ def adaptation_spec(settings: DynamicSettings, model) -> tuple | None:
                             "adapted projections with --lowrank-params GLOBS")
         from fastweights.adapt.lowrank import DEFAULT_MODULES
 
-        return "lowrank", rank, ",".join(_patterns(modules) or [DEFAULT_MODULES])
+        return "lowrank", rank, ",".join(glob_patterns(modules) or [DEFAULT_MODULES])
     if units <= 0:
         return None
     from fastweights.adapt.sparse import decoder_layers

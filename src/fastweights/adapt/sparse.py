@@ -25,9 +25,11 @@ import torch
 from torch import nn
 
 from fastweights.adapt.dynamic import DynamicEvaluator
+from fastweights.adapt.grad_stats import GradStats, accumulate_grad_stats
+from fastweights.adapt.parameter_selection import frozen_weights
+from fastweights.adapt.stream_state import logits_and_state
 from fastweights.adapt.update_rules import (DEFAULT_DECAY, DEFAULT_EPS, DEFAULT_LR, DEFAULT_RULE, DEFAULT_SEGMENT_LEN,
-                                            DEFAULT_STATS_BATCH_SIZE, GradStats,
-                                            accumulate_grad_stats, logits_and_state)
+                                            DEFAULT_STATS_BATCH_SIZE)
 from fastweights.core.errors import UserError
 
 
@@ -105,22 +107,6 @@ def sparse_name(layer: int) -> str:
     return f"sparse.{layer}.M"
 
 
-@contextlib.contextmanager
-def _frozen(model: nn.Module):
-    """eval() mode and no gradients for the base weights (only M is adapted)."""
-    was_training = model.training
-    flags = [p.requires_grad for p in model.parameters()]
-    model.eval()
-    try:
-        for p in model.parameters():
-            p.requires_grad_(False)
-        yield
-    finally:
-        for p, f in zip(model.parameters(), flags):
-            p.requires_grad_(f)
-        model.train(was_training)
-
-
 def collect_sparse_grad_stats(model: nn.Module, train_tokens, layer: int, units: int | Sequence[int],
                               batch_size: int = DEFAULT_STATS_BATCH_SIZE, seq_len: int = DEFAULT_SEGMENT_LEN,
                               max_batches: int | None = None,
@@ -129,7 +115,7 @@ def collect_sparse_grad_stats(model: nn.Module, train_tokens, layer: int, units:
     adaptation = SparseAdaptation(model, layer, units)
     dtype = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
     M = torch.zeros(adaptation.units, adaptation.units, dtype=dtype, device=adaptation.index.device, requires_grad=True)
-    with _frozen(model), adaptation.attached(M):
+    with frozen_weights(model), adaptation.attached(M):
         stats = accumulate_grad_stats(lambda x, s: logits_and_state(model(x, s)), [M], [sparse_name(adaptation.layer)],
                                       train_tokens, batch_size, seq_len, context, max_batches, model=model,
                                       progress=progress)
@@ -173,7 +159,7 @@ class SparseDynamicEvaluator(DynamicEvaluator):
         def forward(x, state):
             return logits_and_state(self.model(x, state))
 
-        with _frozen(self.model), self.adaptation.attached(M):
+        with frozen_weights(self.model), self.adaptation.attached(M):
             yield forward, [M], [M], (lambda: None), (lambda: [M.detach().clone()])
 
     @contextlib.contextmanager
@@ -182,5 +168,5 @@ class SparseDynamicEvaluator(DynamicEvaluator):
             self.adaptation.M = values[0]  # [B, H, H]: one matrix per document
             return logits_and_state(self.model(x, state))
 
-        with _frozen(self.model), self.adaptation.attached(self.theta_g[0]):
+        with frozen_weights(self.model), self.adaptation.attached(self.theta_g[0]):
             yield forward

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from fastweights.adapt.update_rules import as_token_stream
+from fastweights.adapt.stream_state import as_token_stream
 from fastweights.core.errors import UserError
 from fastweights.core.files import save_figure
 from fastweights.core.progress import Progress

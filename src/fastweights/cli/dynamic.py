@@ -35,10 +35,11 @@ import torch
 from fastweights.adapt.cache import CacheSettings
 from fastweights.adapt.evaluate import ComparisonOptions, evaluate_static_and_dynamic, headline_key
 from fastweights.adapt.setup import (DynamicSettings, adaptation_spec, build_evaluator, collect_stats, default_context,
-                                     default_segment_len, encode_texts, evaluator_from, load_model_and_tokenizer,
-                                     load_texts, resolve_setup, stats_path, weights_fingerprint)
+                                     default_segment_len, encode_texts, evaluator_from, load_texts, resolve_setup,
+                                     stats_path, weights_fingerprint)
 from fastweights.adapt.update_rules import (DEFAULT_DECAY, DEFAULT_EPS, DEFAULT_LR, DEFAULT_RULE, DEFAULT_SEGMENT_LEN,
                                            DEFAULT_STATS_BATCH_SIZE, DEFAULT_STATS_BATCHES, RULES, SUBWORD_SEGMENT_LEN)
+from fastweights.auto.sources import load_model_and_tokenizer
 from fastweights.cli.common import change, output_prefix
 from fastweights.cli.settings import add_settings, settings_from
 from fastweights.cli.types import floats, nonneg_float, nonneg_int, positive_float, positive_int, seed
@@ -340,7 +341,7 @@ def cmd_tune_dynamic(args) -> int:
 
 def cmd_collect_grad_stats(args) -> int:
     if args.save:
-        from fastweights.adapt.update_rules import GradStats
+        from fastweights.adapt.grad_stats import GradStats
         from fastweights.core.files import check_output_file
 
         check_output_file(args.save, GradStats.is_stats_file, "--save", inputs=[_data_file(args)])

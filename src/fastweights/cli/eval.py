@@ -137,7 +137,8 @@ def _eval_pretrained_with_head(args) -> int:
     KV cache and the fast weights carried, the whole text in context up to the model's position limit (or
     ``--context``)."""
     from fastweights.adapt.dynamic import DynamicEvaluator
-    from fastweights.adapt.setup import encode_texts, load_model_and_tokenizer, load_texts
+    from fastweights.adapt.setup import encode_texts, load_texts
+    from fastweights.auto.sources import load_model_and_tokenizer
     from fastweights.loops.evaluate import EvalResult
 
     if args.dynamic:
@@ -189,20 +190,12 @@ def _warn_unknown(tokenizer, texts, what: str) -> None:
 
 
 def cmd_generate(args) -> int:
-    from fastweights.models.loading import load_checkpoint
+    from fastweights.auto.sources import load_model_and_tokenizer
     from fastweights.loops.generate import generate_tokens
-    from fastweights.core.distributed import resolve_device
 
-    from fastweights.hf.fwl_head import is_fwl_head_checkpoint
-
-    if is_fwl_head_checkpoint(args.checkpoint):  # a pretrained model with an FWL head: the KV cache and fast weights
-        from fastweights.adapt.setup import load_model_and_tokenizer
-
-        model, tokenizer, _, _ = load_model_and_tokenizer(args.checkpoint, device=args.device)
-        context = model.default_context
-    else:
-        model, tokenizer, cfg = load_checkpoint(Path(args.checkpoint), map_location=str(resolve_device(args.device)))
-        context = cfg.train.seq_len
+    # our checkpoint: its training window; a pretrained model with an FWL head: the KV cache and fast weights
+    model, tokenizer, cfg, _ = load_model_and_tokenizer(args.checkpoint, device=args.device)
+    context = cfg.train.seq_len if cfg is not None else model.default_context
     _warn_unknown(tokenizer, [args.prompt], "the prompt")
     prompt = tokenizer.encode(args.prompt)
     prompt = [int(t) for t in prompt]

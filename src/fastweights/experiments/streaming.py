@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from fastweights.core.errors import UserError
-from fastweights.models.memory_switches import _trim, memory_only_state, memory_writes
+from fastweights.models.memory_switches import memory_only_state, memory_writes, trimmed_state
 from fastweights.ops.nll import token_nll
 from fastweights.core.progress import Progress
 
@@ -355,7 +355,7 @@ def stream_eval(model, documents: Iterable[tuple[str, Iterable[np.ndarray]]], mo
                             with torch.no_grad():
                                 out = model(torch.from_numpy(xs)[None].to(device), state)
                             nll = _nll(out.logits, torch.from_numpy(ys)[None].to(device))
-                            state = _trim(model, out.state, keep)
+                            state = trimmed_state(model, out.state, keep)
                             res.curve.add(doc_n, nll)
                             doc_nll += float(nll.sum())
                             doc_n += nll.size

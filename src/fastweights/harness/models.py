@@ -44,8 +44,8 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from fastweights.adapt.evaluate import scores_not_finite_because
-from fastweights.adapt.setup import (DynamicSettings, build_evaluator, default_context, default_segment_len,
-                                     load_model_and_tokenizer)
+from fastweights.adapt.setup import DynamicSettings, build_evaluator, default_context, default_segment_len
+from fastweights.auto.sources import load_model_and_tokenizer
 from fastweights.core.distributed import resolve_device
 from fastweights.core.errors import UserError
 from fastweights.core.numbers import BadNumber

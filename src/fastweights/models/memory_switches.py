@@ -11,7 +11,7 @@ roles, and the tasks and measurements treat them differently:
 
 Here: the memories inside a model (:func:`fast_memories`), their writes switched off or re-chunked
 (:func:`memory_writes`, :func:`check_chunk_empty`), the state with the context dropped
-(:func:`memory_only_state`), and :func:`read_tokens`, the reading primitive that feeds tokens in
+(:func:`memory_only_state`) or bounded (:func:`trimmed_state`), and :func:`read_tokens`, the reading primitive that feeds tokens in
 pieces while carrying the state (NIAH, the FwPKM gate map).
 
 Mechanisms without a write step cannot be frozen: the mixers (their state is the context itself)
@@ -96,7 +96,9 @@ def check_chunk_empty(state) -> None:
                             "use write_chunk='model' to read with the memory's own chunk size")
 
 
-def _trim(model, state, keep: int | None):
+def trimmed_state(model, state, keep: int | None):
+    """``state`` with at most ``keep`` past tokens kept, when ``model`` trims its state (``TrimsState``: a KV
+    cache); unchanged when ``keep`` or ``state`` is None or the model keeps no cache."""
     if keep is None or state is None or not isinstance(model, TrimsState):
         return state
     return model.trim_state(state, max(0, keep))
@@ -115,6 +117,6 @@ def read_tokens(model, ids: torch.Tensor, state=None, piece: int = 512, context:
     logits = None
     for a in range(0, ids.numel(), piece):
         out = model(ids[None, a : a + piece], state)
-        state = _trim(model, out.state, context)
+        state = trimmed_state(model, out.state, context)
         logits = out.logits
     return (logits, state) if want_logits else state

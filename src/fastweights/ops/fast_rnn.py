@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from fastweights.ops.fast_rnn_kernel import _AttentionReadRNNKernel, _decay_weights, kernel_applies
+from fastweights.ops.fast_rnn_kernel import AttentionReadRNNKernel, decay_weights, kernel_applies
 
 
 # ----------------------------------------------------------------------------- functional forms
@@ -119,7 +119,7 @@ class _AttentionReadRNN(torch.autograd.Function):
         S = inner_steps
         use_ln = ln_weight is not None
         prelim_ln = use_ln and ln_preliminary
-        rev = _decay_weights(N, lam, eta, u)
+        rev = decay_weights(N, lam, eta, u)
         G = u.new_empty(B, N, H)  # all states written so far: carried history, then this call's h_t
         if L:
             G[:, :L] = history
@@ -289,5 +289,5 @@ def fast_rnn_attention(
     use_kernel = backend == "kernel" or (backend == "auto" and kernel_applies(*inputs))
     if use_kernel and not kernel_applies(*inputs):
         raise ValueError("fast_rnn_attention: the step kernel needs CPU fp32/fp64 inputs of one dtype and a C compiler")
-    function = _AttentionReadRNNKernel if use_kernel else _AttentionReadRNN
+    function = AttentionReadRNNKernel if use_kernel else _AttentionReadRNN
     return function.apply(*inputs, *config)

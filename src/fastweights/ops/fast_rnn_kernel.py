@@ -55,7 +55,7 @@ def _kernel_source() -> str:
                             for real, sfx in _KERNEL_DTYPES.values())
 
 
-def _decay_weights(N: int, lam: float, eta: float, like: Tensor) -> Tensor:
+def decay_weights(N: int, lam: float, eta: float, like: Tensor) -> Tensor:
     """rev[N - n + i] = eta lam^(n-1-i): the weight of stored state i in the read after n writes."""
     exponents = torch.arange(N - 1, -1, -1, dtype=like.dtype)
     rev = eta * torch.pow(torch.as_tensor(lam, dtype=like.dtype), exponents)
@@ -153,7 +153,7 @@ def _release(*buffers: Tensor) -> None:
             stack.append(x.view(-1))
 
 
-class _AttentionReadRNNKernel(torch.autograd.Function):
+class AttentionReadRNNKernel(torch.autograd.Function):
     """:class:`_AttentionReadRNN` with the time loop in the compiled kernel (CPU, fp32/fp64).
 
     The forward and the backward pass are one kernel call each, which runs the whole sequence for
@@ -177,7 +177,7 @@ class _AttentionReadRNNKernel(torch.autograd.Function):
         if use_ln:
             ln[0, :H], ln[1, :H] = ln_weight, ln_bias
         buf = dict(
-            U=u.contiguous(), h0=h0.contiguous(), Wt=Wt, Wp=Wp, G=G, rev=_decay_weights(N, lam, eta, u),
+            U=u.contiguous(), h0=h0.contiguous(), Wt=Wt, Wp=Wp, G=G, rev=decay_weights(N, lam, eta, u),
             A0=None if A0 is None else A0.contiguous(), lnw=ln[0], lnb=ln[1],
             Z=_workspace(u, S + 1, B, T, D),  # LN input of every stage (stage 0: b_t)
             MU=u.new_zeros(S + 1, B, T), RS=u.new_zeros(S + 1, B, T),  # LN mean and 1/std
