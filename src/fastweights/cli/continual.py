@@ -63,6 +63,11 @@ def cmd_continual(args) -> int:
     refuse_non_finite(res, scores_not_finite_because(ev))
     res.update(checkpoint=str(args.checkpoint), model=describe(cfg),
                dynamic=(ev.metadata() | info) if ev is not None else None)
+    from fastweights.models.memory_switches import fast_memories
+
+    if ev is None and args.eval_state == "memory" and not fast_memories(model):  # (issue 49: a table of +0.0000)
+        res["note"] = ("the model has no fast memory and --dynamic is not set: with --eval-state memory nothing read "
+                       "in a stage reaches the scores, so every change is 0 (add --dynamic RULE, or --eval-state all)")
     write_cli_result(out.with_suffix(".json"), res, getattr(args, "argv", None))
     plot_adapt(res, out.with_suffix(".png"), title=f"continual adaptation: {Path(args.checkpoint).name} ({describe(cfg)})"
                + (f" + dynamic {ev.rule}" if ev else ""))
@@ -70,5 +75,7 @@ def cmd_continual(args) -> int:
         print(json.dumps(res, indent=2))
         return 0
     print(format_adapt_table(res))
+    if "note" in res:
+        print(f"note: {res['note']}")
     print(f"-> {out.with_suffix('.json')}, {out.with_suffix('.png')}")
     return 0
