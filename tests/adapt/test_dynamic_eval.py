@@ -348,6 +348,44 @@ def test_tuner_grid_and_search():
     assert stages[0] == "coarse lr" and "fine lr" in stages and "decay" in stages
 
 
+def test_a_search_cut_short_continues_from_its_finished_points(tmp_path, capsys):
+    """Issue 49: a tune killed at point 12 of 15 kept nothing. Each finished point is written at once; the same
+    search run again scores only the rest and gives the result of an uninterrupted one; the file goes at the end,
+    and points of another search (another grid or text) are never taken."""
+    from fastweights.adapt.tune import points_file_of
+
+    model = tiny_model(n_layers=1)
+    docs = [tokens(31)]
+    scored = []
+
+    def make(lr, decay):
+        scored.append(lr)
+        if lr == 0.3 and stop:
+            raise KeyboardInterrupt
+        return DynamicEvaluator(model, rule="sgd", lr=lr, decay=decay, segment_len=10, context=30)
+
+    points = points_file_of(tmp_path / "tuned.json")
+    assert points == tmp_path / "tuned.points.json"
+    stop = True
+    with pytest.raises(KeyboardInterrupt):
+        tune_dynamic(make, docs, lrs=[0.05, 0.1, 0.3], points_file=points)
+    assert [g["lr"] for g in json.loads(points.read_text())["points"]] == [0.05, 0.1]
+    stop, scored[:] = False, []
+    res = tune_dynamic(make, docs, lrs=[0.05, 0.1, 0.3], points_file=points)
+    assert scored == [0.05, 0.3]  # the probe evaluator (static's pass), then the one point not scored before
+    assert "2 setting(s) it scored are taken" in capsys.readouterr().err and not points.exists()
+    scored[:] = []
+    whole = tune_dynamic(make, docs, lrs=[0.05, 0.1, 0.3])
+    assert [(g["lr"], g["loss_nats"], g["status"]) for g in res["grid"]] == \
+        [(g["lr"], g["loss_nats"], g["status"]) for g in whole["grid"]] and res["best"] == whole["best"]
+    stop = True
+    with pytest.raises(KeyboardInterrupt):
+        tune_dynamic(make, docs, lrs=[0.05, 0.1, 0.3], points_file=points)
+    stop, scored[:] = False, []
+    tune_dynamic(make, [tokens(31, 7)], lrs=[0.05, 0.1, 0.3], points_file=points)  # other text: all scored again
+    assert scored == [0.05, 0.05, 0.1, 0.3]
+
+
 def test_the_tuner_never_chooses_a_point_that_does_not_beat_static():
     """A diverged point (a non-finite loss, or more than DIVERGED_MARGIN above static) is marked and never best;
     a grid where no point beats static is refused in one line (issue 49: a setting 377% worse than static was
@@ -543,3 +581,30 @@ def test_a_statistics_segment_longer_than_its_streams_is_the_stream_and_recorded
     assert all(torch.equal(long.ms[k], same.ms[k]) for k in same.ms)
     with pytest.raises(UserError, match="longer than the attention context"):
         collect_grad_stats(model, tokens(41), batch_size=2, seq_len=10**18, context=30)
+
+
+def test_dynamic_tune_keeps_its_finished_points_beside_the_file_it_saves(tiny_run, tmp_path, monkeypatch):
+    """The command hands the search a points file beside --save: an interrupted tune leaves its finished points
+    there, and the same command run again ends with the result saved and the points file gone."""
+    from fastweights import cli
+    from fastweights.adapt.dynamic import DynamicEvaluator as Evaluator
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("To be, or not to be, that is the question. " * 20)
+    argv = ["dynamic", "tune", "--checkpoint", str(tiny_run), "--data", str(doc), "--rule", "sgd", "--tune-chars",
+            "300", "--lrs", "1e-3,1e-2,1e-1", "--save", str(tmp_path / "tuned.json"), "--quiet"]
+    real, calls = Evaluator.evaluate_documents, []
+
+    def cut_at_the_third(self, *a, **k):
+        calls.append(self.update_rule.lr)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(Evaluator, "evaluate_documents", cut_at_the_third)
+        assert cli.main(argv) != 0
+    points = tmp_path / "tuned.points.json"
+    assert len(json.loads(points.read_text())["points"]) == 2 and not (tmp_path / "tuned.json").exists()
+    assert cli.main(argv) == 0
+    assert not points.exists() and len(json.loads((tmp_path / "tuned.json").read_text())["grid"]) == 3

@@ -13,6 +13,7 @@ import torch
 from fastweights.adapt.cache import CacheSettings, NeuralCache
 from fastweights.adapt.setup import (DynamicSettings, build_evaluator, encode_texts, evaluator_from, load_texts,
                                      resolve_setup, weights_fingerprint)
+from fastweights.adapt.tune import TUNE_CHARS
 from fastweights.core.errors import UserError, refuse_non_finite
 
 
@@ -194,7 +195,7 @@ def _write_per_token(path, docs, losses: dict, result: dict) -> Path:
 
 
 
-def demo_dynamic(checkpoint: str | Path, tune_chars: int = 5000, test_chars: int = 20000, stats_batches: int = 100,
+def demo_dynamic(checkpoint: str | Path, tune_chars: int = TUNE_CHARS, test_chars: int = 20000, stats_batches: int = 100,
                  verbose: bool = True, progress: bool | None = None) -> dict:
     """Static vs dynamic evaluation of a freshly trained checkpoint, for ``make demo``.
 

@@ -18,12 +18,18 @@ A search never chooses a point that does not beat static evaluation: a point who
 more than :data:`DIVERGED_MARGIN` above static's is marked ``diverged`` (its ``status``), one at most that much
 worse ``worse than static``, and the best is the lowest loss among the points below static's; when none is,
 the search is a ``UserError`` (nothing is saved, so ``dynamic eval`` never uses a setting that hurts).
+
+A search cut short continues (``points_file``): every finished point is written there at once, with what the search
+scores (the evaluator's settings, the documents, the grid asked for, static's loss); a later search of the same
+kind takes those points instead of scoring them again, and the file goes once the search ends.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -42,6 +48,7 @@ LR_REFINE = (0.5, 0.7, 1.4, 2.0)
 DECAY_FACTORS = (0.0, 0.1, 0.25, 0.5, 2.0, 4.0)  # 0: no prior at all
 TUNED_FILE = "dynamic_tuned.json"
 DIVERGED_MARGIN = 0.05  # a point's loss this fraction above static's (nats): diverged, not a near miss
+TUNE_CHARS = 5000  # validation characters a search reads by default: minutes on a CPU for a first run (issue 49)
 
 
 def point_status(loss: float, static: float) -> str:
@@ -59,7 +66,7 @@ def official_grid(segment_len: int) -> tuple[list[float], list[float]]:
 
 def tune_dynamic(make_evaluator: Callable[[float, float], DynamicEvaluator], documents: Sequence,
                  lrs: Sequence[float] | None = None, decays: Sequence[float] | None = None,
-                 reset: str = "per_document", progress: bool = False) -> dict:
+                 reset: str = "per_document", progress: bool = False, points_file: str | Path | None = None) -> dict:
     """Score ``documents`` (validation token sequences) statically, then dynamically per setting.
 
     ``make_evaluator(lr, decay)`` builds a fresh evaluator (every run starts from theta_g).
@@ -73,7 +80,9 @@ def tune_dynamic(make_evaluator: Callable[[float, float], DynamicEvaluator], doc
     Returns {"static": {...}, "grid": [{"lr", "decay", "loss_nats", "bits_per_token",
     "relative_improvement", "stage", "status"}, ...] in run order, "best": the entry with the lowest loss
     among those below static's, "tokens", "settings", "reset"}. A run with a non-finite loss counts as infinite
-    loss; :func:`point_status` marks each point. UserError when no point beats static.
+    loss; :func:`point_status` marks each point. UserError when no point beats static. ``points_file``: where
+    finished points are kept while the search runs (an earlier search's points there are taken when it searched the
+    same thing, see the module docstring); removed at the end.
     """
     probe = make_evaluator(lrs[0] if lrs else COARSE_LRS[0], 0.0)
     has_prior = canonical_rule(probe.rule) not in ("sgd", "rms")
@@ -99,9 +108,16 @@ def tune_dynamic(make_evaluator: Callable[[float, float], DynamicEvaluator], doc
     static = static_nll / tokens
     grid: list[dict] = []
     done: dict[tuple, dict] = {}
+    journal = _PointsFile(points_file, probe.metadata(), documents, reset, lrs, decays, static)
+    if journal.earlier:
+        print(f"dynamic tune: continuing a search cut short: {len(journal.earlier)} setting(s) it scored are taken "
+              f"from {journal.path}", file=sys.stderr, flush=True)
 
     def run(lr: float, decay: float, stage: str) -> float:
         key = _point_key(lr, decay)
+        if key not in done and key in journal.earlier:  # scored by a search that was cut short
+            done[key] = {**journal.earlier[key], "stage": stage}
+            grid.append(done[key])
         if key not in done:
             bar.point(len(grid) + 1, stage, key[0], key[1])
             with bar.bar.adopting():  # the evaluator's own bar counts toward the search's line
@@ -112,6 +128,7 @@ def tune_dynamic(make_evaluator: Callable[[float, float], DynamicEvaluator], doc
                          "relative_improvement": 1 - loss / static, "stage": stage,
                          "status": point_status(loss, static)}
             grid.append(done[key])
+            journal.write(grid)
         return done[key]["loss_nats"]
 
     def best() -> dict:
@@ -145,6 +162,7 @@ def tune_dynamic(make_evaluator: Callable[[float, float], DynamicEvaluator], doc
             for f in factors:
                 run(lr_best, decay * f, "decay")
     bar.close()
+    journal.remove()
     if best()["status"] != "ok":
         b = best()
         raise UserError(f"dynamic tune: none of the {len(grid)} settings tried beats static evaluation on the "
@@ -153,6 +171,47 @@ def tune_dynamic(make_evaluator: Callable[[float, float], DynamicEvaluator], doc
                         "other --lrs, another rule or more validation text")
     return {"static": {"loss_nats": static, "bits_per_token": static / math.log(2)}, "grid": grid, "best": best(),
             "tokens": tokens, "settings": probe.metadata() | {"lr": None, "decay": None}, "reset": reset}
+
+
+class _PointsFile:
+    """The finished points of a search, kept in a JSON file while it runs (None: not kept). ``earlier``: point key ->
+    entry, from a file written by a search of the same settings, documents, reset, grid and static loss."""
+
+    def __init__(self, path: str | Path | None, settings: dict, documents: Sequence, reset: str, lrs, decays,
+                 static: float):
+        self.path = Path(path) if path is not None else None
+        digest = hashlib.sha256()
+        for d in documents:
+            digest.update(json.dumps([int(t) for t in d]).encode())
+        self.key = {"settings": settings, "documents_sha256": digest.hexdigest(), "reset": reset,
+                    "lrs": list(lrs) if lrs else None, "decays": list(decays) if decays else None, "static": static}
+        self.earlier: dict[tuple, dict] = {}
+        if self.path is None or not self.path.is_file():
+            return
+        try:
+            doc = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return  # not ours or cut mid-write: scored again, then replaced
+        if isinstance(doc, dict) and doc.get("search") == json.loads(json.dumps(self.key)):
+            self.earlier = {_point_key(g["lr"], g["decay"]): g for g in doc.get("points", [])}
+
+    def write(self, grid: list[dict]) -> None:
+        if self.path is None:
+            return
+        from fastweights.core.files import atomic_write
+
+        doc = {"search": self.key, "points": [{k: v for k, v in g.items() if k != "stage"} for g in grid]}
+        atomic_write(self.path, lambda p: p.write_text(json.dumps(doc)), what="the search's finished points")
+
+    def remove(self) -> None:
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+
+
+def points_file_of(tuned: str | Path) -> Path:
+    """Where a search whose result goes to ``tuned`` keeps its finished points while it runs."""
+    tuned = Path(tuned)
+    return tuned.with_name(tuned.stem + ".points.json")
 
 
 def _point_key(lr: float, decay: float) -> tuple[float, float]:

@@ -37,6 +37,7 @@ from fastweights.adapt.evaluate import ComparisonOptions, evaluate_static_and_dy
 from fastweights.adapt.setup import (DynamicSettings, adaptation_spec, build_evaluator, collect_stats, default_context,
                                      default_segment_len, encode_texts, evaluator_from, load_texts, resolve_setup,
                                      stats_path, weights_fingerprint)
+from fastweights.adapt.tune import TUNE_CHARS
 from fastweights.adapt.update_rules import (DEFAULT_DECAY, DEFAULT_EPS, DEFAULT_LR, DEFAULT_RULE, DEFAULT_SEGMENT_LEN,
                                            DEFAULT_STATS_BATCH_SIZE, DEFAULT_STATS_BATCHES, RULES, SUBWORD_SEGMENT_LEN)
 from fastweights.auto.sources import load_model_and_tokenizer
@@ -216,7 +217,7 @@ def register(top, parser_class) -> None:
                                     "x segment length / 5)")
     t.add_argument("--official-grid", action="store_true",
                    help="the paper's grid (6 lrs x 4 decays, scaled by segment length / 5) instead of the search")
-    t.add_argument("--tune-chars", type=nonneg_int, default=20000,
+    t.add_argument("--tune-chars", type=nonneg_int, default=TUNE_CHARS,
                    help="characters of validation text to tune on (a small subset suffices; 0: all)")
     t.add_argument("--save", metavar="FILE",
                    help="write the result to FILE, which dynamic eval --tuned FILE reads (default: "
@@ -312,7 +313,8 @@ def cmd_dynamic_eval(args) -> int:
 
 
 def cmd_tune_dynamic(args) -> int:
-    from fastweights.adapt.tune import TUNED_FILE, format_table, is_tuned_file, official_grid, save_tuned, tune_dynamic
+    from fastweights.adapt.tune import (TUNED_FILE, format_table, is_tuned_file, official_grid, points_file_of,
+                                        save_tuned, tune_dynamic)
     from fastweights.core.files import check_output_file
 
     if args.save:
@@ -324,9 +326,9 @@ def cmd_tune_dynamic(args) -> int:
     lrs, decays = floats(args.lrs, "--lrs"), floats(args.decays, "--decays")
     if args.official_grid:
         lrs, decays = official_grid(setup.segment_len)
-    res = tune_dynamic(lambda lr, decay: evaluator_from(replace(setup, lr=lr, decay=decay), model), docs, lrs, decays,
-                       progress=not args.quiet)
     path = args.save or (ckpt / TUNED_FILE if ckpt is not None else None)
+    res = tune_dynamic(lambda lr, decay: evaluator_from(replace(setup, lr=lr, decay=decay), model), docs, lrs, decays,
+                       progress=not args.quiet, points_file=points_file_of(path) if path else None)
     if path:
         save_tuned(res, path, weights_sha256=weights_fingerprint(ckpt))
     if args.json:
