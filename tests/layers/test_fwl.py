@@ -366,6 +366,20 @@ def test_tuning_the_test_time_step_size_weighs_every_window_once():
     assert out["best"] == min(want, key=want.get) == model.head.options.test_time_step_size
 
 
+def test_the_test_time_step_search_never_chooses_a_diverged_step():
+    """Issue 49, scope 4: a step whose loss is not finite is marked and never best (``min`` over a NaN first in the
+    grid returned the NaN's step), and a grid that diverged everywhere is refused, the head left as it was."""
+    model = fwl_model(segment_len=0, test_time_only=True)
+    tokens = torch.randint(0, 11, (3 * 6 + 1,), generator=torch.Generator().manual_seed(7))
+    out = tune_test_time_step_size(model, tokens, 6, [float("inf"), 0.0, 0.5], batch_size=2)
+    assert out["status"] == {float("inf"): "diverged", 0.0: "ok", 0.5: "ok"}
+    assert out["best"] in (0.0, 0.5) and out["best"] == model.head.options.test_time_step_size
+    model.head.options.test_time_step_size = 0.25
+    with pytest.raises(UserError, match="non-finite"):
+        tune_test_time_step_size(model, tokens, 6, [float("inf")], batch_size=2)
+    assert model.head.options.test_time_step_size == 0.25
+
+
 # ----------------------------------------------------------------------------- in the language model
 
 

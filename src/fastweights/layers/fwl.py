@@ -401,7 +401,9 @@ def tune_test_time_step_size(model, tokens: Tensor, seq_len: int, grid: list[flo
 
     Scores ``tokens`` ([N] ids) in independent windows of ``seq_len`` for each value in ``grid``
     (0 included gives the slow head), sets the best one on the head and returns
-    ``{"grid": {step: mean loss nats}, "best": step}``.
+    ``{"grid": {step: mean loss nats}, "status": {step: "ok" | "diverged"}, "best": step}``. A step whose loss is
+    not finite is ``diverged`` and never chosen (``min`` over a NaN picks whatever comes first); a grid where every
+    step diverged is a UserError and leaves the head's step size as it was.
     """
     head = model.head
     if not isinstance(head, FastWeightLayer) or not head.options.test_time_only:
@@ -413,6 +415,7 @@ def tune_test_time_step_size(model, tokens: Tensor, seq_len: int, grid: list[flo
     y = tokens[1 : n * seq_len + 1].view(n, seq_len)
     device = next(model.parameters()).device
     was_training = model.training
+    before = head.options.test_time_step_size
     model.eval()
     results = {}
     for step in grid:
@@ -422,10 +425,16 @@ def tune_test_time_step_size(model, tokens: Tensor, seq_len: int, grid: list[flo
             out = model(x[i : i + batch_size].to(device), targets=y[i : i + batch_size].to(device))
             total += out.loss.item() * min(batch_size, n - i)
         results[float(step)] = total / n
-    best = min(results, key=results.get)
-    head.options.test_time_step_size = best
     model.train(was_training)
-    return {"grid": results, "best": best}
+    status = {k: "ok" if math.isfinite(v) else "diverged" for k, v in results.items()}
+    finite = {k: v for k, v in results.items() if status[k] == "ok"}
+    if not finite:
+        head.options.test_time_step_size = before
+        raise UserError(f"tune_test_time_step_size: every step size of the grid {list(results)} gave a non-finite "
+                        "loss; nothing set")
+    best = min(finite, key=finite.get)
+    head.options.test_time_step_size = best
+    return {"grid": results, "status": status, "best": best}
 
 
 # ----------------------------------------------------------------------------- the slow and fast parts
