@@ -303,3 +303,26 @@ def test_greedy_means_every_continuation_token_is_the_argmax(checkpoint):
             Instance("loglikelihood", {}, (context, c1 + best), 2)]
     (_, g1), (_, g12), (_, g_both) = lm.loglikelihood(reqs)
     assert g1 is True and g12 is False and g_both is True
+
+
+def test_scores_far_worse_than_a_uniform_guess_are_refused(checkpoint, monkeypatch):
+    """Issue 52: FWL heads reported 77-205 nats/token through the harness (uniform: 5.5) as results. A call whose mean
+    loss is over twice a uniform guess's is refused in one line, for both request kinds; a sound model is not."""
+    from fastweights.core.errors import UserError
+
+    lm = FastweightsStatic(checkpoint=str(checkpoint), device="cpu")
+    text = documents("shakespeare-heldout", PLAYS[:1], 2000, "ACT I")[0]["text"][:300]
+    pairs = [Instance("loglikelihood", {}, ("To be, or not", " to be"), 0)]
+    assert rolling(lm, [text])[0] < 0 and lm.loglikelihood(pairs)[0][0] < 0
+    forward = lm.model.forward
+
+    def confident_and_wrong(*a, **k):
+        out = forward(*a, **k)
+        out.logits = -1e3 * out.logits
+        return out
+
+    monkeypatch.setattr(lm.model, "forward", confident_and_wrong)
+    for call in (lambda: rolling(lm, [text]), lambda: lm.loglikelihood(pairs)):
+        with pytest.raises(UserError, match="x a uniform guess over the") as e:
+            call()
+        assert "\n" not in str(e.value)

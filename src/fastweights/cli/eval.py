@@ -9,6 +9,7 @@ from pathlib import Path
 from fastweights.cli.dynamic import add_dynamic_arguments
 from fastweights.cli.stream import add_stream_arguments, run_stream_eval
 from fastweights.cli.types import nonneg_float, nonneg_int, positive_int, seed
+from fastweights.data.tokenizers import vocab_size_of
 from fastweights.core.errors import UserError, refuse_non_finite, refuse_worse_than_uniform
 from fastweights.loops.evaluate import SCORING_SEGMENT_LEN
 
@@ -121,7 +122,7 @@ def cmd_eval(args) -> int:
         raise UserError("nothing to score: the evaluation text has fewer than two tokens")
     metrics = result.metrics(tokenizer.name)
     refuse_non_finite(metrics, "the model's scores overflow on this text")
-    refuse_worse_than_uniform(metrics["loss_nats"], _vocab_size(tokenizer), "eval")
+    refuse_worse_than_uniform(metrics["loss_nats"], vocab_size_of(tokenizer), "eval")
     metrics.update(checkpoint=str(args.checkpoint), data=args.data or f"{cfg.data.corpus}:{args.split}")
     if args.json:
         print(json.dumps(metrics, indent=2))
@@ -159,7 +160,7 @@ def _eval_pretrained_with_head(args) -> int:
         raise UserError("nothing to score: the evaluation text has fewer than two tokens")
     metrics = result.metrics(tokenizer.name)
     refuse_non_finite(metrics, "the model's scores overflow on this text")
-    refuse_worse_than_uniform(metrics["loss_nats"], _vocab_size(tokenizer), "eval")
+    refuse_worse_than_uniform(metrics["loss_nats"], vocab_size_of(tokenizer), "eval")
     metrics.update(checkpoint=str(args.checkpoint), data=args.data)
     if args.json:
         print(json.dumps(metrics, indent=2))
@@ -167,15 +168,6 @@ def _eval_pretrained_with_head(args) -> int:
         print(f"{args.data}: perplexity {metrics['perplexity']:.4f}, bits_per_char {metrics['bits_per_char']:.4f} "
               f"({metrics['tokens']} tokens, loss {metrics['loss_nats']:.4f} nats)")
     return 0
-
-
-def _vocab_size(tokenizer) -> int | None:
-    """The tokenizer's vocabulary size (ours: ``vocab_size``; a transformers tokenizer: its length)."""
-    size = getattr(tokenizer, "vocab_size", None)
-    try:
-        return int(size) if size else len(tokenizer)
-    except TypeError:
-        return None
 
 
 def _warn_unknown(tokenizer, texts, what: str) -> None:

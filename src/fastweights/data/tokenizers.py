@@ -569,9 +569,20 @@ def check_fingerprint(tokenizer: Tokenizer, expected: str, what: str) -> None:
         raise UserError(f"{what} was made with tokenizer {expected}, but the tokenizer in use is {got}")
 
 
+def vocab_size_of(tokenizer) -> int | None:
+    """A tokenizer's vocabulary size (ours: ``vocab_size``; a transformers tokenizer: its length), None if unknown."""
+    size = getattr(tokenizer, "vocab_size", None)
+    try:
+        return int(size) if size else len(tokenizer)
+    except TypeError:
+        return None
+
+
 __all__ = [
+    "vocab_size_of",
     "unknown_symbols_warning",
     "Tokenizer", "ByteTokenizer", "CharTokenizer", "WordTokenizer", "GPT2Tokenizer", "build_tokenizer",
     "load_tokenizer", "check_fingerprint", "bytes_to_unicode", "GPT2_PATTERN", "TOKENIZER_KINDS", "TRAINED_KINDS",
     "TOKENIZER_FILE",
 ]
+

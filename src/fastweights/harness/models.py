@@ -47,10 +47,11 @@ from fastweights.adapt.evaluate import scores_not_finite_because
 from fastweights.adapt.setup import DynamicSettings, build_evaluator, default_context, default_segment_len
 from fastweights.auto.sources import load_model_and_tokenizer
 from fastweights.core.distributed import resolve_device
-from fastweights.core.errors import UserError
+from fastweights.core.errors import UserError, refuse_worse_than_uniform
 from fastweights.core.numbers import BadNumber
 from fastweights.core.progress import Progress
 from fastweights.core.threads import use_threads
+from fastweights.data.tokenizers import vocab_size_of
 from fastweights.loops.evaluate import EvalResult, score_tokens
 from fastweights.loops.generate import generate_tokens
 from fastweights.ops.nll import log_probs
@@ -243,14 +244,22 @@ class FastweightsLM(LM):
         docs = [(req.args[0], self.encode_document(req.args[0])) for req in requests]
         bar = self._progress(sum(max(0, ids.numel() - 1) for _, ids in docs), "tok",
                              f"loglikelihood_rolling, {len(docs):,} document(s)", disable_tqdm)
-        out = []
+        out, scored = [], 0
         for text, ids in docs:
             ll = -self.score_document(ids, progress=bar).nll
             self._refuse_non_finite(ll, "loglikelihood_rolling")
             out.append(ll)
+            scored += max(0, ids.numel() - 1)
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), ll)
         bar.close()
+        self._refuse_worse_than_uniform(-sum(out), scored, "loglikelihood_rolling")
         return out
+
+    def _refuse_worse_than_uniform(self, nll: float, tokens: int, what: str) -> None:
+        """Scores whose mean over the call is far worse than a uniform guess are no result (issue 52), as ``eval``
+        refuses them."""
+        if tokens:
+            refuse_worse_than_uniform(nll / tokens, vocab_size_of(self.tokenizer), f"{self.name} {what}")
 
     def _refuse_non_finite(self, ll: float, what: str) -> None:
         """A log-likelihood that is NaN or infinite is no score: refused in one line, as ``dynamic eval`` does."""
@@ -285,7 +294,7 @@ class FastweightsLM(LM):
         weights; one forward pass over at most ``context`` tokens (the oldest context tokens cut first)."""
         self._say_static()
         bar = self._progress(len(requests), "requests", "loglikelihood", disable_tqdm)
-        out = []
+        out, scored = [], 0
         for req in requests:
             context, continuation = req.args
             ctx, cont = self._encode_pair(context, continuation)
@@ -311,9 +320,11 @@ class FastweightsLM(LM):
             greedy = bool((logp.argmax(-1) == y).all())
             self._refuse_non_finite(ll, "loglikelihood")
             out.append((ll, greedy))
+            scored += len(cont)
             self.cache_hook.add_partial("loglikelihood", (context, continuation), (ll, greedy))
             bar.update(1)
         bar.close()
+        self._refuse_worse_than_uniform(-sum(ll for ll, _ in out), scored, "loglikelihood")
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
