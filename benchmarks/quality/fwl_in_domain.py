@@ -62,6 +62,12 @@ TEST_TIME_MINUTES = 5.0  # the test-time-only head's budget, as fwl_smollm2.py's
 STATIC_TOLERANCE = 1e-4  # relative: this run's static perplexity against the stored one
 
 
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py): the FWL head's two
+    variants scored here."""
+    return [probes.probe("hf_fwl", variant=v) for v in ("fwl", "test-time-only")]
+
+
 def source_text(key: str) -> str:
     """The training source of scored text ``key``: its documents joined by blank lines, with the scored excerpt
     and the :data:`EXCLUDE_CHARS` characters after its marker removed when the source holds it."""

@@ -290,6 +290,16 @@ def _task(name: str) -> dict:
 
         x, y = generate(16, 8, np.random.default_rng(0))
         return {"x": x, "y": y}
+    if name == "niah_multitoken":
+        from fastweights.tasks.niah import score_answer
+        from fastweights.tasks.niah_multitoken import make_sample
+        from fastweights.tasks.niah_token import WordHaystack
+
+        hay = WordHaystack("it was the best of times , it was the worst of times .".split() * 100, "probe")
+        sample = make_sample(hay, 300, depth=0.5, seed=3)
+        got = score_answer(" " + sample.answer.split(" ")[0] + " <d00> and", sample)
+        return {**{k: v for k, v in vars(sample).items() if isinstance(v, (str, int, float, list))},
+                "score": [got["exact"], got["per_token"], got["candidate"]]}
     if name in ("niah", "niah_token"):
         from fastweights.data.tokenizers import ByteTokenizer
         from fastweights.tasks.niah import Haystack, make_sample
