@@ -51,6 +51,25 @@ def test_the_top_blocks_of_the_cached_input_give_the_full_models_hidden_states(l
         torch.testing.assert_close(top_blocks(backbone, torch.from_numpy(np.array(hidden)), 2), want)
 
 
+def test_a_cache_of_another_k_is_rebuilt_never_reused(llama_dir, tmp_path):
+    """The cache key holds K (issue 50): a cache of block N's input (K = 0) asked for K = 2 is computed again and
+    then holds block 2's input, and asked for K = 2 again it is reused. Mutation caught: K left out of the key (a
+    K = 2 run would train its top blocks on the final hidden states)."""
+    backbone, _ = load_hf_model(str(llama_dir))
+    x = tokens(2, WINDOW)
+    with torch.no_grad():
+        first = cache_hidden_states(backbone, x.numpy(), tmp_path / "c", progress=False, dtype="float32")
+        assert first["computed_this_call"] == 2 and first["trainable_blocks"] == 0
+        again = cache_hidden_states(backbone, x.numpy(), tmp_path / "c", progress=False, dtype="float32",
+                                    trainable_blocks=2)
+        assert again["computed_this_call"] == 2 and again["trainable_blocks"] == 2
+        hidden, _, _ = load_cache(tmp_path / "c")
+        torch.testing.assert_close(torch.from_numpy(np.array(hidden)), blocks_input(backbone, x, 2))
+        same = cache_hidden_states(backbone, x.numpy(), tmp_path / "c", progress=False, dtype="float32",
+                                   trainable_blocks=2)
+        assert same["computed_this_call"] == 0
+
+
 def test_other_architectures_are_refused_in_one_line():
     from fastweights.hf.transformers_as_ours import HFCausalLM
 
