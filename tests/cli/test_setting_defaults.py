@@ -40,6 +40,7 @@ from fastweights.cli.settings import flag_dest
 from fastweights.hf.fwl_training import RECIPE, FWLHeadRecipe, train_head, train_recipe
 from fastweights.tasks.assoc import AssocConfig
 from fastweights.tasks.ba_retrieval import BaRetrievalConfig
+from fastweights.tasks.niah import NiahOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,7 +63,8 @@ def shown_help(parser, action) -> str:
 WORKFLOWS = {"fastweights task assoc": [(AssocConfig, "")],
              "fastweights task ba-retrieval": [(BaRetrievalConfig, "")],
              "fastweights dynamic eval": [(CacheSettings, "cache-")],
-             "fastweights fwl-head train": [(FWLHeadRecipe, "")]}
+             "fastweights fwl-head train": [(FWLHeadRecipe, "")],
+             "fastweights task niah": [(NiahOptions, "")]}
 
 
 def _workflow_fields(prog: str) -> dict:

@@ -26,6 +26,7 @@ from fastweights.core.errors import UserError
 from fastweights.evidence.provenance import write_cli_result
 from fastweights.tasks.assoc import AssocConfig, parse_model, plot_capacity, run_sweep
 from fastweights.tasks.ba_retrieval import BaRetrievalConfig
+from fastweights.tasks.niah import NiahOptions
 
 
 def cmd_assoc(args) -> int:
@@ -147,25 +148,14 @@ def _register_niah(sub) -> None:
     n.add_argument("--depths", default="uniform", help="'uniform' or target depths in [0, 1], e.g. 0,0.25,0.5,0.75,1")
     n.add_argument("--depth-bins", type=positive_int, default=5, help="rows of the heatmap with --depths uniform")
     n.add_argument("--samples", type=positive_int, default=10, help="samples per length (or per length and depth)")
-    n.add_argument("--iters", default="1", help="n-iter protocol: reads of the context before the question, e.g. 1,2,3,4")
     n.add_argument("--seed", type=seed, default=0, help="seed of the samples (needles, depths, haystack offsets)")
-    n.add_argument("--write-chunk", default="read", choices=["read", "model"],
-                   help="memories write once per read (the paper) or every trained chunk")
-    n.add_argument("--reread", default="carry", choices=["carry", "memory"],
-                   help="between reads carry the whole state, or only the memories (mixer states reset)")
-    n.add_argument("--piece", type=positive_int, default=512, help="tokens per forward call")
-    n.add_argument("--context", type=nonneg_int, default=0,
-                   help="attention context in tokens: KV-cache tokens kept between calls (0: unbounded)")
-    n.add_argument("--carry", action="store_true", help="carry the state from sample to sample (the released code)")
-    n.add_argument("--max-new-tokens", type=nonneg_int, default=0, help="decoding budget (0: automatic)")
+    add_settings(n, NiahOptions)
     out_flag(n, "runs/niah", "niah.json and niah.png")
     n.add_argument("--show", type=nonneg_int, default=0, help="print the first N prompts with the model's answers")
     n.add_argument("--format", default="auto", choices=["auto", "char", "token", "multitoken"],
                    help="needle format: 'char' (ID-3fa9 / 6 digits), 'token' (one-token keys and values, "
                         "fastweights.tasks.niah_token), 'multitoken' (two-token keys, three-token values, "
                         "fastweights.tasks.niah_multitoken); 'auto' picks the format a model was trained on")
-    n.add_argument("--frozen-memory", action="store_true",
-                   help="memories never write (the paper's frozen-memory check, App. D.2)")
     n.add_argument("--keys", default="heldout", choices=["heldout", "train"],
                    help="token formats: keys (and multitoken values) never used in training needles (heldout) "
                         "or the training ones")
@@ -187,7 +177,7 @@ def needle_format(asked: str, tok) -> str:
 
 
 def cmd_niah(args) -> int:
-    from fastweights.tasks.niah import (Haystack, NiahOptions, evaluate_niah, make_samples, parse_depths, plot_niah,
+    from fastweights.tasks.niah import (Haystack, evaluate_niah, make_samples, parse_depths, plot_niah,
                                         records_to_json, summarize, check_tokenizer)
 
     from fastweights.tasks import niah_multitoken, niah_token
@@ -198,7 +188,6 @@ def cmd_niah(args) -> int:
     if fmt == "char":
         check_tokenizer(tok)
     lengths = ints(args.lengths, "--lengths")
-    iters = tuple(sorted(set(ints(args.iters, "--iters"))))
     depths = parse_depths(args.depths)
     if args.samples < 1:
         raise UserError("--samples must be >= 1")
@@ -209,9 +198,7 @@ def cmd_niah(args) -> int:
 
     check_tokens_ram(cfg, (sum(lengths) + args.max_new_tokens * len(lengths)) * len(depths) * args.samples,
                      resolve_device(args.device), f"--lengths {max(lengths, default=0)} (every sample is kept)")
-    opts = NiahOptions(iters=iters, write_chunk=args.write_chunk, reread=args.reread, piece=args.piece,
-                       context=args.context, carry=args.carry, max_new_tokens=args.max_new_tokens,
-                       frozen_memory=args.frozen_memory)
+    opts = settings_from(args, NiahOptions)
     opts.validate()
     if fmt != "char":  # the default haystack's last tenth: text the token formats' training never used
         haystack = niah_token.eval_haystack(args.haystack)

@@ -45,7 +45,9 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
+from fastweights.core.config import setting_field
 from fastweights.core.errors import UserError
+from fastweights.core.numbers import nonneg_int, positive_int
 from fastweights.models.memory_switches import check_chunk_empty, memory_only_state, memory_writes, read_tokens
 from fastweights.core.progress import Progress
 
@@ -316,24 +318,35 @@ def score_answer(prediction: str, sample: NiahSample) -> dict:
 # ----------------------------------------------------------------------------- the evaluator
 
 
+def parse_iters(text: str) -> tuple[int, ...]:
+    """``"1,2,3"`` -> ``(1, 2, 3)``: the distinct reads to report, sorted; UserError unless each is an integer >= 1."""
+    try:
+        iters = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise UserError(f"--iters must be comma-separated integers, got {text!r}") from None
+    if not iters or iters[0] < 1:
+        raise UserError(f"--iters must be positive integers, got {text!r}")
+    return iters
+
+
 @dataclass
 class NiahOptions:
-    """How samples are read. ``iters``: the n of the n-iter protocol to report (reads of the context).
-    ``write_chunk``: "read" (memories write once per read, the paper) or "model" (their trained chunk
-    size, the reads forming one stream). ``reread``: "carry" (all state carries between reads) or
-    "memory" (mixer states reset before each re-read). ``piece``: tokens per forward call (bounds the
-    attention score matrix). ``context``: KV-cache bound in tokens, 0 = unbounded. ``carry``: the state
-    carries from sample to sample. ``max_new_tokens``: decoding budget (0 = automatic). ``frozen_memory``:
-    the memories never write (the paper's App. D.2 check: what is left without the fast weights)."""
+    """How samples are read (the flags of ``fastweights task niah`` are generated from these fields, each with its
+    default and help once)."""
 
-    iters: tuple[int, ...] = (1,)
-    write_chunk: str = "read"
-    reread: str = "carry"
-    piece: int = 512
-    context: int = 0
-    carry: bool = False
-    max_new_tokens: int = 0
-    frozen_memory: bool = False
+    iters: tuple[int, ...] = setting_field((1,), "reads of the context before the question to report, "
+                                                 "comma-separated, e.g. 1,2,3,4 (the n of the n-iter protocol)",
+                                           type=parse_iters)
+    write_chunk: str = setting_field("read", "memories write once per read (the paper) or every trained chunk",
+                                     choices=("read", "model"))
+    reread: str = setting_field("carry", "between reads carry the whole state, or only the memories (mixer states "
+                                         "reset)", choices=("carry", "memory"))
+    piece: int = setting_field(512, "tokens per forward call (bounds the attention score matrix)", type=positive_int)
+    context: int = setting_field(0, "attention context in tokens: KV-cache tokens kept between calls (0: unbounded)",
+                                 type=nonneg_int)
+    carry: bool = setting_field(False, "carry the state from sample to sample (the released code)")
+    max_new_tokens: int = setting_field(0, "decoding budget (0: automatic)", type=nonneg_int)
+    frozen_memory: bool = setting_field(False, "memories never write (the paper's frozen-memory check, App. D.2)")
 
     def validate(self) -> None:
         if not self.iters or min(self.iters) < 1:
