@@ -149,12 +149,61 @@ def share(reduction: float, of: float) -> float:
     return reduction / of if of else float("nan")
 
 
+def score_text(key: str, runs: Path, lm, tok, scored: dict, tuning: list, L: int, stored: dict) -> tuple[dict, dict]:
+    """Text ``key``'s rows: static (checked against ``stored``), the in-domain heads' (``fwl_comparators.fwl_rows``)
+    and, cited from ``stored``, the general-mix head's and dynamic evaluation's. Returns (its entry of the result's
+    ``per_text``, its heads' training records)."""
+    from fastweights.hf.fwl_head import load_fwl_head
+
+    static = score_texts(static_evaluator(lm, L), {key: scored[key]})[key]
+    was = stored["results"]["static"]["per_text"][key]["perplexity"]
+    if abs(static["perplexity"] / was - 1) > STATIC_TOLERANCE:
+        raise UserError(f"static perplexity of {key} is {static['perplexity']:.4f}, the stored result's {was:.4f}: "
+                        "the stored comparison is not this code's")
+    heads = {row: load_fwl_head(head_dir(runs, key, v), backbone_loader=lambda _n: (lm, tok))[0]
+             for v, row in (("fwl", "fwl"), ("test-time-only", "fwl_test_time_only"))}
+    rows, tuned = fwl_rows(heads, {key: scored[key]}, tuning, L, log=log)
+    s = static["perplexity"]
+    red = {row: 1 - r[key]["perplexity"] / s for row, r in rows.items()}
+    stored_rows = stored["results"]
+    dyn = {row: stored_rows[row]["per_text"][key]["relative_perplexity_reduction"] for row in ("dynamic", "dynamic_lowrank")}
+    general = {row: stored_rows[row]["per_text"][key]["relative_perplexity_reduction"]
+               for row in ("fwl", "fwl_slow_part", "fwl_test_time_only", "fwl_test_time_only_slow_part")}
+    entry = {
+        "static_perplexity": s, "static_tokens_per_cpu_s": static["tokens_per_cpu_s"],
+        "in_domain": {row: {"perplexity": r[key]["perplexity"], "relative_perplexity_reduction": red[row],
+                            "tokens_per_cpu_s": r[key]["tokens_per_cpu_s"],
+                            "throughput_ratio_to_static": r[key]["tokens_per_cpu_s"] / static["tokens_per_cpu_s"],
+                            "share_of_dynamic": share(red[row], dyn["dynamic"])} for row, r in rows.items()},
+        "general_mix": {row: {"relative_perplexity_reduction": v, "share_of_dynamic": share(v, dyn["dynamic"])}
+                        for row, v in general.items()},
+        "dynamic": {row: {"relative_perplexity_reduction": v,
+                          "throughput_ratio_to_static": stored_rows[row]["per_text"][key]["throughput_ratio_to_static"]}
+                    for row, v in dyn.items()},
+        "gain_split": {"in_domain": gain_split({key: static}, rows["fwl"], rows["fwl_slow_part"])["per_text"][key],
+                       "general_mix": stored["gain_split"]["fwl"]["per_text"][key]},
+        "tuned": tuned,
+    }
+    training = {}
+    for v in ("fwl", "test-time-only"):
+        f = head_dir(runs, key, v) / "training.json"
+        t = json.loads(f.read_text()) if f.is_file() else {}
+        training[f"{key}/{v}"] = {k: t.get(k) for k in ("steps", "cpu_s", "data", "cache_windows", "train_windows",
+                                                        "train_documents", "tokens_seen", "lr", "step_lr")}
+    log(f"{key}: in-domain FWL {100 * red['fwl']:.2f}% (slow part {100 * red['fwl_slow_part']:.2f}%), "
+        f"general-mix {100 * general['fwl']:.2f}%, dynamic {100 * dyn['dynamic']:.2f}%")
+    return entry, training
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--runs", default="runs/fwl-in-domain", help="training folders and heads")
     ap.add_argument("--prepare", action="store_true", help="write the training folders and stop")
     ap.add_argument("--train", action="store_true", help="train the heads (the recipe, one process each) and stop")
+    ap.add_argument("--part", metavar="TEXTS",
+                    help="score only these texts (comma-separated), each into RUNS/parts/TEXT.json, and stop (one "
+                         "process per core); the run without --part takes the parts of this code and scores the rest")
     ap.add_argument("--stored", default=str(RESULTS / "fwl_smollm2.json"),
                     help="the general-mix comparison whose static, dynamic and general-mix FWL rows are cited")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (timings are process CPU seconds)")
@@ -162,6 +211,9 @@ def main() -> int:
     runs = Path(args.runs)
     torch.set_num_threads(args.threads)
     t_start, c_start = time.time(), cpu()
+    from fastweights.evidence.provenance import git_state
+
+    code = git_state(ROOT).get("code")
     try:
         if args.prepare:
             prepare(runs)
@@ -171,67 +223,42 @@ def main() -> int:
         if args.train:
             train(runs, args.threads)
             return 0
-        from fastweights.hf.fwl_head import load_fwl_head
         from fastweights.hf.transformers_as_ours import load_hf_model
 
+        keys = [k for k in (args.part or "").split(",") if k] or list(SOURCES)
+        if bad := [k for k in keys if k not in SOURCES]:
+            raise UserError(f"--part: unknown text(s) {', '.join(bad)} (known: {', '.join(SOURCES)})")
         stored = json.loads(Path(args.stored).read_text())
-        for key in SOURCES:
+        parts = {}
+        for key in keys:
+            part = runs / "parts" / f"{key}.json"
+            if not args.part and part.is_file() and json.loads(part.read_text()).get("code") == code:
+                parts[key] = json.loads(part.read_text())
+                continue
             for v in ("fwl", "test-time-only"):
                 if not (head_dir(runs, key, v) / "checkpoint.json").is_file():
                     raise UserError(f"{head_dir(runs, key, v)}: no trained head (run --prepare, then --train)")
         lm, tok = load_hf_model("smollm2-135m")
         texts = load_texts(tok, stored["protocol"]["scored_tokens"], stored["protocol"]["scored_tokens"])
+        scored, tuning, _, _ = split_roles(texts)
+        L = int(stored["protocol"]["segment_len"])
+        per_text, training = {}, {}
+        for key in keys:
+            if key in parts:
+                log(f"{key}: scored by an earlier --part run ({runs / 'parts' / key}.json)")
+                per_text[key], more = parts[key]["per_text"], parts[key]["training"]
+            else:
+                per_text[key], more = score_text(key, runs, lm, tok, scored, tuning, L, stored)
+            training.update(more)
+            if args.part:
+                (runs / "parts").mkdir(parents=True, exist_ok=True)
+                (runs / "parts" / f"{key}.json").write_text(json.dumps(
+                    {"code": code, "per_text": per_text[key], "training": more, "cpu_s": cpu() - c_start}))
     except (UserError, OSError, KeyError, ValueError, subprocess.CalledProcessError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    scored, tuning, _, english = split_roles(texts)
-    L = int(stored["protocol"]["segment_len"])
-    static = score_texts(static_evaluator(lm, L), scored)
-    for key, r in static.items():
-        was = stored["results"]["static"]["per_text"][key]["perplexity"]
-        if abs(r["perplexity"] / was - 1) > STATIC_TOLERANCE:
-            print(f"error: static perplexity of {key} is {r['perplexity']:.4f}, the stored result's {was:.4f}: "
-                  f"{args.stored} is not this code's", file=sys.stderr)
-            return 2
-    log("static: " + ", ".join(f"{k} {r['perplexity']:.3f}" for k, r in static.items()))
-
-    stored_rows = stored["results"]
-    per_text, training = {}, {}
-    for key in SOURCES:
-        heads = {row: load_fwl_head(head_dir(runs, key, v), backbone_loader=lambda _n: (lm, tok))[0]
-                 for v, row in (("fwl", "fwl"), ("test-time-only", "fwl_test_time_only"))}
-        rows, tuned = fwl_rows(heads, {key: scored[key]}, tuning, L, log=log)
-        rows["static"] = {key: static[key]}
-        s = static[key]["perplexity"]
-        red = {row: 1 - r[key]["perplexity"] / s for row, r in rows.items() if row != "static"}
-        dyn = {row: stored_rows[row]["per_text"][key]["relative_perplexity_reduction"]
-               for row in ("dynamic", "dynamic_lowrank")}
-        general = {row: stored_rows[row]["per_text"][key]["relative_perplexity_reduction"]
-                   for row in ("fwl", "fwl_slow_part", "fwl_test_time_only", "fwl_test_time_only_slow_part")}
-        per_text[key] = {
-            "static_perplexity": s,
-            "in_domain": {row: {"perplexity": r[key]["perplexity"], "relative_perplexity_reduction": red[row],
-                                "tokens_per_cpu_s": r[key]["tokens_per_cpu_s"],
-                                "throughput_ratio_to_static": r[key]["tokens_per_cpu_s"]
-                                / static[key]["tokens_per_cpu_s"],
-                                "share_of_dynamic": share(red[row], dyn["dynamic"])}
-                          for row, r in rows.items() if row != "static"},
-            "general_mix": {row: {"relative_perplexity_reduction": v, "share_of_dynamic": share(v, dyn["dynamic"])}
-                            for row, v in general.items()},
-            "dynamic": {row: {"relative_perplexity_reduction": v,
-                              "throughput_ratio_to_static": stored_rows[row]["per_text"][key][
-                                  "throughput_ratio_to_static"]} for row, v in dyn.items()},
-            "gain_split": {"in_domain": gain_split(rows["static"], rows["fwl"], rows["fwl_slow_part"])["per_text"][key],
-                           "general_mix": stored["gain_split"]["fwl"]["per_text"][key]},
-            "tuned": tuned,
-        }
-        for v in ("fwl", "test-time-only"):
-            f = head_dir(runs, key, v) / "training.json"
-            t = json.loads(f.read_text()) if f.is_file() else {}
-            training[f"{key}/{v}"] = {k: t.get(k) for k in ("steps", "cpu_s", "data", "train_windows",
-                                                            "train_documents", "tokens_seen", "lr", "step_lr")}
-        log(f"{key}: in-domain FWL {100 * red['fwl']:.2f}% (slow part {100 * red['fwl_slow_part']:.2f}%), "
-            f"general-mix {100 * general['fwl']:.2f}%, dynamic {100 * dyn['dynamic']:.2f}%")
+    if args.part:
+        return 0
 
     def mean(fn) -> float:
         return float(np.mean([fn(p) for p in per_text.values()]))
