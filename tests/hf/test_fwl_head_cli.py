@@ -92,6 +92,9 @@ def test_bad_input_is_one_line(trained, tmp_path, capsys):
     assert "--data is required" in stderr_text(capsys)
     assert cli.main(["fwl-head", "export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "x")]) == 2
     assert "not a checkpoint written by" in stderr_text(capsys)
+    (tmp_path / "a-file").write_text("mine\n")  # issue 49: NotADirectoryError's traceback
+    assert cli.main(["fwl-head", "export", "--checkpoint", str(trained), "--out", str(tmp_path / "a-file")]) == 2
+    assert "is a file; name a folder" in stderr_text(capsys) and (tmp_path / "a-file").read_text() == "mine\n"
     assert cli.main(["fwl-head", "train", "--out", str(tmp_path / "r"), "--variant", "other"]) == 2
 
 

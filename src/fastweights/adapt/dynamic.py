@@ -50,6 +50,7 @@ from fastweights.adapt.update_rules import (DEFAULT_DECAY, DEFAULT_EPS, DEFAULT_
                                            PRIOR_RULES, UpdateRule, canonical_rule, parse_schedule, schedule_factor)
 from fastweights.core.errors import UserError
 from fastweights.loops.evaluate import EvalResult, score_tokens
+from fastweights.loops.generate import sample_token
 from fastweights.ops.nll import token_nll
 from fastweights.core.progress import Progress
 
@@ -465,20 +466,10 @@ class DynamicEvaluator:
                 logits, ms = forward(x, ms)
                 if self.context is not None and hasattr(self.model, "trim_state"):
                     ms = self.model.trim_state(ms, self.context - 1)
-                nxt = _sample(logits[0, -1].float(), temperature, top_k, gen)
+                nxt = sample_token(logits[0, -1].float(), temperature, top_k, gen)
                 ids.append(nxt)
                 x = torch.tensor([[nxt]], device=self.device)
         return ids
-
-
-def _sample(logits: torch.Tensor, temperature: float, top_k: int, gen) -> int:
-    if temperature <= 0:
-        return int(logits.argmax())
-    logits = logits / temperature
-    if top_k:
-        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
 
 
 def _master_dtype(p: torch.Tensor) -> torch.dtype:

@@ -101,6 +101,8 @@ def cmd_export(args) -> int:
     if not is_fwl_head_checkpoint(args.checkpoint):
         raise UserError(f"--checkpoint {args.checkpoint}: not a checkpoint written by `fastweights fwl-head train`")
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; name a folder to export into")
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out {out} exists and is not empty; choose another directory")
     model, tok = load_fwl_head(args.checkpoint)

@@ -35,16 +35,22 @@ def generate_tokens(model, prompt: list[int], max_tokens: int, temperature: floa
             if trims:
                 state = model.trim_state(state, context - 1)
             logits = out.logits[0, -1].float()
-            if temperature <= 0:
-                nxt = int(logits.argmax())
-            else:
-                logits = logits / temperature
-                if top_k:
-                    kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                probs = torch.softmax(logits, dim=-1)
-                nxt = int(torch.multinomial(probs, 1, generator=gen))
+            nxt = sample_token(logits, temperature, top_k, gen)
             yield nxt
             x = torch.tensor([[nxt]], device=device)
     finally:
         model.train(was_training)
+
+
+def sample_token(logits: torch.Tensor, temperature: float, top_k: int, gen) -> int:
+    """The next token from ``logits`` [V] (fp32): the argmax at temperature 0, else a draw from softmax(logits / T)
+    over the ``top_k`` largest (0: all). The largest logit is subtracted before dividing, in float64 (where a tiny
+    temperature is not rounded to 0), so a tiny temperature gives the argmax's distribution instead of 0 / 0 or
+    inf - inf = NaN (issue 49: ``--temperature 1e-300`` crashed)."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    logits = (logits.double() - logits.max().double()) / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))

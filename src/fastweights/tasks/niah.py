@@ -320,19 +320,15 @@ def score_answer(prediction: str, sample: NiahSample) -> dict:
 
 def parse_iters(text: str) -> tuple[int, ...]:
     """``"1,2,3"`` -> ``(1, 2, 3)``: the distinct reads to report, sorted; UserError unless each is an integer >= 1."""
-    try:
-        iters = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
-    except ValueError:
-        raise UserError(f"--iters must be comma-separated integers, got {text!r}") from None
-    if not iters or iters[0] < 1:
-        raise UserError(f"--iters must be positive integers, got {text!r}")
-    return iters
+    parts = [x.strip() for x in text.split(",")]
+    if not all(x.isdigit() and int(x) >= 1 for x in parts):
+        raise UserError(f"--iters must be comma-separated integers >= 1, got {text!r}")
+    return tuple(sorted({int(x) for x in parts}))
 
 
 @dataclass
 class NiahOptions:
-    """How samples are read (the flags of ``fastweights task niah`` are generated from these fields, each with its
-    default and help once)."""
+    """How samples are read (the flags of ``fastweights task niah`` are generated from these fields)."""
 
     iters: tuple[int, ...] = setting_field((1,), "reads of the context before the question to report, "
                                                  "comma-separated, e.g. 1,2,3,4 (the n of the n-iter protocol)",
