@@ -109,7 +109,7 @@ ITEMS = [
     Item("like/delta_op_T32768", 3, 1.5, "delta-rule op over fla's raw kernel at T=32768", lambda c: delta_op(c, 2)),
     Item("like/gdn_layer_T2048", 3, 1.5, "gdn layer over fla's layer at T=2048", lambda c: gdn_layer(c, 0)),
     Item("like/gdn_layer_T32768", 3, 2.0, "gdn layer over fla's layer at T=32768", lambda c: gdn_layer(c, 2)),
-    Item("like/gdn_layer_auto_selfcheck", 3, 3.0, "issue 51: gdn layer on auto after the gradient self-check of "
+    Item("like/gdn_auto_selfcheck", 3, 3.0, "issue 51: gdn layer on auto after the gradient self-check of "
          "fla's gated backward (its verdict recorded) over fla's layer, T=8192, bar 1.1", gdn_layer_selfcheck),
     Item("like/hybrid_auto_selfcheck", 3, 2.5, "issue 51: our hybrid on auto after the self-check over fla's "
          "GatedDeltaNetForCausalLM, 115M, T=4096, bars 1.1 time, 1.2 peak", hybrid_selfcheck),
