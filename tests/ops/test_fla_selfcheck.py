@@ -150,10 +150,15 @@ def test_an_error_in_the_check_keeps_the_compiled_form(hopper, caplog, monkeypat
 
 
 # catches: the cache key without Triton's version, and the cached verdict ignored (the check run every process)
-def test_a_new_triton_or_fla_version_checks_again_the_same_key_does_not(hopper, checks, monkeypatch, tmp_path):
+def test_a_new_triton_or_fla_version_checks_again_the_same_key_does_not(hopper, checks, monkeypatch, tmp_path,
+                                                                         caplog):
     assert train_gated(hopper) == "fla" and len(checks) == 1
     new_process()
-    assert train_gated(hopper) == "fla" and len(checks) == 1  # the same key: the cached verdict
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fastweights.ops.delta_rule"):
+        assert train_gated(hopper) == "fla" and len(checks) == 1  # the same key: the cached verdict
+    (line,) = lines(caplog)
+    assert "TAKEN" in line and "the verdict cached in" in line and "passed" in line
     new_process()
     fla_standin.refuse_gated_backward(monkeypatch, triton="3.6.1")
     assert train_gated(hopper) == "fla" and len(checks) == 2
