@@ -188,13 +188,16 @@ def test_the_variable_forces_either_path_without_checking(hopper, checks, caplog
 
 
 # catches: a corrupt cache file's error propagating from the load (except OSError only)
-@pytest.mark.parametrize("content", ["{not json", json.dumps({"x": 1}) + "trailing", "[1, 2]", "corrupt entry"])
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"x": 1}) + "trailing", "[1, 2]", "corrupt entry",
+                                     "entry without its worst error"])
 def test_a_corrupt_cache_file_is_ignored_and_rewritten(hopper, checks, tmp_path, content):
     path = tmp_path / "cache" / "fastweights" / sc.CACHE_FILE
     path.parent.mkdir(parents=True)
+    key = sc.check_key(torch.device("cpu"), 8, 8, BF16)
     if content == "corrupt entry":
-        key = sc.check_key(torch.device("cpu"), 8, 8, BF16)
         content = json.dumps({key: {"passed": "yes"}})
+    elif content == "entry without its worst error":
+        content = json.dumps({key: {"passed": False, "rel_err": {"dk": 0.5}, "worst": "dg"}})
     path.write_text(content)
     assert train_gated(hopper) == "fla" and len(checks) == 1
     (verdict,) = json.loads(path.read_text()).values()

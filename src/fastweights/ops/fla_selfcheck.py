@@ -181,8 +181,11 @@ def _load_verdict(key: str) -> dict | None:
         verdict = json.loads(_cache_path().read_text()).get(key)
     except (OSError, ValueError, AttributeError):
         return None
-    ok = isinstance(verdict, dict) and isinstance(verdict.get("passed"), bool) \
-        and isinstance(verdict.get("rel_err"), dict) and isinstance(verdict.get("worst"), str)
+    if not (isinstance(verdict, dict) and isinstance(verdict.get("passed"), bool)):
+        return None
+    errs, worst = verdict.get("rel_err"), verdict.get("worst")
+    ok = isinstance(errs, dict) and all(isinstance(x, (int, float)) for x in errs.values()) \
+        and isinstance(worst, str) and worst in errs
     return verdict if ok else None
 
 
