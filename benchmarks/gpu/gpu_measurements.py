@@ -19,11 +19,11 @@ import torch
 from fastweights.evidence.result_files import REPO, repo_relative
 from fastweights.layers.gdn import GatedDeltaNet, GDNOptions
 from fastweights.ops import fla_backend as fb
+from fastweights.ops import fla_selfcheck as fsc
 from fastweights.ops.delta_rule import delta_rule
+from fastweights.ops.fla_selfcheck import BF16_GRAD_TOL, BF16_OUT_TOL  # the dispatch's self-check uses the same
 
 HERE = Path(__file__).resolve().parent
-BF16_OUT_TOL = 2e-2  # ||fla - ref|| / ||ref|| of the output and final state, bf16 kernel vs our fp32 reference
-BF16_GRAD_TOL = 5e-2  # same for each input gradient (as benchmarks/gpu/cuda_check.py)
 BARS = {"delta_op": 1.15, "gdn_layer": 1.15, "hybrid": 1.1}
 FWL_RECIPE = HERE / "fwl_smollm2_gpu.py"  # issue 41's GPU recipe: not yet written when absent
 SMOLLM2_GGUF = REPO / ".fwl-gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"  # where its two-call procedure joins the file
@@ -247,6 +247,47 @@ def hybrid(ctx: Ctx) -> dict:
                                                                    fla_side(ctx, "fla_gdn_hybrid"), BARS["hybrid"]),
                        "ours_auto_over_fla_model": ratio(parts, "ours_hybrid_auto", fla_side(ctx, "fla_gdn_hybrid"),
                                                          BARS["hybrid"])}}
+
+
+ISSUE51_BARS = {"time": 1.1, "peak": 1.2}  # issue 51's acceptance: auto's step time and peak over fla's
+
+
+def selfcheck_record(ctx: Ctx) -> dict:
+    """What issue 51's gradient self-check of fla's gated backward decided in this process: the mode, its log lines,
+    fla's guard flag now, the verdicts in the cache file (the check runs on the first gated training call on auto
+    where fla refuses the backward; none where fla allows it, as on the dry run's CPU)."""
+    try:
+        cached = json.loads(fsc._cache_path().read_text())
+    except (OSError, ValueError):
+        cached = {}
+    return {"mode": fsc.gated_backward_mode(), "refused_by_fla": ctx.refuses,
+            "lines": [line for line in ctx.log.lines if "which fla refuses" in line],
+            "decisions": [{"device": m[1], "K": m[2], "V": m[3], "dtype": str(m[4]), "mode": m[0], "fla_taken": v}
+                          for m, v in fsc._DECISIONS.items()],
+            "cached_verdicts": cached}
+
+
+def gdn_layer_selfcheck(ctx: Ctx) -> dict:
+    """The gdn layer on auto after issue 51's self-check (fla's gated backward where the check on this device passes)
+    over fla's GatedDeltaNet layer at T=8192, against issue 51's bar, with the check's record."""
+    rec = gdn_layer(ctx, 1)
+    rec["ratios"]["gdn_layer_auto_over_fla_layer_issue51"] = ratio(rec["parts"], "layer_gdn",
+                                                                   fla_side(ctx, "layer_fla_gdn"), ISSUE51_BARS["time"])
+    return {**rec, "selfcheck": selfcheck_record(ctx), "backend_log": list(ctx.log.lines)}
+
+
+def hybrid_selfcheck(ctx: Ctx) -> dict:
+    """Our hybrid on auto after issue 51's self-check over fla's GatedDeltaNetForCausalLM: step time and peak memory
+    against issue 51's bars, with the check's record."""
+    fla_model = fla_side(ctx, "fla_gdn_hybrid")
+    parts = {"ours_hybrid_auto": part(lambda: cs.train_model("ours", ctx.cfg, ctx.device)),
+             fla_model: part(lambda: cs.train_model("fla", ctx.cfg, ctx.device, bypass=ctx.refuses))}
+    mem = [parts[k].get("peak_bytes") for k in ("ours_hybrid_auto", fla_model)]
+    peak = None if None in mem else round(mem[0] / mem[1], 4)
+    return {"parts": parts, "selfcheck": selfcheck_record(ctx), "backend_log": list(ctx.log.lines),
+            "ratios": {"ours_auto_over_fla_model": ratio(parts, "ours_hybrid_auto", fla_model, ISSUE51_BARS["time"]),
+                       "ours_auto_peak_over_fla_model": {"ratio": peak, "bar": ISSUE51_BARS["peak"],
+                                                         "met": None if peak is None else peak <= ISSUE51_BARS["peak"]}}}
 
 
 def gdn_chunks(ctx: Ctx) -> dict:

@@ -48,7 +48,7 @@ from typing import Callable
 import cuda_scale as cs  # noqa: E402  (its sibling benchmarks/gpu/cuda_scale.py, on sys.path as the script's folder)
 from gpu_measurements import (  # noqa: E402  (its sibling benchmarks/gpu/gpu_measurements.py: what each item measures)
     TINY_LENGTHS, Ctx, NotWritten, delta_op, dispatch_choices, fwl_recipe, fwp_layer, fwpkm, gdn_chunks, gdn_layer,
-    grad_check, hybrid)
+    gdn_layer_selfcheck, grad_check, hybrid, hybrid_selfcheck)
 import torch  # noqa: E402
 
 from fastweights.evidence.result_files import command_line, repo_relative  # noqa: E402
@@ -109,6 +109,10 @@ ITEMS = [
     Item("like/delta_op_T32768", 3, 1.5, "delta-rule op over fla's raw kernel at T=32768", lambda c: delta_op(c, 2)),
     Item("like/gdn_layer_T2048", 3, 1.5, "gdn layer over fla's layer at T=2048", lambda c: gdn_layer(c, 0)),
     Item("like/gdn_layer_T32768", 3, 2.0, "gdn layer over fla's layer at T=32768", lambda c: gdn_layer(c, 2)),
+    Item("like/gdn_auto_selfcheck", 3, 3.0, "issue 51: gdn layer on auto after the gradient self-check of "
+         "fla's gated backward (its verdict recorded) over fla's layer, T=8192, bar 1.1", gdn_layer_selfcheck),
+    Item("like/hybrid_auto_selfcheck", 3, 2.5, "issue 51: our hybrid on auto after the self-check over fla's "
+         "GatedDeltaNetForCausalLM, 115M, T=4096, bars 1.1 time, 1.2 peak", hybrid_selfcheck),
     Item("open/fwp_layer", 4, 1.0, "fwp layer (DPFP, delta rule) over fla's raw delta kernel, T=8192", fwp_layer),
     Item("open/fwpkm_vs_lucidrains", 4, 0.7, "FwPKM layer vs lucidrains' fwPKM, fp32, d_model 768, 512^2 slots, "
          "top-8, 1 head, chunk 512, T=1,024, time and peak memory", fwpkm),

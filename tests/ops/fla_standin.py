@@ -14,6 +14,12 @@ it (a keyword, 16, 32 or 64, default 64; anything else a ValueError) and recorde
 imitates fla issue 984 (fla < 0.6.0 on Hopper): the ungated rule's gradients of k and beta come out halved at
 chunk size 64 (for the tests of the GPU queue's gradient check). ``install(..., version=...)`` makes it answer to
 another fla version (an fla older than the dispatch's floor).
+
+fla 0.6's refusal of the gated backward (issue 51): the module ``fla.ops.common.chunk_o`` holds fla's flags
+``IS_NVIDIA_HOPPER``, ``TRITON_ABOVE_3_4_0``, ``TRITON_ABOVE_3_7_1`` (all False: no refusal), and the gated kernel's
+backward raises, when it runs, where ``IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1``, as fla's
+``chunk_bwd_dqkwg`` does; :func:`refuse_gated_backward` sets the flags so (a Hopper GPU with Triton 3.6.0).
+``WRONG_GATED = True`` makes the gated rule's gradients of k and g come out halved (what fla issue 640 reports).
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from fastweights.ops.delta_rule import delta_rule_recurrent
 LOW = (torch.float16, torch.bfloat16)
 VERSION = "0.6.0+standin"  # the fla version the stand-in answers to (its chunk_size keyword is 0.6's)
 WRONG_CHUNK64 = False
+WRONG_GATED = False
+GUARD_MODULE = "fla.ops.common.chunk_o"
 
 
 class Contract(AssertionError):
@@ -62,6 +70,23 @@ def _halve_grad(x):
     return x
 
 
+class _GatedBackwardGuard(torch.autograd.Function):
+    """Identity on the gated kernel's output whose backward refuses as fla 0.6's ``chunk_bwd_dqkwg`` does: reading
+    ``chunk_o``'s flags when the backward runs."""
+
+    @staticmethod
+    def forward(ctx, o):
+        return o.view_as(o)
+
+    @staticmethod
+    def backward(ctx, grad):
+        flags = sys.modules[GUARD_MODULE]
+        if flags.IS_NVIDIA_HOPPER and flags.TRITON_ABOVE_3_4_0 and not flags.TRITON_ABOVE_3_7_1:
+            raise RuntimeError("stand-in of fla 0.6's guard: the gated backward (chunk_bwd_dqkwg) is refused on Hopper "
+                               "with 3.4.0 <= Triton < 3.7.1 (fla issue 640)")
+        return grad
+
+
 def _run(rule, q, k, v, beta, g, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, **extra):
     _check(q, k, v, beta, g, initial_state)
     chunk_size = extra.pop("chunk_size", 64)
@@ -73,11 +98,16 @@ def _run(rule, q, k, v, beta, g, scale, initial_state, output_final_state, use_q
     qf, kf = q.float(), k.float()
     if WRONG_CHUNK64 and rule == "delta" and chunk_size == 64 and torch.is_grad_enabled():
         kf, beta = _halve_grad(kf * 1), _halve_grad(beta * 1)
+    if WRONG_GATED and rule == "gated" and torch.is_grad_enabled():
+        kf, g = _halve_grad(kf * 1), _halve_grad(g * 1)
     if use_qk_l2norm_in_kernel:
         qf, kf = F.normalize(qf, dim=-1, eps=1e-6), F.normalize(kf, dim=-1, eps=1e-6)
     o, final = delta_rule_recurrent(qf, kf, v.float(), beta.float(), scale=scale, initial_state=initial_state,
                                     output_final_state=output_final_state, log_decay=g)
-    return o.to(q.dtype), final
+    o = o.to(q.dtype)
+    if rule == "gated" and torch.is_grad_enabled():
+        o = _GatedBackwardGuard.apply(o)
+    return o, final
 
 
 def chunk_delta_rule(*, q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
@@ -100,8 +130,11 @@ def install(monkeypatch, version: str = VERSION) -> list[dict]:
     the call log. ``monkeypatch``: pytest's fixture, or anything with its ``setitem`` / ``setattr`` (the GPU
     queue's dry run)."""
     fla_backend = importlib.import_module("fastweights.ops.fla_backend")
-    mods = {name: types.ModuleType(name) for name in ("fla", "fla.ops", "fla.ops.delta_rule", "fla.ops.gated_delta_rule")}
+    names = ("fla", "fla.ops", "fla.ops.delta_rule", "fla.ops.gated_delta_rule", "fla.ops.common", GUARD_MODULE)
+    mods = {name: types.ModuleType(name) for name in names}
     mods["fla"].__version__ = version
+    guard = mods[GUARD_MODULE]
+    guard.IS_NVIDIA_HOPPER = guard.TRITON_ABOVE_3_4_0 = guard.TRITON_ABOVE_3_7_1 = False
     mods["fla.ops.delta_rule"].chunk_delta_rule = chunk_delta_rule
     mods["fla.ops.gated_delta_rule"].chunk_gated_delta_rule = chunk_gated_delta_rule
     for name, mod in mods.items():
@@ -109,8 +142,21 @@ def install(monkeypatch, version: str = VERSION) -> list[dict]:
     _clear(fla_backend)
     monkeypatch.setattr(fla_backend, "FLA_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(fla_backend, "_logged", set())
+    monkeypatch.setattr(importlib.import_module("fastweights.ops.fla_selfcheck"), "_DECISIONS", {})
     CALLS.clear()
     return CALLS
+
+
+def refuse_gated_backward(monkeypatch, triton: str = "3.6.0") -> None:
+    """Set the stand-in's ``chunk_o`` flags as fla 0.6 sets them on a Hopper GPU with this Triton (3.6.0: refused),
+    and make the self-check's cache key read that Triton version (not a ``triton`` module in ``sys.modules``, which
+    torch's compiler would take for Triton itself)."""
+    guard = sys.modules[GUARD_MODULE]
+    version = tuple(int(x) for x in triton.split("."))
+    monkeypatch.setattr(guard, "IS_NVIDIA_HOPPER", True)
+    monkeypatch.setattr(guard, "TRITON_ABOVE_3_4_0", version >= (3, 4, 0))
+    monkeypatch.setattr(guard, "TRITON_ABOVE_3_7_1", version >= (3, 7, 1))
+    monkeypatch.setattr(importlib.import_module("fastweights.ops.fla_selfcheck"), "triton_version_text", lambda: triton)
 
 
 def uninstall() -> None:

@@ -40,8 +40,9 @@ BF16 = torch.bfloat16
 
 
 @pytest.fixture
-def fla(monkeypatch):
+def fla(monkeypatch, tmp_path):
     calls = fla_standin.install(monkeypatch)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the gradient self-check's verdicts
     monkeypatch.setattr(dr, "_fla_refuses", lambda device: False)
     monkeypatch.setattr(dr, "_warned_fallback", False)
     yield calls
@@ -98,6 +99,7 @@ def test_fp32_goes_to_fla_under_autocast_only(fla):
 
 def test_gated_training_where_fla_refuses_takes_the_compiled_form(fla, monkeypatch):
     monkeypatch.setattr(dr, "_fla_refuses", lambda device: True)
+    monkeypatch.setenv("FASTWEIGHTS_FLA_GATED_BACKWARD", "safe")  # no self-check (tests/ops/test_fla_selfcheck.py)
     monkeypatch.setattr(dr, "COMPILE_OPTIONS", {"backend": "aot_eager"})
     monkeypatch.setattr(dr, "_COMPILED", {})
     q, k, v, beta, g, _ = (x.to(BF16) if x.dtype == torch.float32 and x.dim() == 4 else x for x in inputs())
@@ -337,8 +339,9 @@ def test_auto_takes_fla_gated_backward_wherever_fla_allows_it(fla, monkeypatch, 
     o.float().square().sum().backward()
     (call,) = fla
     assert call["rule"] == "gated" and call["grad"] and call["chunk_size"] == 64 and g.grad is not None
-    # and where fla refuses it (3.4 <= Triton < 3.7.1), the compiled form, fla untouched
+    # and where fla refuses it (3.4 <= Triton < 3.7.1) and no self-check lifts that, the compiled form, fla untouched
     _on_hopper(monkeypatch, (3, 6, 0))
+    monkeypatch.setenv("FASTWEIGHTS_FLA_GATED_BACKWARD", "safe")
     monkeypatch.setattr(dr, "COMPILE_OPTIONS", {"backend": "aot_eager"})
     monkeypatch.setattr(dr, "_COMPILED", {})
     delta_rule(q, k, v, beta, log_decay=g, initial_state=s0, qk_l2norm=True)

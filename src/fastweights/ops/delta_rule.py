@@ -52,7 +52,8 @@ flash-linear-attention's ``chunk_delta_rule`` / ``chunk_gated_delta_rule`` (CUDA
 under autocast, cast to the autocast dtype right before the kernel, the state fp32);
 ``"auto"`` uses fla when it is importable (flash-linear-attention >= 0.6.0), the tensors are on CUDA and
 the kernel dtype is fp16/bf16, and the compiled form where fla refuses (its gated backward on Hopper GPUs
-with Triton 3.4 to 3.7.0 and no TileLang); else torch. The contract with fla, the choice and the GPU
+with Triton 3.4 to 3.7.0 and no TileLang) unless a one-time gradient check of fla's gated backward on the device
+passes (:mod:`fastweights.ops.fla_selfcheck`; ``FASTWEIGHTS_FLA_GATED_BACKWARD=check|fla|safe``); else torch. The contract with fla, the choice and the GPU
 measurements behind it are in :mod:`fastweights.ops.fla_backend`; each distinct choice is logged once per
 process.
 """
@@ -75,6 +76,7 @@ from fastweights.ops.fla_backend import (  # noqa: F401  (select_backend, fla_av
     log_choice_once,
     select_backend,
 )
+from fastweights.ops.fla_selfcheck import fla_gated_backward_allowed
 from fastweights.ops.linear_attention import (
     causal_mask,
     check_inputs,
@@ -420,11 +422,13 @@ def delta_rule(
     fla_ok = backend in ("auto", "fla") and fla_available()
     gated = log_decay is not None
     fla_unusable = None if fla_ok or backend not in ("auto", "fla") else fla_unusable_reason()
-    chosen = select_backend(
-        backend, **choice, fla_ok=fla_ok,
-        fla_refuses_gated_backward=fla_ok and gated and needs_grad and _fla_refuses(q.device),
-        fla_unusable=fla_unusable,
-    )
+    refuses = fla_ok and gated and needs_grad and _fla_refuses(q.device)
+    if backend == "auto" and refuses and select_backend("auto", **choice, fla_ok=True,
+                                                        fla_refuses_gated_backward=True) == "compiled":
+        # auto would leave fla for the refusal alone: fla's gradient self-check on this device may lift it
+        refuses = not fla_gated_backward_allowed(q.device, k.shape[-1], v.shape[-1], choice["dtype"])
+    chosen = select_backend(backend, **choice, fla_ok=fla_ok, fla_refuses_gated_backward=refuses,
+                            fla_unusable=fla_unusable)
     log_choice_once(backend, chosen, **choice, fla_unusable=fla_unusable)
     if chosen == "fla":
         try:

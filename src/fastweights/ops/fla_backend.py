@@ -31,13 +31,18 @@ fla refuses its own gated backward (``chunk_bwd_dqkwg``) on Hopper (sm_90) with 
 (wrong results, fla issue 640) unless its TileLang backend takes that function over (``tilelang``
 importable with a usable nvcc). There ``"auto"`` trains a gated call through ``"compiled"``, the project's
 chunkwise form compiled with ``torch.compile``; wherever fla allows the gated backward (another GPU,
-Triton < 3.4 or >= 3.7.1, or TileLang), ``"auto"`` takes it (:func:`refuses_gated_backward`). ``"auto"``
-does not bypass fla's guard: the GPU queue found the bypassed kernel right at our shape (H200, Triton 3.6.0,
-B=4/16, H=12, K=V=64, L2 norm in the kernel: every relative error below 0.006 against 0.05, at T=8192 and
-T=2048; ``gpu_queue_grad_gated_c64*.json``), but two lengths at one shape on one GPU do not outweigh the
-library's guard, which covers every shape. The price, measured there: the ``gdn`` layer trains at 6.2x fla's
-``GatedDeltaNet`` layer under ``"auto"``, and at 1.05x when forced onto fla's kernel
-(``gpu_queue_like_gdn_layer_T8192.json``).
+Triton < 3.4 or >= 3.7.1, or TileLang), ``"auto"`` takes it (:func:`refuses_gated_backward`). Where fla refuses
+it, ``"auto"`` does not take fla's word for every shape either way: a one-time gradient check on the device
+(:mod:`fastweights.ops.fla_selfcheck`: a small random problem at the call's head sizes and dtype, fla's forward and
+backward against the chunkwise form in fp32, the GPU queue's ``grad/*`` tolerances) decides, its verdict cached per
+device, torch, Triton and fla version under the user's cache folder; passing, fla's guard is lifted for the whole
+process (the log line says so); failing, or any error in it, keeps the compiled form.
+``FASTWEIGHTS_FLA_GATED_BACKWARD=check|fla|safe`` (default ``check``) forces either path (``fla``: fla's backward
+unchecked; ``safe``: the compiled form). ``backend="fla"`` is fla as it is, its guard included. Why: the GPU queue
+found the bypassed kernel right at our shape (H200, Triton 3.6.0, B=4/16, H=12, K=V=64, L2 norm in the kernel: every
+relative error below 0.006 against 0.05, at T=8192 and T=2048; ``gpu_queue_grad_gated_c64*.json``), and the price of
+the compiled form there: the ``gdn`` layer trains at 6.2x fla's ``GatedDeltaNet`` layer on it, and at 1.05x on fla's
+kernel (``gpu_queue_like_gdn_layer_T8192.json``).
 
 Each distinct choice is logged once per process (logger ``fastweights.ops.delta_rule``), not per call.
 """
@@ -226,8 +231,9 @@ def log_choice_once(requested: str, chosen: str, device_type: str, dtype: torch.
     if chosen == requested:
         why = "as requested"
     elif chosen == "compiled":
-        why = ("fla refuses the gated backward on this GPU (Hopper, 3.4 <= Triton < 3.7.1, no TileLang): the "
-               "chunkwise form compiled with torch.compile")
+        why = ("fla refuses the gated backward on this GPU (Hopper, 3.4 <= Triton < 3.7.1, no TileLang) and its "
+               "gradient self-check did not lift that (the line before says why): the chunkwise form compiled with "
+               "torch.compile")
     elif fla_missing:
         why = f"the chunkwise PyTorch form: {fla_unusable}"
     else:

@@ -1,0 +1,204 @@
+"""The gradient self-check of fla's gated backward (issue 51, scope 1), on a CPU with the stand-in fla.
+
+``tests/ops/fla_standin.py`` imitates fla 0.6 on a Hopper GPU with Triton 3.6.0 (``refuse_gated_backward``): its
+gated kernel's backward raises unless ``fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1`` is True when the backward runs,
+and ``WRONG_GATED`` halves its gated gradients of k and g (what fla issue 640 reports). Here: right gradients take
+fla with its guard lifted for the backward, wrong ones keep the compiled form; the verdict is cached per key (a new
+Triton or fla version checks again, the same key does not); an error in the check keeps the compiled form;
+``FASTWEIGHTS_FLA_GATED_BACKWARD`` forces either path; a corrupt cache file is ignored and rewritten. Each test names
+the one-line bug it catches (``tests/mutants/issue51_bar.json``).
+"""
+
+import importlib
+import json
+import logging
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fla_standin
+
+from fastweights.core.errors import UserError
+from fastweights.ops.delta_rule import delta_rule
+
+dr = importlib.import_module("fastweights.ops.delta_rule")
+sc = importlib.import_module("fastweights.ops.fla_selfcheck")
+BF16 = torch.bfloat16
+T = 19  # the training call's length (the check's is sc.CHECK_SHAPE["T"])
+
+
+@pytest.fixture
+def hopper(monkeypatch, tmp_path):
+    """The stand-in fla refusing its gated backward as on a Hopper GPU with Triton 3.6.0; verdicts in tmp_path."""
+    calls = fla_standin.install(monkeypatch)
+    fla_standin.refuse_gated_backward(monkeypatch, triton="3.6.0")
+    monkeypatch.setattr(dr, "_fla_refuses", lambda device: True)
+    monkeypatch.setattr(dr, "COMPILE_OPTIONS", {"backend": "aot_eager"})
+    monkeypatch.setattr(dr, "_COMPILED", {})
+    monkeypatch.setattr(fla_standin, "WRONG_GATED", False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv(sc.MODE_ENV, raising=False)
+    yield calls
+    monkeypatch.undo()
+    fla_standin.uninstall()
+
+
+@pytest.fixture
+def checks(monkeypatch):
+    """The self-check's runs (each a call of run_gated_backward_check)."""
+    runs = []
+    real = sc.run_gated_backward_check
+
+    def spy(*args):
+        runs.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(sc, "run_gated_backward_check", spy)
+    return runs
+
+
+def guard_lifted() -> bool:
+    return sys.modules[fla_standin.GUARD_MODULE].TRITON_ABOVE_3_7_1
+
+
+def train_gated(calls) -> str:
+    """One gated training step of the delta rule on ``auto`` (bf16, as the gdn layer under autocast feeds it);
+    returns the path it took: "fla" (the stand-in ran this call) or "compiled"."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, T, 2, 8, generator=g) for _ in range(3))
+    beta, log_decay = torch.rand(2, T, 2, generator=g), -torch.rand(2, T, 2, generator=g) * 0.3
+    leaves = [x.to(BF16).requires_grad_() for x in (q, F.normalize(k, dim=-1), v, beta)]
+    log_decay.requires_grad_()
+    before = len([c for c in calls if c["q"].shape[1] == T])
+    o, _ = delta_rule(*leaves, log_decay=log_decay, qk_l2norm=True)
+    o.float().square().sum().backward()  # the stand-in's guard raises here unless it is lifted now
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (*leaves, log_decay))
+    return "fla" if len([c for c in calls if c["q"].shape[1] == T]) > before else "compiled"
+
+
+def lines(caplog):
+    """The self-check's log lines (one per decision)."""
+    return [r.getMessage() for r in caplog.records
+            if r.name == "fastweights.ops.delta_rule" and "fla's gated backward, which fla refuses" in r.getMessage()]
+
+
+def cached(tmp_path) -> dict:
+    return json.loads((tmp_path / "cache" / "fastweights" / sc.CACHE_FILE).read_text())
+
+
+def new_process():
+    """What a new process starts from: no decision made, fla's guard as fla sets it (the cache file stays)."""
+    sc._DECISIONS.clear()
+    sys.modules[fla_standin.GUARD_MODULE].TRITON_ABOVE_3_7_1 = False
+
+
+# catches: the guard lifted only around the check (the backward of the training call then refused), and the
+# dispatch not consulting the check (refuses = True)
+def test_right_gradients_take_fla_with_its_guard_lifted_while_the_backward_runs(hopper, checks, caplog, tmp_path):
+    with caplog.at_level(logging.INFO, logger="fastweights.ops.delta_rule"):
+        assert train_gated(hopper) == "fla"
+        assert train_gated(hopper) == "fla"
+    assert len(checks) == 1 and guard_lifted()
+    (line,) = lines(caplog)
+    assert "TAKEN" in line and "passed" in line and "largest relative error" in line
+    assert "TRITON_ABOVE_3_7_1 set True for the whole process" in line and "K=8 V=8 bfloat16" in line
+    (verdict,) = cached(tmp_path).values()
+    assert verdict["passed"] and verdict["rel_err"]["dk"] <= sc.BF16_GRAD_TOL
+
+
+# catches: the check's result ignored (fla taken though its gradients are wrong)
+def test_wrong_gradients_keep_the_compiled_form(hopper, checks, caplog, monkeypatch, tmp_path):
+    monkeypatch.setattr(fla_standin, "WRONG_GATED", True)
+    with caplog.at_level(logging.INFO, logger="fastweights.ops.delta_rule"):
+        assert train_gated(hopper) == "compiled"
+    assert len(checks) == 1 and not guard_lifted()
+    (line,) = lines(caplog)
+    assert "not taken (the compiled form)" in line and "failed" in line
+    (verdict,) = cached(tmp_path).values()
+    assert not verdict["passed"] and {"dk", "dg"} <= set(verdict["wrong"])
+    new_process()  # a failed verdict is cached too: the next process keeps the compiled form without checking
+    assert train_gated(hopper) == "compiled" and len(checks) == 1
+
+
+# catches: the check's tolerance comparison dropped (wrong = [])
+def test_the_check_compares_every_gradient_with_the_queues_tolerances(hopper, monkeypatch):
+    right = sc.run_gated_backward_check(torch.device("cpu"), 8, 4, BF16)
+    assert right["passed"] and set(right["rel_err"]) == {"o", "final_state", "dq", "dk", "dv", "dbeta", "dg", "dh0"}
+    assert right["tolerance"]["dk"] == sc.BF16_GRAD_TOL and right["tolerance"]["o"] == sc.BF16_OUT_TOL
+    monkeypatch.setattr(fla_standin, "WRONG_GATED", True)
+    wrong = sc.run_gated_backward_check(torch.device("cpu"), 8, 4, BF16)
+    assert not wrong["passed"] and wrong["wrong"] == ["dg", "dk"] and wrong["worst"] in ("dg", "dk")
+    assert not guard_lifted()  # the check leaves fla's guard as it found it, passing or not
+
+
+# catches: an exception in the check propagating (except ValueError), or choosing fla (return True)
+@pytest.mark.parametrize("error", ["the check raises", "fla without the guard flag"])
+def test_an_error_in_the_check_keeps_the_compiled_form(hopper, caplog, monkeypatch, tmp_path, error):
+    if error == "the check raises":
+        def broken(*args):
+            raise RuntimeError("out of memory in the check")
+        monkeypatch.setattr(sc, "run_gated_backward_check", broken)
+    else:
+        monkeypatch.delattr(sys.modules[fla_standin.GUARD_MODULE], "TRITON_ABOVE_3_7_1")
+    with caplog.at_level(logging.INFO, logger="fastweights.ops.delta_rule"):
+        assert train_gated(hopper) == "compiled"
+    (line,) = lines(caplog)
+    assert "not taken" in line and "the check could not run (RuntimeError" in line
+    assert not (tmp_path / "cache" / "fastweights" / sc.CACHE_FILE).exists()  # an error is no verdict
+
+
+# catches: the cache key without Triton's version, and the cached verdict ignored (the check run every process)
+def test_a_new_triton_or_fla_version_checks_again_the_same_key_does_not(hopper, checks, monkeypatch, tmp_path,
+                                                                         caplog):
+    assert train_gated(hopper) == "fla" and len(checks) == 1
+    new_process()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fastweights.ops.delta_rule"):
+        assert train_gated(hopper) == "fla" and len(checks) == 1  # the same key: the cached verdict
+    (line,) = lines(caplog)
+    assert "TAKEN" in line and "the verdict cached in" in line and "passed" in line
+    new_process()
+    fla_standin.refuse_gated_backward(monkeypatch, triton="3.6.1")
+    assert train_gated(hopper) == "fla" and len(checks) == 2
+    new_process()
+    monkeypatch.setattr(sys.modules["fla"], "__version__", "0.6.1")
+    assert train_gated(hopper) == "fla" and len(checks) == 3
+    keys = sorted(cached(tmp_path))
+    assert len(keys) == 3 and any("triton=3.6.1|fla=0.6.0+standin" in key for key in keys)
+    assert all(f"torch={torch.__version__}" in key and "|K=8|V=8|dtype=bfloat16" in key for key in keys)
+
+
+# catches: FASTWEIGHTS_FLA_GATED_BACKWARD ignored (mode = "check")
+def test_the_variable_forces_either_path_without_checking(hopper, checks, caplog, monkeypatch):
+    monkeypatch.setenv(sc.MODE_ENV, "safe")
+    with caplog.at_level(logging.INFO, logger="fastweights.ops.delta_rule"):
+        assert train_gated(hopper) == "compiled"  # right gradients, but forced safe
+        monkeypatch.setattr(fla_standin, "WRONG_GATED", True)
+        monkeypatch.setenv(sc.MODE_ENV, "fla")
+        assert train_gated(hopper) == "fla"  # wrong gradients, but forced fla
+    assert checks == [] and guard_lifted()
+    safe, forced = lines(caplog)
+    assert "not taken" in safe and f"{sc.MODE_ENV}=safe" in safe
+    assert "TAKEN" in forced and f"{sc.MODE_ENV}=fla, unchecked" in forced
+    monkeypatch.setenv(sc.MODE_ENV, "yes")
+    with pytest.raises(UserError, match="must be one of check, fla, safe"):
+        train_gated(hopper)
+
+
+# catches: a corrupt cache file's error propagating from the load (except OSError only)
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"x": 1}) + "trailing", "[1, 2]", "corrupt entry",
+                                     "entry without its worst error"])
+def test_a_corrupt_cache_file_is_ignored_and_rewritten(hopper, checks, tmp_path, content):
+    path = tmp_path / "cache" / "fastweights" / sc.CACHE_FILE
+    path.parent.mkdir(parents=True)
+    key = sc.check_key(torch.device("cpu"), 8, 8, BF16)
+    if content == "corrupt entry":
+        content = json.dumps({key: {"passed": "yes"}})
+    elif content == "entry without its worst error":
+        content = json.dumps({key: {"passed": False, "rel_err": {"dk": 0.5}, "worst": "dg"}})
+    path.write_text(content)
+    assert train_gated(hopper) == "fla" and len(checks) == 1
+    (verdict,) = json.loads(path.read_text()).values()
+    assert verdict["passed"] is True
