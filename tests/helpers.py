@@ -51,9 +51,9 @@ DATA = Path(__file__).resolve().parent / "data"  # files the tests read (memory_
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from fastweights import components as registry  # noqa: E402
 from fastweights.core.config import ModelConfig  # noqa: E402
 from fastweights.models.lm import LanguageModel  # noqa: E402
+from fastweights.testing.registry_cases import VARIANTS  # noqa: E402
 
 # ----------------------------------------------------------------------------- tiny language models
 
@@ -88,10 +88,6 @@ def motif_tokens(n: int, vocab_size: int, seed: int = 1) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- registered components
 
-D, HEADS, V, T, B = 12, 2, 9, 16, 2  # the registry-wide contracts' layer dimensions
-# (kind, name) -> {variant id: options}, as the components declare them (``test_variants``)
-VARIANTS = {(kind, e.name): registry.declared(e, "test_variants") for kind, e in registry.registered()}
-
 
 def variant_cases(known: dict | None = None, key=lambda kind, name, vid: (kind, name)):
     """pytest params ``(kind, name, raw)`` for every registered component and variant, id ``kind-name-variant``;
@@ -101,18 +97,6 @@ def variant_cases(known: dict | None = None, key=lambda kind, name, vid: (kind, 
             why = (known or {}).get(key(kind, name, vid))
             marks = [pytest.mark.xfail(strict=True, reason=why)] if why else []
             yield pytest.param(kind, name, raw, id=f"{kind}-{name}-{vid}", marks=marks)
-
-
-def build_component(kind: str, name: str, raw: dict):
-    """Component ``name`` with options ``raw`` at the contracts' dimensions, seed 0, fp64, eval mode; a
-    ``persistence="official"`` memory keeps its initial tables as ``initial_tables``."""
-    entry = registry.lookup(registry.KINDS[kind], kind, name)
-    options = registry.build_options(entry, raw)
-    torch.manual_seed(0)
-    layer = registry.build(kind, entry, options, d_model=D, n_heads=HEADS, vocab_size=V).double().eval()
-    if getattr(options, "persistence", None) == "official":
-        layer.initial_tables = {k: t.clone() for k, t in layer.state_dict().items()}
-    return layer
 
 
 # ----------------------------------------------------------------------------- streaming in pieces

@@ -7,8 +7,8 @@ steps, our delta rule against flash-linear-attention, and ``fastweights train`` 
 Three parts, each failure recorded with its message instead of stopping the run:
 
 1. components: every mixer, head and memory with every variant that ``tests/contracts/test_device_contract.py``
-   enumerates (``helpers.VARIANTS`` in tests/, built by ``helpers.build_component``: fixed seed, CPU, fp32)
-   is copied to the device; forward + backward of two calls (the second reading the state the first
+   enumerates (``fastweights.testing.registry_cases.VARIANTS``, built by ``fastweights.testing.device_contract.build``:
+   fixed seed, CPU, fp32) is copied to the device; forward + backward of two calls (the second reading the state the first
    returned) on the same random input on both devices. Recorded: the largest absolute difference of each
    output, input gradient, carried state and parameter gradient, relative to that tensor's largest CPU
    value; pass when every one is within ``FP32_REL_TOL`` (TF32 off). Then three Adam steps under bf16
@@ -42,16 +42,17 @@ import time
 import traceback
 from pathlib import Path
 
-from fastweights.evidence.result_files import REPO, RESULTS, command_line_without, git_state, provenance, write_result
+from fastweights.evidence.result_files import RESULTS, command_line_without, git_state, provenance, write_result
 from fastweights.evidence.timing import timeit
 import torch
 import torch.nn.functional as F
 
 from fastweights.ops.delta_rule import delta_rule
+from fastweights.testing import device_contract as contract
+from fastweights.testing import registry_cases as reg
 
 dr = sys.modules["fastweights.ops.delta_rule"]  # the module (fastweights.ops.delta_rule is the function)
 
-TESTS = REPO / "tests"
 FP32_REL_TOL = 1e-4  # CPU vs CUDA, fp32 (TF32 off): max |cuda - cpu| / max |cpu| per tensor
 BF16_LOSS_TOL = 0.05  # bf16-autocast loss vs fp32 loss, relative, per step (as tests/contracts/test_device_contract.py)
 BF16_OUT_TOL = 2e-2  # delta rule, bf16 vs fp32 reference: ||a - ref|| / ||ref|| of the output
@@ -74,17 +75,6 @@ def err_text(e: BaseException) -> str:
 # ----------------------------------------------------------------------------- 1. components
 
 
-def registry_helpers():
-    """The device-contract test's enumeration and construction (tests/ and tests/contracts/ must be importable)."""
-    for folder in (TESTS, TESTS / "contracts"):
-        if str(folder) not in sys.path:
-            sys.path.append(str(folder))
-    import helpers as reg
-    import test_device_contract as contract
-
-    return reg, contract
-
-
 def rel_diff(a: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     """(max |a - ref|, that over max |ref|); tensors of other dtypes compared exactly."""
     a, ref = a.detach().cpu(), ref.detach().cpu()
@@ -101,7 +91,7 @@ def rel_diff(a: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     return diff, diff / max(ref.abs().max().item(), 1e-30)
 
 
-def two_calls(layer, kind, x, tokens, weights, contract, device):
+def two_calls(layer, kind, x, tokens, weights, device):
     """Forward of two calls (the second reading the first's state), backward of a fixed weighted sum."""
     x1, x2 = (t.detach().clone().to(device).requires_grad_() for t in x)  # fresh leaves on each device
     t1, t2 = (t.to(device) for t in tokens)
@@ -122,7 +112,7 @@ def two_calls(layer, kind, x, tokens, weights, contract, device):
     return out
 
 
-def compare_devices(kind, name, raw, device, reg, contract) -> dict:
+def compare_devices(kind, name, raw, device) -> dict:
     layer_cpu = contract.build(kind, name, raw)  # fixed seed, built on the CPU, fp32
     layer_dev = copy.deepcopy(layer_cpu).to(device)
     g = torch.Generator().manual_seed(2)
@@ -136,8 +126,8 @@ def compare_devices(kind, name, raw, device, reg, contract) -> dict:
             cache["w"] = (torch.randn(shape, generator=gw), torch.randn(shape, generator=gw))
         return cache["w"]
 
-    ref = two_calls(layer_cpu, kind, x, tokens, weights, contract, torch.device("cpu"))
-    got = two_calls(layer_dev, kind, x, tokens, weights, contract, device)
+    ref = two_calls(layer_cpu, kind, x, tokens, weights, torch.device("cpu"))
+    got = two_calls(layer_dev, kind, x, tokens, weights, device)
     diffs, problems = {}, []
     for key in sorted(set(ref) | set(got)):
         if key not in ref or key not in got:
@@ -163,7 +153,7 @@ def compare_devices(kind, name, raw, device, reg, contract) -> dict:
     }
 
 
-def bf16_training(kind, name, raw, device, reg, contract) -> dict:
+def bf16_training(kind, name, raw, device) -> dict:
     fp32, _, _ = contract.train(kind, name, raw, False, device)
     bf16, state, layer = contract.train(kind, name, raw, True, device)
     problems = []
@@ -174,7 +164,7 @@ def bf16_training(kind, name, raw, device, reg, contract) -> dict:
     worst = max(abs(a - b) / max(abs(a), 1e-30) for a, b in zip(fp32, bf16))
     if not worst <= BF16_LOSS_TOL:
         problems.append(f"bf16 loss differs from fp32 by {worst:.3g} (relative)")
-    allowed = contract.COMPUTE_DTYPE_STATE.get((kind, name), ())
+    allowed = contract.compute_dtype_state(kind, name)
     for where, leaf in contract.state_leaves(state):
         if leaf.is_floating_point() and not ("" in allowed or where in allowed) and leaf.dtype != torch.float32:
             problems.append(f"state {where!r} is {leaf.dtype} under bf16 autocast")
@@ -210,7 +200,6 @@ PARTS = {"fp32_cpu_vs_device": compare_devices, "bf16_training": bf16_training}
 
 
 def component_rows(quick: bool) -> list[dict]:
-    reg, _ = registry_helpers()
     return [{"component": f"{kind}/{name}", "variant": vid, "options": raw}
             for (kind, name), variants in reg.VARIANTS.items()
             for i, (vid, raw) in enumerate(variants.items()) if not (quick and i > 0)]  # --quick: first variant
@@ -218,7 +207,6 @@ def component_rows(quick: bool) -> list[dict]:
 
 def component_pass(rows: list[dict], part: str, device: torch.device, deadline: float) -> None:
     """Run one part (fp32 comparison or bf16 training) for every row; a failure is recorded in its row."""
-    reg, contract = registry_helpers()
     counter = FlaCounter()
     dr._delta_rule_fla = counter
     try:
@@ -229,7 +217,7 @@ def component_pass(rows: list[dict], part: str, device: torch.device, deadline: 
                 continue
             t0 = time.perf_counter()
             try:
-                row[part] = PARTS[part](kind, name, row["options"], device, reg, contract)
+                row[part] = PARTS[part](kind, name, row["options"], device)
             except Exception as e:  # one component's failure is a result, not the end of the run
                 row[part] = {"error": err_text(e), "pass": False}
             row[part].update(counter.take())
@@ -246,7 +234,6 @@ def component_pass(rows: list[dict], part: str, device: torch.device, deadline: 
 
 
 def component_summary(rows: list[dict]) -> dict:
-    reg, _ = registry_helpers()
     for row in rows:
         verdicts = [row.get(part, {}).get("pass") for part in PARTS]
         row["pass"] = None if None in verdicts else all(verdicts)

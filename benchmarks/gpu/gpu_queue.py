@@ -53,13 +53,13 @@ import torch  # noqa: E402
 
 from fastweights.evidence.result_files import command_line, repo_relative  # noqa: E402
 from fastweights.ops import fla_backend as fb  # noqa: E402
+from fastweights.testing import fla_standin  # noqa: E402
 
 NAME = "gpu_queue"
 MAX_ITEM_FILES = 7  # + the summary: a device run returns at most 8 files
 # the checkout this script is in (issue 52: --unpack wrote into the installed package's checkout instead)
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
-STANDIN = REPO / "tests" / "ops"  # fla_standin.py: the dry run's fla where fla is absent
 
 
 class BadInput(Exception):
@@ -161,12 +161,8 @@ class _Patcher:
 
 
 def install_standin() -> str:
-    if str(STANDIN) not in sys.path:
-        sys.path.append(str(STANDIN))  # tests/ops, for the dry run only
-    import fla_standin
-
     fla_standin.install(_Patcher())
-    return ("fla absent: the stand-in tests/ops/fla_standin.py (fla 0.6's call contract, our per-step reference "
+    return ("fla absent: the stand-in fastweights.testing.fla_standin (fla 0.6's call contract, our per-step reference "
             "in fp32) ran in its place; fla's layers and models are absent from it")
 
 
