@@ -53,6 +53,7 @@ import traceback
 from pathlib import Path
 
 from fastweights.evidence.result_files import REPO, RESULTS, command_line_without, provenance
+from fastweights.evidence.timing import call_seconds, samples
 import torch
 import torch.nn.functional as F
 
@@ -178,18 +179,14 @@ def measure(step, device, warmup: int, repeat: int) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    t0 = time.perf_counter()
-    for _ in range(warmup):
-        step()
-    sync(device)
-    first = time.perf_counter() - t0
-    times = []
-    for _ in range(repeat):
+
+    def warm():  # the warm-up calls and their queued work, timed together
+        for _ in range(warmup):
+            step()
         sync(device)
-        t = time.perf_counter()
-        step()
-        sync(device)
-        times.append(time.perf_counter() - t)
+
+    (first,) = call_seconds(warm)
+    times = [s for (s,) in samples(step, repeat, sync=lambda: sync(device))]
     out = {"seconds_median": statistics.median(times), "seconds_all": [round(x, 6) for x in times],
            "warmup_seconds_total": round(first, 3)}
     if device.type == "cuda":

@@ -38,10 +38,10 @@ import importlib.util
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from fastweights.evidence.result_files import write_result
+from fastweights.evidence.timing import WALL_AND_CPU, call_seconds, samples, upper_median
 import torch
 import torch.nn.functional as F
 
@@ -71,19 +71,8 @@ def median_time(fn, repeat, warmup=1, sync=None):
 
     On a shared CPU the process CPU time (one thread) is the less noisy of the two.
     """
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        if sync:
-            sync()
-        t0, c0 = time.perf_counter(), time.process_time()
-        fn()
-        if sync:
-            sync()
-        times.append((time.perf_counter() - t0, time.process_time() - c0))
-    walls = sorted(t for t, _ in times)
-    return walls[len(walls) // 2], times
+    times = samples(fn, repeat, warmup, WALL_AND_CPU, sync)
+    return upper_median(t for t, _ in times), times
 
 
 def stats(times) -> dict:
@@ -231,9 +220,7 @@ def vs_fla_cpu(args) -> dict:
                 f()  # warm-up
             for _ in range(args.fla_repeat):
                 for name, f in fns.items():
-                    t0, c0 = time.perf_counter(), time.process_time()
-                    f()
-                    times[name].append((time.perf_counter() - t0, time.process_time() - c0))
+                    times[name].append(call_seconds(f, WALL_AND_CPU))
             st = {name: stats(v) for name, v in times.items()}
             fla_names = [n for n in st if n != "ours"]
             fastest = min(fla_names, key=lambda n: st[n]["cpu_median_s"])

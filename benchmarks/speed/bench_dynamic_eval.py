@@ -22,12 +22,12 @@ from __future__ import annotations
 import argparse
 import inspect
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from fastweights.evidence.result_files import repo_relative, write_result
+from fastweights.evidence.timing import call_seconds
 
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.sparse import SparseDynamicEvaluator, collect_sparse_grad_stats
@@ -38,12 +38,6 @@ from fastweights.models.lm import LanguageModel
 
 
 DATA = "tinyshakespeare"  # the corpus of the shakespeare-char preset and of the demo model (fastweights data list)
-
-
-def timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def probe_specs(probes) -> list[dict]:
@@ -100,7 +94,7 @@ def main() -> int:
     runs: dict[str, list[float]] = {}
 
     def add(name, fn):
-        seconds = timed(fn)
+        (seconds,) = call_seconds(fn)
         runs.setdefault(name, []).append(seconds)
 
     batched_error = None

@@ -23,13 +23,13 @@ import json
 import os
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from fastweights.evidence.result_files import command_line, provenance
+from fastweights.evidence.timing import WALL_AND_CPU, call_seconds
 
 from fastweights.layers.fast_rnn import FastWeightRNN
 
@@ -51,12 +51,6 @@ def plain_loop(rnn: FastWeightRNN, x: torch.Tensor, row_read: bool) -> torch.Ten
         A = LAM * A + ETA * h.unsqueeze(-1) * h.unsqueeze(-2)
         outs.append(h)
     return torch.stack(outs, 1)
-
-
-def timed(fn) -> tuple[float, float]:
-    w0, c0 = time.perf_counter(), time.process_time()
-    fn()
-    return time.perf_counter() - w0, time.process_time() - c0
 
 
 def summarise(samples: list[tuple[float, float]]) -> dict:
@@ -117,7 +111,7 @@ def training_step_comparison(B: int, T: int, H: int, rounds: int) -> dict:
         step(name)()
     for _ in range(rounds):
         for name in names:
-            samples[name].append(timed(step(name)))
+            samples[name].append(call_seconds(step(name), WALL_AND_CPU))
     results = {name: summarise(s) for name, s in samples.items()}
     ratios = {}
     for base in ("plain_loop", "plain_loop_rowread"):
@@ -156,7 +150,7 @@ def read_mode_sweep(B: int, H: int, ratios: list[float], rounds: int) -> list[di
             run(mode)
         for _ in range(rounds):
             for mode in samples:
-                samples[mode].append(timed(lambda: run(mode)))
+                samples[mode].append(call_seconds(lambda: run(mode), WALL_AND_CPU))
         res = {mode: summarise(s) for mode, s in samples.items()}
         rows.append(
             {
@@ -192,7 +186,7 @@ def generation_comparison(B: int, H: int, tokens: int, rounds: int) -> dict:
         run(mode)
     for _ in range(rounds):
         for mode in samples:
-            samples[mode].append(timed(lambda: run(mode)))
+            samples[mode].append(call_seconds(lambda: run(mode), WALL_AND_CPU))
     res = {mode: summarise(s) for mode, s in samples.items()}
     for mode in res:
         res[mode]["cpu_ms_per_token_median"] = round(res[mode]["cpu_ms_median"] / tokens, 4)

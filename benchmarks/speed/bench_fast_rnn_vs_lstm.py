@@ -27,6 +27,7 @@ import time
 import torch
 
 from fastweights.evidence.result_files import write_result
+from fastweights.evidence.timing import call_seconds
 
 from fastweights.core.config import make_config
 from fastweights.ops import fast_rnn
@@ -92,9 +93,7 @@ def time_alternately(variants: dict, rounds: int, warmup: int) -> dict:
     for r in range(warmup + rounds):
         for name, (fn, fallback) in variants.items():
             with torch_backend(fallback):
-                t0 = time.process_time()
-                fn()
-                dt = time.process_time() - t0
+                (dt,) = call_seconds(fn, (time.process_time,))
             if r >= warmup:
                 samples[name].append(dt)
     return {name: summarise(s) for name, s in samples.items()}

@@ -31,6 +31,7 @@ prefer_passive_waiting()  # as the fastweights command does, before torch loads 
 import torch  # noqa: E402
 
 from fastweights.evidence.result_files import write_result  # noqa: E402
+from fastweights.evidence.timing import call_seconds  # noqa: E402
 
 from fastweights.adapt.dynamic import DynamicEvaluator  # noqa: E402
 from fastweights.core.config import make_config  # noqa: E402
@@ -126,9 +127,7 @@ def main():
                 for name, fn in work.items():
                     for threads in (1, 2):
                         torch.set_num_threads(threads)
-                        t = time.perf_counter()
-                        fn()
-                        times[key][name][threads].append(time.perf_counter() - t)
+                        times[key][name][threads].append(call_seconds(fn)[0])
                         print(f"round {r + 1}/{a.repeat} {key} {name} {threads} thread(s): "
                               f"{times[key][name][threads][-1]:.2f} s", flush=True)
             finally:
