@@ -2,10 +2,12 @@
 a repetitive token stream. A plain module (``tests/`` is on ``sys.path``, see ``conftest.py``): tests import
 from here, never from another test module."""
 
+import functools
 import importlib
 import io
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +22,24 @@ def benchmark_script(name: str) -> Path:
     found = sorted(BENCHMARKS.glob(f"*/{name}.py"))
     assert len(found) == 1, f"benchmark script {name}.py: {found or 'in no folder of benchmarks/'}"
     return found[0]
+
+
+# the library's helpers that add flags to a benchmark script's parser, and the module that holds each
+SHARED_FLAG_HELPERS = {"benchmark_threads_flag": PACKAGE / "evidence" / "timing.py"}
+
+
+@functools.cache
+def benchmark_flags(script: str) -> frozenset[str]:
+    """The flags the benchmark script ``script`` (a path from the repository root) names in its text, and those of
+    the shared helpers it calls; empty when there is no such script."""
+    path = ROOT / script
+    if not path.is_file():
+        return frozenset()
+    text = path.read_text()
+    text += "".join(module.read_text() for helper, module in SHARED_FLAG_HELPERS.items() if f"{helper}(" in text)
+    return frozenset(re.findall(r'"(--?[\w-]+)"', text))
+
+
 def import_benchmark(name: str):
     """The benchmark script ``name`` as a module, imported as ``python benchmarks/KIND/NAME.py`` sees its folder
     (on ``sys.path`` while it imports, removed after)."""

@@ -27,7 +27,8 @@ from pathlib import Path
 
 from fastweights.evidence.provenance import machine as machine_info
 from fastweights.evidence.result_files import provenance
-import torch
+from fastweights.core.threads import use_threads
+from fastweights.evidence.timing import benchmark_threads_flag
 
 from fastweights.tasks.assoc import AssocConfig, plot_capacity, train_assoc
 
@@ -113,12 +114,12 @@ def main() -> int:
     # 0 (none) by default since issue 22: a wall-clock cap under load stopped the S=60 delta/DPFP run early
     # and made its 24.8x ratio a property of the machine's load; quality runs use the step cap only
     p.add_argument("--max-minutes", type=float, default=0.0, help="per-run wall-clock cap (0 = none)")
-    p.add_argument("--threads", type=int, default=1)
+    benchmark_threads_flag(p)
     p.add_argument("--quick", action="store_true", help="tiny smoke run of the script (not a measurement)")
     p.add_argument("--fresh", action="store_true", help="ignore results already in the JSON")
     p.add_argument("--out", default=str(RESULTS / "assoc_capacity.json"))
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
+    use_threads("benchmark", args.threads)
     out = Path(args.out)
     sweep = SWEEP
     if args.quick:

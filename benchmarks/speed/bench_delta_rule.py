@@ -41,7 +41,8 @@ import sys
 from pathlib import Path
 
 from fastweights.evidence.result_files import write_result
-from fastweights.evidence.timing import WALL_AND_CPU, call_seconds, samples, upper_median
+from fastweights.core.threads import use_threads
+from fastweights.evidence.timing import WALL_AND_CPU, benchmark_threads_flag, call_seconds, samples, upper_median
 import torch
 import torch.nn.functional as F
 
@@ -113,7 +114,7 @@ def rss_child(impl, t, d, h=4):
     (``/proc/self/clear_refs``). ru_maxrss is not usable here: Linux carries it across exec, so a child
     of a big parent starts with the parent's peak.
     """
-    torch.set_num_threads(1)
+    use_threads("benchmark", 1)
     fn = delta_rule if impl == "chunked" else delta_rule_recurrent
     warm, _ = make_inputs(1, 64, h, d)
     fwd_bwd(fn, warm, None)  # load kernels and allocator pools first
@@ -248,7 +249,7 @@ def vs_fla_cpu(args) -> dict:
 
 
 def cpu_benchmark(args) -> dict:
-    torch.set_num_threads(args.threads)
+    use_threads("benchmark", args.threads)
     b, t, h, d = 1, args.seq_len, 4, 64
     speed = {}
     for gated in (False, True):
@@ -375,7 +376,7 @@ def probe_specs(probes) -> list[dict]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the machine is shared)")
+    benchmark_threads_flag(p)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--loop-repeat", type=int, default=3)

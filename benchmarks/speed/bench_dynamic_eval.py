@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from fastweights.evidence.result_files import repo_relative, write_result
-from fastweights.evidence.timing import call_seconds
+from fastweights.core.threads import use_threads
+from fastweights.evidence.timing import benchmark_threads_flag, call_seconds
 
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.sparse import SparseDynamicEvaluator, collect_sparse_grad_stats
@@ -55,13 +56,13 @@ def main() -> int:
     ap.add_argument("--docs", type=int, default=8)
     ap.add_argument("--doc-tokens", type=int, default=400)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
+    benchmark_threads_flag(ap, note="; 0: torch's default")
     ap.add_argument("--segment-len", type=int, default=20)
     ap.add_argument("--sparse-units", type=int, default=64)
     ap.add_argument("--name", default="bench_dynamic_eval", help="result file name (benchmarks/results/NAME.json)")
     args = ap.parse_args()
     if args.threads:
-        torch.set_num_threads(args.threads)
+        use_threads("benchmark", args.threads)
 
     if args.checkpoint:
         from fastweights.models.loading import load_checkpoint

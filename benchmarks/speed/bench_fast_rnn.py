@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from fastweights.evidence.result_files import command_line, provenance
-from fastweights.evidence.timing import WALL_AND_CPU, call_seconds
+from fastweights.core.threads import use_threads
+from fastweights.evidence.timing import WALL_AND_CPU, benchmark_threads_flag, call_seconds
 
 from fastweights.layers.fast_rnn import FastWeightRNN
 
@@ -224,11 +225,11 @@ def probe_specs(probes) -> list[dict]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=1)
+    benchmark_threads_flag(parser)
     parser.add_argument("--quick", action="store_true", help="tiny shapes, for a smoke run")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results" / "bench_fast_rnn.json")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    use_threads("benchmark", args.threads)
     if args.quick:
         main_shape, sweep, gen = (4, 16, 16), (4, 16, [0.5, 2.0]), (2, 16, 8)
     else:

@@ -27,7 +27,8 @@ import time
 import torch
 
 from fastweights.evidence.result_files import write_result
-from fastweights.evidence.timing import call_seconds
+from fastweights.core.threads import use_threads
+from fastweights.evidence.timing import benchmark_threads_flag, call_seconds
 
 from fastweights.core.config import make_config
 from fastweights.ops import fast_rnn
@@ -161,9 +162,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1)
+    benchmark_threads_flag(parser)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    use_threads("benchmark", args.threads)
     if step_kernel() is None:
         print("the fast-RNN step kernel is unavailable here (no C compiler?): both fast-RNN rows use torch")
     fast_model, fast_step, fast_info = build(FAST)

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastweights.evidence.result_files import write_result
-from fastweights.evidence.timing import call_seconds, samples
+from fastweights.core.threads import use_threads
+from fastweights.evidence.timing import benchmark_threads_flag, call_seconds, samples
 
 PAPER = dict(d_model=768, n_subkeys=512, d_key=512, d_value=512, heads=1, topk=8, chunk_size=512, seq_len=4096)
 
@@ -65,7 +66,7 @@ def run_interleaved(batch: int, n_subkeys: int, repeat: int, device: str, thread
     """FwPKM and the SwiGLU in one process, calls alternated, so both see the same machine load."""
     from fastweights.layers.fwpkm import FwPKM, FwPKMOptions
 
-    torch.set_num_threads(threads)
+    use_threads("benchmark", threads)
     torch.manual_seed(0)
     dev = torch.device(device)
     d, T = PAPER["d_model"], PAPER["seq_len"]
@@ -94,7 +95,7 @@ def rss_peak_bytes() -> int:
 
 def run_case(kind: str, batch: int, n_subkeys: int | None, mode: str, repeat: int, device: str, threads: int) -> dict:
     """Measure one case in this process: median seconds per call and peak memory."""
-    torch.set_num_threads(threads)
+    use_threads("benchmark", threads)
     torch.manual_seed(0)
     dev = torch.device(device)
     d, T = PAPER["d_model"], PAPER["seq_len"]
@@ -145,7 +146,7 @@ def probe_specs(probes) -> list[dict]:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per case (the machine may be shared)")
+    benchmark_threads_flag(ap)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2, help="alternating passes over all cases; best median kept")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
