@@ -25,7 +25,7 @@ def benchmark_script(name: str) -> Path:
 
 
 # the library's helpers that add flags to a benchmark script's parser, and the module that holds each
-SHARED_FLAG_HELPERS = {"benchmark_threads_flag": PACKAGE / "evidence" / "timing.py"}
+SHARED_FLAG_HELPERS = {"benchmark_threads_flag": PACKAGE / "evidence" / "script_args.py"}
 
 
 @functools.cache

@@ -2,7 +2,7 @@
 steps, our delta rule against flash-linear-attention, and ``fastweights train`` throughput.
 
     python benchmarks/gpu/cuda_check.py                        # on a CUDA machine (about 5 minutes on one H100)
-    python benchmarks/gpu/cuda_check.py --device cpu --quick   # dry run of every path on the CPU (seconds)
+    python benchmarks/gpu/cuda_check.py --device cpu --tiny   # dry run of every path on the CPU (seconds)
 
 Three parts, each failure recorded with its message instead of stopping the run:
 
@@ -22,14 +22,13 @@ Three parts, each failure recorded with its message instead of stopping the run:
 3. train: ``fastweights train`` on the device for a few dozen steps of three presets; tokens/s is the
    median of the per-step ``tokens_per_s`` in metrics.jsonl after the first 5 steps.
 
-Writes ``benchmarks/results/cuda_check.json``; ``--out-dir DIR`` writes ``DIR/cuda_check.json`` instead
-(the recorded command leaves ``--out-dir`` out: it is where the file went, not what was measured).
+Writes ``benchmarks/results/cuda_check.json``; ``--out DIR`` writes ``DIR/cuda_check.json`` instead
+(the recorded command leaves ``--out`` out: it is where the file went, not what was measured).
 Exit status 2 with one line on stderr for bad arguments (or ``--device cuda`` without CUDA).
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import math
@@ -42,7 +41,9 @@ import time
 import traceback
 from pathlib import Path
 
+from fastweights.core.errors import UserError
 from fastweights.evidence.result_files import RESULTS, command_line_without, git_state, provenance, write_result
+from fastweights.cli.script_parser import ScriptParser
 from fastweights.evidence.timing import timeit
 import torch
 import torch.nn.functional as F
@@ -60,9 +61,6 @@ BF16_GRAD_TOL = 5e-2  # same for the input gradients
 PRESETS = ("shakespeare-char", "shakespeare-char-fwp-gated-delta-l2", "shakespeare-char-fwp-delta-dpfp")
 NAME = "cuda_check"
 
-
-class BadInput(Exception):
-    pass
 
 
 def err_text(e: BaseException) -> str:
@@ -199,10 +197,10 @@ class FlaCounter:
 PARTS = {"fp32_cpu_vs_device": compare_devices, "bf16_training": bf16_training}
 
 
-def component_rows(quick: bool) -> list[dict]:
+def component_rows(tiny: bool) -> list[dict]:
     return [{"component": f"{kind}/{name}", "variant": vid, "options": raw}
             for (kind, name), variants in reg.VARIANTS.items()
-            for i, (vid, raw) in enumerate(variants.items()) if not (quick and i > 0)]  # --quick: first variant
+            for i, (vid, raw) in enumerate(variants.items()) if not (tiny and i > 0)]  # --tiny: first variant
 
 
 def component_pass(rows: list[dict], part: str, device: torch.device, deadline: float) -> None:
@@ -310,9 +308,9 @@ def rel_norm(a, ref) -> float:
     return ((a - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def delta_rule_timing(device: torch.device, deadline: float, quick: bool, repeat: int) -> dict:
+def delta_rule_timing(device: torch.device, deadline: float, tiny: bool, repeat: int) -> dict:
     fns, fla_info = fla_import() if device.type == "cuda" else (None, "not on CUDA: fla runs on CUDA tensors only")
-    shapes = [(1, 128, 2, 16)] if quick else [(8, 2048, 8, 64), (8, 8192, 8, 64)]
+    shapes = [(1, 128, 2, 16)] if tiny else [(8, 2048, 8, 64), (8, 8192, 8, 64)]
     out = {"fla": fla_info if fns else None, "fla_unavailable": None if fns else fla_info,
            "dtype": "bfloat16", "chunk_size_ours": 64, "repeat": repeat, "warmup": 3,
            "timing": "median wall seconds per call after warm-up, torch.cuda.synchronize before and after each",
@@ -380,8 +378,8 @@ def delta_rule_timing(device: torch.device, deadline: float, quick: bool, repeat
 # ----------------------------------------------------------------------------- 3. train
 
 
-def train_runs(device: torch.device, deadline: float, quick: bool, steps: int) -> dict:
-    presets = ("tiny",) if quick else PRESETS
+def train_runs(device: torch.device, deadline: float, tiny: bool, steps: int) -> dict:
+    presets = ("tiny",) if tiny else PRESETS
     rows = []
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     with tempfile.TemporaryDirectory() as tmp:
@@ -449,14 +447,10 @@ def headline(rec: dict) -> list[dict]:
 
 
 def parse_args(argv):
-    class Parser(argparse.ArgumentParser):
-        def error(self, message):
-            raise BadInput(message)
-
-    p = Parser(description=__doc__.splitlines()[0])
+    p = ScriptParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu (a dry run of every path)")
-    p.add_argument("--quick", action="store_true", help="tiny shapes, one variant per component, the tiny preset")
-    p.add_argument("--out-dir", help="write DIR/cuda_check.json instead of benchmarks/results/cuda_check.json")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes, one variant per component, the tiny preset")
+    p.add_argument("--out", metavar="DIR", help="write DIR/cuda_check.json instead of benchmarks/results/cuda_check.json")
     p.add_argument("--budget-s", type=float, default=330.0,
                    help="seconds for the whole run: a part that would start after its share is skipped and recorded")
     p.add_argument("--repeat", type=int, default=10, help="timed repeats per delta-rule measurement (median)")
@@ -465,17 +459,17 @@ def parse_args(argv):
     try:
         a.device = torch.device(a.device)
     except RuntimeError:
-        raise BadInput(f"--device {a.device!r} is not a device name (cuda, cuda:N or cpu)") from None
+        raise UserError(f"--device {a.device!r} is not a device name (cuda, cuda:N or cpu)") from None
     if a.device.type not in ("cuda", "cpu"):
-        raise BadInput(f"--device {a.device} is not supported: choose cuda, cuda:N or cpu")
+        raise UserError(f"--device {a.device} is not supported: choose cuda, cuda:N or cpu")
     if a.device.type == "cuda" and not torch.cuda.is_available():
-        raise BadInput("--device cuda: torch sees no CUDA device here (use --device cpu --quick for a dry run)")
+        raise UserError("--device cuda: torch sees no CUDA device here (use --device cpu --tiny for a dry run)")
     if a.device.type == "cuda" and (a.device.index or 0) >= torch.cuda.device_count():
-        raise BadInput(f"--device {a.device}: only {torch.cuda.device_count()} CUDA device(s)")
+        raise UserError(f"--device {a.device}: only {torch.cuda.device_count()} CUDA device(s)")
     if not a.budget_s > 0 or a.repeat < 1 or a.train_steps < 6:
-        raise BadInput("--budget-s must be > 0, --repeat >= 1 and --train-steps >= 6")
-    if a.out_dir is not None and Path(a.out_dir).exists() and not Path(a.out_dir).is_dir():
-        raise BadInput(f"--out-dir {a.out_dir} exists and is not a directory")
+        raise UserError("--budget-s must be > 0, --repeat >= 1 and --train-steps >= 6")
+    if a.out is not None and Path(a.out).exists() and not Path(a.out).is_dir():
+        raise UserError(f"--out {a.out} exists and is not a directory")
     return a
 
 
@@ -489,12 +483,12 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         a = parse_args(argv)
-    except BadInput as e:
+    except UserError as e:
         print(f"cuda_check: {e}", file=sys.stderr)
         return 2
     device = a.device
     start = time.perf_counter()
-    quick_steps = 6 if a.quick else a.train_steps
+    steps = 6 if a.tiny else a.train_steps
     if device.type == "cuda":
         device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         torch.cuda.set_device(device)
@@ -512,14 +506,14 @@ def main(argv=None) -> int:
                        f"(the copy's own git said {git.get('commit')})"}
     rec = {
         **provenance(),
-        "command": command_line_without(argv, "--out-dir"),
+        "command": command_line_without(argv, "--out"),
         "git": git,
         "device": name,
-        "quick": a.quick,
+        "tiny": a.tiny,
         "settings": {"tf32_in_fp32_comparisons": False, "budget_s": a.budget_s, "cuda": torch.version.cuda,
                      "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None},
     }
-    path = Path(a.out_dir) / f"{NAME}.json" if a.out_dir is not None else RESULTS / f"{NAME}.json"
+    path = Path(a.out) / f"{NAME}.json" if a.out is not None else RESULTS / f"{NAME}.json"
 
     def save(final: bool) -> None:
         """The record so far (``incomplete`` until the end: a run killed midway still leaves its parts)."""
@@ -529,7 +523,7 @@ def main(argv=None) -> int:
             rec["headline"] = headline(rec)
         else:
             rec["incomplete"] = True
-        if final and a.out_dir is None:
+        if final and a.out is None:
             write_result(NAME, rec)  # the same record (rec holds provenance()'s fields)
             return
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -538,22 +532,22 @@ def main(argv=None) -> int:
     # Order: the fp32 comparisons (the point of the check) first; fla's kernels compile in part 2 before
     # the bf16 steps may call them at other shapes; each pass stops at its share of the budget.
     at = lambda f: start + f * a.budget_s  # noqa: E731
-    rows = component_rows(a.quick)
+    rows = component_rows(a.tiny)
     print("1a. components: fp32, CPU vs device", flush=True)
     component_pass(rows, "fp32_cpu_vs_device", device, at(0.3))
     rec["components"] = component_summary(rows)
     save(False)
     print("2. delta rule: ours vs fla", flush=True)
-    rec["delta_rule"] = delta_rule_timing(device, at(0.55), a.quick, 2 if a.quick else a.repeat)
+    rec["delta_rule"] = delta_rule_timing(device, at(0.55), a.tiny, 2 if a.tiny else a.repeat)
     save(False)
     print("1b. components: 3 training steps under bf16 autocast", flush=True)
     component_pass(rows, "bf16_training", device, at(0.75))
     comp = rec["components"] = component_summary(rows)
     save(False)
     print("3. fastweights train", flush=True)
-    rec["train"] = train_runs(device, at(1.0), a.quick, quick_steps)
+    rec["train"] = train_runs(device, at(1.0), a.tiny, steps)
     save(True)
-    if a.out_dir is not None:
+    if a.out is not None:
         print(f"wrote {path}")
     print(f"components: {comp['passed']} of {comp['checked']} pass; failed: {comp['failed'] or 'none'}; "
           f"wall {rec['wall_s']} s", flush=True)

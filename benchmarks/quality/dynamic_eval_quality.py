@@ -36,7 +36,7 @@ import torch
 
 from fastweights.evidence.result_files import RESULTS, command_line, provenance, repo_relative, write_result
 from fastweights.core.threads import use_threads
-from fastweights.evidence.timing import benchmark_threads_flag
+from fastweights.evidence.script_args import benchmark_threads_flag
 
 from fastweights.adapt.cache import NeuralCache
 from fastweights.adapt.dynamic import DynamicEvaluator

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from fastweights.evidence.result_files import write_result
 from fastweights.core.threads import use_threads
-from fastweights.evidence.timing import benchmark_threads_flag
+from fastweights.evidence.script_args import benchmark_threads_flag
 
 from fastweights.adapt.evaluate import demo_dynamic
 from fastweights.adapt.setup import load_texts

@@ -31,7 +31,7 @@ from fwl_smollm2 import load_texts
 from fastweights.core.errors import UserError, exit_status
 from fastweights.evidence.result_files import RESULTS, provenance, write_json
 from fastweights.core.threads import use_threads
-from fastweights.evidence.timing import benchmark_threads_flag
+from fastweights.evidence.script_args import benchmark_threads_flag
 
 
 def probe_specs(probes) -> list[dict]:

@@ -40,7 +40,7 @@ import torch
 
 from fastweights.evidence.result_files import write_result
 from fastweights.core.threads import use_threads
-from fastweights.evidence.timing import benchmark_threads_flag
+from fastweights.evidence.script_args import benchmark_threads_flag
 
 from fastweights.models.loading import load_checkpoint
 from fastweights.core.config import make_config

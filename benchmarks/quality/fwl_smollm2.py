@@ -65,7 +65,7 @@ import numpy as np
 import torch
 from fastweights.evidence.result_files import RESULTS, write_result
 from fastweights.core.threads import use_threads
-from fastweights.evidence.timing import benchmark_threads_flag
+from fastweights.evidence.script_args import benchmark_threads_flag
 from fwl_comparators import (DYNAMIC_LR_FACTORS, LOWRANK_LR_FACTORS, LOWRANK_RANKS, STATS, TOP_BLOCKS,
                              TOP_BLOCKS_LR_FACTORS, cpu, dynamic_rows, fwl_rows, gain_split, score_texts,
                              static_evaluator)

@@ -35,7 +35,7 @@ import torch
 
 from fastweights.evidence.result_files import repo_relative, write_result
 from fastweights.core.threads import use_threads
-from fastweights.evidence.timing import benchmark_threads_flag
+from fastweights.evidence.script_args import benchmark_threads_flag
 
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.tune import format_table, tune_dynamic

@@ -58,7 +58,7 @@ import torch
 
 from fastweights.evidence.result_files import write_result
 from fastweights.core.threads import use_threads
-from fastweights.evidence.timing import benchmark_threads_flag
+from fastweights.evidence.script_args import benchmark_threads_flag
 
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.grad_stats import collect_grad_stats

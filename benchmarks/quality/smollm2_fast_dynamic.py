@@ -46,7 +46,7 @@ from fastweights.adapt.grad_stats import collect_grad_stats
 from fastweights.core.errors import UserError
 from fastweights.evidence.result_files import RESULTS, write_result
 from fastweights.core.threads import use_threads
-from fastweights.evidence.timing import benchmark_threads_flag
+from fastweights.evidence.script_args import benchmark_threads_flag
 
 TOP_MLP_BLOCKS = (10, 15, 20)  # K: the last K of SmolLM2's 30 blocks get low-rank MLP deltas
 LR_FACTORS = (0.5, 1.0, 2.0)  # x the low-rank lr fwl_smollm2.json chose, at the chosen K

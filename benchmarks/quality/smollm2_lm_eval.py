@@ -31,7 +31,7 @@ import time
 
 from fastweights.evidence.result_files import write_result
 from fastweights.core.threads import use_threads
-from fastweights.evidence.timing import benchmark_threads_flag
+from fastweights.evidence.script_args import benchmark_threads_flag
 
 from fastweights.loops.evaluate import SCORING_SEGMENT_LEN
 

@@ -42,7 +42,8 @@ from pathlib import Path
 
 from fastweights.evidence.result_files import write_result
 from fastweights.core.threads import use_threads
-from fastweights.evidence.timing import WALL_AND_CPU, benchmark_threads_flag, call_seconds, samples, upper_median
+from fastweights.evidence.script_args import benchmark_threads_flag
+from fastweights.evidence.timing import WALL_AND_CPU, call_seconds, samples, upper_median
 import torch
 import torch.nn.functional as F
 

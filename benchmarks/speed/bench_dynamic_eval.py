@@ -28,7 +28,8 @@ import torch
 
 from fastweights.evidence.result_files import repo_relative, write_result
 from fastweights.core.threads import use_threads
-from fastweights.evidence.timing import benchmark_threads_flag, call_seconds
+from fastweights.evidence.script_args import benchmark_threads_flag
+from fastweights.evidence.timing import call_seconds
 
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.sparse import SparseDynamicEvaluator, collect_sparse_grad_stats

@@ -13,7 +13,7 @@ It also times forward+backward of the two read modes over T/H ratios (to choose 
 token-by-token generation. Variants are interleaved round by round; the medians are reported, in
 wall-clock and in process CPU time. Output: benchmarks/results/bench_fast_rnn.json.
 
-    python benchmarks/speed/bench_fast_rnn.py [--rounds 7] [--quick]
+    python benchmarks/speed/bench_fast_rnn.py [--rounds 7] [--tiny]
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ import torch.nn.functional as F
 
 from fastweights.evidence.result_files import command_line, provenance
 from fastweights.core.threads import use_threads
-from fastweights.evidence.timing import WALL_AND_CPU, benchmark_threads_flag, call_seconds
+from fastweights.evidence.script_args import benchmark_threads_flag
+from fastweights.evidence.timing import WALL_AND_CPU, call_seconds
 
 from fastweights.layers.fast_rnn import FastWeightRNN
 
@@ -226,11 +227,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     benchmark_threads_flag(parser)
-    parser.add_argument("--quick", action="store_true", help="tiny shapes, for a smoke run")
+    parser.add_argument("--tiny", action="store_true", help="the dry run: tiny shapes, for a smoke run")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results" / "bench_fast_rnn.json")
     args = parser.parse_args()
     use_threads("benchmark", args.threads)
-    if args.quick:
+    if args.tiny:
         main_shape, sweep, gen = (4, 16, 16), (4, 16, [0.5, 2.0]), (2, 16, 8)
     else:
         main_shape, sweep, gen = (32, 128, 128), (8, 64, [0.25, 1.0, 4.0, 16.0]), (8, 128, 128)

@@ -34,7 +34,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fastweights.evidence.result_files import write_result
 from fastweights.core.threads import use_threads
-from fastweights.evidence.timing import bench_clock, benchmark_threads_flag, timeit
+from fastweights.evidence.script_args import benchmark_threads_flag
+from fastweights.evidence.timing import bench_clock, timeit
 
 from fastweights.core.config import make_config
 from fastweights.data import load_corpus

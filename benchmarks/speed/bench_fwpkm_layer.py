@@ -30,7 +30,8 @@ from torch import nn
 
 from fastweights.evidence.result_files import write_result
 from fastweights.core.threads import use_threads
-from fastweights.evidence.timing import benchmark_threads_flag, call_seconds, samples
+from fastweights.evidence.script_args import benchmark_threads_flag
+from fastweights.evidence.timing import call_seconds, samples
 
 PAPER = dict(d_model=768, n_subkeys=512, d_key=512, d_value=512, heads=1, topk=8, chunk_size=512, seq_len=4096)
 

@@ -24,7 +24,8 @@ import torch
 
 from fastweights.evidence.result_files import write_result
 from fastweights.core.threads import use_threads
-from fastweights.evidence.timing import benchmark_threads_flag, timeit
+from fastweights.evidence.script_args import benchmark_threads_flag
+from fastweights.evidence.timing import timeit
 
 from fastweights.core.config import ModelConfig
 from fastweights.models.lm import LanguageModel

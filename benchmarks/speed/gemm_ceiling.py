@@ -23,7 +23,8 @@ import torch
 from fastweights.core.config import make_config
 from fastweights.evidence.result_files import write_result
 from fastweights.core.threads import use_threads
-from fastweights.evidence.timing import bench_clock, benchmark_threads_flag, timeit
+from fastweights.evidence.script_args import benchmark_threads_flag
+from fastweights.evidence.timing import bench_clock, timeit
 from fastweights.loops.schedule import make_optimizer
 from fastweights.models.lm import LanguageModel
 from fastweights.ops import linear as lin

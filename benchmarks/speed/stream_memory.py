@@ -24,7 +24,7 @@ import sys
 
 from fastweights.evidence.result_files import write_result
 from fastweights.core.threads import use_threads
-from fastweights.evidence.timing import benchmark_threads_flag
+from fastweights.evidence.script_args import benchmark_threads_flag
 
 FWPKM = dict(d_model=64, n_layers=2, n_heads=4, memory="fwpkm", memory_layers=[1],
              options={"fwpkm": dict(n_subkeys=64, d_key=64, d_value=64, topk=8, chunk_size=256)})

@@ -7,7 +7,8 @@ import argparse
 import re
 
 from fastweights.core.threads import BENCHMARK_THREADS
-from fastweights.evidence.timing import benchmark_threads_flag, call_seconds, samples, timeit, upper_median
+from fastweights.evidence.script_args import benchmark_threads_flag
+from fastweights.evidence.timing import call_seconds, samples, timeit, upper_median
 from helpers import ROOT
 
 # speed benchmarks that still read a clock themselves, with why (each entry must still be true)
@@ -80,6 +81,6 @@ def test_the_benchmarks_threads_flag_has_one_default():
 def test_no_benchmark_declares_its_own_threads_flag_or_sets_torchs_threads():
     own = {p.relative_to(ROOT / "benchmarks").as_posix() for p in sorted((ROOT / "benchmarks").glob("*/*.py"))
            if re.search(r"""add_argument\(\s*["']--threads["']|torch\.set_num_threads\(""", p.read_text())}
-    assert own <= set(OWN_THREADS), (f"{sorted(own - set(OWN_THREADS))}: use fastweights.evidence.timing."
+    assert own <= set(OWN_THREADS), (f"{sorted(own - set(OWN_THREADS))}: use fastweights.evidence.script_args."
                                      "benchmark_threads_flag and fastweights.core.threads.use_threads('benchmark', n)")
     assert set(OWN_THREADS) <= own, f"{sorted(set(OWN_THREADS) - own)}: fixed, remove it from OWN_THREADS"

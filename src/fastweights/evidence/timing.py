@@ -1,7 +1,7 @@
 """How the benchmark scripts time a call: CPU seconds or wall seconds, one call, the samples of repeats or their
 median. The one timer of ``benchmarks/``: a script chooses its clocks, repeats and summary, never its own stopwatch.
-And the threads it times on: ``--threads`` (:func:`benchmark_threads_flag`), one definition of its default
-(:data:`fastweights.core.threads.BENCHMARK_THREADS`), set by ``use_threads("benchmark", args.threads)``.
+The threads it times on are ``--threads`` (:func:`fastweights.evidence.script_args.benchmark_threads_flag`), set by
+``use_threads("benchmark", args.threads)``.
 
 One thread on the CPU: this process's CPU seconds (other jobs taking turns on the core do not count); any
 other setting: wall seconds, with CUDA synchronised around each call.
@@ -13,8 +13,6 @@ import time
 
 import torch
 
-from fastweights.core.threads import BENCHMARK_THREADS
-
 #: wall seconds and this process's CPU seconds of the same call, read in that order
 WALL_AND_CPU = (time.perf_counter, time.process_time)
 
@@ -25,14 +23,6 @@ def bench_clock(device) -> tuple:
     if torch.device(device).type == "cpu" and torch.get_num_threads() == 1:
         return time.process_time, "process CPU time"
     return time.perf_counter, "wall"
-
-
-def benchmark_threads_flag(parser, note: str = "") -> None:
-    """``--threads N`` of a benchmark script: torch CPU threads, default
-    :data:`fastweights.core.threads.BENCHMARK_THREADS` (``note``: what the script adds to the help)."""
-    parser.add_argument("--threads", type=int, default=BENCHMARK_THREADS,
-                        help=f"torch CPU threads (default {BENCHMARK_THREADS}: a benchmark on one thread times this "
-                             f"process's CPU seconds, unaffected by other jobs on a shared machine{note})")
 
 
 def call_seconds(fn, clocks=(time.perf_counter,), sync=None) -> tuple[float, ...]:
