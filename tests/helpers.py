@@ -2,10 +2,12 @@
 a repetitive token stream. A plain module (``tests/`` is on ``sys.path``, see ``conftest.py``): tests import
 from here, never from another test module."""
 
+import functools
 import importlib
 import io
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +22,24 @@ def benchmark_script(name: str) -> Path:
     found = sorted(BENCHMARKS.glob(f"*/{name}.py"))
     assert len(found) == 1, f"benchmark script {name}.py: {found or 'in no folder of benchmarks/'}"
     return found[0]
+
+
+# the library's helpers that add flags to a benchmark script's parser, and the module that holds each
+SHARED_FLAG_HELPERS = {"benchmark_threads_flag": PACKAGE / "evidence" / "script_args.py"}
+
+
+@functools.cache
+def benchmark_flags(script: str) -> frozenset[str]:
+    """The flags the benchmark script ``script`` (a path from the repository root) names in its text, and those of
+    the shared helpers it calls; empty when there is no such script."""
+    path = ROOT / script
+    if not path.is_file():
+        return frozenset()
+    text = path.read_text()
+    text += "".join(module.read_text() for helper, module in SHARED_FLAG_HELPERS.items() if f"{helper}(" in text)
+    return frozenset(re.findall(r'"(--?[\w-]+)"', text))
+
+
 def import_benchmark(name: str):
     """The benchmark script ``name`` as a module, imported as ``python benchmarks/KIND/NAME.py`` sees its folder
     (on ``sys.path`` while it imports, removed after)."""
@@ -51,9 +71,9 @@ DATA = Path(__file__).resolve().parent / "data"  # files the tests read (memory_
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from fastweights import components as registry  # noqa: E402
 from fastweights.core.config import ModelConfig  # noqa: E402
 from fastweights.models.lm import LanguageModel  # noqa: E402
+from fastweights.testing.registry_cases import VARIANTS  # noqa: E402
 
 # ----------------------------------------------------------------------------- tiny language models
 
@@ -88,10 +108,6 @@ def motif_tokens(n: int, vocab_size: int, seed: int = 1) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- registered components
 
-D, HEADS, V, T, B = 12, 2, 9, 16, 2  # the registry-wide contracts' layer dimensions
-# (kind, name) -> {variant id: options}, as the components declare them (``test_variants``)
-VARIANTS = {(kind, e.name): registry.declared(e, "test_variants") for kind, e in registry.registered()}
-
 
 def variant_cases(known: dict | None = None, key=lambda kind, name, vid: (kind, name)):
     """pytest params ``(kind, name, raw)`` for every registered component and variant, id ``kind-name-variant``;
@@ -101,18 +117,6 @@ def variant_cases(known: dict | None = None, key=lambda kind, name, vid: (kind, 
             why = (known or {}).get(key(kind, name, vid))
             marks = [pytest.mark.xfail(strict=True, reason=why)] if why else []
             yield pytest.param(kind, name, raw, id=f"{kind}-{name}-{vid}", marks=marks)
-
-
-def build_component(kind: str, name: str, raw: dict):
-    """Component ``name`` with options ``raw`` at the contracts' dimensions, seed 0, fp64, eval mode; a
-    ``persistence="official"`` memory keeps its initial tables as ``initial_tables``."""
-    entry = registry.lookup(registry.KINDS[kind], kind, name)
-    options = registry.build_options(entry, raw)
-    torch.manual_seed(0)
-    layer = registry.build(kind, entry, options, d_model=D, n_heads=HEADS, vocab_size=V).double().eval()
-    if getattr(options, "persistence", None) == "official":
-        layer.initial_tables = {k: t.clone() for k, t in layer.state_dict().items()}
-    return layer
 
 
 # ----------------------------------------------------------------------------- streaming in pieces

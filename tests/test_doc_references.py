@@ -59,6 +59,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import benchmark_flags
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "src" / "fastweights"
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
@@ -363,12 +365,6 @@ def walk_parsers(parser: argparse.ArgumentParser):
     sub = subparsers_of(parser)
     for child in (sub.choices.values() if sub else ()):
         yield from walk_parsers(child)
-
-
-@functools.cache
-def benchmark_flags(script: str) -> frozenset[str]:
-    path = ROOT / script
-    return frozenset(re.findall(r'"(--?[\w-]+)"', path.read_text())) if path.is_file() else frozenset()
 
 
 @functools.cache

@@ -2,13 +2,13 @@
 steps, our delta rule against flash-linear-attention, and ``fastweights train`` throughput.
 
     python benchmarks/gpu/cuda_check.py                        # on a CUDA machine (about 5 minutes on one H100)
-    python benchmarks/gpu/cuda_check.py --device cpu --quick   # dry run of every path on the CPU (seconds)
+    python benchmarks/gpu/cuda_check.py --device cpu --tiny   # dry run of every path on the CPU (seconds)
 
 Three parts, each failure recorded with its message instead of stopping the run:
 
 1. components: every mixer, head and memory with every variant that ``tests/contracts/test_device_contract.py``
-   enumerates (``helpers.VARIANTS`` in tests/, built by ``helpers.build_component``: fixed seed, CPU, fp32)
-   is copied to the device; forward + backward of two calls (the second reading the state the first
+   enumerates (``fastweights.testing.registry_cases.VARIANTS``, built by ``fastweights.testing.device_contract.build``:
+   fixed seed, CPU, fp32) is copied to the device; forward + backward of two calls (the second reading the state the first
    returned) on the same random input on both devices. Recorded: the largest absolute difference of each
    output, input gradient, carried state and parameter gradient, relative to that tensor's largest CPU
    value; pass when every one is within ``FP32_REL_TOL`` (TF32 off). Then three Adam steps under bf16
@@ -22,14 +22,13 @@ Three parts, each failure recorded with its message instead of stopping the run:
 3. train: ``fastweights train`` on the device for a few dozen steps of three presets; tokens/s is the
    median of the per-step ``tokens_per_s`` in metrics.jsonl after the first 5 steps.
 
-Writes ``benchmarks/results/cuda_check.json``; ``--out-dir DIR`` writes ``DIR/cuda_check.json`` instead
-(the recorded command leaves ``--out-dir`` out: it is where the file went, not what was measured).
+Writes ``benchmarks/results/cuda_check.json``; ``--out DIR`` writes ``DIR/cuda_check.json`` instead
+(the recorded command leaves ``--out`` out: it is where the file went, not what was measured).
 Exit status 2 with one line on stderr for bad arguments (or ``--device cuda`` without CUDA).
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import math
@@ -42,25 +41,25 @@ import time
 import traceback
 from pathlib import Path
 
-from fastweights.evidence.result_files import REPO, RESULTS, command_line_without, git_state, provenance, write_result
+from fastweights.core.errors import UserError
+from fastweights.evidence.result_files import RESULTS, command_line_without, git_state, provenance, write_result
+from fastweights.cli.script_parser import ScriptParser
 from fastweights.evidence.timing import timeit
 import torch
 import torch.nn.functional as F
 
 from fastweights.ops.delta_rule import delta_rule
 from fastweights.ops.fla_selfcheck import BF16_GRAD_TOL, BF16_OUT_TOL  # the tolerances of fla's gradient self-check
+from fastweights.testing import device_contract as contract
+from fastweights.testing import registry_cases as reg
 
 dr = sys.modules["fastweights.ops.delta_rule"]  # the module (fastweights.ops.delta_rule is the function)
 
-TESTS = REPO / "tests"
 FP32_REL_TOL = 1e-4  # CPU vs CUDA, fp32 (TF32 off): max |cuda - cpu| / max |cpu| per tensor
 BF16_LOSS_TOL = 0.05  # bf16-autocast loss vs fp32 loss, relative, per step (as tests/contracts/test_device_contract.py)
 PRESETS = ("shakespeare-char", "shakespeare-char-fwp-gated-delta-l2", "shakespeare-char-fwp-delta-dpfp")
 NAME = "cuda_check"
 
-
-class BadInput(Exception):
-    pass
 
 
 def err_text(e: BaseException) -> str:
@@ -71,17 +70,6 @@ def err_text(e: BaseException) -> str:
 
 
 # ----------------------------------------------------------------------------- 1. components
-
-
-def registry_helpers():
-    """The device-contract test's enumeration and construction (tests/ and tests/contracts/ must be importable)."""
-    for folder in (TESTS, TESTS / "contracts"):
-        if str(folder) not in sys.path:
-            sys.path.append(str(folder))
-    import helpers as reg
-    import test_device_contract as contract
-
-    return reg, contract
 
 
 def rel_diff(a: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
@@ -100,7 +88,7 @@ def rel_diff(a: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     return diff, diff / max(ref.abs().max().item(), 1e-30)
 
 
-def two_calls(layer, kind, x, tokens, weights, contract, device):
+def two_calls(layer, kind, x, tokens, weights, device):
     """Forward of two calls (the second reading the first's state), backward of a fixed weighted sum."""
     x1, x2 = (t.detach().clone().to(device).requires_grad_() for t in x)  # fresh leaves on each device
     t1, t2 = (t.to(device) for t in tokens)
@@ -121,7 +109,7 @@ def two_calls(layer, kind, x, tokens, weights, contract, device):
     return out
 
 
-def compare_devices(kind, name, raw, device, reg, contract) -> dict:
+def compare_devices(kind, name, raw, device) -> dict:
     layer_cpu = contract.build(kind, name, raw)  # fixed seed, built on the CPU, fp32
     layer_dev = copy.deepcopy(layer_cpu).to(device)
     g = torch.Generator().manual_seed(2)
@@ -135,8 +123,8 @@ def compare_devices(kind, name, raw, device, reg, contract) -> dict:
             cache["w"] = (torch.randn(shape, generator=gw), torch.randn(shape, generator=gw))
         return cache["w"]
 
-    ref = two_calls(layer_cpu, kind, x, tokens, weights, contract, torch.device("cpu"))
-    got = two_calls(layer_dev, kind, x, tokens, weights, contract, device)
+    ref = two_calls(layer_cpu, kind, x, tokens, weights, torch.device("cpu"))
+    got = two_calls(layer_dev, kind, x, tokens, weights, device)
     diffs, problems = {}, []
     for key in sorted(set(ref) | set(got)):
         if key not in ref or key not in got:
@@ -162,7 +150,7 @@ def compare_devices(kind, name, raw, device, reg, contract) -> dict:
     }
 
 
-def bf16_training(kind, name, raw, device, reg, contract) -> dict:
+def bf16_training(kind, name, raw, device) -> dict:
     fp32, _, _ = contract.train(kind, name, raw, False, device)
     bf16, state, layer = contract.train(kind, name, raw, True, device)
     problems = []
@@ -173,7 +161,7 @@ def bf16_training(kind, name, raw, device, reg, contract) -> dict:
     worst = max(abs(a - b) / max(abs(a), 1e-30) for a, b in zip(fp32, bf16))
     if not worst <= BF16_LOSS_TOL:
         problems.append(f"bf16 loss differs from fp32 by {worst:.3g} (relative)")
-    allowed = contract.COMPUTE_DTYPE_STATE.get((kind, name), ())
+    allowed = contract.compute_dtype_state(kind, name)
     for where, leaf in contract.state_leaves(state):
         if leaf.is_floating_point() and not ("" in allowed or where in allowed) and leaf.dtype != torch.float32:
             problems.append(f"state {where!r} is {leaf.dtype} under bf16 autocast")
@@ -208,16 +196,14 @@ class FlaCounter:
 PARTS = {"fp32_cpu_vs_device": compare_devices, "bf16_training": bf16_training}
 
 
-def component_rows(quick: bool) -> list[dict]:
-    reg, _ = registry_helpers()
+def component_rows(tiny: bool) -> list[dict]:
     return [{"component": f"{kind}/{name}", "variant": vid, "options": raw}
             for (kind, name), variants in reg.VARIANTS.items()
-            for i, (vid, raw) in enumerate(variants.items()) if not (quick and i > 0)]  # --quick: first variant
+            for i, (vid, raw) in enumerate(variants.items()) if not (tiny and i > 0)]  # --tiny: first variant
 
 
 def component_pass(rows: list[dict], part: str, device: torch.device, deadline: float) -> None:
     """Run one part (fp32 comparison or bf16 training) for every row; a failure is recorded in its row."""
-    reg, contract = registry_helpers()
     counter = FlaCounter()
     dr._delta_rule_fla = counter
     try:
@@ -228,7 +214,7 @@ def component_pass(rows: list[dict], part: str, device: torch.device, deadline: 
                 continue
             t0 = time.perf_counter()
             try:
-                row[part] = PARTS[part](kind, name, row["options"], device, reg, contract)
+                row[part] = PARTS[part](kind, name, row["options"], device)
             except Exception as e:  # one component's failure is a result, not the end of the run
                 row[part] = {"error": err_text(e), "pass": False}
             row[part].update(counter.take())
@@ -245,7 +231,6 @@ def component_pass(rows: list[dict], part: str, device: torch.device, deadline: 
 
 
 def component_summary(rows: list[dict]) -> dict:
-    reg, _ = registry_helpers()
     for row in rows:
         verdicts = [row.get(part, {}).get("pass") for part in PARTS]
         row["pass"] = None if None in verdicts else all(verdicts)
@@ -322,9 +307,9 @@ def rel_norm(a, ref) -> float:
     return ((a - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def delta_rule_timing(device: torch.device, deadline: float, quick: bool, repeat: int) -> dict:
+def delta_rule_timing(device: torch.device, deadline: float, tiny: bool, repeat: int) -> dict:
     fns, fla_info = fla_import() if device.type == "cuda" else (None, "not on CUDA: fla runs on CUDA tensors only")
-    shapes = [(1, 128, 2, 16)] if quick else [(8, 2048, 8, 64), (8, 8192, 8, 64)]
+    shapes = [(1, 128, 2, 16)] if tiny else [(8, 2048, 8, 64), (8, 8192, 8, 64)]
     out = {"fla": fla_info if fns else None, "fla_unavailable": None if fns else fla_info,
            "dtype": "bfloat16", "chunk_size_ours": 64, "repeat": repeat, "warmup": 3,
            "timing": "median wall seconds per call after warm-up, torch.cuda.synchronize before and after each",
@@ -392,8 +377,8 @@ def delta_rule_timing(device: torch.device, deadline: float, quick: bool, repeat
 # ----------------------------------------------------------------------------- 3. train
 
 
-def train_runs(device: torch.device, deadline: float, quick: bool, steps: int) -> dict:
-    presets = ("tiny",) if quick else PRESETS
+def train_runs(device: torch.device, deadline: float, tiny: bool, steps: int) -> dict:
+    presets = ("tiny",) if tiny else PRESETS
     rows = []
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     with tempfile.TemporaryDirectory() as tmp:
@@ -461,14 +446,10 @@ def headline(rec: dict) -> list[dict]:
 
 
 def parse_args(argv):
-    class Parser(argparse.ArgumentParser):
-        def error(self, message):
-            raise BadInput(message)
-
-    p = Parser(description=__doc__.splitlines()[0])
+    p = ScriptParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu (a dry run of every path)")
-    p.add_argument("--quick", action="store_true", help="tiny shapes, one variant per component, the tiny preset")
-    p.add_argument("--out-dir", help="write DIR/cuda_check.json instead of benchmarks/results/cuda_check.json")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes, one variant per component, the tiny preset")
+    p.add_argument("--out", metavar="DIR", help="write DIR/cuda_check.json instead of benchmarks/results/cuda_check.json")
     p.add_argument("--budget-s", type=float, default=330.0,
                    help="seconds for the whole run: a part that would start after its share is skipped and recorded")
     p.add_argument("--repeat", type=int, default=10, help="timed repeats per delta-rule measurement (median)")
@@ -477,17 +458,17 @@ def parse_args(argv):
     try:
         a.device = torch.device(a.device)
     except RuntimeError:
-        raise BadInput(f"--device {a.device!r} is not a device name (cuda, cuda:N or cpu)") from None
+        raise UserError(f"--device {a.device!r} is not a device name (cuda, cuda:N or cpu)") from None
     if a.device.type not in ("cuda", "cpu"):
-        raise BadInput(f"--device {a.device} is not supported: choose cuda, cuda:N or cpu")
+        raise UserError(f"--device {a.device} is not supported: choose cuda, cuda:N or cpu")
     if a.device.type == "cuda" and not torch.cuda.is_available():
-        raise BadInput("--device cuda: torch sees no CUDA device here (use --device cpu --quick for a dry run)")
+        raise UserError("--device cuda: torch sees no CUDA device here (use --device cpu --tiny for a dry run)")
     if a.device.type == "cuda" and (a.device.index or 0) >= torch.cuda.device_count():
-        raise BadInput(f"--device {a.device}: only {torch.cuda.device_count()} CUDA device(s)")
+        raise UserError(f"--device {a.device}: only {torch.cuda.device_count()} CUDA device(s)")
     if not a.budget_s > 0 or a.repeat < 1 or a.train_steps < 6:
-        raise BadInput("--budget-s must be > 0, --repeat >= 1 and --train-steps >= 6")
-    if a.out_dir is not None and Path(a.out_dir).exists() and not Path(a.out_dir).is_dir():
-        raise BadInput(f"--out-dir {a.out_dir} exists and is not a directory")
+        raise UserError("--budget-s must be > 0, --repeat >= 1 and --train-steps >= 6")
+    if a.out is not None and Path(a.out).exists() and not Path(a.out).is_dir():
+        raise UserError(f"--out {a.out} exists and is not a directory")
     return a
 
 
@@ -501,12 +482,12 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         a = parse_args(argv)
-    except BadInput as e:
+    except UserError as e:
         print(f"cuda_check: {e}", file=sys.stderr)
         return 2
     device = a.device
     start = time.perf_counter()
-    quick_steps = 6 if a.quick else a.train_steps
+    steps = 6 if a.tiny else a.train_steps
     if device.type == "cuda":
         device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         torch.cuda.set_device(device)
@@ -524,14 +505,14 @@ def main(argv=None) -> int:
                        f"(the copy's own git said {git.get('commit')})"}
     rec = {
         **provenance(),
-        "command": command_line_without(argv, "--out-dir"),
+        "command": command_line_without(argv, "--out"),
         "git": git,
         "device": name,
-        "quick": a.quick,
+        "tiny": a.tiny,
         "settings": {"tf32_in_fp32_comparisons": False, "budget_s": a.budget_s, "cuda": torch.version.cuda,
                      "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None},
     }
-    path = Path(a.out_dir) / f"{NAME}.json" if a.out_dir is not None else RESULTS / f"{NAME}.json"
+    path = Path(a.out) / f"{NAME}.json" if a.out is not None else RESULTS / f"{NAME}.json"
 
     def save(final: bool) -> None:
         """The record so far (``incomplete`` until the end: a run killed midway still leaves its parts)."""
@@ -541,7 +522,7 @@ def main(argv=None) -> int:
             rec["headline"] = headline(rec)
         else:
             rec["incomplete"] = True
-        if final and a.out_dir is None:
+        if final and a.out is None:
             write_result(NAME, rec)  # the same record (rec holds provenance()'s fields)
             return
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -550,22 +531,22 @@ def main(argv=None) -> int:
     # Order: the fp32 comparisons (the point of the check) first; fla's kernels compile in part 2 before
     # the bf16 steps may call them at other shapes; each pass stops at its share of the budget.
     at = lambda f: start + f * a.budget_s  # noqa: E731
-    rows = component_rows(a.quick)
+    rows = component_rows(a.tiny)
     print("1a. components: fp32, CPU vs device", flush=True)
     component_pass(rows, "fp32_cpu_vs_device", device, at(0.3))
     rec["components"] = component_summary(rows)
     save(False)
     print("2. delta rule: ours vs fla", flush=True)
-    rec["delta_rule"] = delta_rule_timing(device, at(0.55), a.quick, 2 if a.quick else a.repeat)
+    rec["delta_rule"] = delta_rule_timing(device, at(0.55), a.tiny, 2 if a.tiny else a.repeat)
     save(False)
     print("1b. components: 3 training steps under bf16 autocast", flush=True)
     component_pass(rows, "bf16_training", device, at(0.75))
     comp = rec["components"] = component_summary(rows)
     save(False)
     print("3. fastweights train", flush=True)
-    rec["train"] = train_runs(device, at(1.0), a.quick, quick_steps)
+    rec["train"] = train_runs(device, at(1.0), a.tiny, steps)
     save(True)
-    if a.out_dir is not None:
+    if a.out is not None:
         print(f"wrote {path}")
     print(f"components: {comp['passed']} of {comp['checked']} pass; failed: {comp['failed'] or 'none'}; "
           f"wall {rec['wall_s']} s", flush=True)

@@ -39,7 +39,6 @@ attention uses) is installed when the package is absent, and recorded.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fnmatch
 import json
@@ -52,7 +51,10 @@ import time
 import traceback
 from pathlib import Path
 
+from fastweights.core.errors import UserError
 from fastweights.evidence.result_files import REPO, RESULTS, command_line_without, provenance
+from fastweights.cli.script_parser import ScriptParser
+from fastweights.evidence.timing import call_seconds, samples
 import torch
 import torch.nn.functional as F
 
@@ -72,9 +74,6 @@ TINY = dict(d_model=64, n_layers=4, n_heads=4, head_dim=16, mlp=128, vocab=256, 
             kernel_lengths=(32, 64), kernel_tokens=128, attn_every=4, fwpkm_layers=(1,), warmup=1, steps=2, repeat=2,
             fwpkm=dict(n_subkeys=8, d_key=16, d_value=16, heads=1, topk=4, chunk_size=16))
 
-
-class BadInput(Exception):
-    pass
 
 
 def err_text(e: BaseException) -> str:
@@ -178,18 +177,14 @@ def measure(step, device, warmup: int, repeat: int) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    t0 = time.perf_counter()
-    for _ in range(warmup):
-        step()
-    sync(device)
-    first = time.perf_counter() - t0
-    times = []
-    for _ in range(repeat):
+
+    def warm():  # the warm-up calls and their queued work, timed together
+        for _ in range(warmup):
+            step()
         sync(device)
-        t = time.perf_counter()
-        step()
-        sync(device)
-        times.append(time.perf_counter() - t)
+
+    (first,) = call_seconds(warm)
+    times = [s for (s,) in samples(step, repeat, sync=lambda: sync(device))]
     out = {"seconds_median": statistics.median(times), "seconds_all": [round(x, 6) for x in times],
            "warmup_seconds_total": round(first, 3)}
     if device.type == "cuda":
@@ -439,11 +434,7 @@ def ratios(rec: dict) -> dict:
 
 
 def parse_args(argv):
-    class Parser(argparse.ArgumentParser):
-        def error(self, message):
-            raise BadInput(message)
-
-    p = Parser(description=__doc__.splitlines()[0])
+    p = ScriptParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (with --tiny: a dry run)")
     p.add_argument("--tiny", action="store_true", help="toy sizes (a dry run of every path)")
     p.add_argument("--out", help="write here instead of benchmarks/results/cuda_scale.json")
@@ -454,13 +445,13 @@ def parse_args(argv):
     try:
         a.device = torch.device(a.device)
     except RuntimeError:
-        raise BadInput(f"--device {a.device!r} is not a device name") from None
+        raise UserError(f"--device {a.device!r} is not a device name") from None
     if a.device.type == "cuda" and not torch.cuda.is_available():
-        raise BadInput("--device cuda: torch sees no CUDA device here (use --device cpu --tiny for a dry run)")
+        raise UserError("--device cuda: torch sees no CUDA device here (use --device cpu --tiny for a dry run)")
     if a.device.type not in ("cuda", "cpu"):
-        raise BadInput(f"--device {a.device} is not supported: choose cuda or cpu")
+        raise UserError(f"--device {a.device} is not supported: choose cuda or cpu")
     if not a.budget_s > 0:
-        raise BadInput("--budget-s must be > 0")
+        raise UserError("--budget-s must be > 0")
     return a
 
 
@@ -491,7 +482,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         a = parse_args(argv)
-    except BadInput as e:
+    except UserError as e:
         print(f"cuda_scale: {e}", file=sys.stderr)
         return 2
     start = time.perf_counter()

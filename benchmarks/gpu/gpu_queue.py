@@ -35,7 +35,6 @@ failed items included (they are in the JSON and in the pending list).
 
 from __future__ import annotations
 
-import argparse
 import fnmatch
 import json
 import logging
@@ -51,19 +50,18 @@ from gpu_measurements import (  # noqa: E402  (its sibling benchmarks/gpu/gpu_me
     gdn_layer_selfcheck, grad_check, hybrid, hybrid_selfcheck)
 import torch  # noqa: E402
 
+from fastweights.core.errors import UserError  # noqa: E402
 from fastweights.evidence.result_files import command_line, repo_relative  # noqa: E402
+from fastweights.cli.script_parser import ScriptParser  # noqa: E402
 from fastweights.ops import fla_backend as fb  # noqa: E402
+from fastweights.testing import fla_standin  # noqa: E402
 
 NAME = "gpu_queue"
 MAX_ITEM_FILES = 7  # + the summary: a device run returns at most 8 files
 # the checkout this script is in (issue 52: --unpack wrote into the installed package's checkout instead)
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
-STANDIN = REPO / "tests" / "ops"  # fla_standin.py: the dry run's fla where fla is absent
 
-
-class BadInput(Exception):
-    pass
 
 
 @dataclass
@@ -165,21 +163,13 @@ class _Patcher:
 
 
 def install_standin() -> str:
-    if str(STANDIN) not in sys.path:
-        sys.path.append(str(STANDIN))  # tests/ops, for the dry run only
-    import fla_standin
-
     fla_standin.install(_Patcher())
-    return ("fla absent: the stand-in tests/ops/fla_standin.py (fla 0.6's call contract, our per-step reference "
+    return ("fla absent: the stand-in fastweights.testing.fla_standin (fla 0.6's call contract, our per-step reference "
             "in fp32) ran in its place; fla's layers and models are absent from it")
 
 
 def parse_args(argv):
-    class Parser(argparse.ArgumentParser):
-        def error(self, message):
-            raise BadInput(message)
-
-    p = Parser(description=__doc__.splitlines()[0])
+    p = ScriptParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (with --tiny: the dry run)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (the dry run)")
     p.add_argument("--minutes", type=float, default=9.0,
@@ -197,15 +187,15 @@ def parse_args(argv):
     try:
         a.device = torch.device(a.device)
     except RuntimeError:
-        raise BadInput(f"--device {a.device!r} is not a device name") from None
+        raise UserError(f"--device {a.device!r} is not a device name") from None
     if a.device.type not in ("cuda", "cpu"):
-        raise BadInput(f"--device {a.device} is not supported: choose cuda or cpu")
+        raise UserError(f"--device {a.device} is not supported: choose cuda or cpu")
     if a.device.type == "cuda" and not torch.cuda.is_available():
-        raise BadInput("--device cuda: torch sees no CUDA device here (use --device cpu --tiny for the dry run)")
+        raise UserError("--device cuda: torch sees no CUDA device here (use --device cpu --tiny for the dry run)")
     if a.device.type == "cpu" and not a.tiny:
-        raise BadInput("--device cpu runs the dry run only: add --tiny")
+        raise UserError("--device cpu runs the dry run only: add --tiny")
     if not a.minutes > 0:
-        raise BadInput("--minutes must be > 0")
+        raise UserError("--minutes must be > 0")
     return a
 
 
@@ -216,7 +206,7 @@ def select(items: list[Item], globs: str | None) -> list[Item]:
     for g in (g.strip() for g in globs.split(",") if g.strip()):
         matched = [i for i in items if fnmatch.fnmatch(i.id, g) and i not in chosen]
         if not matched and not any(fnmatch.fnmatch(i.id, g) for i in items):
-            raise BadInput(f"--items {g!r} matches no item (see --list)")
+            raise UserError(f"--items {g!r} matches no item (see --list)")
         chosen += matched
     return chosen
 
@@ -273,7 +263,7 @@ def main(argv=None) -> int:
     try:
         a = parse_args(argv)
         items = select(ITEMS, a.items)
-    except BadInput as e:
+    except UserError as e:
         print(f"gpu_queue: {e}", file=sys.stderr)
         return 2
     if a.unpack:

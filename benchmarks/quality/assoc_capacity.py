@@ -13,7 +13,7 @@ numbers) and one PNG per setting. Progress is saved after every run; re-running 
 configuration is already in the JSON are skipped) unless ``--fresh``.
 
     .venv/bin/python benchmarks/quality/assoc_capacity.py            # the sweep (tens of minutes)
-    .venv/bin/python benchmarks/quality/assoc_capacity.py --quick    # a smoke test of the script (seconds)
+    .venv/bin/python benchmarks/quality/assoc_capacity.py --tiny     # a smoke test of the script (seconds)
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from pathlib import Path
 
 from fastweights.evidence.provenance import machine as machine_info
 from fastweights.evidence.result_files import provenance
-import torch
+from fastweights.core.threads import use_threads
+from fastweights.evidence.script_args import benchmark_threads_flag
 
 from fastweights.tasks.assoc import AssocConfig, plot_capacity, train_assoc
 
@@ -113,18 +114,18 @@ def main() -> int:
     # 0 (none) by default since issue 22: a wall-clock cap under load stopped the S=60 delta/DPFP run early
     # and made its 24.8x ratio a property of the machine's load; quality runs use the step cap only
     p.add_argument("--max-minutes", type=float, default=0.0, help="per-run wall-clock cap (0 = none)")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--quick", action="store_true", help="tiny smoke run of the script (not a measurement)")
+    benchmark_threads_flag(p)
+    p.add_argument("--tiny", action="store_true", help="the dry run: a tiny smoke run of the script (not a measurement)")
     p.add_argument("--fresh", action="store_true", help="ignore results already in the JSON")
     p.add_argument("--out", default=str(RESULTS / "assoc_capacity.json"))
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
+    use_threads("benchmark", args.threads)
     out = Path(args.out)
     sweep = SWEEP
-    if args.quick:
+    if args.tiny:
         sweep = [(1, "sum", "elu1", 1, 4), (1, "sum", "elu1", 1, 6), (2, "delta", "dpfp", 1, 4),
                  (2, "sum", "dpfp", 1, 4)]
-        args.max_steps, out = 30, out.with_name(out.stem + "_quick.json")
+        args.max_steps, out = 30, out.with_name(out.stem + "_tiny.json")
     results: list[dict] = []
     if out.exists() and not args.fresh:
         results = json.loads(out.read_text()).get("runs", [])

@@ -25,11 +25,12 @@ from pathlib import Path
 import torch
 
 from fastweights.evidence.result_files import provenance
+from fastweights.core.threads import use_threads
 from fastweights.tasks.ba_retrieval import RetrievalNet, make_splits, train_retrieval
 
 
 def one_run(job: dict) -> dict:
-    torch.set_num_threads(1)
+    use_threads("benchmark", 1)
     splits = make_splits(job["data_seed"], job["keys"])
     torch.manual_seed(job["seed"])
     net = RetrievalNet(job["model"], job["hidden"])

@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 
 from fastweights.evidence.result_files import RESULTS, command_line, provenance, repo_relative, write_result
+from fastweights.core.threads import use_threads
+from fastweights.evidence.script_args import benchmark_threads_flag
 
 from fastweights.adapt.cache import NeuralCache
 from fastweights.adapt.dynamic import DynamicEvaluator
@@ -97,7 +99,7 @@ def main() -> int:
     ap.add_argument("--checkpoint", help="reuse this checkpoint instead of training")
     ap.add_argument("--out", default="runs/dynamic_quality", help="where to train the model")
     ap.add_argument("--train-minutes", type=float, default=5.0)
-    ap.add_argument("--threads", type=int, default=1)
+    benchmark_threads_flag(ap)
     ap.add_argument("--test-chars", type=int, default=20000, help="characters per held-out play")
     ap.add_argument("--spanish-chars", type=int, default=30000)
     ap.add_argument("--tune-chars", type=int, default=10000)
@@ -109,7 +111,7 @@ def main() -> int:
                     help=f"corpus holding the plays {', '.join(TEST_PLAYS)} (test) and {VAL_PLAY} (tuning)")
     ap.add_argument("--spanish-data", default="don-quijote", help="Spanish corpus (default: the bundled Don Quijote)")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    use_threads("benchmark", args.threads)
     t_start = time.time()
     try:
         plays, spanish_all = load_texts(args.data, args.spanish_data)

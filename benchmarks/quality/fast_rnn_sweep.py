@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 from fastweights.evidence.result_files import git_state, repo_relative, write_result
+from fastweights.core.threads import use_threads
 
 PRESET = "shakespeare-char-fast-rnn"
 OPTION = "model.options.fast_rnn."
@@ -102,7 +103,7 @@ def measure(name: str, run: Path) -> dict:
 
     from heldout_plays import HELDOUT, SEQ_LEN, STRIDE, heldout_documents
 
-    torch.set_num_threads(1)
+    use_threads("benchmark", 1)
     model, tok, _ = load_checkpoint(run)
     model.eval()
     vals = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"val_bits"' in x]

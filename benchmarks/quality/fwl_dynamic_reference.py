@@ -23,9 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
 from fastweights.evidence.result_files import write_result
+from fastweights.core.threads import use_threads
+from fastweights.evidence.script_args import benchmark_threads_flag
 
 from fastweights.adapt.evaluate import demo_dynamic
 from fastweights.adapt.setup import load_texts
@@ -46,10 +47,10 @@ def main() -> int:
     ap.add_argument("--base", required=True, help="checkpoint with the linear head")
     ap.add_argument("--fwl", required=True, help="checkpoint with the FWL head (same backbone)")
     ap.add_argument("--tune-chars", type=int, default=5000, help="validation characters for the lr/decay search")
-    ap.add_argument("--threads", type=int, default=1)
+    benchmark_threads_flag(ap)
     ap.add_argument("--name", default="fwl_dynamic_reference")
     a = ap.parse_args()
-    torch.set_num_threads(a.threads)
+    use_threads("benchmark", a.threads)
     for path in (a.base, a.fwl):
         if not (Path(path) / "config.json").is_file():
             print(f"error: {path} is not a checkpoint directory (no config.json)", file=sys.stderr)

@@ -25,12 +25,13 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 from fwl_comparators import head_loss_on, tuning_hidden
 from fwl_smollm2 import load_texts
 
 from fastweights.core.errors import UserError, exit_status
 from fastweights.evidence.result_files import RESULTS, provenance, write_json
+from fastweights.core.threads import use_threads
+from fastweights.evidence.script_args import benchmark_threads_flag
 
 
 def probe_specs(probes) -> list[dict]:
@@ -51,10 +52,10 @@ def main() -> int:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--runs", type=Path, default=Path("runs/fwl-lr"), help="folder of trained heads, one per lr")
     ap.add_argument("--val-tokens", type=int, default=4096, help="predictions per tuning text (fwl_smollm2.py's)")
-    ap.add_argument("--threads", type=int, default=1)
+    benchmark_threads_flag(ap)
     ap.add_argument("--out", type=Path, default=RESULTS / "fwl_head_lr.json")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    use_threads("benchmark", args.threads)
     dirs = head_dirs(args.runs)
     try:
         from fastweights.hf.fwl_head import load_fwl_head

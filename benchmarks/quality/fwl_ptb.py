@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from fastweights.evidence.result_files import write_result
+from fastweights.core.threads import use_threads
 from ptb_dynamic_eval import DATA, MODEL_SETTINGS, PIP, SPLITS, load_penn, prepare
 
 from fastweights.adapt.dynamic import DynamicEvaluator
@@ -54,7 +55,7 @@ VARIANTS = {"base": [], "fwl": ['model.head="fwl"', "model.options.fwl.segment_l
 
 
 def run_variant(job: dict) -> dict:
-    torch.set_num_threads(1)
+    use_threads("benchmark", 1)
     from fastweights.loops.train import train
 
     overrides = [*MODEL_SETTINGS, f"data.corpus={job['data']!r}", 'data.tokenizer="word"',
@@ -85,7 +86,7 @@ def dynamic_eval_of_base(ckpt: Path, data: Path, files: dict, segment_len: int =
                          tune_tokens: int = 5000) -> dict:
     """Static and rms-global-prior dynamic test perplexity of the checkpoint ``ckpt`` (one stream, the
     same segments and context for both), tuned on validation text only."""
-    torch.set_num_threads(1)
+    use_threads("benchmark", 1)
     model, tok, cfg = load_checkpoint(ckpt)
     split = {k: torch.from_numpy(TokenStream.open(data / files[k], tok).tokens.astype(np.int64)) for k in SPLITS}
     context = cfg.train.seq_len

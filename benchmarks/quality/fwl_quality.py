@@ -39,6 +39,8 @@ import numpy as np
 import torch
 
 from fastweights.evidence.result_files import write_result
+from fastweights.core.threads import use_threads
+from fastweights.evidence.script_args import benchmark_threads_flag
 
 from fastweights.models.loading import load_checkpoint
 from fastweights.core.config import make_config
@@ -73,7 +75,7 @@ def test_texts(cfg, max_chars: int) -> list[str]:
 
 def run_variant(name: str, a) -> dict:
     """Train one variant, reload its checkpoint and measure it (runs in its own process with --parallel)."""
-    torch.set_num_threads(a.threads)
+    use_threads("benchmark", a.threads)
     preset, sets = VARIANTS[name]
     # a time budget counts this process's CPU seconds (train.budget_clock=cpu), never wall clock (issue 22)
     budget = ([f"train.max_steps={a.steps}", "train.max_minutes=0"] if a.steps
@@ -123,7 +125,7 @@ def main():
     ap.add_argument("--steps", type=int, default=0,
                     help="train every variant for exactly this many steps instead (no time budget; the cosine "
                          "schedule then ends at this step)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per variant")
+    benchmark_threads_flag(ap)
     ap.add_argument("--variants", nargs="+", default=["base", "fwl", "tto"], choices=list(VARIANTS))
     ap.add_argument("--sequential", action="store_true",
                     help="train the variants one after another (default: at the same time, one process each, so "

@@ -64,6 +64,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from fastweights.evidence.result_files import RESULTS, write_result
+from fastweights.core.threads import use_threads
+from fastweights.evidence.script_args import benchmark_threads_flag
 from fwl_comparators import (DYNAMIC_LR_FACTORS, LOWRANK_LR_FACTORS, LOWRANK_RANKS, STATS, TOP_BLOCKS,
                              TOP_BLOCKS_LR_FACTORS, cpu, dynamic_rows, fwl_rows, gain_split, score_texts,
                              static_evaluator)
@@ -293,7 +295,7 @@ def main() -> int:
     ap.add_argument("--dynamic-from", default=str(RESULTS / "smollm2_dynamic_eval.json"),
                     help="the result whose setting chosen on tuning text (rule, parameter subset) the "
                          "dynamic-evaluation rows take")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (timings are process CPU seconds)")
+    benchmark_threads_flag(ap)
     ap.add_argument("--part", choices=("all", "dynamic", "fwl"), default="all",
                     help="dynamic or fwl: static and that half of the rows only, saved under RUNS/parts/ (two "
                          "processes on two cores); then --combine writes the result from both")
@@ -304,7 +306,7 @@ def main() -> int:
     if args.combine and args.part != "all":
         print("error: --combine reads both halves: drop --part", file=sys.stderr)
         return 2
-    torch.set_num_threads(args.threads)
+    use_threads("benchmark", args.threads)
     t_start, c_start = time.time(), cpu()
     try:
         from fastweights.hf.fwl_head import load_fwl_head

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from fastweights.evidence.result_files import write_result
+from fastweights.core.threads import use_threads
 
 PRESET = "shakespeare-char-fwp-delta-dpfp"
 DATA = "tinyshakespeare"
@@ -121,9 +122,8 @@ def main() -> int:
         print(f"error: unknown variant {unknown[0] if unknown else ''!r}; choose from {', '.join(VARIANTS)}",
               file=sys.stderr)
         return 2
-    import torch
 
-    torch.set_num_threads(1)
+    use_threads("benchmark", 1)
     from fastweights.experiments.streaming import plot_stream
 
     out = Path(a.out)

@@ -46,6 +46,8 @@ from pathlib import Path
 import torch
 
 from fastweights.evidence.result_files import write_result
+from fastweights.core.threads import use_threads
+from fastweights.evidence.script_args import benchmark_threads_flag
 
 from fastweights.models.loading import load_checkpoint
 from fastweights.core.config import make_config
@@ -163,13 +165,13 @@ def main():
     ap.add_argument("--steps", type=int, default=1000, help="training steps of every model (same for all)")
     ap.add_argument("--max-minutes", type=float, default=0.0,
                     help="CPU-time cap per training run (0 = none; a cap also shortens the lr schedule, so models then differ by their speed)")
-    ap.add_argument("--threads", type=int, default=1)
+    benchmark_threads_flag(ap)
     ap.add_argument("--train-only", action="store_true", help="train the missing runs, write no result")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override applied to every variant (e.g. train.carry_state=true)")
     ap.add_argument("--name", default="fwpkm_longdocs", help="results file benchmarks/results/NAME.json")
     a = ap.parse_args()
-    torch.set_num_threads(a.threads)
+    use_threads("benchmark", a.threads)
     names = [v.strip() for v in a.variants.split(",") if v.strip()]
     for n in names:
         if n not in VARIANTS:

@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 from fastweights.evidence.result_files import RESULTS, git_state, repo_relative, write_result
+from fastweights.core.threads import use_threads
 from heldout_plays import HELDOUT, SEQ_LEN, STRIDE, heldout_documents
 
 TRAIN_CORPUS = "shakespeare-train"
@@ -174,12 +175,11 @@ def dynamic_evaluator(model, run: Path, base: Path):
 
 def score(name: str, seed: int, out: Path, chars: int) -> dict:
     """Held-out bits/char of one trained entry, windows and streamed, in this process on one thread."""
-    import torch
 
     from fastweights.models.loading import load_checkpoint
     from fastweights.experiments.streaming import peak_rss_mb, stream_eval
 
-    torch.set_num_threads(1)
+    use_threads("benchmark", 1)
     dynamic = ENTRIES[name][1] is None
     base = run_dir(out, DYNAMIC_BASE if dynamic else name, seed)
     model, tok, cfg = load_checkpoint(base)

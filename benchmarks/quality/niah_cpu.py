@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from fastweights.evidence.result_files import RESULTS, repo_relative, write_result
+from fastweights.core.threads import use_threads
 
 DATA = "tinyshakespeare"  # the haystack: the text the preset's corpus niah-tinyshakespeare is built from
 
@@ -44,7 +45,7 @@ def answer_digit_accuracy(ckpt: Path, chars: int = 40_000) -> dict:
     from fastweights.data import load_corpus, split_corpus
     from fastweights.tasks.niah import KEY_HEX, NEEDLE_TEMPLATE, VALUE_DIGITS  # (importing registers the corpora)
 
-    torch.set_num_threads(1)
+    use_threads("benchmark", 1)
     model, tok, cfg = load_checkpoint(ckpt)
     model.eval()
     docs = load_corpus(cfg.data.corpus)

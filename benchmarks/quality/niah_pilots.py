@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from fastweights.evidence.result_files import write_result
+from fastweights.core.threads import use_threads
 from niah_cpu import DATA, answer_digit_accuracy
 
 
@@ -87,7 +88,7 @@ def main() -> int:
     from fastweights.checkpoints.format import TRAINER_STATE, parse_trainer_state
     from fastweights.models.loading import load_checkpoint
 
-    torch.set_num_threads(1)
+    use_threads("benchmark", 1)
     rows, headline = [], []
     for spec in a.pilots:
         label, sep, path = spec.rpartition("=")

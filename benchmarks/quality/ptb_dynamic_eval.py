@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 
 from fastweights.evidence.result_files import repo_relative, write_result
+from fastweights.core.threads import use_threads
+from fastweights.evidence.script_args import benchmark_threads_flag
 
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.tune import format_table, tune_dynamic
@@ -106,7 +108,7 @@ def main() -> int:
     ap.add_argument("--out", default="runs/ptb_dynamic_eval", help="prepared data and model go here")
     ap.add_argument("--checkpoint", help="reuse this checkpoint (trained on OUT/data) instead of training")
     ap.add_argument("--train-minutes", type=float, default=15.0)
-    ap.add_argument("--threads", type=int, default=1)
+    benchmark_threads_flag(ap)
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a model/train setting")
     ap.add_argument("--segment-len", type=int, default=20,
@@ -122,7 +124,7 @@ def main() -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    torch.set_num_threads(args.threads)
+    use_threads("benchmark", args.threads)
     t_start = time.time()
     out = Path(args.out)
     data_dir = out / "data"

@@ -57,6 +57,8 @@ import time
 import torch
 
 from fastweights.evidence.result_files import write_result
+from fastweights.core.threads import use_threads
+from fastweights.evidence.script_args import benchmark_threads_flag
 
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.grad_stats import collect_grad_stats
@@ -119,10 +121,10 @@ def main() -> int:
     ap.add_argument("--stats-batches", type=int, default=16, help="batches of MS_g collection")
     ap.add_argument("--stats-batch-size", type=int, default=4, help="streams per MS_g batch")
     ap.add_argument("--rank", type=int, default=16, help="rank of the low-rank MLP deltas")
-    ap.add_argument("--threads", type=int, default=1)
+    benchmark_threads_flag(ap)
     args = ap.parse_args()
     bounds = [int(b) for b in args.bounded.split(",") if b.strip()]
-    torch.set_num_threads(args.threads)
+    use_threads("benchmark", args.threads)
     t_start, c_start = time.time(), cpu()
     try:
         from fastweights.hf.transformers_as_ours import load_hf_model, smollm2_gguf

@@ -45,6 +45,8 @@ from fastweights.adapt.lowrank import LowRankDynamicEvaluator, collect_lowrank_g
 from fastweights.adapt.grad_stats import collect_grad_stats
 from fastweights.core.errors import UserError
 from fastweights.evidence.result_files import RESULTS, write_result
+from fastweights.core.threads import use_threads
+from fastweights.evidence.script_args import benchmark_threads_flag
 
 TOP_MLP_BLOCKS = (10, 15, 20)  # K: the last K of SmolLM2's 30 blocks get low-rank MLP deltas
 LR_FACTORS = (0.5, 1.0, 2.0)  # x the low-rank lr fwl_smollm2.json chose, at the chosen K
@@ -83,9 +85,9 @@ def main() -> int:
                     help="the result whose tuned full and low-rank settings the dynamic rows take")
     ap.add_argument("--tokens", type=int, default=4096, help="predictions scored per text")
     ap.add_argument("--val-tokens", type=int, default=4096, help="predictions per tuning excerpt")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (timings are process CPU seconds)")
+    benchmark_threads_flag(ap)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    use_threads("benchmark", args.threads)
     t_start, c_start = time.time(), cpu()
     try:
         from fastweights.hf.transformers_as_ours import load_hf_model

@@ -28,9 +28,10 @@ import math
 import sys
 import time
 
-import torch
 
 from fastweights.evidence.result_files import write_result
+from fastweights.core.threads import use_threads
+from fastweights.evidence.script_args import benchmark_threads_flag
 
 from fastweights.loops.evaluate import SCORING_SEGMENT_LEN
 
@@ -64,11 +65,11 @@ def harness_run(model: str, model_args: dict, task_manager) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hf", default=MODEL, help="the Hugging Face model (default: %(default)s)")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: %(default)s)")
+    benchmark_threads_flag(ap)
     ap.add_argument("--out", default="smollm2_lm_eval", help="result name under benchmarks/results "
                                                              "(default: %(default)s)")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    use_threads("benchmark", args.threads)
 
     from fastweights.core.errors import UserError
 

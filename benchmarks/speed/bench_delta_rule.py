@@ -38,10 +38,12 @@ import importlib.util
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from fastweights.evidence.result_files import write_result
+from fastweights.core.threads import use_threads
+from fastweights.evidence.script_args import benchmark_threads_flag
+from fastweights.evidence.timing import WALL_AND_CPU, call_seconds, samples, upper_median
 import torch
 import torch.nn.functional as F
 
@@ -71,19 +73,8 @@ def median_time(fn, repeat, warmup=1, sync=None):
 
     On a shared CPU the process CPU time (one thread) is the less noisy of the two.
     """
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        if sync:
-            sync()
-        t0, c0 = time.perf_counter(), time.process_time()
-        fn()
-        if sync:
-            sync()
-        times.append((time.perf_counter() - t0, time.process_time() - c0))
-    walls = sorted(t for t, _ in times)
-    return walls[len(walls) // 2], times
+    times = samples(fn, repeat, warmup, WALL_AND_CPU, sync)
+    return upper_median(t for t, _ in times), times
 
 
 def stats(times) -> dict:
@@ -124,7 +115,7 @@ def rss_child(impl, t, d, h=4):
     (``/proc/self/clear_refs``). ru_maxrss is not usable here: Linux carries it across exec, so a child
     of a big parent starts with the parent's peak.
     """
-    torch.set_num_threads(1)
+    use_threads("benchmark", 1)
     fn = delta_rule if impl == "chunked" else delta_rule_recurrent
     warm, _ = make_inputs(1, 64, h, d)
     fwd_bwd(fn, warm, None)  # load kernels and allocator pools first
@@ -231,9 +222,7 @@ def vs_fla_cpu(args) -> dict:
                 f()  # warm-up
             for _ in range(args.fla_repeat):
                 for name, f in fns.items():
-                    t0, c0 = time.perf_counter(), time.process_time()
-                    f()
-                    times[name].append((time.perf_counter() - t0, time.process_time() - c0))
+                    times[name].append(call_seconds(f, WALL_AND_CPU))
             st = {name: stats(v) for name, v in times.items()}
             fla_names = [n for n in st if n != "ours"]
             fastest = min(fla_names, key=lambda n: st[n]["cpu_median_s"])
@@ -261,7 +250,7 @@ def vs_fla_cpu(args) -> dict:
 
 
 def cpu_benchmark(args) -> dict:
-    torch.set_num_threads(args.threads)
+    use_threads("benchmark", args.threads)
     b, t, h, d = 1, args.seq_len, 4, 64
     speed = {}
     for gated in (False, True):
@@ -388,7 +377,7 @@ def probe_specs(probes) -> list[dict]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the machine is shared)")
+    benchmark_threads_flag(p)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--loop-repeat", type=int, default=3)

@@ -22,12 +22,14 @@ from __future__ import annotations
 import argparse
 import inspect
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from fastweights.evidence.result_files import repo_relative, write_result
+from fastweights.core.threads import use_threads
+from fastweights.evidence.script_args import benchmark_threads_flag
+from fastweights.evidence.timing import call_seconds
 
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.sparse import SparseDynamicEvaluator, collect_sparse_grad_stats
@@ -38,12 +40,6 @@ from fastweights.models.lm import LanguageModel
 
 
 DATA = "tinyshakespeare"  # the corpus of the shakespeare-char preset and of the demo model (fastweights data list)
-
-
-def timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def probe_specs(probes) -> list[dict]:
@@ -61,13 +57,13 @@ def main() -> int:
     ap.add_argument("--docs", type=int, default=8)
     ap.add_argument("--doc-tokens", type=int, default=400)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
+    benchmark_threads_flag(ap, note="; 0: torch's default")
     ap.add_argument("--segment-len", type=int, default=20)
     ap.add_argument("--sparse-units", type=int, default=64)
     ap.add_argument("--name", default="bench_dynamic_eval", help="result file name (benchmarks/results/NAME.json)")
     args = ap.parse_args()
     if args.threads:
-        torch.set_num_threads(args.threads)
+        use_threads("benchmark", args.threads)
 
     if args.checkpoint:
         from fastweights.models.loading import load_checkpoint
@@ -100,7 +96,7 @@ def main() -> int:
     runs: dict[str, list[float]] = {}
 
     def add(name, fn):
-        seconds = timed(fn)
+        (seconds,) = call_seconds(fn)
         runs.setdefault(name, []).append(seconds)
 
     batched_error = None

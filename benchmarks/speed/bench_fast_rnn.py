@@ -13,7 +13,7 @@ It also times forward+backward of the two read modes over T/H ratios (to choose 
 token-by-token generation. Variants are interleaved round by round; the medians are reported, in
 wall-clock and in process CPU time. Output: benchmarks/results/bench_fast_rnn.json.
 
-    python benchmarks/speed/bench_fast_rnn.py [--rounds 7] [--quick]
+    python benchmarks/speed/bench_fast_rnn.py [--rounds 7] [--tiny]
 """
 
 from __future__ import annotations
@@ -23,13 +23,15 @@ import json
 import os
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from fastweights.evidence.result_files import command_line, provenance
+from fastweights.core.threads import use_threads
+from fastweights.evidence.script_args import benchmark_threads_flag
+from fastweights.evidence.timing import WALL_AND_CPU, call_seconds
 
 from fastweights.layers.fast_rnn import FastWeightRNN
 
@@ -51,12 +53,6 @@ def plain_loop(rnn: FastWeightRNN, x: torch.Tensor, row_read: bool) -> torch.Ten
         A = LAM * A + ETA * h.unsqueeze(-1) * h.unsqueeze(-2)
         outs.append(h)
     return torch.stack(outs, 1)
-
-
-def timed(fn) -> tuple[float, float]:
-    w0, c0 = time.perf_counter(), time.process_time()
-    fn()
-    return time.perf_counter() - w0, time.process_time() - c0
 
 
 def summarise(samples: list[tuple[float, float]]) -> dict:
@@ -117,7 +113,7 @@ def training_step_comparison(B: int, T: int, H: int, rounds: int) -> dict:
         step(name)()
     for _ in range(rounds):
         for name in names:
-            samples[name].append(timed(step(name)))
+            samples[name].append(call_seconds(step(name), WALL_AND_CPU))
     results = {name: summarise(s) for name, s in samples.items()}
     ratios = {}
     for base in ("plain_loop", "plain_loop_rowread"):
@@ -156,7 +152,7 @@ def read_mode_sweep(B: int, H: int, ratios: list[float], rounds: int) -> list[di
             run(mode)
         for _ in range(rounds):
             for mode in samples:
-                samples[mode].append(timed(lambda: run(mode)))
+                samples[mode].append(call_seconds(lambda: run(mode), WALL_AND_CPU))
         res = {mode: summarise(s) for mode, s in samples.items()}
         rows.append(
             {
@@ -192,7 +188,7 @@ def generation_comparison(B: int, H: int, tokens: int, rounds: int) -> dict:
         run(mode)
     for _ in range(rounds):
         for mode in samples:
-            samples[mode].append(timed(lambda: run(mode)))
+            samples[mode].append(call_seconds(lambda: run(mode), WALL_AND_CPU))
     res = {mode: summarise(s) for mode, s in samples.items()}
     for mode in res:
         res[mode]["cpu_ms_per_token_median"] = round(res[mode]["cpu_ms_median"] / tokens, 4)
@@ -230,12 +226,12 @@ def probe_specs(probes) -> list[dict]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--quick", action="store_true", help="tiny shapes, for a smoke run")
+    benchmark_threads_flag(parser)
+    parser.add_argument("--tiny", action="store_true", help="the dry run: tiny shapes, for a smoke run")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results" / "bench_fast_rnn.json")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    if args.quick:
+    use_threads("benchmark", args.threads)
+    if args.tiny:
         main_shape, sweep, gen = (4, 16, 16), (4, 16, [0.5, 2.0]), (2, 16, 8)
     else:
         main_shape, sweep, gen = (32, 128, 128), (8, 64, [0.25, 1.0, 4.0, 16.0]), (8, 128, 128)

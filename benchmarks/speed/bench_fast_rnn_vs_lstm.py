@@ -27,6 +27,9 @@ import time
 import torch
 
 from fastweights.evidence.result_files import write_result
+from fastweights.core.threads import use_threads
+from fastweights.evidence.script_args import benchmark_threads_flag
+from fastweights.evidence.timing import call_seconds
 
 from fastweights.core.config import make_config
 from fastweights.ops import fast_rnn
@@ -92,9 +95,7 @@ def time_alternately(variants: dict, rounds: int, warmup: int) -> dict:
     for r in range(warmup + rounds):
         for name, (fn, fallback) in variants.items():
             with torch_backend(fallback):
-                t0 = time.process_time()
-                fn()
-                dt = time.process_time() - t0
+                (dt,) = call_seconds(fn, (time.process_time,))
             if r >= warmup:
                 samples[name].append(dt)
     return {name: summarise(s) for name, s in samples.items()}
@@ -162,9 +163,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1)
+    benchmark_threads_flag(parser)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    use_threads("benchmark", args.threads)
     if step_kernel() is None:
         print("the fast-RNN step kernel is unavailable here (no C compiler?): both fast-RNN rows use torch")
     fast_model, fast_step, fast_info = build(FAST)

@@ -33,6 +33,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from fastweights.evidence.result_files import write_result
+from fastweights.core.threads import use_threads
+from fastweights.evidence.script_args import benchmark_threads_flag
 from fastweights.evidence.timing import bench_clock, timeit
 
 from fastweights.core.config import make_config
@@ -64,7 +66,7 @@ def probe_specs(probes) -> list[dict]:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (the machine is shared)")
+    benchmark_threads_flag(ap)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--stream-tokens", type=int, default=2048, help="length of the streamed document")
@@ -80,7 +82,7 @@ def main():
     ap.add_argument("--name", default="bench_fwl")
     a = ap.parse_args()
     a.vocab = a.vocab or char_vocab(a.data)
-    torch.set_num_threads(a.threads)
+    use_threads("benchmark", a.threads)
     dev = torch.device(a.device)
 
     depth = [f"model.n_layers={a.layers}"] if a.layers else []

@@ -23,13 +23,15 @@ import os
 import resource
 import subprocess
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fastweights.evidence.result_files import write_result
+from fastweights.core.threads import use_threads
+from fastweights.evidence.script_args import benchmark_threads_flag
+from fastweights.evidence.timing import call_seconds, samples
 
 PAPER = dict(d_model=768, n_subkeys=512, d_key=512, d_value=512, heads=1, topk=8, chunk_size=512, seq_len=4096)
 
@@ -65,7 +67,7 @@ def run_interleaved(batch: int, n_subkeys: int, repeat: int, device: str, thread
     """FwPKM and the SwiGLU in one process, calls alternated, so both see the same machine load."""
     from fastweights.layers.fwpkm import FwPKM, FwPKMOptions
 
-    torch.set_num_threads(threads)
+    use_threads("benchmark", threads)
     torch.manual_seed(0)
     dev = torch.device(device)
     d, T = PAPER["d_model"], PAPER["seq_len"]
@@ -74,17 +76,13 @@ def run_interleaved(batch: int, n_subkeys: int, repeat: int, device: str, thread
                                heads=PAPER["heads"], topk=PAPER["topk"], chunk_size=PAPER["chunk_size"])).to(dev)
     x = torch.randn(batch, T, d, device=dev, requires_grad=True)
     steps = {"swiglu": lambda: mlp(x).square().mean().backward(), "fwpkm": lambda: fw(x)[0].square().mean().backward()}
+    sync = torch.cuda.synchronize if dev.type == "cuda" else None
     times = {k: [] for k in steps}
     for i in range(repeat + 1):
         for name, step in steps.items():
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            step()
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
+            (seconds,) = call_seconds(step, sync=sync)
             if i > 0:  # the first pass is a warm-up
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(seconds)
     pair_ratios = sorted(f / s for f, s in zip(times["fwpkm"], times["swiglu"]))
     return {"seconds_min": {k: min(v) for k, v in times.items()}, "seconds_all": times,
             "ratio_of_mins_fwpkm_over_swiglu": min(times["fwpkm"]) / min(times["swiglu"]),
@@ -98,7 +96,7 @@ def rss_peak_bytes() -> int:
 
 def run_case(kind: str, batch: int, n_subkeys: int | None, mode: str, repeat: int, device: str, threads: int) -> dict:
     """Measure one case in this process: median seconds per call and peak memory."""
-    torch.set_num_threads(threads)
+    use_threads("benchmark", threads)
     torch.manual_seed(0)
     dev = torch.device(device)
     d, T = PAPER["d_model"], PAPER["seq_len"]
@@ -132,15 +130,7 @@ def run_case(kind: str, batch: int, n_subkeys: int | None, mode: str, repeat: in
     setup_rss = rss_peak_bytes()
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    step()  # warm-up
-    times = []
-    for _ in range(repeat):
-        sync()
-        t0 = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - t0)
-    times.sort()
+    times = sorted(s for (s,) in samples(step, repeat, warmup=1, sync=sync))  # one warm-up call
     out = {"seconds_median": times[len(times) // 2], "seconds_all": times, "tokens": batch * T,
            "fast_weight_table_bytes": fast_bytes, "slow_parameter_bytes": slow_bytes,
            "peak_rss_bytes": rss_peak_bytes(), "peak_rss_over_setup_bytes": rss_peak_bytes() - setup_rss}
@@ -157,7 +147,7 @@ def probe_specs(probes) -> list[dict]:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per case (the machine may be shared)")
+    benchmark_threads_flag(ap)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2, help="alternating passes over all cases; best median kept")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -23,6 +23,8 @@ import os
 import torch
 
 from fastweights.evidence.result_files import write_result
+from fastweights.core.threads import use_threads
+from fastweights.evidence.script_args import benchmark_threads_flag
 from fastweights.evidence.timing import timeit
 
 from fastweights.core.config import ModelConfig
@@ -78,11 +80,11 @@ def main():
     ap.add_argument("--key-update", default="addressing")
     ap.add_argument("--persistence", default="per_sequence", choices=["per_sequence", "stream"],
                     help="one memory per sequence (the preset) or one shared by the batch (the paper's training)")
-    ap.add_argument("--threads", type=int, default=1)
+    benchmark_threads_flag(ap)
     ap.add_argument("--repeat", type=int, default=3, help="timed steps per model per round (median)")
     ap.add_argument("--rounds", type=int, default=15)
     a = ap.parse_args()
-    torch.set_num_threads(a.threads)
+    use_threads("benchmark", a.threads)
     torch.manual_seed(0)
     models = {"backbone": build(a, False), "fwpkm": build(a, True)}
     x = torch.randint(0, a.vocab, (a.batch, a.seq_len))

@@ -22,6 +22,8 @@ import torch
 
 from fastweights.core.config import make_config
 from fastweights.evidence.result_files import write_result
+from fastweights.core.threads import use_threads
+from fastweights.evidence.script_args import benchmark_threads_flag
 from fastweights.evidence.timing import bench_clock, timeit
 from fastweights.loops.schedule import make_optimizer
 from fastweights.models.lm import LanguageModel
@@ -131,11 +133,11 @@ def preset_table(rounds: int, repeat: int) -> list[dict]:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (one: the choice is per thread count)")
+    benchmark_threads_flag(ap)
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per GEMM and per preset")
     ap.add_argument("--repeat", type=int, default=3, help="timed training steps per preset and route per round")
     a = ap.parse_args()
-    torch.set_num_threads(a.threads)
+    use_threads("benchmark", a.threads)
     t0 = time.time()
     gemms = gemm_table(a.rounds)
     presets = preset_table(a.rounds, a.repeat)

@@ -17,10 +17,10 @@ import resource
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from fastweights.evidence.result_files import write_result
+from fastweights.evidence.timing import call_seconds
 
 from fastweights.data import load_corpus, to_utf8
 
@@ -29,13 +29,18 @@ DATA = "tinyshakespeare"
 
 def run(cmd: list[str]) -> tuple[float, float]:
     """(seconds, peak RSS in MB) of a child process."""
-    t = time.perf_counter()
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    max_rss = []  # the children's peak RSS before and after the child
+
+    def child():
+        max_rss.append(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        max_rss.append(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+
+    (seconds,) = call_seconds(child)
+    before, peak = max_rss
     if peak <= before:
         raise RuntimeError("peak RSS of the child did not exceed an earlier child's; run steps in order of size")
-    return time.perf_counter() - t, peak / 1024
+    return seconds, peak / 1024
 
 
 def probe_specs(probes) -> list[dict]:

@@ -23,6 +23,8 @@ import subprocess
 import sys
 
 from fastweights.evidence.result_files import write_result
+from fastweights.core.threads import use_threads
+from fastweights.evidence.script_args import benchmark_threads_flag
 
 FWPKM = dict(d_model=64, n_layers=2, n_heads=4, memory="fwpkm", memory_layers=[1],
              options={"fwpkm": dict(n_subkeys=64, d_key=64, d_value=64, topk=8, chunk_size=256)})
@@ -34,7 +36,7 @@ SEQ_LEN = 256
 def child(name: str, tokens: int, data: str, threads: int) -> dict:
     import torch
 
-    torch.set_num_threads(threads)
+    use_threads("benchmark", threads)
     from fastweights.core.config import ModelConfig
     from fastweights.data import CharTokenizer, load_corpus
     from fastweights.experiments.streaming import current_rss_mb, encode_documents, peak_rss_mb, stream_eval
@@ -65,7 +67,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", default="100000,1000000")
     p.add_argument("--data", default="long-docs", help="corpus name, file or directory (default: long-docs)")
-    p.add_argument("--threads", type=int, default=1)
+    benchmark_threads_flag(p)
     p.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--model", default="", help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -31,10 +31,11 @@ prefer_passive_waiting()  # as the fastweights command does, before torch loads 
 import torch  # noqa: E402
 
 from fastweights.evidence.result_files import write_result  # noqa: E402
+from fastweights.evidence.timing import call_seconds  # noqa: E402
 
 from fastweights.adapt.dynamic import DynamicEvaluator  # noqa: E402
 from fastweights.core.config import make_config  # noqa: E402
-from fastweights.core.threads import SCORING_THREADS, training_threads  # noqa: E402
+from fastweights.core.threads import SCORING_THREADS, training_threads, use_threads  # noqa: E402
 from fastweights.loops.evaluate import SCORING_SEGMENT_LEN, score_tokens  # noqa: E402
 from fastweights.loops.generate import generate_tokens  # noqa: E402
 from fastweights.models.lm import LanguageModel  # noqa: E402
@@ -112,7 +113,7 @@ def main():
     loads = {k: [] for k in times}
     defaults = {k: [] for k in times}
     for name, fn in work.items():  # warm up (allocator, kernels) outside the timed runs
-        torch.set_num_threads(1)
+        use_threads("benchmark", 1)
         fn()
     for r in range(a.repeat):
         for cores, load in conditions:
@@ -125,10 +126,8 @@ def main():
                 defaults[key].append(training_threads())  # what `train` would take here now
                 for name, fn in work.items():
                     for threads in (1, 2):
-                        torch.set_num_threads(threads)
-                        t = time.perf_counter()
-                        fn()
-                        times[key][name][threads].append(time.perf_counter() - t)
+                        use_threads("benchmark", threads)
+                        times[key][name][threads].append(call_seconds(fn)[0])
                         print(f"round {r + 1}/{a.repeat} {key} {name} {threads} thread(s): "
                               f"{times[key][name][threads][-1]:.2f} s", flush=True)
             finally:

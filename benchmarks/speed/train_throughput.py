@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastweights.evidence.result_files import write_result
+from fastweights.core.threads import use_threads
+from fastweights.evidence.script_args import benchmark_threads_flag
 from fastweights.evidence.timing import bench_clock, timeit
 
 from fastweights.core.config import make_config
@@ -99,11 +101,10 @@ def main():
     ap.add_argument("--repeat", type=int, default=5, help="timed steps per model per round (median)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch's default); one thread keeps "
-                    "the ratio steady when other jobs share the CPU")
+    benchmark_threads_flag(ap, note="; 0: torch's default")
     a = ap.parse_args()
     if a.threads:
-        torch.set_num_threads(a.threads)
+        use_threads("benchmark", a.threads)
     dev = torch.device(a.device)
     overrides = [f"model.vocab_size={a.vocab}", f"train.batch_size={a.batch}", f"train.seq_len={a.seq_len}"]
     x = torch.randint(0, a.vocab, (a.batch, a.seq_len), device=dev, generator=torch.Generator().manual_seed(1))

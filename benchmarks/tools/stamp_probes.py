@@ -37,13 +37,12 @@ import evidence  # benchmarks/tools/evidence.py
 from fastweights.core.files import atomic_write
 from fastweights.evidence.result_files import REPO, command_line
 
-# Run in a subprocess over one source tree: which results its own tools call current, and the raw
-# outputs of every probe spec given on stdin (saved with torch.save to argv[2]).
+# Run in a subprocess over one source tree, its tools' folders on PYTHONPATH (``_dump``): which results its own
+# tools call current, and the raw outputs of every probe spec given on stdin (saved with torch.save to argv[2]).
 _DUMP = r"""
-import importlib, json, os, sys
+import importlib, json, sys
 import torch
 root, out, dtype, results = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
-sys.path[:0] = [os.path.join(root, "benchmarks", "tools"), os.path.join(root, "benchmarks")]  # evidence.py, now or then
 for name in ("probes", "fastweights.evidence.probes", "fastweights.experiments.probes"):  # where they lived
     try:
         probes = importlib.import_module(name)
@@ -74,8 +73,9 @@ torch.save({"current": current, "outputs": outputs, "capability": torch.backends
 def _dump(root: Path, specs: dict, out: Path, capability: str, dtype: str, results: Path, with_staleness: bool) -> dict:
     import torch
 
-    env = {**os.environ, "PYTHONPATH": str(root / "src"), "ATEN_CPU_CAPABILITY": capability,
-           "PYTHONWARNINGS": "ignore"}
+    # the tree's evidence tools and probes, where they are now (benchmarks/tools/) or were (benchmarks/), and its package
+    path = os.pathsep.join(str(root / d) for d in ("benchmarks/tools", "benchmarks", "src"))
+    env = {**os.environ, "PYTHONPATH": path, "ATEN_CPU_CAPABILITY": capability, "PYTHONWARNINGS": "ignore"}
     argv = [sys.executable, "-c", _DUMP, str(root), str(out), dtype, str(results)] + (["staleness"] if with_staleness else [])
     done = subprocess.run(argv, input=json.dumps(specs), cwd=root, env=env, capture_output=True, text=True)
     if done.returncode:

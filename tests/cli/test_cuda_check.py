@@ -1,4 +1,4 @@
-"""benchmarks/gpu/cuda_check.py on the CPU: its dry run (``--device cpu --quick``) writes the JSON the GPU run
+"""benchmarks/gpu/cuda_check.py on the CPU: its dry run (``--device cpu --tiny``) writes the JSON the GPU run
 writes, and bad input is one line on stderr with exit status 2 (the GPU run itself is recorded in
 benchmarks/results/cuda_check.json)."""
 
@@ -13,11 +13,11 @@ def run(*args, timeout=HANG_GUARD_S):
 
 
 def test_cpu_dry_run_writes_every_part(tmp_path):
-    r = run("--device", "cpu", "--quick", "--out-dir", str(tmp_path))
+    r = run("--device", "cpu", "--tiny", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     rec = json.loads((tmp_path / "cuda_check.json").read_text())
-    assert rec["command"].endswith("benchmarks/gpu/cuda_check.py --device cpu --quick")  # --out-dir left out
-    assert rec["git"]["commit"] and rec["device"] == "cpu" and rec["quick"] is True
+    assert rec["command"].endswith("benchmarks/gpu/cuda_check.py --device cpu --tiny")  # --out left out
+    assert rec["git"]["commit"] and rec["device"] == "cpu" and rec["tiny"] is True
     comp = rec["components"]
     names = {row["component"] for row in comp["rows"]}
     assert {"mixer/attention", "mixer/fwp", "mixer/gdn", "head/fwl", "memory/fwpkm", "memory/fwmlp"} <= names
@@ -36,7 +36,7 @@ def test_cpu_dry_run_writes_every_part(tmp_path):
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path):
     (tmp_path / "file").write_text("")
-    for args in (["--device", "tpu"], ["--device", "cpu", "--out-dir", str(tmp_path / "file")], ["--bogus"]):
+    for args in (["--device", "tpu"], ["--device", "cpu", "--out", str(tmp_path / "file")], ["--bogus"]):
         r = run(*args, timeout=HANG_GUARD_S)
         assert r.returncode == 2, (args, r.stdout, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("cuda_check: "), r.stderr

@@ -1,5 +1,5 @@
 """benchmarks/gpu/gpu_queue.py, the GPU queue of issue 42, on the CPU: its dry run (``--device cpu --tiny``, the
-stand-in fla of tests/ops/fla_standin.py) runs every item in the order of value and writes each item's JSON with
+stand-in fla of fastweights.testing.fla_standin) runs every item in the order of value and writes each item's JSON with
 its command, an item made to fail is recorded and the rest still run, and the end names what is still pending
 on a GPU; ``--list`` and the minute plan; the gradient check catching a wrong kernel (the stand-in imitating
 fla issue 984); a device run's summary unpacked into result files; bad input is one line with exit status 2."""
@@ -9,6 +9,8 @@ import json
 import pytest
 import torch
 from helpers import HANG_GUARD_S, ROOT, import_benchmark, run_script
+
+from fastweights.testing import fla_standin
 
 SCRIPT = ROOT / "benchmarks" / "gpu" / "gpu_queue.py"
 FAIL = "like/delta_op_T8192"
@@ -115,9 +117,6 @@ def test_list_and_the_minute_plan(gq):
 
 
 def test_the_gradient_check_catches_a_wrong_kernel(gq, monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "tests" / "ops"))
-    import fla_standin
-
     fla_standin.install(monkeypatch)
     monkeypatch.setattr(fla_standin, "WRONG_CHUNK64", True)  # fla issue 984: dk, dbeta wrong at chunk 64
     try:

@@ -119,7 +119,8 @@ def test_every_front_end_resolves_its_threads_by_its_kind_of_work():
 
 @pytest.mark.parametrize("work, omp, requested, want", [
     ("scoring", None, 0, 1), ("task", None, 0, 1), ("training", None, 0, 2), ("training", "1", 0, 1),
-    ("scoring", "2", 0, 2), ("scoring", "2", 3, 3), ("training", "x", 0, 2), ("scoring", None, 2, 2)])
+    ("scoring", "2", 0, 2), ("scoring", "2", 3, 3), ("training", "x", 0, 2), ("scoring", None, 2, 2),
+    ("benchmark", None, 0, 1), ("benchmark", "2", 1, 1)])
 def test_use_threads_takes_the_request_then_omp_num_threads_then_the_work_default(monkeypatch, work, omp, requested,
                                                                                    want):
     monkeypatch.setattr(threads_module, "training_threads", lambda: 2)

@@ -10,41 +10,22 @@ No GPU is lent to this project, so two stand-ins:
   same steps in fp32, and the fast-weight state (what the component learns while it reads) kept in fp32.
   Caches of activations (a KV cache, a convolution's last inputs) may follow the compute dtype.
 
-The components and their variants are those of ``helpers.VARIANTS``, the variants every
-registered component declares, so a new component is covered here without an edit; the state fields that
-may follow the compute dtype are what it declares as ``compute_dtype_state``.
+The components and their variants are those of ``fastweights.testing.registry_cases.VARIANTS``, the variants
+every registered component declares, so a new component is covered here without an edit; the state fields that
+may follow the compute dtype are what it declares as ``compute_dtype_state``. The construction, the calls and the
+training steps are ``fastweights.testing.device_contract``'s, which ``benchmarks/gpu/cuda_check.py`` runs on a GPU.
 """
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.utils._pytree import tree_leaves
 
-from fastweights import components as registry
-from helpers import B, D, T, V, VARIANTS, variant_cases
-from helpers import build_component as build_fp64
+from fastweights.testing.device_contract import build, call, compute_dtype_state, state_leaves, train
+from fastweights.testing.registry_cases import B, D, T
+from helpers import variant_cases
 
 # components whose meta run is known to fail, with the reason; strict, so a fix turns the test red until
 # the entry is removed (FwPKM's write left this list with issue 34: its shapes no longer depend on the data)
 META_KNOWN: dict[tuple[str, str], str] = {}
-
-
-def compute_dtype_state(kind: str, name: str) -> tuple[str, ...]:
-    """State fields that may be kept in the compute dtype under autocast: caches of activations, not fast
-    weights ("" = the whole state), as the component declares them."""
-    return registry.declared(registry.lookup(registry.KINDS[kind], kind, name), "compute_dtype_state")
-
-
-COMPUTE_DTYPE_STATE = {key: compute_dtype_state(*key) for key in VARIANTS}  # benchmarks/gpu/cuda_check.py reads it
-
-
-def build(kind, name, raw):
-    """The registry contracts' construction (same options handling and seed), with fp32 parameters."""
-    return build_fp64(kind, name, raw).float()
-
-
-def call(layer, kind, x, tokens, state=None):
-    return layer(x, tokens, state) if kind == "head" else layer(x, state)
 
 
 @pytest.mark.parametrize("kind,name,raw", list(variant_cases(META_KNOWN)))
@@ -60,37 +41,6 @@ def test_forward_backward_on_the_meta_device(kind, name, raw):
     assert x.grad is not None and x.grad.shape == x.shape
     for where, leaf in state_leaves(state):
         assert leaf.device.type == "meta", f"state {where} was created on {leaf.device}"
-
-
-def state_leaves(state):
-    """(top-level field, tensor) pairs of a state: a dict's keys name its fields, other states are one field."""
-    parts = state.items() if isinstance(state, dict) else [("", state)]
-    return [(k, t) for k, part in parts for t in tree_leaves(part) if isinstance(t, torch.Tensor)]
-
-
-def train(kind, name, raw, bf16: bool, device: torch.device = torch.device("cpu")):
-    """Three Adam steps of one component on ``device`` (benchmarks/gpu/cuda_check.py runs it on a GPU)."""
-    layer = build(kind, name, raw).to(device)
-    opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(B, T, D, generator=g).to(device)
-    tokens = torch.randint(0, V, (B, T), generator=g).to(device)
-    losses = []
-    for _ in range(3):
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            y, state = call(layer, kind, x, tokens)
-            if kind == "head":
-                loss = F.cross_entropy(y.float().flatten(0, 1), tokens.flatten())
-            else:
-                loss = (y.float() - x).pow(2).mean()
-            aux = getattr(layer, "aux_loss", None)
-            if aux is not None:
-                loss = loss + aux
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, state, layer
 
 
 @pytest.mark.parametrize("kind,name,raw", list(variant_cases()))

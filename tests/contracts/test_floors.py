@@ -12,7 +12,7 @@ FLOORS = [
     ("core",),  # errors, files, progress, config, devices
     ("ops",),  # the operators: linear attention, delta rule, FWL, PKM, NLL, the fast-RNN kernel
     ("components",),  # the component contract and registry
-    ("layers",),  # the mechanisms: one file each
+    ("layers", "testing"),  # the mechanisms: one file each; what the tests and the benchmarks both run
     ("data",),  # corpora, tokenizers, token streams
     ("checkpoints",),  # the on-disk format, run directories, config checks
     ("models",),  # the language model, its size, loading a checkpoint

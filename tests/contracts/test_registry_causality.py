@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from fastweights import components as registry
-from helpers import B, D, T, V, VARIANTS, variant_cases
-from helpers import build_component as build
+from fastweights.testing.registry_cases import B, D, T, V, VARIANTS
+from fastweights.testing.registry_cases import build_component as build
+from helpers import variant_cases
 
 CUTS = (1, 4, 7, 13)  # first token, a chunk boundary (chunk_size 4), inside a chunk, near the end
 PIECES = ((1, 5, 11), (8,), (3, 4, 12))

@@ -1,20 +1,45 @@
 """What result files record (fastweights.evidence.provenance), and the benchmark scripts that record it: each is
 run as ``python benchmarks/KIND/X.py`` and imports the installed package (``fastweights.evidence.result_files``
-writes its result) and, at most, a sibling script of its folder, without adding anything to ``sys.path``
-(issues 20, 38)."""
+writes its result) and, at most, a sibling script of its folder, without changing ``sys.path`` and without importing
+anything from ``tests/`` (issues 20, 38, 48)."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import fastweights.evidence.provenance as provenance_module
 from fastweights.evidence.provenance import cli_provenance, command_line, git_state, provenance, repo_relative
 from helpers import HANG_GUARD_S, ROOT
 
-# Scripts that still add their folder to sys.path, with why (each entry must still be true, so the list
-# only shrinks): written while the other scripts were changed, by work in progress elsewhere.
-STILL_INSERTING: dict[str, str] = {}
+# ``sys.path`` changed in a script's source, its own code or code it hands to a child process as text:
+# ``sys.path.insert(...)``, ``.append``, ``.extend``, ``.remove``, ``.pop``, ``.clear``, ``sys.path = ...``,
+# ``sys.path += ...``, ``sys.path[...] = ...``
+SYS_PATH_CHANGE = re.compile(r"sys\.path\s*(\.\s*(insert|append|extend|remove|pop|clear)\s*\(|\+?=(?!=)|\[[^\]]*\]\s*=(?!=))")
+
+
+def sys_path_changes(source: str) -> list[str]:
+    """The lines of ``source`` that change ``sys.path``."""
+    return [line.strip() for line in source.splitlines() if SYS_PATH_CHANGE.search(line)]
+
+
+def names_of_test_modules(root: Path = ROOT) -> set[str]:
+    """The names under which a module of tests/ is imported once tests/ or one of its folders is on sys.path."""
+    return {"tests"} | {p.stem for p in (root / "tests").rglob("*.py")}
+
+
+def imports_from_tests(source: str, names: set[str]) -> list[str]:
+    """The imports in ``source`` (at any depth: inside functions too) of a module of tests/."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0] in names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] in names:
+            found.append(node.module)
+    return found
 
 
 def test_command_line_makes_paths_inside_the_repository_relative():
@@ -74,10 +99,13 @@ def test_benchmark_scripts_import_without_sys_path_changes():
     assert len(scripts) > 20
     folders = {p.parent.relative_to(ROOT).as_posix() for p in scripts}
     assert folders == {"benchmarks/speed", "benchmarks/quality", "benchmarks/gpu", "benchmarks/tools"}, folders
-    inserting = {p.name for p in scripts if any(
-        isinstance(n, ast.Call) and ast.unparse(n.func) == "sys.path.insert" for n in ast.walk(ast.parse(p.read_text())))}
-    assert inserting <= set(STILL_INSERTING), f"{sorted(inserting)}: the script's folder is on sys.path already"
-    assert set(STILL_INSERTING) <= inserting, "fixed: remove it from STILL_INSERTING"
+    changing = {p.relative_to(ROOT).as_posix(): lines for p in scripts if (lines := sys_path_changes(p.read_text()))}
+    assert not changing, f"benchmark scripts that change sys.path (the script's folder is on it already): {changing}"
+    names = names_of_test_modules()
+    from_tests = {p.relative_to(ROOT).as_posix(): found for p in scripts
+                  if (found := imports_from_tests(p.read_text(), names))}
+    assert not from_tests, (f"benchmark scripts that import from tests/ (what both need belongs in the library, "
+                            f"fastweights.testing, or in a module of benchmarks/): {from_tests}")
     # as `python benchmarks/KIND/X.py` does: the script's folder first on sys.path, nothing else added
     code = ("import importlib, sys\nsys.path.insert(0, sys.argv[1])\n"
             "for name in sys.argv[2:]:\n    importlib.import_module(name)\n")
@@ -86,3 +114,20 @@ def test_benchmark_scripts_import_without_sys_path_changes():
         r = subprocess.run([sys.executable, "-c", code, str(ROOT / folder), *names],
                            capture_output=True, text=True, timeout=HANG_GUARD_S, cwd="/")
         assert r.returncode == 0, f"{folder}: {r.stderr[-2000:]}"
+
+
+@pytest.mark.parametrize("line", [
+    "sys.path.insert(0, folder)", "sys.path.append(str(STANDIN))", "sys.path .extend(x)", "sys.path.remove(folder)",
+    "sys.path = [root]", "sys.path += [root]", 'sys.path[:0] = [os.path.join(root, "benchmarks")]'])
+def test_a_change_of_sys_path_is_found(line):
+    assert sys_path_changes(f"import sys\n{line}\n") == [line]
+
+
+def test_reading_sys_path_and_prose_about_it_are_not_changes():
+    assert sys_path_changes("if folder not in sys.path:\n    pass\nx = sys.path[0]\nok = sys.path == y\n"
+                            "# its folder comes first on sys.path when run\n") == []
+
+
+def test_an_import_from_tests_is_found_at_any_depth():
+    source = "import helpers\ndef f():\n    import test_floors\n    from tests.helpers import ROOT\nimport torch\n"
+    assert imports_from_tests(source, names_of_test_modules()) == ["helpers", "test_floors", "tests.helpers"]

@@ -1,6 +1,6 @@
 """The delta rule's hand-over to flash-linear-attention, checked on a CPU with a stand-in fla (issue 34, scope 1).
 
-``tests/ops/fla_standin.py`` checks fla's input contract (q, k, v, beta in fp16/bf16, g and the state fp32,
+``fastweights.testing.fla_standin`` checks fla's input contract (q, k, v, beta in fp16/bf16, g and the state fp32,
 [B, T, H, D] / [B, H, K, V] layouts) and computes with the per-step reference. Here: which backend runs
 for which inputs (fp32, bf16, fp32 under autocast, gated with and without a gradient where fla refuses
 its gated backward), that the ``fwp`` and ``gdn`` layers under autocast hand fla their fp32 features
@@ -26,13 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import fla_standin
 from helpers import ROOT
 
 from fastweights.core.errors import UserError
 from fastweights.layers.fwp import FastWeightProgrammer, FWPOptions
 from fastweights.layers.gdn import GatedDeltaNet, GDNOptions
 from fastweights.ops.delta_rule import delta_rule
+from fastweights.testing import fla_standin
 
 dr = importlib.import_module("fastweights.ops.delta_rule")
 fb = importlib.import_module("fastweights.ops.fla_backend")

@@ -1,6 +1,6 @@
 """The gradient self-check of fla's gated backward (issue 51, scope 1), on a CPU with the stand-in fla.
 
-``tests/ops/fla_standin.py`` imitates fla 0.6 on a Hopper GPU with Triton 3.6.0 (``refuse_gated_backward``): its
+``fastweights.testing.fla_standin`` imitates fla 0.6 on a Hopper GPU with Triton 3.6.0 (``refuse_gated_backward``): its
 gated kernel's backward raises unless ``fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1`` is True when the backward runs,
 and ``WRONG_GATED`` halves its gated gradients of k and g (what fla issue 640 reports). Here: right gradients take
 fla with its guard lifted for the backward, wrong ones keep the compiled form; the verdict is cached per key (a new
@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import fla_standin
+from fastweights.testing import fla_standin
 
 from fastweights.core.errors import UserError
 from fastweights.ops.delta_rule import delta_rule

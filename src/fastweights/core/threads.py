@@ -28,11 +28,15 @@ import sys
 import time
 
 SCORING_THREADS = 1
+#: the benchmark scripts' ``--threads`` default: one thread, so a timing in this process's CPU seconds counts the work
+#: done, unaffected by other jobs taking turns on a shared machine's cores (``fastweights.evidence.timing``)
+BENCHMARK_THREADS = 1
 MAX_THREADS_PER_CORE = 4  # more threads than this per usable core only thrash (and tens of thousands crash torch)
 #: a command's kind of work -> what 0 (the default) threads means for it
 WORK = {"scoring": "one thread (scoring and sampling)",
         "training": "the cores idle when it starts",
-        "task": "one thread (the synthetic tasks' small models)"}
+        "task": "one thread (the synthetic tasks' small models)",
+        "benchmark": "one thread (a benchmark's timings, in this process's CPU seconds)"}
 _SAMPLE_S = 0.25  # how long the CPU is watched to count busy cores: long enough to average a scheduler tick
 
 
@@ -101,7 +105,8 @@ def _omp_threads() -> int | None:
 def use_threads(work: str, requested: int | None = 0) -> int:
     """Set torch's CPU threads for ``work`` (a key of :data:`WORK`) and return the count: ``requested`` when
     positive (``--threads``, ``train.threads``), else ``OMP_NUM_THREADS`` when set, else the work's default
-    (:data:`SCORING_THREADS` for scoring and tasks, :func:`training_threads` for training). The only caller of
+    (:data:`SCORING_THREADS` for scoring and tasks, :data:`BENCHMARK_THREADS` for a benchmark script,
+    :func:`training_threads` for training). The only caller of
     ``torch.set_num_threads`` in the library."""
     import torch
 
@@ -114,6 +119,7 @@ def use_threads(work: str, requested: int | None = 0) -> int:
         raise UserError(f"threads={requested}: at most {most} ({MAX_THREADS_PER_CORE} per core this process may use)")
     count = requested if requested and requested > 0 else _omp_threads()
     if count is None:
-        count = training_threads() if work == "training" else SCORING_THREADS
+        count = (training_threads() if work == "training" else BENCHMARK_THREADS if work == "benchmark"
+                 else SCORING_THREADS)
     torch.set_num_threads(count)
     return count

@@ -1,4 +1,7 @@
-"""How the benchmark scripts time a call: CPU seconds or wall seconds, the median of repeats.
+"""How the benchmark scripts time a call: CPU seconds or wall seconds, one call, the samples of repeats or their
+median. The one timer of ``benchmarks/``: a script chooses its clocks, repeats and summary, never its own stopwatch.
+The threads it times on are ``--threads`` (:func:`fastweights.evidence.script_args.benchmark_threads_flag`), set by
+``use_threads("benchmark", args.threads)``.
 
 One thread on the CPU: this process's CPU seconds (other jobs taking turns on the core do not count); any
 other setting: wall seconds, with CUDA synchronised around each call.
@@ -10,6 +13,9 @@ import time
 
 import torch
 
+#: wall seconds and this process's CPU seconds of the same call, read in that order
+WALL_AND_CPU = (time.perf_counter, time.process_time)
+
 
 def bench_clock(device) -> tuple:
     """(clock, name) for timing on ``device``: with one CPU thread, this process's CPU seconds (other
@@ -19,22 +25,36 @@ def bench_clock(device) -> tuple:
     return time.perf_counter, "wall"
 
 
+def call_seconds(fn, clocks=(time.perf_counter,), sync=None) -> tuple[float, ...]:
+    """Seconds of one call of ``fn`` on each of ``clocks`` (each read before the call and after it, in order);
+    ``sync`` (``torch.cuda.synchronize``, say) is called before the first reading and before the second."""
+    if sync is not None:
+        sync()
+    start = [clock() for clock in clocks]
+    fn()
+    if sync is not None:
+        sync()
+    return tuple(clock() - t for clock, t in zip(clocks, start))
+
+
+def samples(fn, repeat: int, warmup: int = 0, clocks=(time.perf_counter,), sync=None) -> list[tuple[float, ...]]:
+    """``repeat`` timed calls of ``fn`` after ``warmup`` untimed ones: :func:`call_seconds` of each."""
+    for _ in range(warmup):
+        fn()
+    return [call_seconds(fn, clocks, sync) for _ in range(repeat)]
+
+
+def upper_median(values) -> float:
+    """The middle value of the sorted ``values`` (of an even count, the upper of the two middle ones)."""
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
 def timeit(fn, warmup: int = 3, repeat: int = 10, clock=time.perf_counter) -> float:
     """Median seconds per call of ``fn`` (synchronising CUDA around each call).
 
     ``clock=time.process_time`` counts this process's CPU seconds instead of wall seconds: for a
     one-thread CPU measurement that is the work done, unaffected by other jobs taking turns on the core.
     """
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t = clock()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(clock() - t)
-    times.sort()
-    return times[len(times) // 2]
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else None
+    return upper_median(s for (s,) in samples(fn, repeat, warmup, (clock,), sync))

@@ -1,0 +1,86 @@
+"""The one timer of the benchmark scripts (``fastweights.evidence.timing``, issue 48): what a call's seconds are on
+each clock, where CUDA's synchronisation falls, which calls are warm-up, the median; that the speed benchmarks
+time through it rather than with a stopwatch of their own; and that the threads a benchmark times on have one
+``--threads`` flag and one default (``fastweights.core.threads.BENCHMARK_THREADS``)."""
+
+import argparse
+import re
+
+from fastweights.core.threads import BENCHMARK_THREADS
+from fastweights.evidence.script_args import benchmark_threads_flag
+from fastweights.evidence.timing import call_seconds, samples, timeit, upper_median
+from helpers import ROOT
+
+# speed benchmarks that still read a clock themselves, with why (each entry must still be true)
+OWN_CLOCK = {
+    "fwl_scoring.py": "its --before result is this script run on another checkout's src, older than the timer",
+}
+
+# scripts that still declare --threads or set torch's threads themselves, with why (each entry must still be true)
+OWN_THREADS = {
+    "quality/fwl_in_domain.py": "edited elsewhere at the time (the long-context work); next: benchmark_threads_flag",
+    "quality/niah_token.py": "edited elsewhere at the time (the long-context work); next: use_threads",
+    "quality/niah_multitoken.py": "edited elsewhere at the time (the long-context work); next: use_threads",
+    "speed/fwl_scoring.py": "its --before result is this script run on another checkout's src, older than the flag",
+    "tools/probes.py": "an evidence tool, not a benchmark: a probe runs on one thread and gives the caller's count back",
+}
+
+
+class Clock:
+    """A clock that advances only when told, logging each reading into a shared journal."""
+
+    def __init__(self, name, journal):
+        self.name, self.journal, self.t = name, journal, 0.0
+
+    def __call__(self):
+        self.journal.append(self.name)
+        return self.t
+
+
+def test_one_call_is_timed_on_each_clock_between_two_synchronisations():
+    journal = []
+    wall, cpu = Clock("wall", journal), Clock("cpu", journal)
+
+    def work():
+        journal.append("work")
+        wall.t += 2.0
+        cpu.t += 0.5
+
+    assert call_seconds(work, (wall, cpu), sync=lambda: journal.append("sync")) == (2.0, 0.5)
+    assert journal == ["sync", "wall", "cpu", "work", "sync", "wall", "cpu"]
+
+
+def test_warm_up_calls_are_not_timed_and_the_median_is_the_upper_middle():
+    journal = []
+    clock = Clock("clock", journal)
+    costs = iter([100.0, 3.0, 1.0, 2.0, 4.0])  # the first call (a warm-up) is slow
+
+    def work():
+        clock.t += next(costs)
+
+    assert samples(work, 4, warmup=1, clocks=(clock,)) == [(3.0,), (1.0,), (2.0,), (4.0,)]
+    assert upper_median([3.0, 1.0, 2.0, 4.0]) == 3.0 and upper_median([2.0, 9.0, 1.0]) == 2.0
+    costs = iter([100.0, 5.0, 1.0, 2.0])
+    assert timeit(work, warmup=1, repeat=3, clock=clock) == 2.0
+
+
+def test_the_speed_benchmarks_read_no_clock_of_their_own():
+    reading = {p.name for p in sorted((ROOT / "benchmarks" / "speed").glob("*.py"))
+               if re.search(r"time\.(perf_counter|process_time)\(\)", p.read_text())}
+    assert reading <= set(OWN_CLOCK), f"{sorted(reading - set(OWN_CLOCK))}: time with fastweights.evidence.timing"
+    assert set(OWN_CLOCK) <= reading, f"{sorted(set(OWN_CLOCK) - reading)}: fixed, remove it from OWN_CLOCK"
+
+
+def test_the_benchmarks_threads_flag_has_one_default():
+    parser = argparse.ArgumentParser()
+    benchmark_threads_flag(parser)
+    assert parser.parse_args([]).threads == BENCHMARK_THREADS == 1  # what the stored results ran with
+    assert parser.parse_args(["--threads", "2"]).threads == 2
+
+
+def test_no_benchmark_declares_its_own_threads_flag_or_sets_torchs_threads():
+    own = {p.relative_to(ROOT / "benchmarks").as_posix() for p in sorted((ROOT / "benchmarks").glob("*/*.py"))
+           if re.search(r"""add_argument\(\s*["']--threads["']|torch\.set_num_threads\(""", p.read_text())}
+    assert own <= set(OWN_THREADS), (f"{sorted(own - set(OWN_THREADS))}: use fastweights.evidence.script_args."
+                                     "benchmark_threads_flag and fastweights.core.threads.use_threads('benchmark', n)")
+    assert set(OWN_THREADS) <= own, f"{sorted(set(OWN_THREADS) - own)}: fixed, remove it from OWN_THREADS"
