@@ -14,7 +14,8 @@ queue's ``grad/*`` items, which read them from here.
 
 The verdict is kept per :func:`check_key` (the device's name and compute capability, torch's, Triton's and fla's
 versions, K, V, the dtype) in ``fla_gated_backward.json`` in the user's cache folder
-(:func:`fastweights.core.files.user_cache_dir`: ``fastweights`` in ``$XDG_CACHE_HOME``, else in ``~/.cache``), so a
+(:func:`fastweights.core.files.user_cache_dir`: ``fastweights`` in ``$XDG_CACHE_HOME``, else in the home's
+``.cache``), so a
 new Triton (or fla, torch, GPU) checks again; a corrupt file or entry is ignored and rewritten. Each process decides
 once per device, head sizes, dtype and mode (:func:`fla_gated_backward_allowed`) and logs its decision once, on the
 delta rule's logger, with the reason: the check passed (its largest relative error) or failed (the worst error
