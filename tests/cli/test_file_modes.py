@@ -92,3 +92,23 @@ def test_the_helpers_widen_narrow_writers_to_the_umask_never_beyond(umask, tmp_p
 
     write_into(tmp_path / "out", narrow)
     assert modes(tmp_path / "out") == expected(tmp_path / "out", umask)
+
+
+def test_a_json_cache_entry_is_merged_into_what_the_file_holds(tmp_path):
+    """core.files.merge_into_json_cache, the one writer of the per-machine caches (ops.linear, ops.fla_selfcheck):
+    other entries are kept, a corrupt file or a non-object entry on the way starts empty there."""
+    import json
+
+    from fastweights.core.files import merge_into_json_cache
+
+    path = tmp_path / "cache.json"
+    merge_into_json_cache(path, ("machine-a", "k1"), [1])
+    merge_into_json_cache(path, ("machine-a", "k2"), [2])
+    merge_into_json_cache(path, ("machine-b", "k1"), [3])
+    assert json.loads(path.read_text()) == {"machine-a": {"k1": [1], "k2": [2]}, "machine-b": {"k1": [3]}}
+    path.write_text('{"machine-a": 7, "other": 1}')
+    merge_into_json_cache(path, ("machine-a", "k1"), [4])
+    assert json.loads(path.read_text()) == {"machine-a": {"k1": [4]}, "other": 1}
+    path.write_text("not json")
+    merge_into_json_cache(path, ("v",), {"passed": True})
+    assert json.loads(path.read_text()) == {"v": {"passed": True}}

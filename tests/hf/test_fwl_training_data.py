@@ -56,6 +56,22 @@ def test_one_long_file_gives_runs_of_consecutive_windows_until_the_windows_are_f
     assert training_windows(Chars(), 100, str(tmp_path), doc_windows=4).doc_windows == [4, 3]  # no limit: one run
 
 
+def test_a_long_files_later_runs_are_tokenized_once(tmp_path):
+    """The runs after the first read the ids one encoding made for all of them (not the growing prefix once per
+    run, quadratic in a long file)."""
+    (tmp_path / "a.txt").write_text("".join(chr(65 + i % 26) for i in range(30000)))  # 300 windows of 100
+    calls = []
+
+    class Counting(Chars):
+        def encode(self, text):
+            calls.append(len(text))
+            return super().encode(text)
+
+    text = training_windows(Counting(), 100, str(tmp_path / "a.txt"), max_windows=20, doc_windows=4)
+    assert text.doc_windows == [4] * 5 and len(calls) == 2
+    np.testing.assert_array_equal(text.tokens.ravel(), Chars().encode((tmp_path / "a.txt").read_text())[:2000])
+
+
 def test_user_data_holding_a_compared_text_is_trained_on_with_one_warning(tmp_path):
     (tmp_path / "anna_karenina.txt").write_text("x" * 500)
     (tmp_path / "mine.txt").write_text("y" * 500)

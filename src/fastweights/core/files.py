@@ -237,6 +237,27 @@ def atomic_write(path: Path, write, root: Path | None = None, what: str = "") ->
             tmp.unlink()
 
 
+def merge_into_json_cache(path: Path, keys: tuple[str, ...], value, indent: int = 1) -> None:
+    """Set ``data[keys[0]]...[keys[-1]] = value`` in the JSON object at ``path`` (read, set, atomic replace): a
+    missing, unreadable or non-object file starts empty, and a concurrent writer loses at most its newest entry.
+    The per-machine caches of measured choices (``ops.linear``'s kernels, ``ops.fla_selfcheck``'s verdicts) keep
+    their entries so. OSError when the folder cannot be written (the caller then keeps its choice in memory)."""
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+        data = data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        data = {}
+    node = data
+    for k in keys[:-1]:
+        if not isinstance(node.get(k), dict):
+            node[k] = {}
+        node = node[k]
+    node[keys[-1]] = value
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=indent, sort_keys=True)))
+
+
 def save_figure(fig, path: Path, dpi: int = 110, root: Path | None = None, **savefig_kwargs) -> Path:
     """Write a matplotlib figure as PNG atomically (refusing links below ``root``, see :func:`atomic_write`),
     close it, and return the path."""

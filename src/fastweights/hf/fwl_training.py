@@ -151,6 +151,7 @@ def training_windows(tokenizer, window: int, data: str | None = None, max_window
                           stacklevel=2)
     rows, sources, counts = [], [], []
     live = list(range(len(docs)))  # documents that may hold another run
+    encoded: dict[int, tuple[int, object]] = {}  # document -> (characters encoded, their ids), for its later runs
     run = 0
     while live and (max_windows is None and run == 0 or max_windows is not None and len(rows) < max_windows):
         more = []
@@ -160,7 +161,11 @@ def training_windows(tokenizer, window: int, data: str | None = None, max_window
             spec, doc = docs[d]
             first = run * doc_windows  # this run's first window in the document
             want = doc_windows if max_windows is None else min(doc_windows, max_windows - len(rows))
-            ids = tokenizer.encode(doc.text[: (first + want + 1) * window * 8])  # enough characters (>= 1 a token)
+            # enough characters (>= 1 a token): this run's in the first pass, every later run's from the second on
+            chars = (first + (want if run == 0 else max_windows - len(rows)) + 1) * window * 8
+            if d not in encoded or encoded[d][0] < min(chars, len(doc.text)):
+                encoded[d] = (chars, tokenizer.encode(doc.text[:chars]))
+            ids = encoded[d][1]
             got = min(want, len(ids) // window - first)
             for i in range(first, first + max(got, 0)):
                 rows.append(np.asarray(ids[i * window:(i + 1) * window], dtype=np.int64))

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from fastweights.core.errors import UserError
-from fastweights.core.files import atomic_write, user_cache_dir
+from fastweights.core.files import merge_into_json_cache, user_cache_dir
 from fastweights.ops.delta_rule_chunked import delta_rule_chunk_major
 from fastweights.ops.fla_backend import fla_delta_rule, logger
 from fastweights.ops.linear_attention import no_autocast
@@ -193,15 +193,8 @@ def _load_verdict(key: str) -> dict | None:
 def _store_verdict(key: str, verdict: dict) -> None:
     """Merge one verdict into the cache file (read, add, atomic replace); an unwritable cache folder keeps the
     decision in this process only."""
-    path = _cache_path()
     try:
-        try:
-            data = json.loads(path.read_text())
-            data = data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
-            data = {}
-        data[key] = verdict
-        atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=1, sort_keys=True)))
+        merge_into_json_cache(_cache_path(), (key,), verdict)
     except OSError as e:
         logger.debug("fla gated-backward verdict not stored (%s)", e)
 

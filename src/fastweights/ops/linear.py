@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fastweights.core.errors import UserError
-from fastweights.core.files import atomic_write, user_cache_dir
+from fastweights.core.files import merge_into_json_cache, user_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -163,15 +163,8 @@ def _load_choices(machine: str) -> dict[str, list[str]]:
 def _store_choice(machine: str, key: str, kernels: list[str]) -> None:
     """Merge one choice into the cache file (read, add, atomic replace): a concurrent process loses at most its
     own newest entry, which it measures again next time; an unwritable cache folder keeps choices in memory."""
-    path = _cache_path()
     try:
-        try:
-            data = json.loads(path.read_text())
-            data = data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
-            data = {}
-        data.setdefault(machine, {})[key] = kernels
-        atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=0, sort_keys=True)))
+        merge_into_json_cache(_cache_path(), (machine, key), kernels, indent=0)
     except OSError as e:
         log.debug("linear kernel choices not stored (%s)", e)
 

@@ -33,7 +33,8 @@ import random
 import torch
 
 from fastweights.core.errors import UserError
-from fastweights.tasks.niah_token import WordHaystack, capture_memory_calls, join_words, train_haystack
+from fastweights.tasks.niah_token import (WordHaystack, capture_memory_calls, join_words, needle_stream, plant_needles,
+                                          train_haystack)
 
 KEY_PIECES = 64
 VALUE_PIECES = 100
@@ -80,44 +81,13 @@ def question_words(key: tuple[str, ...]) -> list[str]:
 
 def training_text(haystack: WordHaystack, n_tokens: int, seed: int = 0, gap: tuple[int, int] = (24, 72),
                   distance: tuple[int, int] = (80, 240)) -> str:
-    """Haystack words with needles and their questions (answers included), ``n_tokens`` tokens.
-
-    As :func:`fastweights.tasks.niah_token.training_text`: a needle every ``gap`` tokens, asked again as
-    ``<question> KEY VALUE`` ``distance`` tokens later; keys from :data:`TRAIN_KEYS`, values never held out; a key
-    is not reused within ``2 * distance[1]`` tokens, so within any window a key names one value. The text opens
-    with a line listing every reserved token once (the word tokenizer's vocabulary is the training split's words).
-    Deterministic by ``seed``.
-    """
-    if not (0 < gap[0] <= gap[1]) or not (0 < distance[0] <= distance[1]):
-        raise UserError(f"gap and distance must be positive ranges, got {gap} and {distance}")
+    """Haystack words with needles and their questions (answers included), ``n_tokens`` tokens
+    (:func:`fastweights.tasks.niah_token.needle_stream`): keys from :data:`TRAIN_KEYS`, values never held out. The
+    text opens with a line listing every reserved token once (the word tokenizer's vocabulary is the training
+    split's words). Deterministic by ``seed``."""
     rng = random.Random(f"niah-multitoken-train:{seed}")
-    out: list[str] = list(RESERVED) + ["\n"]
-    pending: list[tuple[int, tuple, tuple]] = []  # (position of the question, key, value)
-    last_used: dict[tuple, int] = {}
-    pos = rng.randrange(len(haystack.words))
-    next_needle = len(out) + rng.randint(*gap)
-    reuse = 2 * distance[1]
-    while len(out) < n_tokens:
-        n = len(out)
-        if pending and pending[0][0] <= n:
-            _, key, value = pending.pop(0)
-            out.extend([*question_words(key), *value])
-            continue
-        if n >= next_needle:
-            key = rng.choice(TRAIN_KEYS)
-            while n - last_used.get(key, -reuse) < reuse:
-                key = rng.choice(TRAIN_KEYS)
-            value = draw_value(rng, heldout=False)
-            out.extend(needle_words(key, value))
-            ask = len(out) + rng.randint(*distance)
-            pending.append((ask, key, value))
-            pending.sort()
-            last_used[key] = ask
-            next_needle = len(out) + rng.randint(*gap)
-            continue
-        out.append(haystack.words[pos])
-        pos = (pos + 1) % len(haystack.words)
-    return join_words(out[:n_tokens])
+    return join_words(needle_stream(haystack, n_tokens, rng, RESERVED, lambda: rng.choice(TRAIN_KEYS),
+                                    lambda: draw_value(rng, heldout=False), gap, distance))
 
 
 def make_sample(haystack: WordHaystack, length: int, depth: float | None = None, seed: int = 0, index: int = 0,
@@ -149,18 +119,8 @@ def make_sample(haystack: WordHaystack, length: int, depth: float | None = None,
     target = rng.randrange(n_needles)
     depths = [rng.random() for _ in range(n_needles)]
     depths[target] = rng.random() if depth is None else depth
-    filler = haystack.window(rng.randrange(len(haystack.words)), filler_len)
-    points = sorted((round(d * filler_len), i) for i, d in enumerate(depths))
-    words: list[str] = []
-    offsets = [0] * n_needles
-    prev = 0
-    for p, i in points:
-        words.extend(filler[prev:p])
-        offsets[i] = len(words)
-        words.extend(needle_words(chosen_keys[i], chosen_values[i]))
-        prev = p
-    words.extend(filler[prev:])
-    char_offsets = [len(join_words(words[:o])) + (1 if o else 0) for o in offsets]
+    words, char_offsets = plant_needles(haystack, filler_len, depths,
+                                        [needle_words(chosen_keys[i], chosen_values[i]) for i in range(n_needles)], rng)
     needles = tuple(Needle(" ".join(chosen_keys[i]), " ".join(chosen_values[i]), depths[i], char_offsets[i])
                     for i in range(n_needles))
     return NiahSample(context=join_words(words), question=" " + join_words(question_words(chosen_keys[target])),

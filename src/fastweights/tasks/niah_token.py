@@ -136,23 +136,18 @@ def training_vocab(words: list[str], size: int = VOCAB_WORDS) -> set[str]:
     return {w for w, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:size]}
 
 
-def training_text(haystack: WordHaystack, n_tokens: int, seed: int = 0, gap: tuple[int, int] = (24, 72),
-                  distance: tuple[int, int] = (80, 240)) -> str:
-    """Haystack words with needles and their questions (answers included), ``n_tokens`` tokens.
-
-    A needle ``<needle> KEY VALUE`` is planted every ``gap`` tokens (uniform in the range) and asked again as
-    ``<question> KEY VALUE`` ``distance`` tokens later (uniform in the range, counted from the needle's value to
-    the question's key). Keys come from the training keys and are not reused while a needle of theirs is
-    still to be asked, nor within ``2 * distance[1]`` tokens, so within any window a key names one value.
-    The text opens with a line listing every reserved token once (see the module docstring).
-    Deterministic by ``seed``.
-    """
+def needle_stream(haystack: WordHaystack, n_tokens: int, rng: random.Random, reserved, draw_key, draw_value,
+                  gap: tuple[int, int], distance: tuple[int, int]) -> list[str]:
+    """The words of a token-format training text: the ``reserved`` tokens on one line, then haystack words with a
+    needle ``<needle> *KEY *VALUE`` every ``gap`` tokens (uniform in the range), asked again as ``<question> *KEY
+    *VALUE`` ``distance`` tokens later. ``draw_key()`` / ``draw_value()`` give a key / value as a tuple of words; a
+    key is not drawn again while a needle of it is to be asked, nor within ``2 * distance[1]`` tokens, so within any
+    window a key names one value. Shared by the one-token and the multi-token formats."""
     if not (0 < gap[0] <= gap[1]) or not (0 < distance[0] <= distance[1]):
         raise UserError(f"gap and distance must be positive ranges, got {gap} and {distance}")
-    rng = random.Random(f"niah-token-train:{seed}")
-    out: list[str] = list(RESERVED) + ["\n"]
-    pending: list[tuple[int, str, str]] = []  # (position of the question, key, value)
-    last_used: dict[str, int] = {}
+    out: list[str] = list(reserved) + ["\n"]
+    pending: list[tuple] = []  # (position of the question, key, value)
+    last_used: dict[tuple, int] = {}
     pos = rng.randrange(len(haystack.words))
     next_needle = len(out) + rng.randint(*gap)
     reuse = 2 * distance[1]
@@ -160,14 +155,14 @@ def training_text(haystack: WordHaystack, n_tokens: int, seed: int = 0, gap: tup
         n = len(out)
         if pending and pending[0][0] <= n:
             _, key, value = pending.pop(0)
-            out.extend([QUESTION, key, value])
+            out.extend([QUESTION, *key, *value])
             continue
         if n >= next_needle:
-            key = rng.choice(KEYS[:TRAIN_KEYS])
+            key = draw_key()
             while n - last_used.get(key, -reuse) < reuse:
-                key = rng.choice(KEYS[:TRAIN_KEYS])
-            value = rng.choice(VALUES)
-            out.extend(needle_words(key, value))
+                key = draw_key()
+            value = draw_value()
+            out.extend([NEEDLE, *key, *value])
             ask = len(out) + rng.randint(*distance)
             pending.append((ask, key, value))
             pending.sort()
@@ -176,7 +171,36 @@ def training_text(haystack: WordHaystack, n_tokens: int, seed: int = 0, gap: tup
             continue
         out.append(haystack.words[pos])
         pos = (pos + 1) % len(haystack.words)
-    return join_words(out[:n_tokens])
+    return out[:n_tokens]
+
+
+def training_text(haystack: WordHaystack, n_tokens: int, seed: int = 0, gap: tuple[int, int] = (24, 72),
+                  distance: tuple[int, int] = (80, 240)) -> str:
+    """Haystack words with needles and their questions (answers included), ``n_tokens`` tokens
+    (:func:`needle_stream`): keys from the training keys, any value. The text opens with a line listing every
+    reserved token once (see the module docstring). Deterministic by ``seed``."""
+    rng = random.Random(f"niah-token-train:{seed}")
+    return join_words(needle_stream(haystack, n_tokens, rng, RESERVED, lambda: (rng.choice(KEYS[:TRAIN_KEYS]),),
+                                    lambda: (rng.choice(VALUES),), gap, distance))
+
+
+def plant_needles(haystack: WordHaystack, filler_len: int, depths: list[float], needles: list[list[str]],
+                  rng: random.Random) -> tuple[list[str], list[int]]:
+    """``filler_len`` haystack words from a random start with ``needles[i]`` (its words) planted at relative depth
+    ``depths[i]``. Returns (the words, each needle's character offset in their text, as the character format
+    records it)."""
+    filler = haystack.window(rng.randrange(len(haystack.words)), filler_len)
+    points = sorted((round(d * filler_len), i) for i, d in enumerate(depths))
+    words: list[str] = []
+    offsets = [0] * len(needles)
+    prev = 0
+    for p, i in points:
+        words.extend(filler[prev:p])
+        offsets[i] = len(words)
+        words.extend(needles[i])
+        prev = p
+    words.extend(filler[prev:])
+    return words, [len(join_words(words[:o])) + (1 if o else 0) for o in offsets]
 
 
 def make_sample(haystack: WordHaystack, length: int, depth: float | None = None, seed: int = 0, index: int = 0,
@@ -203,20 +227,9 @@ def make_sample(haystack: WordHaystack, length: int, depth: float | None = None,
     target = rng.randrange(n_needles)
     depths = [rng.random() for _ in range(n_needles)]
     depths[target] = rng.random() if depth is None else depth
-    filler = haystack.window(rng.randrange(len(haystack.words)), filler_len)
-    points = sorted((round(d * filler_len), i) for i, d in enumerate(depths))
-    words: list[str] = []
-    offsets = [0] * n_needles
-    prev = 0
-    for p, i in points:
-        words.extend(filler[prev:p])
-        offsets[i] = len(words)
-        words.extend(needle_words(chosen_keys[i], chosen_values[i]))
-        prev = p
-    words.extend(filler[prev:])
+    words, char_offsets = plant_needles(haystack, filler_len, depths,
+                                        [needle_words(chosen_keys[i], chosen_values[i]) for i in range(n_needles)], rng)
     context = join_words(words)
-    # offsets in characters of the context text, as the character format records them
-    char_offsets = [len(join_words(words[:o])) + (1 if o else 0) for o in offsets]
     needles = tuple(Needle(chosen_keys[i], chosen_values[i], depths[i], char_offsets[i]) for i in range(n_needles))
     return NiahSample(context=context, question=" " + join_words(question_words(chosen_keys[target])),
                       answer=chosen_values[target], needles=needles, target=target, length=length,
@@ -363,6 +376,6 @@ _register_corpus()
 
 __all__ = [
     "N_KEYS", "TRAIN_KEYS", "N_VALUES", "KEYS", "VALUES", "NEEDLE", "QUESTION", "RESERVED", "WordHaystack",
-    "normalize_words", "training_text", "training_vocab", "make_sample", "make_samples", "is_token_format",
+    "normalize_words", "needle_stream", "plant_needles", "training_text", "training_vocab", "make_sample", "make_samples", "is_token_format",
     "train_haystack", "eval_haystack", "memory_probe", "init_heldout_keys",
 ]
