@@ -165,11 +165,15 @@ def fwl_rows(heads: dict, scored: dict, tuning: list[torch.Tensor], segment_len:
     ``fwl`` the step-scaled diagnosis (its slow part is ``fwl``'s). Settings chosen on the ``tuning`` texts:
     the test-time-only step size (set on that head), the step scale. Returns (rows: name -> text -> score,
     tuned)."""
-    rows, tuned = {}, {}
-    some = next(iter(heads.values()))
-    hidden = tuning_hidden(some.backbone, tuning)
+    rows, tuned, hidden_of = {}, {}, {}
+
+    def hidden(model) -> list:  # the tuning texts' hidden states of the head's own backbone (its top blocks
+        if id(model.backbone) not in hidden_of:  # are the trained ones when it trained some)
+            hidden_of[id(model.backbone)] = tuning_hidden(model.backbone, tuning)
+        return hidden_of[id(model.backbone)]
+
     if "fwl_test_time_only" in heads:
-        tuned["fwl_test_time_only"] = tune_test_time_step(heads["fwl_test_time_only"], hidden)
+        tuned["fwl_test_time_only"] = tune_test_time_step(heads["fwl_test_time_only"], hidden(heads["fwl_test_time_only"]))
         log(f"test-time-only step size: {tuned['fwl_test_time_only']['best']:g}")
     for row, model in heads.items():
         ev = static_evaluator(model, segment_len)
@@ -179,7 +183,7 @@ def fwl_rows(heads: dict, scored: dict, tuning: list[torch.Tensor], segment_len:
         log(f"{row}: " + ", ".join(f"{k} {r['perplexity']:.3f} (slow part {rows[f'{row}_slow_part'][k]['perplexity']:.3f})"
                                    for k, r in rows[row].items()))
     if "fwl" in heads:
-        tuned["fwl_step_scale"] = tune_step_scale(heads["fwl"], hidden)
+        tuned["fwl_step_scale"] = tune_step_scale(heads["fwl"], hidden(heads["fwl"]))
         log(f"FWL step-size scale chosen on tuning text: {tuned['fwl_step_scale']['best']:g}")
         with scaled_step_sizes(heads["fwl"].head, tuned["fwl_step_scale"]["best"]):
             rows["fwl_step_scaled"] = score_texts(static_evaluator(heads["fwl"], segment_len), scored)
@@ -187,6 +191,27 @@ def fwl_rows(heads: dict, scored: dict, tuning: list[torch.Tensor], segment_len:
 
 
 # ----------------------------------------------------------------------------- the paper's comparators
+
+
+def top_blocks_row(lm, k: int, setting: dict, scored: dict, tuning: list[torch.Tensor], stats, segment_len: int,
+                   log=print) -> tuple[dict, dict]:
+    """``dynamic_top_blocks``: ``setting``'s rule (``rule``; ``lr_there`` the lr its grid multiplies) on the last
+    ``k`` decoder blocks and the final norm of ``lm``, lr from :data:`TOP_BLOCKS_LR_FACTORS` chosen on ``tuning``.
+    ``stats``: MS_g of the RMS rules (``collect_grad_stats`` over weights that cover the blocks), or a statistics
+    text's ids [T] to collect it from. Returns (text -> score, the setting and its search)."""
+    rule, lr0 = setting["rule"], float(setting["lr_there"])
+    if isinstance(stats, torch.Tensor):
+        stats = collect_grad_stats(lm, stats, include=top_blocks_include(lm, k), seq_len=segment_len, **STATS) \
+            if rule.startswith("rms") else None
+    top = top_blocks_include(lm, k)
+
+    def make(lr):
+        return DynamicEvaluator(lm, rule=rule, lr=lr, segment_len=segment_len, context=lm.default_context,
+                                include=top, exclude=None, grad_stats=stats)
+
+    search = search_lr(make, tuning, [lr0 * f for f in TOP_BLOCKS_LR_FACTORS], log, f"top {k} blocks")
+    tuned = {"rule": rule, "include": top, "blocks": k, "lr_search": search, "lr": search["best"]}
+    return score_texts(make(search["best"]), scored), tuned
 
 
 def tuning_loss(ev: DynamicEvaluator, tuning: list[torch.Tensor]) -> float:
@@ -262,12 +287,8 @@ def dynamic_rows(lm, scored: dict, tuning: list[torch.Tensor], stats_ids: torch.
                         "ms_g_cpu_s": stats_s, "lr_search": search, "lr": search["best"]}
     rows["dynamic"] = score_texts(make(search["best"]), scored)
 
-    top = top_blocks_include(lm)
-    make = full(top, None)
-    search = search_lr(make, tuning, [lr0 * f for f in TOP_BLOCKS_LR_FACTORS], log, "top blocks")
-    tuned["dynamic_top_blocks"] = {"rule": rule, "include": top, "blocks": TOP_BLOCKS, "lr_search": search,
-                                   "lr": search["best"]}
-    rows["dynamic_top_blocks"] = score_texts(make(search["best"]), scored)
+    rows["dynamic_top_blocks"], tuned["dynamic_top_blocks"] = top_blocks_row(
+        lm, TOP_BLOCKS, {"rule": rule, "lr_there": lr0}, scored, tuning, stats, L, log)
 
     lr_stats: dict[int, tuple] = {}
 

@@ -323,3 +323,28 @@ def test_the_lr_comparison_without_heads_is_one_line_and_exit_2(tmp_path):
     r = run_script(benchmark_script("fwl_head_lr"), "--runs", str(tmp_path / "none"), "--out", str(tmp_path / "x.json"))
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "no trained head" in r.stderr, r.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_each_head_is_tuned_on_its_own_backbones_hidden_states(llama, monkeypatch):
+    """Heads trained with top blocks each replace those blocks in their own backbone copy (fwl_top_blocks.py): the
+    test-time step and the step scale are chosen on the hidden states of the head's own backbone, not of the first
+    head's. Mutant caught: one tuning pass on the first head's backbone for every head."""
+    import copy
+
+    lm, _ = llama
+    other = copy.deepcopy(lm)
+    with torch.no_grad():
+        for p in other.layers[-1].parameters():
+            p.mul_(1.5)
+    heads = {"fwl": head_on(lm, step_size_init=0.2), "fwl_test_time_only": head_on(other, test_time_only=True)}
+    tuning = [ids(25, seed=7)]
+    seen = {}
+    for name in ("tune_test_time_step", "tune_step_scale"):
+        real = getattr(fc, name)
+        monkeypatch.setattr(fc, name, lambda m, h, _real=real, _n=name: seen.setdefault(_n, (m, h)) and _real(m, h))
+    fc.fwl_rows(heads, {"a": ids(17, seed=5)}, tuning, L, log=lambda _m: None)
+    for name, model in (("tune_test_time_step", heads["fwl_test_time_only"]), ("tune_step_scale", heads["fwl"])):
+        m, hidden = seen[name]
+        assert m is model
+        torch.testing.assert_close(hidden[0][0], fc.tuning_hidden(model.backbone, tuning)[0][0], rtol=0, atol=0)
+    assert not torch.equal(seen["tune_test_time_step"][1][0][0], seen["tune_step_scale"][1][0][0])

@@ -1,0 +1,105 @@
+"""benchmarks/quality/fwl_top_blocks.py (issue 50, scope 3): the recipe's command carries K, the chosen block lr
+and K's own cache; the pilot chooses the block lr with the lowest validation loss of the training mix; a missing
+pilot or head is one line and exit 2; the dynamic-evaluation row of K blocks adapts those blocks and the final
+norm only."""
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from helpers import benchmark_script, import_benchmark, run_script  # noqa: E402
+
+from fastweights.core.errors import UserError  # noqa: E402
+
+bench = import_benchmark("fwl_top_blocks")
+
+
+def fake_training(commands: list, losses: dict):
+    """A stand-in for the recipe's process: records the command and writes the training.json it would, with the
+    validation loss ``losses[block lr]``."""
+
+    def run(cmd):
+        commands.append(cmd)
+        out = cmd[cmd.index("--out") + 1]
+        lr = float(cmd[cmd.index("--block-lr") + 1])
+        from pathlib import Path
+
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "training.json").write_text(json.dumps({"validation": {"loss_nats": losses[lr]}}))
+
+    return run
+
+
+def flag(cmd, name):
+    return cmd[cmd.index(name) + 1]
+
+
+@pytest.mark.parametrize("losses, best", [({1e-5: 3.1, 1e-4: 3.0}, 1e-4), ({1e-5: 3.0, 1e-4: 3.2}, 1e-5)])
+def test_the_pilot_chooses_the_lowest_validation_loss_and_training_uses_it(tmp_path, monkeypatch, losses, best):
+    commands = []
+    monkeypatch.setattr(bench, "run", fake_training(commands, losses))
+    assert bench.pilot(tmp_path, threads=1)["best"] == best
+    assert [float(flag(c, "--block-lr")) for c in commands] == list(bench.PILOT_BLOCK_LRS)
+    assert all(flag(c, "--trainable-blocks") == str(bench.KS[0]) for c in commands)
+    commands.clear()
+    bench.train(tmp_path, threads=1)
+    assert len(commands) == 2 * len(bench.KS)
+    for cmd in commands:
+        k = flag(cmd, "--trainable-blocks")
+        assert float(flag(cmd, "--block-lr")) == best
+        assert float(flag(cmd, "--minutes")) == bench.MINUTES
+        assert flag(cmd, "--cache") == str(tmp_path / f"k{k}" / "hidden-cache")  # one cache per K
+        assert flag(cmd, "--out") == str(tmp_path / f"k{k}" / flag(cmd, "--variant"))
+    assert {(flag(c, "--trainable-blocks"), flag(c, "--variant")) for c in commands} == {
+        (str(k), v) for k in bench.KS for v, _ in bench.VARIANTS}
+
+
+def test_training_without_a_pilot_is_refused(tmp_path):
+    with pytest.raises(UserError, match="--pilot"):
+        bench.train(tmp_path, threads=1)
+
+
+def test_scoring_without_heads_is_one_line_and_exit_2(tmp_path):
+    r = run_script(benchmark_script("fwl_top_blocks"), "--runs", str(tmp_path), "--part", "2")
+    assert r.returncode == 2 and "no trained head" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_the_top_k_blocks_row_adapts_those_blocks_and_the_norm_only(tmp_path):
+    """fwl_comparators.top_blocks_row with K = 1 of the tiny Llama's 2 blocks: block 1 and the norm change,
+    nothing else does; its lr is the best of its search on the tuning texts."""
+    import torch
+    from helpers import tiny_llama_dir
+
+    from fastweights.hf.transformers_as_ours import load_hf_model
+
+    fc = bench.top_blocks_row.__globals__
+    lm, _ = load_hf_model(str(tiny_llama_dir(tmp_path, max_positions=128)))
+    lm = lm.double().eval()
+    before = {n: p.detach().clone() for n, p in lm.named_parameters()}
+    g = torch.Generator().manual_seed(0)
+    ids = lambda n: torch.randint(0, 500, (n,), generator=g)  # noqa: E731
+    scored, tuning = {"a": ids(33)}, [ids(17), ids(17)]
+    seen = []
+    real = fc["DynamicEvaluator"]
+
+    class Spy(real):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            seen.append(sorted(self.names))
+
+    fc["DynamicEvaluator"] = Spy
+    try:
+        row, tuned = bench.top_blocks_row(lm, 1, {"rule": "rms", "lr_there": 1e-3}, scored, tuning, ids(300), 8,
+                                          log=lambda _m: None)
+    finally:
+        fc["DynamicEvaluator"] = real
+    assert tuned["blocks"] == 1 and tuned["lr"] == tuned["lr_search"]["best"]
+    assert row["a"]["tokens_per_cpu_s"] > 0
+    for names in seen:
+        assert names and all(n.startswith(("hf.model.layers.1.", "hf.model.norm.")) for n in names), names
+    for n, p in lm.named_parameters():  # nothing outside the top block and the norm moved
+        if not n.startswith(("hf.model.layers.1.", "hf.model.norm.")):
+            torch.testing.assert_close(p, before[n], rtol=0, atol=0)
