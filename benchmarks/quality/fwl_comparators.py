@@ -45,6 +45,7 @@ import torch
 
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.lowrank import LowRankDynamicEvaluator, collect_lowrank_grad_stats
+from fastweights.adapt.tune import point_status
 from fastweights.adapt.grad_stats import collect_grad_stats
 from fastweights.core.errors import UserError
 from fastweights.layers.fwl import scaled_step_sizes, slow_part
@@ -130,32 +131,50 @@ def tuning_hidden(lm, tuning: list[torch.Tensor]) -> list:
         return [(lm.forward_features(ids[None])[0], ids) for ids in tuning]
 
 
+def best_point(losses: dict, baseline: float, name: str, allowed=(), log=print) -> tuple[float, dict]:
+    """The point of ``losses`` (point -> tuning loss, nats) to choose: the lowest among those below ``baseline``
+    (the loss without adaptation) or in ``allowed`` (a grid's own no-adaptation point), never one that
+    ``adapt.tune.point_status`` calls ``diverged`` (not finite, or more than its margin above the baseline). Each
+    point that is not below the baseline is logged. Returns (best, point -> status); none to choose: a
+    UserError (one line, exit 2)."""
+    status = {k: point_status(v, baseline) for k, v in losses.items()}
+    for k, st in status.items():
+        if st != "ok" and k not in allowed:
+            log(f"   {name} {k:g}: {st} ({losses[k]:.4f} nats against {baseline:.4f} without adaptation)")
+    usable = [k for k in losses if status[k] == "ok" or (k in allowed and status[k] != "diverged")]
+    if not usable:
+        raise UserError(f"{name}: no point of the grid beats {baseline:.4f} nats per token without adaptation on the "
+                        "tuning texts (" + ", ".join(f"{k:g}: {v:.4f}" for k, v in losses.items()) + ")")
+    return min(usable, key=losses.get), {f"{k:g}": v for k, v in status.items()}
+
+
 def tune_test_time_step(model, hidden_and_ids, grid=TEST_TIME_STEPS) -> dict:
     """The test-time-only head's global step size on the tuning texts: ``grid``, extended x3 while its largest
     value is best; set on the head."""
-    grid, results = list(grid), {}
+    grid, results = sorted({0.0, *grid}), {}  # step 0: the head's slow part, the baseline
     while True:
         for step in grid:
             if step not in results:
                 model.head.options.test_time_step_size = step
                 results[step] = head_loss_on(model, hidden_and_ids)
-        best = min(results, key=results.get)
+        best, status = best_point(results, results[0.0], "test-time step", allowed=(0.0,), log=lambda _m: None)
         if best != max(results) or best >= 10.0:
             break
         grid.append(best * 3)
+    best, status = best_point(results, results[0.0], "test-time step", allowed=(0.0,))
     model.head.options.test_time_step_size = best
-    return {"grid_nats": {f"{k:g}": v for k, v in sorted(results.items())}, "best": best}
+    return {"grid_nats": {f"{k:g}": v for k, v in sorted(results.items())}, "status": status, "best": best}
 
 
 def tune_step_scale(model, hidden_and_ids, grid=STEP_SCALES) -> dict:
     """One factor on every step size the FWL head uses, chosen on the tuning texts (not set: score the row
     under ``scaled_step_sizes(model.head, best)``)."""
     results = {}
-    for scale in grid:
+    for scale in sorted({0.0, *grid}):  # scale 0: the head's slow part, the baseline
         with scaled_step_sizes(model.head, scale):
             results[scale] = head_loss_on(model, hidden_and_ids)
-    best = min(results, key=results.get)
-    return {"grid_nats": {f"{k:g}": v for k, v in results.items()}, "best": best,
+    best, status = best_point(results, results[0.0], "step scale", allowed=(0.0,))
+    return {"grid_nats": {f"{k:g}": v for k, v in results.items()}, "status": status, "best": best,
             "learned_step_sizes": {k: float(v.detach()) for k, v in model.head.current_step_sizes().items()}}
 
 
@@ -194,11 +213,12 @@ def fwl_rows(heads: dict, scored: dict, tuning: list[torch.Tensor], segment_len:
 
 
 def top_blocks_row(lm, k: int, setting: dict, scored: dict, tuning: list[torch.Tensor], stats, segment_len: int,
-                   log=print) -> tuple[dict, dict]:
+                   log=print, static: float | None = None) -> tuple[dict, dict]:
     """``dynamic_top_blocks``: ``setting``'s rule (``rule``; ``lr_there`` the lr its grid multiplies) on the last
     ``k`` decoder blocks and the final norm of ``lm``, lr from :data:`TOP_BLOCKS_LR_FACTORS` chosen on ``tuning``.
     ``stats``: MS_g of the RMS rules (``collect_grad_stats`` over weights that cover the blocks), or a statistics
-    text's ids [T] to collect it from. Returns (text -> score, the setting and its search)."""
+    text's ids [T] to collect it from; ``static``: :func:`static_tuning_loss` of ``lm`` when known. Returns
+    (text -> score, the setting and its search)."""
     rule, lr0 = setting["rule"], float(setting["lr_there"])
     if isinstance(stats, torch.Tensor):
         stats = collect_grad_stats(lm, stats, include=top_blocks_include(lm, k), seq_len=segment_len, **STATS) \
@@ -209,7 +229,9 @@ def top_blocks_row(lm, k: int, setting: dict, scored: dict, tuning: list[torch.T
         return DynamicEvaluator(lm, rule=rule, lr=lr, segment_len=segment_len, context=lm.default_context,
                                 include=top, exclude=None, grad_stats=stats)
 
-    search = search_lr(make, tuning, [lr0 * f for f in TOP_BLOCKS_LR_FACTORS], log, f"top {k} blocks")
+    if static is None:
+        static = static_tuning_loss(lm, tuning, segment_len)
+    search = search_lr(make, tuning, [lr0 * f for f in TOP_BLOCKS_LR_FACTORS], static, log, f"top {k} blocks")
     tuned = {"rule": rule, "include": top, "blocks": k, "lr_search": search, "lr": search["best"]}
     return score_texts(make(search["best"]), scored), tuned
 
@@ -220,11 +242,21 @@ def tuning_loss(ev: DynamicEvaluator, tuning: list[torch.Tensor]) -> float:
     return r.nll / r.tokens if math.isfinite(r.nll) else math.inf
 
 
-def search_lr(make: Callable[[float], DynamicEvaluator], tuning: list[torch.Tensor], grid, log=print,
-              name: str = "") -> dict:
-    """The lr of ``make(lr)`` with the lowest :func:`tuning_loss`: the ascending geometric ``grid``, extended by
-    its own ratio past an edge that is best, at most :data:`LR_EXTENSIONS` times. Returns ``{"grid_nats": {lr:
-    loss}, "best": lr, "best_at_edge": whether it is still the smallest or largest lr tried, "cpu_s"}``."""
+def static_tuning_loss(model, tuning: list[torch.Tensor], segment_len: int) -> float:
+    """Mean loss (nats per prediction) of ``model`` without adaptation over the tuning texts, each its own
+    document: the baseline of :func:`search_lr`."""
+    ev = static_evaluator(model, segment_len)
+    results = [ev.static(ids, keep_token_losses=False) for ids in tuning]
+    return sum(r.nll for r in results) / sum(r.tokens for r in results)
+
+
+def search_lr(make: Callable[[float], DynamicEvaluator], tuning: list[torch.Tensor], grid, static: float,
+              log=print, name: str = "") -> dict:
+    """The lr of ``make(lr)`` with the lowest :func:`tuning_loss` below ``static`` (:func:`static_tuning_loss`;
+    :func:`best_point`: a diverged lr is never chosen, a grid with none below static is a UserError): the
+    ascending geometric ``grid``, extended by its own ratio past an edge that is best, at most
+    :data:`LR_EXTENSIONS` times. Returns ``{"grid_nats": {lr: loss}, "status": {lr: point_status}, "static_nats",
+    "best": lr, "best_at_edge": whether it is still the smallest or largest lr tried, "cpu_s"}``."""
     c, losses = cpu(), {}
 
     def run(lr: float) -> None:
@@ -237,16 +269,20 @@ def search_lr(make: Callable[[float], DynamicEvaluator], tuning: list[torch.Tens
         run(lr)
     ratio = grid[1] / grid[0] if len(grid) > 1 else 2.0
     for _ in range(LR_EXTENSIONS):
-        best, lrs = min(losses, key=losses.get), sorted(losses)
+        finite = {k: v for k, v in losses.items() if math.isfinite(v)}
+        if not finite:
+            break
+        best, lrs = min(finite, key=finite.get), sorted(losses)
         if best == lrs[-1]:
             run(best * ratio)
         elif best == lrs[0]:
             run(best / ratio)
         else:
             break
-    best = min(losses, key=losses.get)
-    return {"grid_nats": {f"{k:.3g}": v for k, v in sorted(losses.items())}, "best": best,
-            "best_at_edge": best in (min(losses), max(losses)), "cpu_s": cpu() - c}
+    best, status = best_point(losses, static, f"{name} lr".strip(), log=log)
+    return {"grid_nats": {f"{k:.3g}": v for k, v in sorted(losses.items())}, "status": status,
+            "static_nats": static, "best": best, "best_at_edge": best in (min(losses), max(losses)),
+            "cpu_s": cpu() - c}
 
 
 def top_blocks_include(lm, k: int = TOP_BLOCKS) -> str:
@@ -282,13 +318,14 @@ def dynamic_rows(lm, scored: dict, tuning: list[torch.Tensor], stats_ids: torch.
                                            exclude=exclude, grad_stats=stats)
 
     make = full(chosen["include"], chosen["exclude"])
-    search = search_lr(make, tuning, [lr0 * f for f in DYNAMIC_LR_FACTORS], log, "dynamic")
+    static = static_tuning_loss(lm, tuning, L)
+    search = search_lr(make, tuning, [lr0 * f for f in DYNAMIC_LR_FACTORS], static, log, "dynamic")
     tuned["dynamic"] = {"rule": rule, "include": chosen["include"], "exclude": chosen["exclude"],
                         "ms_g_cpu_s": stats_s, "lr_search": search, "lr": search["best"]}
     rows["dynamic"] = score_texts(make(search["best"]), scored)
 
     rows["dynamic_top_blocks"], tuned["dynamic_top_blocks"] = top_blocks_row(
-        lm, TOP_BLOCKS, {"rule": rule, "lr_there": lr0}, scored, tuning, stats, L, log)
+        lm, TOP_BLOCKS, {"rule": rule, "lr_there": lr0}, scored, tuning, stats, L, log, static)
 
     lr_stats: dict[int, tuple] = {}
 
@@ -301,13 +338,13 @@ def dynamic_rows(lm, scored: dict, tuning: list[torch.Tensor], stats_ids: torch.
                                                   grad_stats=lr_stats[rank][0])
 
     mid = LOWRANK_RANKS[len(LOWRANK_RANKS) // 2]
-    search = search_lr(lowrank(mid), tuning, [lr0 * f for f in LOWRANK_LR_FACTORS], log, f"low-rank {mid}")
-    by_rank = {mid: (min(search["grid_nats"].values()), search["best"])}
+    search = search_lr(lowrank(mid), tuning, [lr0 * f for f in LOWRANK_LR_FACTORS], static, log, f"low-rank {mid}")
+    by_rank = {mid: (search["grid_nats"][f"{search['best']:.3g}"], search["best"])}
     for rank in LOWRANK_RANKS:
         if rank not in by_rank:
             by_rank[rank] = (tuning_loss(lowrank(rank)(search["best"]), tuning), search["best"])
             log(f"   low-rank {rank} lr {search['best']:.3g}: tuning loss {by_rank[rank][0]:.4f}")
-    rank = min(by_rank, key=lambda r: by_rank[r][0])
+    rank, _ = best_point({r: v[0] for r, v in by_rank.items()}, static, "low-rank rank", log=log)
     tuned["dynamic_lowrank"] = {"rule": rule, "rank": rank, "lr": search["best"], "lr_search": search,
                                 "lr_search_rank": mid, "rank_nats": {str(r): v[0] for r, v in sorted(by_rank.items())},
                                 "ms_g_cpu_s": {str(r): v[1] for r, v in sorted(lr_stats.items())}}

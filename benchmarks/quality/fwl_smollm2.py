@@ -71,6 +71,7 @@ from fwl_comparators import (DYNAMIC_LR_FACTORS, LOWRANK_LR_FACTORS, LOWRANK_RAN
                              static_evaluator)
 from smollm2_dynamic_eval import log
 
+from fastweights.cli.script_parser import exit_status_of
 from fastweights.core.errors import UserError
 from fastweights.data.excerpts import ExcerptSpec, bundled_excerpt, token_excerpt
 from fastweights.hf.fwl_training import VARIANTS
@@ -453,4 +454,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status_of(main))

@@ -56,6 +56,7 @@ from fwl_comparators import (
 from fwl_smollm2 import load_texts, split_roles
 from smollm2_dynamic_eval import log
 
+from fastweights.cli.script_parser import exit_status_of
 from fastweights.core.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -282,4 +283,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status_of(main))

@@ -36,13 +36,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from fwl_comparators import STATS, cpu, score_texts, search_lr, static_evaluator, tuning_loss
+from fwl_comparators import STATS, best_point, cpu, score_texts, search_lr, static_evaluator, tuning_loss
 from fwl_smollm2 import load_texts, split_roles, summarise
 from smollm2_dynamic_eval import log
 
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.lowrank import LowRankDynamicEvaluator, collect_lowrank_grad_stats
 from fastweights.adapt.grad_stats import collect_grad_stats
+from fastweights.cli.script_parser import exit_status_of
 from fastweights.core.errors import UserError
 from fastweights.evidence.result_files import RESULTS, write_result
 from fastweights.core.threads import use_threads
@@ -121,7 +122,7 @@ def main() -> int:
     log("dynamic_lowrank: " + ", ".join(f"{k} {r['perplexity']:.3f}" for k, r in rows["dynamic_lowrank"].items()))
 
     # K on the tuning texts: static's throughput there, then each K's loss and throughput at the low-rank lr
-    _, static_rate = tuning_rate(static_evaluator(lm, segment_len), tuning)
+    static_loss, static_rate = tuning_rate(static_evaluator(lm, segment_len), tuning)
     makers, by_k = {}, {}
     for k in TOP_MLP_BLOCKS:
         makers[k] = lowrank(top_mlps(lm, k))
@@ -132,8 +133,8 @@ def main() -> int:
     if not fast:
         log(f"no K reaches {SPEED_TARGET}x static on the tuning texts; the fastest is scored")
         fast = [max(TOP_MLP_BLOCKS, key=lambda k: by_k[k]["throughput_ratio_to_static"])]
-    k = min(fast, key=lambda k: by_k[k]["tuning_nats"])
-    search = search_lr(makers[k], tuning, [low["lr"] * f for f in LR_FACTORS], log, f"top {k} MLPs")
+    k, _ = best_point({k: by_k[k]["tuning_nats"] for k in fast}, static_loss, "top-K MLPs", log=log)
+    search = search_lr(makers[k], tuning, [low["lr"] * f for f in LR_FACTORS], static_loss, log, f"top {k} MLPs")
     rows["dynamic_lowrank_top"] = score_texts(makers[k](search["best"]), scored)
     log("dynamic_lowrank_top: " + ", ".join(f"{t} {r['perplexity']:.3f}" for t, r in rows["dynamic_lowrank_top"].items()))
 
@@ -179,4 +180,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status_of(main))

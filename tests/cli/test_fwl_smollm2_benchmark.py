@@ -126,7 +126,9 @@ def rows(llama, monkeypatch_module):
     lm, _ = llama
     monkeypatch_module.setattr(fc, "LOWRANK_RANKS", (2, 4, 8))  # the tiny MLP's projections have rank <= 16
     scored = {"a": ids(41, seed=5), "b": ids(41, seed=6)}
-    tuning = [ids(25, seed=7), ids(25, seed=8)]
+    # tuning texts that repeat themselves, so adapting to them beats static (a search refuses a grid where nothing
+    # does, and on random tokens nothing does)
+    tuning = [torch.cat([ids(8, seed=s)] * 3 + [ids(1, seed=s)]) for s in (7, 8)]
     stats_ids = ids(600, seed=9)
     chosen = {"rule": "rms", "lr": 1e-3, "include": None, "exclude": "hf.model.embed_tokens.*"}
     heads = {"fwl": head_on(lm, step_size_init=0.2),  # first, as the script loads them (freezing the backbone)
@@ -218,7 +220,7 @@ class _Quadratic:
 @pytest.mark.parametrize("optimum, best, at_edge", [(2.2e-5, 2e-5, False), (1e-2, 1.6e-4, True), (1e-9, 2.5e-6, True)])
 def test_the_lr_search_extends_past_a_best_edge_at_most_twice(optimum, best, at_edge):
     """Mutants caught: extension in the wrong direction, or without limit."""
-    r = fc.search_lr(lambda lr: _Quadratic(lr, optimum), [], [1e-5, 2e-5, 4e-5], log=lambda _m: None)
+    r = fc.search_lr(lambda lr: _Quadratic(lr, optimum), [], [1e-5, 2e-5, 4e-5], static=100.0, log=lambda _m: None)
     assert r["best"] == pytest.approx(best) and r["best_at_edge"] is at_edge
     assert len(r["grid_nats"]) == 3 + (2 if at_edge else 0)
 
@@ -348,3 +350,58 @@ def test_each_head_is_tuned_on_its_own_backbones_hidden_states(llama, monkeypatc
         assert m is model
         torch.testing.assert_close(hidden[0][0], fc.tuning_hidden(model.backbone, tuning)[0][0], rtol=0, atol=0)
     assert not torch.equal(seen["tune_test_time_step"][1][0][0], seen["tune_step_scale"][1][0][0])
+
+
+def test_a_point_that_diverged_or_does_not_beat_the_baseline_is_never_chosen(capsys):
+    """fwl_comparators.best_point (issue 49, scope 4): NaN, inf and a loss past the margin are never chosen, a loss
+    above the baseline only when it is the grid's own no-adaptation point, and a grid with nothing to choose is one
+    UserError naming every point."""
+    nan, inf = float("nan"), float("inf")
+    best, status = fc.best_point({1e-3: nan, 2e-3: 2.9, 4e-3: 2.8, 8e-3: inf}, 3.0, "lr")
+    assert best == 4e-3 and status == {"0.001": "diverged", "0.002": "ok", "0.004": "ok", "0.008": "diverged"}
+    assert "0.001: diverged" in capsys.readouterr().out
+    assert fc.best_point({0.0: 3.0, 1.0: 3.05}, 3.0, "scale", allowed=(0.0,))[0] == 0.0
+    with pytest.raises(UserError, match=r"no point of the grid beats 3\.0000.*0\.001: nan"):
+        fc.best_point({1e-3: nan, 2e-3: 3.01, 4e-3: 99.0}, 3.0, "lr")
+    with pytest.raises(UserError):  # the no-adaptation point itself not finite: nothing to compare against
+        fc.best_point({0.0: nan, 1.0: 2.0}, nan, "scale", allowed=(0.0,))
+
+
+def test_an_lr_search_where_every_lr_hurts_is_refused_and_a_diverged_lr_never_wins():
+    """Mutant caught: search_lr choosing the lowest loss whatever static's (a diverged grid named best)."""
+    quiet = {"log": lambda _m: None}
+    with pytest.raises(UserError, match="dynamic lr"):
+        fc.search_lr(lambda lr: _Quadratic(lr, 2e-5), [], [1e-5, 2e-5, 4e-5], static=-1.0, name="dynamic", **quiet)
+
+    class _NaNAbove(_Quadratic):
+        def __init__(self, lr, optimum):
+            super().__init__(lr, optimum)
+            self.loss = float("nan") if lr > 3e-5 else self.loss
+
+    r = fc.search_lr(lambda lr: _NaNAbove(lr, 1e-3), [], [1e-5, 2e-5, 4e-5], static=100.0, **quiet)
+    assert r["best"] == 2e-5 and r["status"]["4e-05"] == "diverged" and r["static_nats"] == 100.0
+
+
+def test_the_test_time_step_search_refuses_a_head_whose_slow_part_is_not_finite(llama, monkeypatch):
+    """A NaN at step 0 (the baseline, first in the grid) was chosen by min(); now the search is a UserError."""
+    lm, _ = llama
+    model = head_on(lm, test_time_only=True)
+    monkeypatch.setattr(fc, "head_loss_on", lambda m, _h: float("nan") if m.head.options.test_time_step_size == 0
+                        else 3.0 - m.head.options.test_time_step_size)
+    with pytest.raises(UserError, match="test-time step"):
+        fc.tune_test_time_step(model, [])
+    bowl = lambda step: 3.0 - step + 50 * step**2  # noqa: E731  (lowest at 0.01 of the grid; 0.03 is worse)
+    monkeypatch.setattr(fc, "head_loss_on", lambda m, _h: {0.0: 3.0, 3e-3: float("nan")}.get(
+        m.head.options.test_time_step_size, bowl(m.head.options.test_time_step_size)))
+    r = fc.tune_test_time_step(model, [])
+    assert r["best"] == 1e-2 and r["status"]["0.003"] == "diverged" and model.head.options.test_time_step_size == 1e-2
+
+
+def test_a_user_error_anywhere_in_a_script_is_one_line_and_exit_2(capsys):
+    from fastweights.cli.script_parser import exit_status_of
+
+    def main():
+        raise UserError("nothing to choose")
+
+    assert exit_status_of(main) == 2 and capsys.readouterr().err == "error: nothing to choose\n"
+    assert exit_status_of(lambda: 0) == 0

@@ -14,3 +14,15 @@ class ScriptParser(argparse.ArgumentParser):
 
     def error(self, message):
         raise UserError(message)
+
+
+def exit_status_of(main) -> int:
+    """``main()``'s exit status, a :class:`UserError` raised anywhere in it (a bad argument, or a search of hours
+    that found nothing to choose) printed as one line and 2: a script's ``sys.exit(exit_status_of(main))``."""
+    import sys
+
+    try:
+        return main()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
