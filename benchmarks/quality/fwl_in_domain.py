@@ -38,8 +38,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
+from fastweights.core.threads import use_threads
 from fastweights.evidence.result_files import RESULTS, write_result
+from fastweights.evidence.script_args import benchmark_threads_flag
 from fwl_comparators import cpu, fwl_rows, gain_split, score_texts, static_evaluator
 from fwl_smollm2 import TEXTS, load_texts, split_roles
 from smollm2_dynamic_eval import log
@@ -206,15 +207,15 @@ def main() -> int:
                          "process per core); the run without --part takes the parts of this code and scores the rest")
     ap.add_argument("--stored", default=str(RESULTS / "fwl_smollm2.json"),
                     help="the general-mix comparison whose static, dynamic and general-mix FWL rows are cited")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (timings are process CPU seconds)")
+    benchmark_threads_flag(ap)
     args = ap.parse_args()
     runs = Path(args.runs)
-    torch.set_num_threads(args.threads)
     t_start, c_start = time.time(), cpu()
     from fastweights.evidence.provenance import git_state
 
     code = git_state(ROOT).get("code")
     try:
+        use_threads("benchmark", args.threads)
         if args.prepare:
             prepare(runs)
             check_disjoint(runs)

@@ -36,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+from fastweights.core.threads import use_threads
 from fastweights.evidence.result_files import write_result
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,14 +97,13 @@ def position_accuracy(records: list[dict]) -> dict:
 
 
 def evaluate(name: str, a, lengths: list[int], iters: tuple[int, ...]) -> dict:
-    import torch
 
     from fastweights.models.loading import load_checkpoint
     from fastweights.tasks import niah_multitoken as mt
     from fastweights.tasks.niah import NiahOptions, evaluate_niah, summarize
     from fastweights.tasks.niah_token import eval_haystack
 
-    torch.set_num_threads(1)
+    use_threads("benchmark", 1)
     base = EVAL_ONLY.get(name, name)
     model, tok = load_checkpoint(str(Path(a.runs) / base))[:2]
     samples = mt.make_samples(eval_haystack(), lengths, "uniform", a.samples, a.seed)

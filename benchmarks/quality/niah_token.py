@@ -37,6 +37,7 @@ import sys
 import time
 from pathlib import Path
 
+from fastweights.core.threads import use_threads
 from fastweights.evidence.result_files import RESULTS, write_result
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -141,12 +142,11 @@ def evaluate(name: str, a) -> dict:
 def probe(name: str, a) -> dict:
     """Per length and reads: mean cosine of the memory read at the question with the target needle's value
     target and with the closest distractor's, and the share of questions where the target's is larger."""
-    import torch
 
     from fastweights.models.loading import load_checkpoint
     from fastweights.tasks import niah_token as nt
 
-    torch.set_num_threads(1)
+    use_threads("benchmark", 1)
     model, tok = load_checkpoint(str(Path(a.runs) / name))[:2]
     nt.init_heldout_keys(model, tok, seed=a.seed)  # as `fastweights task niah` does for held-out keys
     hay = nt.eval_haystack()
@@ -169,7 +169,7 @@ def heldout_key_diagnosis(a) -> dict:
     from fastweights.tasks import niah_token as nt
     from fastweights.tasks.niah import NiahOptions, evaluate_niah, summarize
 
-    torch.set_num_threads(1)
+    use_threads("benchmark", 1)
     model, tok = load_checkpoint(str(Path(a.runs) / "fwpkm"))[:2]
     hay, L, n = nt.eval_haystack(), 2 * a.train_len, a.sweep_samples
     ids = torch.as_tensor(tok.encode(" ".join(nt.KEYS)))
@@ -207,7 +207,7 @@ def slots_sweep(a) -> dict:
     from fastweights.tasks import niah_token as nt
     from fastweights.tasks.niah import NiahOptions, evaluate_niah, summarize
 
-    torch.set_num_threads(1)
+    use_threads("benchmark", 1)
     model, tok, cfg = load_checkpoint(str(Path(a.runs) / "fwpkm"))[:3]
     nt.init_heldout_keys(model, tok, seed=a.seed)
     hay = nt.eval_haystack()

@@ -18,9 +18,6 @@ OWN_CLOCK = {
 
 # scripts that still declare --threads or set torch's threads themselves, with why (each entry must still be true)
 OWN_THREADS = {
-    "quality/fwl_in_domain.py": "edited elsewhere at the time (the long-context work); next: benchmark_threads_flag",
-    "quality/niah_token.py": "edited elsewhere at the time (the long-context work); next: use_threads",
-    "quality/niah_multitoken.py": "edited elsewhere at the time (the long-context work); next: use_threads",
     "speed/fwl_scoring.py": "its --before result is this script run on another checkout's src, older than the flag",
     "tools/probes.py": "an evidence tool, not a benchmark: a probe runs on one thread and gives the caller's count back",
 }
