@@ -230,7 +230,8 @@ def train_model(kind: str, cfg: dict, device, bypass: bool = False) -> dict:
             for m in model.modules():
                 if isinstance(m, GatedDeltaNet):
                     m.options.backend = "fla"
-        loss_of = lambda toks: model(toks, targets=toks).loss  # noqa: E731
+        # the loss only, as the trainer asks for it (ops.linear_cross_entropy: no [B, T, V] logits kept)
+        loss_of = lambda toks: model(toks, targets=toks, return_logits=False).loss  # noqa: E731
     model.to(device).train()
     n_params = sum(p.numel() for p in model.parameters())
     fast_bytes = sum(b.numel() * b.element_size() for b in model.buffers())

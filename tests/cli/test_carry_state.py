@@ -37,10 +37,10 @@ def test_training_feeds_each_step_the_previous_state(tmp_path, monkeypatch):
     seen = []
     forward = LanguageModel.forward
 
-    def spy(self, tokens, state=None, targets=None):
+    def spy(self, tokens, state=None, targets=None, **kw):
         if self.training:
             seen.append(None if state is None else state["layers"][0]["mixer"]["pos"])
-        return forward(self, tokens, state=state, targets=targets)
+        return forward(self, tokens, state=state, targets=targets, **kw)
 
     monkeypatch.setattr(LanguageModel, "forward", spy)
     assert main(["train", *TINY, "--out", str(tmp_path / "r"), "--set", "train.max_steps=3"]) == 0
@@ -79,10 +79,10 @@ def test_carry_reset_drops_the_state_on_the_drawn_steps(tmp_path, monkeypatch, p
     seen = []
     forward = LanguageModel.forward
 
-    def spy(self, tokens, state=None, targets=None):
+    def spy(self, tokens, state=None, targets=None, **kw):
         if self.training:
             seen.append(state is None)
-        return forward(self, tokens, state=state, targets=targets)
+        return forward(self, tokens, state=state, targets=targets, **kw)
 
     monkeypatch.setattr(LanguageModel, "forward", spy)
     args = ["train", *TINY, "--out", str(tmp_path / "r"), "--set", "train.max_steps=12", "--set", f"train.carry_reset={p}"]

@@ -440,7 +440,9 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_ram, dist, dev
                 if fsdp and dist.world > 1:
                     wrapped.set_requires_gradient_sync(sync)
                 with ctx, autocast(device):
-                    out = fwd(x, state=carried, targets=y)  # carried stays None without carry_state
+                    # the loss only (no [B, T, V] logits kept: ops.linear_cross_entropy for a linear head);
+                    # carried stays None without carry_state
+                    out = fwd(x, state=carried, targets=y, return_logits=False)
                     loss = out.loss if out.aux_loss is None else out.loss + out.aux_loss
                     (loss / tc.grad_accum).backward()
                 loss_sum += out.loss.item()

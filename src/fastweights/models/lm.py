@@ -32,6 +32,7 @@ from fastweights.core.config import ModelConfig, from_dict
 from fastweights.core.errors import UserError
 from fastweights.layers.common import RMSNorm, ShortConv, SwiGLU, swiglu_hidden
 from fastweights.ops.linear import linear
+from fastweights.ops.linear_cross_entropy import linear_cross_entropy
 from fastweights.ops.nll import upcast_logits
 from fastweights.components import (
     HEADS,
@@ -106,10 +107,13 @@ class LinearHead(nn.Module):
         # wrappers such as FSDP replace parameters after construction
         self.tied_to = [tied_to] if tied_to is not None else None
 
+    def output_weight(self) -> torch.Tensor:
+        """W [V, d]: the tied embedding's weight, read at call time, or the head's own."""
+        return self.tied_to[0].weight if self.tied_to is not None else self.weight
+
     def forward(self, h: torch.Tensor, tokens: torch.Tensor | None = None, state=None, attention_mask=None):
         # position by position: padding changes nothing here
-        w = self.tied_to[0].weight if self.tied_to is not None else self.weight
-        return linear(h, w), None
+        return linear(h, self.output_weight()), None
 
 
 def _layer_state(state: dict | None, i: int):
@@ -119,8 +123,12 @@ def _layer_state(state: dict | None, i: int):
 class LanguageModel(nn.Module):
     """Decoder-only LM assembled from a :class:`ModelConfig`.
 
-    ``forward(tokens [B, T], state=None, targets=None, attention_mask=None) -> ModelOutput(logits [B, T, V],
-    loss, state)``
+    ``forward(tokens [B, T], state=None, targets=None, attention_mask=None, return_logits=True) ->
+    ModelOutput(logits [B, T, V], loss, state)``
+
+    ``return_logits=False`` with targets (training, which reads the loss only): no logits (``None``) and, for the
+    linear head, the loss of ``ops.linear_cross_entropy``, which never holds the [B, T, V] logits (their fp32
+    copies are most of a large-vocabulary step's memory); equal to the default path's loss and gradients.
 
     ``attention_mask`` [B, T] (1 / True = real token, 0 = padding, e.g. a left-padded batch of prompts):
     every part is handed it (``components.call_part``), and a masked position is written into no state,
@@ -195,7 +203,7 @@ class LanguageModel(nn.Module):
         return n - self.embed.weight.numel() if exclude_embedding else n
 
     def forward(self, tokens: torch.Tensor, state: dict | None = None, targets: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None) -> ModelOutput:
+                attention_mask: torch.Tensor | None = None, return_logits: bool = True) -> ModelOutput:
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens.shape)}")
         mask = padding_mask(attention_mask, tokens.shape)
@@ -205,13 +213,18 @@ class LanguageModel(nn.Module):
             x, s = block(x, _layer_state(state, i), attention_mask=mask)
             layer_states.append(s)
         h = self.norm(x)
-        logits, head_state = call_part(self.head, h, tokens, state["head"] if state is not None else None,
-                                       attention_mask=mask)
-        loss = None
-        if targets is not None:
-            if mask is not None:
-                targets = targets.masked_fill(~mask, -100)
-            loss = F.cross_entropy(upcast_logits(logits).flatten(0, 1), targets.flatten(), ignore_index=-100)
+        if targets is not None and mask is not None:
+            targets = targets.masked_fill(~mask, -100)
+        if not return_logits and targets is not None and isinstance(self.head, LinearHead):
+            # the linear head's loss without its logits: the head itself is h W^T, and it keeps no state
+            loss = linear_cross_entropy(h, self.head.output_weight(), targets, ignore_index=-100)
+            logits, head_state = None, None
+        else:
+            logits, head_state = call_part(self.head, h, tokens, state["head"] if state is not None else None,
+                                           attention_mask=mask)
+            loss = None
+            if targets is not None:
+                loss = F.cross_entropy(upcast_logits(logits).flatten(0, 1), targets.flatten(), ignore_index=-100)
         aux = [m.aux_loss for m in self._aux_parts if m.aux_loss is not None]
         aux_loss = torch.stack(aux).sum() if aux else None
         return ModelOutput(logits, loss, {"layers": layer_states, "head": head_state}, aux_loss)
