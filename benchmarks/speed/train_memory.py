@@ -38,6 +38,13 @@ def config(vocab: int):
                        n_heads=SHAPE["n_heads"], mlp_hidden=SHAPE["mlp"], layer_mixers=mixers, options=options)
 
 
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of the code measured: the hybrid model (its training loss and gradients)."""
+    import dataclasses
+
+    return probes.model_probes(dataclasses.asdict(config(32000)))
+
+
 def child(variant: str, batch: int, seq_len: int, vocab: int) -> dict:
     """One step in this process: peak RSS (MB) before and after, and the loss."""
     import torch
