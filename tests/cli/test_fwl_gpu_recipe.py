@@ -12,6 +12,8 @@ import pytest
 import torch
 from helpers import HANG_GUARD_S, ROOT, import_benchmark, run_script, tiny_llama_dir
 
+from fastweights.hf import fwl_training
+
 from fastweights.layers.fwl import slow_part
 
 SCRIPT = ROOT / "benchmarks" / "gpu" / "fwl_smollm2_gpu.py"
@@ -114,12 +116,12 @@ def test_state_carried_across_training_windows_equals_one_long_call(tiny_fwl, re
     tokens = torch.randint(0, 500, (2, 3 * 20 + 8))  # windows of 20, a shorter last one
     one = model(tokens[:, :-1])
     nll = torch.nn.functional.cross_entropy(one.logits.transpose(1, 2), tokens[:, 1:], reduction="none")
-    windows = list(recipe.stream_windows(model, tokens, 20))
+    windows = list(fwl_training.stream_windows(model, tokens, 20))
     assert [j for j, _ in windows] == [0, 1, 2, 3]
     for j, out in windows:
         assert out.loss.item() == pytest.approx(nll[:, 20 * j:20 * (j + 1)].mean().item(), rel=1e-10, abs=1e-12), j
     state = windows[-1][1].state  # carried detached: no graph reaches back into earlier windows
-    leaves = [t for t in torch.utils._pytree.tree_leaves(recipe.detached(state)) if isinstance(t, torch.Tensor)]
+    leaves = [t for t in torch.utils._pytree.tree_leaves(fwl_training.detached(state)) if isinstance(t, torch.Tensor)]
     assert leaves and not any(t.requires_grad for t in leaves)
 
 
@@ -129,8 +131,8 @@ def test_a_training_window_never_sees_later_tokens(tiny_fwl, recipe):
     tokens = torch.randint(0, 500, (1, 61))
     changed = tokens.clone()
     changed[:, 41:] = (changed[:, 41:] + 7) % 500  # after window 1's last target (token 40)
-    before = [out.loss.item() for _, out in recipe.stream_windows(model, tokens, 20)]
-    after = [out.loss.item() for _, out in recipe.stream_windows(model, changed, 20)]
+    before = [out.loss.item() for _, out in fwl_training.stream_windows(model, tokens, 20)]
+    after = [out.loss.item() for _, out in fwl_training.stream_windows(model, changed, 20)]
     assert after[:2] == before[:2] and after[2] != before[2]
 
 
@@ -163,12 +165,13 @@ def test_the_static_row_is_the_backbones_own_logits(tiny_fwl, recipe):
 
 def test_parameter_groups_give_the_step_sizes_and_decays_their_own_rate(tiny_fwl, recipe):
     model, _ = tiny_fwl
-    groups = {g["name"]: g for g in recipe.param_groups(model, recipe.RECIPE)}
+    R = fwl_training.RECIPE
+    groups = {g["name"]: g for g in fwl_training.param_groups(model, R.lr, R.step_lr, R.block_lr)}
     ids = lambda ps: {id(p) for p in ps}  # noqa: E731
     fast = list(model.head.step_sizes.values()) + list(model.head.decay_logits.values())
-    assert ids(groups["fast"]["params"]) == ids(fast) and groups["fast"]["lr"] == recipe.RECIPE.lr_fast
+    assert ids(groups["fast"]["params"]) == ids(fast) and groups["fast"]["lr"] == R.step_lr
     assert ids(groups["blocks"]["params"]) == ids(model.backbone.layers[-1].parameters())
-    assert groups["head"]["lr"] == recipe.RECIPE.lr_head and groups["blocks"]["lr"] == recipe.RECIPE.lr_blocks
+    assert groups["head"]["lr"] == R.lr and groups["blocks"]["lr"] == R.block_lr
     every = [p for g in groups.values() for p in g["params"]]
     assert len(every) == len(ids(every)) == sum(1 for p in model.parameters() if p.requires_grad)
 

@@ -1,4 +1,5 @@
-"""Training a Fast Weight Layer on a pretrained model, on a CPU, from hidden states cached on disk.
+"""Training a Fast Weight Layer on a pretrained model: on a CPU from hidden states cached on disk
+(:func:`train_head`), or online through the whole model (:func:`train_head_online`, a GPU's form), one recipe.
 
 K. Clark et al., "Meta-Learning Fast Weight Language Models", EMNLP 2022 (arXiv 2212.02475), section 3: FWLs
 added on top of the pretrained Transformer-XL and fine-tuned on consecutive chunks of text, "keeping a running
@@ -33,6 +34,7 @@ trained on, with one warning.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -90,6 +92,10 @@ class FWLHeadRecipe:
     seed: int = 0  # document order (and the head's initialisation in train_recipe)
     variant: str = "fwl"  # one of VARIANTS
     save_every_s: float = 300.0  # checkpoint interval in CPU-seconds
+    # the online form (train_head_online, a GPU): a linear warm-up of every rate over its first steps, then a
+    # linear decay to this fraction of it by the end of the budget (the cached form trains at constant rates)
+    warmup_steps: int = 20
+    final_lr_fraction: float = 0.1
 
 
 RECIPE = FWLHeadRecipe()
@@ -192,13 +198,15 @@ def window_loss(head, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return stream_loss(head, h, tokens)[0]
 
 
-def _detached(state):
+def detached(state):
+    """``state`` with every tensor cut from the graph (carried to the next window as a constant)."""
     return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, state)
 
 
 def param_groups(model, lr: float, step_lr: float, block_lr: float = RECIPE.block_lr) -> list[dict]:
     """AdamW's groups: the head's weights at ``lr``, its step sizes and segment decays (``head.step_sizes.*``,
-    ``head.decay_logits.*``) at ``step_lr``, trained backbone blocks at ``block_lr``."""
+    ``head.decay_logits.*``) at ``step_lr``, trained backbone blocks at ``block_lr``; named ``head``, ``fast``
+    and ``blocks``."""
     head, step, blocks = [], [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
@@ -206,7 +214,8 @@ def param_groups(model, lr: float, step_lr: float, block_lr: float = RECIPE.bloc
                 step.append(p)
             else:
                 (head if name.startswith("head.") else blocks).append(p)
-    return [{"params": head, "lr": lr}, {"params": step, "lr": step_lr}, {"params": blocks, "lr": block_lr}]
+    return [{"params": head, "lr": lr, "name": "head"}, {"params": step, "lr": step_lr, "name": "fast"},
+            {"params": blocks, "lr": block_lr, "name": "blocks"}]
 
 
 def documents(doc_windows: list, upto: int) -> list[tuple[int, int]]:
@@ -314,7 +323,7 @@ def train_head(model, cache_dir: str | Path, out_dir: str | Path, backbone_name:
             for b, s in enumerate(streams):
                 loss_b, new_state = stream_loss(head, h[b:b + 1], x[b:b + 1], s["state"])
                 losses.append(loss_b)
-                s["state"] = _detached(new_state)
+                s["state"] = detached(new_state)
             loss = torch.stack(losses).mean()
             if not torch.isfinite(loss):
                 raise UserError(f"fwl head training diverged at step {step} (loss {loss.item()}); lower the learning "
@@ -464,3 +473,89 @@ def train_recipe(hf: str, out_dir: str | Path, *, variant: str = RECIPE.variant,
         atomic_write(out_dir / "training.json", lambda p: p.write_text(json.dumps(summary, indent=1)), root=out_dir,
                      what="the training summary")
     return summary
+
+
+# ----------------------------------------------------------------------------- the online form (no cache)
+
+
+def stream_windows(model, tokens: torch.Tensor, window: int, amp=contextlib.nullcontext):
+    """Yields ``(j, ModelOutput)`` for consecutive windows j of ``tokens [B, T + 1]`` read by the whole model
+    (``HFCausalLMWithFWL``): inputs ``tokens[:, a:b]``, targets ``tokens[:, a + 1:b + 1]``, ``b - a <= window``;
+    the state (the head's running update and the KV cache) is carried, detached, from each window to the next
+    (the caller may step the optimizer in between). ``amp``: a context factory each window runs under."""
+    state, last = None, tokens.shape[1] - 1
+    for j, a in enumerate(range(0, last, window)):
+        b = min(a + window, last)
+        with amp():
+            out = model(tokens[:, a:b], state, tokens[:, a + 1:b + 1])
+        yield j, out
+        state = detached(out.state)
+
+
+def train_head_online(model, streams, *, batch: int, window: int, windows_per_stream: int, budget_s: float,
+                      clock=time.perf_counter, amp=contextlib.nullcontext, lr: float = RECIPE.lr,
+                      step_lr: float = RECIPE.step_lr, block_lr: float = RECIPE.block_lr,
+                      warmup_steps: int = RECIPE.warmup_steps, final_lr_fraction: float = RECIPE.final_lr_fraction,
+                      max_steps: int = 0, log=None) -> dict:
+    """The FWL head (and its trainable blocks) trained on the whole model, no cache: where the backbone runs fast
+    (a GPU) and its top blocks train with the head, as the paper trains. ``streams`` yields ``(ids [T + 1],
+    source)`` with T = ``window * windows_per_stream``; each step takes ``batch`` of them and reads their windows
+    in order (:func:`stream_windows`), one AdamW step per window with the state carried, detached, across the
+    windows of a stream, the rates of :func:`param_groups` warmed up and decayed (the recipe's
+    ``warmup_steps``, ``final_lr_fraction``) over ``budget_s`` seconds of ``clock`` or ``max_steps`` steps.
+    Returns the history, the loss by window over the second half, and what was trained on."""
+    from collections import Counter
+
+    groups = [{**g, "base_lr": g["lr"]} for g in param_groups(model, lr, step_lr, block_lr) if g["params"]]
+    params = [p for g in groups for p in g["params"]]
+    optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
+    history, sources, step, tokens_seen = [], Counter(), 0, 0
+    model.train()
+    start = last_log = clock()
+
+    def out_of_time() -> bool:
+        return bool(max_steps and step >= max_steps) or clock() - start >= budget_s
+
+    while not out_of_time():
+        taken = [next(streams) for _ in range(batch)]
+        sources.update(s for _, s in taken)
+        device = next(model.parameters()).device
+        tokens = torch.stack([ids for ids, _ in taken]).to(device)
+        for j, out in stream_windows(model, tokens, window, amp):
+            elapsed = clock() - start
+            scale = min(1.0, (step + 1) / warmup_steps) * (
+                1.0 - (1.0 - final_lr_fraction) * min(1.0, elapsed / budget_s))
+            for g in optimizer.param_groups:
+                g["lr"] = g["base_lr"] * scale
+            loss = out.loss
+            if not torch.isfinite(loss):
+                raise UserError(f"fwl head training diverged at step {step} (loss {loss.item()}); lower the learning "
+                                "rate")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            step += 1
+            tokens_seen += out.logits.shape[0] * out.logits.shape[1]
+            now = clock()
+            history.append([step, round(now - start, 3), j, loss.item()])
+            if log is not None and (now - last_log >= 15 or step == 1):
+                log(f"train: step {step}, window {j + 1}/{windows_per_stream}, loss {loss.item():.4f} nats, "
+                    f"{tokens_seen / max(now - start, 1e-9):,.0f} tok/s, {now - start:.0f}/{budget_s:.0f} s")
+                last_log = now
+            if out_of_time():
+                break
+    seconds = clock() - start
+    model.eval()
+    half = history[len(history) // 2:]  # the loss by window index over the second half of training
+    by_window = {j: [h[3] for h in half if h[2] == j] for j in range(windows_per_stream)}
+    head = model.head
+    return {"steps": step, "seconds": seconds, "tokens": tokens_seen, "tokens_per_s": tokens_seen / max(seconds, 1e-9),
+            "history": history, "history_columns": ["step", "seconds", "window_index", "loss_nats"],
+            "loss_by_window_second_half": {j: sum(v) / len(v) for j, v in by_window.items() if v},
+            "streams": sum(sources.values()), "documents": sorted(set(sources)),
+            "corpora": dict(Counter(s.split(":")[0] for s in sources.elements())),
+            "rates": {g["name"]: g["base_lr"] for g in groups},
+            "schedule": {"warmup_steps": warmup_steps, "final_lr_fraction": final_lr_fraction},
+            "learned_step_sizes": {n: float(a.detach()) for n, a in head.current_step_sizes().items()},
+            "learned_decays": {n: float(g.detach()) for n, g in head.decays().items()}}
