@@ -191,6 +191,7 @@ def score_text(key: str, runs: Path, lm, tok, scored: dict, tuning: list, L: int
         t = json.loads(f.read_text()) if f.is_file() else {}
         training[f"{key}/{v}"] = {k: t.get(k) for k in ("steps", "cpu_s", "data", "cache_windows", "train_windows",
                                                         "train_documents", "tokens_seen", "lr", "step_lr")}
+        training[f"{key}/{v}"]["data"] = str(runs / "data" / key)  # as given to --train (an absolute --data: where)
     log(f"{key}: in-domain FWL {100 * red['fwl']:.2f}% (slow part {100 * red['fwl_slow_part']:.2f}%), "
         f"general-mix {100 * general['fwl']:.2f}%, dynamic {100 * dyn['dynamic']:.2f}%")
     return entry, training
