@@ -157,10 +157,11 @@ def tune_test_time_step(model, hidden_and_ids, grid=TEST_TIME_STEPS) -> dict:
             if step not in results:
                 model.head.options.test_time_step_size = step
                 results[step] = head_loss_on(model, hidden_and_ids)
-        best, status = best_point(results, results[0.0], "test-time step", allowed=(0.0,), log=lambda _m: None)
-        if best != max(results) or best >= 10.0:
+        finite = {k: v for k, v in results.items() if math.isfinite(v)}
+        lowest = min(finite, key=finite.get) if finite else 0.0
+        if lowest != max(results) or lowest >= 10.0:  # extend x3 while the largest step is the lowest loss
             break
-        grid.append(best * 3)
+        grid.append(lowest * 3)
     best, status = best_point(results, results[0.0], "test-time step", allowed=(0.0,))
     model.head.options.test_time_step_size = best
     return {"grid_nats": {f"{k:g}": v for k, v in sorted(results.items())}, "status": status, "best": best}

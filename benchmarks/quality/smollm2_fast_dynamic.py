@@ -36,7 +36,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from fwl_comparators import STATS, best_point, cpu, score_texts, search_lr, static_evaluator, tuning_loss
+from fwl_comparators import (
+    STATS,
+    best_point,
+    cpu,
+    score_texts,
+    search_lr,
+    static_evaluator,
+    static_tuning_loss,
+    tuning_loss,
+)
 from fwl_smollm2 import load_texts, split_roles, summarise
 from smollm2_dynamic_eval import log
 
@@ -75,7 +84,7 @@ def tuning_rate(ev: DynamicEvaluator, tuning: list[torch.Tensor]) -> tuple[float
     if ev.update_rule.lr:
         loss = tuning_loss(ev, tuning)
     else:  # the static pass
-        loss = sum(ev.static(ids).nll for ids in tuning) / sum(t.numel() - 1 for t in tuning)
+        loss = static_tuning_loss(ev.model, tuning, ev.segment_len)
     return loss, sum(t.numel() - 1 for t in tuning) / max(cpu() - c, 1e-9)
 
 

@@ -110,3 +110,23 @@ def test_training_steps_take_the_loss_without_logits(tmp_path, monkeypatch):
     monkeypatch.setattr(lm, "linear_cross_entropy", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     tiny_training_run(tmp_path / "run", steps=2)
     assert len(calls) == 2
+
+
+def test_the_gradient_products_take_the_machines_chosen_kernels(monkeypatch):
+    """dL/dh and dL/dW go through ops.linear.linear_grads (the kernels measured on the machine, as the plain form's
+    backward); with oneDNN forced where the build has it, the fp32 gradients still equal the plain form's."""
+    import fastweights.ops.linear_cross_entropy as lce
+    from fastweights.ops.linear import onednn_available
+
+    calls = []
+    real = lce.linear_grads
+    monkeypatch.setattr(lce, "linear_grads", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    if onednn_available():
+        monkeypatch.setenv("FASTWEIGHTS_LINEAR", "onednn")
+    h, w, y = problem(n=300, d=64, v=1000, dtype=torch.float32, ignored=20)
+    got = loss_and_grads(linear_cross_entropy, h, w, y, chunk_elements=1000 * 100)  # 3 chunks
+    assert len(calls) == 2 * 3  # dL/dh and dL/dW of each chunk
+    monkeypatch.setenv("FASTWEIGHTS_LINEAR", "torch")
+    want = loss_and_grads(linear_cross_entropy_reference, h, w, y)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)

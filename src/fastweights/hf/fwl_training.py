@@ -218,6 +218,16 @@ def param_groups(model, lr: float, step_lr: float, block_lr: float = RECIPE.bloc
             {"params": blocks, "lr": block_lr, "name": "blocks"}]
 
 
+def optimizer_step(loss: torch.Tensor, optimizer, params: list, step: int) -> None:
+    """One AdamW step of either form on ``loss``: refused when it is not finite, gradients clipped to norm 1."""
+    if not torch.isfinite(loss):
+        raise UserError(f"fwl head training diverged at step {step} (loss {loss.item()}); lower the learning rate")
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+
+
 def documents(doc_windows: list, upto: int) -> list[tuple[int, int]]:
     """``(first window, end)`` of each document's windows below window ``upto`` (the training windows)."""
     out, start = [], 0
@@ -325,13 +335,7 @@ def train_head(model, cache_dir: str | Path, out_dir: str | Path, backbone_name:
                 losses.append(loss_b)
                 s["state"] = detached(new_state)
             loss = torch.stack(losses).mean()
-            if not torch.isfinite(loss):
-                raise UserError(f"fwl head training diverged at step {step} (loss {loss.item()}); lower the learning "
-                                "rate")
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
+            optimizer_step(loss, optimizer, params, step)
             for s in streams:
                 s["next"] += 1
             step += 1
@@ -528,13 +532,7 @@ def train_head_online(model, streams, *, batch: int, window: int, windows_per_st
             for g in optimizer.param_groups:
                 g["lr"] = g["base_lr"] * scale
             loss = out.loss
-            if not torch.isfinite(loss):
-                raise UserError(f"fwl head training diverged at step {step} (loss {loss.item()}); lower the learning "
-                                "rate")
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
+            optimizer_step(loss, optimizer, params, step)
             step += 1
             tokens_seen += out.logits.shape[0] * out.logits.shape[1]
             now = clock()

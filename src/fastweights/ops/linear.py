@@ -305,6 +305,17 @@ def call_kernels(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> list[
     return kernels_for(x.numel() // k, k, n, layout, route)
 
 
+def linear_grads(x2: Tensor, weight: Tensor, g: Tensor, need_x: bool = True, need_w: bool = True):
+    """``(g W, g^T x2)`` (each None when not needed): the backward products of ``linear(x2, weight)`` for the output
+    gradient ``g [M, N]`` (``x2 [M, K]``, ``weight [N, K]``), each on the kernel this machine chose for the call's
+    shape class, torch's where :func:`linear` would call ``F.linear``: for code that forms a linear's gradients
+    itself (``ops.linear_cross_entropy``)."""
+    kernels = call_kernels(x2, weight) or ("torch",) * 3
+    dx = _product("input_grad", KERNELS[kernels[1]], x2, weight, g) if need_x else None
+    dw = _product("weight_grad", KERNELS[kernels[2]], x2, weight, g) if need_w else None
+    return dx, dw
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x W^T + b`` (``x [..., K]``, ``weight [N, K]``, ``bias [N]`` or None -> ``[..., N]``) as ``F.linear``
     computes it, each product on this machine's faster kernel (module docstring); autograd as ``F.linear``'s."""

@@ -10,7 +10,8 @@ log-softmax and the logits' gradient, each [N, V], alive at once. At a 32k vocab
 (the GPU queue's hybrid, issue 51) one fp32 copy is 4.3 GB, and fla's model, whose loss is a fused linear
 cross-entropy, peaked at half our memory. Here the forward computes, for :data:`CHUNK_ELEMENTS` logits at a time,
 the chunk's loss and both gradients at once (the fused form of Liger-Kernel and fla), and keeps only dL/dh [N, d]
-and dL/dW [V, d] for the backward, which scales them by the incoming gradient. Peak memory above the plain
+and dL/dW [V, d] for the backward, which scales them by the incoming gradient. Its two gradient products run
+on the kernels ``ops.linear`` measured fastest on the machine (``linear_grads``), as the plain form's backward does. Peak memory above the plain
 form's inputs: two [chunk, V] fp32 blocks, dL/dh and dL/dW.
 
 Numbers: the logits are computed as the plain form computes them (``ops.linear.linear``; under autocast in its
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from fastweights.ops.linear import linear
+from fastweights.ops.linear import linear, linear_grads
 from fastweights.ops.nll import upcast_logits
 
 CHUNK_ELEMENTS = 1 << 23  # logits per chunk: 8M, 32 MB in fp32 (a 32k vocabulary: 256 rows)
@@ -60,32 +61,34 @@ def _chunk_loss_and_grad(hc: Tensor, w: Tensor, yc: Tensor, ignore_index: int, c
     return loss, grad
 
 
+def _fused(h: Tensor, w: Tensor, targets: Tensor, ignore_index: int, chunk_elements: int, need_h: bool,
+           need_w: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """(mean loss, dL/dh or None, dL/dW in the loss dtype or None), a chunk of rows at a time; the gradients'
+    products on the kernels ``ops.linear`` chose for this machine."""
+    count = (targets != ignore_index).sum()
+    rows = _chunk_rows(w.shape[0], chunk_elements)
+    total = h.new_zeros((), dtype=upcast_logits(h[:0, :0]).dtype)
+    dh = torch.empty_like(h) if need_h else None
+    dw = None
+    for a in range(0, h.shape[0], rows):
+        b = min(a + rows, h.shape[0])
+        loss, grad = _chunk_loss_and_grad(h[a:b], w, targets[a:b], ignore_index, count if need_h or need_w else None)
+        total = total + loss
+        if need_h:  # in h's dtype, as the plain form's backward (under autocast: bf16)
+            dh[a:b] = linear_grads(h[a:b], w.to(h.dtype), grad.to(h.dtype), need_w=False)[0]
+        if need_w:  # accumulated in the loss dtype
+            part = linear_grads(h[a:b].to(grad.dtype), w.to(grad.dtype), grad, need_x=False)[1]
+            dw = part if dw is None else dw.add_(part)
+    return total / count, dh, dw  # count 0: nan, as F.cross_entropy gives
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: Tensor, w: Tensor, targets: Tensor, ignore_index: int, chunk_elements: int) -> Tensor:
-        n_rows = h.shape[0]
-        count = (targets != ignore_index).sum()
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        rows = _chunk_rows(w.shape[0], chunk_elements)
-        total = None
-        dh = torch.empty_like(h) if need_h else None
-        dw = None
-        for a in range(0, n_rows, rows):
-            b = min(a + rows, n_rows)
-            loss, grad = _chunk_loss_and_grad(h[a:b], w, targets[a:b], ignore_index, count if need_h or need_w else None)
-            total = loss if total is None else total + loss
-            if grad is None:
-                continue
-            if need_h:
-                dh[a:b] = (grad.to(h.dtype) @ w.to(h.dtype)).to(h.dtype)
-            if need_w:
-                part = grad.t() @ h[a:b].to(grad.dtype)  # [V, d] in the loss dtype
-                dw = part if dw is None else dw.add_(part)
-        if total is None:  # no rows
-            total = h.new_zeros((), dtype=upcast_logits(h[:0, :0]).dtype)
-        ctx.save_for_backward(dh if need_h else None, dw.to(w.dtype) if need_w and dw is not None else None)
+        loss, dh, dw = _fused(h, w, targets, ignore_index, chunk_elements, *ctx.needs_input_grad[:2])
+        ctx.save_for_backward(dh, None if dw is None else dw.to(w.dtype))
         ctx.w_shape = w.shape
-        return total / count  # count 0: nan, as F.cross_entropy gives
+        return loss
 
     @staticmethod
     @once_differentiable
@@ -112,11 +115,4 @@ def linear_cross_entropy(h: Tensor, w: Tensor, targets: Tensor, ignore_index: in
     if torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
         return _LinearCrossEntropy.apply(h2, w, t2, ignore_index, chunk_elements)
     with torch.no_grad():
-        total = None
-        rows = _chunk_rows(w.shape[0], chunk_elements)
-        for a in range(0, h2.shape[0], rows):
-            loss, _ = _chunk_loss_and_grad(h2[a:a + rows], w, t2[a:a + rows], ignore_index, None)
-            total = loss if total is None else total + loss
-        if total is None:
-            total = h2.new_zeros((), dtype=upcast_logits(h2[:0, :0]).dtype)
-        return total / (t2 != ignore_index).sum()
+        return _fused(h2, w, t2, ignore_index, chunk_elements, False, False)[0]
