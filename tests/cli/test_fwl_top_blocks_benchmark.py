@@ -1,6 +1,6 @@
-"""benchmarks/quality/fwl_top_blocks.py (issue 50, scope 3): the recipe's command carries K, the chosen block lr
-and K's own cache; the pilot chooses the block lr with the lowest validation loss of the training mix; a missing
-pilot or head is one line and exit 2; the dynamic-evaluation row of K blocks adapts those blocks and the final
+"""benchmarks/quality/fwl_top_blocks.py (issue 50, scope 3): the recipe's command carries K, the variant's chosen
+block lr and K's own cache; the pilot chooses each variant's block lr with the lowest validation loss of the training
+mix; a missing pilot or head is one line and exit 2; the dynamic-evaluation row of K blocks adapts those blocks and the final
 norm only."""
 
 import json
@@ -16,44 +16,60 @@ from fastweights.core.errors import UserError  # noqa: E402
 bench = import_benchmark("fwl_top_blocks")
 
 
-def fake_training(commands: list, losses: dict):
-    """A stand-in for the recipe's process: records the command and writes the training.json it would, with the
-    validation loss ``losses[block lr]``."""
+def fake_training(commands: list):
+    """A stand-in for the recipe's process: records the command."""
+    return commands.append
 
-    def run(cmd):
-        commands.append(cmd)
-        out = cmd[cmd.index("--out") + 1]
-        lr = float(cmd[cmd.index("--block-lr") + 1])
-        from pathlib import Path
 
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "training.json").write_text(json.dumps({"validation": {"loss_nats": losses[lr]}}))
+def fake_validation(losses: dict):
+    """A stand-in for validating a trained head: ``losses[variant][block lr]`` by the head's folder name."""
 
-    return run
+    def validation_nats(out, cache):
+        variant, lr = out.name.split("-block-lr-")
+        assert cache.name == "hidden-cache" and cache.parent == out.parent  # K's own cache
+        return {"loss_nats": losses[variant][float(lr)]}
+
+    return validation_nats
 
 
 def flag(cmd, name):
     return cmd[cmd.index(name) + 1]
 
 
-@pytest.mark.parametrize("losses, best", [({1e-5: 3.1, 1e-4: 3.0}, 1e-4), ({1e-5: 3.0, 1e-4: 3.2}, 1e-5)])
-def test_the_pilot_chooses_the_lowest_validation_loss_and_training_uses_it(tmp_path, monkeypatch, losses, best):
+@pytest.mark.parametrize("losses, best", [
+    ({"fwl": {1e-5: 3.1, 1e-4: 3.0}, "test-time-only": {1e-5: 3.0, 1e-4: 3.2}}, {"fwl": 1e-4, "test-time-only": 1e-5}),
+    ({"fwl": {1e-5: 3.0, 1e-4: 3.2}, "test-time-only": {1e-5: 3.3, 1e-4: 3.2}}, {"fwl": 1e-5, "test-time-only": 1e-4}),
+])
+def test_the_pilot_chooses_each_variants_lowest_validation_loss_and_training_uses_it(tmp_path, monkeypatch, losses,
+                                                                                      best):
+    """The pilot trains K = 2 heads of both variants at every block lr for the full budget and keeps each variant's
+    best; --train trains K = 4 at each variant's own lr. Mutations caught: one lr for both variants (the first
+    variant's), the pilot at another budget, K = 2 trained again."""
     commands = []
-    monkeypatch.setattr(bench, "run", fake_training(commands, losses))
+    monkeypatch.setattr(bench, "run", fake_training(commands))
+    monkeypatch.setattr(bench, "validation_nats", fake_validation(losses))
     assert bench.pilot(tmp_path, threads=1)["best"] == best
-    assert [float(flag(c, "--block-lr")) for c in commands] == list(bench.PILOT_BLOCK_LRS)
+    assert sorted((flag(c, "--variant"), float(flag(c, "--block-lr"))) for c in commands) == sorted(
+        (v, lr) for v, _ in bench.VARIANTS for lr in bench.PILOT_BLOCK_LRS)
     assert all(flag(c, "--trainable-blocks") == str(bench.KS[0]) for c in commands)
+    assert all(float(flag(c, "--minutes")) == bench.MINUTES for c in commands)
+    assert bench.chosen_block_lrs(tmp_path) == best
     commands.clear()
     bench.train(tmp_path, threads=1)
-    assert len(commands) == 2 * len(bench.KS)
+    assert len(commands) == len(bench.VARIANTS) * (len(bench.KS) - 1)
     for cmd in commands:
-        k = flag(cmd, "--trainable-blocks")
-        assert float(flag(cmd, "--block-lr")) == best
+        k, variant = flag(cmd, "--trainable-blocks"), flag(cmd, "--variant")
+        assert k != str(bench.KS[0])  # the pilot's heads are K = 2's
+        assert float(flag(cmd, "--block-lr")) == best[variant]
         assert float(flag(cmd, "--minutes")) == bench.MINUTES
         assert flag(cmd, "--cache") == str(tmp_path / f"k{k}" / "hidden-cache")  # one cache per K
-        assert flag(cmd, "--out") == str(tmp_path / f"k{k}" / flag(cmd, "--variant"))
-    assert {(flag(c, "--trainable-blocks"), flag(c, "--variant")) for c in commands} == {
-        (str(k), v) for k in bench.KS for v, _ in bench.VARIANTS}
+        assert flag(cmd, "--out") == str(bench.head_dir(tmp_path, int(k), variant, best[variant]))
+
+
+def test_an_earlier_pilots_single_block_lr_is_refused(tmp_path):
+    (tmp_path / "pilot.json").write_text(json.dumps({"best": 1e-4}))
+    with pytest.raises(UserError, match="run --pilot again"):
+        bench.chosen_block_lrs(tmp_path)
 
 
 def test_training_without_a_pilot_is_refused(tmp_path):
@@ -62,9 +78,11 @@ def test_training_without_a_pilot_is_refused(tmp_path):
 
 
 def test_scoring_without_heads_is_one_line_and_exit_2(tmp_path):
-    r = run_script(benchmark_script("fwl_top_blocks"), "--runs", str(tmp_path), "--part", "2")
-    assert r.returncode == 2 and "no trained head" in r.stderr and "Traceback" not in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+    for missing in ("no block lr chosen yet", "no trained head"):
+        r = run_script(benchmark_script("fwl_top_blocks"), "--runs", str(tmp_path), "--part", "2")
+        assert r.returncode == 2 and missing in r.stderr and "Traceback" not in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+        (tmp_path / "pilot.json").write_text(json.dumps({"best": {"fwl": 1e-4, "test-time-only": 1e-5}}))
 
 
 def test_the_top_k_blocks_row_adapts_those_blocks_and_the_norm_only(tmp_path):

@@ -160,6 +160,33 @@ def test_validation_reads_each_held_out_document_from_a_fresh_state(llama_dir, t
     assert abs(read([(2, 6)]) - read([(2, 4), (4, 6)])) > 1e-4  # carried across the documents: another loss
 
 
+def test_validation_judges_a_test_time_only_head_on_its_slow_logits(llama_dir, tmp_path):
+    """A test-time-only head trains its slow logits and gets its update's step size where it scores, so the
+    held-out loss is the slow one (the head's own training mode), not the update at the default step, which
+    diverged on trained blocks (fwl_top_blocks.json); the head's mode is restored. Mutation caught: the head
+    validated in eval mode, the update on (the loss differs by > 1e-3 here)."""
+    from fastweights.hf.fwl_head import top_blocks
+
+    backbone_model = acting_model(llama_dir)
+    options = FWLOptions(**{**PRETRAINED_FWL_DEFAULTS, "segment_len": 8, "test_time_only": True,
+                            "test_time_step_size": 1.0})
+    model = HFCausalLMWithFWL(backbone_model.backbone, options).eval()
+    with torch.no_grad():
+        model.head.ln_weight.fill_(0.5)
+    build_cache(model, tmp_path / "c", windows(6), [3, 3])
+    hidden, tokens, meta = load_cache(tmp_path / "c")
+    val = validation_losses(model, hidden, tokens, meta, 3)
+    assert not model.head.training and val["update"] == "off"
+    with torch.no_grad():
+        h = top_blocks(model.backbone, torch.from_numpy(np.asarray(hidden[3:6])), 0)
+        slow = model.head.slow_forward(h)
+        nats = F.cross_entropy(slow[:, :-1].flatten(0, 1), torch.from_numpy(tokens[3:6, 1:]).flatten()).item()
+        updated = stream_loss(model.head, h[:1], torch.from_numpy(tokens[3:4]))[0].item()
+        slow_first = F.cross_entropy(slow[0, :-1], torch.from_numpy(tokens[3, 1:])).item()
+    assert val["loss_nats"] == pytest.approx(nats, abs=1e-5)
+    assert abs(updated - slow_first) > 1e-3  # the update at step 1.0 moves the loss: the check has teeth
+
+
 def test_resume_refuses_streams_past_this_caches_training_windows(llama_dir, tmp_path):
     """A run saved while its streams read windows 0-5 of documents [3, 3] (nothing held out), resumed with the last
     3 windows held out: a stream's document ends past the 3 training windows, so the resume is refused in one

@@ -368,20 +368,29 @@ def train_head(model, cache_dir: str | Path, out_dir: str | Path, backbone_name:
 def validation_losses(model, hidden, tokens, meta: dict, first: int) -> dict:
     """Mean loss (nats per token) of the cached windows from ``first`` on, read as streams (the head's state
     carried through each document, fresh at its start): the head's, the static model's (``static_nats`` of the
-    cache) and the gain ``static - head``."""
+    cache) and the gain ``static - head``. A ``test_time_only`` head is judged on what it trains, its slow
+    logits (``update: "off"``): its update's step size is chosen later on tuning text, and the default one can
+    diverge on trained blocks (fwl_top_blocks.json)."""
     from fastweights.hf.fwl_head import top_blocks
 
+    slow = model.head.options.test_time_only
+    was_training = model.head.training
+    model.head.train(slow)  # in training mode a test-time-only head gives its slow logits
     losses, state = [], None
     starts = set(np.cumsum([0] + meta["doc_windows"]).tolist())
-    for i in range(first, meta["windows"]):
-        if i in starts or i == first:
-            state = None
-        h_in = torch.from_numpy(np.asarray(hidden[i : i + 1], dtype=np.float32)).to(model.head.ln_weight.dtype)
-        h = top_blocks(model.backbone, h_in, model.trainable_blocks)
-        loss, state = stream_loss(model.head, h, torch.from_numpy(tokens[i : i + 1]), state)
-        losses.append(loss.item())
+    try:
+        for i in range(first, meta["windows"]):
+            if i in starts or i == first:
+                state = None
+            h_in = torch.from_numpy(np.asarray(hidden[i : i + 1], dtype=np.float32)).to(model.head.ln_weight.dtype)
+            h = top_blocks(model.backbone, h_in, model.trainable_blocks)
+            loss, state = stream_loss(model.head, h, torch.from_numpy(tokens[i : i + 1]), state)
+            losses.append(loss.item())
+    finally:
+        model.head.train(was_training)
     fwl, ref = float(np.mean(losses)), float(np.mean(meta["static_nats"][first:]))
-    return {"loss_nats": fwl, "static_nats": ref, "gain_nats": ref - fwl, "windows": len(losses)}
+    return {"loss_nats": fwl, "static_nats": ref, "gain_nats": ref - fwl, "windows": len(losses),
+            "update": "off" if slow else "on"}
 
 
 #: the head options of each variant of the comparison (the paper's Table 2 rows)
