@@ -1,7 +1,6 @@
 """benchmarks/quality/fwl_top_blocks.py (issue 50, scope 3): the recipe's command carries K, the variant's chosen
-block lr and K's own cache; the pilot chooses each variant's block lr with the lowest validation loss of the training
-mix; a missing pilot or head is one line and exit 2; the dynamic-evaluation row of K blocks adapts those blocks and the final
-norm only."""
+block lr and K's own cache; the pilot chooses each variant's block lr with the lowest loss on the tuning texts; a missing pilot or head is
+one line and exit 2; the dynamic-evaluation row of K blocks adapts those blocks and the final norm only."""
 
 import json
 
@@ -21,15 +20,17 @@ def fake_training(commands: list):
     return commands.append
 
 
-def fake_validation(losses: dict):
-    """A stand-in for validating a trained head: ``losses[variant][block lr]`` by the head's folder name."""
+def fake_pilot_losses(losses: dict):
+    """A stand-in for judging a trained head on the tuning texts: ``losses[variant][block lr]`` by the head's folder
+    name."""
 
-    def validation_nats(out, cache):
+    def pilot_losses(out, cache, tuning):
         variant, lr = out.name.split("-block-lr-")
         assert cache.name == "hidden-cache" and cache.parent == out.parent  # K's own cache
-        return {"loss_nats": losses[variant][float(lr)]}
+        assert tuning == ["the tuning texts"]
+        return {"tuning_nats": losses[variant][float(lr)], "held_out_windows": {"loss_nats": 3.0}}
 
-    return validation_nats
+    return pilot_losses
 
 
 def flag(cmd, name):
@@ -47,8 +48,8 @@ def test_the_pilot_chooses_each_variants_lowest_validation_loss_and_training_use
     variant's), the pilot at another budget, K = 2 trained again."""
     commands = []
     monkeypatch.setattr(bench, "run", fake_training(commands))
-    monkeypatch.setattr(bench, "validation_nats", fake_validation(losses))
-    assert bench.pilot(tmp_path, threads=1)["best"] == best
+    monkeypatch.setattr(bench, "pilot_losses", fake_pilot_losses(losses))
+    assert bench.pilot(tmp_path, threads=1, tuning=["the tuning texts"])["best"] == best
     assert sorted((flag(c, "--variant"), float(flag(c, "--block-lr"))) for c in commands) == sorted(
         (v, lr) for v, _ in bench.VARIANTS for lr in bench.PILOT_BLOCK_LRS)
     assert all(flag(c, "--trainable-blocks") == str(bench.KS[0]) for c in commands)
