@@ -1,6 +1,8 @@
 """Where a training step of the hybrid keeps its memory: peak resident memory of one step (forward, backward, AdamW)
 of the GPU queue's hybrid shape, scaled down for a CPU, with the loss through the logits (``F.cross_entropy`` of
-the [B, T, V] logits) and without them (``ops.linear_cross_entropy``, what the trainer uses; issue 51, scope 2).
+the [B, T, V] logits) and without them (``ops.linear_cross_entropy``, what the trainer uses), and with the MLP's
+plain SwiGLU instead of ``ops.swiglu`` (which recomputes silu(gate) in the backward); and the tensors autograd
+keeps for the backward, by the part of the model that keeps them (issue 51, scope 2).
 
     python benchmarks/speed/train_memory.py [--batch 2 --seq-len 1024 --vocab 32000]
 
@@ -9,6 +11,10 @@ tied 32k vocabulary) at d_model 256 and 4 layers, fp32. Each variant runs in its
 set size (getrusage) before the step, once the model, optimizer and batch exist, and after it; the difference is
 the step's memory (activations, the loss's tensors, gradients, AdamW's moments). The saving is also given in units
 of one fp32 [B T, V] tensor, the size of each copy the plain loss keeps (logits, their log-softmax, its gradient).
+The saved tensors (``torch.autograd.graph.saved_tensors_hooks``, each storage counted once, parameters left out)
+are attributed to the innermost of the embedding, each block's mixer (by kind; its projections apart from what it
+computes inline), MLP and norms, and the loss.
+Step time: the fastest of :data:`STEPS` steps, CPU seconds, one thread.
 
 Writes benchmarks/results/train_memory.json.
 """
@@ -25,7 +31,9 @@ from fastweights.core.threads import use_threads
 from fastweights.evidence.result_files import write_result
 from fastweights.evidence.script_args import benchmark_threads_flag
 
-VARIANTS = {"logits": True, "without_logits": False}  # name -> return_logits
+VARIANTS = {"logits": (True, "swiglu"), "without_logits": (False, "swiglu"),  # name -> (return_logits, MLP gate)
+            "plain_swiglu": (False, "swiglu_reference")}
+STEPS = 3
 SHAPE = dict(d_model=256, n_layers=4, n_heads=4, head_dim=64, mlp=768, attn_every=4)
 
 
@@ -45,25 +53,97 @@ def probe_specs(probes) -> list[dict]:
     return probes.model_probes(dataclasses.asdict(config(32000)))
 
 
-def child(variant: str, batch: int, seq_len: int, vocab: int) -> dict:
-    """One step in this process: peak RSS (MB) before and after, and the loss."""
+def part_of(name: str, module, modules: dict) -> str | None:
+    """The label a module's saved tensors count under (a mixer's own modules apart from the ops it runs
+    inline), or None for a module that only contains labelled ones."""
+    if name == "embed" or name.endswith(("norm", "_norm")):
+        return "embedding" if name == "embed" else "norms"
+    if name.endswith(".mixer"):
+        return f"mixer:{type(module).__name__}"
+    parent, _, child = name.rpartition(".")
+    if parent.endswith(".mixer"):
+        return f"mixer:{type(modules[parent]).__name__}.{child}"
+    if name.endswith(".mlp"):
+        return "mlp"
+    return None
+
+
+def saved_by_part(model, step) -> dict:
+    """MB of the distinct storages autograd keeps during ``step()``, by :func:`part_of` of the innermost labelled
+    module running when each is saved ("loss and head" outside every one); parameters are not counted."""
     import torch
 
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    stack, seen = ["loss and head"], {}
+    handles = []
+
+    def leave(module, args, output):  # returns None: the output stays the module's
+        stack.pop()
+
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
+        label = part_of(name, module, modules)
+        if label:
+            handles.append(module.register_forward_pre_hook(lambda m, a, label=label: stack.append(label)))
+            handles.append(module.register_forward_hook(leave))
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and ptr not in seen:
+            seen[ptr] = (stack[-1], t.untyped_storage().nbytes())
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            step()
+    finally:
+        for h in handles:
+            h.remove()
+    out = {}
+    for label, nbytes in seen.values():
+        out[label] = out.get(label, 0.0) + nbytes / 2**20
+    return dict(sorted(out.items()))
+
+
+def child(variant: str, batch: int, seq_len: int, vocab: int) -> dict:
+    """Steps in this process: peak RSS (MB) before and after the first, the saved tensors by part, the loss, the
+    fastest step's CPU seconds."""
+    import time
+
+    import torch
+
+    import fastweights.layers.common as common
+    import fastweights.ops.swiglu as swiglu
     from fastweights.models.lm import LanguageModel
 
     use_threads("benchmark", 1)
+    return_logits, gate = VARIANTS[variant]
+    common.swiglu = getattr(swiglu, gate)  # the MLP's gate (the plain form: a baseline only this script builds)
     torch.manual_seed(0)
     model = LanguageModel(config(vocab)).train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, vocab, (batch, seq_len), generator=g)
     y = torch.randint(0, vocab, (batch, seq_len), generator=g)
+    losses, times = [], []
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        out = model(x, targets=y, return_logits=return_logits)
+        out.loss.backward()
+        opt.step()
+        losses.append(out.loss.item())
+
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    out = model(x, targets=y, return_logits=VARIANTS[variant])
-    out.loss.backward()
-    opt.step()
+    step()
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"rss_before_mb": before, "rss_peak_mb": after, "step_mb": after - before, "loss": out.loss.item(),
+    for _ in range(STEPS):
+        t = time.process_time()
+        step()
+        times.append(time.process_time() - t)
+    saved = saved_by_part(model, step)
+    return {"rss_before_mb": before, "rss_peak_mb": after, "step_mb": after - before, "loss": losses[0],
+            "step_cpu_s": min(times), "saved_mb_by_part": saved, "saved_mb": sum(saved.values()),
             "parameters": sum(p.numel() for p in model.parameters())}
 
 
@@ -86,16 +166,28 @@ def main() -> int:
         print(name, runs[name])
     nv_mb = a.batch * a.seq_len * a.vocab * 4 / 2**20
     saved = runs["logits"]["step_mb"] - runs["without_logits"]["step_mb"]
+    ours, plain = runs["without_logits"], runs["plain_swiglu"]
+    f_wide_mb = a.batch * a.seq_len * SHAPE["mlp"] * 4 / 2**20 * SHAPE["n_layers"]  # one [B T, F] fp32 per MLP
     res = {"config": {"batch": a.batch, "seq_len": a.seq_len, "vocab": a.vocab, **SHAPE, "dtype": "float32"},
            "runs": runs, "fp32_logits_mb": nv_mb, "saved_mb": saved, "saved_in_fp32_logits": saved / nv_mb,
            "step_mb_ratio": runs["logits"]["step_mb"] / runs["without_logits"]["step_mb"],
-           "same_loss": abs(runs["logits"]["loss"] - runs["without_logits"]["loss"]) < 1e-4}
+           "same_loss": abs(runs["logits"]["loss"] - runs["without_logits"]["loss"]) < 1e-4,
+           "swiglu": {"mlp_saved_mb": {"plain": plain["saved_mb_by_part"]["mlp"], "ours": ours["saved_mb_by_part"]["mlp"]},
+                      "one_f_wide_tensor_per_layer_mb": f_wide_mb,
+                      "saved_mb_ratio": ours["saved_mb"] / plain["saved_mb"],
+                      "step_mb_ratio": ours["step_mb"] / plain["step_mb"],
+                      "step_time_ratio": ours["step_cpu_s"] / plain["step_cpu_s"],
+                      "same_loss": ours["loss"] == plain["loss"]}}
     res["headline"] = [
         {"what": f"hybrid training step (d {SHAPE['d_model']}, {SHAPE['n_layers']} layers, vocab {a.vocab}, "
                  f"{a.batch}x{a.seq_len} tokens, fp32, CPU): step memory with the logits / without them",
          "value": round(res["step_mb_ratio"], 3), "unit": "x", "target": ""},
         {"what": "  memory the loss without logits saves, in fp32 [tokens, vocab] tensors",
-         "value": round(res["saved_in_fp32_logits"], 2), "unit": "x", "target": ""}]
+         "value": round(res["saved_in_fp32_logits"], 2), "unit": "x", "target": ""},
+        {"what": "  tensors kept for the backward, SwiGLU recomputing silu(gate) / the plain form",
+         "value": round(res["swiglu"]["saved_mb_ratio"], 3), "unit": "x", "target": "< 1"},
+        {"what": "  step time, SwiGLU recomputing silu(gate) / the plain form", "unit": "x", "target": "",
+         "value": round(res["swiglu"]["step_time_ratio"], 3)}]
     write_result("train_memory", res)
     return 0
 

@@ -1,0 +1,34 @@
+"""benchmarks/speed/train_memory.py (issue 51, scope 2): the saved tensors are attributed to the part of the model
+that keeps them, the hooks that attribute them leave the step's numbers alone, and the plain-SwiGLU baseline keeps
+one [tokens, F] tensor per MLP more than the model's own gate."""
+
+import pytest
+
+from helpers import import_benchmark
+
+bench = import_benchmark("train_memory")
+
+
+@pytest.fixture(autouse=True)
+def restore_the_models_gate():
+    import fastweights.layers.common as common
+
+    gate = common.swiglu
+    yield
+    common.swiglu = gate
+
+
+def test_the_mlps_saved_tensors_are_its_input_gate_and_up_and_product():
+    """Per MLP and token the model keeps x [d], gu [2F] and h [F] (fp32), the plain form silu(gate) [F] more; the
+    loss is the same, with and without the attributing hooks. Mutations caught: a hook that returns a value
+    (replaces the module's output), the baseline built with the model's own gate."""
+    batch, seq, vocab = 1, 32, 300
+    s = bench.SHAPE
+    ours, plain = (bench.child(v, batch, seq, vocab) for v in ("without_logits", "plain_swiglu"))
+    per_token = 4 * s["n_layers"] * batch * seq / 2**20  # MB of one fp32 value per token and layer
+    assert ours["saved_mb_by_part"]["mlp"] == pytest.approx(per_token * (s["d_model"] + 3 * s["mlp"]))
+    assert plain["saved_mb_by_part"]["mlp"] - ours["saved_mb_by_part"]["mlp"] == pytest.approx(per_token * s["mlp"])
+    assert ours["loss"] == plain["loss"]
+    assert sum(ours["saved_mb_by_part"].values()) == pytest.approx(ours["saved_mb"])
+    assert {"mlp", "norms", "loss and head", "mixer:GatedDeltaNet", "mixer:CausalSelfAttention"} <= set(
+        ours["saved_mb_by_part"])
