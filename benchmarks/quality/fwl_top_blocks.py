@@ -64,7 +64,7 @@ from fwl_comparators import (
 from fwl_smollm2 import load_texts, split_roles
 from smollm2_dynamic_eval import log
 
-from fastweights.cli.script_parser import exit_status_of
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -236,7 +236,7 @@ def means_of(part: dict) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    ap = ScriptParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--runs", default="runs/fwl-top-blocks", help="heads, caches and parts")
     ap.add_argument("--pilot", action="store_true", help="choose the block lr (RUNS/pilot.json) and stop")
@@ -278,7 +278,7 @@ def main() -> int:
                 f.write_text(json.dumps({"code": code, "part": parts[k], "cpu_s": cpu() - c_start}))
                 return 0
         pilot_result = json.loads((runs / "pilot.json").read_text())
-    except (UserError, OSError, KeyError, ValueError, subprocess.CalledProcessError) as e:
+    except (OSError, KeyError, ValueError, subprocess.CalledProcessError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     s = stored["results"]
