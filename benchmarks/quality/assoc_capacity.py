@@ -18,7 +18,6 @@ configuration is already in the JSON are skipped) unless ``--fresh``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 
 from fastweights.evidence.provenance import machine as machine_info
 from fastweights.evidence.result_files import provenance
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 from fastweights.evidence.script_args import benchmark_threads_flag
 
@@ -109,7 +109,7 @@ def probe_specs(probes) -> list[dict]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ScriptParser(description=__doc__.split("\n")[0])
     p.add_argument("--max-steps", type=int, default=3000, help="per run (the paper: 100k, stopping earlier)")
     # 0 (none) by default since issue 22: a wall-clock cap under load stopped the S=60 delta/DPFP run early
     # and made its 24.8x ratio a property of the machine's load; quality runs use the step cap only
@@ -175,4 +175,4 @@ def write(out: Path, args, results: list[dict], seconds: float) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status_of(main))

@@ -13,11 +13,11 @@ Output: benchmarks/results/ba_retrieval_seeds.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
 import statistics
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from fastweights.evidence.result_files import provenance
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 from fastweights.tasks.ba_retrieval import RetrievalNet, make_splits, train_retrieval
 
@@ -64,7 +65,7 @@ def probe_specs(probes) -> list[dict]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ScriptParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["fast-rnn", "lstm"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--hidden", type=int, default=20)
@@ -157,4 +158,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(exit_status_of(main))

@@ -9,11 +9,12 @@ record keeps the load average). Writes benchmarks/results/demo.json.
 
 from __future__ import annotations
 
-import argparse
 import json
+import sys
 from pathlib import Path
 
 from fastweights.evidence.result_files import write_result
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 
 
 def probe_specs(probes) -> list[dict]:
@@ -24,7 +25,7 @@ def probe_specs(probes) -> list[dict]:
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = ScriptParser()
     ap.add_argument("--run", default="runs/demo")
     ap.add_argument("--wall-seconds", type=float, required=True, help="measured wall time of the whole demo command")
     ap.add_argument("--busy-run", help="the same command's output folder from a run on a busy machine (the same "
@@ -64,4 +65,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_status_of(main))

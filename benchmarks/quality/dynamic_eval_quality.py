@@ -25,7 +25,6 @@ Characters outside the model's vocabulary map to its unknown symbol; the fractio
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -35,6 +34,7 @@ from pathlib import Path
 import torch
 
 from fastweights.evidence.result_files import RESULTS, command_line, provenance, repo_relative, write_result
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 from fastweights.evidence.script_args import benchmark_threads_flag
 
@@ -95,7 +95,7 @@ def probe_specs(probes) -> list[dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ScriptParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", help="reuse this checkpoint instead of training")
     ap.add_argument("--out", default="runs/dynamic_quality", help="where to train the model")
     ap.add_argument("--train-minutes", type=float, default=5.0)
@@ -113,11 +113,7 @@ def main() -> int:
     args = ap.parse_args()
     use_threads("benchmark", args.threads)
     t_start = time.time()
-    try:
-        plays, spanish_all = load_texts(args.data, args.spanish_data)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    plays, spanish_all = load_texts(args.data, args.spanish_data)
 
     # 1. the model
     if args.checkpoint:
@@ -276,4 +272,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(exit_status_of(main))

@@ -23,7 +23,6 @@ finished record is not trained again.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -31,6 +30,7 @@ import sys
 from pathlib import Path
 
 from fastweights.evidence.result_files import git_state, repo_relative, write_result
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 
 PRESET = "shakespeare-char-fast-rnn"
@@ -133,7 +133,7 @@ def probe_specs(probes) -> list[dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ScriptParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=3.0, help="CPU minutes of training per variant")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--out", default="runs/fast_rnn_sweep", help="run directory (resumable)")
@@ -160,4 +160,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status_of(main))

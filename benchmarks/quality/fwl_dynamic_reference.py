@@ -18,13 +18,13 @@ Writes benchmarks/results/NAME.json.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
 
 from fastweights.evidence.result_files import write_result
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 from fastweights.evidence.script_args import benchmark_threads_flag
 
@@ -43,7 +43,7 @@ def probe_specs(probes) -> list[dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ScriptParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", required=True, help="checkpoint with the linear head")
     ap.add_argument("--fwl", required=True, help="checkpoint with the FWL head (same backbone)")
     ap.add_argument("--tune-chars", type=int, default=5000, help="validation characters for the lr/decay search")
@@ -93,4 +93,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(exit_status_of(main))

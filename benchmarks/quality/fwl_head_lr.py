@@ -28,7 +28,8 @@ from pathlib import Path
 from fwl_comparators import head_loss_on, tuning_hidden
 from fwl_smollm2 import load_texts
 
-from fastweights.core.errors import UserError, exit_status
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
+from fastweights.core.errors import UserError
 from fastweights.evidence.result_files import RESULTS, provenance, write_json
 from fastweights.core.threads import use_threads
 from fastweights.evidence.script_args import benchmark_threads_flag
@@ -48,8 +49,8 @@ def head_dirs(runs: Path) -> list[Path]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = ScriptParser(description=__doc__.splitlines()[0],
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--runs", type=Path, default=Path("runs/fwl-lr"), help="folder of trained heads, one per lr")
     ap.add_argument("--val-tokens", type=int, default=4096, help="predictions per tuning text (fwl_smollm2.py's)")
     benchmark_threads_flag(ap)
@@ -94,4 +95,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(exit_status(main))
+    sys.exit(exit_status_of(main))

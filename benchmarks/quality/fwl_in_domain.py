@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 from fastweights.core.threads import use_threads
 from fastweights.evidence.result_files import RESULTS, write_result
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.evidence.script_args import benchmark_threads_flag
 from fwl_comparators import cpu, fwl_rows, gain_split, score_texts, static_evaluator
 from fwl_smollm2 import TEXTS, load_texts, split_roles
@@ -198,8 +199,8 @@ def score_text(key: str, runs: Path, lm, tok, scored: dict, tuning: list, L: int
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = ScriptParser(description=__doc__.splitlines()[0],
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--runs", default="runs/fwl-in-domain", help="training folders and heads")
     ap.add_argument("--prepare", action="store_true", help="write the training folders and stop")
     ap.add_argument("--train", action="store_true", help="train the heads (the recipe, one process each) and stop")
@@ -256,7 +257,7 @@ def main() -> int:
                 (runs / "parts").mkdir(parents=True, exist_ok=True)
                 (runs / "parts" / f"{key}.json").write_text(json.dumps(
                     {"code": code, "per_text": per_text[key], "training": more, "cpu_s": cpu() - c_start}))
-    except (UserError, OSError, KeyError, ValueError, subprocess.CalledProcessError) as e:
+    except (OSError, KeyError, ValueError, subprocess.CalledProcessError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.part:
@@ -308,4 +309,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status_of(main))

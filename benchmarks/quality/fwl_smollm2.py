@@ -71,7 +71,7 @@ from fwl_comparators import (DYNAMIC_LR_FACTORS, LOWRANK_LR_FACTORS, LOWRANK_RAN
                              static_evaluator)
 from smollm2_dynamic_eval import log
 
-from fastweights.cli.script_parser import exit_status_of
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.errors import UserError
 from fastweights.data.excerpts import ExcerptSpec, bundled_excerpt, token_excerpt
 from fastweights.hf.fwl_training import VARIANTS
@@ -287,8 +287,8 @@ def same_static(a: dict, b: dict, tol: float = 1e-9) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = ScriptParser(description=__doc__.splitlines()[0],
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--runs", default="runs/fwl-smollm2",
                     help="folder with the recipe's checkpoints: fwl/, test-time-only/, bias-only/")
     ap.add_argument("--tokens", type=int, default=4096, help="predictions scored per text")
@@ -327,7 +327,7 @@ def main() -> int:
         # the FWL variants on the same backbone object, loaded first: a bad checkpoint costs no scoring
         heads = {row: load_fwl_head(runs / v, backbone_loader=lambda _name: (lm, tok))[0]
                  for v, row in VARIANT_ROWS.items() if args.part != "dynamic"}
-    except (UserError, OSError, KeyError, ValueError) as e:
+    except (OSError, KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     scored, tuning, stats_ids, english = split_roles(texts)
@@ -346,12 +346,8 @@ def main() -> int:
     before_cpu, before_s = 0.0, 0.0  # the halves' own CPU and wall seconds, when combined
     fwl_process_static = None  # the static row the FWL half timed its rows against, when combined
     if args.combine:
-        try:
-            dyn, fw = (load_part(parts_dir, part, args) for part in ("dynamic", "fwl"))
-            same_static(dyn["rows"]["static"], fw["rows"]["static"])
-        except UserError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        dyn, fw = (load_part(parts_dir, part, args) for part in ("dynamic", "fwl"))
+        same_static(dyn["rows"]["static"], fw["rows"]["static"])
         rows = {**dyn["rows"], **{k: v for k, v in fw["rows"].items() if k != "static"}}
         tuned = {**dyn["tuned"], **fw["tuned"]}
         results = {**summarise(dyn["rows"], english),

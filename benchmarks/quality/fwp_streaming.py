@@ -22,7 +22,6 @@ benchmarks/results/fwp_streaming.json and fwp_streaming.png (loss and state norm
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -31,6 +30,7 @@ import time
 from pathlib import Path
 
 from fastweights.evidence.result_files import write_result
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 
 PRESET = "shakespeare-char-fwp-delta-dpfp"
@@ -98,7 +98,7 @@ def stream_plot_runs(rows: dict) -> list[dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ScriptParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=8.0, help="CPU minutes of training per variant")
     ap.add_argument("--out", default="runs/fwp_streaming", help="run directory of the variants")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
@@ -156,4 +156,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status_of(main))

@@ -36,16 +36,17 @@ which were trained in this invocation).  Writes benchmarks/results/fwpkm_longdoc
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from fastweights.evidence.result_files import write_result
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 from fastweights.evidence.script_args import benchmark_threads_flag
 
@@ -157,7 +158,7 @@ def probe_specs(probes) -> list[dict]:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ScriptParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", default="state-of-the-union",
                     help="corpus: a registered name (default: the bundled State of the Union addresses), file or directory")
     ap.add_argument("--runs", default="runs/longdocs", help="where the models are trained (relative: to the repository root)")
@@ -290,4 +291,4 @@ def main():
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    sys.exit(exit_status_of(main))

@@ -36,7 +36,6 @@ finished rows.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -47,6 +46,7 @@ import time
 from pathlib import Path
 
 from fastweights.evidence.result_files import RESULTS, git_state, repo_relative, write_result
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 from heldout_plays import HELDOUT, SEQ_LEN, STRIDE, heldout_documents
 
@@ -523,7 +523,7 @@ def row_probes(name: str) -> list[dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ScriptParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=20.0, help="CPU minutes of training per model")
     ap.add_argument("--entries", default=",".join(ENTRIES), help=f"comma-separated, of {', '.join(ENTRIES)}")
     ap.add_argument("--seeds", default="0", help="comma-separated seeds to run for --entries")
@@ -564,4 +564,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status_of(main))

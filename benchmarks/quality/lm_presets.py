@@ -16,7 +16,6 @@ Writes benchmarks/results/NAME.json (``--name``, default lm_presets), with a sam
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -25,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fastweights.evidence.result_files import write_result
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 
 DATA = "tinyshakespeare"  # the corpus of the shakespeare-char presets this script compares (fastweights data list)
 
@@ -58,7 +58,7 @@ def probe_specs(probes) -> list[dict]:
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = ScriptParser()
     ap.add_argument("presets", nargs="+")
     ap.add_argument("--minutes", type=float, default=5.0)
     ap.add_argument("--parallel", type=int, default=2)
@@ -84,4 +84,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_status_of(main))

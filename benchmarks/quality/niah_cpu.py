@@ -21,7 +21,6 @@ repository root.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -32,6 +31,7 @@ from pathlib import Path
 import torch
 
 from fastweights.evidence.result_files import RESULTS, repo_relative, write_result
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 
 DATA = "tinyshakespeare"  # the haystack: the text the preset's corpus niah-tinyshakespeare is built from
@@ -81,7 +81,7 @@ def probe_specs(probes) -> list[dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ScriptParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fwpkm", type=Path, default=Path("runs/niah-cpu"), help="checkpoint of the niah-cpu preset")
     ap.add_argument("--attention", type=Path, default=Path("runs/niah-cpu-attn"), help="full-attention baseline")
     ap.add_argument("--lengths", default="1024,2048,4096")
@@ -166,4 +166,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(exit_status_of(main))

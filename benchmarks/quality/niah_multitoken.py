@@ -38,6 +38,7 @@ from pathlib import Path
 
 from fastweights.core.threads import use_threads
 from fastweights.evidence.result_files import write_result
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = "niah-multitoken"
@@ -147,8 +148,8 @@ def acceptance(fw: dict, lengths: list[int]) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = ScriptParser(description=__doc__.splitlines()[0],
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--runs", default="runs/niah-multitoken", help="checkpoints, one folder per variant")
     ap.add_argument("--variants", default="fwpkm,attention", help="models to train, comma-separated")
     ap.add_argument("--train-only", action="store_true", help="train --variants and stop")
@@ -195,4 +196,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status_of(main))

@@ -21,7 +21,6 @@ Writes benchmarks/results/NAME.json.
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from fastweights.evidence.result_files import write_result
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 from niah_cpu import DATA, answer_digit_accuracy
 
@@ -79,7 +79,7 @@ def probe_specs(probes) -> list[dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ScriptParser(description=__doc__.splitlines()[0])
     ap.add_argument("pilots", nargs="+", help="LABEL=CHECKPOINT_DIR (the last '=' splits)")
     ap.add_argument("--chars", type=int, default=20_000, help="held-out characters scored per checkpoint")
     ap.add_argument("--data", default=DATA, help=f"haystack of the memory probe's text: a registered corpus (default {DATA})")
@@ -121,4 +121,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status_of(main))

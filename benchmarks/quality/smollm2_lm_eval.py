@@ -22,7 +22,6 @@ Writes benchmarks/results/smollm2_lm_eval.json. Missing optional packages: one e
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import math
 import sys
@@ -30,6 +29,7 @@ import time
 
 
 from fastweights.evidence.result_files import write_result
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 from fastweights.evidence.script_args import benchmark_threads_flag
 
@@ -63,7 +63,7 @@ def harness_run(model: str, model_args: dict, task_manager) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ScriptParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hf", default=MODEL, help="the Hugging Face model (default: %(default)s)")
     benchmark_threads_flag(ap)
     ap.add_argument("--out", default="smollm2_lm_eval", help="result name under benchmarks/results "
@@ -71,19 +71,13 @@ def main() -> int:
     args = ap.parse_args()
     use_threads("benchmark", args.threads)
 
-    from fastweights.core.errors import UserError
+    from fastweights.harness import TASKS, register
 
-    try:
-        from fastweights.harness import TASKS, register
+    register()
+    from fastweights.hf.transformers_as_ours import smollm2_gguf
 
-        register()
-        from fastweights.hf.transformers_as_ours import smollm2_gguf
-
-        if args.hf == MODEL:
-            smollm2_gguf()
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if args.hf == MODEL:
+        smollm2_gguf()
     from lm_eval.tasks import TaskManager
 
     from fastweights.adapt.evaluate import evaluate_static_and_dynamic
@@ -164,4 +158,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status_of(main))

@@ -41,6 +41,7 @@ import sys
 from pathlib import Path
 
 from fastweights.evidence.result_files import write_result
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 from fastweights.evidence.script_args import benchmark_threads_flag
 from fastweights.evidence.timing import WALL_AND_CPU, call_seconds, samples, upper_median
@@ -375,7 +376,7 @@ def probe_specs(probes) -> list[dict]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ScriptParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     benchmark_threads_flag(p)
     p.add_argument("--seq-len", type=int, default=2048)
@@ -400,4 +401,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status_of(main))

@@ -19,14 +19,15 @@ shared machine hit all of them alike. Writes benchmarks/results/bench_dynamic_ev
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import statistics
+import sys
 from pathlib import Path
 
 import torch
 
 from fastweights.evidence.result_files import repo_relative, write_result
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 from fastweights.evidence.script_args import benchmark_threads_flag
 from fastweights.evidence.timing import call_seconds
@@ -50,7 +51,7 @@ def probe_specs(probes) -> list[dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ScriptParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", help="use this checkpoint's weights (default: random weights, demo shape)")
     ap.add_argument("--data", default=DATA, help=f"registered corpus the text comes from (default {DATA})")
     ap.add_argument("--tokens", type=int, default=4000, help="tokens of the single stream")
@@ -151,4 +152,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(exit_status_of(main))

@@ -18,17 +18,18 @@ wall-clock and in process CPU time. Output: benchmarks/results/bench_fast_rnn.js
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
 import statistics
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from fastweights.evidence.result_files import command_line, provenance
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 from fastweights.evidence.script_args import benchmark_threads_flag
 from fastweights.evidence.timing import WALL_AND_CPU, call_seconds
@@ -224,7 +225,7 @@ def probe_specs(probes) -> list[dict]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ScriptParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     benchmark_threads_flag(parser)
     parser.add_argument("--tiny", action="store_true", help="the dry run: tiny shapes, for a smoke run")
@@ -255,4 +256,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(exit_status_of(main))

@@ -18,15 +18,16 @@ Writes benchmarks/results/bench_fast_rnn_vs_lstm.json. Target: fast-weights RNN 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import statistics
+import sys
 import time
 
 import torch
 
 from fastweights.evidence.result_files import write_result
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 from fastweights.evidence.script_args import benchmark_threads_flag
 from fastweights.evidence.timing import call_seconds
@@ -160,7 +161,7 @@ def probe_specs(probes) -> list[dict]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ScriptParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=2)
     benchmark_threads_flag(parser)
@@ -210,4 +211,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(exit_status_of(main))

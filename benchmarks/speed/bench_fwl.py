@@ -27,12 +27,13 @@ not depend on them. The vocabulary size is ``--vocab``, by default the character
 
 from __future__ import annotations
 
-import argparse
+import sys
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from fastweights.evidence.result_files import write_result
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 from fastweights.evidence.script_args import benchmark_threads_flag
 from fastweights.evidence.timing import bench_clock, timeit
@@ -65,7 +66,7 @@ def probe_specs(probes) -> list[dict]:
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = ScriptParser()
     benchmark_threads_flag(ap)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=128)
@@ -180,4 +181,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_status_of(main))

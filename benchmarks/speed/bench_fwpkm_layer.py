@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastweights.evidence.result_files import write_result
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 from fastweights.evidence.script_args import benchmark_threads_flag
 from fastweights.evidence.timing import call_seconds, samples
@@ -146,7 +147,7 @@ def probe_specs(probes) -> list[dict]:
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = ScriptParser()
     benchmark_threads_flag(ap)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2, help="alternating passes over all cases; best median kept")
@@ -212,4 +213,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_status_of(main))

@@ -36,7 +36,6 @@ A missing optional package or a bad file: one error line, exit 2.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -45,7 +44,8 @@ from pathlib import Path
 
 import torch
 
-from fastweights.core.errors import UserError, exit_status
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
+from fastweights.core.errors import UserError
 from fastweights.evidence.result_files import RESULTS, command_line_without, provenance, write_json
 
 from fastweights.adapt.dynamic import DynamicEvaluator
@@ -136,7 +136,7 @@ def per_segment_costs(model, ids, repeat: int = 3) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ScriptParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: the issue's measure)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved static/FWL rounds; the median ratio")
     ap.add_argument("--tokens", type=int, default=4096, help="predictions scored (the quality benchmark's 4,096)")
@@ -222,4 +222,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(exit_status(main))
+    sys.exit(exit_status_of(main))

@@ -13,15 +13,16 @@ step that the profiler puts in GEMM ops. Writes ``benchmarks/results/gemm_ceilin
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
+import sys
 import time
 
 import torch
 
 from fastweights.core.config import make_config
 from fastweights.evidence.result_files import write_result
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 from fastweights.evidence.script_args import benchmark_threads_flag
 from fastweights.evidence.timing import bench_clock, timeit
@@ -132,7 +133,7 @@ def preset_table(rounds: int, repeat: int) -> list[dict]:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ScriptParser(description=__doc__.split("\n\n")[0])
     benchmark_threads_flag(ap)
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per GEMM and per preset")
     ap.add_argument("--repeat", type=int, default=3, help="timed training steps per preset and route per round")
@@ -156,4 +157,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_status_of(main))

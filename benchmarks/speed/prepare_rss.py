@@ -12,7 +12,6 @@ into a memory-mapped file, and training samples windows from the memory map.
 
 from __future__ import annotations
 
-import argparse
 import resource
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from fastweights.evidence.result_files import write_result
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.evidence.timing import call_seconds
 
 from fastweights.data import load_corpus, to_utf8
@@ -50,7 +50,7 @@ def probe_specs(probes) -> list[dict]:
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = ScriptParser()
     ap.add_argument("--mb", type=int, default=100)
     ap.add_argument("--tokenizer", default="gpt2")
     ap.add_argument("--data", default=DATA, help=f"registered corpus whose text is repeated (default {DATA})")
@@ -84,4 +84,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_status_of(main))

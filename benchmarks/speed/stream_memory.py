@@ -23,6 +23,7 @@ import subprocess
 import sys
 
 from fastweights.evidence.result_files import write_result
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 from fastweights.evidence.script_args import benchmark_threads_flag
 
@@ -64,7 +65,7 @@ def probe_specs(probes) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ScriptParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", default="100000,1000000")
     p.add_argument("--data", default="long-docs", help="corpus name, file or directory (default: long-docs)")
     benchmark_threads_flag(p)
@@ -101,4 +102,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_status_of(main))

@@ -18,7 +18,6 @@ average is recorded).
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -31,6 +30,7 @@ prefer_passive_waiting()  # as the fastweights command does, before torch loads 
 import torch  # noqa: E402
 
 from fastweights.evidence.result_files import write_result  # noqa: E402
+from fastweights.cli.script_parser import ScriptParser, exit_status_of  # noqa: E402
 from fastweights.evidence.timing import call_seconds  # noqa: E402
 
 from fastweights.adapt.dynamic import DynamicEvaluator  # noqa: E402
@@ -95,7 +95,7 @@ def _workloads(model, cfg, eval_chars: int, generate_tokens_n: int):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = ScriptParser()
     ap.add_argument("--eval-chars", type=int, default=3000, help="characters `eval` scores")
     ap.add_argument("--generate-tokens", type=int, default=60, help="tokens `generate` samples")
     ap.add_argument("--repeat", type=int, default=3, help="rounds (median)")
@@ -163,4 +163,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_status_of(main))

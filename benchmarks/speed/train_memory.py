@@ -114,6 +114,7 @@ def child(variant: str, batch: int, seq_len: int, vocab: int) -> dict:
 
     import fastweights.layers.common as common
     import fastweights.ops.swiglu as swiglu
+    from fastweights.evidence.timing import samples
     from fastweights.models.lm import LanguageModel
 
     use_threads("benchmark", 1)
@@ -125,7 +126,7 @@ def child(variant: str, batch: int, seq_len: int, vocab: int) -> dict:
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, vocab, (batch, seq_len), generator=g)
     y = torch.randint(0, vocab, (batch, seq_len), generator=g)
-    losses, times = [], []
+    losses = []
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -137,10 +138,7 @@ def child(variant: str, batch: int, seq_len: int, vocab: int) -> dict:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     step()
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    for _ in range(STEPS):
-        t = time.process_time()
-        step()
-        times.append(time.process_time() - t)
+    times = [s for (s,) in samples(step, STEPS, clocks=(time.process_time,))]
     saved = saved_by_part(model, step)
     return {"rss_before_mb": before, "rss_peak_mb": after, "step_mb": after - before, "loss": losses[0],
             "step_cpu_s": min(times), "saved_mb_by_part": saved, "saved_mb": sum(saved.values()),

@@ -15,14 +15,15 @@ Writes benchmarks/results/train_throughput.json. Target: the demo's model >= 1.2
 
 from __future__ import annotations
 
-import argparse
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fastweights.evidence.result_files import write_result
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 from fastweights.evidence.script_args import benchmark_threads_flag
 from fastweights.evidence.timing import bench_clock, timeit
@@ -94,7 +95,7 @@ def probe_specs(probes) -> list[dict]:
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = ScriptParser()
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=65)
@@ -146,4 +147,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_status_of(main))

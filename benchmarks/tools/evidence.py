@@ -259,11 +259,11 @@ def stamp_new(results: Path = RESULTS) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
     from probes import summarised
 
-    ap = argparse.ArgumentParser(description="summarise the probes a benchmark script declares")
+    from fastweights.cli.script_parser import ScriptParser
+
+    ap = ScriptParser(description="summarise the probes a benchmark script declares")
     sub = ap.add_subparsers(dest="what", required=True)
     s = sub.add_parser("summarise", help="print SCRIPT's FUNCTION(probes, *ARGS), summarised, as JSON")
     s.add_argument("script", type=Path)
@@ -275,4 +275,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from fastweights.cli.script_parser import exit_status_of
+
+    sys.exit(exit_status_of(main))

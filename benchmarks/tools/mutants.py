@@ -25,7 +25,6 @@ survivor; exit status 1 when an unaccepted survivor is left, 2 on bad input.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -36,6 +35,8 @@ import tempfile
 import time
 import tomllib
 from pathlib import Path
+
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 
 REPO = Path(__file__).resolve().parents[2]
 ACCEPTED = REPO / "tests" / "mutants" / "accepted.toml"
@@ -158,7 +159,7 @@ def accepted_reason(entries: list[dict], name: str, mutated: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ScriptParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", help="the change is HEAD against this revision (default: the last tag, else "
                                    "origin/main's merge base)")
     ap.add_argument("--tests", help="test files or folders to run, comma-separated (default: those importing the "
@@ -240,4 +241,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status_of(main))

@@ -24,7 +24,6 @@ that each bar can still be applied (its original line once in its file, its test
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -36,6 +35,7 @@ import time
 from pathlib import Path
 
 from fastweights.evidence.result_files import REPO, write_result
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 
 S = "src/fastweights/"
 LEAK, REG = "tests/contracts/test_leaks.py", "tests/contracts/test_registry_causality.py"
@@ -238,7 +238,7 @@ def run_bar(path: Path, timeout: float) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ScriptParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", help="mutation names (default: all)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per test run")
     ap.add_argument("--name", default="mutation_check", help="result file stem")
@@ -300,4 +300,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(exit_status_of(main))

@@ -35,7 +35,6 @@ A stale result (its probes changed) is no error: the tables mark it and TO_RERUN
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import operator
@@ -46,6 +45,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import evidence  # benchmarks/tools/evidence.py, the script's folder (on sys.path when run)
+
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -373,7 +374,7 @@ def pages() -> list[Path]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ScriptParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--update-cited", action="store_true",
                     help="rewrite cited prose numbers (<!-- src: STEM KEY -->) to their JSON values, then render")
@@ -422,4 +423,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(exit_status_of(main))

@@ -36,6 +36,7 @@ from pathlib import Path
 import evidence  # benchmarks/tools/evidence.py
 from fastweights.core.files import atomic_write
 from fastweights.evidence.result_files import REPO, command_line
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 
 # Run in a subprocess over one source tree, its tools' folders on PYTHONPATH (``_dump``): which results its own
 # tools call current, and the raw outputs of every probe spec given on stdin (saved with torch.save to argv[2]).
@@ -124,7 +125,7 @@ def _tolerance(text: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ScriptParser(description=__doc__.splitlines()[0])
     ap.add_argument("--verified-at", required=True, metavar="COMMIT",
                     help="a commit whose own tools call the stored results current")
     ap.add_argument("--capability", default="avx2", help="ATEN_CPU_CAPABILITY the old records were made under")
@@ -198,4 +199,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status_of(main))

@@ -24,7 +24,6 @@ the installed torch / huggingface_hub / tokenizers versions and the seconds it t
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import subprocess
@@ -36,6 +35,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from fastweights.evidence.result_files import REPO, git_state, write_result
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 
 
 TESTS = "tests/hf"
@@ -149,7 +149,7 @@ def test_version(version: str, torch_version: str, tree: Path, workdir: Path, ti
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ScriptParser(description=__doc__.splitlines()[0])
     ap.add_argument("--versions", nargs="*", default=None,
                     help="transformers versions to test (default: the range's lower bound and the newest release)")
     ap.add_argument("--timeout", type=float, default=600, help="per-test timeout in seconds (default: %(default)s)")
@@ -201,4 +201,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status_of(main))

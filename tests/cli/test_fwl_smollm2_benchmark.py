@@ -241,8 +241,10 @@ def test_the_gain_split_adds_up(rows):
 
 
 def test_missing_checkpoints_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    from fastweights.cli.script_parser import exit_status_of
+
     monkeypatch.setattr(sys, "argv", ["fwl_smollm2.py", "--runs", str(tmp_path / "none")])
-    assert bench.main() == 2
+    assert exit_status_of(bench.main) == 2  # the script's entry: sys.exit(exit_status_of(main))
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "no trained FWL head" in err[0]
 
