@@ -69,7 +69,8 @@ def run_make(target: str, work: Path, busy: int) -> dict:
 def main() -> int:
     ap = ScriptParser(description=__doc__.splitlines()[0])
     ap.add_argument("--targets", default=",".join(TARGETS), help="make targets to time, comma-separated")
-    ap.add_argument("--busy", type=int, default=1, help="spinning processes beside the busy runs (0: idle only)")
+    ap.add_argument("--busy", type=int, default=os.cpu_count() or 1,
+                    help="spinning processes beside the busy runs, by default one per core (0: idle only)")
     ap.add_argument("--work", default=tempfile.gettempdir(), help="folder the fresh clones go in (removed after)")
     a = ap.parse_args()
     targets = [t for t in a.targets.split(",") if t]
