@@ -41,6 +41,7 @@ from fastweights.layers.common import causal_conv1d
 from fastweights.layers.fwp import gdn_log_decay, init_gdn_gate
 from fastweights.ops.delta_rule import delta_rule
 from fastweights.ops.fla_backend import BACKENDS
+from fastweights.ops.gated_rms_norm import gated_rms_norm
 from fastweights.ops.linear_attention import compute_dtype
 from fastweights.ops.linear import Linear
 
@@ -150,8 +151,10 @@ class GatedDeltaNet(nn.Module):
             chunk_size=opt.chunk_size, backend=opt.backend, qk_l2norm=True,
         )
         o = o.to(compute_dtype(x))  # norm and gate in fp32 (fp64 stays)
-        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + opt.norm_eps) * self.norm_weight  # per-head RMSNorm
-        if opt.use_gate:
-            o = o * F.silu(self.g_proj(x).to(o.dtype).view(b, t, h, self.head_v))
+        if opt.use_gate:  # per-head RMSNorm and output gate, keeping o and the gate for the backward
+            o = gated_rms_norm(o, self.g_proj(x).to(o.dtype).view(b, t, h, self.head_v), self.norm_weight,
+                               opt.norm_eps)
+        else:
+            o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + opt.norm_eps) * self.norm_weight
         y = self.out(o.to(x.dtype).reshape(b, t, self.value_dim))  # [B, T, H*V] -> [B, T, d_model]
         return y, new_state
