@@ -1,6 +1,7 @@
 """benchmarks/speed/train_memory.py (issue 51, scope 2): the saved tensors are attributed to the part of the model
-that keeps them, the hooks that attribute them leave the step's numbers alone, and the plain-SwiGLU baseline keeps
-one [tokens, F] tensor per MLP more than the model's own gate."""
+that keeps them, the hooks that attribute them leave the step's numbers alone, the plain-SwiGLU baseline keeps
+one [tokens, F] tensor per MLP more than the model's own gate, and the plain gdn norm three [tokens, V] tensors per
+gdn layer more."""
 
 import pytest
 
@@ -10,12 +11,13 @@ bench = import_benchmark("train_memory")
 
 
 @pytest.fixture(autouse=True)
-def restore_the_models_gate():
+def restore_the_models_ops():
     import fastweights.layers.common as common
+    import fastweights.layers.gdn as gdn
 
-    gate = common.swiglu
+    gate, norm = common.swiglu, gdn.gated_rms_norm
     yield
-    common.swiglu = gate
+    common.swiglu, gdn.gated_rms_norm = gate, norm
 
 
 def test_the_mlps_saved_tensors_are_its_input_gate_and_up_and_product():
@@ -24,11 +26,17 @@ def test_the_mlps_saved_tensors_are_its_input_gate_and_up_and_product():
     (replaces the module's output), the baseline built with the model's own gate."""
     batch, seq, vocab = 1, 32, 300
     s = bench.SHAPE
-    ours, plain = (bench.child(v, batch, seq, vocab) for v in ("without_logits", "plain_swiglu"))
+    ours, plain, plain_norm = (bench.child(v, batch, seq, vocab)
+                               for v in ("without_logits", "plain_swiglu", "plain_gdn_norm"))
     per_token = 4 * s["n_layers"] * batch * seq / 2**20  # MB of one fp32 value per token and layer
     assert ours["saved_mb_by_part"]["mlp"] == pytest.approx(per_token * (s["d_model"] + 3 * s["mlp"]))
     assert plain["saved_mb_by_part"]["mlp"] - ours["saved_mb_by_part"]["mlp"] == pytest.approx(per_token * s["mlp"])
     assert ours["loss"] == plain["loss"]
+    gdn_layers = sum(1 for i in range(s["n_layers"]) if (i + 1) % s["attn_every"])
+    per_token_gdn = 4 * gdn_layers * batch * seq / 2**20
+    value_dim = s["n_heads"] * s["head_dim"]  # per gdn layer n, n w, silu(gate) [tokens, V] and r [tokens, H]
+    assert plain_norm["saved_mb_by_part"][bench.GDN] - ours["saved_mb_by_part"][bench.GDN] == pytest.approx(
+        per_token_gdn * (3 * value_dim + s["n_heads"]))
     assert sum(ours["saved_mb_by_part"].values()) == pytest.approx(ours["saved_mb"])
     assert {"mlp", "norms", "loss and head", "mixer:GatedDeltaNet", "mixer:CausalSelfAttention"} <= set(
         ours["saved_mb_by_part"])
