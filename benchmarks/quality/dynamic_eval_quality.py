@@ -1,10 +1,10 @@
 """Quality of dynamic evaluation on text the model never trained on (issue 5 acceptance).
 
     python benchmarks/quality/dynamic_eval_quality.py [--checkpoint DIR | --train-minutes 5] [--threads 1]
-        [--data shakespeare-heldout] [--spanish-data don-quijote]
+        [--runs runs/dynamic_quality] [--data shakespeare-heldout] [--spanish-data don-quijote]
 
 1. The model: the checkpoint given, or the demo model trained here (``shakespeare-char`` preset,
-   ``train.max_minutes``) into ``--out``.
+   ``train.max_minutes``) into ``--runs``.
 2. MS_g on the model's training split (batch 100 x 20 characters, ``dynamiceval.py`` style).
 3. Tuning on validation text only: the automatic lr/decay search of ``adapt.tune`` on a slice of
    Julius Caesar (a play not in tinyshakespeare); the neural cache's flatness and mix on the same text.
@@ -97,7 +97,7 @@ def probe_specs(probes) -> list[dict]:
 def main() -> int:
     ap = ScriptParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", help="reuse this checkpoint instead of training")
-    ap.add_argument("--out", default="runs/dynamic_quality", help="where to train the model")
+    ap.add_argument("--runs", default="runs/dynamic_quality", help="where to train the model")
     ap.add_argument("--train-minutes", type=float, default=5.0)
     benchmark_threads_flag(ap)
     ap.add_argument("--test-chars", type=int, default=20000, help="characters per held-out play")
@@ -123,7 +123,7 @@ def main() -> int:
     else:
         from fastweights.loops.train import train
 
-        ckpt = Path(args.out)
+        ckpt = Path(args.runs)
         cfg = make_config("shakespeare-char", [f"train.max_minutes={args.train_minutes}", 'train.budget_clock="cpu"',
                                                f"train.threads={args.threads}"])  # CPU time, not wall (issue 22)
         log(f"training the demo model for {args.train_minutes} min into {ckpt}")

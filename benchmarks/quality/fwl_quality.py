@@ -1,7 +1,7 @@
 """Quality of the Fast Weight Layer head: the same backbone trained for the same wall-clock budget with
 and without the FWL, compared on held-out bits per character.
 
-    python benchmarks/quality/fwl_quality.py --minutes 2.5 --threads 1 [--variants base fwl tto] [--out runs/fwl_quality] [--data NAME]
+    python benchmarks/quality/fwl_quality.py --minutes 2.5 --threads 1 [--variants base fwl tto] [--runs runs/fwl_quality] [--data NAME]
     python benchmarks/quality/fwl_quality.py --steps 200 --variants base fwl --name fwl_quality_equal_steps
 
 Variants (each trained with ``fastweights.loops.train.train`` from its preset, ``train.max_minutes`` =
@@ -83,7 +83,7 @@ def run_variant(name: str, a) -> dict:
               else [f"train.max_minutes={a.minutes}", 'train.budget_clock="cpu"'])
     overrides = [f"data.corpus={a.data!r}", *sets, *budget, f"train.threads={a.threads}", "train.device=\"cpu\"", *a.set]
     cfg = make_config(preset, overrides)
-    out_dir = Path(a.out) / name
+    out_dir = Path(a.runs) / name
     t0 = time.time()
     load_before = os.getloadavg()[0]
     summary = train(cfg, out_dir, progress=False)
@@ -131,7 +131,7 @@ def main():
     ap.add_argument("--sequential", action="store_true",
                     help="train the variants one after another (default: at the same time, one process each, so "
                          "that a shared machine's load hits all of them alike)")
-    ap.add_argument("--out", default="runs/fwl_quality", help="checkpoints go to OUT/<variant>")
+    ap.add_argument("--runs", default="runs/fwl_quality", help="checkpoints go to RUNS/<variant>")
     ap.add_argument("--data", default=DATA, help=f"registered corpus every variant trains and is scored on "
                                                  f"(default {DATA}, the presets' corpus; fastweights data list)")
     ap.add_argument("--eval-chars", type=int, default=20000, help="characters of the test split to stream (0 = all)")

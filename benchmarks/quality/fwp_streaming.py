@@ -1,12 +1,12 @@
 """Why delta-rule language models collapse when streamed, and which design keeps streamed scores at their
 windowed level (issue 21, scope 1).
 
-    python benchmarks/quality/fwp_streaming.py [--minutes 8] [--out runs/fwp_streaming] [--variants a,b,...]
+    python benchmarks/quality/fwp_streaming.py [--minutes 8] [--runs runs/fwp_streaming] [--variants a,b,...]
         [--data tinyshakespeare]
 
 Each variant is the ``shakespeare-char-fwp-delta-dpfp`` preset with overrides (below), trained for
 ``--minutes`` of its own CPU time on one thread (``train.budget_clock = "cpu"``), one after the other.
-A variant whose checkpoint already exists under ``--out`` is not trained again (its training record is
+A variant whose checkpoint already exists under ``--runs`` is not trained again (its training record is
 read from the run directory), so a cut-short run resumes where it stopped.
 
 Each checkpoint is then scored on the test split twice, at batch 1 in calls of 64 characters
@@ -100,7 +100,7 @@ def stream_plot_runs(rows: dict) -> list[dict]:
 def main() -> int:
     ap = ScriptParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=8.0, help="CPU minutes of training per variant")
-    ap.add_argument("--out", default="runs/fwp_streaming", help="run directory of the variants")
+    ap.add_argument("--runs", default="runs/fwp_streaming", help="run directory of the variants")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--data", default=DATA, help=f"registered corpus (default {DATA})")
     ap.add_argument("--quiet", action="store_true")
@@ -126,7 +126,7 @@ def main() -> int:
     use_threads("benchmark", 1)
     from fastweights.experiments.streaming import plot_stream
 
-    out = Path(a.out)
+    out = Path(a.runs)
     rows = {}
     for name in names:
         desc, overrides = VARIANTS[name]

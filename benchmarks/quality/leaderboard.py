@@ -1,6 +1,6 @@
 """One equal-compute leaderboard of every mechanism (issue 21, scope 3): which one to pick, and what it costs.
 
-    python benchmarks/quality/leaderboard.py [--minutes 20] [--entries a,b,...] [--seeds 0] [--out runs/leaderboard]
+    python benchmarks/quality/leaderboard.py [--minutes 20] [--entries a,b,...] [--seeds 0] [--runs runs/leaderboard]
         [--chars-per-play 32768] [--top-seeds 3] [--aggregate-only]
     python benchmarks/quality/leaderboard.py --plot-only    # redraw leaderboard.png from the stored leaderboard.json
 
@@ -27,7 +27,7 @@ validation included), validation bits/char, held-out bits/char in both modes, sc
 and peak memory (max RSS of the training process and of the scoring). After every entry has one seed,
 the ``--top-seeds`` best by streamed bits/char get seeds 1 and 2 as well (when ``--top-seeds`` > 0).
 
-Each finished piece is kept under ``--out`` (checkpoint, ``row.json``), so a cut-short run resumes where
+Each finished piece is kept under ``--runs`` (checkpoint, ``row.json``), so a cut-short run resumes where
 it stopped, and two processes may train different ``--entries`` at once (one core each); every process
 rewrites benchmarks/results/leaderboard.json (``complete`` false until every entry has its seeds) and
 leaderboard.png (per-position streamed loss of every entry, drawn from that JSON alone: plot_leaderboard) from all
@@ -529,7 +529,7 @@ def main() -> int:
     ap.add_argument("--seeds", default="0", help="comma-separated seeds to run for --entries")
     ap.add_argument("--top-seeds", type=int, default=3, help="entries that get seeds 0, 1, 2 (the best streamed)")
     ap.add_argument("--chars-per-play", type=int, default=32768, help="characters scored of each held-out play")
-    ap.add_argument("--out", default="runs/leaderboard", help="run directory (resumable)")
+    ap.add_argument("--runs", default="runs/leaderboard", help="run directory (resumable)")
     ap.add_argument("--aggregate-only", action="store_true", help="only rewrite the JSON and PNG from finished rows")
     ap.add_argument("--plot-only", action="store_true",
                     help="only redraw leaderboard.png from the stored benchmarks/results/leaderboard.json")
@@ -548,7 +548,7 @@ def main() -> int:
             "--entries, --seeds (integers), --minutes > 0, --chars-per-play >= 128 and --top-seeds >= 0 are required"
         print(f"error: {what}", file=sys.stderr)
         return 2
-    out = Path(a.out)
+    out = Path(a.runs)
     if not a.aggregate_only:
         for seed in seeds:
             for name in names:

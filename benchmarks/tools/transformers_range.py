@@ -17,9 +17,9 @@ torch==<the torch of this interpreter>`` first and alone (the local CPU build, a
 there on one thread (``OMP_NUM_THREADS=1``, no xdist), with a JUnit XML report for the counts. The
 temporary folder is deleted afterwards; nothing of the project's own .venv is used or changed.
 
-Writes benchmarks/results/transformers_range.json: the requirement, the registry's versions tested, and
-per version the pytest counts (passed, failed, errors, skipped), the failing test ids, the exit code,
-the installed torch / huggingface_hub / tokenizers versions and the seconds it took.
+Writes benchmarks/results/transformers_range.json (``--name NAME``: NAME.json): the requirement, the
+registry's versions tested, and per version the pytest counts (passed, failed, errors, skipped), the failing
+test ids, the exit code, the installed torch / huggingface_hub / tokenizers versions and the seconds it took.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=600, help="per-test timeout in seconds (default: %(default)s)")
     ap.add_argument("--working-tree", action="store_true",
                     help="test the working tree as it is instead of the commit HEAD")
-    ap.add_argument("--out", default="transformers_range",
+    ap.add_argument("--name", default="transformers_range",
                     help="result name under benchmarks/results (default: %(default)s)")
     args = ap.parse_args()
 
@@ -190,7 +190,7 @@ def main() -> int:
                  "value": r.get("failed", 0) + r.get("errors", 0) if "passed" in r else "not run",
                  "target": "0" + (f" (of {r['passed'] + r['failed'] + r['errors']} run)" if "passed" in r else "")}
                 for r in results]
-    write_result(args.out, {
+    write_result(args.name, {
         "headline": headline,
         "requirement": req, "registry_newest": releases[-1], "registry_lowest_in_range": in_range[0],
         "tests": TESTS, "tested": "working tree" if args.working_tree else f"commit {git_state().get('commit')}",

@@ -105,7 +105,7 @@ def test_a_collapse_with_a_known_reason_is_marked_with_its_footnote():
 
 def test_finished_rows_keep_committed_rows_unless_rerun_or_remeasured_differently(tmp_path, monkeypatch):
     """Run directories are not shipped: a fresh clone that trains one entry keeps the committed rows of the
-    others, a row under --out replaces the committed one, and a row of a preset since changed is dropped."""
+    others, a row under --runs replaces the committed one, and a row of a preset since changed is dropped."""
     results, out = tmp_path / "results", tmp_path / "runs"
     results.mkdir()
     monkeypatch.setattr(leaderboard, "RESULTS", results)
