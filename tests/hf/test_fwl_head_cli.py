@@ -106,7 +106,7 @@ def test_every_training_flag_is_passed_on(monkeypatch, capsys):
 
     def fake(hf, out, **kw):
         seen.update(kw)
-        return {"steps": 0, "cpu_s": 0.0, "validation": {"loss_nats": 1.0, "static_nats": 1.0, "gain_nats": 0.0}}
+        return {"steps": 0, "cpu_s": 0.0, "validation": {"loss_nats": 1.0, "static_nats": 1.0, "gain_nats": 0.0, "update": "on"}}
 
     monkeypatch.setattr(fwl_training, "train_recipe", fake)
     assert cli.main(["fwl-head", "train", "--out", "x", "--data", "novels", "--doc-windows", "5", "--streams", "3",
