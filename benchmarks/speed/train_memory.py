@@ -1,8 +1,9 @@
 """Where a training step of the hybrid keeps its memory: peak resident memory of one step (forward, backward, AdamW)
 of the GPU queue's hybrid shape, scaled down for a CPU, with the loss through the logits (``F.cross_entropy`` of
 the [B, T, V] logits) and without them (``ops.linear_cross_entropy``, what the trainer uses), with the MLP's
-plain SwiGLU instead of ``ops.swiglu`` (which recomputes silu(gate) in the backward), and with the gdn layer's
-plain norm and gate instead of ``ops.gated_rms_norm``; and the tensors autograd keeps for the backward, by the
+plain SwiGLU instead of ``ops.swiglu`` (which recomputes silu(gate) in the backward), with the gdn layer's
+plain norm and gate instead of ``ops.gated_rms_norm``, and with its convolution's output kept for the silu
+(``layers.common._conv_silu``) instead of recomputed (``causal_conv1d_silu``); and the tensors autograd keeps for the backward, by the
 part of the model that keeps them (issue 51, scope 2).
 
     python benchmarks/speed/train_memory.py [--batch 2 --seq-len 1024 --vocab 32000]
@@ -36,11 +37,14 @@ from fastweights.evidence.result_files import write_result
 from fastweights.evidence.script_args import benchmark_threads_flag
 from fastweights.evidence.timing import upper_median
 
-# name -> (return_logits, the plain forms swapped in: (module, name there, plain form in fastweights.ops.X))
+# name -> (return_logits, the plain forms swapped in: (module, name there, plain form in fastweights.ops.X or
+# fastweights.layers.X))
 VARIANTS = {"logits": (True, ()), "without_logits": (False, ()),
             "plain_swiglu": (False, (("fastweights.layers.common", "swiglu", "swiglu.swiglu_reference"),)),
             "plain_gdn_norm": (False, (("fastweights.layers.gdn", "gated_rms_norm",
-                                        "gated_rms_norm.gated_rms_norm_reference"),))}
+                                        "gated_rms_norm.gated_rms_norm_reference"),)),
+            "plain_conv_silu": (False, (("fastweights.layers.gdn", "causal_conv1d_silu",
+                                         "layers.common._conv_silu"),))}
 STEPS = 3
 GDN = "mixer:GatedDeltaNet"  # what the gated delta rule layers keep in their own ops
 SHAPE = dict(d_model=256, n_layers=4, n_heads=4, head_dim=64, mlp=768, attn_every=4)
@@ -129,8 +133,9 @@ def child(variant: str, batch: int, seq_len: int, vocab: int) -> dict:
     use_threads("benchmark", 1)
     return_logits, plain_forms = VARIANTS[variant]
     for module, name, plain in plain_forms:  # a baseline only this script builds
-        op, _, fn = plain.rpartition(".")
-        setattr(importlib.import_module(module), name, getattr(importlib.import_module(f"fastweights.ops.{op}"), fn))
+        where, _, fn = plain.rpartition(".")
+        where = f"fastweights.{where}" if where.startswith("layers.") else f"fastweights.ops.{where}"
+        setattr(importlib.import_module(module), name, getattr(importlib.import_module(where), fn))
     torch.manual_seed(0)
     model = LanguageModel(config(vocab)).train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
@@ -197,7 +202,12 @@ def main() -> int:
                                          "ours": ours["saved_mb_by_part"][GDN]},
                         "saved_mb_ratio": ours["saved_mb"] / runs["plain_gdn_norm"]["saved_mb"],
                         "step_time_ratio": ours["step_cpu_s"] / runs["plain_gdn_norm"]["step_cpu_s"],
-                        "loss_difference": abs(ours["loss"] - runs["plain_gdn_norm"]["loss"])}}
+                        "loss_difference": abs(ours["loss"] - runs["plain_gdn_norm"]["loss"])},
+           "conv_silu": {"gdn_saved_mb": {"plain": runs["plain_conv_silu"]["saved_mb_by_part"][GDN],
+                                          "ours": ours["saved_mb_by_part"][GDN]},
+                         "saved_mb_ratio": ours["saved_mb"] / runs["plain_conv_silu"]["saved_mb"],
+                         "step_time_ratio": ours["step_cpu_s"] / runs["plain_conv_silu"]["step_cpu_s"],
+                         "loss_difference": abs(ours["loss"] - runs["plain_conv_silu"]["loss"])}}
     res["headline"] = [
         {"what": f"hybrid training step (d {SHAPE['d_model']}, {SHAPE['n_layers']} layers, vocab {a.vocab}, "
                  f"{a.batch}x{a.seq_len} tokens, fp32, CPU): step memory with the logits / without them",
@@ -211,7 +221,11 @@ def main() -> int:
         {"what": "  tensors kept for the backward, gdn's norm and gate keeping o and the gate / the plain form",
          "value": round(res["gdn_norm"]["saved_mb_ratio"], 3), "unit": "x", "target": "< 1"},
         {"what": "  step time, gdn's norm and gate recomputing / the plain form", "unit": "x", "target": "",
-         "value": round(res["gdn_norm"]["step_time_ratio"], 3)}]
+         "value": round(res["gdn_norm"]["step_time_ratio"], 3)},
+        {"what": "  tensors kept for the backward, gdn's convolution recomputed before its silu / the plain form",
+         "value": round(res["conv_silu"]["saved_mb_ratio"], 3), "unit": "x", "target": "< 1"},
+        {"what": "  step time, gdn's convolution recomputed / the plain form", "unit": "x", "target": "",
+         "value": round(res["conv_silu"]["step_time_ratio"], 3)}]
     write_result("train_memory", res)
     return 0
 

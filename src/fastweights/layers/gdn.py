@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from fastweights.components import register_mixer
 from fastweights.core.errors import UserError
-from fastweights.layers.common import causal_conv1d
+from fastweights.layers.common import causal_conv1d_silu
 from fastweights.layers.fwp import gdn_log_decay, init_gdn_gate
 from fastweights.ops.delta_rule import delta_rule
 from fastweights.ops.fla_backend import BACKENDS
@@ -130,12 +130,10 @@ class GatedDeltaNet(nn.Module):
             state = self.initial_state(b, device=x.device)
         qkv = self.qkv(x)  # [B, T, 2HK + HV]
         new_state = {}
-        if opt.use_short_conv:
-            if attention_mask is None:
-                qkv, new_state["conv"] = causal_conv1d(qkv, self.conv_weight, state["conv"])
-            else:  # padding skipped: each real token's window spans the real inputs before it
-                qkv, new_state["conv"] = causal_conv1d(qkv, self.conv_weight, state["conv"], attention_mask)
-        qkv = F.silu(qkv)
+        if opt.use_short_conv:  # a masked call skips padding: each real token's window spans real inputs only
+            qkv, new_state["conv"] = causal_conv1d_silu(qkv, self.conv_weight, state["conv"], attention_mask)
+        else:
+            qkv = F.silu(qkv)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(b, t, h, self.head_k)  # [B, T, H, K]
         k = k.reshape(b, t, h, self.head_k)  # [B, T, H, K]
