@@ -119,3 +119,20 @@ def test_cli_rejects_bad_input():
         _cli(["ba-retrieval", "--hidden", "0"])
     with pytest.raises(UserError, match="invalid choice"):  # argparse: unknown model, one line
         _cli(["ba-retrieval", "--model", "gru"])
+
+
+def test_one_run_passes_every_setting_on():
+    """``run_ba_retrieval`` (what ``fastweights task ba-retrieval`` calls) builds the splits, the network and the
+    training from the one settings object. Mutation caught: the batch size or the hidden size not passed on (the
+    library default used instead)."""
+    from fastweights.tasks.ba_retrieval import BaRetrievalConfig, RetrievalNet, run_ba_retrieval
+
+    cfg = BaRetrievalConfig(hidden=7, keys=2, steps=3, batch_size=8, eval_every=3, train_size=64, val_size=16,
+                            test_size=16, lam=0.5, inner_steps=2)
+    report = run_ba_retrieval(cfg)
+    net = RetrievalNet("fast-rnn", 7, fast_rnn=cfg.fast_rnn())
+    assert report["parameters"] == sum(p.numel() for p in net.parameters())
+    assert report["steps"] == 3 and report["examples_seen"] == 3 * 8
+    assert report["fast_rnn"]["lam"] == 0.5 and report["fast_rnn"]["inner_steps"] == 2
+    assert report["split_sizes"] == {"train": 64, "val": 16, "test": 16}
+    assert report["test_accuracy"] == 1 - report["test_error"]

@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 import fastweights.tasks.niah  # noqa: F401  (registers the corpus "niah-tinyshakespeare" used by configs/niah-cpu.toml)
 import fastweights.tasks.niah_token  # noqa: F401  (registers "niah-token-tinyshakespeare", configs/niah-token.toml)
 import fastweights.tasks.niah_multitoken  # noqa: F401  (registers "niah-multitoken-tinyshakespeare")
@@ -93,39 +91,11 @@ def _register_ba_retrieval(sub) -> None:
 
 def cmd_ba_retrieval(args) -> int:
     """``fastweights task ba-retrieval``; returns the exit status."""
-    from fastweights.tasks.ba_retrieval import VOCAB, RetrievalNet, decode, make_splits, train_retrieval
+    from fastweights.tasks.ba_retrieval import run_ba_retrieval
 
     cfg = settings_from(args, BaRetrievalConfig)
     out = output_prefix(args, "ba_retrieval") if args.out else None
-    sizes = cfg.split_sizes()
-    splits = make_splits(cfg.data_seed, cfg.keys, sizes)
-    torch.manual_seed(cfg.seed)
-    fast = cfg.fast_rnn()
-    net = RetrievalNet(cfg.model, cfg.hidden, digit_head=cfg.digit_head,
-                       fast_rnn=fast if cfg.model == "fast-rnn" else None)
-    log = None if args.json else (lambda line: print(line, flush=True))
-    if log:
-        log(f"{cfg.model} R={cfg.hidden} K={cfg.keys}: {sum(p.numel() for p in net.parameters())} parameters; "
-            f"example {decode(splits['train'][0][0])} -> {VOCAB[int(splits['train'][1][0])]}")
-    result = train_retrieval(net, splits, steps=cfg.steps, max_minutes=cfg.max_minutes, batch_size=cfg.batch_size,
-                             lr=cfg.lr, decay_fraction=cfg.decay_fraction, grad_clip=cfg.grad_clip,
-                             eval_every=cfg.eval_every, target_val_error=cfg.target_val_error, seed=cfg.seed, log=log)
-    report = {
-        "task": "ba-retrieval",
-        "model": cfg.model,
-        "hidden": cfg.hidden,
-        "keys": cfg.keys,
-        "seed": cfg.seed,
-        "data_seed": cfg.data_seed,
-        "split_sizes": sizes,
-        "parameters": sum(p.numel() for p in net.parameters()),
-        "batch_size": cfg.batch_size,
-        "lr": cfg.lr,
-        "threads": torch.get_num_threads(),
-        **({"fast_rnn": fast} if cfg.model == "fast-rnn" else {}),
-        **result,
-        "test_accuracy": 1.0 - result["test_error"],
-    }
+    report = run_ba_retrieval(cfg, log=None if args.json else (lambda line: print(line, flush=True)))
     report["options"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
     if out is not None:
         from fastweights.core.files import atomic_write
@@ -134,8 +104,8 @@ def cmd_ba_retrieval(args) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"test error {100 * result['test_error']:.2f}% (best val error {100 * result['val_error']:.2f}% at step "
-              f"{result['best_step']}; {result['steps']} steps, {result['train_seconds']:.0f}s)")
+        print(f"test error {100 * report['test_error']:.2f}% (best val error {100 * report['val_error']:.2f}% at step "
+              f"{report['best_step']}; {report['steps']} steps, {report['train_seconds']:.0f}s)")
     return 0
 
 

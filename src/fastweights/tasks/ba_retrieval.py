@@ -325,3 +325,30 @@ def train_retrieval(
         "test_error": error_rate(net, *splits["test"]),
         "curve": curve,
     }
+
+
+def run_ba_retrieval(cfg: BaRetrievalConfig, log=None) -> dict:
+    """One run of the task as ``cfg`` sets it: the generated splits, the network, :func:`train_retrieval`; returns
+    the report (settings, parameters, the training result and the test accuracy). ``log``: a line printer for
+    the network's size and an example, then the training's progress."""
+    sizes = cfg.split_sizes()
+    splits = make_splits(cfg.data_seed, cfg.keys, sizes)
+    torch.manual_seed(cfg.seed)
+    fast = cfg.fast_rnn()
+    net = RetrievalNet(cfg.model, cfg.hidden, digit_head=cfg.digit_head,
+                       fast_rnn=fast if cfg.model == "fast-rnn" else None)
+    parameters = sum(p.numel() for p in net.parameters())
+    if log:
+        log(f"{cfg.model} R={cfg.hidden} K={cfg.keys}: {parameters} parameters; "
+            f"example {decode(splits['train'][0][0])} -> {VOCAB[int(splits['train'][1][0])]}")
+    result = train_retrieval(net, splits, steps=cfg.steps, max_minutes=cfg.max_minutes, batch_size=cfg.batch_size,
+                             lr=cfg.lr, decay_fraction=cfg.decay_fraction, grad_clip=cfg.grad_clip,
+                             eval_every=cfg.eval_every, target_val_error=cfg.target_val_error, seed=cfg.seed, log=log)
+    return {
+        "task": "ba-retrieval", "model": cfg.model, "hidden": cfg.hidden, "keys": cfg.keys, "seed": cfg.seed,
+        "data_seed": cfg.data_seed, "split_sizes": sizes, "parameters": parameters, "batch_size": cfg.batch_size,
+        "lr": cfg.lr, "threads": torch.get_num_threads(),
+        **({"fast_rnn": fast} if cfg.model == "fast-rnn" else {}),
+        **result,
+        "test_accuracy": 1.0 - result["test_error"],
+    }
