@@ -132,57 +132,29 @@ def _register_niah(sub) -> None:
     n.set_defaults(func=cmd_niah)
 
 
-def needle_format(asked: str, tok) -> str:
-    """The needle format to use: ``asked`` ("auto" picks the token format a word-level model was trained on, else
-    "char"); UserError when a token format is asked of a model whose tokenizer lacks its reserved tokens."""
-    from fastweights.tasks import niah_multitoken, niah_token
-
-    trained = {"token": niah_token.is_token_format(tok), "multitoken": niah_multitoken.is_multitoken_format(tok)}
-    if asked == "auto":
-        return next((f for f, yes in trained.items() if yes), "char")
-    if asked in trained and not trained[asked]:
-        raise UserError(f"--format {asked} needs a word-level model trained on that needle format (the niah-{asked} "
-                        "preset); this model's tokenizer lacks its reserved tokens")
-    return asked
-
-
 def cmd_niah(args) -> int:
-    from fastweights.tasks.niah import (Haystack, evaluate_niah, make_samples, parse_depths, plot_niah,
-                                        records_to_json, summarize, check_tokenizer)
-
-    from fastweights.tasks import niah_multitoken, niah_token
+    from fastweights.core.distributed import resolve_device
+    from fastweights.models.size import check_tokens_ram
+    from fastweights.tasks.niah import parse_depths, plot_niah, records_to_json
+    from fastweights.tasks.niah_run import run_niah
 
     out = output_prefix(args, "niah")
     model, tok, cfg = load(args.checkpoint, args.device)
-    fmt = needle_format(args.format, tok)
-    if fmt == "char":
-        check_tokenizer(tok)
     lengths = ints(args.lengths, "--lengths")
     depths = parse_depths(args.depths)
     if args.samples < 1:
         raise UserError("--samples must be >= 1")
     if args.depth_bins < 1:
         raise UserError("--depth-bins must be >= 1")
-    from fastweights.core.distributed import resolve_device
-    from fastweights.models.size import check_tokens_ram
-
     check_tokens_ram(cfg, (sum(lengths) + args.max_new_tokens * len(lengths)) * len(depths) * args.samples,
                      resolve_device(args.device), f"--lengths {max(lengths, default=0)} (every sample is kept)")
     opts = settings_from(args, NiahOptions)
     opts.validate()
-    if fmt != "char":  # the default haystack's last tenth: text the token formats' training never used
-        haystack = niah_token.eval_haystack(args.haystack)
-        builder = niah_token if fmt == "token" else niah_multitoken
-        samples = builder.make_samples(haystack, lengths, depths, args.samples, args.seed, keys=args.keys)
-        if fmt == "token" and args.keys == "heldout":  # never trained: drawn from the trained keys' embeddings
-            niah_token.init_heldout_keys(model, tok, seed=args.seed)
-    else:
-        haystack = Haystack.load(args.haystack)
-        samples = make_samples(haystack, tok, lengths, depths, args.samples, args.seed)
-    records = evaluate_niah(model, tok, samples, opts, progress=not args.quiet)
-    summary = summarize(records, depths, args.depth_bins)
+    run = run_niah(model, tok, args.haystack, lengths, depths, args.samples, args.seed, opts, fmt=args.format,
+                   keys=args.keys, depth_bins=args.depth_bins, progress=not args.quiet)
+    fmt, samples, records, summary = run.format, run.samples, run.records, run.summary
     meta = {"checkpoint": str(args.checkpoint), "model": describe(cfg),
-            "haystack": haystack.name, "format": fmt,
+            "haystack": run.haystack, "format": fmt,
             **({"keys": args.keys} if fmt != "char" else {}),
             **({"heldout_key_embeddings": "mean + std * N(0, 1) of the trained keys'"
                 if args.keys == "heldout" else "trained"} if fmt == "token" else {}), "lengths": lengths, "depths": depths, "samples_per_cell": args.samples,
