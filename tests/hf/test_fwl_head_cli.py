@@ -119,6 +119,22 @@ def test_every_training_flag_is_passed_on(monkeypatch, capsys):
     assert "gain +0.0000" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("update, said", [("off", True), ("on", False)])
+def test_the_line_says_when_the_held_out_loss_is_a_test_time_only_heads_slow_logits(monkeypatch, capsys, update,
+                                                                                    said):
+    """Mutation caught: the note dropped or given for every head."""
+    from fastweights.hf import fwl_training
+
+    monkeypatch.setattr(fwl_training, "train_recipe", lambda hf, out, **kw: {
+        "steps": 1, "cpu_s": 1.0, "validation": {"loss_nats": 1.0, "static_nats": 1.0, "gain_nats": 0.0,
+                                                 "update": update}})
+    assert cli.main(["fwl-head", "train", "--out", "x", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert ("nats/token with the head (its slow logits: a test-time-only head's step is tuned where it scores)"
+            in out) is said
+    assert "nats/token with the head" in out
+
+
 def test_a_link_planted_at_the_default_cache_is_refused(backbone_dir, tmp_path, capsys):
     """Issue 52: the default cache (hidden-cache beside --out, a path the user never named) followed a planted
     link, deleted the target's hidden.npy and wrote the cache into the target folder."""

@@ -72,3 +72,11 @@ def test_the_gdn_layer_norms_and_gates_through_it(monkeypatch):
     assert calls
     monkeypatch.setattr(gdn, "gated_rms_norm", gated_rms_norm_reference)
     torch.testing.assert_close(y, layer(x)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_under_vmap_it_is_the_plain_form():
+    """vmap (whose batched tensors do not require grad, so the route is the plain form) gives its values."""
+    o, g, w = inputs(shape=(3, 4, 8))
+    fn = lambda o, g: gated_rms_norm(o, g, w, EPS)  # noqa: E731
+    torch.testing.assert_close(torch.func.vmap(fn)(o, g), gated_rms_norm_reference(o, g, w, EPS), rtol=1e-12,
+                               atol=1e-12)

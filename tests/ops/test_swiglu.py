@@ -101,3 +101,9 @@ def test_the_models_gradients_are_bit_identical_to_the_plain_forms(monkeypatch):
     plain = grads()
     for n in ours:
         torch.testing.assert_close(ours[n], plain[n], rtol=0, atol=0)
+
+
+def test_under_vmap_it_is_the_plain_form():
+    """vmap (whose batched tensors do not require grad, so the route is the plain form) gives its values."""
+    gu = gu_of(shape=(3, 4, 8))
+    torch.testing.assert_close(torch.func.vmap(swiglu)(gu), swiglu_reference(gu), rtol=0, atol=0)
