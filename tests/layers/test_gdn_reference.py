@@ -54,3 +54,18 @@ def test_the_layer_equals_its_equations(variant):
     x = torch.randn(2, 9, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     y, _ = layer(x)
     torch.testing.assert_close(y, reference(layer, x), rtol=1e-9, atol=1e-10)
+
+
+def test_under_autocast_the_gate_is_upcast_with_the_rules_output(monkeypatch):
+    """Under bf16 autocast the projections run in bf16; the norm and gate take the rule's output and the gate in
+    fp32 (the silu in fp32). Mutation caught: the gate's ``.to(o.dtype)`` dropped (``.to(None)``: silu in bf16)."""
+    import fastweights.layers.gdn as gdn
+
+    seen = []
+    real = gdn.gated_rms_norm
+    monkeypatch.setattr(gdn, "gated_rms_norm", lambda o, g, *a: seen.append((o.dtype, g.dtype)) or real(o, g, *a))
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(16, 2, GDNOptions(**GatedDeltaNet.test_variants["conv-gate"]))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(torch.randn(1, 8, 16))
+    assert seen == [(torch.float32, torch.float32)]
