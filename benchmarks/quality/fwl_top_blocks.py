@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from fastweights.core.threads import use_threads
+from fastweights.hf.fwl_training import RECIPE
 from fastweights.evidence.result_files import RESULTS, write_result
 from fastweights.evidence.script_args import benchmark_threads_flag
 from fwl_comparators import (
@@ -69,8 +70,8 @@ from fastweights.core.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
 KS = (2, 4)  # trainable top blocks
-MINUTES = 20.0  # CPU-minutes per head: the K = 0 FWL head's in fwl_smollm2.json
-PILOT_BLOCK_LRS = (1e-5, 1e-4)  # the recipe's default, and 10x
+MINUTES = RECIPE.budget_cpu_s / 60  # CPU-minutes per head: the recipe's, the K = 0 FWL head's in fwl_smollm2.json
+PILOT_BLOCK_LRS = (RECIPE.block_lr, 10 * RECIPE.block_lr)  # the recipe's default, and 10x
 VARIANTS = (("fwl", "fwl"), ("test-time-only", "fwl_test_time_only"))  # --variant, row
 STATIC_TOLERANCE = 1e-4  # relative: this run's static perplexity against the stored one
 CITED = ("dynamic", "dynamic_lowrank", "fwl", "fwl_slow_part", "fwl_test_time_only", "fwl_test_time_only_slow_part")
@@ -104,7 +105,7 @@ def pilot_losses(out: Path, cache: Path, tuning: list[torch.Tensor]) -> dict:
     held-out windows of the training mix (``validation_losses``: a test-time-only head's slow logits)."""
     from fastweights.hf.fwl_cache import load_cache
     from fastweights.hf.fwl_head import load_fwl_head
-    from fastweights.hf.fwl_training import RECIPE, validation_losses
+    from fastweights.hf.fwl_training import validation_losses
     from fastweights.hf.transformers_as_ours import load_hf_model
 
     model = load_fwl_head(out, backbone_loader=lambda _n: load_hf_model("smollm2-135m"))[0].eval()

@@ -3,8 +3,8 @@ of the GPU queue's hybrid shape, scaled down for a CPU, with the loss through th
 the [B, T, V] logits) and without them (``ops.linear_cross_entropy``, what the trainer uses), with the MLP's
 plain SwiGLU instead of ``ops.swiglu`` (which recomputes silu(gate) in the backward), with the gdn layer's
 plain norm and gate instead of ``ops.gated_rms_norm``, and with its convolution's output kept for the silu
-(``layers.common._conv_silu``) instead of recomputed (``causal_conv1d_silu``); and the tensors autograd keeps for the backward, by the
-part of the model that keeps them (issue 51, scope 2).
+(``layers.common.causal_conv1d_silu_reference``) instead of recomputed (``causal_conv1d_silu``); and the
+tensors autograd keeps for the backward, by the part of the model that keeps them (issue 51, scope 2).
 
     python benchmarks/speed/train_memory.py [--batch 2 --seq-len 1024 --vocab 32000]
 
@@ -44,7 +44,7 @@ VARIANTS = {"logits": (True, ()), "without_logits": (False, ()),
             "plain_gdn_norm": (False, (("fastweights.layers.gdn", "gated_rms_norm",
                                         "gated_rms_norm.gated_rms_norm_reference"),)),
             "plain_conv_silu": (False, (("fastweights.layers.gdn", "causal_conv1d_silu",
-                                         "layers.common._conv_silu"),))}
+                                         "layers.common.causal_conv1d_silu_reference"),))}
 STEPS = 3
 GDN = "mixer:GatedDeltaNet"  # what the gated delta rule layers keep in their own ops
 SHAPE = dict(d_model=256, n_layers=4, n_heads=4, head_dim=64, mlp=768, attn_every=4)

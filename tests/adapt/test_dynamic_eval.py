@@ -209,6 +209,15 @@ def test_batched_documents_equal_sequential(rule):
         torch.testing.assert_close(torch.tensor(r.token_losses), torch.tensor(ref.token_losses), rtol=1e-10, atol=1e-10)
 
 
+def test_batched_documents_of_a_gdn_model_are_refused_in_one_clear_error():
+    """Batched documents run the model under torch.func.vmap, where the chunked delta rule's Function cannot run:
+    the evaluator says so and what to do (a limit of the delta rule's Function, not of the model)."""
+    model = tiny_model(torch.float64, mixer="gdn")
+    ev = DynamicEvaluator(model, rule="sgd", lr=0.2, segment_len=7, context=20)
+    with pytest.raises(RuntimeError, match="evaluate documents one at a time"):
+        ev.evaluate_batch([tokens(20, seed=1), tokens(20, seed=2)])
+
+
 def test_parameter_filter():
     model = tiny_model()
     sel = select_parameters(model, "blocks.1.*", "blocks.1.mlp.*")

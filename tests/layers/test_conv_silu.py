@@ -4,12 +4,8 @@ less; the gdn layer computes its q, k and v with it."""
 
 import torch
 
-from fastweights.layers.common import causal_conv1d, causal_conv1d_silu
-
-
-def plain(x, w, cache, mask=None):
-    y, c = causal_conv1d(x, w, cache, mask)
-    return torch.nn.functional.silu(y), c
+from fastweights.layers.common import causal_conv1d_silu
+from fastweights.layers.common import causal_conv1d_silu_reference as plain
 
 
 def inputs(b=2, t=7, d=6, width=4, seed=0):
@@ -70,3 +66,16 @@ def test_the_gdn_layer_keeps_one_conv_sized_tensor_less():
     torch.testing.assert_close(y, y_plain, rtol=0, atol=0)
     # plain: the padded copy [B, W-1+T, D] and the convolution's output [B, T, D]; here: x [B, T, D] and the cache
     assert theirs - ours == 2 * 16 * layer.qkv_dim * 4
+
+
+def test_under_vmap_with_gradients_it_is_the_plain_form():
+    """Batched dynamic evaluation runs a model under torch.func.vmap with its parameters' deltas requiring grad;
+    checkpoint's saved-tensor hooks cannot run there, so the plain form does. Mutation caught: the functorch check
+    dropped from ops.recompute.recomputes (vmap fails inside functorch)."""
+    x, w, cache = inputs()
+    y = torch.func.vmap(lambda xx, cc: causal_conv1d_silu(xx[None], w, cc[None])[0][0])(x, cache)
+    y_ref = torch.func.vmap(lambda xx, cc: plain(xx[None], w, cc[None])[0][0])(x, cache)
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+    (g,) = torch.autograd.grad(y.sum(), w)
+    (g_ref,) = torch.autograd.grad(y_ref.sum(), w)
+    torch.testing.assert_close(g, g_ref, rtol=1e-12, atol=1e-12)

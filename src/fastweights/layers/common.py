@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from fastweights.ops.linear import Linear
+from fastweights.ops.recompute import recomputes
 from fastweights.ops.swiglu import swiglu
 
 
@@ -185,7 +186,9 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor | N
     return y.transpose(1, 2), ext[:, ext.shape[1] - (width - 1) :]
 
 
-def _conv_silu(x, weight, cache, mask):
+def causal_conv1d_silu_reference(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor | None,
+                                 mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(silu(y), new cache)`` of :func:`causal_conv1d`, through autograd's own ops (the plain form)."""
     y, new_cache = causal_conv1d(x, weight, cache, mask)
     return F.silu(y), new_cache
 
@@ -196,11 +199,11 @@ def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tenso
     convolution is run again in the backward (``torch.utils.checkpoint``), so autograd keeps its input ``x`` alone,
     not also the padded copy the convolution reads and the output silu reads: two [B, T, D] tensors become one
     (depthwise, ``W`` taps: a few multiply-adds per value, against the projection's ``d_model``)."""
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad) and not torch.compiler.is_compiling():
+    if recomputes(x, weight, cache):
         from torch.utils.checkpoint import checkpoint
 
-        return checkpoint(_conv_silu, x, weight, cache, mask, use_reentrant=False)
-    return _conv_silu(x, weight, cache, mask)
+        return checkpoint(causal_conv1d_silu_reference, x, weight, cache, mask, use_reentrant=False)
+    return causal_conv1d_silu_reference(x, weight, cache, mask)
 
 
 class ShortConv(nn.Module):

@@ -14,8 +14,8 @@ are kept, and r, n and silu(g) are recomputed in the backward (elementwise, O(V)
 O(V d) projections). fla fuses the same norm and gate and keeps the same two inputs.
 
 :func:`gated_rms_norm_reference` is the plain form the tests hold this to in fp64 and fp32, gradients and second
-derivatives included (the backward is written in differentiable ops). Without gradients, under
-``torch.compile`` or ``torch.func`` transforms, :func:`gated_rms_norm` is the plain form.
+derivatives included (the backward is written in differentiable ops). Where
+:func:`fastweights.ops.recompute.recomputes` says no, :func:`gated_rms_norm` is the plain form.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from fastweights.ops.recompute import recomputes
 
 
 def gated_rms_norm_reference(o: Tensor, g: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -68,8 +70,6 @@ class _GatedRMSNorm(torch.autograd.Function):
 def gated_rms_norm(o: Tensor, g: Tensor, weight: Tensor, eps: float) -> Tensor:
     """``o / rms(o) * weight * silu(g)`` (``o``, ``g`` [..., V], ``weight`` [V]), keeping only ``o`` and ``g`` for
     the backward (module docstring)."""
-    tensors = (o, g, weight)
-    if (not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors) or torch.compiler.is_compiling()
-            or any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)):
-        return gated_rms_norm_reference(o, g, weight, eps)
-    return _GatedRMSNorm.apply(o, g, weight, eps)
+    if recomputes(o, g, weight):
+        return _GatedRMSNorm.apply(o, g, weight, eps)
+    return gated_rms_norm_reference(o, g, weight, eps)

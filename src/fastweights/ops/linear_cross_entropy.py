@@ -11,8 +11,8 @@ log-softmax and the logits' gradient, each [N, V], alive at once. At a 32k vocab
 cross-entropy, peaked at half our memory. Here the forward computes, for :data:`CHUNK_ELEMENTS` logits at a time,
 the chunk's loss and both gradients at once (the fused form of Liger-Kernel and fla), and keeps only dL/dh [N, d]
 and dL/dW [V, d] for the backward, which scales them by the incoming gradient. Its two gradient products run
-on the kernels ``ops.linear`` measured fastest on the machine (``linear_grads``), as the plain form's backward does. Peak memory above the plain
-form's inputs: two [chunk, V] fp32 blocks, dL/dh and dL/dW.
+on the kernels ``ops.linear`` measured fastest on the machine (``linear_grads``), as the plain form's backward
+does. Peak memory above the plain form's inputs: two [chunk, V] fp32 blocks, dL/dh and dL/dW.
 
 Numbers: the logits are computed as the plain form computes them (``ops.linear.linear``; under autocast in its
 dtype) and upcast as :func:`fastweights.ops.nll.upcast_logits` does (fp32, or fp64 for fp64 inputs); dL/dW is

@@ -14,8 +14,8 @@ e.g. low-rank dynamic evaluation's, see its input).
 
 :func:`swiglu_reference` is the plain form the tests hold this to, in fp64 and fp32, gradients and second
 derivatives included: under ``create_graph`` the backward is written in differentiable ops.
-Without gradients, under ``torch.compile`` (its compiler makes its own recompute choices) or ``torch.func``
-transforms, :func:`swiglu` is the plain form.
+Where :func:`fastweights.ops.recompute.recomputes` says no (no gradient recorded, ``torch.compile``,
+``torch.func`` transforms), :func:`swiglu` is the plain form.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from fastweights.ops.recompute import recomputes
 
 
 def swiglu_reference(gu: Tensor) -> Tensor:
@@ -59,7 +61,4 @@ class _SwiGLU(torch.autograd.Function):
 def swiglu(gu: Tensor) -> Tensor:
     """``silu(g) * u`` of ``gu = [g | u]`` ``[..., 2F]`` -> ``[..., F]``, keeping only ``gu`` for the backward
     (module docstring)."""
-    if (not torch.is_grad_enabled() or not gu.requires_grad or torch.compiler.is_compiling()
-            or torch._C._functorch.is_functorch_wrapped_tensor(gu)):
-        return swiglu_reference(gu)
-    return _SwiGLU.apply(gu)
+    return _SwiGLU.apply(gu) if recomputes(gu) else swiglu_reference(gu)
