@@ -302,3 +302,16 @@ def test_a_changed_key_field_rebuilds_the_cache(llama_dir, tmp_path, field):
         want = blocks_input(backbone, torch.from_numpy(new["tokens"]), new["trainable_blocks"])
     np.testing.assert_allclose(np.asarray(hidden, dtype=np.float32), want.to(getattr(torch, new["dtype"])).float(),
                                rtol=0, atol=0)
+
+
+def test_optimizer_step_clips_to_norm_one_and_refuses_a_non_finite_loss():
+    """Both FWL-head trainers step through ``optimizer_step``. Mutation caught: another clip norm; the divergence
+    message without its step and advice."""
+    from fastweights.hf.fwl_training import optimizer_step
+
+    p = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    opt = torch.optim.SGD([p], lr=1.0)
+    optimizer_step((100 * torch.arange(1.0, 5.0, dtype=torch.float64) * p).sum(), opt, [p], 0)
+    assert (-p.detach()).norm().item() == pytest.approx(1.0)  # the gradient, clipped to norm 1, times lr 1
+    with pytest.raises(UserError, match=r"diverged at step 7 \(loss nan\); lower the learning rate"):
+        optimizer_step(p.sum() * float("nan"), opt, [p], 7)

@@ -4,8 +4,13 @@ less; the gdn layer computes its q, k and v with it."""
 
 import torch
 
-from fastweights.layers.common import causal_conv1d_silu
-from fastweights.layers.common import causal_conv1d_silu_reference as plain
+from fastweights.layers.common import causal_conv1d, causal_conv1d_silu
+
+
+def plain(x, w, cache, mask=None):
+    """The expectation from the primitives (not the module's own plain form, which the fast form calls)."""
+    y, c = causal_conv1d(x, w, cache, mask)
+    return torch.nn.functional.silu(y), c
 
 
 def inputs(b=2, t=7, d=6, width=4, seed=0):
@@ -28,6 +33,18 @@ def test_values_cache_and_gradients_equal_the_plain_form():
         torch.testing.assert_close(c, c_ref, rtol=0, atol=0)
         for a, b in zip(torch.autograd.grad((y * up).sum(), (x, w)), torch.autograd.grad((y_ref * up).sum(), (x, w))):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_without_gradients_padding_and_cache_are_kept():
+    """No gradient recorded: the plain form, padding skipped and the cache carried as with gradients. Mutation
+    caught: the mask or the cache dropped on the path without gradients."""
+    x, w, cache = inputs()
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    mask[0, :2] = False
+    with torch.no_grad():
+        (y, c), (y_ref, c_ref) = causal_conv1d_silu(x, w, cache, mask), plain(x, w, cache, mask)
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+    torch.testing.assert_close(c, c_ref, rtol=0, atol=0)
 
 
 def test_second_derivatives():

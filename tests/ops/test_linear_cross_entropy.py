@@ -130,3 +130,21 @@ def test_the_gradient_products_take_the_machines_chosen_kernels(monkeypatch):
     want = loss_and_grads(linear_cross_entropy_reference, h, w, y)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)
+
+
+def test_bf16_inputs_give_the_loss_in_the_plain_forms_dtype():
+    """The loss is summed in the upcast logits' dtype (fp32 for bf16 inputs), with and without gradients, as the
+    plain form gives it, also with no rows. Mutation caught: the running total started in the inputs' dtype (bf16)."""
+    from fastweights.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(37, 16, generator=g).bfloat16()
+    w = torch.randn(50, 16, generator=g).bfloat16()
+    y = torch.randint(0, 50, (37,), generator=g)
+    ref = linear_cross_entropy_reference(h, w, y)
+    for grad in (False, True):
+        loss = linear_cross_entropy(h.clone().requires_grad_(grad), w, y, chunk_elements=200)
+        assert loss.dtype == ref.dtype == torch.float32
+        torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+        empty = linear_cross_entropy(h[:0].clone().requires_grad_(grad), w, y[:0])  # no rows: nan, in fp32 too
+        assert empty.dtype == torch.float32 and empty.isnan()

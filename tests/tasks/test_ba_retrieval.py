@@ -121,18 +121,44 @@ def test_cli_rejects_bad_input():
         _cli(["ba-retrieval", "--model", "gru"])
 
 
-def test_one_run_passes_every_setting_on():
+def test_one_run_passes_every_setting_on(monkeypatch):
     """``run_ba_retrieval`` (what ``fastweights task ba-retrieval`` calls) builds the splits, the network and the
-    training from the one settings object. Mutation caught: the batch size or the hidden size not passed on (the
-    library default used instead)."""
-    from fastweights.tasks.ba_retrieval import BaRetrievalConfig, RetrievalNet, run_ba_retrieval
+    training from the one settings object, every field of it a non-default value here, and reports them. Mutation
+    caught: any setting not passed on (the library default used instead), a report field renamed."""
+    import dataclasses
 
-    cfg = BaRetrievalConfig(hidden=7, keys=2, steps=3, batch_size=8, eval_every=3, train_size=64, val_size=16,
-                            test_size=16, lam=0.5, inner_steps=2)
-    report = run_ba_retrieval(cfg)
-    net = RetrievalNet("fast-rnn", 7, fast_rnn=cfg.fast_rnn())
-    assert report["parameters"] == sum(p.numel() for p in net.parameters())
+    import fastweights.tasks.ba_retrieval as ba
+    from fastweights.tasks.ba_retrieval import BaRetrievalConfig, run_ba_retrieval
+
+    cfg = BaRetrievalConfig(hidden=7, keys=2, steps=3, max_minutes=5.0, target_val_error=0.02, batch_size=8,
+                            lr=2e-3, decay_fraction=0.5, grad_clip=2.0, eval_every=3, seed=5, data_seed=9,
+                            train_size=64, val_size=16, test_size=16, digit_head=True, lam=0.5, eta=0.3,
+                            inner_steps=2, layer_norm=False, fast_weights=True)
+    defaults = BaRetrievalConfig()
+    assert all(getattr(cfg, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(cfg)
+               if f.name not in ("model", "fast_weights")), "every setting away from its default"
+    seen = {}
+    real_splits, real_net, real_train = ba.make_splits, ba.RetrievalNet, ba.train_retrieval
+    monkeypatch.setattr(ba, "make_splits", lambda *a: seen.setdefault("splits", a) and real_splits(*a))
+    monkeypatch.setattr(ba, "RetrievalNet", lambda *a, **kw: seen.setdefault("net", (a, kw)) and real_net(*a, **kw))
+    monkeypatch.setattr(ba, "train_retrieval",
+                        lambda net, splits, **kw: seen.setdefault("train", kw) and real_train(net, splits, **kw))
+    lines = []
+    log = lines.append
+    report = run_ba_retrieval(cfg, log=log)
+    assert seen["splits"] == (9, 2, {"train": 64, "val": 16, "test": 16})
+    assert seen["net"] == (("fast-rnn", 7), {"digit_head": True, "fast_rnn": cfg.fast_rnn()})
+    assert cfg.fast_rnn() == {"lam": 0.5, "eta": 0.3, "inner_steps": 2, "layer_norm": False, "fast_weights": True}
+    kw = {k: v for k, v in seen["train"].items() if k != "log"}
+    assert kw == {"steps": 3, "max_minutes": 5.0, "batch_size": 8, "lr": 2e-3, "decay_fraction": 0.5,
+                  "grad_clip": 2.0, "eval_every": 3, "target_val_error": 0.02, "seed": 5}
+    assert seen["train"]["log"] is log
+    assert lines[0].startswith("fast-rnn R=7 K=2: ") and "parameters; example" in lines[0]
+    net = real_net("fast-rnn", 7, digit_head=True, fast_rnn=cfg.fast_rnn())
+    assert {k: report[k] for k in ("task", "model", "hidden", "keys", "seed", "data_seed", "split_sizes",
+                                   "parameters", "batch_size", "lr", "fast_rnn")} == {
+        "task": "ba-retrieval", "model": "fast-rnn", "hidden": 7, "keys": 2, "seed": 5, "data_seed": 9,
+        "split_sizes": {"train": 64, "val": 16, "test": 16}, "parameters": sum(p.numel() for p in net.parameters()),
+        "batch_size": 8, "lr": 2e-3, "fast_rnn": cfg.fast_rnn()}
     assert report["steps"] == 3 and report["examples_seen"] == 3 * 8
-    assert report["fast_rnn"]["lam"] == 0.5 and report["fast_rnn"]["inner_steps"] == 2
-    assert report["split_sizes"] == {"train": 64, "val": 16, "test": 16}
     assert report["test_accuracy"] == 1 - report["test_error"]
