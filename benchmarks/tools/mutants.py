@@ -26,7 +26,9 @@ survivor; exit status 1 when an unaccepted survivor is left, 2 on bad input.
 from __future__ import annotations
 
 import json
+import math
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -158,6 +160,14 @@ def accepted_reason(entries: list[dict], name: str, mutated: str) -> str | None:
     return None
 
 
+def wilson(p: float, n: int, z: float = 1.96) -> list[float]:
+    """The Wilson score interval of a proportion ``p`` measured on ``n`` trials (95% for z = 1.96)."""
+    if n == 0:
+        return [0.0, 1.0]
+    centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return [(centre - half) / (1 + z * z / n), (centre + half) / (1 + z * z / n)]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = ScriptParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", help="the change is HEAD against this revision (default: the last tag, else "
@@ -165,8 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tests", help="test files or folders to run, comma-separated (default: those importing the "
                                     "changed modules)")
     ap.add_argument("--max-children", type=int, default=1, help="mutants tested at once (one core: 1)")
+    ap.add_argument("--sample", type=int, help="test this many of the change's mutants, drawn at random (a large "
+                                               "change's score estimated; default: every mutant)")
+    ap.add_argument("--seed", type=int, default=0, help="the draw's seed, with --sample")
     ap.add_argument("--out", help="write the JSON here (default: print the summary only)")
     args = ap.parse_args(argv)
+    if args.sample is not None and args.sample < 1:
+        ap.error(f"--sample {args.sample}: must be at least 1")
     if shutil.which("mutmut") is None and not (Path(sys.executable).parent / "mutmut").exists():
         print("error: mutmut is not installed: pip install -e '.[dev]'", file=sys.stderr)
         return 2
@@ -198,7 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run([sys.executable, "-c", GENERATE], cwd=tree, env=env, check=True, capture_output=True)
         where = mutant_lines(tree, files)
         chosen = sorted(n for n, (f, line, _, _) in where.items() if line in lines_by_file[f])
-        print(f"{len(chosen)} mutants on the {sum(map(len, lines_by_file.values()))} changed lines of {len(files)} "
+        generated = len(chosen)
+        if args.sample is not None and args.sample < generated:
+            chosen = sorted(random.Random(args.seed).sample(chosen, args.sample))
+        print(f"{len(chosen)} of {generated} mutants on the {sum(map(len, lines_by_file.values()))} changed lines of {len(files)} "
               f"files since {base} ({len(where)} in those files); tests: {len(tests)} files", flush=True)
         if chosen:
             done = subprocess.run([mutmut, "run", "--max-children", str(args.max_children), *chosen], cwd=tree,
@@ -227,11 +245,16 @@ def main(argv: list[str] | None = None) -> int:
     judged = sum(v for k, v in counts.items() if k not in ("accepted", "no tests"))
     score = counts.get("killed", 0) / judged if judged else 1.0
     summary = {"base": base, "files": {f: len(lines_by_file[f]) for f in files}, "tests": tests,
-               "mutants": len(chosen), "counts": counts, "score": score, "elapsed_s": time.time() - started,
-               "not_killed": rows}
+               "mutants": len(chosen), "generated": generated, "counts": counts, "score": score,
+               "elapsed_s": time.time() - started, "not_killed": rows}
+    if len(chosen) < generated:  # a sample: the score's 95% interval (Wilson), as the draw alone makes it vary
+        summary |= {"sample": {"size": len(chosen), "seed": args.seed}, "score_interval_95": wilson(score, judged)}
     for r in rows:
         print(f"{r['status']:>12}  {r['file']}:{r['line']}  {r['original']}  ->  {r['mutated']}")
-    print(f"score {score:.3f}: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
+    interval = summary.get("score_interval_95")
+    print(f"score {score:.3f}" + (f" (95% interval {interval[0]:.3f}-{interval[1]:.3f}, a sample of {len(chosen)} "
+                                  f"of {generated})" if interval else "") + ": "
+          + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
     if args.out:
         from fastweights.evidence.result_files import write_json
         from fastweights.evidence.provenance import provenance

@@ -50,3 +50,15 @@ def test_a_survivor_is_accepted_only_by_an_entry_that_matches_it():
     assert mutants.accepted_reason(entries, "m.x_f__mutmut_2", "return b / 2") == "equivalent"
     assert mutants.accepted_reason(entries, "m.x_f__mutmut_1", "b = a - 1") is None
     assert mutants.accepted_reason(entries, "m.x_g__mutmut_1", "return b / 2") is None
+
+
+def test_a_sampled_score_carries_its_wilson_interval():
+    low, high = mutants.wilson(0.9, 100)
+    assert abs(low - 0.8256) < 1e-3 and abs(high - 0.9448) < 1e-3  # the textbook values for 90 of 100
+    assert mutants.wilson(1.0, 10)[1] == 1.0 and mutants.wilson(0.5, 0) == [0.0, 1.0]
+
+
+def test_a_sample_of_no_mutants_is_one_line_and_exit_2(capsys):
+    assert mutants.exit_status_of(lambda: mutants.main(["--sample", "0"])) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--sample 0" in err[0]
