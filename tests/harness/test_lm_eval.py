@@ -326,3 +326,41 @@ def test_scores_far_worse_than_a_uniform_guess_are_refused(checkpoint, monkeypat
         with pytest.raises(UserError, match="x a uniform guess over the") as e:
             call()
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("tasks, include, local_only", [
+    (["--tasks", "fastweights_heldout_plays"], None, True),
+    (["--tasks=fastweights_heldout_plays,fastweights_novels"], None, True),  # every local task, the = form
+    (["--tasks", "fastweights_heldout_plays,hellaswag"], None, False),  # one of lm-eval's: the full index
+    (["--tasks", "no_such_task"], None, False),  # lm-eval reports the misspelling from its full index
+    (["--tasks", "fastweights_heldout_plays"], "elsewhere", False),  # the user's own include path
+    ([], None, False),  # no --tasks (a subcommand)
+])
+def test_lm_evals_own_tasks_are_indexed_only_when_a_task_needs_them(tasks, include, local_only):
+    """The documented commands name only the package's tasks: lm-eval's 14,000 task files are not read then."""
+    import lm_eval.tasks
+
+    from fastweights.harness.__main__ import _only_local_tasks_when_they_suffice
+
+    args = ["--model", "fastweights", *tasks, "--include_path", include or str(TASKS)]
+    full = lm_eval.tasks.TaskManager
+    with _only_local_tasks_when_they_suffice(args, TASKS):
+        inside = lm_eval.tasks.TaskManager
+        if local_only:
+            names = inside(include_path=str(TASKS)).all_tasks
+            assert set(names) == {"fastweights_heldout_plays", "fastweights_novels"}  # none of lm-eval's
+        else:
+            assert inside is full
+    assert lm_eval.tasks.TaskManager is full  # restored
+
+
+def test_the_full_task_index_is_restored_when_the_run_fails():
+    import lm_eval.tasks
+
+    from fastweights.harness.__main__ import _only_local_tasks_when_they_suffice
+
+    full = lm_eval.tasks.TaskManager
+    with pytest.raises(RuntimeError), _only_local_tasks_when_they_suffice(
+            ["--tasks", "fastweights_novels", "--include_path", str(TASKS)], TASKS):
+        raise RuntimeError("the run failed")
+    assert lm_eval.tasks.TaskManager is full
