@@ -17,7 +17,7 @@ What it does (mutmut 3.8, pinned in the dev extra; its own docs: https://mutmut.
    reach which function, then runs, per mutant, only those tests.
 4. Each mutant's status (killed, survived, no tests, timeout, ...) and, for a survivor, its one-line diff; a
    survivor matching an entry of the accepted file (its function glob and, when given, the mutated line's
-   text) is ``accepted`` with that entry's reason. The score is killed / (mutants - accepted - no tests).
+   text, ``line``, or a regular expression the mutated line matches, ``line_matches``) is ``accepted`` with that entry's reason. The score is killed / (mutants - accepted - no tests).
 
 Writes the JSON (``--out``, default: printed only) with the command, the base, per-file counts and every
 survivor; exit status 1 when an unaccepted survivor is left, 2 on bad input.
@@ -155,7 +155,8 @@ def accepted_reason(entries: list[dict], name: str, mutated: str) -> str | None:
     import fnmatch
 
     for e in entries:
-        if fnmatch.fnmatch(name, e["mutant"]) and ("line" not in e or e["line"] == mutated):
+        if fnmatch.fnmatch(name, e["mutant"]) and ("line" not in e or e["line"] == mutated) and (
+                "line_matches" not in e or re.search(e["line_matches"], mutated)):
             return e["reason"]
     return None
 

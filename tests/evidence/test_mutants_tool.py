@@ -50,6 +50,9 @@ def test_a_survivor_is_accepted_only_by_an_entry_that_matches_it():
     assert mutants.accepted_reason(entries, "m.x_f__mutmut_2", "return b / 2") == "equivalent"
     assert mutants.accepted_reason(entries, "m.x_f__mutmut_1", "b = a - 1") is None
     assert mutants.accepted_reason(entries, "m.x_g__mutmut_1", "return b / 2") is None
+    by_pattern = [{"mutant": "m.x_f__*", "line_matches": r"^if recomputes\(", "reason": "route only"}]
+    assert mutants.accepted_reason(by_pattern, "m.x_f__mutmut_4", "if recomputes(None, w):") == "route only"
+    assert mutants.accepted_reason(by_pattern, "m.x_f__mutmut_5", "return recomputes(x)") is None
 
 
 def test_a_sampled_score_carries_its_wilson_interval():

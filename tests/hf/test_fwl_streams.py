@@ -315,3 +315,18 @@ def test_optimizer_step_clips_to_norm_one_and_refuses_a_non_finite_loss():
     assert (-p.detach()).norm().item() == pytest.approx(1.0)  # the gradient, clipped to norm 1, times lr 1
     with pytest.raises(UserError, match=r"diverged at step 7 \(loss nan\); lower the learning rate"):
         optimizer_step(p.sum() * float("nan"), opt, [p], 7)
+
+
+def test_a_parameter_the_loss_does_not_reach_is_left_as_it_was():
+    """A step whose loss does not reach a parameter (a test-time-only head's step sizes, a block the window does
+    not use) leaves it bit-identical: its gradient is None, not zeros, so AdamW neither decays it nor moves it by
+    its momentum. Mutation caught: ``zero_grad(set_to_none=False)``."""
+    from fastweights.hf.fwl_training import optimizer_step
+
+    used, unused = (torch.nn.Parameter(torch.ones(3, dtype=torch.float64)) for _ in range(2))
+    opt = torch.optim.AdamW([used, unused], lr=0.1, weight_decay=0.5)
+    optimizer_step((used * unused).sum(), opt, [used, unused], 0)  # both reached: both move, momentum kept
+    before = unused.detach().clone()
+    for step in (1, 2):
+        optimizer_step(used.square().sum(), opt, [used, unused], step)
+    assert torch.equal(unused.detach(), before)

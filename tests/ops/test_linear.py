@@ -483,3 +483,25 @@ def test_fast_linears_walks_a_models_modules_once(monkeypatch):
     with lin.fast_linears(model):
         assert "forward" in vars(model[0]) and "forward" in vars(model[2])
     assert "forward" not in vars(model[0])
+
+
+def test_linear_grads_runs_each_product_on_its_own_kernel_and_only_the_products_asked_for(monkeypatch):
+    """``linear_grads`` (the fused loss's backward) takes the input gradient on the kernel chosen for that product
+    and the weight gradient on the one chosen for that, and computes neither when not asked. Mutations caught: the
+    kernels' indices swapped, a product computed although ``need_x`` / ``need_w`` is False."""
+    calls = []
+
+    def kernel(name):
+        return lambda a, b, bias: calls.append((name, tuple(a.shape), tuple(b.shape))) or F.linear(a, b, bias)
+
+    monkeypatch.setattr(lin, "KERNELS", {"fwd": kernel("fwd"), "dx": kernel("dx"), "dw": kernel("dw")})
+    monkeypatch.setattr(lin, "call_kernels", lambda x, w, b=None: ("fwd", "dx", "dw"))
+    x, w, g = torch.randn(5, 3), torch.randn(4, 3), torch.randn(5, 4)
+    dx, dw = lin.linear_grads(x, w, g)
+    assert calls == [("dx", (5, 4), (3, 4)), ("dw", (4, 5), (3, 5))]  # g W on dx's kernel, g^T x on dw's
+    torch.testing.assert_close(dx, g @ w)
+    torch.testing.assert_close(dw, g.T @ x)
+    calls.clear()
+    assert lin.linear_grads(x, w, g, need_w=False)[1] is None and [c[0] for c in calls] == ["dx"]
+    calls.clear()
+    assert lin.linear_grads(x, w, g, need_x=False)[0] is None and [c[0] for c in calls] == ["dw"]
