@@ -236,7 +236,7 @@ def means_of(part: dict) -> dict:
                   "throughput_ratio_to_static": mean(row, "throughput_ratio_to_static")} for row in rows}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = ScriptParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--runs", default="runs/fwl-top-blocks", help="heads, caches and parts")
@@ -247,7 +247,7 @@ def main() -> int:
     ap.add_argument("--stored", default=str(RESULTS / "fwl_smollm2.json"),
                     help="the K = 0 comparison whose static, dynamic and FWL rows are cited")
     benchmark_threads_flag(ap)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     runs = Path(args.runs)
     use_threads("benchmark", args.threads)
     t_start, c_start = time.time(), cpu()

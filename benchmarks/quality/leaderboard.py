@@ -522,7 +522,7 @@ def row_probes(name: str) -> list[dict]:
     return json.loads(done.stdout)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = ScriptParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=20.0, help="CPU minutes of training per model")
     ap.add_argument("--entries", default=",".join(ENTRIES), help=f"comma-separated, of {', '.join(ENTRIES)}")
@@ -533,7 +533,7 @@ def main() -> int:
     ap.add_argument("--aggregate-only", action="store_true", help="only rewrite the JSON and PNG from finished rows")
     ap.add_argument("--plot-only", action="store_true",
                     help="only redraw leaderboard.png from the stored benchmarks/results/leaderboard.json")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.plot_only:
         print(plot_leaderboard(json.loads((RESULTS / "leaderboard.json").read_text()), RESULTS / "leaderboard.png"))
         return 0

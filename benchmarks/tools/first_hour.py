@@ -66,13 +66,13 @@ def run_make(target: str, work: Path, busy: int) -> dict:
             "load_1m_after": round(load_after, 2), "output_tail": tail if proc.returncode else tail[-3:]}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = ScriptParser(description=__doc__.splitlines()[0])
     ap.add_argument("--targets", default=",".join(TARGETS), help="make targets to time, comma-separated")
     ap.add_argument("--busy", type=int, default=os.cpu_count() or 1,
                     help="spinning processes beside the busy runs, by default one per core (0: idle only)")
     ap.add_argument("--work", default=tempfile.gettempdir(), help="folder the fresh clones go in (removed after)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     targets = [t for t in a.targets.split(",") if t]
     if not targets or any(t not in TARGETS for t in targets):
         raise UserError(f"--targets: choose from {', '.join(TARGETS)}, got {a.targets!r}")

@@ -5,7 +5,9 @@ are benchmarks/results/cuda_scale.json and cuda_scale_kernels.json)."""
 
 import json
 import shlex
-from helpers import HANG_GUARD_S, ROOT, run_script
+from helpers import HANG_GUARD_S, ROOT, import_benchmark, run_script
+
+from fastweights.cli.script_parser import exit_status_of
 
 SCRIPT = ROOT / "benchmarks" / "gpu" / "cuda_scale.py"
 ITEMS = "models/ours_hybrid*,kernels/T32/*,fwpkm_layer/*_B1"
@@ -39,9 +41,21 @@ def test_cpu_dry_run_measures_our_side_and_records_the_rest(tmp_path):
     assert any("'auto' -> 'torch'" in line for line in rec["backend_log"])  # the choice, logged once
 
 
-def test_bad_input_is_one_line_and_exit_2(tmp_path):
-    for args in (["--device", "tpu"], ["--budget-s", "0"], ["--bogus"]):
-        r = run(*args, "--out", str(tmp_path / "x.json"), timeout=HANG_GUARD_S)
-        assert r.returncode == 2, (args, r.stdout, r.stderr)
-        assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("cuda_scale: "), r.stderr
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    """The first case runs as ``python cuda_scale.py`` (``sys.exit(main())``: the real process's exit status and
+    stderr); the others call ``main`` in this process, through ``exit_status_of`` (a Python start and torch's
+    import saved per case)."""
+    scale = import_benchmark("cuda_scale")
+    for i, args in enumerate((["--device", "tpu"], ["--budget-s", "0"], ["--bogus"])):
+        argv = [*args, "--out", str(tmp_path / "x.json")]
+        if i == 0:
+            r = run(*argv, timeout=HANG_GUARD_S)
+            status, out, err = r.returncode, r.stdout, r.stderr
+        else:
+            capsys.readouterr()
+            status = exit_status_of(lambda: scale.main(argv))
+            out, err = capsys.readouterr()
+        assert status == 2, (args, out, err)
+        assert len(err.strip().splitlines()) == 1 and err.startswith("cuda_scale: "), err
+        assert "Traceback" not in err
         assert not (tmp_path / "x.json").exists()

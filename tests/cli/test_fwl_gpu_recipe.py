@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import HANG_GUARD_S, ROOT, import_benchmark, run_script, tiny_llama_dir
 
+from fastweights.cli.script_parser import exit_status_of
 from fastweights.hf import fwl_training
 
 from fastweights.layers.fwl import slow_part
@@ -198,13 +199,24 @@ def test_training_streams_are_consecutive_stretches_of_each_document(tiny_fwl, r
     (["--device", "cpu", "--tiny", "--minutes", "0"], "--minutes must be > 0"),
     (["--device", "cpu", "--tiny", "--batch", "two"], "invalid int value"),
 ])
-def test_bad_input_is_one_line_and_exit_2(tmp_path, args, says):
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, says, recipe, capsys):
+    """``--batch two`` runs as ``python fwl_smollm2_gpu.py`` (``sys.exit(main())``: the real process's exit status
+    and stderr); the other cases call ``main`` in this process, through ``exit_status_of`` (a Python start and the
+    imports of torch and transformers saved per case)."""
     if "cuda" in args and torch.cuda.is_available():
         pytest.skip("CUDA is available here")
     out = tmp_path / "r.json"
-    r = run(*args, "--out", str(out), timeout=HANG_GUARD_S)
-    assert r.returncode == 2 and says in r.stderr, r.stderr[-2000:]
-    assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: ")
+    argv = [*args, "--out", str(out)]
+    if "--batch" in args:
+        r = run(*argv, timeout=HANG_GUARD_S)
+        status, err = r.returncode, r.stderr
+    else:
+        capsys.readouterr()
+        status = exit_status_of(lambda: recipe.main(argv))
+        err = capsys.readouterr().err
+    assert status == 2 and says in err, err[-2000:]
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: ")
+    assert "Traceback" not in err
     assert not out.exists()
 
 

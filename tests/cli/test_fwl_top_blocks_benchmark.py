@@ -10,6 +10,7 @@ pytest.importorskip("transformers")
 
 from helpers import benchmark_script, import_benchmark, run_script  # noqa: E402
 
+from fastweights.cli.script_parser import exit_status_of  # noqa: E402
 from fastweights.core.errors import UserError  # noqa: E402
 
 bench = import_benchmark("fwl_top_blocks")
@@ -78,11 +79,27 @@ def test_training_without_a_pilot_is_refused(tmp_path):
         bench.train(tmp_path, threads=1)
 
 
-def test_scoring_without_heads_is_one_line_and_exit_2(tmp_path):
-    for missing in ("no block lr chosen yet", "no trained head"):
-        r = run_script(benchmark_script("fwl_top_blocks"), "--runs", str(tmp_path), "--part", "2")
-        assert r.returncode == 2 and missing in r.stderr and "Traceback" not in r.stderr
-        assert len(r.stderr.strip().splitlines()) == 1
+def test_scoring_without_heads_is_one_line_and_exit_2(tmp_path, capsys):
+    """The first case runs as ``python fwl_top_blocks.py`` (``sys.exit(exit_status_of(main))``: the real process's
+    exit status and stderr); the second calls ``main`` in this process, through ``exit_status_of``, and puts back
+    the torch threads its ``--threads`` set."""
+    import torch
+
+    argv = ["--runs", str(tmp_path), "--part", "2"]
+    for i, missing in enumerate(("no block lr chosen yet", "no trained head")):
+        if i == 0:
+            r = run_script(benchmark_script("fwl_top_blocks"), *argv)
+            status, err = r.returncode, r.stderr
+        else:
+            threads = torch.get_num_threads()
+            capsys.readouterr()
+            try:
+                status = exit_status_of(lambda: bench.main(argv))
+            finally:
+                torch.set_num_threads(threads)
+            err = capsys.readouterr().err
+        assert status == 2 and missing in err and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) == 1
         (tmp_path / "pilot.json").write_text(json.dumps({"best": {"fwl": 1e-4, "test-time-only": 1e-5}}))
 
 

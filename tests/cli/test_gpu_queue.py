@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import HANG_GUARD_S, ROOT, import_benchmark, run_script
 
+from fastweights.cli.script_parser import exit_status_of
 from fastweights.testing import fla_standin
 
 SCRIPT = ROOT / "benchmarks" / "gpu" / "gpu_queue.py"
@@ -146,12 +147,24 @@ def test_done_items_leave_the_queue_and_a_summary_unpacks(gq, tmp_path, monkeypa
     assert not gq.done(gq.ITEMS[2])  # a dry run is not a measurement
 
 
-def test_bad_input_is_one_line_and_exit_2(tmp_path):
-    for args in (["--device", "tpu", "--tiny"], ["--device", "cpu"], ["--device", "cpu", "--tiny", "--minutes", "0"],
-                 ["--device", "cpu", "--tiny", "--items", "nope/*"], ["--bogus"]):
-        r = run(*args, "--out", str(tmp_path), timeout=HANG_GUARD_S)
-        assert r.returncode == 2, (args, r.stdout, r.stderr)
-        assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("gpu_queue: "), r.stderr
+def test_bad_input_is_one_line_and_exit_2(tmp_path, gq, capsys):
+    """The first case runs as ``python gpu_queue.py`` (``sys.exit(main())``: the real process's exit status and
+    stderr); the others call ``main`` in this process, through ``exit_status_of`` (a Python start and torch's
+    import saved per case)."""
+    for i, args in enumerate((["--device", "tpu", "--tiny"], ["--device", "cpu"],
+                              ["--device", "cpu", "--tiny", "--minutes", "0"],
+                              ["--device", "cpu", "--tiny", "--items", "nope/*"], ["--bogus"])):
+        argv = [*args, "--out", str(tmp_path)]
+        if i == 0:
+            r = run(*argv, timeout=HANG_GUARD_S)
+            status, out, err = r.returncode, r.stdout, r.stderr
+        else:
+            capsys.readouterr()
+            status = exit_status_of(lambda: gq.main(argv))
+            out, err = capsys.readouterr()
+        assert status == 2, (args, out, err)
+        assert len(err.strip().splitlines()) == 1 and err.startswith("gpu_queue: "), err
+        assert "Traceback" not in err
         assert not list(tmp_path.iterdir())
 
 

@@ -8,6 +8,8 @@ import sys
 
 from helpers import BENCHMARKS, ROOT, benchmark_script
 
+from fastweights.cli.script_parser import exit_status_of
+
 sys.path[:0] = [str(benchmark_script("leaderboard").parent), str(BENCHMARKS / "tools")]
 
 import leaderboard  # noqa: E402
@@ -75,11 +77,26 @@ def test_markdown_table_ranks_by_streamed_score_and_flags_a_collapse():
     assert "not yet measured: gdn (and then 3 seeds" in text
 
 
-def test_bad_arguments_exit_2_with_one_line():
-    for argv in (["--entries", "nope"], ["--seeds", "x"], ["--minutes", "0"]):
-        r = subprocess.run([sys.executable, str(benchmark_script("leaderboard")), *argv],
-                           capture_output=True, text=True)
-        assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("error:"), r.stderr
+def test_bad_arguments_exit_2_with_one_line(monkeypatch, capsys):
+    """The first case runs as ``python leaderboard.py`` (``sys.exit(exit_status_of(main))``: the real process's exit
+    status and stderr); the others call ``main`` in this process, through ``exit_status_of``, where nothing may be
+    trained or aggregated."""
+
+    def never(*_a, **_kw):
+        raise AssertionError("bad arguments trained or aggregated")
+
+    monkeypatch.setattr(leaderboard, "entry_row", never)
+    monkeypatch.setattr(leaderboard, "aggregate", never)
+    for i, argv in enumerate((["--entries", "nope"], ["--seeds", "x"], ["--minutes", "0"])):
+        if i == 0:
+            r = subprocess.run([sys.executable, str(benchmark_script("leaderboard")), *argv],
+                               capture_output=True, text=True)
+            status, err = r.returncode, r.stderr
+        else:
+            capsys.readouterr()
+            status = exit_status_of(lambda: leaderboard.main(argv))
+            err = capsys.readouterr().err
+        assert status == 2 and err.count("\n") == 1 and err.startswith("error:"), err
 
 
 def test_readme_opens_its_results_with_the_generated_leaderboard():
