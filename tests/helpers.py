@@ -9,6 +9,7 @@ import math
 import os
 import re
 import subprocess
+import json
 import sys
 from pathlib import Path
 
@@ -311,3 +312,20 @@ class TimedLog(io.StringIO):
     def isatty(self):
         return False
 
+
+def stored_results_covering_every_probe_kind() -> list[str]:
+    """Stored results covering every probe kind at least once (the fewest files, in name order): the evidence
+    tests' sample of ``benchmarks/results``."""
+    sys.path.insert(0, str(BENCHMARKS / "tools"))
+    import evidence
+    import probes
+
+    chosen, kinds = [], set()
+    for path in evidence.result_paths():
+        found = {p["kind"] for p in json.loads(path.read_text()).get("probes") or []}
+        if found - kinds:
+            chosen.append(evidence.result_key(path))
+            kinds |= found
+    exact = {"source", "corpus"}  # kinds whose outputs are text and integers: no float kernel reaches them
+    assert kinds >= set(probes.KINDS) - exact, f"no stored result probes {sorted(set(probes.KINDS) - exact - kinds)}"
+    return chosen

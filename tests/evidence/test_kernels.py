@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from helpers import BENCHMARKS, ROOT
+from helpers import stored_results_covering_every_probe_kind as sample_results
 
 sys.path.insert(0, str(BENCHMARKS / "tools"))
 
@@ -24,19 +25,6 @@ def capabilities() -> list[str]:
     order = ["default", "avx2", "avx512"]
     native = torch.backends.cpu.get_cpu_capability().lower()
     return order[: order.index(native) + 1] if native in order else ["default"]
-
-
-def sample_results() -> list[str]:
-    """Stored results covering every probe kind at least once (the fewest files, in name order)."""
-    chosen, kinds = [], set()
-    for path in evidence.result_paths():
-        found = {p["kind"] for p in json.loads(path.read_text()).get("probes") or []}
-        if found - kinds:
-            chosen.append(evidence.result_key(path))
-            kinds |= found
-    exact = {"source", "corpus"}  # kinds whose outputs are text and integers: no float kernel reaches them
-    assert kinds >= set(probes.KINDS) - exact, f"no stored result probes {sorted(set(probes.KINDS) - exact - kinds)}"
-    return chosen
 
 
 _STALE = ("import json, sys; sys.path.insert(0, 'benchmarks/tools'); import evidence, torch;"
