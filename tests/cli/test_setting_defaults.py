@@ -35,7 +35,7 @@ from fastweights.adapt.grad_stats import collect_grad_stats
 from fastweights.adapt.lowrank import LowRankDynamicEvaluator
 from fastweights.adapt.setup import DynamicSettings
 from fastweights.adapt.sparse import SparseDynamicEvaluator
-from fastweights.cli import build_parser
+from fastweights.cli import build_parser, parse_command_line
 from fastweights.cli.settings import flag_dest
 from fastweights.hf.fwl_training import RECIPE, FWLHeadRecipe, train_head, train_recipe
 from fastweights.tasks.assoc import AssocConfig
@@ -60,9 +60,12 @@ def shown_help(parser, action) -> str:
 
 # The workflows' settings and where their flags live: (dataclass, flag prefix) per command. A prefixed dest
 # (cache_window) is checked on every command that has it, an unprefixed one (lr) on these commands only.
+DYNAMIC = (DynamicSettings, "")  # the dynamic commands' flags of its fields (dynamic stats: the adapted weights')
 WORKFLOWS = {"fastweights task assoc": [(AssocConfig, "")],
              "fastweights task ba-retrieval": [(BaRetrievalConfig, "")],
-             "fastweights dynamic eval": [(CacheSettings, "cache-")],
+             "fastweights dynamic eval": [(CacheSettings, "cache-"), DYNAMIC],
+             "fastweights dynamic tune": [DYNAMIC], "fastweights dynamic timescale": [DYNAMIC],
+             "fastweights dynamic generate": [DYNAMIC],
              "fastweights fwl-head train": [(FWLHeadRecipe, "")],
              "fastweights task niah": [(NiahOptions, "")]}
 
@@ -88,12 +91,14 @@ def test_every_flag_of_a_workflow_setting_takes_the_fields_default_and_shows_it(
             flag = "/".join(action.option_strings)
             assert action.default == f.default and type(action.default) is type(f.default), \
                 f"{parser.prog} {flag}: default {action.default!r}, {cls.__name__}.{f.name} is {f.default!r}"
-            if action.nargs != 0 or isinstance(action, argparse.BooleanOptionalAction):  # a value, or --x/--no-x
+            if f.default is None:  # a default found elsewhere (a tuned file, the model): its help says which
+                assert "default: " in shown_help(parser, action), f"{parser.prog} {flag}: default not said"
+            elif action.nargs != 0 or isinstance(action, argparse.BooleanOptionalAction):  # a value, or --x/--no-x
                 assert f"(default: {f.default})" in shown_help(parser, action), f"{parser.prog} {flag}: default not shown"
             checked.setdefault(parser.prog, set()).add(action.dest)
     assert set(checked) >= set(WORKFLOWS), f"commands without their settings' flags: {set(WORKFLOWS) - set(checked)}"
     assert len(checked["fastweights task assoc"]) == 16 and len(checked["fastweights task ba-retrieval"]) == 22
-    assert len(checked["fastweights dynamic eval"]) == 4 and len(checked["fastweights fwl-head train"]) >= 9
+    assert len(checked["fastweights dynamic eval"]) == 19 and len(checked["fastweights dynamic tune"]) == 11 and len(checked["fastweights fwl-head train"]) >= 9
 
 
 def _options(parser) -> dict:
@@ -260,7 +265,7 @@ def _recommended_command() -> list[str]:
 def test_the_smollm2_recommendation_is_the_measured_choice():
     res = json.loads((ROOT / "benchmarks/results/smollm2_dynamic_eval.json").read_text())
     chosen = res["results"][res["chosen"]]
-    args = build_parser().parse_args(_recommended_command()[1:])
+    args = parse_command_line(_recommended_command()[1:])
     assert (args.rule, args.lr, args.segment_len, args.exclude_params) == \
         (chosen["rule"], chosen["lr"], chosen["segment_len"], chosen["exclude"])
     assert GUIDE.read_text().count(SECTION) == 1

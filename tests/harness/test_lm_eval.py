@@ -364,3 +364,21 @@ def test_the_full_task_index_is_restored_when_the_run_fails():
             ["--tasks", "fastweights_novels", "--include_path", str(TASKS)], TASKS):
         raise RuntimeError("the run failed")
     assert lm_eval.tasks.TaskManager is full
+
+
+def test_a_preset_gives_the_dynamic_models_defaults_and_a_model_argument_wins(checkpoint, tmp_path, monkeypatch):
+    """``preset=NAME``: the shipped setting of ``--preset NAME`` (here a stand-in folder of presets); the model
+    arguments given win, segment_len included (0: not given). The static model has no such argument."""
+    from fastweights.adapt import setup as adapt_setup
+    from fastweights.core.errors import UserError
+
+    (tmp_path / "small.toml").write_text('rule = "sgd"\nlr = 0.01\nsegment_len = 8\nstats_batches = 3\n')
+    monkeypatch.setattr(adapt_setup, "_presets_dir", lambda: tmp_path)
+    lm = FastweightsDynamic(checkpoint=str(checkpoint), preset="small")
+    assert (lm.settings.rule, lm.settings.lr, lm.segment_len, lm.settings.stats_batches) == ("sgd", 0.01, 8, 3)
+    lm = FastweightsDynamic(checkpoint=str(checkpoint), preset="small", lr=0.02, segment_len=16)
+    assert (lm.settings.lr, lm.segment_len, lm.settings.segment_len) == (0.02, 16, 16)
+    with pytest.raises(UserError, match="no dynamic-evaluation preset 'large'"):
+        FastweightsDynamic(checkpoint=str(checkpoint), preset="large")
+    with pytest.raises(UserError, match="unknown model argument"):
+        FastweightsStatic(checkpoint=str(checkpoint), preset="small")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,45 +27,114 @@ import torch
 from fastweights.adapt.grad_stats import GRAD_STATS_FILE, GradStats, collect_grad_stats
 from fastweights.adapt.parameter_selection import glob_patterns
 from fastweights.adapt.update_rules import (DEFAULT_DECAY, DEFAULT_EPS, DEFAULT_LR, DEFAULT_RULE, DEFAULT_SEGMENT_LEN,
-                                           DEFAULT_STATS_BATCH_SIZE, DEFAULT_STATS_BATCHES, PRIOR_RULES,
+                                           DEFAULT_STATS_BATCH_SIZE, DEFAULT_STATS_BATCHES, PRIOR_RULES, RULES,
                                            SUBWORD_SEGMENT_LEN, WORD_SEGMENT_LEN, canonical_rule, parse_schedule)
+from fastweights.core import numbers
 from fastweights.core.errors import UserError
 
 LOWRANK_SEED = 0  # the fixed random factors B of --lowrank-rank (LowRankDynamicEvaluator's default seed)
 
 
+def schedule_spec(text: str) -> str:
+    """``text`` when it is a schedule :func:`~fastweights.adapt.update_rules.parse_schedule` reads (the parser of
+    ``--lr-schedule``), else ``UserError``."""
+    parse_schedule(text)
+    return text
+
+
+def _setting(default, help: str, **metadata):
+    """A field of :class:`DynamicSettings`: its default, its help and, for the command line, its parser
+    (``type``) and ``metavar`` (``cli.settings.add_settings`` makes the flag of it)."""
+    return field(default=default, metadata={"help": help, **metadata})
+
+
 @dataclass
 class DynamicSettings:
-    """What dynamic evaluation adapts and how (the flags of ``fastweights dynamic ...`` and ``--dynamic RULE``).
+    """What dynamic evaluation adapts and how (the flags of ``fastweights dynamic ...`` and ``--dynamic RULE``,
+    generated from these fields by ``cli.settings.add_settings``; the harness' model arguments).
 
     lr / decay None: from the ``tuned`` file when named, else from the checkpoint's own tuned file when it was
-    made for these weights and this setting (not with ``no_tuned``), else the library's defaults
-    (``update_rules.DEFAULT_LR`` / ``DEFAULT_DECAY``); segment_len 0: :func:`default_segment_len`; context 0:
-    the training seq_len (Hugging Face models: the model's own); stats None: the checkpoint's file of the kind adapted, collected on ``stats_data``
-    (None: the checkpoint's training split) in ``stats_batches`` batches of ``stats_batch_size`` x
-    ``stats_seq_len`` (0: segment_len) targets when missing. ``sparse_units`` and ``lowrank_rank`` (0: off)
-    adapt one sparse matrix or low-rank deltas instead of the weights ``params`` / ``exclude_params`` select."""
+    made for these weights and this setting (not with ``no_tuned``), else the library's defaults; segment_len 0:
+    :func:`default_segment_len`; context 0: the training seq_len (Hugging Face models: the model's own); stats
+    None: the checkpoint's file of the kind adapted, collected on ``stats_data`` (None: the checkpoint's training
+    split) in ``stats_batches`` batches of ``stats_batch_size`` x ``stats_seq_len`` (0: segment_len) targets when
+    missing. ``sparse_units`` and ``lowrank_rank`` (0: off) adapt one sparse matrix or low-rank deltas instead of
+    the weights ``params`` / ``exclude_params`` select."""
 
-    rule: str = DEFAULT_RULE
-    lr: float | None = None
-    decay: float | None = None
-    tuned: str | None = None
-    no_tuned: bool = False
-    eps: float | None = None
-    lr_schedule: str | None = None
-    segment_len: int = 0
-    context: int = 0
-    stats: str | None = None
-    params: str | None = None
-    exclude_params: str | None = None
-    sparse_units: int = 0
-    sparse_layer: int | None = None
-    lowrank_rank: int = 0
-    lowrank_params: str | None = None
-    stats_data: str | None = None
-    stats_batch_size: int = DEFAULT_STATS_BATCH_SIZE
-    stats_batches: int = DEFAULT_STATS_BATCHES
-    stats_seq_len: int = 0
+    rule: str = _setting(DEFAULT_RULE, f"update rule: {', '.join(RULES)}")
+    lr: float | None = _setting(None, "learning rate eta of the updates (default: the checkpoint's tuned file when "
+                                      f"one was made for it, else {DEFAULT_LR:g})", type=numbers.nonneg_float)
+    decay: float | None = _setting(None, "decay lambda towards the trained weights (prior rules; default: the tuned "
+                                         f"file, else {DEFAULT_DECAY:g})", type=numbers.nonneg_float)
+    tuned: str | None = _setting(None, "lr and decay from this `dynamic tune --save` file (default: the checkpoint's "
+                                       "dynamic_tuned.json when it was tuned for this checkpoint and setting)",
+                                 metavar="FILE")
+    no_tuned: bool = _setting(False, "do not use the checkpoint's tuned file: the default lr and decay unless given")
+    eps: float = _setting(DEFAULT_EPS, "epsilon of the RMS rules", type=numbers.positive_float)
+    lr_schedule: str = _setting("constant", "learning rate within the stream: constant, warmup:W (linear ramp over "
+                                            "the first W updates) or rsqrt:S (lr / sqrt(1 + i / S) at update i)",
+                                type=schedule_spec, metavar="SPEC")
+    segment_len: int = _setting(0, f"predictions per update (0: {DEFAULT_SEGMENT_LEN} for char/byte models, "
+                                   f"{SUBWORD_SEGMENT_LEN} for subword models)", type=numbers.nonneg_int)
+    context: int = _setting(0, "attention context in tokens (0: the training seq_len; Hugging Face models: the "
+                               "whole stream up to the model's position limit)", type=numbers.nonneg_int)
+    stats: str | None = _setting(None, "gradient statistics file (default: grad_stats*.safetensors in the "
+                                       "checkpoint, collected on its training split when missing)")
+    params: str | None = _setting(None, "adapt only parameters matching these globs, comma-separated, e.g. "
+                                        "'blocks.3.*' (default: every parameter)")
+    exclude_params: str | None = _setting(None, "do not adapt parameters matching these globs, e.g. 'embed.*' "
+                                                "(default: none excluded)")
+    sparse_units: int = _setting(0, "sparse dynamic evaluation: adapt an HxH matrix on the first H units of one "
+                                    "block's output (0: off)", type=numbers.nonneg_int)
+    sparse_layer: int | None = _setting(None, "block for sparse adaptation (default: the middle one)", type=int)
+    lowrank_rank: int = _setting(0, "low-rank dynamic evaluation: adapt rank-N deltas W + A B of the projections "
+                                    "--lowrank-params selects (A from zero, B fixed random; 0: off)",
+                                 type=numbers.nonneg_int)
+    lowrank_params: str | None = _setting(None, "module globs of the low-rank projections, comma-separated "
+                                                "(default: '*mlp.*', the MLPs)", metavar="GLOBS")
+    stats_data: str | None = _setting(None, "text the missing gradient statistics are collected on (default: the "
+                                            "checkpoint's training split)")
+    stats_batch_size: int = _setting(DEFAULT_STATS_BATCH_SIZE, "streams per batch of the gradient statistics",
+                                     type=numbers.positive_int)
+    stats_batches: int = _setting(DEFAULT_STATS_BATCHES, "batches the gradient statistics average (0: the whole "
+                                                         "text)", type=numbers.nonneg_int)
+    stats_seq_len: int = _setting(0, "targets per stream and batch of the gradient statistics (0: segment_len)",
+                                  type=numbers.nonneg_int)
+
+
+def dynamic_presets() -> list[str]:
+    """The names of the shipped dynamic-evaluation settings (``configs/dynamic/NAME.toml`` in the package)."""
+    return sorted(p.stem for p in _presets_dir().glob("*.toml"))
+
+
+def dynamic_preset(name: str) -> dict:
+    """The fields of :class:`DynamicSettings` a shipped setting names (``configs/dynamic/NAME.toml``), each checked
+    by its field's parser: the defaults ``--preset NAME`` gives the flags (a flag given on the command line wins),
+    the harness' ``preset=NAME``, and the benchmarks'."""
+    import dataclasses
+    import tomllib
+
+    path = _presets_dir() / f"{name}.toml"
+    if not path.is_file():
+        raise UserError(f"no dynamic-evaluation preset {name!r}; shipped: {', '.join(dynamic_presets()) or 'none'}")
+    values = tomllib.loads(path.read_text())
+    known = {f.name: f for f in dataclasses.fields(DynamicSettings)}
+    for key, value in values.items():
+        if key not in known:
+            raise UserError(f"preset {name}: {key} is not a dynamic-evaluation setting ({', '.join(known)})")
+        parse = known[key].metadata.get("type", str)
+        try:
+            if isinstance(value, bool) or parse(str(value)) != value:
+                raise UserError(f"got {value!r}")
+        except (numbers.BadNumber, UserError, ValueError) as e:
+            raise UserError(f"preset {name}: {key} = {value!r}: {e}") from None
+    return values
+
+
+def _presets_dir() -> Path:
+    from importlib import resources
+
+    return Path(str(resources.files("fastweights") / "configs" / "dynamic"))
 
 
 # ----------------------------------------------------------------------------- texts
@@ -90,16 +159,21 @@ def load_texts(data: str | None, cfg, split: str, max_chars: int = 0) -> list[st
     return texts
 
 
+def with_bos(tokenizer, ids: torch.Tensor) -> torch.Tensor:
+    """``ids`` after the tokenizer's BOS token, so that its first token is scored too (``--bos``)."""
+    bos_id = getattr(tokenizer, "bos_id", None)
+    if bos_id is None:
+        raise UserError("--bos: this tokenizer has no BOS token")
+    return torch.cat([torch.tensor([bos_id], dtype=ids.dtype), ids])
+
+
 def encode_texts(tokenizer, texts: list[str], bos: bool = False) -> tuple[list[torch.Tensor], int]:
     """Token tensors and the number of scored characters (the first token is context unless ``bos``)."""
     docs, chars = [], 0
-    bos_id = getattr(tokenizer, "bos_id", None)
-    if bos and bos_id is None:
-        raise UserError("--bos: this tokenizer has no BOS token")
     for t in texts:
         ids = torch.as_tensor(tokenizer.encode(t), dtype=torch.long)
         if bos:
-            ids = torch.cat([torch.tensor([bos_id]), ids])
+            ids = with_bos(tokenizer, ids)
             chars += len(t)
         elif len(ids) >= 2:
             chars += len(t) - len(tokenizer.decode(ids[:1].tolist()))
@@ -370,7 +444,7 @@ def resolve_setup(settings: DynamicSettings, model, tokenizer, cfg, ckpt: Path |
     stats = None
     if rule.startswith("rms"):
         stats = _grad_stats(settings, model, tokenizer, cfg, ckpt, rule, segment_len, context, spec, progress)
-    return DynamicSetup(rule=rule, lr=lr, decay=decay, eps=DEFAULT_EPS if settings.eps is None else settings.eps,
+    return DynamicSetup(rule=rule, lr=lr, decay=decay, eps=settings.eps,
                         lr_schedule=schedule, schedule_name=schedule_name, segment_len=segment_len, context=context,
                         adapted=spec, params=settings.params, exclude_params=settings.exclude_params, stats=stats,
                         lr_source=lr_source, decay_source=decay_source)

@@ -120,12 +120,23 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     return f"warning: {message}\n"  # the command line shows what to change, not which file warned
 
 
+def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed command line; with ``--preset NAME`` (the dynamic commands) the shipped setting becomes the
+    defaults of the command's flags and the line is parsed again, so that a flag given wins."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "dynamic_preset", None):
+        args.apply_dynamic_preset(args.dynamic_preset)
+        args = parser.parse_args(argv)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     import warnings
 
     warnings.formatwarning = _one_line_warning
     try:
-        args = build_parser().parse_args(argv)
+        args = parse_command_line(argv)
         args.argv = list(sys.argv[1:] if argv is None else argv)  # what result files record as the command
         if getattr(args, "thread_work", None):  # every command that runs a model (train: train.threads, in train())
             from fastweights.core.threads import use_threads

@@ -25,9 +25,8 @@ Each command maps its flags to an :class:`~fastweights.adapt.setup.DynamicSettin
 
 from __future__ import annotations
 
-import argparse
 import json
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -35,15 +34,16 @@ import torch
 from fastweights.adapt.cache import CacheSettings
 from fastweights.adapt.evaluate import ComparisonOptions, evaluate_static_and_dynamic, headline_key
 from fastweights.adapt.setup import (DynamicSettings, adaptation_spec, build_evaluator, collect_stats, default_context,
-                                     default_segment_len, encode_texts, evaluator_from, load_texts, resolve_setup,
-                                     stats_path, weights_fingerprint)
+                                     default_segment_len, dynamic_preset, dynamic_presets, encode_texts,
+                                     evaluator_from, load_texts, resolve_setup, stats_path, weights_fingerprint,
+                                     with_bos)
 from fastweights.adapt.tune import TUNE_CHARS
-from fastweights.adapt.update_rules import (DEFAULT_DECAY, DEFAULT_EPS, DEFAULT_LR, DEFAULT_RULE, DEFAULT_SEGMENT_LEN,
+from fastweights.adapt.update_rules import (DEFAULT_DECAY, DEFAULT_RULE, DEFAULT_SEGMENT_LEN,
                                            DEFAULT_STATS_BATCH_SIZE, DEFAULT_STATS_BATCHES, RULES, SUBWORD_SEGMENT_LEN)
 from fastweights.auto.sources import load_model_and_tokenizer
 from fastweights.cli.common import change, output_prefix
 from fastweights.cli.settings import add_settings, settings_from
-from fastweights.cli.types import floats, nonneg_float, nonneg_int, positive_float, positive_int, seed
+from fastweights.cli.types import floats, nonneg_float, nonneg_int, positive_int, seed
 from fastweights.core.errors import UserError
 
 CACHE_PREFIX = "cache-"  # --cache-window, --cache-flatness, --cache-mix, --cache-similarity
@@ -73,84 +73,56 @@ def _model_args(p, data_help: str) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress line")
 
 
-def _schedule(text: str) -> str:
-    """argparse type of --lr-schedule: constant, warmup:W or rsqrt:S."""
-    from fastweights.adapt.update_rules import parse_schedule
-
-    try:
-        parse_schedule(text)
-    except UserError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+# the settings each kind of command takes as flags, generated from DynamicSettings' fields (their defaults and help)
+ADAPTED = ("params", "exclude_params", "sparse_units", "sparse_layer", "lowrank_rank", "lowrank_params")
+STEP_SIZES = ("lr", "decay", "tuned", "no_tuned")
+RULE = ("eps", "lr_schedule", "segment_len", "stats")
 
 
-def _lowrank_args(p) -> None:
-    p.add_argument("--lowrank-rank", type=nonneg_int, default=0,
-                   help="low-rank dynamic evaluation: adapt rank-N deltas W + A B of the projections --lowrank-params "
-                        "selects (A from zero, B fixed random; 0: off)")
-    p.add_argument("--lowrank-params", metavar="GLOBS",
-                   help="module globs of the low-rank projections, comma-separated (default: '*mlp.*', the MLPs)")
+def _settings_flags(p, names: tuple[str, ...]) -> None:
+    """One flag per named field of :class:`DynamicSettings` (``--lowrank-rank`` for ``lowrank_rank``)."""
+    add_settings(p, DynamicSettings, exclude=[f.name for f in fields(DynamicSettings) if f.name not in names])
 
 
-def _adapted_args(p) -> None:
-    """What is adapted: --params, --exclude-params, --sparse-units, --sparse-layer, --lowrank-*."""
-    p.add_argument("--params", help="adapt only parameters matching these globs, comma-separated, e.g. 'blocks.3.*' "
-                                    "(default: every parameter)")
-    p.add_argument("--exclude-params", help="do not adapt parameters matching these globs, e.g. 'embed.*' (default: "
-                                            "none excluded)")
-    p.add_argument("--sparse-units", type=nonneg_int, default=0,
-                   help="sparse dynamic evaluation: adapt an HxH matrix on the first H units of one block's output "
-                        "(0: off)")
-    p.add_argument("--sparse-layer", type=int, default=None,
-                   help="block for sparse adaptation (default: the middle one)")
-    _lowrank_args(p)
+def _preset_flag(p, dests: dict[str, str | None] | None = None) -> None:
+    """``--preset NAME``: a shipped setting (``adapt.setup.dynamic_preset``) becomes the defaults of this command's
+    flags, so that a flag given on the command line wins (``cli.main`` parses again with them). ``dests``: the
+    flag a setting sets where it is not the field's own (None: no flag here)."""
+    p.add_argument("--preset", dest="dynamic_preset", metavar="NAME", default=None,
+                   help=f"a shipped setting as the defaults of the flags below ({', '.join(dynamic_presets())}; a flag "
+                        "given wins; default: none)")
+
+    def apply(name: str) -> None:
+        flags = {a.dest for a in p._actions}
+        dest = {k: (dests or {}).get(k, k) for k in dynamic_preset(name)}
+        p.set_defaults(**{dest[k]: v for k, v in dynamic_preset(name).items() if dest[k] in flags})
+
+    p.set_defaults(apply_dynamic_preset=apply)
 
 
 def _rule_args(p, with_lr: bool = True, rule_flag: str = "--rule", with_context: bool = True) -> None:
     if rule_flag == "--rule":
-        p.add_argument("--rule", default=DEFAULT_RULE, help=f"update rule: {', '.join(RULES)}")
+        _preset_flag(p, {"context": "seq_len"})
+        _settings_flags(p, ("rule",))
     else:
         p.add_argument(rule_flag, metavar="RULE", default=None,
                        help=f"also evaluate dynamically with this update rule ({', '.join(RULES)}; default: off)")
-    if with_lr:
-        p.add_argument("--lr", type=nonneg_float, default=None,
-                       help=f"learning rate eta of the updates (default: the checkpoint's tuned file when one was made "
-                            f"for it, else {DEFAULT_LR:g})")
-        p.add_argument("--decay", type=nonneg_float, default=None,
-                       help=f"decay lambda towards the trained weights (prior rules; default: the tuned file, else "
-                            f"{DEFAULT_DECAY:g})")
-        p.add_argument("--tuned", metavar="FILE",
-                       help="lr and decay from this `dynamic tune --save` file (default: the checkpoint's "
-                            "dynamic_tuned.json when it was tuned for this checkpoint and setting)")
-        p.add_argument("--no-tuned", action="store_true",
-                       help="do not use the checkpoint's tuned file: the default lr and decay unless given")
-    p.add_argument("--eps", type=positive_float, default=DEFAULT_EPS, help="epsilon of the RMS rules")
-    p.add_argument("--lr-schedule", type=_schedule, default="constant", metavar="SPEC",
-                   help="learning rate within the stream: constant, warmup:W (linear ramp over the first W "
-                        "updates) or rsqrt:S (lr / sqrt(1 + i / S) at update i)")
-    p.add_argument("--segment-len", type=nonneg_int, default=0,
-                   help=f"predictions per update (0: {DEFAULT_SEGMENT_LEN} for char/byte models, {SUBWORD_SEGMENT_LEN} "
-                        "for subword models)")
-    if with_context:
-        p.add_argument("--context", dest="seq_len", metavar="TOKENS", type=nonneg_int, default=0,
-                       help="attention context in tokens (0: the training seq_len; Hugging Face models: the "
-                            "whole stream up to the model's position limit)")
-    p.add_argument("--stats", help="gradient statistics file (default: grad_stats*.safetensors in the checkpoint, "
-                                   "collected on its training split when missing)")
-    _adapted_args(p)
-
-
-SETTING_FLAGS = ("lr", "decay", "tuned", "no_tuned", "eps", "lr_schedule", "segment_len", "stats", "params", "exclude_params",
-                 "sparse_units", "sparse_layer", "lowrank_rank", "lowrank_params")
+    _settings_flags(p, (STEP_SIZES if with_lr else ()) + RULE + ADAPTED)
+    if with_context:  # dest seq_len, as every command's --context; its default and help are the field's
+        context = next(f for f in fields(DynamicSettings) if f.name == "context")
+        p.add_argument("--context", dest="seq_len", metavar="TOKENS", type=nonneg_int, default=context.default,
+                       help=context.metadata["help"])
 
 
 def dynamic_settings(args, rule: str | None = None, context: int | None = None) -> DynamicSettings:
     """The parsed dynamic-evaluation flags as :class:`DynamicSettings` (``--dynamic RULE`` or ``--rule``;
-    the context: ``context`` when given, else ``--context`` / ``--seq-len``)."""
-    given = {k: getattr(args, k) for k in SETTING_FLAGS if getattr(args, k, None) is not None}
+    the context: ``context`` when given, else ``--context`` / ``--seq-len``). A field whose flag the command
+    does not have keeps its default."""
     rule = rule or getattr(args, "dynamic", None) or getattr(args, "rule", None) or DEFAULT_RULE
-    return DynamicSettings(rule=rule, context=context if context is not None else getattr(args, "seq_len", 0) or 0,
-                           **given)
+    context = context if context is not None else getattr(args, "seq_len", 0) or 0
+    preset = dynamic_preset(args.dynamic_preset) if getattr(args, "dynamic_preset", None) else {}
+    unflagged = {k: v for k, v in preset.items() if k not in ("rule", "context") and not hasattr(args, k)}
+    return settings_from(args, DynamicSettings, exclude=("rule", "context"), rule=rule, context=context, **unflagged)
 
 
 def comparison_options(args) -> ComparisonOptions:
@@ -228,6 +200,8 @@ def register(top, parser_class) -> None:
 
     c = sub.add_parser("stats", help="mean squared gradients on training text, for the RMS rules")
     _model_args(c, "TRAINING text (default: the checkpoint's training split; required with --hf)")
+    _preset_flag(c, {"stats_batch_size": "batch_size", "stats_batches": "max_batches", "stats_seq_len": "segment_len",
+                     "segment_len": None, "context": None})
     c.add_argument("--batch-size", type=positive_int, default=DEFAULT_STATS_BATCH_SIZE,
                    help="parallel streams per batch (the paper code's)")
     c.add_argument("--segment-len", type=nonneg_int, default=0,
@@ -237,7 +211,7 @@ def register(top, parser_class) -> None:
                    help=f"attention context in tokens (0: the training seq_len; Hugging Face models: "
                         f"{HF_STATS_CONTEXT}, the first tokens kept)")
     c.add_argument("--max-batches", type=nonneg_int, default=DEFAULT_STATS_BATCHES, help="batches to average (0: the whole text)")
-    _adapted_args(c)
+    _settings_flags(c, ADAPTED)
     c.add_argument("--save", metavar="FILE",
                    help="write the statistics to FILE, which --stats FILE reads (default: the checkpoint's "
                         "grad_stats*.safetensors, which dynamic eval then uses by itself; required with --hf)")
@@ -356,10 +330,8 @@ def cmd_collect_grad_stats(args) -> int:
     context = args.context or default_context(model, cfg)
     if cfg is None and not args.context:  # HF: whole-stream caches for --batch-size streams would not fit in memory
         context = min(context, HF_STATS_CONTEXT)
-    settings = DynamicSettings(params=args.params, exclude_params=args.exclude_params, sparse_units=args.sparse_units,
-                               sparse_layer=args.sparse_layer, lowrank_rank=args.lowrank_rank,
-                               lowrank_params=args.lowrank_params, stats_data=args.data, stats_batch_size=args.batch_size,
-                               stats_batches=args.max_batches, stats_seq_len=segment_len)
+    settings = replace(dynamic_settings(args), stats_data=args.data, stats_batch_size=args.batch_size,
+                       stats_batches=args.max_batches, stats_seq_len=segment_len)
     spec = adaptation_spec(settings, model)
     out = Path(args.save) if args.save else stats_path(None, ckpt, spec)
     if out is None:
@@ -385,9 +357,7 @@ def cmd_timescale(args) -> int:
         raise UserError(f"the text has {ids.numel()} tokens, fewer than one sequence of --doc-len {args.doc_len}")
     docs = [ids[i * args.doc_len : (i + 1) * args.doc_len] for i in range(n)]  # consecutive sequences
     if args.bos:  # each sequence starts with BOS, so its first token is scored too
-        if getattr(tok, "bos_id", None) is None:
-            raise UserError("--bos: this tokenizer has no BOS token")
-        docs = [torch.cat([torch.tensor([tok.bos_id]), d]) for d in docs]
+        docs = [with_bos(tok, d) for d in docs]
     ev, info = build_evaluator(dynamic_settings(args), model, tok, cfg, ckpt, progress=not args.quiet)
     res = timescale_analysis(ev, docs, args.window, progress=not args.quiet)
     res["settings"] = ev.metadata() | info

@@ -4,7 +4,7 @@
 - :func:`add_settings` adds one ``--flag`` per field to an argparse parser: the flag is ``--`` + ``prefix`` + the
   field's name with ``-`` for ``_`` (``max_steps`` -> ``--max-steps``; with ``prefix="cache-"``, ``window`` ->
   ``--cache-window``, dest ``cache_window``); its default is the field's, its help ``metadata["help"]``, its
-  choices ``metadata["choices"]`` when the field declares them. The value's type is the annotation's (``int``,
+  choices ``metadata["choices"]`` and its metavar ``metadata["metavar"]`` when the field declares them. The value's type is the annotation's (``int``,
   ``float``, ``str``; ``X | None`` as ``X``) unless ``metadata["type"]`` names a parser of the text (a rule of
   :mod:`fastweights.core.numbers` such as ``positive_int``, or a parser of the library's own), whose complaint
   (``BadNumber`` or ``UserError``) becomes argparse's one line naming the flag. A bool that defaults to False is a
@@ -73,6 +73,8 @@ def add_settings(parser, cls, prefix: str = "", exclude=()) -> None:
             kw["type"] = argparse_type(f.metadata["type"]) if "type" in f.metadata else kind
             if "choices" in f.metadata:
                 kw["choices"] = tuple(f.metadata["choices"])
+            if "metavar" in f.metadata:
+                kw["metavar"] = f.metadata["metavar"]
         parser.add_argument("--" + prefix + f.name.replace("_", "-"), **kw)
 
 

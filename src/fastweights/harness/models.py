@@ -18,8 +18,10 @@ k=v,...``):
     rule=                      sgd, rms, rms-global-prior, ... (default: the library's,
                                ``fastweights.adapt.update_rules.DEFAULT_RULE``; ``fastweights dynamic eval --help``)
     lr=, decay=                learning rate and prior decay (default: a tuned file made for the checkpoint,
-                               else the library's defaults); tuned=FILE; no_tuned=true. The measured setting
-                               for SmolLM2: docs/dynamic-evaluation.md, "Recommended setting for SmolLM2"
+                               else the library's defaults); tuned=FILE; no_tuned=true
+    preset=NAME                a shipped setting as the defaults of the others (``--preset`` of the command
+                               line; preset=smollm2-135m: docs/dynamic-evaluation.md, "Recommended setting for
+                               SmolLM2")
     eps=, lr_schedule=         the RMS rules' epsilon; constant, warmup:W or rsqrt:S
     stats=FILE                 gradient statistics of the RMS rules (a checkpoint's own are used or collected)
     params=, exclude_params=   globs of the adapted parameters (';' between globs: ',' separates model args)
@@ -44,7 +46,8 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from fastweights.adapt.evaluate import scores_not_finite_because
-from fastweights.adapt.setup import DynamicSettings, build_evaluator, default_context, default_segment_len
+from fastweights.adapt.setup import (DynamicSettings, build_evaluator, default_context, default_segment_len,
+                                     dynamic_preset)
 from fastweights.auto.sources import load_model_and_tokenizer
 from fastweights.core.distributed import resolve_device
 from fastweights.core.errors import UserError, refuse_worse_than_uniform
@@ -62,29 +65,18 @@ BATCH_IGNORED = ("{name}: --batch_size {size} is ignored: requests are scored on
                  "(results do not depend on it)")
 
 
-def _schedule(text: str) -> str:
-    """--lr-schedule's rule (constant, warmup:W or rsqrt:S), as the command line checks it."""
-    from fastweights.adapt.update_rules import parse_schedule
-
-    try:
-        parse_schedule(text)
-    except UserError as e:
-        raise BadNumber(str(e)) from None
-    return text
-
-
 def _flag_types() -> dict:
-    """Model argument -> (the flag of ``fastweights dynamic eval`` it mirrors, the flag's argparse type)."""
-    from fastweights.core.numbers import nonneg_float, nonneg_int, positive_float, positive_int
+    """Model argument -> (the flag of ``fastweights dynamic eval`` it mirrors, its parser): the harness' own and
+    every :class:`DynamicSettings` field's (the parser its field declares, as the command line's flags use it)."""
+    from dataclasses import fields
 
-    return {"threads": ("--threads", nonneg_int), "segment_len": ("--segment-len", nonneg_int),
-            "context": ("--context", nonneg_int), "sinks": ("--sinks", nonneg_int),
-            "lr": ("--lr", nonneg_float), "decay": ("--decay", nonneg_float), "eps": ("--eps", positive_float),
-            "lr_schedule": ("--lr-schedule", _schedule), "sparse_units": ("--sparse-units", nonneg_int),
-            "sparse_layer": ("--sparse-layer", int), "lowrank_rank": ("--lowrank-rank", nonneg_int),
-            "stats_batch_size": ("--batch-size of dynamic stats", positive_int),
-            "stats_batches": ("--max-batches of dynamic stats", nonneg_int),
-            "stats_seq_len": ("--segment-len of dynamic stats", nonneg_int)}
+    from fastweights.core.numbers import nonneg_int
+
+    stats_flags = {"stats_batch_size": "--batch-size of dynamic stats", "stats_batches": "--max-batches of dynamic "
+                   "stats", "stats_seq_len": "--segment-len of dynamic stats"}
+    settings = {f.name: (stats_flags.get(f.name, "--" + f.name.replace("_", "-")), f.metadata["type"])
+                for f in fields(DynamicSettings) if "type" in f.metadata}
+    return {"threads": ("--threads", nonneg_int), "sinks": ("--sinks", nonneg_int), **settings}
 
 
 def _checked(name: str, args: dict) -> dict:
@@ -109,7 +101,7 @@ def _checked(name: str, args: dict) -> dict:
                     raise BadNumber(f"expected an integer, got {text!r}") from None
             else:
                 out[key] = kind(text)
-        except BadNumber as e:
+        except (BadNumber, UserError) as e:
             raise UserError(f"--model {name}: model argument {key}={text} ({flag} of the command line): {e}") from None
     for key in ("bos", "no_tuned"):
         value = out.get(key)
@@ -138,9 +130,15 @@ class FastweightsLM(LM):
         super().__init__()
         if (checkpoint is None) == (hf is None):
             raise UserError("give exactly one of checkpoint=DIR and hf=NAME in --model_args")
-        unknown = sorted(k for k in kwargs if k not in _HARNESS_ARGS and not (self.dynamic and k in _SETTING_FIELDS))
+        unknown = sorted(k for k in kwargs if k not in _HARNESS_ARGS
+                         and not (self.dynamic and (k in _SETTING_FIELDS or k == "preset")))
         if unknown:
             raise UserError(f"unknown model argument(s) for --model {self.name}: {', '.join(unknown)}")
+        if kwargs.get("preset") is not None:  # a shipped setting; the model arguments given win (0: not given)
+            preset = dynamic_preset(str(kwargs.pop("preset")))
+            segment_len = segment_len or preset.get("segment_len", 0)
+            context = context or preset.get("context", 0)
+            kwargs = {**{k: v for k, v in preset.items() if k not in ("segment_len", "context")}, **kwargs}
         given = _checked(self.name, {"threads": threads, "segment_len": segment_len, "context": context, "bos": bos,
                                      "sinks": sinks, **kwargs})
         threads, segment_len, context, bos, sinks = (given.pop(k) for k in ("threads", "segment_len", "context", "bos",

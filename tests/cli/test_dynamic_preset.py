@@ -1,0 +1,98 @@
+"""Dynamic evaluation's settings are defined once (``adapt.setup.DynamicSettings``: default, help, parser) and the
+recommended SmolLM2 setting ships as a preset (``configs/dynamic/smollm2-135m.toml``) that the command line
+(``--preset``), the harness (``preset=``) and the docs read (issue 48)."""
+
+import dataclasses
+import json
+
+import pytest
+
+from fastweights.adapt import setup as adapt_setup
+from fastweights.adapt.setup import DynamicSettings, dynamic_preset, dynamic_presets
+from fastweights.cli import main, parse_command_line
+from fastweights.cli.dynamic import dynamic_settings
+from fastweights.core.errors import UserError
+from helpers import BENCHMARKS
+
+EVAL = ["dynamic", "eval", "--hf", "gpt2-dir"]
+
+
+def test_the_smollm2_preset_is_the_setting_the_benchmark_chose():
+    result = json.loads((BENCHMARKS / "results" / "smollm2_dynamic_eval.json").read_text())
+    chosen = result["results"][result["chosen"]]
+    stats = result["gradient_statistics"]
+    assert dynamic_preset("smollm2-135m") == {
+        "rule": chosen["rule"], "lr": chosen["lr"], "segment_len": chosen["segment_len"],
+        "exclude_params": chosen["exclude"], "stats_batch_size": stats["batch_size"],
+        "stats_batches": stats["batches"], "stats_seq_len": stats["seq_len"]}
+    assert chosen["include"] is None and not chosen["lowrank"] and chosen["lr_schedule"] == "constant"
+
+
+def test_a_preset_gives_the_flags_their_defaults_and_a_flag_given_wins():
+    plain = dynamic_settings(parse_command_line(EVAL))
+    assert plain == DynamicSettings()  # every flag's default is its field's
+    preset = dynamic_settings(parse_command_line([*EVAL, "--preset", "smollm2-135m"]))
+    assert preset == DynamicSettings(**dynamic_preset("smollm2-135m"))  # the unflagged stats_* fields too
+    given = dynamic_settings(parse_command_line([*EVAL, "--lr", "1e-4", "--preset", "smollm2-135m",
+                                                 "--segment-len", "32"]))
+    assert (given.lr, given.segment_len, given.rule) == (1e-4, 32, "rms")  # before or after --preset
+
+
+def test_dynamic_stats_takes_the_presets_statistics_batches():
+    args = parse_command_line(["dynamic", "stats", "--hf", "gpt2-dir", "--preset", "smollm2-135m"])
+    assert (args.batch_size, args.max_batches, args.segment_len, args.context) == (4, 16, 64, 0)
+    args = parse_command_line(["dynamic", "stats", "--hf", "gpt2-dir", "--preset", "smollm2-135m",
+                               "--batch-size", "2"])
+    assert (args.batch_size, args.max_batches) == (2, 16)
+
+
+def test_the_context_of_a_preset_is_the_commands_context(tmp_path, monkeypatch):
+    (tmp_path / "long.toml").write_text("context = 2048\nrule = \"sgd\"\n")
+    monkeypatch.setattr(adapt_setup, "_presets_dir", lambda: tmp_path)
+    settings = dynamic_settings(parse_command_line([*EVAL, "--preset", "long"]))
+    assert (settings.context, settings.rule) == (2048, "sgd")
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("lr = -1.0\n", "preset bad: lr = -1.0: must be a finite number >= 0, got -1.0"),
+    ("lr = \"fast\"\n", "preset bad: lr = 'fast'"),
+    ("segment_len = 6.5\n", "preset bad: segment_len = 6.5"),
+    ("learning_rate = 1e-3\n", "preset bad: learning_rate is not a dynamic-evaluation setting"),
+    ("lr_schedule = \"sometimes\"\n", "preset bad: lr_schedule = 'sometimes'"),
+])
+def test_a_bad_preset_is_one_line_naming_the_setting(text, needle, tmp_path, monkeypatch, capsys):
+    (tmp_path / "bad.toml").write_text(text)
+    monkeypatch.setattr(adapt_setup, "_presets_dir", lambda: tmp_path)
+    with pytest.raises(UserError) as raised:
+        dynamic_preset("bad")
+    assert str(raised.value).startswith(needle), raised.value
+    assert main([*EVAL, "--data", "x.txt", "--preset", "bad"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: " + needle), err
+
+
+def test_an_unknown_preset_names_the_shipped_ones(capsys):
+    assert "smollm2-135m" in dynamic_presets()
+    assert main([*EVAL, "--data", "x.txt", "--preset", "smollm2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: no dynamic-evaluation preset 'smollm2'; shipped: " + ", ".join(dynamic_presets())]
+
+
+def test_every_flag_of_a_setting_is_generated_from_its_field():
+    """The dynamic commands' flags of DynamicSettings' fields have the field's default and help (no copy)."""
+    from fastweights.cli import build_parser
+
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices["dynamic"]._subparsers._group_actions[0].choices
+    fields = {f.name: f for f in dataclasses.fields(DynamicSettings)}
+    seen = set()
+    for name, sub in commands.items():
+        own = {"segment_len", "context"} if name == "stats" else set()  # dynamic stats' own: the statistics' protocol
+        for action in sub._actions:
+            dest = "context" if action.dest == "seq_len" else action.dest  # --context
+            if dest in fields and dest not in own:
+                f = fields[dest]
+                assert action.default == f.default and action.help.startswith(f.metadata["help"]), (name, f.name)
+                seen.add(f.name)
+    assert seen >= {"rule", "context", "lr", "decay", "tuned", "no_tuned", "eps", "lr_schedule", "segment_len", "stats",
+                    "params", "exclude_params", "sparse_units", "sparse_layer", "lowrank_rank", "lowrank_params"}
