@@ -34,6 +34,13 @@ TARGETS = ("test", "demo")
 TAIL_LINES = 20
 
 
+def probe_specs(probes) -> list[dict]:
+    """The behaviour probes of what the times measure (see benchmarks/tools/probes.py): the Makefile's set-up and
+    its two commands (a worker per core for the tests; the demo's command), whose change makes the times stale."""
+    return [probes.probe("source", path="Makefile", texts=["pip install -q torch==2.13.0", "pytest -n auto",
+                                                          "fastweights demo --out runs/demo"])]
+
+
 def spin() -> None:
     """A busy process: one core at 100% until terminated."""
     x = 0

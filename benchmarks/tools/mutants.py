@@ -15,9 +15,14 @@ What it does (mutmut 3.8, pinned in the dev extra; its own docs: https://mutmut.
    modified (``git diff -U0 BASE HEAD``) are left out.
 3. ``mutmut run`` on the rest, on one core (``--max-children``): it first records which of the selected tests
    reach which function, then runs, per mutant, only those tests.
+   With ``--sample N`` (a large change: mutmut's first step alone, every selected test run once under its
+   call-recording trampolines, took hours of one core on 11,000 mutants), N mutants drawn at random are each
+   applied to a worktree as the lines they change, and the tests that import the mutant's module run until the
+   first failure (``pytest -x``); ``--max-children`` worktrees at once.
 4. Each mutant's status (killed, survived, no tests, timeout, ...) and, for a survivor, its one-line diff; a
    survivor matching an entry of the accepted file (its function glob and, when given, the mutated line's
-   text, ``line``, or a regular expression the mutated line matches, ``line_matches``) is ``accepted`` with that entry's reason. The score is killed / (mutants - accepted - no tests).
+   text, ``line``, or a regular expression the mutated line matches, ``line_matches``) is ``accepted`` with that
+   entry's reason. The score is killed / (mutants - accepted - no tests - not applied).
 
 Writes the JSON (``--out``, default: printed only) with the command, the base, per-file counts and every
 survivor; exit status 1 when an unaccepted survivor is left, 2 on bad input.
@@ -99,9 +104,11 @@ def package_data() -> list[str]:
     return sorted({str(Path(p)) for p in git("ls-files", "src").splitlines() if not p.endswith(".py")})
 
 
-def mutant_lines(tmp: Path, files: list[str]) -> dict[str, tuple[str, int, str, str]]:
+def mutant_lines(tmp: Path, files: list[str], edits: dict | None = None) -> dict[str, tuple[str, int, str, str]]:
     """mutant name -> (file, line at HEAD, the original line, the mutated line), from mutmut's generated files
-    (each function's copies ``x_f__mutmut_N`` beside its ``x_f__mutmut_orig``, their spans in ``.spans``)."""
+    (each function's copies ``x_f__mutmut_N`` beside its ``x_f__mutmut_orig``, their spans in ``.spans``).
+    ``edits``, when given, receives per mutant every line it changes: [(line at HEAD, generated original line,
+    generated mutated line)], or None when mutmut's copy has another number of lines."""
     result = {}
     for f in files:
         generated = tmp / "mutants" / f
@@ -128,6 +135,10 @@ def mutant_lines(tmp: Path, files: list[str]) -> dict[str, tuple[str, int, str, 
                     continue
                 line = at + (k - body[1]) + 1  # 1-based, in the file at HEAD
                 result[f"{module}.{name}"] = (f, line, orig[k].strip(), lines[a - 1 + k].strip())
+                if edits is not None:  # every changed line, for applying the mutant as a patch (None: lines differ)
+                    edits[f"{module}.{name}"] = None if len(orig) != len(mutant) else [
+                        (at + (i - body[1]) + 1, x, lines[a - 1 + i]) for i, (x, y) in enumerate(zip(orig, mutant))
+                        if x != y]
     return result
 
 
@@ -149,6 +160,69 @@ def _find_block(source: list[str], block: list[str]) -> int | None:
             if ok:
                 return i
     return None
+
+
+def patched(source: str, edits: list[tuple[int, str, str]]) -> str | None:
+    """``source`` with a mutant's ``edits`` applied (each line re-indented by the offset between mutmut's copy and
+    the file: a method's copy sits at module level), or None when a line is not the one mutmut mutated."""
+    lines = source.split("\n")
+    for line, original, mutated in edits:
+        if not 1 <= line <= len(lines) or lines[line - 1].strip() != original.strip():
+            return None
+        here = lines[line - 1]
+        shift = (len(here) - len(here.lstrip())) - (len(original) - len(original.lstrip()))
+        indent = len(mutated) - len(mutated.lstrip()) + shift
+        lines[line - 1] = " " * max(indent, 0) + mutated.lstrip()
+    return "\n".join(lines)
+
+
+def run_patched(tree: Path, file: str, edits: list | None, tests: list[str], timeout: float) -> str:
+    """One mutant's status in the worktree ``tree``: applied to ``file`` as a patch, ``tests`` run until the first
+    failure (killed), all passing (survived), none collected (no tests), past ``timeout`` seconds (timeout)."""
+    path = tree / file
+    original = path.read_text()
+    text = patched(original, edits) if edits else None
+    if text is None:
+        return "not applied"
+    if not tests:
+        return "no tests"
+    path.write_text(text)
+    try:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tree / "src"), "PYTHONDONTWRITEBYTECODE": "1"}
+        done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                               "-p", "no:randomly", *tests], cwd=tree, env=env, capture_output=True, timeout=timeout)
+        return {0: "survived", 5: "no tests", 4: "error"}.get(done.returncode, "killed")  # 1: failed, 2: import
+    except subprocess.TimeoutExpired:
+        return "timeout"
+    finally:
+        path.write_text(original)
+
+
+def run_sample(chosen: list[str], where: dict, edits: dict, trees: list[Path], tests: list[str] | None,
+               timeout: float) -> dict[str, str]:
+    """Each mutant's :func:`run_patched` status, ``len(trees)`` at a time (a worktree each); its tests: ``tests``,
+    else those that import its module."""
+    import queue
+    from concurrent.futures import ThreadPoolExecutor
+
+    free = queue.Queue()
+    for t in trees:
+        free.put(t)
+
+    def one(name: str) -> str:
+        tree = free.get()
+        try:
+            f = where[name][0]
+            return run_patched(tree, f, edits.get(name), tests if tests is not None else tests_for([f]), timeout)
+        finally:
+            free.put(tree)
+
+    out = {}
+    with ThreadPoolExecutor(len(trees)) as pool:
+        for i, (name, status) in enumerate(zip(chosen, pool.map(one, chosen)), 1):
+            out[name] = status
+            print(f"{i}/{len(chosen)} {status:>11}  {name}", flush=True)
+    return out
 
 
 def accepted_reason(entries: list[dict], name: str, mutated: str) -> str | None:
@@ -179,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample", type=int, help="test this many of the change's mutants, drawn at random (a large "
                                                "change's score estimated; default: every mutant)")
     ap.add_argument("--seed", type=int, default=0, help="the draw's seed, with --sample")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds one sampled mutant's tests may take")
     ap.add_argument("--out", help="write the JSON here (default: print the summary only)")
     args = ap.parse_args(argv)
     if args.sample is not None and args.sample < 1:
@@ -212,38 +287,49 @@ def main(argv: list[str] | None = None) -> int:
                 "also_copy": ["benchmarks", "docs", "README.md", "Makefile", *package_data()]}.items()) + "\n")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         subprocess.run([sys.executable, "-c", GENERATE], cwd=tree, env=env, check=True, capture_output=True)
-        where = mutant_lines(tree, files)
+        edits: dict = {}
+        where = mutant_lines(tree, files, edits)
         chosen = sorted(n for n, (f, line, _, _) in where.items() if line in lines_by_file[f])
         generated = len(chosen)
         if args.sample is not None and args.sample < generated:
             chosen = sorted(random.Random(args.seed).sample(chosen, args.sample))
         print(f"{len(chosen)} of {generated} mutants on the {sum(map(len, lines_by_file.values()))} changed lines of {len(files)} "
               f"files since {base} ({len(where)} in those files); tests: {len(tests)} files", flush=True)
-        if chosen:
+        statuses = {}
+        if chosen and args.sample is None:
             done = subprocess.run([mutmut, "run", "--max-children", str(args.max_children), *chosen], cwd=tree,
                                   env=env, capture_output=True, text=True)
             if done.returncode:
                 raise SystemExit(f"error: mutmut run failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-        codes = {}
-        for f in files:
-            meta = tree / "mutants" / (f + ".meta")
-            if meta.is_file():
-                codes.update(json.loads(meta.read_text())["exit_code_by_key"])
+            codes = {}
+            for f in files:
+                meta = tree / "mutants" / (f + ".meta")
+                if meta.is_file():
+                    codes.update(json.loads(meta.read_text())["exit_code_by_key"])
+            statuses = {name: STATUS.get(codes.get(name), "suspicious") for name in chosen}
+        elif chosen:  # a sample: each mutant as a patch, in worktrees of its own per worker
+            trees = [tree]
+            for k in range(1, args.max_children):
+                git("worktree", "add", "--detach", str(tmp / f"tree{k}"), "HEAD")
+                trees.append(tmp / f"tree{k}")
+            statuses = run_sample(chosen, where, edits, trees, args.tests.split(",") if args.tests else None,
+                                  args.timeout)
     finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(tmp / "tree")], cwd=REPO, capture_output=True)
+        for worktree in sorted(tmp.glob("tree*")):
+            subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=REPO, capture_output=True)
         shutil.rmtree(tmp, ignore_errors=True)
     entries = tomllib.loads(ACCEPTED.read_text()).get("accepted", []) if ACCEPTED.is_file() else []
     rows, counts = [], {}
     for name in chosen:
         f, line, original, mutated = where[name]
-        status = STATUS.get(codes.get(name), "suspicious")
+        status = statuses.get(name, "not checked")
         reason = accepted_reason(entries, name, mutated) if status == "survived" else None
         status = "accepted" if reason else status
         counts[status] = counts.get(status, 0) + 1
         if status not in ("killed",):
             rows.append({"mutant": name, "file": f, "line": line, "original": original, "mutated": mutated,
                          "status": status, **({"reason": reason} if reason else {})})
-    judged = sum(v for k, v in counts.items() if k not in ("accepted", "no tests"))
+    judged = sum(v for k, v in counts.items() if k not in ("accepted", "no tests", "not applied"))
     score = counts.get("killed", 0) / judged if judged else 1.0
     summary = {"base": base, "files": {f: len(lines_by_file[f]) for f in files}, "tests": tests,
                "mutants": len(chosen), "generated": generated, "counts": counts, "score": score,

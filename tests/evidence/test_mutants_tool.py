@@ -65,3 +65,28 @@ def test_a_sample_of_no_mutants_is_one_line_and_exit_2(capsys):
     assert mutants.exit_status_of(lambda: mutants.main(["--sample", "0"])) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--sample 0" in err[0]
+
+
+def test_a_sampled_mutant_is_applied_as_the_lines_it_changes_reindented():
+    source = "class A:\n    def f(self, a):\n        b = a + 1\n        return b * 2\n"
+    # mutmut's copy of a method sits at module level: its lines are indented one level less than the file's
+    edits = [(3, "    b = a + 1", "    b = a - 1"), (4, "    return b * 2", "    return b / 2")]
+    assert mutants.patched(source, edits) == "class A:\n    def f(self, a):\n        b = a - 1\n        return b / 2\n"
+    assert mutants.patched(source, [(3, "    b = a + 2", "    b = a - 2")]) is None  # not the line mutmut saw
+    assert mutants.patched(source, [(9, "x", "y")]) is None
+
+
+def test_a_sampled_mutant_is_killed_by_a_failing_test_and_the_file_is_restored(tmp_path):
+    (tmp_path / "src" / "pkg").mkdir(parents=True)
+    (tmp_path / "tests").mkdir()
+    module = tmp_path / "src" / "pkg" / "mod.py"
+    module.write_text("def f(a):\n    return a + 1\n")
+    (tmp_path / "tests" / "test_mod.py").write_text("from pkg.mod import f\n\n\ndef test_f():\n    assert f(1) == 2\n")
+    run = lambda edits: mutants.run_patched(tmp_path, "src/pkg/mod.py", edits, ["tests/test_mod.py"], 120)  # noqa: E731
+    assert run([(2, "    return a + 1", "    return a - 1")]) == "killed"
+    assert module.read_text() == "def f(a):\n    return a + 1\n"
+    assert run([(2, "    return a + 1", "    return 1 + a")]) == "survived"  # an equivalent mutant
+    assert run([(2, "    return a + 2", "    return a - 1")]) == "not applied"
+    assert run(None) == "not applied"  # mutmut's copy had another number of lines
+    assert mutants.run_patched(tmp_path, "src/pkg/mod.py", [(2, "    return a + 1", "    return a - 1")], [], 120) \
+        == "no tests"
