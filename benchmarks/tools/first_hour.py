@@ -52,6 +52,8 @@ def run_make(target: str, work: Path, busy: int) -> dict:
     """``make TARGET`` in a fresh clone of HEAD under ``work`` with ``busy`` spinning processes beside it."""
     clone = Path(tempfile.mkdtemp(prefix=f"first-hour-{target}-", dir=work))
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+    commit = subprocess.run(["git", "-C", str(clone), "rev-parse", "HEAD"], capture_output=True, text=True,
+                            check=True).stdout.strip()  # what was timed (the result file's provenance: the package's)
     spinners = [multiprocessing.Process(target=spin, daemon=True) for _ in range(busy)]
     for p in spinners:
         p.start()
@@ -68,7 +70,7 @@ def run_make(target: str, work: Path, busy: int) -> dict:
             p.join()
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-TAIL_LINES:]
     shutil.rmtree(clone, ignore_errors=True)
-    return {"target": target, "busy_processes": busy, "busy_at_the_end": alive, "wall_s": round(wall, 1), "minutes": round(wall / 60, 1),
+    return {"target": target, "commit": commit, "busy_processes": busy, "busy_at_the_end": alive, "wall_s": round(wall, 1), "minutes": round(wall / 60, 1),
             "exit_status": proc.returncode, "load_1m_before": round(load_before, 2),
             "load_1m_after": round(load_after, 2), "output_tail": tail if proc.returncode else tail[-3:]}
 
