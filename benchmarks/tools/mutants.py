@@ -86,7 +86,7 @@ def changed_lines(base: str) -> dict[str, set[int]]:
 
 def tests_for(files: list[str]) -> list[str]:
     """The test files that name one of ``files``' modules (``fastweights.a.b`` or ``from fastweights.a import b``)."""
-    modules = [f.removeprefix("src/").removesuffix(".py").replace("/", ".") for f in files]
+    modules = [f.removeprefix("src/").removesuffix(".py").replace("/", ".").removesuffix(".__init__") for f in files]
     patterns = []
     for mod in modules:
         package, _, name = mod.rpartition(".")

@@ -231,3 +231,14 @@ def test_lowrank_and_cache_on_a_transformers_llama():
     assert any(a.abs().max() > 0 for a in st.values)
     c, _ = DynamicNeuralCache(ev, window=50, mix=0.0).evaluate(x)
     assert c.token_losses == r.token_losses
+
+
+def test_an_unknown_cache_similarity_is_one_clear_error():
+    """The refusal names the similarities there are (mutation caught: the list in its message replaced by None,
+    a TypeError instead of the one line)."""
+    from fastweights.adapt.cache import SIMILARITIES
+
+    ev = DynamicEvaluator(torch.nn.Linear(2, 2), rule="sgd", lr=0.0, segment_len=4)
+    with pytest.raises(UserError) as raised:
+        DynamicNeuralCache(ev, similarity="euclid")
+    assert str(raised.value) == f"cache similarity must be one of {', '.join(SIMILARITIES)}, got 'euclid'"

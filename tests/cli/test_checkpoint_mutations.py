@@ -107,3 +107,14 @@ def test_a_trainer_state_at_another_step_than_the_manifest_is_refused(tmp_path):
         load_for_resume(d)
     save_model(_model(cfg, 0), d, cfg, tok, trainer_state={**state, "step": 4}, step=4)
     assert load_for_resume(d)["state"]["step"] == 4
+
+
+def test_integer_weights_are_refused_naming_both_dtypes():
+    """An integer tensor where the model holds floats would lose every fraction: refused in one line that names
+    the two dtypes as torch prints them without its prefix (mutation caught: removesuffix for removeprefix)."""
+    model = torch.nn.Linear(2, 2)
+    tensors = {"weight": torch.zeros(2, 2, dtype=torch.int64), "bias": torch.zeros(2)}
+    with pytest.raises(UserError) as raised:
+        fmt.check_weights(model, tensors, "run")
+    assert str(raised.value).startswith("run: tensor weight is int64 in model.safetensors where the model holds "
+                                        "float32;"), raised.value

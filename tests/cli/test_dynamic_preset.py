@@ -96,3 +96,16 @@ def test_every_flag_of_a_setting_is_generated_from_its_field():
                 seen.add(f.name)
     assert seen >= {"rule", "context", "lr", "decay", "tuned", "no_tuned", "eps", "lr_schedule", "segment_len", "stats",
                     "params", "exclude_params", "sparse_units", "sparse_layer", "lowrank_rank", "lowrank_params"}
+
+
+def test_eval_dynamic_rule_is_the_rule_evaluated():
+    """``eval --dynamic RULE`` names the rule (there is no --rule there). Mutation caught: the flag's dest misread."""
+    args = parse_command_line(["eval", "--checkpoint", "runs/x", "--dynamic", "sgd"])
+    assert dynamic_settings(args).rule == "sgd"
+
+
+def test_with_no_preset_shipped_the_message_says_none(tmp_path, monkeypatch):
+    monkeypatch.setattr(adapt_setup, "_presets_dir", lambda: tmp_path)
+    with pytest.raises(UserError) as raised:
+        dynamic_preset("smollm2-135m")
+    assert str(raised.value) == "no dynamic-evaluation preset 'smollm2-135m'; shipped: none"

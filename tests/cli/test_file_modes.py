@@ -112,3 +112,16 @@ def test_a_json_cache_entry_is_merged_into_what_the_file_holds(tmp_path):
     path.write_text("not json")
     merge_into_json_cache(path, ("v",), {"passed": True})
     assert json.loads(path.read_text()) == {"v": {"passed": True}}
+
+
+def test_the_staging_folder_lies_inside_the_named_folder(tmp_path, monkeypatch):
+    """``write_into`` stages inside the folder it writes into, so that moving each file in is a rename on one file
+    system and nothing is left outside the folder the user named. Mutation caught: ``mkdtemp(dir=None)``."""
+    seen = []
+
+    def writer(staging):
+        seen.append(Path(staging).resolve())
+        (Path(staging) / "a.txt").write_text("x")
+
+    write_into(tmp_path / "out", writer)
+    assert seen[0].parent == (tmp_path / "out").resolve() and (tmp_path / "out" / "a.txt").read_text() == "x"

@@ -85,3 +85,13 @@ def test_a_setting_without_help_or_default_is_refused():
             add_settings(argparse.ArgumentParser(), cls)
     with pytest.raises(TypeError, match="no field"):
         add_settings(argparse.ArgumentParser(), Example, exclude={"nope"})
+
+
+def test_a_value_that_is_not_a_number_is_named_as_such():
+    """The one line a bad number gives says what was expected (mutation caught: the message's words changed)."""
+    with pytest.raises(numbers.BadNumber) as raised:
+        numbers.nonneg_float("fast")
+    assert str(raised.value) == "expected a number, got 'fast'"
+    with pytest.raises(numbers.BadNumber) as raised:
+        numbers.nonneg_int("1.5")
+    assert str(raised.value) == "expected an integer, got '1.5'"

@@ -90,3 +90,10 @@ def test_a_sampled_mutant_is_killed_by_a_failing_test_and_the_file_is_restored(t
     assert run(None) == "not applied"  # mutmut's copy had another number of lines
     assert mutants.run_patched(tmp_path, "src/pkg/mod.py", [(2, "    return a + 1", "    return a - 1")], [], 120) \
         == "no tests"
+
+
+def test_a_packages_init_is_tested_by_the_tests_that_import_the_package():
+    """``src/fastweights/cli/__init__.py`` is the module ``fastweights.cli`` (mutation run of 2026-11-29: its
+    mutants had 'no tests', as no test names ``fastweights.cli.__init__``)."""
+    found = mutants.tests_for(["src/fastweights/cli/__init__.py"])
+    assert "tests/cli/test_cli.py" in found

@@ -384,3 +384,19 @@ def test_cached_stream_reuses_and_rekeys(tmp_path, monkeypatch):
     first.path.write_bytes(b"\x00")  # a damaged entry is rebuilt
     assert np.array_equal(cached_stream(docs, ByteTokenizer(), tmp_path, "train").tokens,
                           np.frombuffer(b"hello theregeneral kenobi", dtype=np.uint8))
+
+
+def test_the_hubs_reachability_is_asked_with_a_timeout(monkeypatch):
+    """The check before an uncached dataset is read gives up after its timeout: without one, a network that drops
+    packets would hang the command for the system's connect timeout (minutes). Mutation caught: the timeout
+    dropped from ``socket.create_connection``."""
+    import socket
+
+    pytest.importorskip("huggingface_hub")
+    from huggingface_hub import constants
+
+    calls = []
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(socket, "create_connection", lambda address, **kw: calls.append(kw) or socket.socket())
+    assert corpus_mod._hub_unreachable() is None
+    assert calls and 0 < calls[0].get("timeout", 0) <= 30, calls
