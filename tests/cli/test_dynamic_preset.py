@@ -109,3 +109,13 @@ def test_with_no_preset_shipped_the_message_says_none(tmp_path, monkeypatch):
     with pytest.raises(UserError) as raised:
         dynamic_preset("smollm2-135m")
     assert str(raised.value) == "no dynamic-evaluation preset 'smollm2-135m'; shipped: none"
+
+
+def test_dynamic_stats_names_its_save_flag_when_refusing_the_file(tmp_path, capsys):
+    """Checked before any model is read (mutation caught: the flag's name dropped from the message)."""
+    taken = tmp_path / "notes.txt"
+    taken.write_text("mine")
+    assert main(["dynamic", "stats", "--checkpoint", str(tmp_path / "nowhere"), "--save", str(taken)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --save {taken} exists and was not written by this command")
+    assert taken.read_text() == "mine"

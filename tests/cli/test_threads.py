@@ -231,3 +231,28 @@ def test_a_thread_count_past_four_per_core_is_refused_in_one_line(monkeypatch, t
     assert main(["train", "--preset", "tiny", "--out", str(tmp_path / "run"), "--set", "train.threads=5000"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and len(err.splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("speed, slow", [(1.0, False), (0.05, True)])  # x the idle 2-core machine's rate
+def test_the_demos_estimate_counts_only_the_steps_left(speed, slow, tmp_path, monkeypatch, capsys):
+    """Continuing at step 400 of 1,000 at ``rate`` steps/s: the line says 600 steps and their minutes, and the
+    slow-machine warning weighs those 600 (mutations caught: steps + done, left * rate, the warning's step count
+    dropped)."""
+    def stop(*a, **k):
+        raise _Stop
+
+    rate = speed * demo.DEMO_STEPS_PER_S
+    monkeypatch.setattr(demo, "demo_run_step", lambda out, cfg: 400)
+    monkeypatch.setattr(demo, "timed_steps_per_s", lambda cfg: rate)
+    monkeypatch.setattr("fastweights.loops.train.train", stop)
+    with pytest.raises(_Stop):
+        demo.run_demo(tmp_path / "run", steps=1000, threads=1)
+    out, err = capsys.readouterr()
+    assert f"from step 400: 600 steps on 1 CPU thread (about {600 / rate / 60:.0f} minutes here)" in out, out
+    assert ("warning: this machine trains the demo" in err) is slow
+    if slow:
+        assert f"about {600 / rate / 60:.0f} minutes for 600 steps" in err, err

@@ -131,3 +131,15 @@ def test_reading_sys_path_and_prose_about_it_are_not_changes():
 def test_an_import_from_tests_is_found_at_any_depth():
     source = "import helpers\ndef f():\n    import test_floors\n    from tests.helpers import ROOT\nimport torch\n"
     assert imports_from_tests(source, names_of_test_modules()) == ["helpers", "test_floors", "tests.helpers"]
+
+
+def test_the_blas_recorded_is_the_one_torchs_build_names():
+    """Mutation caught: the build's BLAS_INFO not read (every result would record 'unknown')."""
+    import re
+
+    import torch
+
+    from fastweights.evidence.provenance import blas
+
+    name = re.search(r"BLAS_INFO=([^,\s]+)", torch.__config__.show())
+    assert name is not None and blas().split(" ")[0] == name.group(1)

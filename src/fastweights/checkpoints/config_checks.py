@@ -76,7 +76,7 @@ def inert_settings(m) -> list[str]:
             out.append(f"model.options.{name} is set but the model builds no {name} (model.mixer={m.mixer!r}, "
                        f"model.head={m.head!r}, model.memory={m.memory!r} at layers {list(m.memory_layers)}): "
                        "these options do nothing")
-    for kind, table in (("mixer", registry.MIXERS), ("head", registry.HEADS), ("memory", registry.MEMORIES)):
+    for table in (registry.MIXERS, registry.HEADS, registry.MEMORIES):
         for name in sorted(used & set(table)):
             inert = getattr(table[name].cls, "inert_options", None)
             if inert is not None and isinstance(m.options.get(name, {}), dict):
