@@ -84,19 +84,33 @@ def changed_lines(base: str) -> dict[str, set[int]]:
     return {f: lines for f, lines in out.items() if lines}
 
 
+def _module(file: str) -> str:
+    """``fastweights.a.b`` of ``src/fastweights/a/b.py`` (a package's ``__init__.py``: the package)."""
+    return file.removeprefix("src/").removesuffix(".py").replace("/", ".").removesuffix(".__init__")
+
+
+def _naming(module: str) -> re.Pattern:
+    """Python text that imports ``module`` (``fastweights.a.b``, ``from fastweights.a import b``)."""
+    package, _, name = module.rpartition(".")
+    return re.compile(rf"\b{re.escape(module)}\b|from {re.escape(package)} import [^\n]*\b{re.escape(name)}\b")
+
+
 def tests_for(files: list[str]) -> list[str]:
-    """The test files that name one of ``files``' modules (``fastweights.a.b`` or ``from fastweights.a import b``)."""
-    modules = [f.removeprefix("src/").removesuffix(".py").replace("/", ".").removesuffix(".__init__") for f in files]
-    patterns = []
-    for mod in modules:
-        package, _, name = mod.rpartition(".")
-        patterns.append(re.compile(rf"\b{re.escape(mod)}\b|from {re.escape(package)} import .*\b{re.escape(name)}\b"))
-    found = []
-    for path in sorted((REPO / "tests").rglob("test_*.py")):
-        text = path.read_text()
-        if any(p.search(text) for p in patterns):
-            found.append(str(path.relative_to(REPO)))
-    return found
+    """The test files that import one of ``files``' modules. A module no test imports by name (reached through
+    its package or the command line) takes the tests of the nearest modules under src/ that import it."""
+    texts = {str(p.relative_to(REPO)): p.read_text() for p in sorted((REPO / "tests").rglob("test_*.py"))}
+    sources = {_module(str(p.relative_to(REPO))): p.read_text() for p in sorted((REPO / "src").rglob("*.py"))}
+    found = set()
+    for f in files:
+        level, seen = {_module(f)}, set()
+        while level:
+            hits = {t for t, text in texts.items() if any(_naming(m).search(text) for m in level)}
+            if hits:
+                found |= hits
+                break
+            seen |= level
+            level = {m for m, text in sources.items() if m not in seen and any(_naming(x).search(text) for x in level)}
+    return sorted(found)
 
 
 def package_data() -> list[str]:
@@ -118,7 +132,7 @@ def mutant_lines(tmp: Path, files: list[str], edits: dict | None = None) -> dict
         spans = json.loads(spans_file.read_text())["spans"]
         lines = generated.read_text().splitlines()
         source = (tmp / f).read_text().splitlines()
-        module = f.removeprefix("src/").removesuffix(".py").replace("/", ".")
+        module = f.removeprefix("src/").removesuffix(".py").replace("/", ".")  # mutmut's names keep __init__
         for orig_name, (a0, b0) in spans.items():
             if not orig_name.endswith("__mutmut_orig"):
                 continue

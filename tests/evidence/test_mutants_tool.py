@@ -97,3 +97,14 @@ def test_a_packages_init_is_tested_by_the_tests_that_import_the_package():
     mutants had 'no tests', as no test names ``fastweights.cli.__init__``)."""
     found = mutants.tests_for(["src/fastweights/cli/__init__.py"])
     assert "tests/cli/test_cli.py" in found
+
+
+def test_a_module_no_test_names_takes_the_tests_of_the_modules_that_import_it():
+    """data/splits.py is imported by tests only through its package, and cli/stream.py only through the command
+    line: their mutants had 'no tests' (mutation run of 2026-11-29)."""
+    splits = mutants.tests_for(["src/fastweights/data/splits.py"])
+    assert splits and "tests/text/test_data.py" in splits
+    assert mutants.tests_for(["src/fastweights/cli/stream.py"])
+    assert mutants.tests_for(["src/fastweights/ops/linear.py"]) == sorted(
+        set(mutants.tests_for(["src/fastweights/ops/linear.py"])))  # named directly: its own tests only
+    assert "tests/ops/test_linear.py" in mutants.tests_for(["src/fastweights/ops/linear.py"])
