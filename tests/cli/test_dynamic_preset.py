@@ -119,3 +119,15 @@ def test_dynamic_stats_names_its_save_flag_when_refusing_the_file(tmp_path, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: --save {taken} exists and was not written by this command")
     assert taken.read_text() == "mine"
+
+
+def test_the_statistics_context_is_given_else_the_models_at_most_1024_for_a_hugging_face_model():
+    from types import SimpleNamespace
+
+    from fastweights.adapt.setup import HF_STATS_CONTEXT, stats_context
+
+    hf, ours = SimpleNamespace(default_context=8192), SimpleNamespace(train=SimpleNamespace(seq_len=256))
+    assert HF_STATS_CONTEXT == 1024
+    assert stats_context(0, hf, None) == 1024 and stats_context(0, SimpleNamespace(default_context=512), None) == 512
+    assert stats_context(0, None, ours) == 256 and stats_context(300, hf, None) == 300
+    assert stats_context(0, SimpleNamespace(), None) == 1024  # a model that names no context of its own

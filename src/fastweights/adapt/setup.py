@@ -184,6 +184,19 @@ def encode_texts(tokenizer, texts: list[str], bos: bool = False) -> tuple[list[t
     return docs, chars
 
 
+HF_STATS_CONTEXT = 1024  # the gradient statistics' default KV-cache bound for Hugging Face models (x batch streams)
+
+
+def stats_context(context: int, model, cfg) -> int:
+    """The attention context of gradient statistics: ``context``, else the model's (:func:`default_context`), at
+    most :data:`HF_STATS_CONTEXT` for a Hugging Face model (whole-stream caches for each of the batch's streams
+    would not fit in memory)."""
+    if context:
+        return context
+    own = default_context(model, cfg)
+    return own if cfg is not None else min(own or HF_STATS_CONTEXT, HF_STATS_CONTEXT)
+
+
 def default_segment_len(tokenizer) -> int:
     """Predictions per update when none is given: ``update_rules.DEFAULT_SEGMENT_LEN`` for char/byte models,
     ``WORD_SEGMENT_LEN`` for word-level ones, ``SUBWORD_SEGMENT_LEN`` for subword ones."""

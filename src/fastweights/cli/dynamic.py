@@ -33,10 +33,10 @@ import torch
 
 from fastweights.adapt.cache import CacheSettings
 from fastweights.adapt.evaluate import ComparisonOptions, evaluate_static_and_dynamic, headline_key
-from fastweights.adapt.setup import (DynamicSettings, adaptation_spec, build_evaluator, collect_stats, default_context,
-                                     default_segment_len, dynamic_preset, dynamic_presets, encode_texts,
-                                     evaluator_from, load_texts, resolve_setup, stats_path, weights_fingerprint,
-                                     with_bos)
+from fastweights.adapt.setup import (HF_STATS_CONTEXT, DynamicSettings, adaptation_spec, build_evaluator,
+                                     collect_stats, default_segment_len, dynamic_preset, dynamic_presets,
+                                     encode_texts, evaluator_from, load_texts, resolve_setup, stats_context,
+                                     stats_path, weights_fingerprint, with_bos)
 from fastweights.adapt.tune import TUNE_CHARS
 from fastweights.adapt.update_rules import (DEFAULT_DECAY, DEFAULT_RULE, DEFAULT_SEGMENT_LEN,
                                            DEFAULT_STATS_BATCH_SIZE, DEFAULT_STATS_BATCHES, RULES, SUBWORD_SEGMENT_LEN)
@@ -48,7 +48,6 @@ from fastweights.core.errors import UserError
 
 CACHE_PREFIX = "cache-"  # --cache-window, --cache-flatness, --cache-mix, --cache-similarity
 CACHE_NOT_ON_THE_COMMAND_LINE = {"warmup_window"}  # pointer.py's variant: the library's only (no flag added for it)
-HF_STATS_CONTEXT = 1024  # dynamic stats' default KV-cache bound for Hugging Face models (x --batch-size streams)
 
 
 # ----------------------------------------------------------------------------- shared arguments
@@ -327,9 +326,7 @@ def cmd_collect_grad_stats(args) -> int:
     if args.batch_size < 1:
         raise UserError("--batch-size must be >= 1")
     segment_len = args.segment_len or default_segment_len(tok)
-    context = args.context or default_context(model, cfg)
-    if cfg is None and not args.context:  # HF: whole-stream caches for --batch-size streams would not fit in memory
-        context = min(context, HF_STATS_CONTEXT)
+    context = stats_context(args.context, model, cfg)
     settings = replace(dynamic_settings(args), stats_data=args.data, stats_batch_size=args.batch_size,
                        stats_batches=args.max_batches, stats_seq_len=segment_len)
     spec = adaptation_spec(settings, model)
