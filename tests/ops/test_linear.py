@@ -505,3 +505,12 @@ def test_linear_grads_runs_each_product_on_its_own_kernel_and_only_the_products_
     assert lin.linear_grads(x, w, g, need_w=False)[1] is None and [c[0] for c in calls] == ["dx"]
     calls.clear()
     assert lin.linear_grads(x, w, g, need_x=False)[0] is None and [c[0] for c in calls] == ["dw"]
+
+
+def test_the_torch_route_gives_torchs_kernel_for_every_product(monkeypatch):
+    """``kernels_for(..., route="torch")`` (FASTWEIGHTS_LINEAR=torch) measures nothing and takes torch's kernel for
+    all three products, whatever oneDNN could do (mutation caught: the route's name misspelt in the test)."""
+    monkeypatch.setattr(lin, "onednn_available", lambda: True)
+    monkeypatch.setattr(lin, "_load_choices", lambda machine: {})
+    monkeypatch.setattr(lin, "measure", lambda *a, **k: pytest.fail("measured on the torch route"))
+    assert lin.kernels_for(4096, 512, 512, False, route="torch") == ["torch"] * 3
