@@ -66,6 +66,23 @@ def run_script(script: Path, *args: str, timeout: float = HANG_GUARD_S) -> subpr
                           env=env, cwd=ROOT)
 
 
+def bad_input_exits(name: str, argvs: list[list[str]], capsys):
+    """(argv, exit status, stdout, stderr) of benchmark script ``name`` on each argument list: the first as a real
+    process (``python SCRIPT``: its ``sys.exit(exit_status_of(main))`` wiring), the others through ``main(argv)``
+    in this process and ``exit_status_of`` (a Python start and torch's import saved per case)."""
+    from fastweights.cli.script_parser import exit_status_of
+
+    module = import_benchmark(name)
+    for i, argv in enumerate(argvs):
+        if i == 0:
+            r = run_script(benchmark_script(name), *argv)
+            yield argv, r.returncode, r.stdout, r.stderr
+        else:
+            capsys.readouterr()
+            status = exit_status_of(lambda: module.main(argv))
+            yield (argv, status, *capsys.readouterr())
+
+
 DATA = Path(__file__).resolve().parent / "data"  # files the tests read (memory_golden.pt)
 
 

@@ -3,9 +3,8 @@ writes, and bad input is one line on stderr with exit status 2 (the GPU run itse
 benchmarks/results/cuda_check.json)."""
 
 import json
-from helpers import HANG_GUARD_S, ROOT, import_benchmark, run_script
+from helpers import HANG_GUARD_S, ROOT, bad_input_exits, run_script
 
-from fastweights.cli.script_parser import exit_status_of
 
 SCRIPT = ROOT / "benchmarks" / "gpu" / "cuda_check.py"
 
@@ -40,17 +39,9 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     """The first case runs as ``python cuda_check.py`` (``sys.exit(main())``: the real process's exit status and
     stderr); the others call ``main`` in this process, through ``exit_status_of`` (a Python start and torch's
     import saved per case)."""
-    check = import_benchmark("cuda_check")
     (tmp_path / "file").write_text("")
-    for i, args in enumerate((["--device", "tpu"], ["--device", "cpu", "--out", str(tmp_path / "file")],
-                              ["--bogus"])):
-        if i == 0:
-            r = run(*args, timeout=HANG_GUARD_S)
-            status, out, err = r.returncode, r.stdout, r.stderr
-        else:
-            capsys.readouterr()
-            status = exit_status_of(lambda: check.main(args))
-            out, err = capsys.readouterr()
+    cases = [["--device", "tpu"], ["--device", "cpu", "--out", str(tmp_path / "file")], ["--bogus"]]
+    for args, status, out, err in bad_input_exits("cuda_check", cases, capsys):
         assert status == 2, (args, out, err)
         assert len(err.strip().splitlines()) == 1 and err.startswith("cuda_check: "), err
         assert "Traceback" not in err

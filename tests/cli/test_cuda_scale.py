@@ -5,9 +5,8 @@ are benchmarks/results/cuda_scale.json and cuda_scale_kernels.json)."""
 
 import json
 import shlex
-from helpers import HANG_GUARD_S, ROOT, import_benchmark, run_script
+from helpers import HANG_GUARD_S, ROOT, bad_input_exits, run_script
 
-from fastweights.cli.script_parser import exit_status_of
 
 SCRIPT = ROOT / "benchmarks" / "gpu" / "cuda_scale.py"
 ITEMS = "models/ours_hybrid*,kernels/T32/*,fwpkm_layer/*_B1"
@@ -45,16 +44,9 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     """The first case runs as ``python cuda_scale.py`` (``sys.exit(main())``: the real process's exit status and
     stderr); the others call ``main`` in this process, through ``exit_status_of`` (a Python start and torch's
     import saved per case)."""
-    scale = import_benchmark("cuda_scale")
-    for i, args in enumerate((["--device", "tpu"], ["--budget-s", "0"], ["--bogus"])):
-        argv = [*args, "--out", str(tmp_path / "x.json")]
-        if i == 0:
-            r = run(*argv, timeout=HANG_GUARD_S)
-            status, out, err = r.returncode, r.stdout, r.stderr
-        else:
-            capsys.readouterr()
-            status = exit_status_of(lambda: scale.main(argv))
-            out, err = capsys.readouterr()
+    cases = [[*args, "--out", str(tmp_path / "x.json")] for args in (["--device", "tpu"], ["--budget-s", "0"],
+                                                                      ["--bogus"])]
+    for args, status, out, err in bad_input_exits("cuda_scale", cases, capsys):
         assert status == 2, (args, out, err)
         assert len(err.strip().splitlines()) == 1 and err.startswith("cuda_scale: "), err
         assert "Traceback" not in err

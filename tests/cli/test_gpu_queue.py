@@ -8,9 +8,8 @@ import json
 
 import pytest
 import torch
-from helpers import HANG_GUARD_S, ROOT, import_benchmark, run_script
+from helpers import HANG_GUARD_S, ROOT, bad_input_exits, import_benchmark, run_script
 
-from fastweights.cli.script_parser import exit_status_of
 from fastweights.testing import fla_standin
 
 SCRIPT = ROOT / "benchmarks" / "gpu" / "gpu_queue.py"
@@ -151,17 +150,10 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, gq, capsys):
     """The first case runs as ``python gpu_queue.py`` (``sys.exit(main())``: the real process's exit status and
     stderr); the others call ``main`` in this process, through ``exit_status_of`` (a Python start and torch's
     import saved per case)."""
-    for i, args in enumerate((["--device", "tpu", "--tiny"], ["--device", "cpu"],
-                              ["--device", "cpu", "--tiny", "--minutes", "0"],
-                              ["--device", "cpu", "--tiny", "--items", "nope/*"], ["--bogus"])):
-        argv = [*args, "--out", str(tmp_path)]
-        if i == 0:
-            r = run(*argv, timeout=HANG_GUARD_S)
-            status, out, err = r.returncode, r.stdout, r.stderr
-        else:
-            capsys.readouterr()
-            status = exit_status_of(lambda: gq.main(argv))
-            out, err = capsys.readouterr()
+    cases = [[*args, "--out", str(tmp_path)] for args in (
+        ["--device", "tpu", "--tiny"], ["--device", "cpu"], ["--device", "cpu", "--tiny", "--minutes", "0"],
+        ["--device", "cpu", "--tiny", "--items", "nope/*"], ["--bogus"])]
+    for args, status, out, err in bad_input_exits("gpu_queue", cases, capsys):
         assert status == 2, (args, out, err)
         assert len(err.strip().splitlines()) == 1 and err.startswith("gpu_queue: "), err
         assert "Traceback" not in err

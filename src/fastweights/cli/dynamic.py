@@ -93,8 +93,9 @@ def _preset_flag(p, dests: dict[str, str | None] | None = None) -> None:
 
     def apply(name: str) -> None:
         flags = {a.dest for a in p._actions}
-        dest = {k: (dests or {}).get(k, k) for k in dynamic_preset(name)}
-        p.set_defaults(**{dest[k]: v for k, v in dynamic_preset(name).items() if dest[k] in flags})
+        values = dynamic_preset(name)
+        dest = {k: (dests or {}).get(k, k) for k in values}
+        p.set_defaults(**{dest[k]: v for k, v in values.items() if dest[k] in flags})
 
     p.set_defaults(apply_dynamic_preset=apply)
 
