@@ -17,8 +17,13 @@ What it does (mutmut 3.8, pinned in the dev extra; its own docs: https://mutmut.
    reach which function, then runs, per mutant, only those tests.
    With ``--sample N`` (a large change: mutmut's first step alone, every selected test run once under its
    call-recording trampolines, took hours of one core on 11,000 mutants), N mutants drawn at random are each
-   applied to a worktree as the lines they change, and the tests that import the mutant's module run until the
-   first failure (``pytest -x``); ``--max-children`` worktrees at once.
+   applied to a worktree as the lines they change and tested until the first failure (``pytest -x``),
+   ``--max-children`` worktrees at once: first the test functions that ran the mutated line, then, unless one
+   failed, the test files that import the mutant's module. Which test ran which line comes from one run of the
+   whole suite under coverage.py with a context per test function (kept in the user's cache for this
+   commit): a test that reaches the module only through the command line in its own process, or through a
+   package that re-exports it, is found there and not by its imports (the sample of 2026-11-29 counted such
+   mutants as survivors). A line run only in a subprocess has no test function: the imports decide.
 4. Each mutant's status (killed, survived, no tests, timeout, ...) and, for a survivor, its one-line diff; a
    survivor matching an entry of the accepted file (its function glob and, when given, the mutated line's
    text, ``line``, or a regular expression the mutated line matches, ``line_matches``) is ``accepted`` with that
@@ -30,6 +35,7 @@ survivor; exit status 1 when an unaccepted survivor is left, 2 on bad input.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -111,6 +117,62 @@ def tests_for(files: list[str]) -> list[str]:
             seen |= level
             level = {m for m, text in sources.items() if m not in seen and any(_naming(x).search(text) for x in level)}
     return sorted(found)
+
+
+def coverage_map(tree: Path, tests: list[str], files: list[str]) -> dict[str, dict[int, list[str]]]:
+    """file (``src/...``) -> line -> the test functions (pytest node ids ``path::function``, every
+    parametrisation) that ran the line in pytest's process, from one run of ``tests`` in ``tree`` under
+    coverage.py with a context per test function. Cached per commit in the user's cache folder."""
+    from fastweights.core.files import user_cache_dir
+
+    head = git("rev-parse", "HEAD", cwd=tree).strip()
+    key = hashlib.sha256(json.dumps([head, sorted(tests), sorted(files)]).encode()).hexdigest()[:16]
+    cache = user_cache_dir() / "mutants" / f"coverage-{key}.json"
+    if cache.is_file():
+        stored = json.loads(cache.read_text())
+        return {f: {int(line): ids for line, ids in lines.items()} for f, lines in stored.items()}
+    rc, data, report = tree / ".mutants-coveragerc", tree / ".mutants-coverage", tree / ".mutants-coverage.json"
+    rc.write_text("[run]\ndynamic_context = test_function\ninclude =\n"
+                  + "".join(f"    {tree / f}\n" for f in files))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tree / "src"), "PYTHONDONTWRITEBYTECODE": "1",
+           "COVERAGE_FILE": str(data)}
+    subprocess.run([sys.executable, "-m", "coverage", "run", f"--rcfile={rc}", "-m", "pytest", "-q", "-p",
+                    "no:cacheprovider", "-p", "no:xdist", "-p", "no:randomly", *tests], cwd=tree, env=env,
+                   capture_output=True)  # failing tests still record what they ran
+    subprocess.run([sys.executable, "-m", "coverage", "json", f"--rcfile={rc}", "--show-contexts", "-o",
+                    str(report)], cwd=tree, env=env, check=True, capture_output=True)
+    test_files = [str(p.relative_to(tree)) for p in sorted((tree / "tests").rglob("test_*.py"))]
+    found = tests_by_line(json.loads(report.read_text()), tree, test_files)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(found))
+    return found
+
+
+def tests_by_line(report: dict, tree: Path, test_files: list[str]) -> dict[str, dict[int, list[str]]]:
+    """:func:`coverage_map` of a ``coverage json --show-contexts`` report: each context (``module.function`` or
+    ``module.Class.method``, the module a test file's stem or dotted path) as a node id of ``test_files``;
+    the empty context (imports, subprocesses, fixtures) dropped."""
+    by_module = {}
+    for t in test_files:
+        by_module[Path(t).stem] = t
+        by_module[t.removesuffix(".py").replace("/", ".")] = t
+
+    def node(context: str) -> str | None:
+        parts = context.split(".")
+        for k in range(len(parts) - 1, 0, -1):
+            if ".".join(parts[:k]) in by_module:
+                return "::".join([by_module[".".join(parts[:k])], *parts[k:]])
+        return None
+
+    out: dict[str, dict[int, list[str]]] = {}
+    for path, data in report["files"].items():
+        file = Path(path)
+        file = str(file.resolve().relative_to(tree.resolve())) if file.is_absolute() else str(file)
+        for line, contexts in data.get("contexts", {}).items():
+            ids = sorted({n for c in contexts if c and (n := node(c))})
+            if ids:
+                out.setdefault(file, {})[int(line)] = ids
+    return out
 
 
 def package_data() -> list[str]:
@@ -213,9 +275,10 @@ def run_patched(tree: Path, file: str, edits: list | None, tests: list[str], tim
 
 
 def run_sample(chosen: list[str], where: dict, edits: dict, trees: list[Path], tests: list[str] | None,
-               timeout: float) -> dict[str, str]:
+               timeout: float, by_line: dict | None = None) -> dict[str, str]:
     """Each mutant's :func:`run_patched` status, ``len(trees)`` at a time (a worktree each); its tests: ``tests``,
-    else those that import its module."""
+    else the test functions that ran its line (``by_line``, :func:`coverage_map`) and, when none of them fails,
+    the test files that import its module."""
     import queue
     from concurrent.futures import ThreadPoolExecutor
 
@@ -226,8 +289,15 @@ def run_sample(chosen: list[str], where: dict, edits: dict, trees: list[Path], t
     def one(name: str) -> str:
         tree = free.get()
         try:
-            f = where[name][0]
-            return run_patched(tree, f, edits.get(name), tests if tests is not None else tests_for([f]), timeout)
+            f, line = where[name][:2]
+            if tests is not None:
+                return run_patched(tree, f, edits.get(name), tests, timeout)
+            covering = (by_line or {}).get(f, {}).get(line, [])
+            first = run_patched(tree, f, edits.get(name), covering, timeout) if covering else "no tests"
+            if first in ("killed", "timeout", "not applied"):
+                return first
+            second = run_patched(tree, f, edits.get(name), tests_for([f]), timeout)
+            return "survived" if second == "no tests" and first == "survived" else second
         finally:
             free.put(tree)
 
@@ -326,8 +396,13 @@ def main(argv: list[str] | None = None) -> int:
             for k in range(1, args.max_children):
                 git("worktree", "add", "--detach", str(tmp / f"tree{k}"), "HEAD")
                 trees.append(tmp / f"tree{k}")
+            by_line = None
+            if not args.tests:
+                print("which test runs which changed line: the whole suite once under coverage, one core (cached "
+                      "for this commit)", flush=True)
+                by_line = coverage_map(tree, ["tests"], files)
             statuses = run_sample(chosen, where, edits, trees, args.tests.split(",") if args.tests else None,
-                                  args.timeout)
+                                  args.timeout, by_line)
     finally:
         for worktree in sorted(tmp.glob("tree*")):
             subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=REPO, capture_output=True)

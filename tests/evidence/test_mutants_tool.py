@@ -108,3 +108,55 @@ def test_a_module_no_test_names_takes_the_tests_of_the_modules_that_import_it():
     assert mutants.tests_for(["src/fastweights/ops/linear.py"]) == sorted(
         set(mutants.tests_for(["src/fastweights/ops/linear.py"])))  # named directly: its own tests only
     assert "tests/ops/test_linear.py" in mutants.tests_for(["src/fastweights/ops/linear.py"])
+
+
+def test_coverage_contexts_become_the_node_ids_of_the_tests_that_ran_each_line(tmp_path):
+    report = {"files": {
+        str(tmp_path / "src" / "pkg" / "mod.py"): {"contexts": {
+            "2": ["", "test_mod.test_f", "tests.cli.test_cli.TestCli.test_g"],
+            "3": [""],  # run at import or in a subprocess only: no test function
+            "4": ["test_unknown.test_h"]}}}}
+    found = mutants.tests_by_line(report, tmp_path, ["tests/test_mod.py", "tests/cli/test_cli.py"])
+    assert found == {"src/pkg/mod.py": {2: ["tests/cli/test_cli.py::TestCli::test_g", "tests/test_mod.py::test_f"]}}
+
+
+def test_a_sampled_mutant_is_tried_on_the_tests_that_ran_its_line_then_on_the_importers(tmp_path, monkeypatch):
+    """The sample of 2026-11-29 counted mutants as survivors that a test reaching their module through the command
+    line kills: the tests that ran the line (coverage) come first, the importers only when those all pass."""
+    calls = []
+
+    def fake_run(tree, file, edits, tests, timeout):
+        calls.append(list(tests))
+        return {"tests/test_cli.py::test_cli": "killed"}.get(tests[0], "survived") if tests else "no tests"
+
+    monkeypatch.setattr(mutants, "run_patched", fake_run)
+    monkeypatch.setattr(mutants, "tests_for", lambda files: [] if files == ["src/pkg/cli.py"] else ["tests/test_mod.py"])
+    where = {"m.x_f__mutmut_1": ("src/pkg/mod.py", 2, "a", "b"), "m.x_f__mutmut_2": ("src/pkg/mod.py", 3, "a", "b"),
+             "m.x_g__mutmut_1": ("src/pkg/cli.py", 5, "a", "b")}
+    by_line = {"src/pkg/mod.py": {2: ["tests/test_cli.py::test_cli"]}, "src/pkg/cli.py": {5: ["tests/t.py::test_t"]}}
+    out = mutants.run_sample(list(where), where, {}, [tmp_path], None, 60, by_line)
+    # a mutant that the tests running its line let live survives though no test imports its module
+    assert out == {"m.x_f__mutmut_1": "killed", "m.x_f__mutmut_2": "survived", "m.x_g__mutmut_1": "survived"}
+    assert calls == [["tests/test_cli.py::test_cli"], ["tests/test_mod.py"], ["tests/t.py::test_t"], []]
+
+
+def test_the_coverage_map_of_a_small_tree_names_the_test_functions_behind_each_line(tmp_path, monkeypatch):
+    import subprocess
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    tree = tmp_path / "tree"
+    (tree / "src" / "pkg").mkdir(parents=True)
+    (tree / "tests").mkdir()
+    (tree / "src" / "pkg" / "__init__.py").write_text("")
+    (tree / "src" / "pkg" / "mod.py").write_text("def f(a):\n    if a:\n        return 1\n    return 2\n")
+    (tree / "tests" / "test_mod.py").write_text(
+        "from pkg import mod\n\n\ndef test_one():\n    assert mod.f(1) == 1\n\n\n"
+        "class TestTwo:\n    def test_two(self):\n        assert mod.f(0) == 2\n")
+    for args in (["init", "-q"], ["add", "."], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "t"]):
+        subprocess.run(["git", *args], cwd=tree, check=True, capture_output=True)
+    found = mutants.coverage_map(tree, ["tests"], ["src/pkg/mod.py"])
+    assert found["src/pkg/mod.py"][3] == ["tests/test_mod.py::test_one"]
+    assert found["src/pkg/mod.py"][4] == ["tests/test_mod.py::TestTwo::test_two"]
+    assert sorted(found["src/pkg/mod.py"][2]) == ["tests/test_mod.py::TestTwo::test_two", "tests/test_mod.py::test_one"]
+    assert 1 not in found["src/pkg/mod.py"]  # the def line runs at import, in no test
+    assert list((tmp_path / "cache" / "fastweights" / "mutants").glob("coverage-*.json"))  # kept for this commit
