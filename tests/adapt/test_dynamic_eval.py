@@ -443,6 +443,7 @@ def test_cli_dynamic_eval_tune_stats_timescale(char_checkpoint, capsys):
     assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--json", "--quiet"]) == 0
     s = json.loads(capsys.readouterr().out)["settings"]  # no tuned file yet: the untuned defaults
     assert (s["lr"], s["decay"]) == (DEFAULT_LR, DEFAULT_DECAY) and s["lr_source"].startswith("untuned default")
+    assert s["decay_source"].startswith("untuned default")  # a prior rule: where its decay came from, too
     assert main(["dynamic", "tune", "--checkpoint", ck, "--data", doc, "--lrs", "1e-4,1e-3", "--decays", "0.01",
                  "--quiet"]) == 0  # without --save: into the checkpoint, with the fingerprint of its weights
     assert "dynamic eval --checkpoint" in capsys.readouterr().out and tuned.is_file()
@@ -617,3 +618,16 @@ def test_dynamic_tune_keeps_its_finished_points_beside_the_file_it_saves(tiny_ru
     assert len(json.loads(points.read_text())["points"]) == 2 and not (tmp_path / "tuned.json").exists()
     assert cli.main(argv) == 0
     assert not points.exists() and len(json.loads((tmp_path / "tuned.json").read_text())["grid"]) == 3
+
+
+def test_the_default_segment_follows_the_tokenizer_kind():
+    from types import SimpleNamespace
+
+    from fastweights.adapt import update_rules as ur
+    from fastweights.adapt.setup import default_segment_len
+
+    kinds = {"char": ur.DEFAULT_SEGMENT_LEN, "byte": ur.DEFAULT_SEGMENT_LEN, "word": ur.WORD_SEGMENT_LEN,
+             "gpt2": ur.SUBWORD_SEGMENT_LEN}
+    assert {k: default_segment_len(SimpleNamespace(name=k)) for k in kinds} == kinds
+    assert default_segment_len(object()) == ur.SUBWORD_SEGMENT_LEN  # a Hugging Face tokenizer has no name
+    assert len(set(kinds.values())) == 3  # three different lengths, or this test could not tell them apart

@@ -109,8 +109,10 @@ def test_lowrank_selects_mlp_projections_and_adds_AB():
         y = mod(x)
     W = mod.weight + As[1] @ ad.B[1]  # W + A B
     torch.testing.assert_close(y, torch.nn.functional.linear(x, W, mod.bias))
-    with pytest.raises(UserError):
+    with pytest.raises(UserError, match="module names look like 'embed'"):
         LowRankAdaptation(model, modules="nothing.*")
+    with pytest.raises(UserError, match="module names look like '\\?'"):  # a model without submodules: no name
+        LowRankAdaptation(torch.nn.Linear(4, 4), modules="nothing.*")
 
 
 def test_lowrank_zero_delta_is_the_unadapted_model_bit_exactly():

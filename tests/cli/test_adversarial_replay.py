@@ -360,3 +360,21 @@ def test_the_advice_for_missing_gradient_statistics_names_real_flags():
     argv = ["dynamic", "stats", *[x for f in flags for x in (f, "X")]]
     build_parser().parse_args(argv)  # argparse exits on a flag that does not exist
     assert "--stats FILE" in str(e.value)
+
+
+def test_a_compiler_that_cannot_build_is_refused_with_the_way_out(monkeypatch):
+    """The refusal of ``train.compile=true`` names the backend's first line and what to do (the replay above
+    pins its start; this, the whole line), whatever the backend raises."""
+    import torch
+
+    from fastweights.core.errors import UserError
+    from fastweights.loops.train import check_compile
+
+    def broken(fn, **kw):
+        raise RuntimeError("\n  fatal error: cannot build\nmore lines")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    with pytest.raises(UserError) as e:
+        check_compile("cpu")
+    assert str(e.value) == ("train.compile=true: torch.compile cannot build kernels on cpu here (fatal error: cannot "
+                            "build); set train.compile=false, or install a working compiler")

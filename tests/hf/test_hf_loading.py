@@ -96,3 +96,14 @@ def test_a_config_that_builds_no_model_is_one_line(llama_dir, tmp_path):
     with pytest.raises(UserError) as e:
         tao.load_hf_model(str(d))
     assert "\n" not in str(e.value)
+
+
+def test_every_kind_of_misfit_is_named_in_the_one_line():
+    info = {"missing_keys": ["a.weight"], "unexpected_keys": ["b.weight"], "error_msgs": ["size mismatch\nmore"]}
+    with pytest.raises(UserError) as e:
+        tao.check_loading_info(info, "m")
+    assert str(e.value) == (
+        "Hugging Face model m: the weights do not match config.json: 1 parameter(s) of the model are missing from "
+        "its weights (a.weight); 1 stored tensor(s) belong to no parameter of the model (b.weight); size mismatch; "
+        "refusing to score a model with weights that are not its own")
+    tao.check_loading_info({"missing_keys": [], "unexpected_keys": ["b.weight"]}, "m", unexpected=False)  # allowed

@@ -514,3 +514,14 @@ def test_the_torch_route_gives_torchs_kernel_for_every_product(monkeypatch):
     monkeypatch.setattr(lin, "_load_choices", lambda machine: {})
     monkeypatch.setattr(lin, "measure", lambda *a, **k: pytest.fail("measured on the torch route"))
     assert lin.kernels_for(4096, 512, 512, False, route="torch") == ["torch"] * 3
+
+
+def test_a_kernel_is_timed_as_often_as_its_budget_allows_and_at_least_three_times():
+    """The choice compares best times: a quick product is timed up to ``most`` times within the budget (fewer
+    would let one slow call decide), a slow one still three times; a warm-up call comes first."""
+    calls = []
+    assert lin._best_time(lambda: calls.append(1), budget_s=60.0, most=7) >= 0.0
+    assert len(calls) == 1 + 7
+    calls.clear()
+    lin._best_time(lambda: calls.append(1), budget_s=0.0, most=7)
+    assert len(calls) == 1 + 3
