@@ -45,6 +45,7 @@ from fastweights.cli.common import change, output_prefix
 from fastweights.cli.settings import add_settings, settings_from
 from fastweights.cli.types import floats, nonneg_float, nonneg_int, positive_int, seed
 from fastweights.core.errors import UserError
+from fastweights.hf.kv_context import DEFAULT_SINKS
 
 CACHE_PREFIX = "cache-"  # --cache-window, --cache-flatness, --cache-mix, --cache-similarity
 CACHE_NOT_ON_THE_COMMAND_LINE = {"warmup_window"}  # pointer.py's variant: the library's only (no flag added for it)
@@ -65,8 +66,8 @@ def _model_args(p, data_help: str) -> None:
     p.add_argument("--bos", action="store_true",
                    help="prepend the tokenizer's BOS token so the first token is scored too (Hugging Face models)")
     p.add_argument("--sinks", type=nonneg_int, default=None,
-                   help="Hugging Face models: first tokens a bounded KV cache never evicts (attention sinks; default: 4; "
-                        "0: plain sliding window)")
+                   help="Hugging Face models: first tokens a bounded KV cache never evicts (attention sinks; default: "
+                        f"{DEFAULT_SINKS}; 0: plain sliding window)")
     device_flag(p)
     threads_flag(p)
     p.add_argument("--quiet", action="store_true", help="no progress line")
