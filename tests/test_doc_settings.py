@@ -5,7 +5,9 @@ are cited from their results (``<!-- src: ... -->``, benchmarks/tools/report.py)
 
 - every ``<!-- setting: NAME -->`` marker follows the number it cites, and that number is the value of NAME:
   a module's constant, a class or dataclass attribute (a field's default), an attribute of an object
-  (``RECIPE.block_lr``), or a parameter's default (``FastWeightRNN.lam``: the signature of the class or function);
+  (``RECIPE.block_lr``), a key of a dict (``PRETRAINED_FWL_DEFAULTS.ln_gain_init``), a parameter's default
+  (``FastWeightRNN.lam``: the signature of the class or function) or a value of a shipped config
+  (``configs/X.toml:model.options.fast_rnn.eta``);
 - a sentence of a user's-guide page (README.md, docs/*.md but results.md) that says "default" and puts a number
   right after a named setting (```lr` 1e-5``, ```lam = 0.95```, ``--sinks`` (default 4)) cites each such
   number. The measurement write-ups (docs/results.md, docs/experiments/) state the settings a run used, which
@@ -56,7 +58,9 @@ def resolve(name: str):
     else:
         raise LookupError(f"{name}: no module")
     for i, part in enumerate(parts[k:], k):
-        if hasattr(obj, part):
+        if isinstance(obj, dict) and part in obj:
+            obj = obj[part]
+        elif hasattr(obj, part):
             obj = getattr(obj, part)
         elif callable(obj) and i == len(parts) - 1 and part in inspect.signature(obj).parameters:
             default = inspect.signature(obj).parameters[part].default
@@ -123,6 +127,8 @@ def test_the_checks_catch_a_drifted_number_an_unreadable_name_and_an_uncited_def
     assert marker_problems("0.95 <!-- setting: fastweights.layers.fast_rnn.FastWeightRNN.lam -->", "p.md") == []
     assert marker_problems("0.5 <!-- setting: fastweights.layers.fast_rnn.FastWeightRNN.lam -->", "p.md")
     assert marker_problems("1e-5 <!-- setting: fastweights.hf.fwl_training.RECIPE.block_lr -->", "p.md") == []
+    assert marker_problems("0.05 <!-- setting: fastweights.hf.fwl_head.PRETRAINED_FWL_DEFAULTS.ln_gain_init -->",
+                           "p.md") == []
     assert marker_problems("5e-4 <!-- setting: configs/shakespeare-char-fast-rnn.toml:model.options.fast_rnn.eta -->",
                            "p.md") == []
     assert marker_problems("0.5 <!-- setting: configs/shakespeare-char-fast-rnn.toml:model.options.fast_rnn.eta -->",
