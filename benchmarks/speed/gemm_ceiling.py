@@ -25,7 +25,7 @@ from fastweights.evidence.result_files import write_result
 from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 from fastweights.evidence.script_args import benchmark_threads_flag
-from fastweights.evidence.timing import bench_clock, timeit
+from fastweights.evidence.timing import bench_clock, op_shares, timeit
 from fastweights.loops.schedule import make_optimizer
 from fastweights.models.lm import LanguageModel
 from fastweights.ops import linear as lin
@@ -41,7 +41,6 @@ PRESETS = [DEMO, "shakespeare-char-fwl", "shakespeare-char-fwp-delta-dpfp", "lon
 # A step on the route "nothing slower" than on torch's kernel: the median ratio over rounds at least this (with the
 # same kernels on both sides, 9 rounds on a 2-core Intel Xeon gave per-round ratios of 0.85-1.17, medians 0.99-1.0)
 LEVEL = 0.98
-GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "mkldnn::_linear_pointwise"}
 
 
 def probe_specs(probes) -> list[dict]:
@@ -100,16 +99,6 @@ def preset_step(preset: str, route: str) -> tuple:
     return step, cfg.train.batch_size * cfg.train.seq_len
 
 
-def gemm_share(step, steps: int = 3) -> float:
-    """The share of a step's CPU time that the profiler puts in GEMM ops (their own time over all ops' own)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            step()
-    events = prof.key_averages()
-    total = sum(e.self_cpu_time_total for e in events)
-    return sum(e.self_cpu_time_total for e in events if e.key in GEMM_OPS) / total
-
-
 def preset_table(rounds: int, repeat: int) -> list[dict]:
     clock, _ = bench_clock("cpu")
     rows = []
@@ -125,7 +114,7 @@ def preset_table(rounds: int, repeat: int) -> list[dict]:
         row = {"preset": preset, "tokens_per_step": tokens, "seconds_per_step": sec,
                "tokens_per_s": {r: tokens / s for r, s in sec.items()},
                "route_speedup_over_torch": sorted(ratios)[len(ratios) // 2], "route_speedup_per_round": ratios,
-               "gemm_share": {route: gemm_share(step) for route, (step, _) in steps.items()}}
+               "gemm_share": {route: op_shares(step)["gemm"] for route, (step, _) in steps.items()}}
         rows.append(row)
         print(row)
     os.environ.pop("FASTWEIGHTS_LINEAR", None)

@@ -81,3 +81,24 @@ def test_no_benchmark_declares_its_own_threads_flag_or_sets_torchs_threads():
     assert own <= set(OWN_THREADS), (f"{sorted(own - set(OWN_THREADS))}: use fastweights.evidence.script_args."
                                      "benchmark_threads_flag and fastweights.core.threads.use_threads('benchmark', n)")
     assert set(OWN_THREADS) <= own, f"{sorted(set(OWN_THREADS) - own)}: fixed, remove it from OWN_THREADS"
+
+
+def test_a_profiled_step_splits_into_gemm_attention_and_the_rest():
+    import torch
+    import torch.nn.functional as F
+
+    from fastweights.evidence.timing import op_class, op_shares
+
+    assert [op_class(n) for n in ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise",
+                                  "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::mul")] == \
+        ["gemm", "gemm", "gemm", "attention", "other"]
+    x, w = torch.randn(256, 256), torch.randn(256, 256)
+    q = torch.randn(1, 2, 64, 32)
+
+    def step():
+        (x @ w).relu_().exp_()
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    shares = op_shares(step, steps=2)
+    assert set(shares) == {"gemm", "attention", "other"} and abs(sum(shares.values()) - 1) < 1e-9
+    assert all(v > 0 for v in shares.values())

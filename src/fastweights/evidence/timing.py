@@ -58,3 +58,29 @@ def timeit(fn, warmup: int = 3, repeat: int = 10, clock=time.perf_counter) -> fl
     """
     sync = torch.cuda.synchronize if torch.cuda.is_available() else None
     return upper_median(s for (s,) in samples(fn, repeat, warmup, (clock,), sync))
+
+
+#: op classes of a CPU step's profile (:func:`op_shares`): torch's GEMMs (and oneDNN's linear), and attention's
+#: fused kernels (SDPA's forward and backward, the flash form CPU training takes)
+GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm",
+                      "mkldnn::_linear_pointwise"})
+
+
+def op_class(name: str) -> str:
+    """``gemm``, ``attention`` or ``other`` for a profiler event's name."""
+    if name in GEMM_OPS:
+        return "gemm"
+    return "attention" if "scaled_dot_product" in name else "other"
+
+
+def op_shares(step, steps: int = 3) -> dict[str, float]:
+    """The share of ``steps`` calls' CPU time that the profiler puts in each :func:`op_class` (each op's own time,
+    over all ops' own)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    own = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    for e in prof.key_averages():
+        own[op_class(e.key)] += e.self_cpu_time_total
+    total = sum(own.values()) or 1.0
+    return {k: v / total for k, v in own.items()}
