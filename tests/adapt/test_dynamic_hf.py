@@ -183,3 +183,19 @@ def test_cli_per_token_losses_settings_and_timescale_bos(tmp_path, capsys):
                      "--segment-len", "8", "--doc-len", "20", "--window", "1", "--max-docs", "2", "--quiet",
                      "--out", str(out), *bos]) == 0
         assert len(json.loads((out / "timescale.json").read_text())["position"]) == scored
+
+
+def test_cli_statistics_of_a_transformers_model_keep_its_own_shorter_context(tmp_path):
+    """``dynamic stats --hf``: the model's own position limit when it is below HF_STATS_CONTEXT (a model that
+    cannot see 1,024 tokens is not asked to)."""
+    from fastweights.adapt.grad_stats import GradStats
+    from fastweights.adapt.setup import HF_STATS_CONTEXT
+    from fastweights.cli import main
+
+    model = helpers.tiny_llama_dir(tmp_path / "m", max_positions=64)
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The cat sat on the mat. The dog sat on the log. " * 8)
+    out = tmp_path / "stats.safetensors"
+    assert main(["dynamic", "stats", "--hf", str(model), "--data", str(doc), "--segment-len", "8", "--batch-size", "1",
+                 "--max-batches", "1", "--save", str(out), "--quiet"]) == 0
+    assert GradStats.load(out).context == 64 < HF_STATS_CONTEXT
