@@ -372,6 +372,10 @@ def test_token_excerpt_cuts_from_the_marker_and_says_where():
     assert bytes(ids.tolist()) == doc.text[start:].encode()[:301]
     assert info["start_char"] == start and info["predictions"] == 300 and info["tokens"] == 301
     assert info["ids_sha256"] == hashlib.sha256(ids.numpy().tobytes()).hexdigest()
+    assert info["file_chars"] == len(doc.text) and info["sha256"] == hashlib.sha256(doc.text.encode()).hexdigest()
+    assert (info["title"], info["role"], info["start_marker"]) == ("Macbeth from Act II", "scored", "ACT II.\n")
+    assert info["chars_decoded"] == 301 and info["chars_per_token"] == 1.0  # bytes: one character a token here
+    assert info["first_words"] == doc.text[start:start + 80]
     with pytest.raises(UserError, match="start marker"):
         token_excerpt(tok, spec._replace(marker="no such marker anywhere"), 10)
     with pytest.raises(UserError, match="fewer than"):
