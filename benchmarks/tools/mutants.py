@@ -19,8 +19,9 @@ What it does (mutmut 3.8, pinned in the dev extra; its own docs: https://mutmut.
    call-recording trampolines, took hours of one core on 11,000 mutants), N mutants drawn at random are each
    applied to a worktree as the lines they change and tested until the first failure (``pytest -x``),
    ``--max-children`` worktrees at once: first the test functions that ran the mutated line, then, unless one
-   failed, the test files that import the mutant's module. Which test ran which line comes from one run of the
-   whole suite under coverage.py with a context per test function (kept in the user's cache for this
+   failed, the test files that import the mutant's module. Which test ran which line (and how long each test
+   took, so that a line run by hundreds of tests is tried on the quickest that fit in half the timeout) comes
+   from one run of the whole suite under coverage.py with a context per test function (kept in the user's cache for this
    commit): a test that reaches the module only through the command line in its own process, or through a
    package that re-exports it, is found there and not by its imports (the sample of 2026-11-29 counted such
    mutants as survivors). A line run only in a subprocess has no test function: the imports decide.
@@ -119,10 +120,11 @@ def tests_for(files: list[str]) -> list[str]:
     return sorted(found)
 
 
-def coverage_map(tree: Path, tests: list[str], files: list[str]) -> dict[str, dict[int, list[str]]]:
-    """file (``src/...``) -> line -> the test functions (pytest node ids ``path::function``, every
-    parametrisation) that ran the line in pytest's process, from one run of ``tests`` in ``tree`` under
-    coverage.py with a context per test function. Cached per commit in the user's cache folder."""
+def coverage_map(tree: Path, tests: list[str], files: list[str]) -> tuple[dict[str, dict[int, list[str]]], dict]:
+    """(file (``src/...``) -> line -> the test functions (pytest node ids ``path::function``, every
+    parametrisation) that ran the line in pytest's process; node id -> its seconds in that run, setup and
+    teardown included), from one run of ``tests`` in ``tree`` under coverage.py with a context per test function.
+    Cached per commit in the user's cache folder."""
     from fastweights.core.files import user_cache_dir
 
     head = git("rev-parse", "HEAD", cwd=tree).strip()
@@ -130,22 +132,46 @@ def coverage_map(tree: Path, tests: list[str], files: list[str]) -> dict[str, di
     cache = user_cache_dir() / "mutants" / f"coverage-{key}.json"
     if cache.is_file():
         stored = json.loads(cache.read_text())
-        return {f: {int(line): ids for line, ids in lines.items()} for f, lines in stored.items()}
+        return ({f: {int(line): ids for line, ids in lines.items()} for f, lines in stored["lines"].items()},
+                stored["seconds"])
     rc, data, report = tree / ".mutants-coveragerc", tree / ".mutants-coverage", tree / ".mutants-coverage.json"
     rc.write_text("[run]\ndynamic_context = test_function\ninclude =\n"
                   + "".join(f"    {tree / f}\n" for f in files))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tree / "src"), "PYTHONDONTWRITEBYTECODE": "1",
            "COVERAGE_FILE": str(data)}
-    subprocess.run([sys.executable, "-m", "coverage", "run", f"--rcfile={rc}", "-m", "pytest", "-q", "-p",
-                    "no:cacheprovider", "-p", "no:xdist", "-p", "no:randomly", *tests], cwd=tree, env=env,
-                   capture_output=True)  # failing tests still record what they ran
+    done = subprocess.run([sys.executable, "-m", "coverage", "run", f"--rcfile={rc}", "-m", "pytest", "-q", "-p",
+                           "no:cacheprovider", "-p", "no:xdist", "-p", "no:randomly", "--durations=0",
+                           "--durations-min=0", *tests], cwd=tree, env=env, capture_output=True, text=True)
     subprocess.run([sys.executable, "-m", "coverage", "json", f"--rcfile={rc}", "--show-contexts", "-o",
-                    str(report)], cwd=tree, env=env, check=True, capture_output=True)
+                    str(report)], cwd=tree, env=env, check=True, capture_output=True)  # failing tests count too
     test_files = [str(p.relative_to(tree)) for p in sorted((tree / "tests").rglob("test_*.py"))]
-    found = tests_by_line(json.loads(report.read_text()), tree, test_files)
+    found, seconds = tests_by_line(json.loads(report.read_text()), tree, test_files), test_seconds(done.stdout)
     cache.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps(found))
-    return found
+    cache.write_text(json.dumps({"lines": found, "seconds": seconds}))
+    return found, seconds
+
+
+def test_seconds(durations: str) -> dict[str, float]:
+    """pytest's ``--durations=0`` report as seconds per test function (``path::function``: its parametrisations,
+    setup, call and teardown summed)."""
+    out: dict[str, float] = {}
+    for m in re.finditer(r"^(\d+(?:\.\d+)?)s (?:setup|call|teardown)\s+(\S+)$", durations, re.M):
+        node = re.sub(r"\[.*\]$", "", m.group(2))
+        out[node] = out.get(node, 0.0) + float(m.group(1))
+    return out
+
+
+def quickest(tests: list[str], seconds: dict[str, float], budget_s: float) -> list[str]:
+    """``tests`` ordered by their seconds in the coverage run, as many as fit in ``budget_s`` (at least one): a line
+    that every command runs (a parser's help) is covered by hundreds of tests, whose whole run would pass any
+    timeout for a mutant no test can see."""
+    chosen, spent = [], 0.0
+    for t in sorted(tests, key=lambda t: (seconds.get(t, float("inf")), t)):
+        spent += seconds.get(t, budget_s)
+        if chosen and spent > budget_s:
+            break
+        chosen.append(t)
+    return chosen
 
 
 def tests_by_line(report: dict, tree: Path, test_files: list[str]) -> dict[str, dict[int, list[str]]]:
@@ -275,10 +301,10 @@ def run_patched(tree: Path, file: str, edits: list | None, tests: list[str], tim
 
 
 def run_sample(chosen: list[str], where: dict, edits: dict, trees: list[Path], tests: list[str] | None,
-               timeout: float, by_line: dict | None = None) -> dict[str, str]:
+               timeout: float, by_line: dict | None = None, seconds: dict | None = None) -> dict[str, str]:
     """Each mutant's :func:`run_patched` status, ``len(trees)`` at a time (a worktree each); its tests: ``tests``,
-    else the test functions that ran its line (``by_line``, :func:`coverage_map`) and, when none of them fails,
-    the test files that import its module."""
+    else the test functions that ran its line (``by_line``, :func:`coverage_map`; the quickest that fit in half
+    the timeout by their ``seconds`` there) and, when none of them fails, the test files that import its module."""
     import queue
     from concurrent.futures import ThreadPoolExecutor
 
@@ -292,7 +318,7 @@ def run_sample(chosen: list[str], where: dict, edits: dict, trees: list[Path], t
             f, line = where[name][:2]
             if tests is not None:
                 return run_patched(tree, f, edits.get(name), tests, timeout)
-            covering = (by_line or {}).get(f, {}).get(line, [])
+            covering = quickest((by_line or {}).get(f, {}).get(line, []), seconds or {}, timeout / 2)
             first = run_patched(tree, f, edits.get(name), covering, timeout) if covering else "no tests"
             if first in ("killed", "timeout", "not applied"):
                 return first
@@ -396,13 +422,13 @@ def main(argv: list[str] | None = None) -> int:
             for k in range(1, args.max_children):
                 git("worktree", "add", "--detach", str(tmp / f"tree{k}"), "HEAD")
                 trees.append(tmp / f"tree{k}")
-            by_line = None
+            by_line = seconds = None
             if not args.tests:
                 print("which test runs which changed line: the whole suite once under coverage, one core (cached "
                       "for this commit)", flush=True)
-                by_line = coverage_map(tree, ["tests"], files)
+                by_line, seconds = coverage_map(tree, ["tests"], files)
             statuses = run_sample(chosen, where, edits, trees, args.tests.split(",") if args.tests else None,
-                                  args.timeout, by_line)
+                                  args.timeout, by_line, seconds)
     finally:
         for worktree in sorted(tmp.glob("tree*")):
             subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=REPO, capture_output=True)

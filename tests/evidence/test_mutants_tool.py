@@ -154,9 +154,24 @@ def test_the_coverage_map_of_a_small_tree_names_the_test_functions_behind_each_l
         "class TestTwo:\n    def test_two(self):\n        assert mod.f(0) == 2\n")
     for args in (["init", "-q"], ["add", "."], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "t"]):
         subprocess.run(["git", *args], cwd=tree, check=True, capture_output=True)
-    found = mutants.coverage_map(tree, ["tests"], ["src/pkg/mod.py"])
+    found, seconds = mutants.coverage_map(tree, ["tests"], ["src/pkg/mod.py"])
+    assert set(seconds) == {"tests/test_mod.py::test_one", "tests/test_mod.py::TestTwo::test_two"}
     assert found["src/pkg/mod.py"][3] == ["tests/test_mod.py::test_one"]
     assert found["src/pkg/mod.py"][4] == ["tests/test_mod.py::TestTwo::test_two"]
     assert sorted(found["src/pkg/mod.py"][2]) == ["tests/test_mod.py::TestTwo::test_two", "tests/test_mod.py::test_one"]
     assert 1 not in found["src/pkg/mod.py"]  # the def line runs at import, in no test
     assert list((tmp_path / "cache" / "fastweights" / "mutants").glob("coverage-*.json"))  # kept for this commit
+
+
+def test_durations_become_seconds_per_test_function_and_a_crowded_line_takes_the_quickest():
+    report = ("============ slowest durations ============\n"
+              "2.50s call     tests/a.py::test_x[1]\n0.50s setup    tests/a.py::test_x[2]\n"
+              "1.00s call     tests/a.py::test_x[2]\n0.01s teardown tests/b.py::TestB::test_y\n"
+              "(12 durations < 0.005s hidden.)\n")
+    seconds = mutants.test_seconds(report)
+    assert seconds == {"tests/a.py::test_x": 4.0, "tests/b.py::TestB::test_y": 0.01}
+    many = {f"tests/c.py::test_{i}": float(i) for i in range(1, 11)}
+    assert mutants.quickest(list(many)[::-1], many, 6.0) == ["tests/c.py::test_1", "tests/c.py::test_2",
+                                                             "tests/c.py::test_3"]  # 1 + 2 + 3 <= 6 < 1 + 2 + 3 + 4
+    assert mutants.quickest(["tests/c.py::test_9"], many, 1.0) == ["tests/c.py::test_9"]  # at least one
+    assert mutants.quickest([], many, 1.0) == []
