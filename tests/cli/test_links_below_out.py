@@ -94,3 +94,22 @@ def test_write_into_refuses_a_linked_destination_before_moving_anything(tmp_path
     (exp / "config.json").unlink()
     assert write_into(exp, write) == ["a.json", "config.json"]
     assert (exp / "config.json").read_text() == "c" and sorted(p.name for p in exp.iterdir()) == ["a.json", "config.json"]
+
+
+def test_a_linked_cache_file_met_again_is_refused_as_the_token_cache(tmp_path, victim):
+    """``cached_stream`` finding its cache file (or its sidecar) replaced by a link below the folder the user named:
+    refused in one line that says what would have been written through it."""
+    from fastweights.data.streams import _sidecar, cached_stream
+    from fastweights.data.tokenizers import ByteTokenizer
+
+    out, tok = tmp_path / "out", ByteTokenizer()
+    stream = cached_stream(["some text"], tok, out / "data", "train", root=out)
+    for planted in (stream.path, _sidecar(stream.path)):
+        kept = planted.with_name(planted.name + ".kept")
+        planted.rename(kept)
+        planted.symlink_to(victim / "precious.txt")
+        with pytest.raises(UserError, match=rf"{planted.name} is a symbolic link; refusing to write the token cache"):
+            cached_stream(["some text"], tok, out / "data", "train", root=out)
+        planted.unlink()
+        kept.rename(planted)
+    _unchanged(victim)
