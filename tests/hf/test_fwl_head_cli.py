@@ -85,6 +85,10 @@ def test_eval_generate_and_dynamic_eval_take_the_checkpoint(trained, tmp_path, c
     again = json.loads(capsys.readouterr().out)
     for kind in ("static", "dynamic"):
         assert math.log(again[kind]["perplexity"]) == pytest.approx(math.log(res[kind]["perplexity"]), abs=1e-5)
+    # a head on a model that has one: refused in one line that says which kind of directory it was given
+    assert cli.main(["fwl-head", "train", "--hf", str(export), "--out", str(tmp_path / "again"), "--quiet"]) == 2
+    assert f"fwl-head train --hf {export}: already has an FWL head (a `fwl-head export` directory)" in \
+        capsys.readouterr().err
 
 
 def test_bad_input_is_one_line(trained, tmp_path, capsys):
@@ -210,3 +214,49 @@ def test_train_says_what_it_trains_on_and_uses_one_long_file_beyond_its_first_wi
     assert "training text: 6 windows of 256 tokens (1,536 tokens, the last 4 held out) in 3 streams of at most 2 " \
            "windows from 1 document(s)" in err
     assert json.loads((out / "training.json").read_text())["cache_windows"] == 6
+
+
+def test_an_interrupt_while_caching_says_how_much_of_the_cache_is_kept(backbone_dir, tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the hidden states are cached: one line saying how many windows the cache holds (the same command
+    continues it) and that nothing was trained."""
+    from fastweights.hf import fwl_training
+
+    real = fwl_training.cache_hidden_states
+
+    def cache_then_interrupt(*args, **kwargs):
+        real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fwl_training, "cache_hidden_states", cache_then_interrupt)
+    out = tmp_path / "runs" / "fwl"
+    assert cli.main(["fwl-head", "train", "--hf", str(backbone_dir), "--out", str(out), "--windows", "6", "--window",
+                     "256", "--quiet"]) == 130
+    err = stderr_text(capsys)
+    assert (f"interrupted by SIGINT while caching hidden states: {tmp_path / 'runs' / 'hidden-cache'} holds 6 of 6 "
+            "windows and nothing was trained") in err
+
+
+def test_the_progress_counts_each_cpu_second_of_training_once(backbone_dir, tmp_path, monkeypatch):
+    """The bar of ``fwl-head train`` advances by the CPU seconds since its last update: its count ends at the run's
+    training CPU time (a count that grew by the time so far at every step showed ETAs far too short)."""
+    from fastweights.hf import fwl_training
+
+    counted = []
+
+    class Recorder:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def update(self, n, **kwargs):
+            counted.append(n)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(fwl_training, "Progress", Recorder)
+    out = tmp_path / "run"
+    assert cli.main(["fwl-head", "train", "--hf", str(backbone_dir), "--out", str(out), "--windows", "6", "--window",
+                     "256", "--max-steps", "2", "--quiet"]) == 0  # two steps: the first alone cannot tell
+    history = json.loads((out / "training.json").read_text())["history"]
+    assert len(counted) == len(history) >= 2 and all(n > 0 for n in counted)
+    assert sum(counted) == pytest.approx(history[-1]["cpu_s"], abs=0.011)
