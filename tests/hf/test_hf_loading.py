@@ -107,3 +107,15 @@ def test_every_kind_of_misfit_is_named_in_the_one_line():
         "its weights (a.weight); 1 stored tensor(s) belong to no parameter of the model (b.weight); size mismatch; "
         "refusing to score a model with weights that are not its own")
     tao.check_loading_info({"missing_keys": [], "unexpected_keys": ["b.weight"]}, "m", unexpected=False)  # allowed
+
+
+@pytest.mark.parametrize("dtype, size", [("bfloat16", 2), ("float16", 2), ("auto", 4), (None, 4), ("no-such", 4)])
+def test_the_bytes_counted_follow_the_configs_dtype_written_as_a_string_or_absent(monkeypatch, dtype, size):
+    """config.json writes its dtype as a string ("bfloat16", "auto"), or a config has none: bytes per parameter as
+    ``from_pretrained`` would load them (fp32 for "auto", absent or unknown)."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(tao, "_meta_parameters", lambda config: 1000)
+    config = SimpleNamespace() if dtype is None else SimpleNamespace(dtype=dtype)
+    assert tao.check_fits(config, "m") == 1000 * size
+    assert tao.check_fits(config, "m", dtype=torch.float64) == 8000  # the caller's dtype wins
