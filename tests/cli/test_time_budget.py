@@ -121,6 +121,22 @@ def test_the_schedule_resumes_where_it_was():
     assert Schedule(tc, 100.0, state={"warmup_end_step": "x", "decay_progress": 2}).warmup_end is None
 
 
+def test_the_schedule_resumes_in_the_middle_of_its_warmup():
+    """A run saved before its warmup ended continues the warmup where it was, not from zero: under a budget that
+    binds (100 one-second steps, so warmup gets at most 25 of them, fewer than its 50) the warmup's progress is
+    the schedule's own state, not the step count."""
+    tc = _cfg(warmup_steps=50, max_steps=100_000)
+    whole, _ = _run(Schedule(tc, 100.0), lambda s: 1.0, 40)
+    first = Schedule(tc, 100.0)
+    part, elapsed = _run(first, lambda s: 1.0, 10)
+    assert first.state()["warmup_end_step"] is None and 10 / 50 < first.state()["warmup_progress"] < 1
+    second = Schedule(tc, 100.0, state=json.loads(json.dumps(first.state())), step=10)
+    for t in first.step_times:
+        second.record_step(t)
+    rest, _ = _run_from(second, 10, elapsed, lambda s: 1.0, 40)
+    assert part == whole[:10] and rest == pytest.approx(whole[10:40], rel=1e-9)
+
+
 def test_train_saves_the_schedule_and_a_resumed_run_continues_it(tmp_path, monkeypatch):
     """The schedule's state goes into the checkpoint's trainer state, and ``--resume`` hands it to the resumed
     run's schedule (a resumed budgeted run would otherwise restart its decay: the learning rate jumps back)."""
@@ -274,3 +290,21 @@ def test_a_step_limit_that_binds_first_keeps_its_exact_total(tmp_path, fake_cloc
     assert summary["steps"] == 40 and not summary["stopped_by_time_budget"]
     lines = [line for _, line in fake_clock.log.lines if "steps |" in line]
     assert all("/40 steps" in line and "~" not in line and "budget" not in line for line in lines), lines
+
+
+def test_the_optimizer_decays_matrices_only_and_gives_marked_parameters_their_own_groups():
+    """AdamW's groups: weight decay on matrices, not on vectors, scalars or a matrix marked ``no_weight_decay`` (a
+    PKM value table, ``values_weight_decay = false``); ``lr_scale`` gives its own group."""
+    import torch
+
+    from fastweights.loops.schedule import make_optimizer
+
+    model = torch.nn.Module()
+    model.w, model.b = torch.nn.Parameter(torch.ones(3, 3)), torch.nn.Parameter(torch.ones(3))
+    model.values, model.fast = torch.nn.Parameter(torch.ones(4, 3)), torch.nn.Parameter(torch.ones(2, 2))
+    model.values.no_weight_decay = True
+    model.fast.lr_scale = 10.0
+    groups = make_optimizer(model, _cfg(weight_decay=0.1)).param_groups
+    found = {(g["weight_decay"], g["lr_scale"]): {id(p) for p in g["params"]} for g in groups}
+    assert found == {(0.1, 1.0): {id(model.w)}, (0.0, 1.0): {id(model.b), id(model.values)},
+                     (0.1, 10.0): {id(model.fast)}}
