@@ -102,7 +102,7 @@ def test_right_gradients_take_fla_with_its_guard_lifted_while_the_backward_runs(
         assert train_gated(hopper) == "fla"
     assert len(checks) == 1 and guard_lifted()
     (line,) = lines(caplog)
-    assert "TAKEN" in line and "passed" in line and "largest relative error" in line
+    assert "by version, TAKEN for K=8 V=8 bfloat16" in line and "passed" in line and "largest relative error" in line
     assert "TRITON_ABOVE_3_7_1 set True for the whole process" in line and "K=8 V=8 bfloat16" in line
     (verdict,) = cached(tmp_path).values()
     assert verdict["passed"] and verdict["rel_err"]["dk"] <= sc.BF16_GRAD_TOL
@@ -209,3 +209,11 @@ def test_the_relative_difference_is_relative_for_small_tensors_too():
     not to 1: 2e-3 against 1e-3 is 100% off."""
     assert sc._rel(torch.tensor([2e-3]), torch.tensor([1e-3])) == pytest.approx(1.0)
     assert sc._rel(torch.tensor([1.0]), torch.tensor([0.0])) > 1e20  # against zero: far off, not a division error
+
+
+def test_a_verdict_without_tolerances_is_described_against_the_default_one():
+    """A cached verdict of an older check names no per-gradient tolerance: its line compares with the default."""
+    assert sc._describe({"worst": "dk", "rel_err": {"dk": 0.5}}) == \
+        f"largest relative error 0.5 in dk against {sc.BF16_GRAD_TOL:g}"
+    assert sc._describe({"worst": "dg", "rel_err": {"dg": 0.25}, "tolerance": {"dg": 0.125}}) == \
+        "largest relative error 0.25 in dg against 0.125"
