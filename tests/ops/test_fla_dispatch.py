@@ -355,3 +355,17 @@ def test_gdn_layer_trains_on_fla_where_fla_allows_the_gated_backward(fla, monkey
     _train_step(layer, torch.randn(2, 21, 16), autocast=True)
     (call,) = fla
     assert call["rule"] == "gated" and call["grad"]
+
+
+@pytest.mark.parametrize("bad", ["k", "v", "beta"])
+def test_the_stand_in_refuses_each_layout_fla_would(bad):
+    """The stand-in holds our calls to fla's layout contract: any one tensor of another layout is refused, so a
+    dispatch that mixed up [B, T, H, K] and [B, H, T, K] for one of them fails here as it would in fla."""
+    b, t, h, dk = 1, 4, 2, 8
+    q = torch.zeros(b, t, h, dk, dtype=torch.bfloat16)
+    args = {"k": torch.zeros(b, t, h, dk, dtype=torch.bfloat16), "v": torch.zeros(b, t, h, dk, dtype=torch.bfloat16),
+            "beta": torch.zeros(b, t, h, dtype=torch.bfloat16)}
+    fla_standin._check(q, args["k"], args["v"], args["beta"], None, None)  # fla's layout: accepted
+    args[bad] = args[bad].transpose(1, 2)  # [B, H, T, ...]
+    with pytest.raises(fla_standin.Contract, match="layout"):
+        fla_standin._check(q, args["k"], args["v"], args["beta"], None, None)

@@ -5,6 +5,7 @@ it applies, the choice measured and never slower (a stand-in slower kernel loses
 and thread count in the cache file (a second process computes with the same kernels)."""
 
 import json
+import platform
 import types
 
 import pytest
@@ -279,6 +280,18 @@ def test_a_broken_or_unwritable_cache_measures_again_and_still_computes(tmp_path
     monkeypatch.setattr(lin, "_CHOICES", {})
     x, w, b = (t.detach() for t in _leaves((256, 128), 96))
     torch.testing.assert_close(lin.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64") or not torch.backends.mkldnn.is_available(),
+                    reason="oneDNN's linear is an x86 CPU build's")
+def test_the_oneDNN_op_of_this_torch_passes_its_check():
+    """The torch the project pins has the private op, and the check at first use accepts it (a kernel that dropped
+    its bias would fail the check and silently leave every product on torch's: the tests above would still pass)."""
+    lin.onednn_available.cache_clear()
+    assert lin.onednn_available()
+    x, w, b = torch.randn(5, 4), torch.randn(3, 4), torch.randn(3)
+    with torch.no_grad():
+        torch.testing.assert_close(lin.KERNELS["onednn"](x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
 def test_the_oneDNN_op_is_dropped_where_it_is_missing_or_gives_other_numbers(monkeypatch):
