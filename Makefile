@@ -20,9 +20,10 @@ demo: $(STAMP)
 	$(BIN)/python -m fastweights demo --out runs/demo
 
 # the linter first (seconds), then one worker per core (pytest-xdist): the tests run single-threaded, so two cores
-# take about half the time; the tests sharing a module's fixture stay in one worker (loadgroup, tests/conftest.py)
+# take about half the time; each file's tests stay in one worker, so a module's fixtures (a dry run, the documented
+# harness commands) are built once, not once per worker
 test: lint
-	$(BIN)/python -m pytest -n auto --dist loadgroup --timeout=600 --durations=10 tests
+	$(BIN)/python -m pytest -n auto --dist loadfile --timeout=600 --durations=10 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check src benchmarks tests

@@ -29,16 +29,6 @@ def pytest_runtest_logreport(report):
         sys.stderr.flush()
 
 
-def pytest_collection_modifyitems(config, items):
-    """The tests of a module that share one of its module-scoped fixtures (a dry run, a trained head, the documented
-    commands) run in one xdist worker (``--dist loadgroup``, the Makefile's): under plain load balancing both workers
-    built such a fixture, so its minutes were paid twice. Every other test is balanced test by test."""
-    for item in items:
-        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-        if any(d.scope == "module" for chain in defs.values() for d in chain):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-
-
 @pytest.fixture(autouse=True)
 def one_thread():
     """Every test starts on one thread, whatever an earlier test set (a training run's train.threads, say)."""
