@@ -2,7 +2,7 @@
 workers built a module's fixtures (the documented harness commands, the GPU queue's dry run: each setup appeared
 twice in the slowest durations), paying their minutes twice. (``--dist loadgroup`` with an ``xdist_group`` mark was
 tried first: pytest-xdist 3.8 renames a grouped test through ``Item._nodeid``, which pytest 9 no longer reads, so
-nothing was grouped.)"""
+nothing was grouped: pytest-dev/pytest-xdist#1386, open.)"""
 
 from pathlib import Path
 
