@@ -197,3 +197,12 @@ def test_a_lowrank_rank_beyond_the_models_dimensions_is_refused_before_allocatin
     assert "--lowrank-rank 100000000 exceeds the model's dimensions" in err and "choose 1..16" in err
     run_json(capsys, "dynamic", "eval", "--checkpoint", str(char_checkpoint), "--data", str(char_checkpoint / "doc.txt"),
              "--lowrank-rank", "16", *SGD)
+
+
+def test_the_sparse_block_is_the_one_asked_for(char_checkpoint, capsys):
+    """``--sparse-layer`` reaches the evaluator (without it: the middle block). Mutation caught: the layer not
+    handed on, which left every run on the default block."""
+    base = ["dynamic", "eval", "--checkpoint", str(char_checkpoint), "--data", str(char_checkpoint / "doc.txt"), *SGD,
+            "--sparse-units", "4"]
+    assert run_json(capsys, *base)["settings"]["sparse_layer"] == 1  # two blocks: the middle one is block 1
+    assert run_json(capsys, *base, "--sparse-layer", "0")["settings"]["sparse_layer"] == 0
