@@ -89,6 +89,7 @@ def test_training_ran_its_steps_on_documents_never_scored(dry_run, recipe):
     want = {str(j): sum(h[3] for h in half if h[2] == j) / sum(h[2] == j for h in half) for j in (0, 1)}
     assert tr["loss_by_window_second_half"] == pytest.approx(want, rel=1e-12)
     assert tr["learned_step_sizes"] and all(finite(v) for v in tr["learned_step_sizes"].values())
+    assert tr["learned_decays"] and all(0 < v < 1 for v in tr["learned_decays"].values())  # gamma in (0, 1)
     assert tr["streams"] == recipe.TINY.batch * 2 and set(tr["corpora"]) <= set(recipe.TRAINING_MIX)
     from fastweights.hf.fwl_training import HELD_OUT_NAMES
 
