@@ -24,6 +24,8 @@ def test_the_default_mix_is_english_long_documents_without_a_compared_text():
     assert corpora == set(TRAINING_MIX) and "bible-es" not in corpora and "novels" not in TRAINING_MIX
     assert not any(n in s.lower() for s in text.sources for n in HELD_OUT_NAMES)
     assert sum(text.doc_windows) == len(text.tokens) == 60 and max(text.doc_windows) == 4
+    every = training_windows(Chars(), 64, max_windows=None, doc_windows=1)  # one window of every document of the mix
+    assert not any(n in s.lower() for s in every.sources for n in HELD_OUT_NAMES)
 
 
 def test_a_documents_windows_are_consecutive(tmp_path):
