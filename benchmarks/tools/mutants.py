@@ -304,7 +304,8 @@ def run_sample(chosen: list[str], where: dict, edits: dict, trees: list[Path], t
                timeout: float, by_line: dict | None = None, seconds: dict | None = None) -> dict[str, str]:
     """Each mutant's :func:`run_patched` status, ``len(trees)`` at a time (a worktree each); its tests: ``tests``,
     else the test functions that ran its line (``by_line``, :func:`coverage_map`; the quickest that fit in half
-    the timeout by their ``seconds`` there) and, when none of them fails, the test files that import its module."""
+    the timeout by their ``seconds`` there) and, when none of them fails, the rest of the test files that import
+    its module."""
     import queue
     from concurrent.futures import ThreadPoolExecutor
 
@@ -322,7 +323,11 @@ def run_sample(chosen: list[str], where: dict, edits: dict, trees: list[Path], t
             first = run_patched(tree, f, edits.get(name), covering, timeout) if covering else "no tests"
             if first in ("killed", "timeout", "not applied"):
                 return first
-            second = run_patched(tree, f, edits.get(name), tests_for([f]), timeout)
+            importers = tests_for([f])
+            # the tests already run in the first stage are not run again (a survivor's whole importers' run is
+            # the slow part of a sample)
+            again = [x for t in covering for x in ("--deselect", t)] if importers else []
+            second = run_patched(tree, f, edits.get(name), importers + again, timeout)
             return "survived" if second == "no tests" and first == "survived" else second
         finally:
             free.put(tree)

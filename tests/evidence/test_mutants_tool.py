@@ -175,3 +175,21 @@ def test_durations_become_seconds_per_test_function_and_a_crowded_line_takes_the
                                                              "tests/c.py::test_3"]  # 1 + 2 + 3 <= 6 < 1 + 2 + 3 + 4
     assert mutants.quickest(["tests/c.py::test_9"], many, 1.0) == ["tests/c.py::test_9"]  # at least one
     assert mutants.quickest([], many, 1.0) == []
+
+
+def test_the_second_stage_does_not_run_the_first_stages_tests_again(tmp_path, monkeypatch):
+    """A survivor of the covering tests goes on to its module's importers without those tests (deselected): a
+    survivor's importers' run is the slow part of a sample. With no importer, nothing runs (a bare --deselect
+    would collect the whole suite)."""
+    calls = []
+    monkeypatch.setattr(mutants, "run_patched",
+                        lambda tree, file, edits, tests, timeout: calls.append(list(tests)) or "survived")
+    monkeypatch.setattr(mutants, "tests_for", lambda files: ["tests/test_mod.py"])
+    where = {"m.x_f__mutmut_1": ("src/pkg/mod.py", 2, "a", "b")}
+    by_line = {"src/pkg/mod.py": {2: ["tests/test_mod.py::test_f", "tests/test_cli.py::test_g"]}}
+    seconds = {"tests/test_mod.py::test_f": 1.0, "tests/test_cli.py::test_g": 2.0}
+    out = mutants.run_sample(list(where), where, {}, [tmp_path], None, 60, by_line, seconds)
+    assert out == {"m.x_f__mutmut_1": "survived"}
+    assert calls == [["tests/test_mod.py::test_f", "tests/test_cli.py::test_g"],  # quickest first
+                     ["tests/test_mod.py", "--deselect", "tests/test_mod.py::test_f", "--deselect",
+                      "tests/test_cli.py::test_g"]]
