@@ -352,6 +352,8 @@ def test_bundled_excerpts_name_their_texts_by_corpus():
     (row,) = parse_excerpts("shakespeare-heldout:macbeth_gut.txt@ACT II.\\n", "scored")
     assert row.document == "shakespeare-heldout:macbeth_gut.txt" and row.marker == "ACT II.\n"
     assert parse_excerpts("tinyshakespeare", "scored")[0][:2] == ("tinyshakespeare", "tinyshakespeare")
+    # a file name with no letter or digit still gets a key (the results' JSON is keyed by it)
+    assert parse_excerpts("user:--.txt", "scored")[0].key == "text"
     assert parse_excerpts(default_excerpts("statistics"), "scored") == [bundled_excerpt("war_and_peace_ch2")._replace(role="scored")]
     with pytest.raises(UserError, match="no scored text"):
         parse_excerpts(" , ", "scored")

@@ -67,7 +67,8 @@ def default_excerpts(role: str) -> str:
 
 def parse_excerpts(value: str, role: str) -> list[ExcerptSpec]:
     """``CORPUS:DOCUMENT[@MARKER],...`` -> excerpts of ``role``; the bundled ones keep their key and titles, any
-    other document of the registry gets a key from its file name (``\\n`` in a marker is a newline)."""
+    other document of the registry gets a key from its file name (``text`` when it has no letter or digit;
+    ``\\n`` in a marker is a newline)."""
     rows = []
     for item in [v.strip() for v in value.split(",") if v.strip()]:
         document, _, marker = item.partition("@")
