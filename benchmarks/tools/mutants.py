@@ -293,6 +293,8 @@ def run_patched(tree: Path, file: str, edits: list | None, tests: list[str], tim
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tree / "src"), "PYTHONDONTWRITEBYTECODE": "1"}
         done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
                                "-p", "no:randomly", *tests], cwd=tree, env=env, capture_output=True, timeout=timeout)
+        if done.returncode == 4 and b"ERROR collecting" in done.stdout:
+            return "killed"  # a test module no longer imports, so pytest finds none of its node ids (exit 4)
         return {0: "survived", 5: "no tests", 4: "error"}.get(done.returncode, "killed")  # 1: failed, 2: import
     except subprocess.TimeoutExpired:
         return "timeout"

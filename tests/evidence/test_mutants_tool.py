@@ -92,6 +92,24 @@ def test_a_sampled_mutant_is_killed_by_a_failing_test_and_the_file_is_restored(t
         == "no tests"
 
 
+def test_a_mutant_that_breaks_the_import_of_a_named_test_module_is_killed(tmp_path):
+    """A mutant of code that a test module runs when it is imported (a parser built at module level) makes that
+    module fail to collect, and pytest then answers the module's node ids with "found no collectors" and exit 4, not
+    1 (sample of 2026-11-30: two such mutants of cli/settings.py counted as survivors)."""
+    (tmp_path / "src" / "pkg").mkdir(parents=True)
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "src" / "pkg" / "mod.py").write_text("def f(a):\n    return a + 1\n")
+    (tmp_path / "tests" / "test_built.py").write_text("from pkg.mod import f\n\nBUILT = f(1)\n\n\ndef test_built():\n"
+                                                      "    assert BUILT == 2\n")
+    (tmp_path / "tests" / "test_other.py").write_text("def test_other():\n    pass\n")
+    tests = ["tests/test_built.py::test_built", "tests/test_other.py::test_other"]
+    edit = [(2, "    return a + 1", "    return a - '1'")]
+    assert mutants.run_patched(tmp_path, "src/pkg/mod.py", edit, tests, 120) == "killed"
+    # a node id that names no test, with the code as it is, stays what it is: a usage error, not a kill
+    assert mutants.run_patched(tmp_path, "src/pkg/mod.py", [(2, "    return a + 1", "    return 1 + a")],
+                               ["tests/test_other.py::test_missing"], 120) == "error"
+
+
 def test_a_packages_init_is_tested_by_the_tests_that_import_the_package():
     """``src/fastweights/cli/__init__.py`` is the module ``fastweights.cli`` (mutation run of 2026-11-29: its
     mutants had 'no tests', as no test names ``fastweights.cli.__init__``)."""
