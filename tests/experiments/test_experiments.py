@@ -300,4 +300,6 @@ def test_commands_end_to_end(tmp_path, capsys):
 
     out = tmp_path / "gates"
     assert _cli(["inspect", "gates", "--checkpoint", str(ckpt), "--text", "the cat sat on the log.", "--out", str(out)]) == 0
-    assert (out / "gates.png").is_file() and "1" in json.loads((out / "gates.json").read_text())["gates"]
+    gates = json.loads((out / "gates.json").read_text())
+    assert (out / "gates.png").is_file() and "1" in gates["gates"]
+    assert gates["command"] == f"fastweights inspect gates --checkpoint {ckpt} --text 'the cat sat on the log.' --out {out}"

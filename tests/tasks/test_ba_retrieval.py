@@ -114,6 +114,19 @@ def test_cli_json(tmp_path, capsys):
     assert printed["test_accuracy"] == pytest.approx(1 - printed["test_error"])
 
 
+def test_cli_prints_the_reports_errors_in_percent(tmp_path, capsys):
+    # without --json: the progress lines, then one summary line with the report's own numbers (seed-3 mutation draw:
+    # the line was never printed by a test, so a misspelt key or a wrong percentage passed)
+    out = tmp_path / "r"
+    argv = ["ba-retrieval", "--model", "lstm", "--hidden", "8", "--steps", "20", "--eval-every", "10",
+            "--train-size", "500", "--val-size", "100", "--test-size", "100", "--out", str(out)]
+    assert _cli(argv) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    report = json.loads((out / "ba_retrieval.json").read_text())
+    assert last.startswith(f"test error {100 * report['test_error']:.2f}% (best val error "
+                           f"{100 * report['val_error']:.2f}% at step {report['best_step']}; 20 steps, "), last
+
+
 def test_cli_rejects_bad_input():
     with pytest.raises(UserError):
         _cli(["ba-retrieval", "--hidden", "0"])
