@@ -113,3 +113,23 @@ def test_a_linked_cache_file_met_again_is_refused_as_the_token_cache(tmp_path, v
         planted.unlink()
         kept.rename(planted)
     _unchanged(victim)
+
+
+def test_encoding_names_the_token_cache_in_each_refusal(tmp_path, victim):
+    """``encode_to_file`` below the folder the user named: a link at the cache file, or a file where its folder
+    goes, is refused in one line that says it is the token cache that would have been written (seed-3 mutation
+    draw: neither label was checked, only cached_stream's own)."""
+    from fastweights.data.streams import encode_to_file
+    from fastweights.data.tokenizers import ByteTokenizer
+
+    out, tok = tmp_path / "out", ByteTokenizer()
+    (out / "data").mkdir(parents=True)
+    (out / "data" / "train.bin").symlink_to(victim / "precious.txt")
+    with pytest.raises(UserError, match=r"train\.bin is a symbolic link; refusing to write the token cache through it"):
+        encode_to_file(["some text"], tok, out / "data" / "train.bin", root=out)
+    _unchanged(victim)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "data").write_text("a file where the cache folder goes\n")
+    with pytest.raises(UserError, match=r"data is a file, not a folder; cannot write the token cache$"):
+        encode_to_file(["some text"], tok, other / "data" / "train.bin", root=other)
