@@ -196,7 +196,9 @@ def test_static_model_arguments_are_checked_as_the_command_line_checks_them(chec
     ({"eps": 0}, "eps=0 (--eps of the command line): must be a finite number > 0, got 0"),
     ({"lowrank_rank": -3}, "must be >= 0, got -3"),
     ({"lr_schedule": "sometimes"}, "lr_schedule=sometimes"),
-    ({"stats_batch_size": 0}, "must be >= 1, got 0"),
+    ({"stats_batch_size": 0}, "stats_batch_size=0 (--batch-size of dynamic stats of the command line): must be >= 1"),
+    ({"stats_batches": -1}, "stats_batches=-1 (--max-batches of dynamic stats of the command line): must be >= 0"),
+    ({"stats_seq_len": -1}, "stats_seq_len=-1 (--segment-len of dynamic stats of the command line): must be >= "),
 ])
 def test_dynamic_model_arguments_are_checked_as_the_command_line_checks_them(checkpoint, args, needle):
     from fastweights.core.errors import UserError

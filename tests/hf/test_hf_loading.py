@@ -87,6 +87,33 @@ def test_the_meta_count_of_a_deep_model_is_exact(monkeypatch):
         tao.check_fits(cfg, "deep")
 
 
+def test_a_deep_config_is_built_at_one_and_two_layers_only(monkeypatch):
+    """The extrapolation is what makes a deep config's count cheap: the full depth is never built (seed-3 mutation
+    draw: a broken extrapolation fell back to building all 70 layers, the same count, silently)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    built, real = [], AutoModelForCausalLM.from_config
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config",
+                        lambda cfg, **k: built.append(cfg.num_hidden_layers) or real(cfg, **k))
+    cfg = LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=70,
+                      num_attention_heads=2, num_key_value_heads=1)
+    tao._meta_parameters(cfg)
+    assert built == [1, 2] and cfg.num_hidden_layers == 70  # the caller's config is left as it was
+
+
+def test_a_device_named_by_a_string_is_checked_against_that_devices_memory(monkeypatch):
+    """``device="cuda:0"`` (as the command line passes it) is that GPU's free memory, not the CPU's (seed-3
+    mutation draw: a string device reached available_ram unparsed, which read the CPU's MemAvailable). A stand-in
+    GPU of 1,000 free bytes."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(tao, "_meta_parameters", lambda config: 1000)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1000, 2000))
+    with pytest.raises(UserError, match=r"\(about 0\.0 GiB\) but cuda:0 has 0\.0 GiB available"):
+        tao.check_fits(SimpleNamespace(), "m", device="cuda:0")
+    assert tao.check_fits(SimpleNamespace(), "m", device="cpu") == 4000
+
+
 def test_a_config_that_builds_no_model_is_one_line(llama_dir, tmp_path):
     d = tmp_path / "model"
     shutil.copytree(llama_dir, d)

@@ -36,3 +36,12 @@ def test_rope_matches_rotation_and_gradcheck():
     b = (rope(q, 13) * rope(k, 17)).sum()
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
+
+
+def test_rope_in_fp64_computes_its_angles_on_the_inputs_device():
+    """fp64 inputs get fp64 frequencies made for the call: on the input's device, not the CPU (seed-3 mutation
+    draw: the device was dropped, which the CPU cannot see; the meta device stands in for a GPU)."""
+    rope = RotaryEmbedding(8)
+    x = torch.randn(2, 3, 5, 8, dtype=torch.float64, device="meta")
+    assert rope(x, 0).device.type == "meta"
+    assert rope(x, torch.zeros(2, 5, dtype=torch.long, device="meta")).shape == x.shape
