@@ -217,3 +217,30 @@ def test_a_verdict_without_tolerances_is_described_against_the_default_one():
         f"largest relative error 0.5 in dk against {sc.BF16_GRAD_TOL:g}"
     assert sc._describe({"worst": "dg", "rel_err": {"dg": 0.25}, "tolerance": {"dg": 0.125}}) == \
         "largest relative error 0.25 in dg against 0.125"
+
+
+@pytest.mark.parametrize("triton, refused", [("3.3.9", False), ("3.4.0", True), ("3.6.0", True), ("3.7.1", False),
+                                             ("4.0.0", False)])
+def test_the_stand_in_refuses_as_fla_does_for_each_triton(monkeypatch, triton, refused):
+    """fla 0.6 refuses its gated backward on Hopper for Triton in [3.4.0, 3.7.1): the stand-in's flags, for each
+    version the self-check may read (seed-3 mutation draw: the upper bound was never tried)."""
+    import sys
+
+    fla_standin.install(monkeypatch)
+    try:
+        fla_standin.refuse_gated_backward(monkeypatch, triton=triton)
+        flags = sys.modules[fla_standin.GUARD_MODULE]
+        assert (flags.IS_NVIDIA_HOPPER and flags.TRITON_ABOVE_3_4_0 and not flags.TRITON_ABOVE_3_7_1) is refused
+    finally:
+        fla_standin.uninstall()
+
+
+def test_the_checks_inputs_are_the_same_at_every_run():
+    """The self-check's inputs come from its own seeded generator, so a verdict (and the error it records) can be
+    reproduced (seed-3 mutation draw: an input drawn from the global generator passed)."""
+    torch.manual_seed(0)
+    first = sc._check_inputs(torch.device("cpu"), 16, 16, torch.float32)
+    torch.manual_seed(1)
+    again = sc._check_inputs(torch.device("cpu"), 16, 16, torch.float32)
+    for a, b in zip([*first[0], *first[1]], [*again[0], *again[1]]):
+        assert torch.equal(a, b)
