@@ -252,6 +252,11 @@ def test_collect_grad_stats_is_mean_squared_batch_gradient(tmp_path):
     path = stats.save(tmp_path / "s.safetensors")
     loaded = GradStats.load(path)
     assert loaded.batches == 3 and loaded.context == 18 and set(loaded.ms) == set(stats.ms)
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:  # the file says what it holds, to anyone who opens it
+        meta = f.metadata()
+    assert meta["format"] == "fastweights-grad-stats" and meta["units"].startswith("MS_g (mean squared gradient")
     (tmp_path / "bad.safetensors").write_text("nope")
     with pytest.raises(UserError):
         GradStats.load(tmp_path / "bad.safetensors")

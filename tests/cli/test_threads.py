@@ -115,6 +115,9 @@ def test_every_front_end_resolves_its_threads_by_its_kind_of_work():
         assert (args.threads, args.thread_work) == (0, work)
     for argv in (["demo"], ["train", "--preset", "tiny"]):  # resolved inside run_demo / train (train.threads)
         assert getattr(build_parser().parse_args(argv), "thread_work", None) is None
+    # the demo trains on the idle cores unless told (0), as train does (seed-4 mutation draw: a default of 1 passed)
+    assert build_parser().parse_args(["demo"]).threads == 0
+    assert build_parser().parse_args(["train", "--preset", "tiny"]).threads is None  # the preset's train.threads
 
 
 @pytest.mark.parametrize("work, omp, requested, want", [
