@@ -81,6 +81,11 @@ def test_an_interrupted_demo_continues_to_the_same_demo_json(tiny_demo, tmp_path
     assert {k: v for k, v in a.items() if k not in TIMING} == {k: v for k, v in b.items() if k not in TIMING}, \
         f"interrupt at step {at}"
     assert a["train_steps"] == STEPS
+    # the keys the stored benchmarks/results/demo.json holds and the docs cite (a renamed key is the same in both
+    # runs, so the comparison above cannot see it: seed-4 mutation draw)
+    assert sorted(a) == ["dynamic_eval", "loss_curve", "parameters", "test_bits_per_char", "timed_steps_per_s",
+                         "train_seconds", "train_steps", "train_threads", "val_bits_per_char"]
+    assert a["loss_curve"] == str(straight / "loss_curve.png") and (straight / "loss_curve.png").is_file()
     logged = [[json.loads(line)["step"] for line in (d / "metrics.jsonl").read_text().splitlines()]
               for d in (straight, stopped)]
     assert logged[0] == logged[1], f"interrupt at step {at}"  # each step logged once, as in the straight run
