@@ -2,15 +2,19 @@
 a repetitive token stream. A plain module (``tests/`` is on ``sys.path``, see ``conftest.py``): tests import
 from here, never from another test module."""
 
+import contextlib
 import functools
 import importlib
 import io
 import math
 import os
 import re
+import signal
 import subprocess
 import json
 import sys
+import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository
@@ -55,6 +59,28 @@ def import_benchmark(name: str):
 #: how long a test waits for a subprocess before calling it hung: a guard, never a speed limit (a 2-core machine at
 #: load 6-16 runs a 20-second command for minutes; issue 49: no test may depend on wall-clock time)
 HANG_GUARD_S = 600
+
+
+@contextlib.contextmanager
+def signal_at_step(metrics: Path, step: int, signum: int = signal.SIGINT):
+    """While the block runs, send ``signum`` to this process once the training run logging to ``metrics`` (its
+    ``metrics.jsonl``) has logged step ``step`` or later: the trainer then saves and stops at that step."""
+    stop = threading.Event()
+
+    def go():
+        while not stop.is_set():
+            if metrics.is_file():
+                steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.strip()]
+                if steps and steps[-1] >= step:
+                    os.kill(os.getpid(), signum)
+                    return
+            time.sleep(0.005)
+
+    threading.Thread(target=go, daemon=True).start()
+    try:
+        yield
+    finally:
+        stop.set()
 
 
 def run_script(script: Path, *args: str, timeout: float = HANG_GUARD_S) -> subprocess.CompletedProcess:

@@ -7,10 +7,9 @@ own, through the command line."""
 
 import json
 import random
-import signal
-import threading
 
 import pytest
+from helpers import signal_at_step
 
 from fastweights.cli import main
 from fastweights.experiments import demo
@@ -37,35 +36,12 @@ def _demo(out) -> int:
     return main(["demo", "--out", str(out), "--steps", str(STEPS), "--threads", "1"])
 
 
-def _interrupt_at(step: int, metrics) -> threading.Event:
-    """SIGINT to this process once the run's metrics reach ``step`` (the trainer saves and stops at that step)."""
-    import os
-    import time
-
-    stop = threading.Event()
-
-    def go():
-        while not stop.is_set():
-            if metrics.is_file():
-                steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.strip()]
-                if steps and steps[-1] >= step:
-                    os.kill(os.getpid(), signal.SIGINT)
-                    return
-            time.sleep(0.005)
-
-    threading.Thread(target=go, daemon=True).start()
-    return stop
-
-
 def test_an_interrupted_demo_continues_to_the_same_demo_json(tiny_demo, tmp_path, capsys):
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     assert _demo(straight) == 0
     at = random.Random().randrange(1, STEPS // 2)  # a random step (the first half: the signal lands in training)
-    stop = _interrupt_at(at, stopped / "metrics.jsonl")
-    try:
+    with signal_at_step(stopped / "metrics.jsonl", at):
         assert _demo(stopped) == 130, f"interrupt at step {at}"
-    finally:
-        stop.set()
     err = capsys.readouterr().err
     assert "run the demo again with the same --out to continue" in err and not (stopped / "demo.json").exists()
     saved = json.loads((stopped / "checkpoint.json").read_text())["step"]

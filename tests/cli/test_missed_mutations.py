@@ -5,8 +5,6 @@ of ``src/``: see benchmarks/tools/mutation_check.py)."""
 from __future__ import annotations
 
 import json
-import signal
-import threading
 
 import pytest
 import torch
@@ -14,6 +12,7 @@ from safetensors.torch import load_file
 
 from fastweights.cli import main
 from fastweights.core.errors import UserError
+from helpers import signal_at_step
 
 TINY = ["--preset", "tiny", "--quiet"]
 
@@ -93,23 +92,8 @@ def test_resume_with_dropout_is_bit_exact(tmp_path, capsys):
             "--set", "model.dropout=0.2"]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     assert main(["train", *args, "--out", str(straight)]) == 0
-    metrics, stop = stopped / "metrics.jsonl", threading.Event()
-
-    def interrupt():
-        import os
-        import time
-
-        while not stop.is_set():
-            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
-                os.kill(os.getpid(), signal.SIGINT)
-                return
-            time.sleep(0.002)
-
-    threading.Thread(target=interrupt, daemon=True).start()
-    try:
+    with signal_at_step(stopped / "metrics.jsonl", 3):  # log_every=1: the third line is step 3
         assert main(["train", *args, "--out", str(stopped)]) == 130
-    finally:
-        stop.set()
     k = json.loads((stopped / "checkpoint.json").read_text())["step"]
     assert 3 <= k < 10
     assert main(["train", "--resume", "--quiet", "--out", str(stopped)]) == 0

@@ -13,7 +13,6 @@ import pickle
 import random
 import shutil
 import signal
-import threading
 import time
 
 import numpy as np
@@ -22,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from fastweights.cli import main
-from helpers import HANG_GUARD_S
+from helpers import HANG_GUARD_S, signal_at_step
 
 TINY = ["--preset", "tiny", "--quiet"]
 SHORT = [*TINY, "--set", "train.max_steps=6", "--set", "train.eval_every=0"]
@@ -175,21 +174,6 @@ def test_run_lock(run, tmp_path, capsys):
     assert not (stale / ".lock").exists()
 
 
-def _signal_after(step: int, signum: int, metrics, stop: threading.Event) -> threading.Thread:
-    def go():
-        while not stop.is_set():
-            if metrics.is_file():
-                steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.strip()]
-                if steps and steps[-1] >= step:
-                    os.kill(os.getpid(), signum)
-                    return
-            time.sleep(0.005)
-
-    t = threading.Thread(target=go, daemon=True)
-    t.start()
-    return t
-
-
 def _not_json(constant: str):
     raise AssertionError(f"{constant} is not JSON (RFC 8259): an interrupted run's summary.json held it (issue 49)")
 
@@ -206,12 +190,8 @@ def test_a_signal_saves_the_step_and_resume_is_bit_exact(signum, code, tmp_path,
     args = [*TINY, "--set", "train.max_steps=30", "--set", "train.eval_every=10", "--set", "train.log_every=1"]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     assert main(["train", *args, "--out", str(straight)]) == 0
-    stop = threading.Event()
-    _signal_after(4, signum, stopped / "metrics.jsonl", stop)
-    try:
+    with signal_at_step(stopped / "metrics.jsonl", 4, signum):
         assert main(["train", *args, "--out", str(stopped)]) == code
-    finally:
-        stop.set()
     line = _err_line(capsys)
     k = json.loads((stopped / "checkpoint.json").read_text())["step"]
     summary = json.loads((stopped / "summary.json").read_text(), parse_constant=_not_json)  # strict JSON: no NaN

@@ -37,7 +37,6 @@ def test_rope_matches_rotation_and_gradcheck():
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-
 def test_rope_in_fp64_computes_its_angles_on_the_inputs_device():
     """fp64 inputs get fp64 frequencies made for the call: on the input's device, not the CPU (seed-3 mutation
     draw: the device was dropped, which the CPU cannot see; the meta device stands in for a GPU)."""
