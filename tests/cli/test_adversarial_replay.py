@@ -373,6 +373,10 @@ def test_a_compiler_that_cannot_build_is_refused_with_the_way_out(monkeypatch):
     def broken(fn, **kw):
         raise RuntimeError("\n  fatal error: cannot build\nmore lines")
 
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: lambda t: seen.append(t) or fn(t))  # a working backend
+    check_compile("cpu")  # passes, having run the function on a tensor of the device
+    assert len(seen) == 1 and seen[0].device.type == "cpu"
     monkeypatch.setattr(torch, "compile", broken)
     with pytest.raises(UserError) as e:
         check_compile("cpu")

@@ -63,6 +63,10 @@ def test_eta_never_exceeds_the_time_budget():
     bar.n = 40
     assert _line(bar, 10.0).endswith("ETA 04:50")  # the count would say 20:40; the budget ends it at 5:00
     assert _line(bar, 400.0).endswith("ETA 00:00")
+    bar.n = 4000  # 400 steps/s: the count ends it in 2.5 s, well inside the budget
+    assert _line(bar, 10.0).endswith("ETA 00:02")
+    bar.until_time_limit = True  # the budget binds (the total is its estimate): the budget's end is the ETA
+    assert _line(bar, 10.0).endswith("ETA 04:50")
 
 
 def test_fields_and_final_line_have_no_eta():

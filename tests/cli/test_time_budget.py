@@ -119,6 +119,24 @@ def test_the_schedule_resumes_where_it_was():
     assert old.lr(30, 30.0) < tc.lr and old.warmup_end == 10
     assert Schedule(tc, math.inf, state={}, step=3).warmup_end is None
     assert Schedule(tc, 100.0, state={"warmup_end_step": "x", "decay_progress": 2}).warmup_end is None
+    # a NaN in the state (JSON reads one) is no state either: the whole of it is dropped, not only that value
+    assert Schedule(tc, 100.0, state={"warmup_end_step": 5, "warmup_progress": 1.0, "decay_progress": math.nan}
+                    ).warmup_end is None
+
+
+def test_a_budget_that_fits_exactly_max_steps_leaves_the_step_count_binding():
+    """``projected_steps`` is None where ``max_steps`` ends the run first, and a budget that fits exactly
+    ``max_steps`` steps is such a run: no ``~`` total and the step schedule's decay. Budgets 1 s apart with 1-s steps
+    project every count up to it; one step fewer is a budget that binds."""
+    tc = _cfg(warmup_steps=0, max_steps=50)
+    projected = []
+    for budget in range(40, 60):
+        sched = Schedule(tc, float(budget))
+        for _ in range(3):
+            sched.record_step(1.0)
+        projected.append(sched.projected_steps(3, 3.0))
+    counts = [n for n in projected if n is not None]
+    assert counts == list(range(counts[0], tc.max_steps)) and projected[len(counts):] == [None] * (20 - len(counts))
 
 
 def test_the_schedule_resumes_in_the_middle_of_its_warmup():

@@ -60,6 +60,20 @@ def test_provenance_records_the_commit_and_the_machine():
     assert git_state(Path("/"))["commit"] is None  # not a checkout
 
 
+def test_a_scripts_result_records_the_command_it_is_given_and_says_where_it_went(tmp_path, capsys):
+    """result_files (what benchmark scripts call): the command recorded is the argv handed in, not this
+    process's (pytest's), and writing a result prints its path."""
+    import json
+
+    from fastweights.evidence import result_files
+
+    rec = result_files.provenance([str(ROOT / "benchmarks" / "x.py"), "--seed", "3"])
+    assert rec["command"].endswith(" benchmarks/x.py --seed 3"), rec["command"]
+    path = result_files.write_json(tmp_path / "r.json", {"a": 1})
+    assert capsys.readouterr().out == f"wrote {path}\n"
+    assert json.loads(path.read_text()) == {"a": 1, "result_file": str(path.resolve())}
+
+
 def test_the_code_hash_changes_with_the_code_and_not_with_results(tmp_path):
     def git(*args):
         subprocess.run(["git", "-C", str(tmp_path), *args], capture_output=True, check=True)

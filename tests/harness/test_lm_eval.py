@@ -324,10 +324,11 @@ def test_scores_far_worse_than_a_uniform_guess_are_refused(checkpoint, monkeypat
         return out
 
     monkeypatch.setattr(lm.model, "forward", confident_and_wrong)
-    for call in (lambda: rolling(lm, [text]), lambda: lm.loglikelihood(pairs)):
+    for call, what in ((lambda: rolling(lm, [text]), "loglikelihood_rolling"), (lambda: lm.loglikelihood(pairs),
+                                                                                 "loglikelihood")):
         with pytest.raises(UserError, match="x a uniform guess over the") as e:
             call()
-        assert "\n" not in str(e.value)
+        assert "\n" not in str(e.value) and str(e.value).startswith(f"fastweights {what}: "), e.value
 
 
 @pytest.mark.parametrize("tasks, include, local_only", [
@@ -374,12 +375,13 @@ def test_a_preset_gives_the_dynamic_models_defaults_and_a_model_argument_wins(ch
     from fastweights.adapt import setup as adapt_setup
     from fastweights.core.errors import UserError
 
-    (tmp_path / "small.toml").write_text('rule = "sgd"\nlr = 0.01\nsegment_len = 8\nstats_batches = 3\n')
+    (tmp_path / "small.toml").write_text('rule = "sgd"\nlr = 0.01\nsegment_len = 8\ncontext = 24\nstats_batches = 3\n')
     monkeypatch.setattr(adapt_setup, "_presets_dir", lambda: tmp_path)
     lm = FastweightsDynamic(checkpoint=str(checkpoint), preset="small")
     assert (lm.settings.rule, lm.settings.lr, lm.segment_len, lm.settings.stats_batches) == ("sgd", 0.01, 8, 3)
-    lm = FastweightsDynamic(checkpoint=str(checkpoint), preset="small", lr=0.02, segment_len=16)
-    assert (lm.settings.lr, lm.segment_len, lm.settings.segment_len) == (0.02, 16, 16)
+    assert lm.context == lm.settings.context == 24
+    lm = FastweightsDynamic(checkpoint=str(checkpoint), preset="small", lr=0.02, segment_len=16, context=32)
+    assert (lm.settings.lr, lm.segment_len, lm.settings.segment_len, lm.context) == (0.02, 16, 16, 32)
     with pytest.raises(UserError, match="no dynamic-evaluation preset 'large'"):
         FastweightsDynamic(checkpoint=str(checkpoint), preset="large")
     with pytest.raises(UserError, match="unknown model argument"):

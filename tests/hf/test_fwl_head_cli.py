@@ -4,6 +4,7 @@ directory `fwl-head export` wrote) accept the checkpoint and give the numbers th
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ pytest.importorskip("transformers")
 
 from fastweights import cli  # noqa: E402
 from fastweights.adapt.dynamic import DynamicEvaluator  # noqa: E402
+from fastweights.hf.fwl_cache import CACHE_META  # noqa: E402
 from fastweights.hf.fwl_head import load_fwl_head  # noqa: E402
 from fastweights.hf.fwl_training import RECIPE, TRAINING_MIX  # noqa: E402
 from fastweights.loops.evaluate import SCORING_SEGMENT_LEN  # noqa: E402
@@ -202,9 +204,15 @@ def test_a_head_loads_from_anywhere_and_never_onto_a_changed_backbone(backbone_d
         load_fwl_head(tmp_path / "runs" / "fwl")
 
 
-def test_train_says_what_it_trains_on_and_uses_one_long_file_beyond_its_first_windows(backbone_dir, tmp_path, capsys):
+def test_train_says_what_it_trains_on_and_uses_one_long_file_beyond_its_first_windows(backbone_dir, tmp_path, capsys,
+                                                                                      monkeypatch):
     """Issue 49: ``--data`` one file trained on 4 windows and said nothing. Now the file gives stream after stream and
-    the command names the windows, tokens and streams before it caches."""
+    the command names the windows, tokens and streams before it caches; on a busy machine it says at the start that
+    its CPU-minute budget takes longer (here the recipe's budget, with two stand-in busy cores of two)."""
+    import fastweights.core.threads as threads_module
+
+    monkeypatch.setattr(threads_module, "busy_cores", lambda sample_s=0.0: 2.0)
+    monkeypatch.setattr(threads_module, "usable_cores", lambda: 2)
     data = tmp_path / "book.txt"
     data.write_text(TEXT * 40)
     out = tmp_path / "run"
@@ -213,7 +221,10 @@ def test_train_says_what_it_trains_on_and_uses_one_long_file_beyond_its_first_wi
     err = capsys.readouterr().err
     assert "training text: 6 windows of 256 tokens (1,536 tokens, the last 4 held out) in 3 streams of at most 2 " \
            "windows from 1 document(s)" in err
-    assert json.loads((out / "training.json").read_text())["cache_windows"] == 6
+    assert f"other work keeps 2.0 of this machine's 2 cores busy: the budget of {RECIPE.budget_cpu_s / 60:,.1f} " \
+           "CPU-minutes" in err
+    summary = json.loads((out / "training.json").read_text())
+    assert summary["cache_windows"] == 6 and (Path(summary["cache_dir"]) / CACHE_META).is_file()
 
 
 def test_an_interrupt_while_caching_says_how_much_of_the_cache_is_kept(backbone_dir, tmp_path, monkeypatch, capsys):

@@ -175,6 +175,12 @@ def test_custom_bpe_travels_with_save(tmp_path):
     loaded = load_tokenizer(tmp_path / "ckpt")
     assert loaded.fingerprint() == tok.fingerprint() != GPT2Tokenizer().fingerprint()
     assert loaded.encode("hi hi").tolist() == [vocab["hi"], vocab["\u0120"], vocab["hi"]]
+    # a link planted at a companion file is refused before anything is written, and the message says what
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "linked" / "vocab.json").symlink_to(tmp_path / "elsewhere.json")
+    with pytest.raises(UserError, match="refusing to write the tokenizer through it"):
+        tok.save(tmp_path / "linked")
+    assert not (tmp_path / "elsewhere.json").exists()
 
 
 def test_fingerprints_tell_tokenizers_apart():
