@@ -26,11 +26,11 @@ test: lint
 	$(BIN)/python -m pytest -n auto --dist loadfile --timeout=600 --durations=10 tests
 
 lint: $(STAMP)
-	$(BIN)/ruff check src benchmarks tests
+	$(BIN)/ruff check src benchmarks tools tests
 
 # mutation testing of the lines changed since BASE (default: the last tag, else origin/main's merge base)
 mutants: $(STAMP)
-	$(BIN)/python benchmarks/tools/mutants.py $(if $(BASE),--base $(BASE))
+	$(BIN)/python tools/mutants.py $(if $(BASE),--base $(BASE))
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/speed/train_throughput.py

@@ -19,13 +19,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 PACKAGE = ROOT / "src" / "fastweights"
-BENCHMARKS = ROOT / "benchmarks"  # scripts in speed/, quality/, gpu/ and tools/; results in results/
+BENCHMARKS = ROOT / "benchmarks"  # scripts in speed/, quality/ and gpu/; results in results/
+TOOLS = ROOT / "tools"  # the repository's tools: the report, behaviour probes and stamping, mutation testing
 
 
 def benchmark_script(name: str) -> Path:
-    """``benchmarks/KIND/NAME.py``, whichever folder of kind holds the script ``name``."""
-    found = sorted(BENCHMARKS.glob(f"*/{name}.py"))
-    assert len(found) == 1, f"benchmark script {name}.py: {found or 'in no folder of benchmarks/'}"
+    """``benchmarks/KIND/NAME.py``, whichever folder of kind holds the script ``name``, or ``tools/NAME.py``."""
+    found = sorted([*BENCHMARKS.glob(f"*/{name}.py"), *TOOLS.glob(f"{name}.py")])
+    assert len(found) == 1, f"script {name}.py: {found or 'in no folder of benchmarks/ nor in tools/'}"
     return found[0]
 
 
@@ -359,7 +360,7 @@ class TimedLog(io.StringIO):
 def stored_results_covering_every_probe_kind() -> list[str]:
     """Stored results covering every probe kind at least once (the fewest files, in name order): the evidence
     tests' sample of ``benchmarks/results``."""
-    sys.path.insert(0, str(BENCHMARKS / "tools"))
+    sys.path.insert(0, str(TOOLS))
     import evidence
     import probes
 

@@ -1,7 +1,7 @@
 """Every path, module, command and flag that README.md and docs/**/*.md name exists (issue 38, scope 7).
 
 Read: the inline code spans and the lines of fenced code blocks (continuation lines joined) of README.md,
-docs/*.md and docs/experiments/*.md, generated blocks included (benchmarks/tools/report.py writes them; a stale
+docs/*.md and docs/experiments/*.md, generated blocks included (tools/report.py writes them; a stale
 name there is fixed by fixing the generator or the result and regenerating). Links are checked by
 tests/test_docs.py, and the bash blocks' command lines are parsed whole there; this file also checks inline
 spans and the other code blocks, where a command is often written with placeholders (DIR, NAME, `a|b`).
@@ -67,7 +67,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
          *sorted((ROOT / "docs" / "experiments").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
 
-REPO_ROOTS = ("src", "fastweights", "benchmarks", "tests", "configs", "docs")  # path tokens checked from the repo root
+REPO_ROOTS = ("src", "fastweights", "benchmarks", "tools", "tests", "configs", "docs")  # path tokens checked from the repo root
 FILE_SUFFIX = re.compile(r"\.(py|c|toml|yaml|json|jsonl|md|png|pt|gz|txt|safetensors|bin|gguf)$")
 PLACEHOLDERS = {"NAME", "STEM", "X", "DIR", "FILE"}
 OUTPUT_FLAGS = {"--out", "--output_path", "-o"}  # what follows is a folder the command creates
@@ -136,7 +136,7 @@ def subpackages() -> frozenset[str]:
 
 @functools.cache
 def file_names() -> frozenset[str]:
-    return frozenset(p.name for top in ("src", "benchmarks", "tests") for p in (ROOT / top).rglob("*") if p.is_file())
+    return frozenset(p.name for top in ("src", "benchmarks", "tools", "tests") for p in (ROOT / top).rglob("*") if p.is_file())
 
 
 PATH = re.compile(r"(?<![\w./:-])((?:[\w*<>-]+/)+(?:[\w*.<>-]|\{[\w.,]+\})*)")  # not after `COMMIT:`
@@ -169,7 +169,7 @@ def path_problem(token: str, page: str) -> str | None:
 
 def moved_hint(name: str) -> str:
     """Where a file of that name is now, if anywhere (a moved module: the page should name the new path)."""
-    found = [str(p.relative_to(ROOT)) for top in ("src", "benchmarks", "tests", "docs", "configs")
+    found = [str(p.relative_to(ROOT)) for top in ("src", "benchmarks", "tools", "tests", "docs", "configs")
              for p in (ROOT / top).rglob(name)] if name and "*" not in name else []
     return f"; a file of that name: {', '.join(sorted(found)[:3])}" if found else ""
 
@@ -373,7 +373,7 @@ def any_flag() -> frozenset[str]:
     flags = {f for p in walk_parsers(our_parser()) for f in p._option_string_actions}
     if lm_eval_parser() is not None:
         flags |= {f for p in walk_parsers(lm_eval_parser()) for f in p._option_string_actions}
-    for script in (ROOT / "benchmarks").rglob("*.py"):
+    for script in [*(ROOT / "benchmarks").rglob("*.py"), *(ROOT / "tools").glob("*.py")]:
         flags |= benchmark_flags(str(script.relative_to(ROOT)))
     return frozenset(flags)
 
@@ -587,7 +587,7 @@ def _problems(text: str) -> list[str]:
     "`validate.validate_config` refuses bad settings",
     "`fastweights.adapt.dynamic.DynamicEvaluatorr`",
     "`train.max_stepz`",
-    "`python benchmarks/tools/report.py --chek`",
+    "`python tools/report.py --chek`",
     "`python -m fastweights.harness --model fastweights --model_argz checkpoint=runs/demo`",
     "`make demos`",
 ])

@@ -1,5 +1,5 @@
 """Settings stated in the docs' prose are cited from the code that defines them (issue 48), as measured numbers
-are cited from their results (``<!-- src: ... -->``, benchmarks/tools/report.py):
+are cited from their results (``<!-- src: ... -->``, tools/report.py):
 
     `decay` 0.002 <!-- setting: fastweights.adapt.update_rules.DEFAULT_DECAY -->
 

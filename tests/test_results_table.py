@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_results_and_claims_tables_match_json():
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tools" / "report.py"), "--check"], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "report.py"), "--check"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 
 
@@ -23,7 +23,7 @@ def test_every_result_records_its_command():
 
 
 def test_docs_block_lists_only_the_files_it_names():
-    sys.path.insert(0, str(ROOT / "benchmarks" / "tools"))
+    sys.path.insert(0, str(ROOT / "tools"))
     import report
 
     page = "intro\n<!-- results:start demo -->\nstale\n<!-- results:end -->\nmiddle\n<!-- results:start train_throughput demo -->\n<!-- results:end -->\nend\n"
@@ -36,7 +36,7 @@ def test_docs_block_lists_only_the_files_it_names():
 
 
 def _report():
-    sys.path.insert(0, str(ROOT / "benchmarks" / "tools"))
+    sys.path.insert(0, str(ROOT / "tools"))
     import report
 
     return report
@@ -92,7 +92,7 @@ def test_readme_claims_block_is_the_generated_one():
     report = _report()
     readme = (ROOT / "README.md").read_text()
     assert readme.count(report.CLAIMS_START) == 1 and report.CLAIMS_END in readme
-    assert report.render_claims(readme, "README.md") == readme, "run python benchmarks/tools/report.py"
+    assert report.render_claims(readme, "README.md") == readme, "run python tools/report.py"
     block = readme.split(report.CLAIMS_START, 1)[1].split(report.CLAIMS_END, 1)[0]
     rows = block.strip().splitlines()
     assert rows[0] == "| claim | paper | ours | verdict | source |" and len(rows) == 2 + len(report.claims())

@@ -473,7 +473,7 @@ def parse_args(argv):
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     return probes.registry_probes() + [s for p in PRESETS for s in probes.preset_probes(p)]
 
 

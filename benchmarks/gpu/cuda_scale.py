@@ -457,7 +457,7 @@ def parse_args(argv):
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     # the kernels, and the hybrids' parts: gdn and attention mixers, the FwPKM memory at the paper's options
     return [probes.probe("ops", op="delta_rule"), probes.probe("ops", op="gated_delta_rule"),
             probes.probe("layer", role="mixer", name="gdn"), probes.probe("layer", role="mixer", name="attention"),

@@ -124,7 +124,7 @@ TINY = dataclasses.replace(GPU_RECIPE, minutes=3.0, trainable_blocks=1, batch=2,
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     return [probes.probe("hf_fwl", variant="fwl")]
 
 

@@ -100,7 +100,7 @@ def acceptance(results: list[dict]) -> dict:
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     # the retrieval model of every (rule, feature map) the sweep trains, and the task's sampler
     runs = {(rule, fm, setting) for setting, rule, fm, _, _ in SWEEP}
     return ([probes.probe("assoc_model", rule=r, feature_map=fm, setting=st) for r, fm, st in sorted(runs)]

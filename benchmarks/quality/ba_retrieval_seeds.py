@@ -59,7 +59,7 @@ def one_run(job: dict) -> dict:
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     return [probes.probe("retrieval_net", model=m) for m in ("fast-rnn", "lstm")] + [probes.probe("task", name="ba_retrieval")]
 
 

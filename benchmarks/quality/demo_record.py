@@ -18,7 +18,7 @@ from fastweights.cli.script_parser import ScriptParser, exit_status_of
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     config = probes.preset_model_config("shakespeare-char")  # the demo's model (fastweights/experiments/demo.py)
     return probes.model_probes(config) + [probes.probe("dynamic", config=config, rule="rms-global-prior")]
 

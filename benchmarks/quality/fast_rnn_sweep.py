@@ -127,7 +127,7 @@ def measure(name: str, run: Path) -> dict:
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     return [s for _, overrides in VARIANTS.values() for s in probes.preset_probes(PRESET, overrides, ("carry",))]
 
 

@@ -35,7 +35,7 @@ from fastweights.loops.evaluate import evaluate_documents
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     base = probes.preset_model_config("shakespeare-char")
     return (probes.model_probes(base) + probes.preset_probes("shakespeare-char-fwl")
             + [probes.probe("dynamic", config=base, rule="rms-global-prior")])

@@ -36,7 +36,7 @@ from fastweights.evidence.script_args import benchmark_threads_flag
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     return [probes.probe("hf_fwl", variant="fwl")]
 
 

@@ -65,7 +65,7 @@ STATIC_TOLERANCE = 1e-4  # relative: this run's static perplexity against the st
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py): the FWL head's two
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py): the FWL head's two
     variants scored here."""
     return [probes.probe("hf_fwl", variant=v) for v in ("fwl", "test-time-only")]
 

@@ -107,7 +107,7 @@ def dynamic_eval_of_base(ckpt: Path, data: Path, files: dict, segment_len: int =
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     return [s for overrides in VARIANTS.values() for s in probes.preset_probes(None, [*MODEL_SETTINGS, *overrides])]
 
 

@@ -115,7 +115,7 @@ def run_variant(name: str, a) -> dict:
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     return [s for preset, overrides in VARIANTS.values() for s in probes.preset_probes(preset, overrides)]
 
 

@@ -96,7 +96,7 @@ SLOW_PART = "_slow_part"
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     return ([probes.probe("hf_fwl", variant=v) for v in VARIANT_ROWS]
             + [probes.probe("hf_dynamic", rule=r) for r in ("rms", "sgd")]
             + [probes.probe("hf_dynamic", rule="rms", rank=4)]

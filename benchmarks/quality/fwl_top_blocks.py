@@ -78,7 +78,7 @@ CITED = ("dynamic", "dynamic_lowrank", "fwl", "fwl_slow_part", "fwl_test_time_on
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     return [probes.probe("hf_fwl", variant=v) for v, _ in VARIANTS] + [probes.probe("hf_dynamic", rule="rms")]
 
 

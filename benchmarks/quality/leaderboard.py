@@ -508,14 +508,14 @@ def entry_probe_specs(probes, name: str) -> list[dict]:
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py): every entry's."""
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py): every entry's."""
     return [s for name in ENTRIES for s in entry_probe_specs(probes, name)]
 
 
 def row_probes(name: str) -> list[dict]:
-    """:func:`entry_probe_specs` of ``name``, summarised by the repository's tools (benchmarks/tools/evidence.py,
+    """:func:`entry_probe_specs` of ``name``, summarised by the repository's tools (tools/evidence.py,
     in a process of its own: the probes are no part of the package, and no script imports them)."""
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "tools" / "evidence.py"),
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[2] / "tools" / "evidence.py"),
                            "summarise", __file__, "entry_probe_specs", name], capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"error: summarising the probes of {name} failed:\n{done.stderr[-2000:]}")

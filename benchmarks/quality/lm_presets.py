@@ -51,7 +51,7 @@ def run_preset(run: str, minutes: float, out_root: Path, extra: list[str]) -> di
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     return [s for p in ("shakespeare-char",) for s in probes.preset_probes(p)] + probes.preset_probes(
         "shakespeare-char", ["model.short_conv=4"])
 

@@ -49,7 +49,7 @@ TARGETS = {"two_reads_2x": 0.8, "two_reads_16x": 0.6, "one_read_over_two_reads_a
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     return ([s for overrides in VARIANTS.values() for s in probes.preset_probes(PRESET, overrides)]
             + [probes.probe("task", name="niah"), probes.probe("task", name="niah_multitoken")])
 

@@ -73,7 +73,7 @@ def memory_value_probe(model, tok, chars: int = 4096, seed: int = 7, haystack: s
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     return probes.preset_probes("niah-cpu") + [probes.probe("task", name="niah")]
 
 

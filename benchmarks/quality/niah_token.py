@@ -255,7 +255,7 @@ def checks(models: dict, a) -> dict:
 
 
 def headline(models: dict, a) -> list[dict]:
-    """README rows (benchmarks/tools/report.py): exact match at 2x and 16x the training length."""
+    """README rows (tools/report.py): exact match at 2x and 16x the training length."""
     rows = []
     for name, n, target in (("fwpkm", "2", ">= 0.8 at 2x, >= 0.6 at 16x"), ("fwpkm", "1", "<= half of 2 reads"),
                             ("fwpkm-frozen", "2", "SWA +- 0.05"), ("fwpkm-no-lookahead", "2", "-0.30 vs fwpkm"),
@@ -299,7 +299,7 @@ def diagnostics(names: list[str], a) -> dict:
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     return ([s for overrides in VARIANTS.values() for s in probes.preset_probes("niah-token", overrides)]
             + [probes.probe("task", name="niah")])
 

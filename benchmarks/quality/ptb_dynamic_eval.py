@@ -95,7 +95,7 @@ def ppl(nll: float, tokens: int) -> float:
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     config = probes.preset_model_config(None, MODEL_SETTINGS)
     return probes.model_probes(config) + [probes.probe("dynamic", config=config, rule=r)
                                           for r in ("sgd", "rms-global-prior")]

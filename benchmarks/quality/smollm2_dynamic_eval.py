@@ -96,7 +96,7 @@ def one_pass_losses(lm, ids: torch.Tensor, chunk: int = 512) -> torch.Tensor:
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     # the rules through the Hugging Face wrapper, on a tiny GPT-2 (the SmolLM2 weights are not at hand)
     return [probes.probe("hf_dynamic", rule=r) for r in ("sgd", "rms", "rms-global-prior")]
 

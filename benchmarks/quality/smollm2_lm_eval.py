@@ -42,7 +42,7 @@ MODEL = "smollm2-135m"
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py): SGD dynamic evaluation
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py): SGD dynamic evaluation
     through the Hugging Face wrapper (a tiny GPT-2: the SmolLM2 weights are not at hand in a probe)."""
     return [probes.probe("hf_dynamic", rule="sgd")]
 

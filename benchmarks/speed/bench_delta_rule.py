@@ -370,7 +370,7 @@ def cuda_benchmark(args) -> dict:
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     return [probes.probe("ops", op="delta_rule"), probes.probe("ops", op="gated_delta_rule")]
 
 

@@ -44,7 +44,7 @@ DATA = "tinyshakespeare"  # the corpus of the shakespeare-char preset and of the
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     config = probes.preset_model_config("shakespeare-char")
     return [probes.probe("dynamic", config=config, rule="rms-global-prior")]
 

@@ -155,7 +155,7 @@ def mixer_breakdown(fast_model, lstm_model, info: dict, rounds: int) -> dict:
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     return probes.preset_probes(FAST) + probes.preset_probes(LSTM)
 
 

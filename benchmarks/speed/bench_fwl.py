@@ -60,7 +60,7 @@ def build(preset: str, overrides: list[str], vocab: int, device) -> LanguageMode
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     return probes.preset_probes("shakespeare-char") + probes.preset_probes("shakespeare-char-fwl")
 
 

@@ -141,7 +141,7 @@ def run_case(kind: str, batch: int, n_subkeys: int | None, mode: str, repeat: in
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     return [probes.probe("layer", role="memory", name="fwpkm")]
 
 

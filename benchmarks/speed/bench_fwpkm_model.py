@@ -56,7 +56,7 @@ def step_fn(model, x, y):
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     return [probes.probe("model", config={"mixer": "attention", "memory": "fwpkm", "memory_layers": [1],
                                           "d_model": 32, "n_layers": 2, "n_heads": 2})]
 

@@ -58,7 +58,7 @@ SEGMENT_LEN = SCORING_SEGMENT_LEN  # the head's segments too (PRETRAINED_FWL_DEF
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     return [probes.probe("hf_fwl", variant="fwl")]
 
 

@@ -44,7 +44,7 @@ def run(cmd: list[str]) -> tuple[float, float]:
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     return [probes.probe("corpus", name="tinyshakespeare")]
 
 

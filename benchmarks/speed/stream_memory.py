@@ -59,7 +59,7 @@ def child(name: str, tokens: int, data: str, threads: int) -> dict:
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     return [s for config in MODELS.values() for s in probes.model_probes(config, ("carry",))]
 
 

@@ -47,7 +47,7 @@ TRAINING = ("train_step", "train_step_fwp")  # the workloads whose default is tr
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     return (probes.preset_probes(PRESET) + probes.preset_probes(FAST_WEIGHT_PRESET)
             + [probes.probe("dynamic", config=probes.preset_model_config(PRESET), rule="sgd")])
 

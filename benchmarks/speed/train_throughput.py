@@ -96,7 +96,7 @@ def step_fn(model, opt, x, y, ours, route="auto"):
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     return [spec for preset in dict.fromkeys(p for p, _ in MODELS.values()) for spec in probes.preset_probes(preset)]
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/tools/first_hour.py (issue 49): the README's times come from timing ``make TARGET`` in a fresh clone,
+"""tools/first_hour.py (issue 49): the README's times come from timing ``make TARGET`` in a fresh clone,
 idle and beside spinning processes; a failed command is recorded with its output and the script exits 1; bad
 arguments are one line and exit 2."""
 

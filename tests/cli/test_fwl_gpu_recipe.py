@@ -47,7 +47,7 @@ def test_the_dry_run_records_the_command_device_versions_and_settings(dry_run, r
     assert res["complete"] is True and res["tiny"] is True and "error" not in res
     assert res["device"]["type"] == "cpu" and res["versions"]["torch"] == torch.__version__
     assert res["versions"]["transformers"] and res["git"]["commit"] and res["git"]["code"]
-    assert "probes" not in res  # summarised afterwards by the repository's tools (benchmarks/tools/evidence.py)
+    assert "probes" not in res  # summarised afterwards by the repository's tools (tools/evidence.py)
     import dataclasses
 
     assert res["settings"] == dataclasses.asdict(recipe.TINY)

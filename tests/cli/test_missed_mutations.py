@@ -1,6 +1,6 @@
 """Tests for the five one-line bugs an independent mutation audit found the suite missed (issue 32), and the
 message of ``train.grad_accum=0``. Each test fails on its mutant (checked by applying the mutant to a scratch copy
-of ``src/``: see benchmarks/tools/mutation_check.py)."""
+of ``src/``: see tools/mutation_check.py)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ FLOORS = [
     ("auto",),  # a model loaded by what its source is: our checkpoint, an FWL head, a transformers model, a GGUF
     ("adapt",),  # dynamic evaluation and continual adaptation
     ("experiments", "harness"),  # streaming, NIAH runs, analyses, the demo; the lm-evaluation-harness models
-    ("evidence",),  # provenance and result writing (the behaviour probes are benchmarks/tools/probes.py)
+    ("evidence",),  # provenance and result writing (the behaviour probes are tools/probes.py)
     ("cli",),  # the command line: nothing below imports it
     ("__main__",),
 ]

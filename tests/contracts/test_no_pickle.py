@@ -14,7 +14,7 @@ ALLOWED: set[str] = set()  # "path:line" of an accepted use, with its reason bes
 
 
 def python_files():
-    for top in ("src", "benchmarks", "tests", ".ci"):
+    for top in ("src", "benchmarks", "tools", "tests", ".ci"):
         yield from (p for p in (ROOT / top).rglob("*.py") if "__pycache__" not in p.parts)
 
 

@@ -1,4 +1,4 @@
-"""Evidence by behaviour (benchmarks/tools/evidence.py and probes.py): a result is stale when
+"""Evidence by behaviour (tools/evidence.py and probes.py): a result is stale when
 the code it measured behaves differently, found by re-running its probes, never by a list of files."""
 
 import json
@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from helpers import BENCHMARKS, ROOT, stored_results_covering_every_probe_kind
+from helpers import ROOT, TOOLS, stored_results_covering_every_probe_kind
 
-sys.path.insert(0, str(BENCHMARKS / "tools"))
+sys.path.insert(0, str(TOOLS))
 
 import evidence  # noqa: E402
 import probes  # noqa: E402
@@ -101,7 +101,7 @@ def _stale_results_with(tmp_path, path: str, old: str, new: str, only: tuple[str
     text = file.read_text()
     assert text.count(old) >= 1, f"{old!r} not in {path}: update the test's edit"
     file.write_text(text.replace(old, new))
-    script = ("import json, sys; sys.path.insert(0, 'benchmarks/tools'); import evidence, fastweights;"
+    script = ("import json, sys; sys.path.insert(0, 'tools'); import evidence, fastweights;"
               "assert fastweights.__file__.startswith(sys.argv[1]), fastweights.__file__;"
               "only = set(sys.argv[2:]);"
               "print(json.dumps([evidence.result_key(p) for p in evidence.result_paths()"

@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
-from helpers import BENCHMARKS, ROOT
+from helpers import ROOT, TOOLS
 from helpers import stored_results_covering_every_probe_kind as sample_results
 
-sys.path.insert(0, str(BENCHMARKS / "tools"))
+sys.path.insert(0, str(TOOLS))
 
 import evidence  # noqa: E402
 import probes  # noqa: E402
@@ -34,7 +34,7 @@ def other_capabilities() -> list[str]:
     return [c for c in capabilities() if c != running]
 
 
-_STALE = ("import json, sys; sys.path.insert(0, 'benchmarks/tools'); import evidence, torch;"
+_STALE = ("import json, sys; sys.path.insert(0, 'tools'); import evidence, torch;"
           "only = set(sys.argv[1:]);"
           "print(torch.backends.cpu.get_cpu_capability(), json.dumps([evidence.result_key(p) for p in evidence.result_paths()"
           " if evidence.result_key(p) in only and evidence.staleness(json.loads(p.read_text()))]))")

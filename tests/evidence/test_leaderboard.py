@@ -6,11 +6,11 @@ import pytest
 import subprocess
 import sys
 
-from helpers import BENCHMARKS, ROOT, benchmark_script
+from helpers import BENCHMARKS, ROOT, TOOLS, benchmark_script
 
 from fastweights.cli.script_parser import exit_status_of
 
-sys.path[:0] = [str(benchmark_script("leaderboard").parent), str(BENCHMARKS / "tools")]
+sys.path[:0] = [str(benchmark_script("leaderboard").parent), str(TOOLS)]
 
 import leaderboard  # noqa: E402
 import probes  # noqa: E402
@@ -52,7 +52,7 @@ def test_a_row_gets_its_probes_from_the_tools_as_the_stored_rows_hold_them():
 
     stored = {json.dumps([p["kind"], p["args"]], sort_keys=True): p["summary"]
               for p in json.loads((BENCHMARKS / "results" / "leaderboard.json").read_text())["probes"]}
-    now = leaderboard.row_probes("lstm")  # benchmarks/tools/evidence.py summarise, in a process of its own
+    now = leaderboard.row_probes("lstm")  # tools/evidence.py summarise, in a process of its own
     assert len(now) == 3  # the model, streamed carried and in windows
     for p in now:
         assert summaries.differences(stored[json.dumps([p["kind"], p["args"]], sort_keys=True)], p["summary"]) == []
@@ -105,7 +105,7 @@ def test_readme_opens_its_results_with_the_generated_leaderboard():
     readme = (ROOT / "README.md").read_text()
     results = readme.split("## Results", 1)[1]
     assert results.index(report.BOARD_START) < results.index(report.CLAIMS_START)  # the board first, then claims
-    assert report.render_board(readme, "README.md") == readme, "run python benchmarks/tools/report.py"
+    assert report.render_board(readme, "README.md") == readme, "run python tools/report.py"
 
 
 def test_a_collapse_with_a_known_reason_is_marked_with_its_footnote():

@@ -1,4 +1,4 @@
-"""benchmarks/tools/mutants.py (``make mutants``): which lines a change touched, where each mutmut mutant sits
+"""tools/mutants.py (``make mutants``): which lines a change touched, where each mutmut mutant sits
 in the file at HEAD, and which survivors the accepted list covers. The mutmut run itself is the tool's own
 job (minutes); these are its pure parts, on made-up inputs."""
 

@@ -1,4 +1,4 @@
-"""The probes themselves (benchmarks/tools/probes.py): they leave the caller's random state and default dtype
+"""The probes themselves (tools/probes.py): they leave the caller's random state and default dtype
 as they were, and each runs the code path it names (the model probe's second call carries the first call's
 state), so a stored summary means what it says (issue 39: mutants the stored summaries alone would catch)."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from helpers import BENCHMARKS
+from helpers import TOOLS
 
-sys.path.insert(0, str(BENCHMARKS / "tools"))
+sys.path.insert(0, str(TOOLS))
 
 import probes  # noqa: E402
 

@@ -43,10 +43,10 @@ def imports_from_tests(source: str, names: set[str]) -> list[str]:
 
 
 def test_command_line_makes_paths_inside_the_repository_relative():
-    argv = [str(ROOT / "benchmarks" / "tools" / "report.py"), "--out", str(ROOT / "runs" / "x"), f"--data={ROOT}/a b.txt",
+    argv = [str(ROOT / "tools" / "report.py"), "--out", str(ROOT / "runs" / "x"), f"--data={ROOT}/a b.txt",
             "/elsewhere/file", "plain"]
     assert command_line(ROOT, argv, program="python") == \
-        "python benchmarks/tools/report.py --out runs/x '--data=a b.txt' /elsewhere/file plain"
+        "python tools/report.py --out runs/x '--data=a b.txt' /elsewhere/file plain"
     assert repo_relative("/elsewhere/file", ROOT) == "/elsewhere/file" and repo_relative("rel/path", ROOT) == "rel/path"
 
 
@@ -107,12 +107,12 @@ def test_a_fastweights_command_records_the_checkout_it_runs_from(monkeypatch):
 
 
 def test_benchmark_scripts_import_without_sys_path_changes():
-    tracked = subprocess.run(["git", "-C", str(ROOT), "ls-files", "benchmarks/*.py"], capture_output=True,
+    tracked = subprocess.run(["git", "-C", str(ROOT), "ls-files", "benchmarks/*.py", "tools/*.py"], capture_output=True,
                              text=True).stdout.split()
     scripts = [ROOT / p for p in tracked]
     assert len(scripts) > 20
     folders = {p.parent.relative_to(ROOT).as_posix() for p in scripts}
-    assert folders == {"benchmarks/speed", "benchmarks/quality", "benchmarks/gpu", "benchmarks/tools"}, folders
+    assert folders == {"benchmarks/speed", "benchmarks/quality", "benchmarks/gpu", "tools"}, folders
     changing = {p.relative_to(ROOT).as_posix(): lines for p in scripts if (lines := sys_path_changes(p.read_text()))}
     assert not changing, f"benchmark scripts that change sys.path (the script's folder is on it already): {changing}"
     names = names_of_test_modules()

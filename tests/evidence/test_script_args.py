@@ -22,7 +22,7 @@ def test_a_bad_argument_is_a_user_error_with_argparses_message():
 
 def test_no_benchmark_has_a_parser_class_or_flag_names_of_its_own():
     found = {}
-    for path in sorted((ROOT / "benchmarks").glob("*/*.py")):
+    for path in sorted([*(ROOT / "benchmarks").glob("*/*.py"), *(ROOT / "tools").glob("*.py")]):
         text = path.read_text()
         own = re.findall(r"class \w+\(argparse\.ArgumentParser\)|class BadInput\b|[\"']--(?:quick|out-dir)[\"']", text)
         if own:

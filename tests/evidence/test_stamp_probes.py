@@ -1,13 +1,13 @@
-"""benchmarks/tools/stamp_probes.py: a format change re-stamps the stored results without re-running them, and
+"""tools/stamp_probes.py: a format change re-stamps the stored results without re-running them, and
 only those its commit's own tools call current (issue 38 scope 4: the tool is kept, so it is tested)."""
 
 import json
 import subprocess
 import sys
 
-from helpers import HANG_GUARD_S, BENCHMARKS, ROOT
+from helpers import HANG_GUARD_S, ROOT, TOOLS
 
-sys.path.insert(0, str(BENCHMARKS / "tools"))
+sys.path.insert(0, str(TOOLS))
 
 import probes  # noqa: E402
 
@@ -27,7 +27,7 @@ def test_current_results_are_stamped_and_stale_ones_refused_untouched(tmp_path):
     (tmp_path / "good.json").write_text(json.dumps(_record("good", spec, summary)))
     stale = json.dumps(_record("stale", spec, moved))
     (tmp_path / "stale.json").write_text(stale)
-    out = subprocess.run([sys.executable, str(BENCHMARKS / "tools" / "stamp_probes.py"), "--verified-at", "HEAD",
+    out = subprocess.run([sys.executable, str(TOOLS / "stamp_probes.py"), "--verified-at", "HEAD",
                           "--commit-probe-dtype", "float64", "--capability", "default", "--results", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 1, out.stdout + out.stderr[-2000:]
@@ -39,7 +39,7 @@ def test_current_results_are_stamped_and_stale_ones_refused_untouched(tmp_path):
 
 
 def test_a_name_that_is_no_commit_is_one_line_and_status_2(tmp_path):
-    out = subprocess.run([sys.executable, str(BENCHMARKS / "tools" / "stamp_probes.py"), "--verified-at", "nosuchrev",
+    out = subprocess.run([sys.executable, str(TOOLS / "stamp_probes.py"), "--verified-at", "nosuchrev",
                           "--results", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert out.returncode == 2 and out.stderr.strip().splitlines() == ["error: 'nosuchrev' is no commit of this repository"]
 

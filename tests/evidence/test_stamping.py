@@ -1,4 +1,4 @@
-"""Behaviour probes live in the repository's tools (benchmarks/tools/probes.py), not in the package (issue 48
+"""Behaviour probes live in the repository's tools (tools/probes.py), not in the package (issue 48
 scope 3): importing ``fastweights`` or any of its commands imports no probe code, a command's result file carries
 no probes, and the tools summarise a new result's probes afterwards (``evidence.stamp``, run by ``report.py``),
 only while the checkout's code is the code that wrote it."""
@@ -7,9 +7,9 @@ import json
 import subprocess
 import sys
 
-from helpers import HANG_GUARD_S, BENCHMARKS, ROOT
+from helpers import HANG_GUARD_S, BENCHMARKS, ROOT, TOOLS
 
-sys.path.insert(0, str(BENCHMARKS / "tools"))
+sys.path.insert(0, str(TOOLS))
 
 import evidence  # noqa: E402
 import probes  # noqa: E402
@@ -32,7 +32,7 @@ print(json.dumps(sorted(n for n, m in sys.modules.items() if n in ("probes", "su
 
 
 def test_importing_the_package_and_every_command_imports_no_probe_code():
-    out = subprocess.run([sys.executable, "-c", _IMPORT_ALL, str(BENCHMARKS / "tools")], cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", _IMPORT_ALL, str(TOOLS)], cwd=ROOT, capture_output=True,
                          text=True, timeout=HANG_GUARD_S)
     assert out.returncode == 0, out.stderr[-2000:]
     package, imported = out.stdout.strip().splitlines()[-2:]

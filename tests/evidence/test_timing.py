@@ -76,7 +76,8 @@ def test_the_benchmarks_threads_flag_has_one_default():
 
 
 def test_no_benchmark_declares_its_own_threads_flag_or_sets_torchs_threads():
-    own = {p.relative_to(ROOT / "benchmarks").as_posix() for p in sorted((ROOT / "benchmarks").glob("*/*.py"))
+    own = {p.relative_to(ROOT).as_posix().removeprefix("benchmarks/") for p in sorted(
+               [*(ROOT / "benchmarks").glob("*/*.py"), *(ROOT / "tools").glob("*.py")])
            if re.search(r"""add_argument\(\s*["']--threads["']|torch\.set_num_threads\(""", p.read_text())}
     assert own <= set(OWN_THREADS), (f"{sorted(own - set(OWN_THREADS))}: use fastweights.evidence.script_args."
                                      "benchmark_threads_flag and fastweights.core.threads.use_threads('benchmark', n)")

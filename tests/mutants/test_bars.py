@@ -1,6 +1,6 @@
 """The mutant bars (``tests/mutants/*_bar.json``) can still be re-applied: each mutant's original line occurs
 exactly once in its file and differs from the mutant, and each test it names exists. Only that: applying the
-mutants and running their tests is ``python benchmarks/tools/mutation_check.py --bar FILE``, outside the default
+mutants and running their tests is ``python tools/mutation_check.py --bar FILE``, outside the default
 suite (once per mutant). A code change that moves a bar's line fails here, so the bar is updated with it rather
 than found stale when it is next run."""
 

@@ -151,6 +151,7 @@ TEXT_SUFFIXES = {".py", ".toml", ".md", ".txt", ".json", ".cfg", ".yaml", ".yml"
 def _scanned_files() -> list[Path]:
     src = [p for p in sorted((REPO / "src").rglob("*")) if p.is_file() and p.suffix in TEXT_SUFFIXES]
     return (sorted((REPO / "configs").glob("*.toml")) + src + sorted((REPO / "benchmarks").rglob("*.py"))
+            + sorted((REPO / "tools").glob("*.py"))
             + sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"])
 
 

@@ -11,6 +11,6 @@
 Nothing here runs behaviour probes, and ``import fastweights`` imports none: the probes that tell whether a
 stored result still measures the code (fp64 runs of the code path it measured, their summaries and the one
 tolerance), the stamping of a new result's probes and the report are the repository's tools
-(``benchmarks/tools/probes.py``, ``summaries.py``, ``evidence.py``, ``report.py``), not the package's.
+(``tools/probes.py``, ``summaries.py``, ``evidence.py``, ``report.py``), not the package's.
 This floor sits below the command line, which writes result files with it; it imports only ``core``.
 """

@@ -4,8 +4,8 @@ paths that differed from it and a hash of the code it ran, and the machine with 
 
 The benchmark scripts record this through ``src/fastweights/evidence/result_files.py`` (``root`` = the repository the
 script lives in), the ``fastweights`` commands through :func:`write_cli_result`. Neither runs behaviour probes:
-the repository's tools (``benchmarks/tools/evidence.py``) summarise a stored result's probes after it was
-written, while ``code`` still matches, and ``benchmarks/tools/report.py --check`` re-runs them to tell whether
+the repository's tools (``tools/evidence.py``) summarise a stored result's probes after it was
+written, while ``code`` still matches, and ``tools/report.py --check`` re-runs them to tell whether
 the code it measured still behaves the same.
 """
 
@@ -72,7 +72,7 @@ def machine() -> dict:
 
 # The code a result's numbers can depend on: what ``code`` in :func:`git_state` hashes (results, pages and tests
 # are not code a measurement runs)
-CODE_PATHS = ("src", "benchmarks", "configs", "pyproject.toml", ":(exclude)benchmarks/results")
+CODE_PATHS = ("src", "benchmarks", "tools", "configs", "pyproject.toml", ":(exclude)benchmarks/results")
 
 
 def _code_hash(commit: str, diff: bytes = b""):

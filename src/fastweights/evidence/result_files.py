@@ -6,7 +6,7 @@ a script runs as ``python benchmarks/KIND/X.py`` from any folder without changin
 code they measure is the same installed ``fastweights`` (an editable install of the checkout).
 
 A result is written with its provenance only. Every script also defines ``probe_specs(probes)``: the
-behaviour probes of the code it measures, which the repository's tools (``benchmarks/tools/evidence.py``,
+behaviour probes of the code it measures, which the repository's tools (``tools/evidence.py``,
 run by ``report.py``) summarise into the result after it was written, so that ``report.py --check`` can tell
 later whether that code still behaves as it did; the package never runs a probe.
 """

@@ -8,7 +8,7 @@ the probes of the code path it measured, each as a spec and the summary of its o
 A probe is a seconds-long, deterministic fp64 run of exactly that code path (a model built from the
 measured configuration with seeded random weights, a layer, a dynamic-evaluation rule, a scorer, a
 task generator) on fixed inputs; its summary (``summaries.py`` beside this file) holds, for each
-output and gradient, its norm and a few fixed projections. ``benchmarks/tools/evidence.py`` recomputes
+output and gradient, its norm and a few fixed projections. ``tools/evidence.py`` recomputes
 every stored probe: a result whose summaries moved by more than the tolerance measured code that no longer
 behaves the same, and is marked stale with the command that re-runs it. A refactor that leaves the
 behaviour alone (a renamed variable, a moved function, a new import) leaves every result current; a
@@ -50,7 +50,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from summaries import summarise  # benchmarks/tools/summaries.py
+from summaries import summarise  # tools/summaries.py
 
 PROBE_VOCAB = 96  # vocabulary of probe models (a tokenizer's size changes no code path)
 PROBE_CHUNK = 8  # chunk/segment sizes above this are shrunk so the probe's few tokens cross boundaries

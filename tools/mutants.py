@@ -4,7 +4,7 @@ the tests that reach them; every surviving mutant is killed by a new test or acc
 
     make mutants                                   # the change since BASE (default: origin/main's merge base)
     make mutants BASE=1e50585                      # since a commit
-    python benchmarks/tools/mutants.py --base 1e50585 --out benchmarks/results/mutants.json
+    python tools/mutants.py --base 1e50585 --out benchmarks/results/mutants.json
 
 What it does (mutmut 3.8, pinned in the dev extra; its own docs: https://mutmut.readthedocs.io):
 
@@ -52,7 +52,7 @@ from pathlib import Path
 
 from fastweights.cli.script_parser import ScriptParser, exit_status_of
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 ACCEPTED = REPO / "tests" / "mutants" / "accepted.toml"
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 34: "skipped", 36: "timeout",
           -24: "timeout", 37: "caught by type check", None: "not checked"}  # mutmut.stats.status_by_exit_code

@@ -1,7 +1,7 @@
 """The supported transformers range, tested at both ends: tests/hf in a throwaway venv per version.
 
-    nice -n 10 python benchmarks/tools/transformers_range.py            # the lower bound and the newest release
-    python benchmarks/tools/transformers_range.py --versions 5.23.0      # given versions only
+    nice -n 10 python tools/transformers_range.py            # the lower bound and the newest release
+    python tools/transformers_range.py --versions 5.23.0      # given versions only
 
 The range is the requirement of ``[project.optional-dependencies] hf`` in pyproject.toml (e.g.
 ``transformers>=5.23,<6``). Its lower bound is the oldest release the registry has that satisfies it,
@@ -42,7 +42,7 @@ TESTS = "tests/hf"
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py): the Hugging Face
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py): the Hugging Face
     wrapper under dynamic evaluation (the code tests/hf exercises against each transformers release)."""
     return [probes.probe("hf_dynamic", rule="sgd")]
 

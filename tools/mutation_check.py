@@ -8,8 +8,8 @@ A control run first runs the union of the test files on the unmutated copy: they
 failure under a mutation is the mutation's doing. Only the listed test files run per mutation (not
 the whole suite), which keeps the check to a few CPU minutes; the JSON names them.
 
-    python benchmarks/tools/mutation_check.py                 # writes benchmarks/results/mutation_check.json
-    python benchmarks/tools/mutation_check.py --only fwl_default_mask_inclusive
+    python tools/mutation_check.py                 # writes benchmarks/results/mutation_check.json
+    python tools/mutation_check.py --only fwl_default_mask_inclusive
 
 A bar (``--bar FILE``): a JSON list of ``{"file", "original", "mutant", "tests": [node ids], "what"}``, each a
 one-line bug an audit found the suite missed and the tests written for it (``tests/mutants/issue49_bar.json``).
@@ -19,7 +19,7 @@ on the unmutated copy. It prints one line per mutant and exits 1 on a survivor; 
 part of the default suite (it runs the named tests once per mutant); ``tests/mutants/test_bars.py`` checks only
 that each bar can still be applied (its original line once in its file, its tests present).
 
-    python benchmarks/tools/mutation_check.py --bar tests/mutants/issue49_bar.json
+    python tools/mutation_check.py --bar tests/mutants/issue49_bar.json
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def _children_cpu() -> float:
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of the code this benchmark measures (see benchmarks/tools/probes.py)."""
+    """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     sites: dict[str, list[str]] = {}
     for _, path, edits, _, _ in MUTATIONS:
         sites.setdefault(path, []).extend(old for old, _ in edits)

@@ -1,8 +1,8 @@
 """Regenerate the results and claims tables of the README and docs/*.md from benchmarks/results/*.json, so
 no number is typed by hand.
 
-    python benchmarks/tools/report.py            # summarise new results' probes, rewrite every table
-    python benchmarks/tools/report.py --check    # exit 1 if any page is out of date (used by the tests)
+    python tools/report.py            # summarise new results' probes, rewrite every table
+    python tools/report.py --check    # exit 1 if any page is out of date (used by the tests)
 
 Run after a benchmark or a ``fastweights`` command wrote a result into benchmarks/results/: a result is written
 with its provenance only, and this adds the summaries of its behaviour probes (``evidence.stamp``) while the code
@@ -44,11 +44,11 @@ import tomllib
 from pathlib import Path
 from typing import NamedTuple
 
-import evidence  # benchmarks/tools/evidence.py, the script's folder (on sys.path when run)
+import evidence  # tools/evidence.py, the script's folder (on sys.path when run)
 
 from fastweights.cli.script_parser import ScriptParser, exit_status_of
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 START, END = "<!-- results:start", "<!-- results:end -->"
 CLAIMS_START, CLAIMS_END = "<!-- claims:start -->", "<!-- claims:end -->"
@@ -418,7 +418,7 @@ def main() -> int:
             print(p, file=sys.stderr)
     if args.check and stale:
         names = ", ".join(str(p.relative_to(ROOT)) for p in stale)
-        print(f"results or claims tables out of date in {names}: run python benchmarks/tools/report.py", file=sys.stderr)
+        print(f"results or claims tables out of date in {names}: run python tools/report.py", file=sys.stderr)
     return 1 if args.check and (stale or problems) else 0
 
 

@@ -1,6 +1,6 @@
 """Re-stamp the behaviour probes of the stored results in the current format, without re-running a result.
 
-    python benchmarks/tools/stamp_probes.py --verified-at COMMIT [--capability avx2] [--commit-probe-dtype float32]
+    python tools/stamp_probes.py --verified-at COMMIT [--capability avx2] [--commit-probe-dtype float32]
 
 The stored probes of a result say what the measured code did; when their format changes (fingerprints
 became summaries on 2026-11-28), every result needs its probes written anew. Re-running the results would
@@ -33,7 +33,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-import evidence  # benchmarks/tools/evidence.py
+import evidence  # tools/evidence.py
 from fastweights.core.files import atomic_write
 from fastweights.evidence.result_files import REPO, command_line
 from fastweights.cli.script_parser import ScriptParser, exit_status_of
@@ -74,8 +74,9 @@ torch.save({"current": current, "outputs": outputs, "capability": torch.backends
 def _dump(root: Path, specs: dict, out: Path, capability: str, dtype: str, results: Path, with_staleness: bool) -> dict:
     import torch
 
-    # the tree's evidence tools and probes, where they are now (benchmarks/tools/) or were (benchmarks/), and its package
-    path = os.pathsep.join(str(root / d) for d in ("benchmarks/tools", "benchmarks", "src"))
+    # the tree's evidence tools and probes, where they are now (tools/) or were (benchmarks/tools/, benchmarks/), and
+    # its package
+    path = os.pathsep.join(str(root / d) for d in ("tools", "benchmarks/tools", "benchmarks", "src"))
     env = {**os.environ, "PYTHONPATH": path, "ATEN_CPU_CAPABILITY": capability, "PYTHONWARNINGS": "ignore"}
     argv = [sys.executable, "-c", _DUMP, str(root), str(out), dtype, str(results)] + (["staleness"] if with_staleness else [])
     done = subprocess.run(argv, input=json.dumps(specs), cwd=root, env=env, capture_output=True, text=True)
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", type=Path, default=evidence.RESULTS,
                     help="the folder of result JSON files to stamp (default: benchmarks/results)")
     args = ap.parse_args(argv)
-    from probes import PROBE_DTYPE, run_probe  # benchmarks/tools/probes.py
+    from probes import PROBE_DTYPE, run_probe  # tools/probes.py
 
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", f"{args.verified_at}^{{commit}}"],
                             capture_output=True, text=True)

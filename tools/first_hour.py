@@ -1,8 +1,8 @@
 """How long the README's two commands take from a fresh clone, on an idle machine and on a busy one (issue 49): the
 numbers the README's times cite.
 
-    python benchmarks/tools/first_hour.py                      # make test and make demo, idle and busy
-    python benchmarks/tools/first_hour.py --targets test --busy 1
+    python tools/first_hour.py                      # make test and make demo, idle and busy
+    python tools/first_hour.py --targets test --busy 1
 
 Each run clones this checkout's HEAD into a new folder under ``--work`` (``git clone``, as ``.ci/run`` is run), then
 times ``make TARGET`` there (wall seconds, the whole command: creating ``.venv``, installing with pip's download
@@ -29,13 +29,13 @@ from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.errors import UserError
 from fastweights.evidence.result_files import write_result
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 TARGETS = ("test", "demo")
 TAIL_LINES = 20
 
 
 def probe_specs(probes) -> list[dict]:
-    """The behaviour probes of what the times measure (see benchmarks/tools/probes.py): the Makefile's set-up and
+    """The behaviour probes of what the times measure (see tools/probes.py): the Makefile's set-up and
     its two commands (a worker per core for the tests; the demo's command), whose change makes the times stale."""
     return [probes.probe("source", path="Makefile", texts=["pip install -q torch==2.13.0", "pytest -n auto",
                                                           "fastweights demo --out runs/demo"])]
