@@ -93,6 +93,39 @@ def run_script(script: Path, *args: str, timeout: float = HANG_GUARD_S) -> subpr
                           env=env, cwd=ROOT)
 
 
+def once_per_run(tmp_path_factory, name: str, make) -> dict:
+    """``make(folder)``'s JSON value, computed once per pytest run even where xdist workers run the test files that
+    ask for it: the first computes it in ``folder`` (under the workers' common temporary root), the others wait on
+    a lock and read it. A ``make`` that raises leaves nothing, so the next asker tries again."""
+    from filelock import FileLock  # torch's own dependency
+
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    folder, value = root / f"once-{name}", root / f"once-{name}.json"
+    with FileLock(str(value) + ".lock"):
+        if not value.is_file():
+            folder.mkdir(exist_ok=True)
+            value.write_text(json.dumps(make(folder)))
+        return json.loads(value.read_text())
+
+
+def gpu_queue_dry_run(tmp_path_factory) -> dict:
+    """``benchmarks/gpu/gpu_queue.py``'s CPU dry run (every item, one made to fail: ``GPU_QUEUE_FAIL``), once per
+    pytest run: its output folder, exit status, stdout and stderr. The queue's FWL-recipe item runs
+    ``benchmarks/gpu/fwl_smollm2_gpu.py --device cpu --tiny``, whose JSON tests/cli/test_fwl_gpu_recipe.py reads
+    from here rather than running it again."""
+
+    def make(folder: Path) -> dict:
+        r = run_script(BENCHMARKS / "gpu" / "gpu_queue.py", "--device", "cpu", "--tiny", "--all", "--fail",
+                       GPU_QUEUE_FAIL, "--out", str(folder))  # --all: the items done on a GPU too
+        return {"out": str(folder), "returncode": r.returncode, "stdout": r.stdout, "stderr": r.stderr}
+
+    return once_per_run(tmp_path_factory, "gpu-queue-dry-run", make)
+
+
+GPU_QUEUE_FAIL = "like/delta_op_T8192"  # the item the shared dry run makes fail
+
+
 def bad_input_exits(name: str, argvs: list[list[str]], capsys):
     """(argv, exit status, stdout, stderr) of benchmark script ``name`` on each argument list: the first as a real
     process (``python SCRIPT``: its ``sys.exit(exit_status_of(main))`` wiring), the others through ``main(argv)``

@@ -7,10 +7,11 @@ streams are consecutive stretches of documents that are never scored; bad input 
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
-from helpers import HANG_GUARD_S, ROOT, import_benchmark, run_script, tiny_llama_dir
+from helpers import HANG_GUARD_S, ROOT, gpu_queue_dry_run, import_benchmark, run_script, tiny_llama_dir
 
 from fastweights.cli.script_parser import exit_status_of
 from fastweights.hf import fwl_training
@@ -31,10 +32,13 @@ def recipe():
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fwl_gpu") / "result.json"
-    r = run("--device", "cpu", "--tiny", "--out", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r.stdout, json.loads(out.read_text())
+    """The recipe's dry run as the GPU queue's dry run ran it (``fwl_smollm2_gpu.py --device cpu --tiny --out F``,
+    shared with tests/cli/test_gpu_queue.py): the end of its stdout and its JSON."""
+    r = gpu_queue_dry_run(tmp_path_factory)
+    assert r["returncode"] == 0, r["stderr"][-3000:]
+    item = json.loads((Path(r["out"]) / "gpu_queue.json").read_text())["items"]["fwl/smollm2_recipe"]
+    assert item["status"] == "ok", item
+    return item["result"]["stdout_tail"], item["result"]["recipe"]
 
 
 def finite(x) -> bool:

@@ -5,15 +5,16 @@ on a GPU; ``--list`` and the minute plan; the gradient check catching a wrong ke
 fla issue 984); a device run's summary unpacked into result files; bad input is one line with exit status 2."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
-from helpers import HANG_GUARD_S, ROOT, bad_input_exits, import_benchmark, run_script
+from helpers import GPU_QUEUE_FAIL, HANG_GUARD_S, ROOT, bad_input_exits, gpu_queue_dry_run, import_benchmark, run_script
 
 from fastweights.testing import fla_standin
 
 SCRIPT = ROOT / "benchmarks" / "gpu" / "gpu_queue.py"
-FAIL = "like/delta_op_T8192"
+FAIL = GPU_QUEUE_FAIL
 
 
 def run(*args, timeout=HANG_GUARD_S):
@@ -27,10 +28,10 @@ def gq():
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("queue")
-    r = run("--device", "cpu", "--tiny", "--all", "--fail", FAIL, "--out", str(out))  # --all: items done on a GPU too
-    assert r.returncode == 0, r.stderr[-3000:]
-    return out, r.stdout, json.loads((out / "gpu_queue.json").read_text())
+    r = gpu_queue_dry_run(tmp_path_factory)  # --device cpu --tiny --all --fail FAIL, once per pytest run
+    assert r["returncode"] == 0, r["stderr"][-3000:]
+    out = Path(r["out"])
+    return out, r["stdout"], json.loads((out / "gpu_queue.json").read_text())
 
 
 def test_the_dry_run_runs_every_item_in_the_order_of_value(dry_run, gq):
