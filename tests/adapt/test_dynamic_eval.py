@@ -636,3 +636,18 @@ def test_the_default_segment_follows_the_tokenizer_kind():
     assert {k: default_segment_len(SimpleNamespace(name=k)) for k in kinds} == kinds
     assert default_segment_len(object()) == ur.SUBWORD_SEGMENT_LEN  # a Hugging Face tokenizer has no name
     assert len(set(kinds.values())) == 3  # three different lengths, or this test could not tell them apart
+
+
+def test_the_reason_for_a_non_finite_score_names_the_rule_and_lr_and_never_fails_itself():
+    """scores_not_finite_because explains a NaN score: the rule and lr of the adapting evaluator, the flag to lower;
+    an evaluator whose metadata has no lr (a continual run's) still gets its sentence, not a TypeError."""
+    from types import SimpleNamespace
+
+    from fastweights.adapt.evaluate import scores_not_finite_because
+
+    assert scores_not_finite_because() == "the model's scores overflow on this text"
+    sgd = SimpleNamespace(metadata=lambda: {"rule": "sgd", "lr": 1e30})
+    assert scores_not_finite_because(sgd, "lr=") == ("dynamic evaluation diverged with rule sgd, learning rate 1e+30 "
+                                                     "(try a smaller lr=)")
+    no_lr = SimpleNamespace(metadata=lambda: {"rule": "memories"})
+    assert scores_not_finite_because(no_lr).startswith("dynamic evaluation diverged with rule memories, learning rate nan")

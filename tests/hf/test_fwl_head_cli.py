@@ -52,6 +52,7 @@ def test_the_flags_defaults_are_the_recipes():
             args.block_lr, args.trainable_blocks, args.seed, args.variant, args.data) == \
         (RECIPE.windows, RECIPE.window, RECIPE.doc_windows, RECIPE.budget_cpu_s, RECIPE.batch_size, RECIPE.lr,
          RECIPE.step_lr, RECIPE.block_lr, RECIPE.trainable_blocks, RECIPE.seed, RECIPE.variant, None)
+    assert args.max_steps == 0  # no step limit: the CPU budget alone ends the recipe's training
 
 
 def test_eval_generate_and_dynamic_eval_take_the_checkpoint(trained, tmp_path, capsys):
