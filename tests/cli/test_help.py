@@ -141,7 +141,7 @@ def test_train_help_lists_every_preset_with_its_description(tmp_path, monkeypatc
     (tmp_path / "configs" / "mine.toml").write_text(
         "# My preset (a note): " + "very " * 40 + "long, and more. Second sentence.\n\n[train]\nmax_steps = 1\n")
     (tmp_path / "configs" / "bare.toml").write_text("[train]\nmax_steps = 1\n")
-    (tmp_path / "configs" / "wrapped.toml").write_text("# A sentence the comment\n# wraps. Not this.\n[train]\n")
+    (tmp_path / "configs" / "wrapped.toml").write_text("# A sentence the comment\n# wraps, on GPT-X. Not this.\n[train]\n")
     (tmp_path / "configs" / "latin1.toml").write_bytes(b"# Caf\xe9 preset.\n[train]\nmax_steps = 1\n")  # not UTF-8
     monkeypatch.chdir(tmp_path)
     described = preset_descriptions()
@@ -149,5 +149,5 @@ def test_train_help_lists_every_preset_with_its_description(tmp_path, monkeypatc
     mine = described["mine"]
     assert mine.startswith("My preset: very very") and mine.endswith("...") and len(mine) <= 100, mine
     assert described["bare"] == ""
-    assert described["wrapped"] == "A sentence the comment wraps"  # its lines joined by a space
+    assert described["wrapped"] == "A sentence the comment wraps, on GPT-X"  # lines joined by a space; one "." cut
     assert "  mine " in dict(_parsers())["fastweights train"].format_help()
