@@ -201,6 +201,15 @@ def tests_by_line(report: dict, tree: Path, test_files: list[str]) -> dict[str, 
     return out
 
 
+def mutmut_settings(files: list[str], tests: list[str]) -> dict:
+    """mutmut's ``[tool.mutmut]`` for a whole run (``make mutants`` without ``--sample``): it mutates ``files`` and
+    runs ``tests`` in a copy of src/ and tests/ of its own, into which ``also_copy`` brings what the tests read
+    beside them (the scripts of benchmarks/ and tools/, the docs, the package's data)."""
+    return {"source_paths": ["src/"], "only_mutate": files, "pytest_add_cli_args_test_selection": tests,
+            "pytest_add_cli_args": ["-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:randomly"],
+            "also_copy": ["benchmarks", "tools", "docs", "README.md", "Makefile", *package_data()]}
+
+
 def package_data() -> list[str]:
     """The package's files that are not Python (presets, corpora, ...): mutmut copies only the .py files of src/."""
     return sorted({str(Path(p)) for p in git("ls-files", "src").splitlines() if not p.endswith(".py")})
@@ -398,10 +407,8 @@ def main(argv: list[str] | None = None) -> int:
         git("worktree", "add", "--detach", str(tmp / "tree"), "HEAD")
         tree = tmp / "tree"
         with open(tree / "pyproject.toml", "a") as f:
-            f.write("\n[tool.mutmut]\n" + "\n".join(f"{k} = {json.dumps(v)}" for k, v in {
-                "source_paths": ["src/"], "only_mutate": files, "pytest_add_cli_args_test_selection": tests,
-                "pytest_add_cli_args": ["-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:randomly"],
-                "also_copy": ["benchmarks", "docs", "README.md", "Makefile", *package_data()]}.items()) + "\n")
+            f.write("\n[tool.mutmut]\n" + "\n".join(f"{k} = {json.dumps(v)}"
+                                                    for k, v in mutmut_settings(files, tests).items()) + "\n")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         subprocess.run([sys.executable, "-c", GENERATE], cwd=tree, env=env, check=True, capture_output=True)
         edits: dict = {}

@@ -211,3 +211,17 @@ def test_the_second_stage_does_not_run_the_first_stages_tests_again(tmp_path, mo
     assert calls == [["tests/test_mod.py::test_f", "tests/test_cli.py::test_g"],  # quickest first
                      ["tests/test_mod.py", "--deselect", "tests/test_mod.py::test_f", "--deselect",
                       "tests/test_cli.py::test_g"]]
+
+
+def test_a_whole_run_copies_every_folder_and_file_the_tests_read_beside_src_and_tests():
+    """mutmut runs the tests in a copy of src/ and tests/ of its own: whatever else a test reads as
+    ``ROOT / "NAME"`` must be in ``also_copy``, or every test that reads it fails there for every mutant (a
+    mutant killed by a missing file). Caught: tools/ left out when the tools moved out of benchmarks/."""
+    import re
+
+    from helpers import ROOT
+
+    named = {m for p in (ROOT / "tests").rglob("*.py") for m in re.findall(r'ROOT / "([\w.-]+)"', p.read_text())}
+    tracked = {n for n in named if (ROOT / n).exists()} - {"src", "tests", "pyproject.toml"}
+    copied = set(mutants.mutmut_settings(["src/fastweights/core/config.py"], ["tests/cli"])["also_copy"])
+    assert tracked and tracked <= copied, sorted(tracked - copied)
