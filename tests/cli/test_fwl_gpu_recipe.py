@@ -7,6 +7,7 @@ streams are consecutive stretches of documents that are never scored; bad input 
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,8 @@ def test_the_dry_run_records_the_command_device_versions_and_settings(dry_run, r
     assert set(res["excerpts"]) == set(recipe.SCORED_TEXTS)
     assert all(e["predictions"] == recipe.TINY.tokens for e in res["excerpts"].values())
     assert "training for" in stdout and "FWL vs static" in stdout
+    logged = re.findall(r"\] train: step (\d+), ", stdout)  # the first step at once, then one line per 15 s at most
+    assert logged[:1] == ["1"] and len(logged) < recipe.TINY.max_steps, logged
 
 
 def test_every_row_and_text_has_finite_numbers_and_the_gain_split_adds_up(dry_run, recipe):

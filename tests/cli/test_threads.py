@@ -52,6 +52,12 @@ def test_busy_cores_counts_iowait_as_idle(monkeypatch):
     # kernels before 2.5.41 write four fields (no iowait): read, not an IndexError
     lines = iter(["cpu  100 0 100 1000\n", "cpu  200 0 100 1100\n"])
     assert threads_module.busy_cores(0.0) == pytest.approx(2.0)
+    # no /proc/stat: the 1-minute load average, and where there is none either (Windows), an idle machine
+    monkeypatch.setattr(threads_module, "_cpu_times", lambda: None)
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.5, 1.0, 0.5))
+    assert threads_module.busy_cores(0.0) == 1.5
+    monkeypatch.delattr(os, "getloadavg")
+    assert threads_module.busy_cores(0.0) == 0.0
 
 
 @pytest.mark.parametrize("omp, set_threads, want", [(None, 0, 2), ("1", 0, 1), (None, 3, 3), ("1", 3, 3)])

@@ -69,7 +69,11 @@ def test_a_scripts_result_records_the_command_it_is_given_and_says_where_it_went
 
     rec = result_files.provenance([str(ROOT / "benchmarks" / "x.py"), "--seed", "3"])
     assert rec["command"].endswith(" benchmarks/x.py --seed 3"), rec["command"]
-    path = result_files.write_json(tmp_path / "r.json", {"a": 1})
+    assert result_files.command_line([str(ROOT / "tools" / "y.py"), "--a"], program="python") == "python tools/y.py --a"
+    # a device run's output flag is left out, in both of its spellings, and nothing else is
+    for argv in (["--device", "cpu", "--out", "o.json", "--tiny"], ["--device", "cpu", "--out=o.json", "--tiny"]):
+        assert result_files.command_line_without(argv, "--out").endswith(" --device cpu --tiny"), argv
+    path = result_files.write_json(tmp_path / "new" / "folders" / "r.json", {"a": 1})  # its folders made
     assert capsys.readouterr().out == f"wrote {path}\n"
     assert json.loads(path.read_text()) == {"a": 1, "result_file": str(path.resolve())}
 
