@@ -90,6 +90,9 @@ def test_training_ran_its_steps_on_documents_never_scored(dry_run, recipe):
     _, res = dry_run
     tr = res["training"]
     assert tr["steps"] == recipe.TINY.max_steps == len(tr["history"]) and tr["tokens"] > 0
+    assert tr["tokens_per_s"] == pytest.approx(tr["tokens"] / tr["seconds"])
+    assert tr["history_columns"] == ["step", "seconds", "window_index", "loss_nats"]
+    assert all(len(h) == 4 and h[0] == i + 1 for i, h in enumerate(tr["history"]))
     assert all(finite(h[3]) for h in tr["history"])
     assert [h[2] for h in tr["history"]] == [0, 1, 0, 1]  # the windows of each stream, in order
     half = tr["history"][len(tr["history"]) // 2:]  # the loss by window over the second half of the steps

@@ -38,6 +38,10 @@ def test_a_documents_windows_are_consecutive(tmp_path):
     assert text.doc_windows == [4, 3]
     a = Chars().encode((tmp_path / "a.txt").read_text())
     np.testing.assert_array_equal(text.tokens[:4].ravel(), a[:400])
+    assert text.tokens.dtype == np.int64  # whatever integer type a tokenizer returns (uint16 here): int64 windows
+    narrow = training_windows(type("Narrow", (), {"encode": lambda self, t: Chars().encode(t).astype(np.uint16)})(),
+                              100, str(tmp_path), doc_windows=4)
+    assert narrow.tokens.dtype == np.int64 and np.array_equal(narrow.tokens, text.tokens)
     assert text.sources[:5] == ["%s:a.txt#%d" % (tmp_path, i) for i in range(4)] + [f"{tmp_path}:c.txt#0"]
 
 
