@@ -500,6 +500,7 @@ def test_fused_inputs_equal_separate_norms_and_projections(gate_form):
     mem = FwPKM(d_model=12, options=FwPKMOptions(n_subkeys=4, d_key=8, d_value=6, topk=2, chunk_size=4,
                                                  gate_form=gate_form)).double()
     io = mem.io
+    assert io.g_proj.out_features == {"linear": 1, "mean8": 8}[gate_form]  # the released code's gate: mean of 8
     with torch.no_grad():
         for norm in (io.q_norm, io.v_norm, io.g_norm):
             norm.weight.normal_()
