@@ -43,9 +43,12 @@ def expected(root: Path, mask: int) -> dict[str, str]:
     return {rel: oct((0o777 if (root / rel).is_dir() else 0o666) & ~mask) for rel in modes(root)}
 
 
-def test_the_umask_is_read_without_changing_it(umask):
+def test_the_umask_is_read_without_changing_it(umask, monkeypatch):
     assert current_umask() == umask and umask_mode() == 0o666 & ~umask and umask_mode(True) == 0o777 & ~umask
     assert os.umask(umask) == umask  # still the one set
+    if Path("/proc/self/status").is_file():  # Linux: read there, never set (another thread's file meanwhile)
+        monkeypatch.setattr(os, "umask", lambda mask: pytest.fail(f"os.umask({mask:o}) called"))
+        assert current_umask() == umask
 
 
 def test_a_run_and_its_export_have_the_umask_modes(umask, tmp_path):
@@ -106,6 +109,10 @@ def test_a_json_cache_entry_is_merged_into_what_the_file_holds(tmp_path):
     merge_into_json_cache(path, ("machine-a", "k2"), [2])
     merge_into_json_cache(path, ("machine-b", "k1"), [3])
     assert json.loads(path.read_text()) == {"machine-a": {"k1": [1], "k2": [2]}, "machine-b": {"k1": [3]}}
+    other = tmp_path / "other.json"  # the same entries merged in another order: the same file, byte for byte
+    for keys, value in ((("machine-b", "k1"), [3]), (("machine-a", "k2"), [2]), (("machine-a", "k1"), [1])):
+        merge_into_json_cache(other, keys, value)
+    assert other.read_bytes() == path.read_bytes()
     path.write_text('{"machine-a": 7, "other": 1}')
     merge_into_json_cache(path, ("machine-a", "k1"), [4])
     assert json.loads(path.read_text()) == {"machine-a": {"k1": [4]}, "other": 1}

@@ -284,6 +284,15 @@ def test_the_progress_line_shows_the_binding_limit_from_the_start(tmp_path, fake
     assert closing, "the closing line counts the steps run against themselves"
 
 
+def test_where_max_steps_ends_the_run_first_the_line_shows_its_exact_count(tmp_path, fake_clock):
+    """A budget of an hour and 30 steps: the steps bind, so the progress line is plain ``train`` with the exact
+    total (no ``~``) however the schedule re-estimates what the budget would allow."""
+    summary, _ = _train(tmp_path, fake_clock, "train.max_minutes=60", "train.max_steps=30")
+    assert summary["steps"] == 30 and not summary["stopped_by_time_budget"]
+    running = [line for _, line in fake_clock.log.lines if line.startswith("train") and "ETA" in line]
+    assert running and all(line.startswith("train | ") and re.search(r"\b\d+/30 steps", line) for line in running)
+
+
 def test_a_twice_resumed_runs_trainer_state_counts_every_process_time(tmp_path, fake_clock):
     """The trainer state's ``elapsed`` (what a resumed run's budget and schedule continue from) is the time of
     every process of the run, not only the last one's: after a run of 3 steps resumed to 6 and again to 9, each

@@ -244,3 +244,18 @@ def test_the_checks_inputs_are_the_same_at_every_run():
     again = sc._check_inputs(torch.device("cpu"), 16, 16, torch.float32)
     for a, b in zip([*first[0], *first[1]], [*again[0], *again[1]]):
         assert torch.equal(a, b)
+
+
+def test_the_recorded_gpu_is_the_device_checked_not_the_current_one(monkeypatch):
+    """The self-check's verdict names the GPU it ran on: on a machine of several, cuda:1's name and compute
+    capability, not those of the current device (a stand-in torch.cuda: no GPU here)."""
+    import torch
+
+    from fastweights.ops import fla_selfcheck
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: asked.append(d) or (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: asked.append(d) or "H200")
+    assert fla_selfcheck._device_name(torch.device("cuda", 1)) == "H200 sm_90"
+    assert asked == [torch.device("cuda", 1)] * 2
+    assert fla_selfcheck._device_name(torch.device("cpu")) == "cpu"

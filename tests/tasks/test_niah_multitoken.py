@@ -168,7 +168,7 @@ def test_forced_probe_reads_the_stored_value_of_each_answer_token(tok, ev):
     assert sum(one) / len(one) < 0.3
 
 
-def test_niah_command_picks_the_multitoken_format(tok, tmp_path):
+def test_niah_command_picks_the_multitoken_format(tok, tmp_path, capsys):
     from fastweights import cli
     from fastweights.checkpoints.format import save_model
 
@@ -183,4 +183,6 @@ def test_niah_command_picks_the_multitoken_format(tok, tmp_path):
     doc = json.loads((out / "niah.json").read_text())
     assert doc["format"] == "multitoken" and doc["keys"] == "heldout" and "heldout_key_embeddings" not in doc
     assert len(doc["records"]) == 2 * 2 and all(len(r["answer"].split(" ")) == 3 for r in doc["records"])
-    assert cli.main([*argv, "--format", "token", "--overwrite"]) == 2  # not a one-token model
+    capsys.readouterr()
+    assert cli.main([*argv, "--format", "token", "--overwrite"]) == 2  # a format the flag takes, not this model's
+    assert "--format token needs a word-level model trained on that needle format" in capsys.readouterr().err
