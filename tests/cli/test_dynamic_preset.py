@@ -121,6 +121,24 @@ def test_dynamic_stats_names_its_save_flag_when_refusing_the_file(tmp_path, caps
     assert taken.read_text() == "mine"
 
 
+def test_dynamic_stats_collects_with_the_context_given(tiny_run, tmp_path, monkeypatch):
+    """``dynamic stats --context N``: the statistics' attention context is N, passed on to the collection (here a
+    stand-in that records it), not the model's own."""
+    import fastweights.cli.dynamic as dynamic_cli
+
+    seen = {}
+
+    def record(model, tok, cfg, settings, segment_len, context, *rest):
+        seen["context"] = context
+        raise SystemExit(0)  # nothing collected: only what the command hands over
+
+    monkeypatch.setattr(dynamic_cli, "collect_stats", record)
+    with pytest.raises(SystemExit):
+        main(["dynamic", "stats", "--checkpoint", str(tiny_run), "--context", "48", "--save",
+              str(tmp_path / "stats.safetensors"), "--quiet"])
+    assert seen == {"context": 48}
+
+
 def test_the_statistics_context_is_given_else_the_models_at_most_1024_for_a_hugging_face_model():
     from types import SimpleNamespace
 
