@@ -103,3 +103,19 @@ def test_a_profiled_step_splits_into_gemm_attention_and_the_rest():
     shares = op_shares(step, steps=2)
     assert set(shares) == {"gemm", "attention", "other"} and abs(sum(shares.values()) - 1) < 1e-9
     assert all(v > 0 for v in shares.values())
+
+
+def test_the_benchmark_clock_is_this_processs_cpu_time_on_one_thread_else_wall_time(monkeypatch):
+    """What a result records as its clock: CPU seconds of this process on one CPU thread (other jobs on the core do
+    not count), wall seconds with more threads or on a GPU, each named as the results' tables show it."""
+    import time
+
+    import torch
+
+    from fastweights.evidence.timing import bench_clock
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert bench_clock("cpu") == (time.process_time, "process CPU time")
+    assert bench_clock("cuda") == (time.perf_counter, "wall")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert bench_clock("cpu") == (time.perf_counter, "wall")

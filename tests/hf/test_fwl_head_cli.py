@@ -226,6 +226,7 @@ def test_train_says_what_it_trains_on_and_uses_one_long_file_beyond_its_first_wi
            "CPU-minutes" in err
     summary = json.loads((out / "training.json").read_text())
     assert summary["cache_windows"] == 6 and (Path(summary["cache_dir"]) / CACHE_META).is_file()
+    assert summary["doc_windows"] == 2  # the --doc-windows given, recorded
 
 
 def test_an_interrupt_while_caching_says_how_much_of_the_cache_is_kept(backbone_dir, tmp_path, monkeypatch, capsys):

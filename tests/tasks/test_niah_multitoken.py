@@ -168,6 +168,13 @@ def test_forced_probe_reads_the_stored_value_of_each_answer_token(tok, ev):
     assert sum(one) / len(one) < 0.3
 
 
+@pytest.mark.parametrize("form", ["auto", "char", "token", "multitoken"])
+def test_niah_takes_every_needle_format(form):
+    from fastweights.cli import parse_command_line
+
+    assert parse_command_line(["task", "niah", "--checkpoint", "x", "--format", form]).format == form
+
+
 def test_niah_command_picks_the_multitoken_format(tok, tmp_path, capsys):
     from fastweights import cli
     from fastweights.checkpoints.format import save_model
