@@ -225,6 +225,36 @@ def test_the_lr_search_extends_past_a_best_edge_at_most_twice(optimum, best, at_
     assert len(r["grid_nats"]) == 3 + (2 if at_edge else 0)
 
 
+def test_a_point_already_measured_is_not_run_again_by_the_lr_search():
+    """``search_lr(known={lr: loss})``: smollm2_fast_dynamic hands over the point it timed at that lr; the search
+    takes its loss (the same grid key, rounded as the search rounds) and runs only the others."""
+    made = []
+
+    def make(lr):
+        made.append(lr)
+        return _Quadratic(lr, 2.2e-5)
+
+    measured = _Quadratic(2e-5, 2.2e-5).loss
+    r = fc.search_lr(make, [], [1e-5, 2e-5, 4e-5], static=100.0, log=lambda _m: None, known={2.0000001e-5: measured})
+    assert sorted(made) == [1e-5, 4e-5] and r["grid_nats"]["2e-05"] == measured and r["best"] == 2e-5
+
+
+def test_the_top_blocks_linears_are_their_mlps_or_every_linear_map(llama):
+    """smollm2_fast_dynamic's two parts of the last K blocks, as low-rank adaptation matches them: the MLP
+    projections, or every linear map (attention's too), of those blocks only."""
+    from fastweights.adapt.lowrank import LowRankAdaptation
+
+    top = import_benchmark("smollm2_fast_dynamic")
+    lm, _ = llama
+    mlp = LowRankAdaptation(lm, top.top_linears(lm, 1, "mlp"), rank=2).names
+    every = LowRankAdaptation(lm, top.top_linears(lm, 1, "all"), rank=2).names
+    assert mlp and all(".layers.1.mlp." in n for n in mlp)
+    assert set(mlp) < set(every) and all(".layers.1." in n for n in every)
+    assert any("self_attn" in n for n in every)
+    with pytest.raises(UserError, match="parts must be one of mlp, all"):
+        top.top_linears(lm, 1, "attention")
+
+
 def test_the_gain_split_adds_up(rows):
     out, _, scored, heads = rows
     for row in heads:

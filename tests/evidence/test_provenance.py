@@ -96,6 +96,10 @@ def test_the_code_hash_changes_with_the_code_and_not_with_results(tmp_path):
     (tmp_path / "src" / "new.py").write_text("y = 2\n")  # an untracked module
     assert git_state(tmp_path)["code"] != clean["code"]
     (tmp_path / "src" / "new.py").unlink()
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "report.py").write_text("z = 3\n")  # the repository's tools are code too
+    assert git_state(tmp_path)["code"] != clean["code"]
+    (tmp_path / "tools" / "report.py").unlink()
     (tmp_path / "src" / "m.py").write_text("x = 2\n")  # a tracked change
     assert git_state(tmp_path)["code"] != clean["code"]
 
