@@ -405,6 +405,7 @@ def run(argv: list[str], tmp: Path) -> int:
         reserve = 2.5 * init_s + 15.0  # the two rows scored after training, the JSON and a margin
         train_budget = budget_s - (time.perf_counter() - PROCESS_START) - reserve
         if args.tiny:  # a dry run trains its steps whatever the clock says: a busy machine must not change it
+            # (its rates decay over those steps, train_head_online's schedule following whichever limit binds)
             train_budget = math.inf
             log(f"training for {recipe.max_steps} steps (a dry run: its steps end it, not its time)")
         elif train_budget <= 0:

@@ -91,8 +91,13 @@ def test_training_ran_its_steps_on_documents_never_scored(dry_run, recipe):
     tr = res["training"]
     assert tr["steps"] == recipe.TINY.max_steps == len(tr["history"]) and tr["tokens"] > 0
     assert tr["tokens_per_s"] == pytest.approx(tr["tokens"] / tr["seconds"])
-    assert tr["history_columns"] == ["step", "seconds", "window_index", "loss_nats"]
-    assert all(len(h) == 4 and h[0] == i + 1 for i, h in enumerate(tr["history"]))
+    assert tr["history_columns"] == ["step", "seconds", "window_index", "loss_nats", "lr_scale"]
+    assert all(len(h) == 5 and h[0] == i + 1 for i, h in enumerate(tr["history"]))
+    # its steps end a dry run (an unbounded budget), and its rates decay over them
+    sched = tr["schedule"]
+    assert [h[4] for h in tr["history"]] == [
+        fwl_training.online_lr_scale(i, 0.0, math.inf, recipe.TINY.max_steps, sched["warmup_steps"],
+                                     sched["final_lr_fraction"]) for i in range(recipe.TINY.max_steps)]
     assert all(finite(h[3]) for h in tr["history"])
     assert [h[2] for h in tr["history"]] == [0, 1, 0, 1]  # the windows of each stream, in order
     half = tr["history"][len(tr["history"]) // 2:]  # the loss by window over the second half of the steps
@@ -239,3 +244,13 @@ def test_the_recipe_scores_the_texts_of_the_cpu_comparison(recipe):
     """The GPU recipe's scored texts are fwl_smollm2.py's, so the two results compare text for text."""
     cpu = import_benchmark("fwl_smollm2")
     assert set(recipe.SCORED_TEXTS) == {spec.key for spec, _ in cpu.TEXTS if spec.role == "scored"}
+
+
+def test_the_online_schedule_warms_up_then_decays_over_whichever_limit_ends_the_run():
+    scale = fwl_training.online_lr_scale
+    assert scale(0, 0.0, 100.0, 0, 4, 0.1) == pytest.approx(0.25)  # warm-up: (step + 1) / warmup_steps
+    assert scale(9, 50.0, 100.0, 0, 4, 0.1) == pytest.approx(1 - 0.9 * 0.5)  # half the time spent
+    assert scale(9, 150.0, 100.0, 0, 4, 0.1) == pytest.approx(0.1)  # past the budget: the final fraction
+    assert scale(5, 0.0, math.inf, 10, 4, 0.1) == pytest.approx(1 - 0.9 * 0.5)  # the steps end it: half of them
+    assert scale(5, 80.0, 100.0, 10, 4, 0.1) == pytest.approx(1 - 0.9 * 0.8)  # the clock binds first
+    assert scale(8, 10.0, 100.0, 10, 4, 0.1) == pytest.approx(1 - 0.9 * 0.8)  # the steps bind first

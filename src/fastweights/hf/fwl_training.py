@@ -505,6 +505,18 @@ def stream_windows(model, tokens: torch.Tensor, window: int, amp=contextlib.null
         state = detached(out.state)
 
 
+def online_lr_scale(step: int, elapsed: float, budget_s: float, max_steps: int, warmup_steps: int,
+                    final_lr_fraction: float) -> float:
+    """The factor on every rate at step ``step`` (0-based) of :func:`train_head_online`: a linear warm-up over
+    ``warmup_steps``, then a linear decay to ``final_lr_fraction`` over whichever limit ends the run first, the
+    ``budget_s`` seconds (``elapsed`` of them spent) or the ``max_steps`` steps (0: none), so that a run its
+    steps end (a dry run with an unbounded budget) decays as one its clock ends does."""
+    progress = elapsed / budget_s
+    if max_steps:
+        progress = max(progress, step / max_steps)
+    return min(1.0, (step + 1) / warmup_steps) * (1.0 - (1.0 - final_lr_fraction) * min(1.0, progress))
+
+
 def train_head_online(model, streams, *, batch: int, window: int, windows_per_stream: int, budget_s: float,
                       clock=time.perf_counter, amp=contextlib.nullcontext, lr: float = RECIPE.lr,
                       step_lr: float = RECIPE.step_lr, block_lr: float = RECIPE.block_lr,
@@ -515,8 +527,9 @@ def train_head_online(model, streams, *, batch: int, window: int, windows_per_st
     source)`` with T = ``window * windows_per_stream``; each step takes ``batch`` of them and reads their windows
     in order (:func:`stream_windows`), one AdamW step per window with the state carried, detached, across the
     windows of a stream, the rates of :func:`param_groups` warmed up and decayed (the recipe's
-    ``warmup_steps``, ``final_lr_fraction``) over ``budget_s`` seconds of ``clock`` or ``max_steps`` steps.
-    Returns the history, the loss by window over the second half, and what was trained on."""
+    ``warmup_steps``, ``final_lr_fraction``) over ``budget_s`` seconds of ``clock`` or ``max_steps`` steps
+    (:func:`online_lr_scale`). Returns the history (each step's rate factor in it), the loss by window over the
+    second half, and what was trained on."""
     from collections import Counter
 
     groups = [{**g, "base_lr": g["lr"]} for g in param_groups(model, lr, step_lr, block_lr) if g["params"]]
@@ -535,9 +548,7 @@ def train_head_online(model, streams, *, batch: int, window: int, windows_per_st
         device = next(model.parameters()).device
         tokens = torch.stack([ids for ids, _ in taken]).to(device)
         for j, out in stream_windows(model, tokens, window, amp):
-            elapsed = clock() - start
-            scale = min(1.0, (step + 1) / warmup_steps) * (
-                1.0 - (1.0 - final_lr_fraction) * min(1.0, elapsed / budget_s))
+            scale = online_lr_scale(step, clock() - start, budget_s, max_steps, warmup_steps, final_lr_fraction)
             for g in optimizer.param_groups:
                 g["lr"] = g["base_lr"] * scale
             loss = out.loss
@@ -545,7 +556,7 @@ def train_head_online(model, streams, *, batch: int, window: int, windows_per_st
             step += 1
             tokens_seen += out.logits.shape[0] * out.logits.shape[1]
             now = clock()
-            history.append([step, round(now - start, 3), j, loss.item()])
+            history.append([step, round(now - start, 3), j, loss.item(), scale])
             if log is not None and (now - last_log >= 15 or step == 1):
                 log(f"train: step {step}, window {j + 1}/{windows_per_stream}, loss {loss.item():.4f} nats, "
                     f"{tokens_seen / max(now - start, 1e-9):,.0f} tok/s, {now - start:.0f}/{budget_s:.0f} s")
@@ -558,7 +569,7 @@ def train_head_online(model, streams, *, batch: int, window: int, windows_per_st
     by_window = {j: [h[3] for h in half if h[2] == j] for j in range(windows_per_stream)}
     head = model.head
     return {"steps": step, "seconds": seconds, "tokens": tokens_seen, "tokens_per_s": tokens_seen / max(seconds, 1e-9),
-            "history": history, "history_columns": ["step", "seconds", "window_index", "loss_nats"],
+            "history": history, "history_columns": ["step", "seconds", "window_index", "loss_nats", "lr_scale"],
             "loss_by_window_second_half": {j: sum(v) / len(v) for j, v in by_window.items() if v},
             "streams": sum(sources.values()), "documents": sorted(set(sources)),
             "corpora": dict(Counter(s.split(":")[0] for s in sources.elements())),
