@@ -1,5 +1,5 @@
-"""ops.linear: one CPU linear whose three products each run on the faster of torch's and oneDNN's fp32 GEMM, as
-measured on the machine. Held here: the autograd formula against F.linear (fp64, and double backward), oneDNN's
+"""ops.linear: one CPU linear whose three products each run on the fastest of torch's fp32 GEMM and oneDNN's (in two
+operand orders), as measured on the machine. Held here: the autograd formula against F.linear (fp64, and double backward), oneDNN's
 products against F.linear in fp32 for every layout our layers and the FWL head pass, the route taken exactly where
 it applies, the choice measured and never slower (a stand-in slower kernel loses), and the choice kept per machine
 and thread count in the cache file (a second process computes with the same kernels)."""
@@ -27,11 +27,11 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.delenv("FASTWEIGHTS_LINEAR", raising=False)
 
 
-def _spy(monkeypatch):
-    """Count oneDNN's kernel calls (by the dtype of their first argument)."""
+def _spy(monkeypatch, name="onednn"):
+    """Count the calls of the kernel ``name`` (by the dtype of their first argument)."""
     calls = []
-    real = lin.KERNELS["onednn"]
-    monkeypatch.setitem(lin.KERNELS, "onednn", lambda a, w, b: calls.append(a.dtype) or real(a, w, b))
+    real = lin.KERNELS[name]
+    monkeypatch.setitem(lin.KERNELS, name, lambda a, w, b: calls.append(a.dtype) or real(a, w, b))
     return calls
 
 
@@ -104,12 +104,14 @@ SHAPES = {  # the shape classes our layers pass: [B, T, d] projections, [M, d] h
 
 
 @needs_onednn
+@pytest.mark.parametrize("kernel", ["onednn", "onednn_transposed"])
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_oneDNN_products_equal_F_linear_in_fp32(name, monkeypatch):
+def test_oneDNN_products_equal_F_linear_in_fp32(name, kernel, monkeypatch):
+    """Both oneDNN forms (``a w^T`` and ``(w a^T)^T``), every product."""
     shape, n, bias, weight_t = SHAPES[name]
-    monkeypatch.setenv("FASTWEIGHTS_LINEAR", "onednn")
+    monkeypatch.setattr(lin, "kernels_for", lambda *a: [kernel] * 3)
     monkeypatch.setattr(lin, "MIN_WORK", 0)
-    calls = _spy(monkeypatch)
+    calls = _spy(monkeypatch, kernel)
     x, w, b = _leaves(shape, n, bias=bias, weight_t=weight_t, seed=7)
     got = _grads(lin.linear, x, w, b)
     assert len(calls) == 3  # forward, input grad, weight grad
@@ -213,6 +215,28 @@ def test_the_choice_takes_oneDNN_only_where_it_is_clearly_faster():
     t = {"forward": {"torch": 1.0, "onednn": 0.5}, "input_grad": {"torch": 1.0, "onednn": 0.95},
          "weight_grad": {"torch": 0.5, "onednn": 1.0}}
     assert lin.choose(t) == ["onednn", "torch", "torch"]
+    t["weight_grad"].update(onednn=0.4, onednn_transposed=0.3)  # the fastest of three, clearly ahead of torch's
+    t["forward"]["onednn_transposed"] = t["input_grad"]["onednn_transposed"] = float("inf")
+    assert lin.choose(t) == ["onednn", "torch", "onednn_transposed"]
+
+
+def test_the_transposed_form_hands_oneDNN_the_operands_swapped(monkeypatch):
+    """``(w a^T)^T``: oneDNN reads ``w`` row by row (the form's point: the weight gradient's ``g^T`` is not copied
+    first), and the result is laid out as ``a w^T``'s."""
+    seen = []
+    monkeypatch.setattr(lin, "_onednn_kernel", lambda a, w, b: seen.append((a.shape, w.shape, b)) or a @ w.T)
+    a, w = torch.randn(5, 3), torch.randn(7, 3)
+    y = lin.KERNELS["onednn_transposed"](a, w, torch.ones(7))
+    assert seen == [((7, 3), (5, 3), None)] and y.is_contiguous()
+    torch.testing.assert_close(y, a @ w.T + 1)
+
+
+def test_a_choice_made_among_other_kernels_is_made_again(monkeypatch):
+    """The stored choices are keyed on the kernels chosen among: a file written before a kernel was added (here,
+    the set without the transposed oneDNN form) does not stand for this version's choice."""
+    now = lin._machine_key()
+    monkeypatch.delitem(lin.KERNELS, "onednn_transposed")
+    assert lin._machine_key() != now
 
 
 def _slow_kernel(a, w, b):

@@ -10,8 +10,9 @@ torch's compiler emits for CPU linears) is another. On one core of an AMD EPYC (
 about 85 GFLOP/s, where oneDNN's reaches 175-230 on the same shapes; on an Intel Xeon both reach 150-170 and MKL
 is as fast or faster (``benchmarks/speed/gemm_ceiling.py`` records both on the machine it runs on). So no kernel
 is assumed. For each shape class of a call (M rounded up to a power of two, K, N, the weight's layout) the three
-products are timed on both kernels (two rounds, in turn), on this machine and thread count; oneDNN is taken for a
-product only where it is at least :data:`MARGIN` faster and gives torch's numbers, and the choice is kept in a file
+products are timed on each kernel (two rounds, in turn; oneDNN in two forms, ``a w^T`` and ``(w a^T)^T``, which
+copy different operands), on this machine and thread count; a oneDNN form is taken for a product only where it is
+at least :data:`MARGIN` faster than torch's kernel and gives its numbers, and the choice is kept in a file
 under the user's cache folder, so that every process of the machine (a run and its resume) computes with the same
 kernels, bit for bit.
 
@@ -72,9 +73,18 @@ def _onednn_kernel(a: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise.default(a, w, bias, "none", [], "")
 
 
+def _onednn_transposed_kernel(a: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
+    """``a w^T + bias`` as ``(w a^T)^T`` on oneDNN. oneDNN's linear reads its first operand row by row and copies
+    it first when it is a transpose; the weight gradient's is one (``g^T``, [N, M]). Swapped, the copy is of ``w``
+    (``x^T``, [M, K]) and of the [K, N] result: less when N is well above K (the demo's MLP, 4,096 x 128 -> 704:
+    3.3 ms against 5.3 on an AMD EPYC core), more when M is small (a 64-token segment's 49,152-word head)."""
+    out = _onednn_kernel(w, a, None).T.contiguous()
+    return out if bias is None else out.add_(bias)
+
+
 #: a kernel computes ``a w^T + bias`` for ``a [m, k]``, ``w [n, k]`` of any strides; the three products are each
 #: one call of a kernel (:func:`_product`)
-KERNELS = {"torch": _torch_kernel, "onednn": _onednn_kernel}
+KERNELS = {"torch": _torch_kernel, "onednn": _onednn_kernel, "onednn_transposed": _onednn_transposed_kernel}
 
 
 @functools.cache
@@ -113,8 +123,9 @@ def _product(product: str, fn, x: Tensor, w: Tensor, g: Tensor | None, bias: Ten
 
 
 def _machine_key() -> str:
-    """What a kernel's speed depends on besides the shape: the CPU, torch and its oneDNN, the thread count."""
-    return f"{_cpu_key()}-t{torch.get_num_threads()}"
+    """What a kernel's speed depends on besides the shape: the CPU, torch and its oneDNN, the thread count; and
+    the kernels a choice was made among (a choice stored before a kernel was added is made again)."""
+    return f"{_cpu_key()}-t{torch.get_num_threads()}-{'.'.join(KERNELS)}"
 
 
 @functools.cache
@@ -214,8 +225,8 @@ def measure(m: int, k: int, n: int, weight_transposed: bool, kernels=None,
 
 
 def choose(times: dict[str, dict[str, float]]) -> list[str]:
-    """The kernel per product: oneDNN where torch's takes at least :data:`MARGIN` times as long, else torch's
-    (any other kernel in ``times`` is weighed the same way against torch's)."""
+    """The kernel per product: the fastest where torch's takes at least :data:`MARGIN` times as long as it, else
+    torch's."""
     chosen = []
     for product in PRODUCTS:
         t = times[product]
