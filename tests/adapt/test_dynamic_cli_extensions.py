@@ -206,3 +206,24 @@ def test_the_sparse_block_is_the_one_asked_for(char_checkpoint, capsys):
             "--sparse-units", "4"]
     assert run_json(capsys, *base)["settings"]["sparse_layer"] == 1  # two blocks: the middle one is block 1
     assert run_json(capsys, *base, "--sparse-layer", "0")["settings"]["sparse_layer"] == 0
+
+
+@pytest.mark.parametrize("flag, pattern", [("--params", "blocks.0.*"), ("--exclude-params", "blocks.0.*")])
+def test_the_parameters_chosen_on_the_command_line_are_the_ones_adapted(char_checkpoint, flag, pattern):
+    """``--params`` / ``--exclude-params`` travel DynamicSettings -> resolve_setup -> evaluator_from: the evaluator
+    adapts exactly the weights the pattern selects (or leaves out). Mutation caught (issue 49, seed 7): the
+    resolved setup dropping ``params`` (every weight adapted)."""
+    import fnmatch
+
+    from fastweights.adapt.setup import build_evaluator
+    from fastweights.auto.sources import load_model_and_tokenizer
+    from fastweights.cli import build_parser
+    from fastweights.cli.dynamic import dynamic_settings
+
+    args = build_parser().parse_args(["dynamic", "eval", "--checkpoint", str(char_checkpoint), *SGD, flag, pattern])
+    model, tok, cfg, ckpt = load_model_and_tokenizer(char_checkpoint, device="cpu")
+    ev, _ = build_evaluator(dynamic_settings(args), model, tok, cfg, ckpt)
+    everything = {n for n, p in model.named_parameters() if p.requires_grad}
+    chosen = {n for n in everything if fnmatch.fnmatch(n, pattern)}
+    assert chosen and chosen != everything
+    assert set(ev.params) == (chosen if flag == "--params" else everything - chosen)

@@ -6,6 +6,7 @@ reused. A tiny offline Llama with
 the bundled GPT-2 tokenizer; every test here also guards a mutation that no earlier test caught (named in each)."""
 
 import json
+import re
 import signal
 
 import numpy as np
@@ -249,6 +250,17 @@ def test_a_damaged_cache_is_refused_in_one_line(backbone, tmp_path, damage, need
     with pytest.raises(UserError) as e:
         load_cache(d)
     assert needle in str(e.value) and "\n" not in str(e.value) and f"delete {d}" in str(e.value)
+
+
+def test_a_cache_cut_short_is_refused_for_training_in_one_line_saying_how_far_it_got(backbone, tmp_path):
+    """Mutation caught (issue 49, seed 7): the refusal's message dropped."""
+    d = tmp_path / "cache"
+    cache_hidden_states(backbone, _tokens(), d, fingerprint="bb", progress=False)
+    meta = json.loads((d / "cache.json").read_text())
+    (d / "cache.json").write_text(json.dumps({**meta, "done": 1, "static_nats": meta["static_nats"][:1]}))
+    with pytest.raises(UserError, match=rf"^hidden-state cache {re.escape(str(d))} is incomplete "
+                                        rf"\(1 of {meta['windows']} windows\)$"):
+        load_cache(d)
 
 
 def test_a_partial_cache_is_resumed_only_if_its_windows_on_disk_are_finite(backbone, tmp_path):

@@ -330,3 +330,25 @@ def test_a_parameter_the_loss_does_not_reach_is_left_as_it_was():
     for step in (1, 2):
         optimizer_step(used.square().sum(), opt, [used, unused], step)
     assert torch.equal(unused.detach(), before)
+
+
+def test_a_float64_head_trains_on_the_float32_cache_in_its_own_precision(llama_dir, tmp_path):
+    """The cached hidden states (float32 on disk) are read at the head's dtype: a float64 head with no trainable
+    blocks (which would upcast them) trains, its loss the float64 loss of the first window. Mutation caught (issue
+    49, seed 7): the windows left at float32."""
+    from fastweights.hf.fwl_head import top_blocks
+
+    model = acting_model(llama_dir, trainable_blocks=0).double()
+    tokens = windows(4)
+    build_cache(model, tmp_path / "c", tokens, [4])
+    summary = train_head(model, tmp_path / "c", tmp_path / "run", "tiny", budget_cpu_s=1e9, lr=0.0, step_lr=0.0,
+                         block_lr=0.0, batch_size=1, val_windows=0, max_steps=1, progress=False)
+    hidden, _, _ = load_cache(tmp_path / "c")
+    model.train()
+    with torch.no_grad():
+        h = top_blocks(model.backbone, torch.from_numpy(np.asarray(hidden[:1])).double(), 0)
+        x = torch.from_numpy(tokens[:1])
+        logits, _ = model.head(h, x)
+        want = F.cross_entropy(logits[0, :-1], x[0, 1:]).item()
+    assert next(model.head.parameters()).dtype == torch.float64
+    assert summary["history"][0]["loss_nats"] == pytest.approx(want, rel=1e-12)

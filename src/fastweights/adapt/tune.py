@@ -201,7 +201,7 @@ class _PointsFile:
         from fastweights.core.files import atomic_write
 
         doc = {"search": self.key, "points": [{k: v for k, v in g.items() if k != "stage"} for g in grid]}
-        atomic_write(self.path, lambda p: p.write_text(json.dumps(doc)), what="the search's finished points")
+        atomic_write(self.path, lambda p: p.write_text(json.dumps(doc)))
 
     def remove(self) -> None:
         if self.path is not None:
