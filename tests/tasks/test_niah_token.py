@@ -136,6 +136,14 @@ def test_niah_command_picks_the_token_format(tok, tmp_path):
     assert doc["format"] == "token" and doc["keys"] == "heldout" and doc["haystack"] == "tinyshakespeare[0.9:1]"
     assert len(doc["records"]) == 2 * 3 * 2
     assert all(r["answer"] in nt.VALUES for r in doc["records"])
+    assert doc["heldout_key_embeddings"] == "mean + std * N(0, 1) of the trained keys'"
+    # the trained keys: the record says their embeddings are the trained ones (mutation caught, issue 49 seed 7:
+    # the label misspelt)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path)
+        assert cli.main([*argv, "--overwrite", "--keys", "train", "--lengths", "128", "--iters", "1"]) == 0
+    doc = json.loads((out / "niah.json").read_text())
+    assert doc["keys"] == "train" and doc["heldout_key_embeddings"] == "trained"
 
 
 def test_memory_probe_finds_the_needle_after_one_write(tok):
