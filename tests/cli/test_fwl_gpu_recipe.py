@@ -254,3 +254,18 @@ def test_the_online_schedule_warms_up_then_decays_over_whichever_limit_ends_the_
     assert scale(5, 0.0, math.inf, 10, 4, 0.1) == pytest.approx(1 - 0.9 * 0.5)  # the steps end it: half of them
     assert scale(5, 80.0, 100.0, 10, 4, 0.1) == pytest.approx(1 - 0.9 * 0.8)  # the clock binds first
     assert scale(8, 10.0, 100.0, 10, 4, 0.1) == pytest.approx(1 - 0.9 * 0.8)  # the steps bind first
+
+
+def test_the_online_trainer_steps_the_recipes_adamw_without_weight_decay(tiny_fwl, monkeypatch):
+    """Both trainers build their AdamW in one place (``head_optimizer``): the recipe's groups and no weight decay.
+    Mutation caught (issue 49, seed 7): the online form's decay set to 1."""
+    model, _ = tiny_fwl
+    made = []
+    real = fwl_training.head_optimizer
+    monkeypatch.setattr(fwl_training, "head_optimizer", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    streams = iter([(torch.randint(0, 500, (17,)), "doc")] * 2)
+    out = fwl_training.train_head_online(model, streams, batch=2, window=16, windows_per_stream=1, budget_s=math.inf,
+                                         lr=0.0, step_lr=0.0, block_lr=0.0, max_steps=1)
+    assert out["steps"] == 1 and len(made) == 1
+    assert [g["name"] for g in made[0].param_groups] == ["head", "fast", "blocks"]
+    assert all(g["weight_decay"] == 0.0 for g in made[0].param_groups)

@@ -335,3 +335,16 @@ def test_the_optimizer_decays_matrices_only_and_gives_marked_parameters_their_ow
     found = {(g["weight_decay"], g["lr_scale"]): {id(p) for p in g["params"]} for g in groups}
     assert found == {(0.1, 1.0): {id(model.w)}, (0.0, 1.0): {id(model.b), id(model.values)},
                      (0.1, 10.0): {id(model.fast)}}
+
+
+def test_the_first_steps_time_alone_never_moves_the_rate():
+    """The process's first step (allocation, compilation) is not the pace: while it is the only step timed, the
+    rate follows the step count, however slow it was; the second timed step (the pace) projects the budget.
+    Mutation caught (issue 49, seed 7): the rate projecting the budget from the first step."""
+    tc = _cfg(warmup_steps=50, max_steps=5000)
+    sched = Schedule(tc, 60.0, micro_rows=tc.batch_size)
+    assert sched.lr(0, 0.0) == lr_at(0, tc)
+    sched.record_step(20.0)  # a first step as slow as a third of the budget
+    assert sched.lr(1, 20.0) == lr_at(1, tc)  # a projection from it would warm up toward 3 steps
+    sched.record_step(1.0)
+    assert sched.lr(2, 21.0) > lr_at(2, tc)  # the pace: about 40 steps fit, warmup speeds up

@@ -122,7 +122,17 @@ def test_a_config_that_builds_no_model_is_one_line(llama_dir, tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UserError) as e:
         tao.load_hf_model(str(d))
-    assert "\n" not in str(e.value)
+    assert "\n" not in str(e.value) and str(e.value).startswith(f"cannot load Hugging Face model {str(d)!r}: ")
+
+
+def test_a_config_the_meta_build_refuses_is_one_line_naming_it(monkeypatch):
+    """Mutation caught (issue 49, seed 7): check_fits' refusal of a config that builds no model lost its message."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(tao, "_meta_parameters", lambda config: 1 // 0)
+    with pytest.raises(UserError, match=r"^Hugging Face model m: config.json describes no buildable model "
+                                        r"\(integer division or modulo by zero\)$"):
+        tao.check_fits(SimpleNamespace(), "m")
 
 
 def test_every_kind_of_misfit_is_named_in_the_one_line():

@@ -110,6 +110,39 @@ def test_one_sgd_step_equivalence(fast, chunk, z_name):
     torch.testing.assert_close(out[:, 0], slow[:, 0], rtol=0, atol=1e-12)  # position 0 has no earlier loss
 
 
+@pytest.mark.parametrize("fast", list(FAST_SETS))
+def test_the_op_with_the_autograd_upstream_equals_the_hand_written_one(fast):
+    """``fwl_parallel(upstream="autograd")`` (the inner gradients by autograd, the reference) gives the
+    hand-written backward's logits and second-order gradients, fp64. Mutation caught (issue 49, seed 7): the
+    reference's name refused."""
+    def run(upstream):
+        params = {n: p.requires_grad_(True) for n, p in random_params().items()}
+        h, labels, w = random_inputs()
+        out, _ = fwl_parallel(h, labels, w, params, random_steps(FAST_SETS[fast]), chunk_size=4, segment_len=0,
+                              upstream=upstream)
+        (out * torch.linspace(-1, 1, out.shape[-1], dtype=DT)).square().sum().backward()
+        return [out.detach()] + [params[n].grad for n in sorted(params)]
+
+    for got, want in zip(run("autograd"), run("manual")):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="upstream must be 'manual' or 'autograd'"):
+        run("autograds")
+
+
+@pytest.mark.parametrize("fast", list(FAST_SETS))
+@torch.no_grad()
+def test_first_order_scoring_equals_scoring(fast):
+    """Without autograd there is no second-order term to drop: ``first_order`` scores as the full form does,
+    whatever depth the fast tensors reach (the no-grad path's upstream factors are None past it). Mutation caught
+    (issue 49, seed 7): the factors past the depth set to another empty value, which first_order's detach of
+    every factor then tripped over."""
+    params, steps = random_params(), random_steps(FAST_SETS[fast])
+    h, labels, w = random_inputs()
+    first, _ = fwl_parallel(h, labels, w, params, steps, chunk_size=4, segment_len=0, first_order=True)
+    full, _ = fwl_parallel(h, labels, w, params, steps, chunk_size=4, segment_len=0)
+    torch.testing.assert_close(first, full, rtol=0, atol=0)
+
+
 def test_zero_step_is_slow_head():
     params = random_params()
     h, labels, w = random_inputs()

@@ -369,3 +369,18 @@ def test_the_stand_in_refuses_each_layout_fla_would(bad):
     args[bad] = args[bad].transpose(1, 2)  # [B, H, T, ...]
     with pytest.raises(fla_standin.Contract, match="layout"):
         fla_standin._check(q, args["k"], args["v"], args["beta"], None, None)
+
+
+@pytest.mark.parametrize("requested, chosen, unusable, level", [
+    ("auto", "compiled", None, logging.WARNING),  # auto avoided fla's refused gated backward: said loudly
+    ("compiled", "compiled", None, logging.INFO),  # asked for: nothing to warn about
+    ("auto", "torch", "fla is not installed", logging.WARNING),  # fla would take the call but cannot
+    ("auto", "torch", None, logging.INFO),  # the PyTorch form is the right one here (fp32)
+])
+def test_the_choice_is_a_warning_only_where_auto_avoids_fla(monkeypatch, caplog, requested, chosen, unusable, level):
+    """Mutation caught (issue 49, seed 7): the compiled form asked for by name warned, and auto's did not."""
+    monkeypatch.setattr(fb, "_logged", set())
+    with caplog.at_level(logging.INFO, logger=fb.logger.name):
+        fb.log_choice_once(requested, chosen, "cuda", BF16, True, True, fla_unusable=unusable)
+    (record,) = [r for r in caplog.records if r.name == fb.logger.name]
+    assert record.levelno == level, record.getMessage()

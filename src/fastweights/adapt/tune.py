@@ -111,7 +111,7 @@ def tune_dynamic(make_evaluator: Callable[[float, float], DynamicEvaluator], doc
     journal = _PointsFile(points_file, probe.metadata(), documents, reset, lrs, decays, static)
     if journal.earlier:
         print(f"dynamic tune: continuing a search cut short: {len(journal.earlier)} setting(s) it scored are taken "
-              f"from {journal.path}", file=sys.stderr, flush=True)
+              f"from {journal.path}", file=sys.stderr)
 
     def run(lr: float, decay: float, stage: str) -> float:
         key = _point_key(lr, decay)

@@ -218,6 +218,14 @@ def param_groups(model, lr: float, step_lr: float, block_lr: float = RECIPE.bloc
             {"params": blocks, "lr": block_lr, "name": "blocks"}]
 
 
+def head_optimizer(model, lr: float, step_lr: float, block_lr: float) -> torch.optim.AdamW:
+    """The AdamW of both trainers (the cached and the online form): :func:`param_groups`, each group's rate also
+    kept as ``base_lr`` for a schedule to scale, and no weight decay (the recipe's: the head starts as the
+    identity's neighbour and the step sizes are scalars; decay would pull both toward zero)."""
+    groups = [{**g, "base_lr": g["lr"]} for g in param_groups(model, lr, step_lr, block_lr)]
+    return torch.optim.AdamW(groups, weight_decay=0.0)
+
+
 def optimizer_step(loss: torch.Tensor, optimizer, params: list, step: int) -> None:
     """One AdamW step of either form on ``loss``: refused when it is not finite, gradients clipped to norm 1."""
     if not torch.isfinite(loss):
@@ -275,7 +283,7 @@ def train_head(model, cache_dir: str | Path, out_dir: str | Path, backbone_name:
     static = meta["static_nats"]
     head, backbone = model.head, model.backbone
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(param_groups(model, lr, step_lr, block_lr), weight_decay=0.0)
+    optimizer = head_optimizer(model, lr, step_lr, block_lr)
     step, used_cpu, gen, history = 0, 0.0, torch.Generator().manual_seed(seed), []
     order = torch.empty(0, dtype=torch.long)  # the rest of the current permutation of the training documents
     streams: list[dict | None] = [None] * batch_size  # {"next": window, "end": its document's end, "state"}
@@ -455,7 +463,7 @@ def train_recipe(hf: str, out_dir: str | Path, *, variant: str = RECIPE.variant,
         n_docs = len({s.rsplit("#", 1)[0] for s in text.sources})
         print(f"training text: {len(text.tokens)} windows of {window} tokens ({len(text.tokens) * window:,} tokens, the "
               f"last {RECIPE.val_windows} held out) in {len(text.doc_windows)} streams of at most {doc_windows} windows "
-              f"from {n_docs} document(s) of {data or 'the default mix'}", file=sys.stderr, flush=True)
+              f"from {n_docs} document(s) of {data or 'the default mix'}", file=sys.stderr)
     t0 = time.process_time()
     setup_signals = SetupSignals()  # SIGTERM while caching: stop as Ctrl-C does (the cache resumes)
     try:
@@ -532,9 +540,9 @@ def train_head_online(model, streams, *, batch: int, window: int, windows_per_st
     second half, and what was trained on."""
     from collections import Counter
 
-    groups = [{**g, "base_lr": g["lr"]} for g in param_groups(model, lr, step_lr, block_lr) if g["params"]]
+    optimizer = head_optimizer(model, lr, step_lr, block_lr)
+    groups = [g for g in optimizer.param_groups if g["params"]]
     params = [p for g in groups for p in g["params"]]
-    optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
     history, sources, step, tokens_seen = [], Counter(), 0, 0
     model.train()
     start = last_log = clock()

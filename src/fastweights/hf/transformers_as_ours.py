@@ -384,7 +384,7 @@ def check_fits(config, name: str, dtype: torch.dtype | None = None, device: str 
     want = dtype or getattr(config, "dtype", None) or torch.get_default_dtype()
     if isinstance(want, str):
         want = getattr(torch, want, None) if want != "auto" else None
-    size = torch.empty((), dtype=want if isinstance(want, torch.dtype) else torch.float32).element_size()
+    size = want.itemsize if isinstance(want, torch.dtype) else 4  # "auto" or unknown: fp32, as from_pretrained
     need = n * size
     dev = torch.device(device) if not isinstance(device, torch.device) else device
     free = available_ram(dev)

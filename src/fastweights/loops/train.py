@@ -288,7 +288,7 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_ram, dist, dev
         tokenizer = saved_unit["tokenizer"]
     if dist.main:  # rank 0 encodes the corpus once; the others then read the cached token files
         if progress:  # the first line at once: reading a large corpus shows nothing else until it is encoded
-            print(f"train | preparing the data: {cfg.data.corpus}", file=sys.stderr, flush=True)
+            print(f"train | preparing the data: {cfg.data.corpus}", file=sys.stderr)
         data = prepare_data(cfg, out_dir, tokenizer, progress)
     barrier(dist)
     if not dist.main:
@@ -481,8 +481,7 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_ram, dist, dev
         bar.close()
         if not interrupted:
             if progress and not (history and history[-1]["step"] == step):
-                print(f"train | final validation ({val_windows * tc.seq_len:,} tokens) and save", file=sys.stderr,
-                      flush=True)
+                print(f"train | final validation ({val_windows * tc.seq_len:,} tokens) and save", file=sys.stderr)
             val = history[-1]["val_loss"] if history and history[-1]["step"] == step else validate()
         else:
             val = next((h["val_loss"] for h in reversed(history) if h["step"] == step), float("nan"))
