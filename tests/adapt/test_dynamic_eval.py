@@ -233,6 +233,14 @@ def test_parameter_filter():
 # ----------------------------------------------------------------------------- statistics
 
 
+def test_collecting_statistics_shows_its_progress_only_when_asked(capsys):
+    """Mutation caught (issue 49, seed 8): the progress bar of the statistics switched off whatever was asked."""
+    for progress in (True, False):
+        collect_grad_stats(tiny_model(), tokens(4 * 25 + 3), batch_size=4, seq_len=6, max_batches=3, progress=progress)
+        err = capsys.readouterr().err
+        assert ("gradient statistics (MS_g)" in err and "3/3 batches" in err) == progress, err
+
+
 def test_collect_grad_stats_is_mean_squared_batch_gradient(tmp_path):
     model = tiny_model(torch.float64)
     x = tokens(4 * 25 + 3)
@@ -651,3 +659,20 @@ def test_the_reason_for_a_non_finite_score_names_the_rule_and_lr_and_never_fails
                                                      "(try a smaller lr=)")
     no_lr = SimpleNamespace(metadata=lambda: {"rule": "memories"})
     assert scores_not_finite_because(no_lr).startswith("dynamic evaluation diverged with rule memories, learning rate nan")
+
+
+def test_tune_collects_its_statistics_quietly_only_under_quiet(char_checkpoint, tmp_path, capsys):
+    """``dynamic tune`` of an RMS rule collects the gradient statistics first: with ``--quiet`` without a progress
+    line, without it with one. Mutation caught (issue 49, seed 8): the progress flag inverted."""
+    import shutil
+
+    from fastweights.cli import main
+
+    ck = tmp_path / "ckpt"
+    shutil.copytree(char_checkpoint, ck)
+    for quiet in (True, False):
+        (ck / "grad_stats.safetensors").unlink(missing_ok=True)
+        argv = ["dynamic", "tune", "--checkpoint", str(ck), "--data", str(ck / "doc.txt"), "--lrs", "1e-4",
+                "--decays", "0.01", "--save", str(tmp_path / f"tuned_{quiet}.json")]
+        assert main(argv + (["--quiet"] if quiet else [])) == 0
+        assert ("gradient statistics (MS_g)" in capsys.readouterr().err) != quiet

@@ -298,7 +298,9 @@ CASES = [
     (token_cache_object_dtype, "error: token stream {tmp}/prep/train-"),
     (token_cache_bad_offsets, "error: token stream {tmp}/prep/train-"),
     (compile_without_a_compiler, "error: train.compile=true: torch.compile cannot build kernels on cpu here"),
-    (options_of_an_unused_mechanism, "warning: model.options.fwp is set but the model builds no fwp"),
+    (options_of_an_unused_mechanism, "warning: model.options.fwp is set but the model builds no fwp (model.mixer="
+                                     "'attention', model.head='linear', model.memory='' at layers []): these options "
+                                     "do nothing"),
     (fwl_test_time_step_without_test_time_only, "warning: model.options.fwl.test_time_step_size=5 does nothing "
                                                 "without model.options.fwl.test_time_only = true"),
     (resume_past_max_steps, "error: --resume: the run in {tmp}/out is at step 3, past train.max_steps=2"),
