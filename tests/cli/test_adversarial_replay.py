@@ -127,6 +127,24 @@ def link_tensorboard(c):
     return c.train(out, "--overwrite", "--log", "tensorboard")
 
 
+def file_at_tensorboard(c):
+    """A regular file where the TensorBoard events' folder goes, with --overwrite: refused in one line naming what
+    cannot be written, before the old run is cleared (found through a mutant of the seed-8 draw, issue 49: the
+    refusal came after --overwrite had deleted the run)."""
+    pytest.importorskip("tensorboard")
+    out = c.copy_run()
+    (out / "tensorboard").write_text("not a folder")
+    return c.train(out, "--overwrite", "--log", "tensorboard")
+
+
+def file_at_token_cache(c):
+    """The same for the token cache's folder."""
+    out = c.copy_run()
+    shutil.rmtree(out / "data", ignore_errors=True)
+    (out / "data").write_text("not a folder")
+    return c.train(out, "--overwrite")
+
+
 def link_checkpoint_staging(c):
     """Item 1: ``.ckpt-next`` (a save's staging, whose files are moved into the run) a link to a folder."""
     out = c.copy_run()
@@ -288,6 +306,8 @@ CASES = [
     (link_token_cache_resume, "error: {tmp}/out/data is a symbolic link"),
     (link_cache_file, "error: {tmp}/out/data/train-"),
     (link_tensorboard, "error: {tmp}/out/tensorboard is a symbolic link; refusing to write the TensorBoard events"),
+    (file_at_tensorboard, "error: {tmp}/out/tensorboard is a file, not a folder; cannot write the TensorBoard events"),
+    (file_at_token_cache, "error: {tmp}/out/data is a file, not a folder; cannot write the token cache"),
     (link_checkpoint_staging, "error: {tmp}/out/.ckpt-next is a symbolic link"),
     (link_checkpoint_file, "error: {tmp}/out/summary.json is a symbolic link"),
     (link_export_config, "error: {tmp}/exp/config.json is a symbolic link; refusing to write the export through it"),

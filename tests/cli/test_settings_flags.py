@@ -21,6 +21,7 @@ class Example:
     lr: float = setting_field(1e-3, "learning rate")
     rule: str = setting_field("sum", "update rule", choices=("sum", "delta"))
     limit: int | None = setting_field(None, "cap (default: none)")
+    tuned: str | None = setting_field(None, "tuned file", metavar="FILE")
     digit_head: bool = setting_field(False, "digit output")
     layer_norm: bool = setting_field(True, "LayerNorm")
 
@@ -43,6 +44,8 @@ def test_one_flag_per_field_with_its_default_type_help_and_choices():
     assert a["--rule"].choices == ("sum", "delta") and a["--max-steps"].help == "training steps"
     help_text = " ".join(_parser().format_help().split())
     assert "training steps (default: 100)" in help_text and "LayerNorm (default: True)" in help_text
+    # a field's metavar names its value (mutation caught, issue 49 seed 8: the metavar dropped)
+    assert a["--tuned"].metavar == "FILE" and "--tuned FILE" in help_text
 
 
 def test_the_dataclass_comes_back_from_the_parsed_flags():

@@ -348,3 +348,12 @@ def test_the_first_steps_time_alone_never_moves_the_rate():
     assert sched.lr(1, 20.0) == lr_at(1, tc)  # a projection from it would warm up toward 3 steps
     sched.record_step(1.0)
     assert sched.lr(2, 21.0) > lr_at(2, tc)  # the pace: about 40 steps fit, warmup speeds up
+
+
+def test_a_validation_is_estimated_at_the_time_it_took():
+    """Mutation caught (issue 49, seed 8): a measured validation floored at one second (a short one over-reserved)."""
+    sched = Schedule(_cfg(warmup_steps=5, max_steps=100), 60.0, val_batches=8)
+    sched.record_validation(0.25)
+    assert sched.validation_estimate() == 0.25
+    sched.record_validation(-1.0)  # a clock that went back: no time, never negative
+    assert sched.validation_estimate() == 0.0

@@ -4,6 +4,8 @@ restored bit-exactly on resume; step sizes and decays at their own learning rate
 static model's loss on the same windows; and a hidden-state cache rebuilt when any field of its key changes. Each
 test names the one-line bug it catches (shown failing on that mutant when written)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -352,3 +354,35 @@ def test_a_float64_head_trains_on_the_float32_cache_in_its_own_precision(llama_d
         want = F.cross_entropy(logits[0, :-1], x[0, 1:]).item()
     assert next(model.head.parameters()).dtype == torch.float64
     assert summary["history"][0]["loss_nats"] == pytest.approx(want, rel=1e-12)
+
+
+def test_resume_refuses_a_document_order_outside_this_caches_documents(llama_dir, tmp_path, monkeypatch):
+    """The saved permutation of the training documents must name documents of this cache: an index past the last
+    one (a state made for a cache with more documents) is refused in one line, not an IndexError mid-training.
+    Mutation caught (issue 49, seed 8): the range check's two bounds joined by ``or``."""
+    import fastweights.hf.fwl_head as fwl_head
+
+    build_cache(acting_model(llama_dir), tmp_path / "c", windows(6), [2, 2, 2])
+    kw = dict(budget_cpu_s=1e9, batch_size=1, progress=False, lr=1e-2, step_lr=1e-2, val_windows=0)
+    train_head(acting_model(llama_dir), tmp_path / "c", tmp_path / "run", "tiny", max_steps=1, **kw)
+    real = fwl_head.load_fwl_head
+    for order in ([0, 3], [-1, 1]):
+        def saved_with(*a, order=order, **k):
+            loaded, tok, ts = real(*a, **k)
+            return loaded, tok, {**ts, "order": torch.tensor(order)}
+
+        monkeypatch.setattr(fwl_head, "load_fwl_head", saved_with)
+        with pytest.raises(UserError, match="its streams and document order do not fit this cache of 6 training"):
+            train_head(acting_model(llama_dir), tmp_path / "c", tmp_path / "run", "tiny", max_steps=2, **kw)
+
+
+def test_resume_refuses_a_head_trained_with_other_options(llama_dir, tmp_path):
+    """The same trainable blocks (so the same cache), another head option: refused in one line. Mutation caught
+    (issue 49, seed 8): the check asking for both the options and the blocks to differ."""
+    build_cache(acting_model(llama_dir), tmp_path / "c", windows(3), [3])
+    kw = dict(budget_cpu_s=1e9, batch_size=1, progress=False, val_windows=0)
+    train_head(acting_model(llama_dir), tmp_path / "c", tmp_path / "run", "tiny", max_steps=1, **kw)
+    other = acting_model(llama_dir)
+    other.head.options = dataclasses.replace(other.head.options, segment_len=4)
+    with pytest.raises(UserError, match="holds a head with other options or trainable blocks"):
+        train_head(other, tmp_path / "c", tmp_path / "run", "tiny", max_steps=2, **kw)

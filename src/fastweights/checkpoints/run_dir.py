@@ -52,14 +52,18 @@ RUN_WRITES = ("data", PENDING, LOCK)
 def check_run_links(out: Path, tensorboard: bool = False) -> None:
     """Refuse, before anything is written, a symbolic link at any name a run writes below ``out`` (its files, the
     token cache folder ``data``, ``tensorboard``, the staging of a save): one line naming it. ``out`` itself may
-    be a link (the user named it). The writers check again as they write (:mod:`fastweights.core.files`)."""
+    be a link (the user named it), and a file where a run writes a folder (``data``, ``tensorboard``), which
+    ``--overwrite`` would otherwise find only after clearing the old run. The writers check again as they write
+    (:mod:`fastweights.core.files`)."""
     out = Path(out)
     if not out.is_dir():
         return
-    names = RUN_FILES + RUN_WRITES + (("tensorboard",) if tensorboard else ())
-    for name in names:
-        refuse_links(out, out / name, "the run's files" if name not in ("data", "tensorboard") else
-                     {"data": "the token cache", "tensorboard": "the TensorBoard events"}[name])
+    folders = {"data": "the token cache", **({"tensorboard": "the TensorBoard events"} if tensorboard else {})}
+    for name in RUN_FILES + RUN_WRITES + (("tensorboard",) if tensorboard else ()):
+        refuse_links(out, out / name, folders.get(name, "the run's files"))
+    for name, what in folders.items():
+        if (out / name).exists() and not (out / name).is_dir():
+            raise UserError(f"{out / name} is a file, not a folder; cannot write {what}")
     data = out / "data"
     if data.is_dir():
         for p in data.iterdir():  # cache files planted as links (read, or replaced by a new encoding)

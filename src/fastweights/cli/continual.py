@@ -68,7 +68,7 @@ def cmd_continual(args) -> int:
     if ev is None and args.eval_state == "memory" and not fast_memories(model):  # (issue 49: a table of +0.0000)
         res["note"] = ("the model has no fast memory and --dynamic is not set: with --eval-state memory nothing read "
                        "in a stage reaches the scores, so every change is 0 (add --dynamic RULE, or --eval-state all)")
-    write_cli_result(out.with_suffix(".json"), res, getattr(args, "argv", None))
+    write_cli_result(out.with_suffix(".json"), res, args.argv)
     plot_adapt(res, out.with_suffix(".png"), title=f"continual adaptation: {Path(args.checkpoint).name} ({describe(cfg)})"
                + (f" + dynamic {ev.rule}" if ev else ""))
     if args.json:

@@ -39,7 +39,7 @@ def cmd_compare(args) -> int:
                      stride=args.stride, max_chars=args.max_chars, freq_from=args.freq_from,
                      device=str(resolve_device(args.device)), progress=not args.quiet)
     out = Path(args.out)
-    write_cli_result(out / "analysis.json", result, getattr(args, "argv", None))  # with command, commit, machine
+    write_cli_result(out / "analysis.json", result, args.argv)  # with command, commit, machine
     plot_analysis(result, out / "analysis.png")
     o = result["overall"]
     print(f"{result['data']}: {o['tokens']} tokens, base {o['base_bits']:.4f} -> model {o['model_bits']:.4f} "
@@ -215,7 +215,7 @@ def cmd_gates(args) -> int:
     doc = {"checkpoint": str(args.checkpoint), "tokens": tokens,
            "gates": {str(k): [round(float(x), 5) for x in v] for k, v in gates.items()},
            "mean_gate": {str(k): float(v.mean()) for k, v in gates.items()}}
-    write_cli_result(out.with_suffix(".json"), doc, getattr(args, "argv", None))
+    write_cli_result(out.with_suffix(".json"), doc, args.argv)
     if args.json:
         print(json.dumps({k: doc[k] for k in ("checkpoint", "mean_gate")}, indent=2))
     else:

@@ -93,7 +93,7 @@ def run_stream_eval(args) -> int:
         _mark_equal_modes(runs[-len(modes):])
     doc = {"data": data or f"{cfg.data.corpus}:{split}", "modes": modes, "runs": runs}
     refuse_non_finite(doc, scores_not_finite_because(ev))
-    write_cli_result(out.with_suffix(".json"), doc, getattr(args, "argv", None))
+    write_cli_result(out.with_suffix(".json"), doc, args.argv)
     plot_stream(runs, out.with_suffix(".png"), unit="bits" if tok.name in ("char", "byte") else "nats")
     if getattr(args, "json", False):
         print(json.dumps({**doc, "runs": [{k: v for k, v in r.items() if k not in ("curve", "documents", "state_norm")} for r in runs]},

@@ -37,7 +37,7 @@ def cmd_assoc(args) -> int:
     out = output_prefix(args, "assoc") if args.out else None
     results = run_sweep(base, keys, models, progress=not args.quiet)
     if out is not None:
-        write_cli_result(out.with_suffix(".json"), {"results": results}, getattr(args, "argv", None))
+        write_cli_result(out.with_suffix(".json"), {"results": results}, args.argv)
         plot_capacity(results, out.with_suffix(".png"))
     if args.json:
         print(json.dumps(results[0] if len(results) == 1 else results, indent=2))
@@ -161,7 +161,7 @@ def cmd_niah(args) -> int:
             "seed": args.seed, "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(opts).items()},
             "train_seq_len": cfg.train.seq_len}
     doc = records_to_json(records, summary, meta)
-    write_cli_result(out.with_suffix(".json"), doc, getattr(args, "argv", None))
+    write_cli_result(out.with_suffix(".json"), doc, args.argv)
     plot_niah(summary, out.with_suffix(".png"), title=f"NIAH: {Path(args.checkpoint).name} ({describe(cfg)})")
     for s in samples[: args.show]:
         recs = [r for r in records if r["seed"] == s.seed]

@@ -95,9 +95,10 @@ def _ids_array(ids, vocab_size: int) -> np.ndarray:
 def _write_json_atomic(path: Path, payload: dict) -> None:
     from fastweights.core.files import atomic_write
 
-    # a link at the name is refused (a prepared-data or run directory may come from elsewhere)
-    atomic_write(path, lambda p: p.write_text(json.dumps(payload, ensure_ascii=True, indent=1) + "\n",
-                                              encoding="ascii"), root=path.parent, what="the tokenizer")
+    # a link at the name is refused (a prepared-data or run directory may come from elsewhere); json.dumps escapes
+    # every non-ASCII character by default, so the file is ASCII
+    atomic_write(path, lambda p: p.write_text(json.dumps(payload, indent=1) + "\n", encoding="ascii"),
+                 root=path.parent, what="the tokenizer")
 
 
 class _Base:
