@@ -227,3 +227,17 @@ def test_the_parameters_chosen_on_the_command_line_are_the_ones_adapted(char_che
     chosen = {n for n in everything if fnmatch.fnmatch(n, pattern)}
     assert chosen and chosen != everything
     assert set(ev.params) == (chosen if flag == "--params" else everything - chosen)
+
+
+def test_settings_without_a_schedule_resolve_to_the_constant_one(char_checkpoint):
+    """A caller's DynamicSettings with no schedule (None, as a harness may pass) is the constant schedule, by its
+    canonical name. Mutation caught (issue 49, seed 9): the fallback's name in capitals."""
+    from dataclasses import replace
+
+    from fastweights.adapt.setup import DynamicSettings, resolve_setup
+    from fastweights.auto.sources import load_model_and_tokenizer
+
+    model, tok, cfg, ckpt = load_model_and_tokenizer(char_checkpoint, device="cpu")
+    settings = replace(DynamicSettings(), rule="sgd", lr=0.5, lr_schedule=None)
+    setup = resolve_setup(settings, model, tok, cfg, ckpt)
+    assert setup.lr_schedule == "constant" and setup.schedule_name is None

@@ -392,6 +392,11 @@ def test_a_search_cut_short_continues_from_its_finished_points(tmp_path, capsys)
     with pytest.raises(KeyboardInterrupt):
         tune_dynamic(make, docs, lrs=[0.05, 0.1, 0.3], points_file=points)
     assert [g["lr"] for g in json.loads(points.read_text())["points"]] == [0.05, 0.1]
+    # what the finished points were scored on, under the names the file keeps (mutations caught, issue 49 seed 9:
+    # a key renamed, so that no file of an earlier version would match)
+    search = json.loads(points.read_text())["search"]
+    assert set(search) == {"settings", "documents_sha256", "reset", "lrs", "decays", "static"}
+    assert search["lrs"] == [0.05, 0.1, 0.3] and search["decays"] == [0.0] and len(search["documents_sha256"]) == 64
     stop, scored[:] = False, []
     res = tune_dynamic(make, docs, lrs=[0.05, 0.1, 0.3], points_file=points)
     assert scored == [0.05, 0.3]  # the probe evaluator (static's pass), then the one point not scored before
@@ -676,3 +681,12 @@ def test_tune_collects_its_statistics_quietly_only_under_quiet(char_checkpoint, 
                 "--decays", "0.01", "--save", str(tmp_path / f"tuned_{quiet}.json")]
         assert main(argv + (["--quiet"] if quiet else [])) == 0
         assert ("gradient statistics (MS_g)" in capsys.readouterr().err) != quiet
+
+
+def test_a_callable_filter_sees_each_parameter():
+    """``include`` as a callable gets ``(name, parameter)``: a filter on the tensor (the matrices only) selects by
+    it. Mutation caught (issue 49, seed 9): the parameter not handed to the filter."""
+    model = tiny_model()
+    got = select_parameters(model, lambda name, p: p.dim() >= 2)
+    want = {n for n, p in model.named_parameters() if p.dim() >= 2}
+    assert set(got) == want and want != {n for n, _ in model.named_parameters()}

@@ -137,6 +137,14 @@ def test_dynamic_stats_collects_with_the_context_given(tiny_run, tmp_path, monke
         main(["dynamic", "stats", "--checkpoint", str(tiny_run), "--context", "48", "--save",
               str(tmp_path / "stats.safetensors"), "--quiet"])
     assert seen == {"context": 48}
+    # without --context, a checkpoint's own training length (mutation caught, issue 49 seed 9: its config not
+    # handed on, which read the checkpoint as a Hugging Face model's and took 1,024)
+    import json
+
+    with pytest.raises(SystemExit):
+        main(["dynamic", "stats", "--checkpoint", str(tiny_run), "--save", str(tmp_path / "stats.safetensors"),
+              "--quiet"])
+    assert seen == {"context": json.loads((tiny_run / "config.json").read_text())["train"]["seq_len"]} != {"context": 1024}
 
 
 def test_the_statistics_context_is_given_else_the_models_at_most_1024_for_a_hugging_face_model():
