@@ -276,6 +276,11 @@ def corpus_dir_fifo(c):
     return _corpus_dir(c, lambda p: os.mkfifo(p))
 
 
+def corpus_dir_broken_link(c):
+    """A link to nothing in a corpus folder, named as such (mutation caught, issue 49 seed 9)."""
+    return _corpus_dir(c, lambda p: os.symlink(c.tmp / "nowhere.txt", p))
+
+
 def options_nan(c):
     """Item 7: ``model.options.fwl.step_size_init=nan`` (accepted before, then "diverged ... lower train.lr")."""
     return c.train(c.tmp / "out", "--set", "model.head=\"fwl\"", "--set", "model.options.fwl.step_size_init=nan")
@@ -326,6 +331,7 @@ CASES = [
     (resume_past_max_steps, "error: --resume: the run in {tmp}/out is at step 3, past train.max_steps=2"),
     (corpus_dir_link_to_dev_zero, "error: corpus directory {tmp}/corpus: z.txt is not a regular file"),
     (corpus_dir_fifo, "error: corpus directory {tmp}/corpus: z.txt is not a regular file"),
+    (corpus_dir_broken_link, "error: corpus directory {tmp}/corpus: z.txt is a broken link; remove it or move it out"),
     (options_nan, "error: model.options.fwl.step_size_init=nan: must be a finite number"),
     (lr_nan_no_warning_first, "error: train.lr=nan: must be a positive number"),
     (hf_dataset_offline, "error: corpus 'hf:nonexistent-org-39/no-such-dataset': Hugging Face dataset "

@@ -268,3 +268,19 @@ def test_the_demos_estimate_counts_only_the_steps_left(speed, slow, tmp_path, mo
     assert ("warning: this machine trains the demo" in err) is slow
     if slow:
         assert f"about {600 / rate / 60:.0f} minutes for 600 steps" in err, err
+
+
+@pytest.mark.parametrize("requested", [None, 0, -1])
+def test_a_count_that_is_not_positive_is_the_default(requested, monkeypatch):
+    """Only a positive count is taken as given; None, 0 and a negative one (a caller's) fall to OMP_NUM_THREADS,
+    else the work's default. Mutation caught (issue 49, seed 9): a negative count handed to torch."""
+    import torch
+
+    from fastweights.core.threads import SCORING_THREADS, use_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    try:
+        assert use_threads("scoring", requested) == SCORING_THREADS == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)

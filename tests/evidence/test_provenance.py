@@ -165,3 +165,18 @@ def test_the_blas_recorded_is_the_one_torchs_build_names():
 
     name = re.search(r"BLAS_INFO=([^,\s]+)", torch.__config__.show())
     assert name is not None and blas().split(" ")[0] == name.group(1)
+
+
+def test_the_blas_version_is_the_builds_line_without_its_list_dash(monkeypatch):
+    """torch's build config lists the library as ``  - Intel(R) oneAPI Math Kernel Library Version ...``: the
+    record keeps the line without its indentation and dash. Mutations caught (issue 49, seed 9): the dash kept, or
+    stripped with other characters."""
+    import torch
+
+    from fastweights.evidence.provenance import blas
+
+    config = ("PyTorch built with:\n  - Intel(R) oneAPI Math Kernel Library Version 2024.2-Product Build 20240605 "
+              "for Intel(R) 64 architecture applications\n  - BLAS_INFO=mkl, LAPACK_INFO=mkl,\n")
+    monkeypatch.setattr(torch.__config__, "show", lambda: config)
+    assert blas() == ("mkl (Intel(R) oneAPI Math Kernel Library Version 2024.2-Product Build 20240605 for Intel(R) 64 "
+                      "architecture applications)")

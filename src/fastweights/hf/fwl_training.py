@@ -277,7 +277,7 @@ def train_head(model, cache_dir: str | Path, out_dir: str | Path, backbone_name:
                         f"blocks, the model trains {k}: cache it for {k} trainable blocks")
     n_train = meta["windows"] - val_windows
     docs = documents(meta["doc_windows"], n_train)
-    if n_train < 1 or not docs:
+    if not docs:  # no training window (n_train < 1), or no document among them
         raise UserError(f"the cache holds {meta['windows']} windows: none left for training after {val_windows} "
                         "held out")
     static = meta["static_nats"]
