@@ -156,6 +156,16 @@ def test_cpu_clock_budget_counts_this_process_only(tmp_path):
     assert 0 < s["steps"] < 100000 and 0 < s["elapsed_s"] <= 3.0 + 0.5
 
 
+def test_the_progress_of_a_cpu_budget_counts_cpu_time(tmp_path, capsys):
+    """train.budget_clock=cpu: the progress line's clock is the budget's (labelled cpu), so its ETA is in the
+    budget's seconds. Mutation caught (issue 49, seed 9): the bar left on wall time."""
+    assert main(["train", "--preset", "tiny", "--out", str(tmp_path / "cpu"), "--set", "train.budget_clock=cpu",
+                 "--set", "train.max_minutes=0.02", "--set", "train.max_steps=100000",
+                 "--set", "train.eval_every=0"]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train |") and "steps" in line]
+    assert lines and all(" cpu " in line and "elapsed" not in line for line in lines), lines
+
+
 # ----------------------------------------------------------------------------- the command tree and its floor
 
 

@@ -144,6 +144,10 @@ def test_every_kind_of_misfit_is_named_in_the_one_line():
         "its weights (a.weight); 1 stored tensor(s) belong to no parameter of the model (b.weight); size mismatch; "
         "refusing to score a model with weights that are not its own")
     tao.check_loading_info({"missing_keys": [], "unexpected_keys": ["b.weight"]}, "m", unexpected=False)  # allowed
+    # a long list: three named, the rest counted (mutation caught, issue 49 seed 9: four named, "and 2 more" of 5)
+    with pytest.raises(UserError) as e:
+        tao.check_loading_info({"missing_keys": [f"w{i}" for i in range(5)]}, "m")
+    assert "5 parameter(s) of the model are missing from its weights (w0, w1, w2 and 2 more)" in str(e.value)
 
 
 @pytest.mark.parametrize("dtype, size", [("bfloat16", 2), ("float16", 2), ("auto", 4), (None, 4), ("no-such", 4)])
