@@ -143,6 +143,26 @@ def test_first_order_scoring_equals_scoring(fast):
     torch.testing.assert_close(first, full, rtol=0, atol=0)
 
 
+def test_scoring_takes_the_slow_block_path_and_training_the_full_slow_pass(monkeypatch):
+    """Without autograd the slow logits are never formed (``slow_block``: the scoring path's saving); with it,
+    the full ``slow_pass``. Mutation caught (issue 49, seed 9): scoring on the full slow pass (the same numbers,
+    the cost the path exists to save)."""
+    import fastweights.ops.fwl as fwl_ops
+
+    calls = []
+    for name in ("slow_block", "slow_pass"):
+        real = getattr(fwl_ops, name)
+        monkeypatch.setattr(fwl_ops, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    params, steps = random_params(), random_steps(FAST_SETS["all (TF)"])
+    h, labels, w = random_inputs()
+    with torch.no_grad():
+        fwl_ops.fwl_parallel(h, labels, w, params, steps, chunk_size=4, segment_len=0)
+    assert calls == ["slow_block"]
+    calls.clear()
+    fwl_ops.fwl_parallel(h, labels, w, params, steps, chunk_size=4, segment_len=0)
+    assert calls[0] == "slow_pass"  # (which builds on slow_block itself)
+
+
 def test_zero_step_is_slow_head():
     params = random_params()
     h, labels, w = random_inputs()
