@@ -384,3 +384,15 @@ def test_the_choice_is_a_warning_only_where_auto_avoids_fla(monkeypatch, caplog,
         fb.log_choice_once(requested, chosen, "cuda", BF16, True, True, fla_unusable=unusable)
     (record,) = [r for r in caplog.records if r.name == fb.logger.name]
     assert record.levelno == level, record.getMessage()
+
+
+def test_the_stand_in_names_each_broken_part_of_flas_input_contract():
+    """fla takes q, k, v, beta in fp16/bf16 of one dtype, g and the state fp32: the stand-in refuses each breach by
+    name, so a dispatch test that trips it says what was wrong. Mutation caught (issue 49, seed 9): the dtype
+    problem's message dropped."""
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(fla_standin.Contract, match=r"^q is torch\.float32, fla takes fp16/bf16$"):
+        fla_standin._check(q, q, q, torch.rand(1, 4, 2), None, None)
+    q16 = q.to(BF16)
+    with pytest.raises(fla_standin.Contract, match=r"^k is torch\.float32, q is torch\.bfloat16$"):
+        fla_standin._check(q16, q, q16, torch.rand(1, 4, 2).to(BF16), None, None)
