@@ -59,7 +59,7 @@ def check_run_links(out: Path, tensorboard: bool = False) -> None:
     if not out.is_dir():
         return
     folders = {"data": "the token cache", **({"tensorboard": "the TensorBoard events"} if tensorboard else {})}
-    for name in RUN_FILES + RUN_WRITES + (("tensorboard",) if tensorboard else ()):
+    for name in dict.fromkeys((*RUN_FILES, *RUN_WRITES, *folders)):
         refuse_links(out, out / name, folders.get(name, "the run's files"))
     for name, what in folders.items():
         if (out / name).exists() and not (out / name).is_dir():

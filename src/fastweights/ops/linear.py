@@ -76,8 +76,9 @@ def _onednn_kernel(a: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
 def _onednn_transposed_kernel(a: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
     """``a w^T + bias`` as ``(w a^T)^T`` on oneDNN. oneDNN's linear reads its first operand row by row and copies
     it first when it is a transpose; the weight gradient's is one (``g^T``, [N, M]). Swapped, the copy is of ``w``
-    (``x^T``, [M, K]) and of the [K, N] result: less when N is well above K (the demo's MLP, 4,096 x 128 -> 704:
-    3.3 ms against 5.3 on an AMD EPYC core), more when M is small (a 64-token segment's 49,152-word head)."""
+    (``x^T``, [M, K]) and of the [K, N] result: less when N is well above K (the demo's MLP gate and up, 4,096 x
+    128 -> 704), more when M is small (a 64-token segment's 49,152-word head); ``gemm_ceiling.json`` records both
+    forms' GFLOP/s per product on the machine that ran it."""
     out = _onednn_kernel(w, a, None).T.contiguous()
     return out if bias is None else out.add_(bias)
 
