@@ -126,6 +126,12 @@ def gpu_queue_dry_run(tmp_path_factory) -> dict:
 GPU_QUEUE_FAIL = "like/delta_op_T8192"  # the item the shared dry run makes fail
 
 
+def line_matches(pattern: str, line: str) -> bool:
+    """``line`` is ``pattern`` to the letter, where each ``*`` in the pattern stands for any text (a number that
+    depends on the machine, a content hash): a test that reads the whole of a message, not its first words."""
+    return re.fullmatch(".*".join(re.escape(part) for part in pattern.split("*")), line) is not None
+
+
 def bad_input_exits(name: str, argvs: list[list[str]], capsys):
     """(argv, exit status, stdout, stderr) of benchmark script ``name`` on each argument list: the first as a real
     process (``python SCRIPT``: its ``sys.exit(exit_status_of(main))`` wiring), the others through ``main(argv)``

@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from fastweights.cli import main  # noqa: E402
-from helpers import tiny_llama_dir  # noqa: E402
+from helpers import line_matches, tiny_llama_dir  # noqa: E402
 
 DOC = "The cat sat on the mat. The dog sat on the log. " * 6
 
@@ -155,20 +155,46 @@ def fwl_cache_nan(m, d):
     return "cli", _fwl_train(m, d, cache)
 
 
-CASES = [  # (build, exit status, what the last stderr line must say)
-    (export_relabelled_as_llama, 2, "the weights do not match config.json"),
-    (one_tensor_deleted, 2, "missing from its weights (model.layers.1.self_attn.v_proj.weight)"),
-    (config_sizes_too_big, 2, "refusing to allocate it"),
-    (export_with_huge_d_model, 2, "refusing to allocate it"),
-    (default_rule_without_statistics, 2, "--data TEXT --save FILE`"),
-    (lowrank_rank_too_big, 2, "--lowrank-rank 100000000 exceeds the model's dimensions"),
-    (harness_lr_1e30, 2, "not a number to report: dynamic evaluation diverged with rule sgd, learning rate 1e+30"),
-    (harness_segment_len_negative, 2, "segment_len=-5 (--segment-len of the command line): must be >= 0, got -5"),
-    (harness_unknown_task, 2, "Tasks not found: no_such_task"),
-    (harness_batch_size_zero, 0, "--batch_size 0 is ignored: requests are scored one at a time"),
-    (fwl_head_on_an_export_hf_directory, 2, "is a fastweights model (an `export-hf` directory)"),
-    (fwl_cache_object_array, 2, "hidden.npy is not the cache its cache.json describes"),
-    (fwl_cache_nan, 2, "window 2 of hidden.npy holds NaN or infinite values"),
+CASES = [  # (build, exit status, the error line or warning line the command must end with: * stands for any text)
+    (export_relabelled_as_llama, 2, "error: Hugging Face model {tmp}/model: the weights do not match config.json: "
+                                    "20 parameter(s) of the model are missing from its weights (lm_head.weight, "
+                                    "model.embed_tokens.weight, model.layers.0.input_layernorm.weight and 17 more); 1 "
+                                    "tensor(s) have another shape than config.json gives them (model.norm.weight (32,) "
+                                    "vs (16,)); 13 stored tensor(s) belong to no parameter of the model "
+                                    "(model.blocks.0.mixer.out.weight, model.blocks.0.mixer.qkv.weight, "
+                                    "model.blocks.0.mixer_norm.weight and 10 more); refusing to score a model with "
+                                    "weights that are not its own"),
+    (one_tensor_deleted, 2, "error: Hugging Face model {tmp}/model: the weights do not match config.json: 1 "
+                            "parameter(s) of the model are missing from its weights "
+                            "(model.layers.1.self_attn.v_proj.weight); refusing to score a model with weights that are "
+                            "not its own"),
+    (config_sizes_too_big, 2, "error: Hugging Face model {tmp}/model: config.json declares 10,000,000,293,000,000 "
+                              "parameters (about 37,252,904.1 GiB) but cpu has * GiB available; refusing to allocate it"),
+    (export_with_huge_d_model, 2, "error: Hugging Face model {tmp}/model: config.json declares 24,000,199,000,000 "
+                                  "parameters (about 89,407.7 GiB) but cpu has * GiB available; refusing to allocate it"),
+    (default_rule_without_statistics, 2, "error: rule rms-global-prior needs gradient statistics: run `fastweights "
+                                         "dynamic stats --hf ... --data TEXT --save FILE` (any generic text of the "
+                                         "language will do, e.g. --data novels) and pass --stats FILE, or use --rule "
+                                         "sgd"),
+    (lowrank_rank_too_big, 2, "error: --lowrank-rank 100000000 exceeds the model's dimensions: the adapted "
+                              "projections (blocks.0.mlp.gate_up, ...) have rank at most 32; choose 1..32"),
+    (harness_lr_1e30, 2, "error: loglikelihood_rolling: a log-likelihood is nan, not a number to report: dynamic "
+                         "evaluation diverged with rule sgd, learning rate 1e+30 (try a smaller lr=)"),
+    (harness_segment_len_negative, 2, "error: --model fastweights: model argument segment_len=-5 (--segment-len of "
+                                      "the command line): must be >= 0, got -5"),
+    (harness_unknown_task, 2, "error: Tasks not found: no_such_task"),
+    (harness_batch_size_zero, 0, "warning: fastweights: --batch_size 0 is ignored: requests are scored one at a "
+                                 "time, in the order given (results do not depend on it)"),
+    (fwl_head_on_an_export_hf_directory, 2, "error: fwl-head train --hf {tmp}/model: is a fastweights model (an "
+                                            "`export-hf` directory), not a pretrained transformers model: train an FWL "
+                                            "head on it with `fastweights train --set model.head=fwl`; the FWL head "
+                                            "goes on a transformers causal LM (a model directory, a .gguf file or "
+                                            "smollm2-135m)"),
+    (fwl_cache_object_array, 2, "error: hidden-state cache {tmp}/cache: hidden.npy is not the cache its cache.json "
+                                "describes (Array can't be memory-mapped: Python objects in dtype.); delete "
+                                "{tmp}/cache to rebuild it"),
+    (fwl_cache_nan, 2, "error: hidden-state cache {tmp}/cache: window 2 of hidden.npy holds NaN or infinite values "
+                       "(the file is corrupt); delete {tmp}/cache to rebuild it"),
 ]
 
 
@@ -220,9 +246,9 @@ def test_the_probes_case_exits_with_one_line_and_changes_nothing(models, build, 
         assert rc == 2, cap.err
         errors = [ln for ln in lines if ln.startswith("error:")]
         assert len(errors) == 1 and lines[-1] == errors[0], cap.err
-        assert needle in errors[0], errors[0]
+        assert line_matches(needle.format(tmp=tmp_path), errors[0]), errors[0]
     else:
         assert rc == 0, cap.err
-        assert any(needle in ln for ln in lines), cap.err
+        assert any(line_matches(needle.format(tmp=tmp_path), ln) for ln in lines), cap.err
     assert _tree(tmp_path) == before  # nothing written or rebuilt, not even in the folders the command names
     assert {k: _tree(v) for k, v in models.items()} == inputs

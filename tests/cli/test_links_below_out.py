@@ -78,6 +78,23 @@ def test_a_run_refuses_a_linked_token_cache_file_before_anything_is_written(tmp_
     _unchanged(victim)
 
 
+def test_a_run_folder_without_its_data_or_tensorboard_folders_passes_the_check(tmp_path):
+    """A run folder that has not written ``data`` or ``tensorboard`` yet (an old run resumed with TensorBoard on)
+    passes; a file at either name is refused with what the run would write there. Mutation caught: the file check
+    taking a missing folder for a file (``exists() or not is_dir()``)."""
+    from fastweights.checkpoints.run_dir import check_run_links
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "summary.json").write_text("{}")
+    check_run_links(out, tensorboard=True)
+    (out / "tensorboard").write_text("")
+    with pytest.raises(UserError) as e:
+        check_run_links(out, tensorboard=True)
+    assert str(e.value) == f"{out / 'tensorboard'} is a file, not a folder; cannot write the TensorBoard events"
+    check_run_links(out)  # without TensorBoard the name is not the run's
+
+
 def test_write_into_refuses_a_linked_destination_before_moving_anything(tmp_path, victim):
     exp = tmp_path / "exp"
     exp.mkdir()
