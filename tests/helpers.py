@@ -126,6 +126,17 @@ def gpu_queue_dry_run(tmp_path_factory) -> dict:
 GPU_QUEUE_FAIL = "like/delta_op_T8192"  # the item the shared dry run makes fail
 
 
+def json_shape(value):
+    """The shape of a JSON document: each object's keys in order with their values' shapes, a list as the shape of
+    its first item, a leaf as its type's name. A test compares it to a command's documented output whole, so a key
+    renamed, dropped or added, or a number written as a string or null, fails."""
+    if isinstance(value, dict):
+        return {k: json_shape(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [json_shape(value[0])] if value else []
+    return type(value).__name__
+
+
 def line_matches(pattern: str, line: str) -> bool:
     """``line`` is ``pattern`` to the letter, where each ``*`` in the pattern stands for any text (a number that
     depends on the machine, a content hash): a test that reads the whole of a message, not its first words."""

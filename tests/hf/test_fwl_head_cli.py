@@ -2,6 +2,7 @@
 with the bundled GPT-2 tokenizer, then `eval`, `generate`, `dynamic eval` (with --checkpoint, and with --hf on the
 directory `fwl-head export` wrote) accept the checkpoint and give the numbers the model gives in Python."""
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -16,8 +17,9 @@ from fastweights.adapt.dynamic import DynamicEvaluator  # noqa: E402
 from fastweights.hf.fwl_cache import CACHE_META  # noqa: E402
 from fastweights.hf.fwl_head import load_fwl_head  # noqa: E402
 from fastweights.hf.fwl_training import RECIPE, TRAINING_MIX  # noqa: E402
+from fastweights.layers.fwl import FWLOptions  # noqa: E402
 from fastweights.loops.evaluate import SCORING_SEGMENT_LEN  # noqa: E402
-from helpers import stderr_text, tiny_llama_dir  # noqa: E402
+from helpers import json_shape, stderr_text, tiny_llama_dir  # noqa: E402
 
 TEXT = ("Happy families are all alike; every unhappy family is unhappy in its own way. Everything was in "
         "confusion in the house. The wife had discovered that the husband was carrying on an intrigue. ") * 3
@@ -42,6 +44,33 @@ def test_train_writes_a_checkpoint_and_its_summary(trained):
     assert summary["steps"] >= 1 and summary["variant"] == "fwl" and summary["validation"]["windows"] == 4
     assert set(summary["training_sources"]) <= set(TRAINING_MIX) and summary["data"] == "mix:" + "+".join(TRAINING_MIX)
     assert (trained / "checkpoint.json").is_file()
+
+
+def test_the_training_summary_and_the_cache_description_have_their_documented_shape(trained):
+    """training.json and the hidden-state cache's cache.json, key by key and type by type (what a user's script
+    reads, and what a resumed run checks against): a key renamed or dropped fails here."""
+    summary = json.loads((trained / "training.json").read_text())
+    options = json_shape(summary["options"])  # the head's options as built: every field of FWLOptions, a value each
+    assert list(options) == [f.name for f in dataclasses.fields(FWLOptions)] and "NoneType" not in options.values()
+    assert json_shape(summary) == {
+        "steps": "int", "cpu_s": "float", "batch_size": "int", "lr": "float", "step_lr": "float", "block_lr": "float",
+        "window": "int", "trainable_blocks": "int", "train_windows": "int", "train_documents": "int",
+        "tokens_seen": "int",
+        "history": [{"step": "int", "cpu_s": "float", "loss_nats": "float", "static_nats": "float",
+                     "gain_nats": "float", "windows": ["int"]}],
+        "validation": {"loss_nats": "float", "static_nats": "float", "gain_nats": "float", "windows": "int",
+                       "update": "str"},
+        "hf": "str", "variant": "str", "options": options, "cache_dir": "str", "data": "str", "cache_windows": "int",
+        "doc_windows": "int", "cache_windows_computed": "int", "cache_cpu_s_this_call": "float",
+        "training_sources": ["str"], "torch_threads": "int"}
+    cache = json.loads((Path(summary["cache_dir"]) / CACHE_META).read_text())
+    assert json_shape(cache) == {
+        "tokens_sha": "str", "data": "str", "window": "int", "doc_windows": ["int"], "trainable_blocks": "int",
+        "backbone": "str", "dtype": "str", "windows": "int", "d_model": "int", "done": "int",
+        "static_nats": ["float"], "sources": ["str"]}
+    assert json_shape(json.loads((trained / "fwl_head.json").read_text())) == {
+        "format": "str", "version": "int", "backbone": "str", "backbone_fingerprint": "str",
+        "trainable_blocks": "int", "fwl": options}
 
 
 def test_the_flags_defaults_are_the_recipes():
