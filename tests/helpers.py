@@ -137,6 +137,25 @@ def json_shape(value):
     return type(value).__name__
 
 
+SHAPES = Path(__file__).resolve().parent / "shapes"
+PROVENANCE_KEYS = ("machine", "git")  # what a machine or a checkout adds (a GPU, an installed copy): "dict" only
+
+
+def assert_json_shape(document: dict, name: str) -> None:
+    """``document`` (a command's JSON output) has the shape stored in ``tests/shapes/NAME.json`` (:func:`json_shape`,
+    provenance's machine-dependent parts as "dict"). A command whose output changes on purpose is re-recorded with
+    ``FASTWEIGHTS_RECORD_SHAPES=1 pytest ...`` and the stored file's diff reviewed: the shape is its documented
+    interface (scripts read these keys)."""
+    shape = json_shape({k: ({} if k in PROVENANCE_KEYS else v) for k, v in document.items()})
+    shape = {k: ("dict" if k in PROVENANCE_KEYS else v) for k, v in shape.items()}
+    stored = SHAPES / f"{name}.json"
+    if os.environ.get("FASTWEIGHTS_RECORD_SHAPES") == "1":
+        stored.parent.mkdir(exist_ok=True)
+        stored.write_text(json.dumps(shape, indent=1) + "\n")
+    assert stored.is_file(), f"no stored shape {stored.name}: record it with FASTWEIGHTS_RECORD_SHAPES=1"
+    assert shape == json.loads(stored.read_text()), f"{name}: the output's keys or types changed (see {stored})"
+
+
 def line_matches(pattern: str, line: str) -> bool:
     """``line`` is ``pattern`` to the letter, where each ``*`` in the pattern stands for any text (a number that
     depends on the machine, a content hash): a test that reads the whole of a message, not its first words."""

@@ -17,7 +17,7 @@ from fastweights.core.errors import UserError
 from fastweights.loops.evaluate import score_tokens
 from fastweights.loops.generate import generate_tokens
 from fastweights.models.lm import detach_state
-from helpers import assert_score_ignores_its_own_token, motif_tokens, own_token_probabilities, tiny_lm
+from helpers import assert_json_shape, assert_score_ignores_its_own_token, motif_tokens, own_token_probabilities, tiny_lm
 
 V = 13
 
@@ -448,6 +448,7 @@ def test_cli_dynamic_eval_tune_stats_timescale(char_checkpoint, capsys):
     ck, doc = str(char_checkpoint), str(char_checkpoint / "doc.txt")
     assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--rule", "sgd", "--lr", "0", "--json", "--quiet"]) == 0
     m = json.loads(capsys.readouterr().out)
+    assert_json_shape(m, "dynamic_eval")
     assert m["static"]["bits_per_char"] == m["dynamic"]["bits_per_char"]
     assert m["static"]["tokens"] == len((char_checkpoint / "doc.txt").read_text()) - 1
     # rms rule without statistics: collected from the checkpoint's training split and saved next to it
@@ -465,6 +466,7 @@ def test_cli_dynamic_eval_tune_stats_timescale(char_checkpoint, capsys):
     assert main(["dynamic", "tune", "--checkpoint", ck, "--data", doc, "--lrs", "1e-4,1e-3", "--decays", "0.01",
                  "--quiet"]) == 0  # without --save: into the checkpoint, with the fingerprint of its weights
     assert "dynamic eval --checkpoint" in capsys.readouterr().out and tuned.is_file()
+    assert_json_shape(json.loads(tuned.read_text()), "dynamic_tune")
     best = json.loads(tuned.read_text())["best"]
     assert json.loads(tuned.read_text())["weights_sha256"]
     # the checkpoint's own tuned file, made for these weights and this setting, is used and named on the first line
@@ -497,6 +499,7 @@ def test_cli_dynamic_eval_tune_stats_timescale(char_checkpoint, capsys):
     assert main(["dynamic", "timescale", "--checkpoint", ck, "--data", doc, "--doc-len", "60", "--window", "20",
                  "--lr", "1e-3", "--out", str(out), "--quiet"]) == 0
     assert (out / "timescale.png").is_file() and json.loads((out / "timescale.json").read_text())["documents"] == 2
+    assert_json_shape(json.loads((out / "timescale.json").read_text()), "dynamic_timescale")
     assert "static" in capsys.readouterr().out
     assert main(["dynamic", "eval", "--checkpoint", ck, "--data", doc, "--sparse-units", "4", "--lr", "1e-3",
                  "--json", "--quiet"]) == 0

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from fastweights.cli import main
-from helpers import PACKAGE
+from helpers import PACKAGE, assert_json_shape
 
 TINY = ["--preset", "tiny", "--quiet"]
 
@@ -21,6 +21,7 @@ def test_train_writes_checkpoint_and_plot(trained):
                  "metrics.jsonl", "loss_curve.png", "summary.json"]:
         assert (trained / name).is_file(), name
     summary = json.loads((trained / "summary.json").read_text())
+    assert_json_shape(summary, "train_summary")
     assert summary["steps"] == 20 and math.isfinite(summary["val_loss"])
     assert summary["val_loss"] < math.log(66)  # learned something beyond uniform over the vocabulary
 

@@ -9,7 +9,7 @@ import json
 import random
 
 import pytest
-from helpers import signal_at_step
+from helpers import assert_json_shape, signal_at_step
 
 from fastweights.cli import main
 from fastweights.experiments import demo
@@ -54,6 +54,7 @@ def test_an_interrupted_demo_continues_to_the_same_demo_json(tiny_demo, tmp_path
     # replaces the checkpoint first: issue 49's bug)
     assert f"train | {saved}/{STEPS} steps" in err and f"train | 0/{STEPS} steps" not in err, err
     a, b = (json.loads((d / "demo.json").read_text()) for d in (straight, stopped))
+    assert_json_shape(a, "demo")
     assert {k: v for k, v in a.items() if k not in TIMING} == {k: v for k, v in b.items() if k not in TIMING}, \
         f"interrupt at step {at}"
     assert a["train_steps"] == STEPS

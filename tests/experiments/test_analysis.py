@@ -20,6 +20,7 @@ from fastweights.core.config import ModelConfig, RunConfig
 from fastweights.data import build_tokenizer
 from fastweights.core.errors import UserError
 from fastweights.models.lm import LanguageModel
+from helpers import assert_json_shape
 
 
 def test_prior_counts_and_buckets():
@@ -89,6 +90,7 @@ def test_compare_command_end_to_end(tmp_path):
     assert run_cli(["inspect", "compare", "--base", str(tmp_path / "base"), "--model", str(tmp_path / "fwl"), "--split", "test",
                     "--out", str(out), "--quiet"]) == 0
     result = json.loads((out / "analysis.json").read_text())
+    assert_json_shape(result, "inspect_compare")
     assert (out / "analysis.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the overall numbers are those of scoring the test split with each model (fastweights eval's streaming)
     from fastweights.data import load_corpus, split_corpus

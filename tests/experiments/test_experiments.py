@@ -17,7 +17,7 @@ from fastweights.experiments.fwpkm_gates import gate_values, plot_gate_map
 from fastweights.experiments.streaming import PositionCurve, encode_documents, plot_stream, state_norms, stream_eval
 from fastweights.models.memory_switches import memory_only_state, memory_writes
 from fastweights.models.lm import LanguageModel
-from helpers import tiny_lm
+from helpers import assert_json_shape, tiny_lm
 
 V = 29
 FWPKM = dict(n_subkeys=6, d_key=8, d_value=8, topk=2, chunk_size=8)
@@ -282,6 +282,7 @@ def test_commands_end_to_end(tmp_path, capsys):
     assert _cli(["eval", "--stream", "--checkpoint", str(ckpt), "--data", str(tmp_path / "a.txt"), "--modes",
                  "carry,frozen,memory", "--bin", "100", "--out", str(out), "--quiet"]) == 0
     doc = json.loads((out / "stream.json").read_text())
+    assert_json_shape(doc, "eval_stream")
     assert [r["mode"] for r in doc["runs"]] == ["carry", "frozen", "memory"] and (out / "stream.png").is_file()
     assert doc["runs"][0]["tokens"] == len(text) - 1 and doc["runs"][0]["rss_mb"]["peak_process"] > 0
     assert _cli(["eval", "--stream", "--checkpoint", str(ckpt), "--modes", "nope", "--quiet"]) == 2
@@ -291,6 +292,7 @@ def test_commands_end_to_end(tmp_path, capsys):
                  f"lads={tmp_path / 'b.txt'}", "--adapt-tokens", "300", "--eval-tokens", "100", "--out", str(out),
                  "--quiet"]) == 0
     res = json.loads((out / "adapt.json").read_text())
+    assert_json_shape(res, "continual")
     assert res["domains"] == ["cats", "lads"] and len(res["delta"]) == 3 and (out / "adapt.png").is_file()
     # the provenance every result records: the command as given to the CLI (not pytest's), the commit, the machine
     assert res["command"].startswith("fastweights continual --checkpoint") and res["command"].endswith("--quiet")
@@ -301,5 +303,6 @@ def test_commands_end_to_end(tmp_path, capsys):
     out = tmp_path / "gates"
     assert _cli(["inspect", "gates", "--checkpoint", str(ckpt), "--text", "the cat sat on the log.", "--out", str(out)]) == 0
     gates = json.loads((out / "gates.json").read_text())
+    assert_json_shape(gates, "inspect_gates")
     assert (out / "gates.png").is_file() and "1" in gates["gates"]
     assert gates["command"] == f"fastweights inspect gates --checkpoint {ckpt} --text 'the cat sat on the log.' --out {out}"

@@ -11,7 +11,7 @@ from fastweights.core.errors import UserError
 from fastweights.layers.fast_memory import zscore
 from fastweights.layers.fast_memory_reference import fwpkm_memory_reference
 from fastweights.layers.fwpkm import FwPKM, FwPKMOptions
-from helpers import in_pieces, tiny_lm
+from helpers import assert_json_shape, in_pieces, tiny_lm
 
 F64 = torch.float64
 D_MODEL = 12
@@ -480,6 +480,7 @@ def test_addressing_cli_and_trace(tmp_path, capsys):
                "--trace", "60", "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
+    assert_json_shape(out, "inspect_addressing")
     (name,) = out["layers"]
     s = out["layers"][name]
     assert s["windows"] == (len(text) - 1) // 40 and 0 < s["coverage"] <= 1 and 0 <= s["collision"] <= 1

@@ -20,6 +20,7 @@ from fastweights.tasks.assoc import (
     train_assoc,
     vocabulary,
 )
+from helpers import assert_json_shape
 
 
 def test_vocabulary_names():
@@ -146,6 +147,7 @@ def test_cli_json_and_plot(tmp_path, capsys):
     assert [(r["label"], r["keys"]) for r in printed] == [("sum/elu1", 4), ("sum/elu1", 6),
                                                           ("delta/dpfp1", 4), ("delta/dpfp1", 6)]
     written = json.loads((out / "assoc.json").read_text())
+    assert_json_shape(written, "task_assoc")
     assert written["results"][0]["final_eval_loss"] == printed[0]["final_eval_loss"]
     assert written["command"].startswith("fastweights ") and set(written) >= {"date", "git", "machine"}
     assert (out / "assoc.png").read_bytes()[:4] == b"\x89PNG"

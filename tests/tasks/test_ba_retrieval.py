@@ -18,6 +18,7 @@ from fastweights.tasks.ba_retrieval import (
     make_splits,
     train_retrieval,
 )
+from helpers import assert_json_shape
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +109,7 @@ def test_cli_json(tmp_path, capsys):
     assert _cli(argv) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed == json.loads((out / "ba_retrieval.json").read_text())
+    assert_json_shape(printed, "task_ba_retrieval")
     assert printed["model"] == "lstm" and printed["hidden"] == 8 and printed["steps"] == 20
     wrong = printed["test_error"] * 100  # a count of the 100 test sequences, and 20 steps of 8 units: near chance
     assert wrong == pytest.approx(round(wrong)) and printed["test_error"] > 0.6

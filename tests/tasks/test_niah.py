@@ -15,7 +15,7 @@ from fastweights.models.lm import ModelOutput
 from fastweights.tasks.niah import (Haystack, NiahOptions, check_tokenizer, evaluate_niah, evaluate_sample, make_sample,
                                     make_samples, parse_depths, plot_niah, score_answer, summarize, training_text)
 from fastweights.tasks.niah_report import format_table
-from helpers import tiny_lm
+from helpers import assert_json_shape, tiny_lm
 
 HEX, DIGITS = "0123456789abcdef", "0123456789"
 
@@ -270,6 +270,7 @@ def test_niah_command_writes_json_and_png(hay, tok, tmp_path, capsys):
                 "--depths", "0,1", "--out", str(out), "--quiet", "--piece", "128"]
         assert cli.main(argv) == 0
         doc = json.loads((out / "niah.json").read_text())
+        assert_json_shape(doc, "task_niah")
         assert (out / "niah.png").stat().st_size > 1000
         assert doc["summary"]["iters"] == [1, 2] and len(doc["records"]) == 2 * 2 * 2
         assert set(doc["summary"]["by_iters"]) == {"1", "2"} and doc["command"].startswith("fastweights")
