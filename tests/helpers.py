@@ -156,6 +156,30 @@ def assert_json_shape(document: dict, name: str) -> None:
     assert shape == json.loads(stored.read_text()), f"{name}: the output's keys or types changed (see {stored})"
 
 
+_TMP = re.compile(r"/\S*?pytest-of-[^/]+/pytest-\d+/(?:popen-gw\d+/)?[^/\s'\"]+")
+_MACHINE = re.compile(r"(\w+ has) [\d.,]+ GiB available")  # the memory free on this machine now
+_RECORDED_LINE_CALLS: dict[str, int] = {}
+
+
+def assert_recorded_line(line: str, book: str) -> None:
+    """``line`` (a command's one error line) is, to the letter, the line recorded for this place of this test in
+    ``tests/shapes/BOOK.json`` (keyed by the test's id and how many lines it checked before; pytest's temporary
+    folders as ``{tmp}``). A test that names only the setting a message is about still pins the whole message:
+    its words, the values it quotes and the advice it gives. Re-record on purpose with
+    ``FASTWEIGHTS_RECORD_SHAPES=1`` (one process) and review the diff."""
+    test = os.environ["PYTEST_CURRENT_TEST"].rsplit(" (", 1)[0]
+    n = _RECORDED_LINE_CALLS[test] = _RECORDED_LINE_CALLS.get(test, -1) + 1
+    key, line = f"{test}#{n}", _MACHINE.sub(r"\1 * GiB available", _TMP.sub("{tmp}", line))
+    stored = SHAPES / f"{book}.json"
+    book_lines = json.loads(stored.read_text()) if stored.is_file() else {}
+    if os.environ.get("FASTWEIGHTS_RECORD_SHAPES") == "1":
+        book_lines[key] = line
+        stored.parent.mkdir(exist_ok=True)
+        stored.write_text(json.dumps(dict(sorted(book_lines.items())), indent=1, ensure_ascii=False) + "\n")
+    assert key in book_lines, f"no recorded line for {key}: record it with FASTWEIGHTS_RECORD_SHAPES=1"
+    assert line == book_lines[key], f"{key}: the message changed:\n  now:      {line}\n  recorded: {book_lines[key]}"
+
+
 def line_matches(pattern: str, line: str) -> bool:
     """``line`` is ``pattern`` to the letter, where each ``*`` in the pattern stands for any text (a number that
     depends on the machine, a content hash): a test that reads the whole of a message, not its first words."""

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fastweights.cli import main
+from helpers import assert_recorded_line
 
 TINY = ["--preset", "tiny", "--quiet"]
 
@@ -37,6 +38,7 @@ def _one_line(capsys, *needles):
     assert len(lines) == 1 and err.splitlines()[-1] == lines[0], err
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])
+    assert_recorded_line(lines[0], "bad_input_lines")  # and the rest of the line, to the letter
     return lines[0]
 
 

@@ -419,7 +419,8 @@ def check_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], wher
     expected = model.state_dict()
     check_shapes({k: tuple(v.shape) for k, v in expected.items()},
                  {k: tuple(v.shape) for k, v in tensors.items()}, where)
-    for name, t in tensors.items():
+    for name in expected:  # in the model's order, so the line names the same tensor on every run
+        t = tensors[name]
         if expected[name].is_floating_point() and not t.is_floating_point():  # copied in, 0.7 would read as 0
             raise UserError(f"{where}: tensor {name} is {str(t.dtype).removeprefix('torch.')} in model.safetensors "
                             f"where the model holds {str(expected[name].dtype).removeprefix('torch.')}; these "
