@@ -124,8 +124,10 @@ def dynamic_preset(name: str) -> dict:
             raise UserError(f"preset {name}: {key} is not a dynamic-evaluation setting ({', '.join(known)})")
         parse = known[key].metadata.get("type", str)
         try:
-            if isinstance(value, bool) or parse(str(value)) != value:
-                raise UserError(f"got {value!r}")
+            if isinstance(value, bool):
+                raise UserError(f"got {str(value).lower()}, a boolean")
+            if parse(str(value)) != value:  # e.g. a number in quotes: TOML's string, not the setting's type
+                raise UserError(f"got {value!r} ({type(value).__name__}); write {key} = {parse(str(value))!r}")
         except (numbers.BadNumber, UserError, ValueError) as e:
             raise UserError(f"preset {name}: {key} = {value!r}: {e}") from None
     return values
