@@ -397,19 +397,10 @@ def gpt2_tokenizer(directory: Path):
 def tiny_llama_dir(directory: Path, max_positions: int = 2048, n_layers: int = 2) -> Path:
     """A tiny random Llama (seed 0, the bundled GPT-2 vocabulary, tied embeddings, ``n_layers`` decoder blocks)
     saved with its tokenizer as a local model directory in ``directory`` (created): what the FWL-head and loading
-    tests run offline."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    tests run offline (``fastweights.testing.tiny_models``, which the benchmarks' dry runs build too)."""
+    from fastweights.testing.tiny_models import tiny_llama_dir as build
 
-    directory.mkdir(parents=True, exist_ok=True)
-    tok = gpt2_tokenizer(directory)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=n_layers,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_positions,
-                      tie_word_embeddings=True)
-    LlamaForCausalLM(cfg).save_pretrained(directory)
-    tok.save_pretrained(directory)
-    return directory
+    return build(directory, max_positions, n_layers)
 
 
 def tiny_training_run(out: Path, steps: int) -> Path:

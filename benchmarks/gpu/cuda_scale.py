@@ -45,25 +45,22 @@ import json
 import logging
 import math
 import os
-import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 
 from fastweights.core.errors import UserError
 from fastweights.evidence.result_files import REPO, RESULTS, command_line_without, provenance
 from fastweights.cli.script_parser import ScriptParser
-from fastweights.evidence.timing import call_seconds, samples
+from fastweights.evidence.timing import step_timing
 import torch
-import torch.nn.functional as F
 
-from fastweights.core.config import ModelConfig
+from fastweights.experiments.fla_comparison import (BackendLog, err_text, fla_gdn_layer, fla_guard_bypassed, fla_info,
+                                                    fla_model, fwpkm_layer_step, install_flash_attn_standin,
+                                                    kernel_inputs, layer_step, our_config, our_op_step, raw_fla_step)
 from fastweights.layers.fwp import FastWeightProgrammer, FWPOptions
-from fastweights.layers.fwpkm import FwPKM, FwPKMOptions
 from fastweights.layers.gdn import GatedDeltaNet, GDNOptions
 from fastweights.models.lm import LanguageModel
-from fastweights.ops.delta_rule import delta_rule
 
 NAME = "cuda_scale"
 PAPER_FWPKM = dict(n_subkeys=512, d_key=512, d_value=512, heads=1, topk=8, chunk_size=512)
@@ -75,148 +72,7 @@ TINY = dict(d_model=64, n_layers=4, n_heads=4, head_dim=16, mlp=128, vocab=256, 
             fwpkm=dict(n_subkeys=8, d_key=16, d_value=16, heads=1, topk=4, chunk_size=16))
 
 
-
-def err_text(e: BaseException) -> str:
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if "fastweights" in f.filename or "fla" in f.filename]
-    where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:400] if str(e) else ''}{where}"
-
-
-# ----------------------------------------------------------------------------- fla and lucidrains
-
-
-def install_flash_attn_standin() -> str | None:
-    """fla's attention layer calls ``flash_attn.flash_attn_func``; without the package, one over SDPA is
-    set into ``fla.layers.attn`` (after fla's import, so nothing else sees a fake ``flash_attn``)."""
-    try:
-        import flash_attn  # noqa: F401
-
-        return None
-    except ImportError:
-        pass
-    try:
-        import fla.layers.attn as fla_attn
-    except Exception as e:
-        return f"fla's attention layer not importable: {err_text(e)}"
-
-    def flash_attn_func(q, k, v, causal=True, window_size=(-1, -1), **kw):  # [B, T, H, D] in and out
-        if tuple(window_size) != (-1, -1):
-            raise NotImplementedError("stand-in flash_attn_func: no sliding window")
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
-        return o.transpose(1, 2)
-
-    fla_attn.flash_attn_func = flash_attn_func
-    return "flash_attn absent: fla's attention layers ran a stand-in flash_attn_func over F.scaled_dot_product_attention"
-
-
-def fla_info() -> dict:
-    out = {}
-    try:
-        import fla
-
-        out["fla"] = getattr(fla, "__version__", "?")
-    except Exception as e:
-        out["fla_error"] = err_text(e)
-    try:
-        import triton
-
-        out["triton"] = triton.__version__
-    except Exception as e:
-        out["triton_error"] = err_text(e)
-    try:
-        from importlib.metadata import version
-
-        out["tilelang"] = version("tilelang")
-    except Exception:
-        out["tilelang"] = None
-    try:
-        import fast_weight_product_key_memory  # noqa: F401
-        from importlib.metadata import version
-
-        out["fast_weight_product_key_memory"] = version("fast-weight-product-key-memory")
-    except Exception as e:
-        out["lucidrains_error"] = err_text(e)
-    return out
-
-
-@contextlib.contextmanager
-def fla_guard_bypassed():
-    """Switch off fla's refusal of the gated backward on Hopper with 3.4 <= Triton < 3.7.1 (timing only; the
-    GPU queue's gradient checks say whether its gradients are right at our shapes)."""
-    import fla.ops.common.chunk_o as chunk_o
-
-    old = chunk_o.TRITON_ABOVE_3_7_1
-    chunk_o.TRITON_ABOVE_3_7_1 = True
-    try:
-        yield
-    finally:
-        chunk_o.TRITON_ABOVE_3_7_1 = old
-
-
-class BackendLog(logging.Handler):
-    """Collects the delta rule's backend choices (logged once per distinct choice)."""
-
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
-# ----------------------------------------------------------------------------- timing
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def measure(step, device, warmup: int, repeat: int) -> dict:
-    """Median wall seconds of ``step()`` after ``warmup`` calls, synchronised; peak memory over all calls."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-
-    def warm():  # the warm-up calls and their queued work, timed together
-        for _ in range(warmup):
-            step()
-        sync(device)
-
-    (first,) = call_seconds(warm)
-    times = [s for (s,) in samples(step, repeat, sync=lambda: sync(device))]
-    out = {"seconds_median": statistics.median(times), "seconds_all": [round(x, 6) for x in times],
-           "warmup_seconds_total": round(first, 3)}
-    if device.type == "cuda":
-        out["peak_bytes"] = torch.cuda.max_memory_allocated(device)
-    return out
-
-
 # ----------------------------------------------------------------------------- 1. models
-
-
-def our_config(cfg: dict, fwpkm: bool) -> ModelConfig:
-    mixers = ["attention" if (i + 1) % cfg["attn_every"] == 0 else "gdn" for i in range(cfg["n_layers"])]
-    options = {"gdn": {"head_dim": cfg["head_dim"]}, "attention": {"head_dim": cfg["head_dim"]}}
-    extra = {}
-    if fwpkm:
-        options["fwpkm"] = dict(cfg["fwpkm"])
-        extra = {"memory": "fwpkm", "memory_layers": list(cfg["fwpkm_layers"])}
-    return ModelConfig(vocab_size=cfg["vocab"], d_model=cfg["d_model"], n_layers=cfg["n_layers"],
-                       n_heads=cfg["n_heads"], mlp_hidden=cfg["mlp"], layer_mixers=mixers, options=options, **extra)
-
-
-def fla_model(cfg: dict):
-    from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
-
-    attn_layers = [i for i in range(cfg["n_layers"]) if (i + 1) % cfg["attn_every"] == 0]
-    conf = GatedDeltaNetConfig(
-        hidden_size=cfg["d_model"], num_hidden_layers=cfg["n_layers"], num_heads=cfg["n_heads"],
-        head_dim=cfg["head_dim"], expand_v=1.0, intermediate_size=cfg["mlp"], vocab_size=cfg["vocab"],
-        tie_word_embeddings=True, use_cache=False, max_position_embeddings=cfg["seq_len"],
-        attn={"layers": attn_layers, "num_heads": cfg["n_heads"], "num_kv_heads": cfg["n_heads"]},
-    )
-    return GatedDeltaNetForCausalLM(conf)
 
 
 def train_model(kind: str, cfg: dict, device, bypass: bool = False) -> dict:
@@ -249,7 +105,7 @@ def train_model(kind: str, cfg: dict, device, bypass: bool = False) -> dict:
         losses.append(loss.detach())
 
     with fla_guard_bypassed() if bypass else contextlib.nullcontext():
-        res = measure(step, device, cfg["warmup"], cfg["steps"])
+        res = step_timing(step, device, cfg["warmup"], cfg["steps"])
     tokens = cfg["batch"] * cfg["seq_len"]
     res.update(parameters=n_params, fast_weight_buffer_bytes=fast_bytes, tokens_per_step=tokens,
                tokens_per_s=tokens / res["seconds_median"],
@@ -260,70 +116,8 @@ def train_model(kind: str, cfg: dict, device, bypass: bool = False) -> dict:
 # ----------------------------------------------------------------------------- 2. kernels
 
 
-def kernel_inputs(b, t, h, dk, dv, device, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, t, h, dk, generator=g)
-    k = F.normalize(torch.randn(b, t, h, dk, generator=g), dim=-1)
-    v = torch.randn(b, t, h, dv, generator=g)
-    beta = torch.rand(b, t, h, generator=g) * 0.9 + 0.05
-    log_decay = -torch.rand(b, t, h, generator=g) * 0.1
-    return [x.to(device) for x in (q, k, v, beta, log_decay)]
-
-
-def raw_fla_step(gated, xs, device):
-    from fla.ops.delta_rule import chunk_delta_rule
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-    q, k, v, beta = (x.to(torch.bfloat16).requires_grad_() for x in xs[:4])
-    g = xs[4].clone().requires_grad_()
-    s0 = torch.zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3], device=device)  # as our op's call: state in/out
-
-    def step():
-        if gated:
-            o, s = chunk_gated_delta_rule(q=q, k=k, v=v, g=g, beta=beta, use_qk_l2norm_in_kernel=True,
-                                          initial_state=s0, output_final_state=True)
-        else:
-            o, s = chunk_delta_rule(q=q, k=k, v=v, beta=beta, initial_state=s0, output_final_state=True)
-        (o.float().square().mean() + s.sum() * 0).backward()
-
-    return step
-
-
-def our_op_step(gated, xs, backend, device, leaves=torch.float32):
-    """Our op as a layer calls it: q, k, v, beta leaves in ``leaves`` (fp32: the fwp layer's features, cast to
-    bf16 inside the op; bf16: as the raw fla step's, like for like), g fp32, under bf16 autocast."""
-    q, k, v, beta = (x.to(leaves, copy=True).requires_grad_() for x in xs[:4])
-    g = xs[4].clone().requires_grad_()
-    s0 = torch.zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3], device=device)
-
-    def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            o, s = delta_rule(q, k, v, beta, log_decay=g if gated else None, initial_state=s0, output_final_state=True,
-                              backend=backend, qk_l2norm=gated)
-        (o.float().square().mean() + s.sum() * 0).backward()
-
-    return step
-
-
-def layer_step(layer, x, device, autocast: bool = True):
-    def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            y = layer(x)
-            y = y[0] if isinstance(y, tuple) else y
-        y.float().square().mean().backward()
-
-    return step
-
-
-def fla_gdn_layer(cfg):
-    from fla.layers import GatedDeltaNet as FlaGDN
-
-    return FlaGDN(hidden_size=cfg["d_model"], expand_v=1.0, head_dim=cfg["head_dim"], num_heads=cfg["n_heads"],
-                  mode="chunk", use_short_conv=True, layer_idx=0)
-
-
 def kernel_items(cfg, device, fla_ok: bool, on_hopper_refusal: bool):
-    """(name, T, thunk returning a measure() dict) for part 2, in order."""
+    """(name, T, thunk returning a step_timing() dict) for part 2, in order."""
     items = []
     h, d, dm = cfg["n_heads"], cfg["head_dim"], cfg["d_model"]
     for t in cfg["kernel_lengths"]:
@@ -341,7 +135,7 @@ def kernel_items(cfg, device, fla_ok: bool, on_hopper_refusal: bool):
                 elif kind == "gated_raw_fla_guard_bypassed":
                     step = raw_fla_step(True, xs, device)
                     with fla_guard_bypassed():
-                        return measure(step, device, **w)
+                        return step_timing(step, device, **w)
                 elif kind.startswith(("delta_op_", "gated_op_")):  # <rule>_op_<backend>[_bf16]
                     leaves = torch.bfloat16 if kind.endswith("_bf16") else torch.float32
                     step = our_op_step(gated, xs, kind.split("_")[2], device, leaves)
@@ -357,8 +151,8 @@ def kernel_items(cfg, device, fla_ok: bool, on_hopper_refusal: bool):
                     step = layer_step(layer, x, device)
                     if kind == "layer_fla_gdn_guard_bypassed":
                         with fla_guard_bypassed():
-                            return measure(step, device, **w)
-                return measure(step, device, **w)
+                            return step_timing(step, device, **w)
+                return step_timing(step, device, **w)
 
             return run
 
@@ -371,27 +165,6 @@ def kernel_items(cfg, device, fla_ok: bool, on_hopper_refusal: bool):
         for kind in kinds:
             items.append((f"T{t}/{kind}", {"T": t, "B": b, "H": h}, make(kind)))
     return items
-
-
-# ----------------------------------------------------------------------------- 3. FwPKM vs lucidrains
-
-
-def fwpkm_layer_step(impl, cfg, batch, device):
-    torch.manual_seed(0)
-    o = cfg["fwpkm"]
-    if impl == "ours":
-        layer = FwPKM(cfg["d_model"], FwPKMOptions(**o))
-    else:
-        from fast_weight_product_key_memory import fwPKM
-
-        layer = fwPKM(cfg["d_model"], heads=o["heads"], chunk_size=o["chunk_size"], num_memories=o["n_subkeys"] ** 2,
-                      dim_queries_keys=o["d_key"], dim_values=o["d_value"], topk=o["topk"], learning_rate=1.0)
-    layer = layer.to(device)
-    x = torch.randn(batch, cfg["seq_len"], cfg["d_model"], generator=torch.Generator().manual_seed(3)).to(device)
-    x.requires_grad_()
-    # fp32 for both: lucidrains' layer fails under bf16 autocast (a lerp of bf16 and fp32 tensors), and the paper
-    # runs FwPKM in fp32
-    return layer_step(layer, x, device, autocast=False), sum(p.numel() for p in layer.parameters())
 
 
 # ----------------------------------------------------------------------------- main
@@ -561,7 +334,7 @@ def main(argv=None) -> int:
         for impl in ("ours", "lucidrains"):
             def thunk(impl=impl, batch=batch):
                 step, n_params = fwpkm_layer_step(impl, cfg, batch, device)
-                return {**measure(step, device, 1, max(2, cfg["repeat"] - 2)), "slow_parameters": n_params}
+                return {**step_timing(step, device, 1, max(2, cfg["repeat"] - 2)), "slow_parameters": n_params}
 
             plan.append(("fwpkm_layer", f"{impl}_B{batch}", thunk, {"B": batch, "T": cfg["seq_len"]}))
     if refuses:

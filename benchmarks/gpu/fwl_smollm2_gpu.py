@@ -17,17 +17,18 @@ What runs, all on ``--device`` under bf16 autocast (the head computes in fp32 it
    the options ``fastweights fwl-head train`` uses.
 2. Scored texts (never trained on): Anna Karenina, Hamlet, War and Peace, Don Quijote, ``--tokens``
    predictions each, the excerpts of the CPU comparison (``fastweights.data.excerpts``), the whole excerpt in the KV cache, segments of 64 tokens (``score_tokens``).
-   Before training: ``static`` (the pretrained model alone, its logits in fp32 like the head's) and
+   Before training: ``static`` (the pretrained model alone, its logits in fp32 like the head's:
+   ``hf.fwl_online.PretrainedLogits``) and
    ``fwl_at_init`` (the untrained head: near static, as the recipe starts near the identity; its time
    also sets the scoring reserve of the budget).
-3. Training (:func:`train`, a small loop of its own: ``hf/fwl_training.py`` trains the head from a CPU
-   cache of hidden states): streams of ``windows_per_stream`` consecutive windows of ``window`` tokens of
-   English long documents (``TRAINING_MIX``, no document whose name holds one of ``HELD_OUT_NAMES``),
-   ``batch`` streams at once; each window is one AdamW step on the mean cross-entropy of the fast logits;
-   the state (the head's running update ``state["fwl"]`` and the KV cache) is carried, detached, to the
-   next window of the same stream, and reset at a new stream. Learning rates: the K blocks, the head, and
-   the head's step sizes and decays each their own; linear warm-up, then linear decay by wall clock.
-   Training stops when the wall-clock budget less the scoring reserve is spent.
+3. Training (``hf.fwl_training.train_head_online``, the online form of the trainer whose CPU form trains the head from
+   a cache of hidden states; the streams: ``hf.fwl_online.training_streams``): streams of ``windows_per_stream``
+   consecutive windows of ``window`` tokens of English long documents (``TRAINING_MIX``, no document whose name holds
+   one of ``HELD_OUT_NAMES``), ``batch`` streams at once; each window is one AdamW step on the mean cross-entropy of
+   the fast logits; the state (the head's running update ``state["fwl"]`` and the KV cache) is carried, detached, to
+   the next window of the same stream, and reset at a new stream. Learning rates: the K blocks, the head, and the
+   head's step sizes and decays each their own; linear warm-up, then linear decay by wall clock. Training stops when
+   the wall-clock budget less the scoring reserve is spent.
 4. After training: ``fwl`` (the trained model), ``fwl_slow`` (the same model with the head's step sizes
    set to 0: the slow part) and the fast part (their difference), per text, with tokens/s of each row.
 
@@ -55,41 +56,31 @@ import dataclasses  # noqa: E402
 import hashlib  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
-import random  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-
 from torch import nn  # noqa: E402
 
 from fastweights.core.errors import UserError  # noqa: E402
 from fastweights.cli.script_parser import ScriptParser  # noqa: E402
 from fastweights.data.excerpts import bundled_excerpt, token_excerpt  # noqa: E402
 from fastweights.evidence.result_files import RESULTS, command_line_without, provenance, write_json  # noqa: E402
+from fastweights.evidence.script_log import log  # noqa: E402
 from fastweights.hf.fwl_head import PRETRAINED_FWL_DEFAULTS, HFCausalLMWithFWL  # noqa: E402
+from fastweights.hf.fwl_online import PretrainedLogits, training_streams  # noqa: E402
 from fastweights.hf.fwl_training import (  # noqa: E402
     HELD_OUT_NAMES,
     TRAINING_MIX,
     VARIANTS,
-    held_out,
-    round_robin,
     train_head_online,
 )
 from fastweights.layers.fwl import FWLOptions, slow_part  # noqa: E402
 from fastweights.loops.evaluate import SCORING_SEGMENT_LEN, score_tokens  # noqa: E402
-from fastweights.models.lm import ModelOutput  # noqa: E402
-from fastweights.ops.linear_attention import no_autocast  # noqa: E402
+from fastweights.testing.tiny_models import tiny_llama_dir  # noqa: E402
 
 NAME = "fwl_smollm2_gpu"
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 #: the scored texts: the CPU comparison's (fwl_smollm2.py), keys of fastweights.data.excerpts.BUNDLED_EXCERPTS
@@ -131,82 +122,9 @@ def probe_specs(probes) -> list[dict]:
 # ----------------------------------------------------------------------------- the model and the texts
 
 
-def tiny_llama(directory: Path) -> str:
-    """A tiny random Llama (seed 0, the bundled GPT-2 vocabulary, tied embeddings) with its tokenizer, saved in
-    ``directory``: built as tests/helpers.py ``tiny_llama_dir`` builds it (benchmarks do not import tests)."""
-    import gzip
-    from importlib import resources
-
-    from transformers import GPT2Tokenizer, LlamaConfig, LlamaForCausalLM
-
-    assets = resources.files("fastweights") / "data" / "assets" / "gpt2"
-    for name in ("vocab.json", "merges.txt"):
-        (directory / name).write_bytes(gzip.decompress((assets / f"{name}.gz").read_bytes()))
-    tok = GPT2Tokenizer(str(directory / "vocab.json"), str(directory / "merges.txt"))
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
-                      tie_word_embeddings=True)
-    LlamaForCausalLM(cfg).save_pretrained(directory)
-    tok.save_pretrained(directory)
-    return str(directory)
-
-
 def scored_texts(tok, predictions: int) -> dict:
     """``{key: (ids [predictions + 1], info)}`` of :data:`SCORED_TEXTS`, picked as the CPU comparison picks them."""
     return {k: token_excerpt(tok, bundled_excerpt(k)._replace(role="scored"), predictions) for k in SCORED_TEXTS}
-
-
-def training_streams(tok, length: int, seed: int, streams_per_doc: int = 0, corpora=TRAINING_MIX):
-    """Endless iterator of ``(ids [length] int64, source)``: consecutive, non-overlapping stretches of ``length``
-    tokens of each document (at most ``streams_per_doc``, 0 = all), the corpora in turn, the documents of each
-    in a seeded order that is drawn again every pass. Documents are tokenized when first reached."""
-    from fastweights.data import load_corpus
-
-    docs = {c: [d for d in load_corpus(c) if not held_out(d.name)] for c in corpora}
-    rng, encoded = random.Random(seed), {}  # the token ids of each document, kept for the next pass
-
-    def of_corpus(corpus: str, order: list):
-        for d in order:
-            if (corpus, d.name) not in encoded:
-                text = d.text if not streams_per_doc else d.text[: streams_per_doc * length * 8]  # >= 1 char a token
-                encoded[corpus, d.name] = torch.as_tensor(tok.encode(text), dtype=torch.long)
-            ids = encoded[corpus, d.name]
-            n = len(ids) // length if not streams_per_doc else min(streams_per_doc, len(ids) // length)
-            for i in range(n):
-                yield ids[i * length:(i + 1) * length], f"{corpus}:{d.name}"
-
-    while True:
-        streams, given = [], 0
-        for c in corpora:
-            order = list(docs[c])
-            rng.shuffle(order)
-            streams.append(of_corpus(c, order))
-        for item in round_robin(streams):
-            given += 1
-            yield item
-        if not given:
-            raise UserError(f"no document of {', '.join(corpora)} holds {length} tokens")
-
-
-class PretrainedLogits(nn.Module):
-    """The pretrained model alone, scored as the head scores: the backbone's final hidden state times its output
-    layer in fp32 (under autocast the model's own output layer would run in bf16). Same state as the backbone."""
-
-    def __init__(self, backbone: nn.Module):
-        super().__init__()
-        self.backbone = backbone
-        self.default_context = backbone.default_context
-
-    def forward(self, tokens: torch.Tensor, state: dict | None = None, targets=None) -> ModelOutput:
-        h, new_state = self.backbone.forward_features(tokens, state)
-        out = self.backbone.hf.get_output_embeddings()
-        with no_autocast(h.device):
-            logits = F.linear(h.float(), out.weight.float(), None if out.bias is None else out.bias.float())
-        return ModelOutput(logits, None, new_state)
-
-    def trim_state(self, state: dict, keep: int) -> dict:
-        return self.backbone.trim_state(state, keep)
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -245,9 +163,6 @@ def score_all(model, texts: dict, device, row: str, rows: dict) -> float:
     log(f"{row}: " + ", ".join(f"{k} {r['perplexity']:.3f} ({r['tokens_per_s']:,.0f} tok/s)"
                                for k, r in rows[row].items()))
     return time.perf_counter() - t
-
-
-# ----------------------------------------------------------------------------- training
 
 
 # ----------------------------------------------------------------------------- the result
@@ -363,7 +278,7 @@ def run(argv: list[str], tmp: Path) -> int:
 
         args, recipe, device, out = parse_args(argv)
         log(f"{NAME}: {'tiny dry run' if args.tiny else 'SmolLM2-135M'} on {device}, budget {recipe.minutes:g} min")
-        source = tiny_llama(tmp) if args.tiny else args.gguf or "smollm2-135m"
+        source = str(tiny_llama_dir(tmp)) if args.tiny else args.gguf or "smollm2-135m"
         backbone, tok = load_hf_model(source, device=device)
         torch.manual_seed(recipe.seed)
         options = FWLOptions(**{**PRETRAINED_FWL_DEFAULTS, **VARIANTS["fwl"]})

@@ -17,7 +17,8 @@ import cuda_scale as cs  # its sibling benchmarks/gpu/cuda_scale.py, on sys.path
 import torch
 
 from fastweights.evidence.result_files import REPO, repo_relative
-from fastweights.evidence.timing import call_seconds
+from fastweights.evidence.timing import call_seconds, step_timing
+from fastweights.experiments.fla_comparison import rel_norm
 from fastweights.layers.gdn import GatedDeltaNet, GDNOptions
 from fastweights.ops import fla_backend as fb
 from fastweights.ops import fla_selfcheck as fsc
@@ -57,11 +58,6 @@ class Ctx:
         return dict(warmup=1, repeat=2) if self.tiny else dict(warmup=2, repeat=self.cfg["repeat"])
 
 # ----------------------------------------------------------------------------- scope 2: gradients
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def bypass(ctx: Ctx, gated: bool):
@@ -114,8 +110,8 @@ def grad_check(ctx: Ctx, gated: bool, chunk: int | None, t_index: int = 1) -> di
         ref_o, ref_ht, ref_grads = run(ref_call, [x.float() for x in low] + extra)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
-    errs = {"o": rel(o, ref_o), "final_state": rel(ht, ref_ht)}
-    errs.update({f"d{n}": rel(grads[n], ref_grads[n]) for n in names})
+    errs = {"o": rel_norm(o, ref_o), "final_state": rel_norm(ht, ref_ht)}
+    errs.update({f"d{n}": rel_norm(grads[n], ref_grads[n]) for n in names})
     tol = {key: BF16_OUT_TOL if key in ("o", "final_state") else BF16_GRAD_TOL for key in errs}
     wrong = sorted(key for key in errs if not errs[key] <= tol[key])
 
@@ -123,7 +119,7 @@ def grad_check(ctx: Ctx, gated: bool, chunk: int | None, t_index: int = 1) -> di
         with bypass(ctx, gated):
             run(fla_call, low + extra)
 
-    timing = cs.measure(step, dev, **dict(ctx.w, warmup=0))
+    timing = step_timing(step, dev, **dict(ctx.w, warmup=0))
     return {"kernel": "chunk_gated_delta_rule" if gated else "chunk_delta_rule", "chunk_size": chunk or 64,
             "shape": {"B": b, "T": t, "H": h, "K": dk, "V": d}, "guard_bypassed": gated and ctx.refuses,
             "qk_l2norm_in_kernel": gated, "rel_err": {key: round(x, 6) for key, x in errs.items()},
@@ -224,7 +220,7 @@ def gdn_on_fla_layer(ctx: Ctx, t: int):
         layer = GatedDeltaNet(dm, h, GDNOptions(head_dim=d, backend="fla")).to(ctx.device)
         x = torch.randn(b, t, dm, generator=torch.Generator().manual_seed(2)).to(ctx.device)
         with bypass(ctx, True):
-            return cs.measure(cs.layer_step(layer, x, ctx.device), ctx.device, **ctx.w)
+            return step_timing(cs.layer_step(layer, x, ctx.device), ctx.device, **ctx.w)
 
     return thunk, {"T": t, "B": b, "H": h}
 
@@ -305,7 +301,7 @@ def gdn_chunks(ctx: Ctx) -> dict:
             torch.manual_seed(0)
             layer = GatedDeltaNet(dm, h, GDNOptions(head_dim=d, chunk_size=chunk)).to(ctx.device)
             x = torch.randn(b, t, dm, generator=torch.Generator().manual_seed(2)).to(ctx.device)
-            return cs.measure(cs.layer_step(layer, x, ctx.device), ctx.device, **ctx.w)
+            return step_timing(cs.layer_step(layer, x, ctx.device), ctx.device, **ctx.w)
 
         parts[f"layer_gdn_chunk{chunk}"] = part(thunk, {"T": t, "B": b, "chunk_size": chunk})
     r = ratio(parts, "layer_gdn_chunk64", "layer_gdn_chunk32")
@@ -328,7 +324,7 @@ def fwpkm(ctx: Ctx) -> dict:
     for impl in ("ours", "lucidrains"):
         def thunk(impl=impl):
             step, n = cs.fwpkm_layer_step(impl, cfg, 1, ctx.device)
-            return {**cs.measure(step, ctx.device, 1, 2 if ctx.tiny else 5), "slow_parameters": n}
+            return {**step_timing(step, ctx.device, 1, 2 if ctx.tiny else 5), "slow_parameters": n}
 
         parts[f"{impl}_B1"] = part(thunk, {"B": 1, "T": cfg["seq_len"]})
     mem = [parts[f"{i}_B1"].get("peak_bytes") for i in ("ours", "lucidrains")]

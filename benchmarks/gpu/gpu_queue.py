@@ -44,24 +44,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import cuda_scale as cs  # noqa: E402  (its sibling benchmarks/gpu/cuda_scale.py, on sys.path as the script's folder)
-from gpu_measurements import (  # noqa: E402  (its sibling benchmarks/gpu/gpu_measurements.py: what each item measures)
+import cuda_scale as cs  # its sibling benchmarks/gpu/cuda_scale.py, on sys.path as the script's folder
+from gpu_measurements import (  # its sibling benchmarks/gpu/gpu_measurements.py: what each item measures
     TINY_LENGTHS, Ctx, NotWritten, delta_op, dispatch_choices, fwl_recipe, fwp_layer, fwpkm, gdn_chunks, gdn_layer,
     gdn_layer_selfcheck, grad_check, hybrid, hybrid_selfcheck)
-import torch  # noqa: E402
+import torch
 
-from fastweights.core.errors import UserError  # noqa: E402
-from fastweights.evidence.result_files import command_line, repo_relative  # noqa: E402
-from fastweights.cli.script_parser import ScriptParser  # noqa: E402
-from fastweights.ops import fla_backend as fb  # noqa: E402
-from fastweights.testing import fla_standin  # noqa: E402
+from fastweights.core.errors import UserError
+from fastweights.evidence.result_files import command_line, repo_relative
+from fastweights.experiments.fla_comparison import install_fla_standin
+from fastweights.cli.script_parser import ScriptParser
+from fastweights.ops import fla_backend as fb
 
 NAME = "gpu_queue"
 MAX_ITEM_FILES = 7  # + the summary: a device run returns at most 8 files
 # the checkout this script is in (issue 52: --unpack wrote into the installed package's checkout instead)
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
-
 
 
 @dataclass
@@ -145,28 +144,6 @@ def plan(items: list[Item], minutes: float, spent: float = 0.0) -> list[tuple[It
 
 
 # ----------------------------------------------------------------------------- running
-
-
-class _Patcher:
-    """pytest's monkeypatch, the two calls fla_standin.install needs (the dry run's stand-in, undone at exit)."""
-
-    def __init__(self):
-        self.undo_list = []
-
-    def setitem(self, mapping, key, value):
-        self.undo_list.append((mapping.__setitem__, key, mapping[key]) if key in mapping
-                              else (lambda k, _v, m=mapping: m.pop(k, None), key, None))
-        mapping[key] = value
-
-    def setattr(self, obj, name, value):
-        self.undo_list.append((lambda n, v, o=obj: setattr(o, n, v), name, getattr(obj, name)))
-        setattr(obj, name, value)
-
-
-def install_standin() -> str:
-    fla_standin.install(_Patcher())
-    return ("fla absent: the stand-in fastweights.testing.fla_standin (fla 0.6's call contract, our per-step reference "
-            "in fp32) ran in its place; fla's layers and models are absent from it")
 
 
 def parse_args(argv):
@@ -279,7 +256,7 @@ def main(argv=None) -> int:
     if device.type == "cpu":  # the dry run traces the compiled form without inductor's C++ build
         sys.modules["fastweights.ops.delta_rule"].COMPILE_OPTIONS = {"backend": "aot_eager"}
         if not fb.fla_available():
-            notes.append(install_standin())
+            notes.append(install_fla_standin())
     standin_flash = cs.install_flash_attn_standin()
     if standin_flash:
         notes.append(standin_flash)

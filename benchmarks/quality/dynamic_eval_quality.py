@@ -37,6 +37,7 @@ from fastweights.evidence.result_files import RESULTS, command_line, provenance,
 from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 from fastweights.evidence.script_args import benchmark_threads_flag
+from fastweights.evidence.script_log import log
 
 from fastweights.adapt.cache import NeuralCache
 from fastweights.adapt.dynamic import DynamicEvaluator
@@ -54,10 +55,6 @@ from fastweights.loops.generate import generate_tokens
 TEST_PLAYS = ["hamlet_gut.txt", "macbeth_gut.txt", "othello_gut.txt"]
 VAL_PLAY = "julius_caesar_gut.txt"
 LN2 = math.log(2)
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def check_not_in_tinyshakespeare(plays: dict[str, str]) -> dict:

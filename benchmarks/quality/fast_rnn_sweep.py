@@ -32,6 +32,7 @@ from pathlib import Path
 from fastweights.evidence.result_files import git_state, repo_relative, write_result
 from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
+from fastweights.experiments.fast_rnn_read import read_over_input
 
 PRESET = "shakespeare-char-fast-rnn"
 OPTION = "model.options.fast_rnn."
@@ -62,46 +63,13 @@ def train(name: str, minutes: float, out: Path) -> Path:
     return run
 
 
-def read_over_input(model, tokens) -> list[float]:
-    """Per fast-weights layer: mean |A_{t-1} h_t^(0)| / mean |W h_{t-1} + C x_t| over one window (fp64)."""
-    import torch
-
-    from fastweights.layers.fast_rnn import FastWeightRNN
-
-    ratios = []
-
-    def hook(mod, inp, out):
-        if not mod.fast_weights:
-            return
-        u = mod.in_proj(inp[0]).double()[0]  # [T, H]: C x_t + c
-        hs = out[0].double()[0]  # [T, H]: the states h_t the layer wrote
-        W = mod.W.double()
-        A = torch.zeros(W.shape, dtype=torch.float64)
-        reads, inputs = [], []
-        for t in range(1, hs.shape[0]):
-            A = mod.lam * A + mod.eta * torch.outer(hs[t - 1], hs[t - 1])  # A_{t-1} holds h_1..h_{t-1}
-            b = u[t] + W @ hs[t - 1]
-            h0 = torch.relu(torch.nn.functional.layer_norm(b, b.shape, mod.ln.weight.double(), mod.ln.bias.double()))
-            reads.append((A @ h0).norm())
-            inputs.append(b.norm())
-        ratios.append(float(torch.stack(reads).mean() / torch.stack(inputs).mean()))
-
-    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, FastWeightRNN)]
-    with torch.no_grad():
-        model(tokens)
-    for h in handles:
-        h.remove()
-    return ratios
-
-
 def measure(name: str, run: Path) -> dict:
     import torch
 
     from fastweights.models.loading import load_checkpoint
     from fastweights.data import load_corpus
+    from fastweights.experiments.leaderboard import HELDOUT, SEQ_LEN, STRIDE, heldout_documents
     from fastweights.experiments.streaming import stream_eval
-
-    from heldout_plays import HELDOUT, SEQ_LEN, STRIDE, heldout_documents
 
     use_threads("benchmark", 1)
     model, tok, _ = load_checkpoint(run)

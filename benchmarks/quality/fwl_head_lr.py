@@ -7,12 +7,12 @@ held-out text only: heads trained with the recipe at several learning rates, com
     done
     python benchmarks/quality/fwl_head_lr.py --runs runs/fwl-lr --threads 1
 
-Each head folder of ``--runs`` (a ``fwl-head train`` output; its ``training.json`` names its learning rate) gives:
-the mean loss (nats per prediction) of the head, and of its slow part (step sizes 0), on the tuning texts of
-``fwl_smollm2.py`` (Crime and Punishment from Part III and Macbeth from Act III, ``--val-tokens`` predictions
-each, state carried through each text; ``fwl_comparators.head_loss_on``, the criterion that chooses the step scale
-there), and the held-out-window losses its training recorded. The chosen learning rate is the one with the lowest
-tuning loss; ``recipe_is_chosen`` says whether ``RECIPE.lr`` is it. The scored texts are never read here.
+Each head folder of ``--runs`` (a ``fwl-head train`` output; its ``training.json`` names its learning rate) gives: the
+mean loss (nats per prediction) of the head, and of its slow part (step sizes 0), on the tuning texts of
+``fwl_smollm2.py`` (Crime and Punishment from Part III and Macbeth from Act III, ``--val-tokens`` predictions each,
+state carried through each text; ``fastweights.experiments.fwl_comparison.head_loss_on``, the criterion that chooses
+the step scale there), and the held-out-window losses its training recorded. The chosen learning rate is the one with
+the lowest tuning loss; ``recipe_is_chosen`` says whether ``RECIPE.lr`` is it. The scored texts are never read here.
 
 Writes benchmarks/results/fwl_head_lr.json (or ``--out``). Missing optional packages or head folders: one error
 line, exit 2.
@@ -25,14 +25,12 @@ import json
 import sys
 from pathlib import Path
 
-from fwl_comparators import head_loss_on, tuning_hidden
-from fwl_smollm2 import load_texts
-
 from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.errors import UserError
 from fastweights.evidence.result_files import RESULTS, provenance, write_json
 from fastweights.core.threads import use_threads
 from fastweights.evidence.script_args import benchmark_threads_flag
+from fastweights.experiments.fwl_comparison import head_loss_on, load_texts, tuning_hidden
 
 
 def probe_specs(probes) -> list[dict]:

@@ -7,23 +7,24 @@ evaluation of the same model on the same text.
     python benchmarks/quality/fwl_in_domain.py --train --runs runs/fwl-in-domain     # 4 x (fwl + test-time-only)
     python benchmarks/quality/fwl_in_domain.py --runs runs/fwl-in-domain             # score, write the result
 
-In-domain training text (:data:`SOURCES`), bundled public-domain text, never the scored text:
+In-domain training text (``fastweights.experiments.in_domain_text.SOURCES``), bundled public-domain text, never the
+scored text:
 
 - Anna Karenina <- War and Peace (Tolstoy); War and Peace <- Anna Karenina (Tolstoy);
 - Hamlet <- Shakespeare's plays but the compared ones (``shakespeare-train``);
 - Don Quijote <- the rest of Don Quijote: the novel with the scored opening and the next
-  :data:`EXCLUDE_CHARS` characters cut out.
+  ``EXCLUDE_CHARS`` characters cut out.
 
-Each source is cut at paragraph ends into :data:`PIECES` documents of about :data:`PIECE_CHARS` characters,
+Each source is cut at paragraph ends into ``PIECES`` documents of about ``PIECE_CHARS`` characters,
 spread evenly over it, written as ``RUNS/data/TEXT/NN.txt``: the folder a user would pass to ``--data``. Every
 head is the documented recipe (``fastweights fwl-head train`` with its defaults, ``--data`` the folder; the
 test-time-only head with ``--minutes 5``, as ``fwl_smollm2.py``'s recipe).
 
-Rows scored here, one thread, through ``fwl_comparators``' loop: ``static`` (checked against the stored
-``fwl_smollm2.json`` to 1e-4 relative), and per text the in-domain ``fwl``, its slow part, ``fwl_test_time_only``
-(step size chosen on the tuning texts) and its slow part. Taken from ``fwl_smollm2.json`` (same model, texts,
-segments and code; its static perplexities reproduced here): the general-mix head's rows and dynamic evaluation
-(all weights, low-rank), against which each FWL row's share of the reduction is given.
+Rows scored here, one thread, through the loop of ``fastweights.experiments.fwl_comparison``: ``static`` (checked
+against the stored ``fwl_smollm2.json`` to 1e-4 relative), and per text the in-domain ``fwl``, its slow part,
+``fwl_test_time_only`` (step size chosen on the tuning texts) and its slow part. Taken from ``fwl_smollm2.json`` (same
+model, texts, segments and code; its static perplexities reproduced here): the general-mix head's rows and dynamic
+evaluation (all weights, low-rank), against which each FWL row's share of the reduction is given.
 
 Writes benchmarks/results/fwl_in_domain.json. Missing optional packages or checkpoints: one line, exit 2.
 """
@@ -42,24 +43,14 @@ from fastweights.core.threads import use_threads
 from fastweights.evidence.result_files import RESULTS, write_result
 from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.evidence.script_args import benchmark_threads_flag
-from fwl_comparators import cpu, fwl_rows, gain_split, score_texts, static_evaluator
-from fwl_smollm2 import TEXTS, load_texts, split_roles
-from smollm2_dynamic_eval import log
+from fastweights.evidence.script_log import log
 
 from fastweights.core.errors import UserError
+from fastweights.experiments.fwl_comparison import (cpu, fwl_rows, gain_split, load_texts, score_texts, split_roles,
+                                                    static_evaluator)
+from fastweights.experiments.in_domain_text import PIECE_CHARS, PIECES, SOURCES, check_disjoint, pieces, source_text
 
 ROOT = Path(__file__).resolve().parents[2]
-#: scored text -> (training source: a corpus spec, what it is)
-SOURCES = {
-    "anna_karenina": ("novels:war_and_peace_tolstoy_maude.txt", "Tolstoy, War and Peace (Maude)"),
-    "hamlet": ("shakespeare-train", "Shakespeare's plays but Hamlet, Macbeth and the other held-out ones"),
-    "war_and_peace_ch2": ("novels:anna_karenina_tolstoy_garnett.txt", "Tolstoy, Anna Karenina (Garnett)"),
-    "don_quijote": ("don-quijote:don_quijote_cervantes.txt",
-                    "Cervantes, Don Quijote, without its opening chapters (the scored text)"),
-}
-PIECES = 16  # documents per training folder (the recipe's 96 windows take 8 from each of the first 12)
-PIECE_CHARS = 40_000  # about 9-12 windows of 1,024 SmolLM2 tokens
-EXCLUDE_CHARS = 200_000  # cut after the scored excerpt's marker when the source is the scored document
 TEST_TIME_MINUTES = 5.0  # the test-time-only head's budget, as fwl_smollm2.py's recipe
 STATIC_TOLERANCE = 1e-4  # relative: this run's static perplexity against the stored one
 
@@ -68,39 +59,6 @@ def probe_specs(probes) -> list[dict]:
     """The behaviour probes of the code this benchmark measures (see tools/probes.py): the FWL head's two
     variants scored here."""
     return [probes.probe("hf_fwl", variant=v) for v in ("fwl", "test-time-only")]
-
-
-def source_text(key: str) -> str:
-    """The training source of scored text ``key``: its documents joined by blank lines, with the scored excerpt
-    and the :data:`EXCLUDE_CHARS` characters after its marker removed when the source holds it."""
-    from fastweights.data import load_corpus
-
-    spec = SOURCES[key][0]
-    text = "\n\n".join(d.text.strip() for d in load_corpus(spec) if d.n_chars)
-    excerpt = next(s for s, _ in TEXTS if s.key == key)
-    if excerpt.document == spec:
-        at = text.find(excerpt.marker)
-        if at < 0:
-            raise UserError(f"{spec}: the scored excerpt's marker {excerpt.marker!r} is not in it")
-        text = text[:at] + "\n\n" + text[at + EXCLUDE_CHARS:]
-    return text
-
-
-def pieces(text: str, n: int = PIECES, size: int = PIECE_CHARS) -> list[str]:
-    """``n`` pieces of about ``size`` characters, their starts spread evenly over ``text``, each from a paragraph
-    start to a paragraph end; they never overlap."""
-    if len(text) < n * size:
-        raise UserError(f"a source of {len(text):,} characters is too short for {n} pieces of {size:,}")
-    starts = [round(i * (len(text) - size) / max(1, n - 1)) for i in range(n)]
-    out, prev_end = [], 0
-    for s in starts:
-        a = text.find("\n\n", max(s, prev_end))
-        a = max(s, prev_end) if a < 0 else a + 2
-        b = text.rfind("\n\n", a, a + size)
-        b = a + size if b <= a else b
-        out.append(text[a:b].strip())
-        prev_end = b
-    return out
 
 
 def prepare(runs: Path) -> dict:
@@ -115,21 +73,6 @@ def prepare(runs: Path) -> dict:
         out[key] = {"folder": str(folder), "source": spec, "what": what, "characters": sum(map(len, docs))}
         log(f"{key}: {len(docs)} documents, {out[key]['characters']:,} characters of {what} -> {folder}")
     return out
-
-
-def check_disjoint(runs: Path) -> None:
-    """UserError when a training folder holds a line of 60+ characters of its own scored excerpt."""
-    from fastweights.data import load_corpus
-
-    for key in SOURCES:
-        spec = next(s for s, _ in TEXTS if s.key == key)
-        doc = "\n\n".join(d.text for d in load_corpus(spec.document))
-        at = doc.find(spec.marker)
-        lines = [ln for ln in doc[at:at + 20_000].splitlines() if len(ln.strip()) >= 60]
-        for f in sorted((runs / "data" / key).glob("*.txt")):
-            body = f.read_text(encoding="utf-8")
-            if any(ln.strip() in body for ln in lines):
-                raise UserError(f"{f}: holds a line of the scored excerpt {key!r}")
 
 
 def head_dir(runs: Path, key: str, variant: str) -> Path:
@@ -152,7 +95,7 @@ def share(reduction: float, of: float) -> float:
 
 
 def score_text(key: str, runs: Path, lm, tok, scored: dict, tuning: list, L: int, stored: dict) -> tuple[dict, dict]:
-    """Text ``key``'s rows: static (checked against ``stored``), the in-domain heads' (``fwl_comparators.fwl_rows``)
+    """Text ``key``'s rows: static (checked against ``stored``), the in-domain heads' (``fwl_comparison.fwl_rows``)
     and, cited from ``stored``, the general-mix head's and dynamic evaluation's. Returns (its entry of the result's
     ``per_text``, its heads' training records)."""
     from fastweights.hf.fwl_head import load_fwl_head

@@ -37,7 +37,10 @@ import torch
 from fastweights.evidence.result_files import write_result
 from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
-from ptb_dynamic_eval import DATA, MODEL_SETTINGS, PIP, SPLITS, load_penn, prepare
+from ptb_dynamic_eval import MODEL_SETTINGS
+
+from fastweights.data.bundled import PTB_PIP as PIP
+from fastweights.data.penn import DATA, SPLITS, load_penn, prepare
 
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.tune import tune_dynamic

@@ -7,8 +7,9 @@ experiment, Clark et al. 2022 section 3, Tables 1 and 2, Figure 2), offline on a
     fastweights fwl-head train --hf smollm2-135m --out runs/fwl-smollm2/bias-only --variant bias-only --minutes 5
     python benchmarks/quality/fwl_smollm2.py --runs runs/fwl-smollm2 --threads 1
 
-Texts (:data:`TEXTS`, excerpts cut by ``fastweights.data.excerpts.token_excerpt`` from the bundled corpora, every one of
-them a document the training mix skips: ``hf.fwl_training.HELD_OUT_NAMES``, checked by a test):
+Texts (``fastweights.experiments.fwl_comparison.TEXTS``, excerpts cut by ``fastweights.data.excerpts.token_excerpt``
+from the bundled corpora, every one of them a document the training mix skips: ``hf.fwl_training.HELD_OUT_NAMES``,
+checked by a test):
 
 - scored, ``--tokens`` predictions each (4,096), the whole excerpt in the KV cache, segments of 64
   predictions: three English texts, Anna Karenina (from its first line), Hamlet (``ACT I.``) and War and Peace
@@ -23,7 +24,8 @@ them a document the training mix skips: ``hf.fwl_training.HELD_OUT_NAMES``, chec
   al.), neither scored nor tuned on. War and Peace, the statistics text of ``smollm2_dynamic_eval.py``, is
   scored here.
 
-Rows (``fwl_comparators``: one evaluator loop, ``score()``, for every row; static rows with lr 0):
+Rows (``fastweights.experiments.fwl_comparison``: one evaluator loop, ``score()``, for every row; static rows
+with lr 0):
 
 - ``static``: the pretrained model;
 - ``dynamic``: dynamic evaluation with the rule and parameter subset ``smollm2_dynamic_eval.json`` chose on
@@ -55,7 +57,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import sys
 import time
 from collections import Counter
@@ -63,35 +64,21 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from fastweights.evidence.result_files import RESULTS, write_result
-from fastweights.core.threads import use_threads
-from fastweights.evidence.script_args import benchmark_threads_flag
-from fwl_comparators import (DYNAMIC_LR_FACTORS, LOWRANK_LR_FACTORS, LOWRANK_RANKS, STATS, TOP_BLOCKS,
-                             TOP_BLOCKS_LR_FACTORS, cpu, dynamic_rows, fwl_rows, gain_split, score_texts,
-                             static_evaluator)
-from smollm2_dynamic_eval import log
 
 from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.errors import UserError
-from fastweights.data.excerpts import ExcerptSpec, bundled_excerpt, token_excerpt
+from fastweights.core.threads import use_threads
+from fastweights.evidence.result_files import RESULTS, write_result
+from fastweights.evidence.script_args import benchmark_threads_flag
+from fastweights.evidence.script_log import log
+from fastweights.experiments.fwl_comparison import (DYNAMIC_LR_FACTORS, LOWRANK_LR_FACTORS, LOWRANK_RANKS,
+                                                    TOP_BLOCKS, TOP_BLOCKS_LR_FACTORS, cpu, dynamic_rows, figure2,
+                                                    fwl_rows, gain_split, load_texts, plot, score_texts,
+                                                    split_roles, static_evaluator, summarise)
 from fastweights.hf.fwl_training import VARIANTS
-from fastweights.loops.evaluate import SCORING_SEGMENT_LEN
 
-LN2 = math.log(2)
 #: the result's row of each variant of the recipe (fwl_training.VARIANTS): fwl, fwl_test_time_only, fwl_bias_only
 VARIANT_ROWS = {v: "fwl" if v == "fwl" else "fwl_" + v.replace("-", "_") for v in VARIANTS}
-#: (excerpt, English): the bundled excerpts (War and Peace scored here) and a statistics text of the training mix's corpora
-TEXTS = (
-    (bundled_excerpt("anna_karenina"), True),
-    (bundled_excerpt("hamlet"), True),
-    (bundled_excerpt("war_and_peace_ch2")._replace(role="scored"), True),
-    (bundled_excerpt("don_quijote"), False),
-    (bundled_excerpt("crime_and_punishment_part3"), True),
-    (bundled_excerpt("macbeth_act3"), True),
-    (ExcerptSpec("state_of_the_union_1946", "State of the Union 1946", "Truman, State of the Union address, 1946",
-                 "state-of-the-union:1946-Truman.txt", "", "statistics"), True),
-)
-STATS_TOKENS = STATS["batch_size"] * STATS["max_batches"] * SCORING_SEGMENT_LEN  # MS_g's targets, one segment a row
 SLOW_PART = "_slow_part"
 
 
@@ -101,49 +88,6 @@ def probe_specs(probes) -> list[dict]:
             + [probes.probe("hf_dynamic", rule=r) for r in ("rms", "sgd")]
             + [probes.probe("hf_dynamic", rule="rms", rank=4)]
             + [probes.probe("hf_dynamic", rule="rms", include="hf.transformer.h.1.*,hf.transformer.ln_f.*")])
-
-
-def load_texts(tok, tokens: int, val_tokens: int) -> dict:
-    """key -> (ids [n + 1], info) of every text of :data:`TEXTS`: ``tokens`` predictions per scored text,
-    ``val_tokens`` per tuning text, :data:`STATS_TOKENS` for the statistics text."""
-    sizes = {"scored": tokens, "validation": val_tokens, "statistics": STATS_TOKENS}
-    out = {}
-    for spec, english in TEXTS:
-        ids, info = token_excerpt(tok, spec, sizes[spec.role])
-        out[spec.key] = (ids, {**info, "english": english})
-    return out
-
-
-def split_roles(texts: dict) -> tuple[dict, list, torch.Tensor, set]:
-    """:func:`load_texts`' texts by role: (scored: key -> ids, the tuning texts' ids, the statistics text's ids, the
-    keys of the English scored texts)."""
-    by_role = lambda role: {k: ids for k, (ids, info) in texts.items() if info["role"] == role}  # noqa: E731
-    scored = by_role("scored")
-    (stats_ids,) = by_role("statistics").values()
-    return scored, list(by_role("validation").values()), stats_ids, {k for k in scored if texts[k][1]["english"]}
-
-
-def summarise(rows: dict, english: set[str]) -> dict:
-    """row -> {per_text: {text: perplexity, loss, CPU s, tokens per CPU-s, relative perplexity reduction and
-    throughput ratio against ``rows["static"]``}, the means of the two over the texts and over ``english``}."""
-    static = rows["static"]
-    results = {}
-    for row, per in rows.items():
-        per_text = {}
-        for k, r in per.items():
-            per_text[k] = {"perplexity": r["perplexity"], "loss_nats": r["loss_nats"], "cpu_s": r["cpu_s"],
-                           "tokens_per_cpu_s": r["tokens_per_cpu_s"],
-                           "relative_perplexity_reduction": 1 - r["perplexity"] / static[k]["perplexity"],
-                           "throughput_ratio_to_static": r["tokens_per_cpu_s"] / static[k]["tokens_per_cpu_s"]}
-        eng = [p for k, p in per_text.items() if k in english]
-        results[row] = {"per_text": per_text,
-                        "mean_relative_perplexity_reduction": float(np.mean(
-                            [p["relative_perplexity_reduction"] for p in per_text.values()])),
-                        "mean_relative_perplexity_reduction_english": float(np.mean(
-                            [p["relative_perplexity_reduction"] for p in eng])) if eng else None,
-                        "mean_throughput_ratio_to_static": float(np.mean(
-                            [p["throughput_ratio_to_static"] for p in per_text.values()]))}
-    return results
 
 
 def acceptance_of(results: dict) -> dict:
@@ -157,83 +101,6 @@ def acceptance_of(results: dict) -> dict:
             "fwl_throughput_over_dynamic": speed, "target_speed": 2.5, "speed_met": speed >= 2.5,
             "fwl_throughput_over_static": over_static, "target_throughput_over_static": 0.81,
             "throughput_over_static_met": over_static >= 0.81}
-
-
-def frequency_bins(ids: torch.Tensor, counts: Counter) -> list[str]:
-    edges = [(0, 0, "unseen"), (1, 9, "1-9"), (10, 99, "10-99"), (100, 999, "100-999"), (1000, None, "1000+")]
-    out = []
-    for t in ids.tolist():
-        c = counts.get(t, 0)
-        out.append(next(name for lo, hi, name in edges if c >= lo and (hi is None or c <= hi)))
-    return out
-
-
-def figure2(per_text: dict, rows: dict, methods: list[str], counts: Counter) -> dict:
-    """NLL improvement over static (bits per token, positive = better) by position, by training-mix frequency
-    of the target token and for first occurrences vs repeats, pooled over the scored texts."""
-    out = {m: {"position": {}, "frequency": {}, "repeat": {}} for m in methods}
-    pos_edges = [0, 64, 256, 1024, 2048, 4096]
-    for m in methods:
-        gains, pos, freq, rep = [], [], [], []
-        for k, ids in per_text.items():
-            g = ((rows["static"][k]["losses"] - rows[m][k]["losses"]) / LN2).tolist()
-            targets = ids[1:]
-            seen, first = set(), []
-            for t in ids[:1].tolist():
-                seen.add(t)
-            for t in targets.tolist():
-                first.append(t not in seen)
-                seen.add(t)
-            gains += g
-            pos += list(range(len(g)))
-            freq += frequency_bins(targets, counts)
-            rep += ["first occurrence" if f else "repeat" for f in first]
-        gains_t = np.asarray(gains)
-        for a, b in zip(pos_edges, pos_edges[1:]):
-            sel = [(a <= p < b) for p in pos]
-            if any(sel):
-                out[m]["position"][f"{a}-{b}"] = {"bits": float(gains_t[sel].mean()), "tokens": int(sum(sel))}
-        for name in ("unseen", "1-9", "10-99", "100-999", "1000+"):
-            sel = [f == name for f in freq]
-            if any(sel):
-                out[m]["frequency"][name] = {"bits": float(gains_t[sel].mean()), "tokens": int(sum(sel))}
-        for name in ("first occurrence", "repeat"):
-            sel = [r == name for r in rep]
-            if any(sel):
-                out[m]["repeat"][name] = {"bits": float(gains_t[sel].mean()), "tokens": int(sum(sel))}
-    return out
-
-
-def plot(fig2: dict, labels: dict, path: Path, texts: str) -> None:
-    """Figure 2's three panels for the methods of ``fig2`` (their legend ``labels``), of the ``texts`` named."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
-    styles = {"dynamic": ("tab:blue", "o", "-"), "fwl": ("tab:orange", "s", "--"),
-              "fwl_test_time_only": ("tab:green", "^", ":"), "fwl_bias_only": ("tab:purple", "D", "-."),
-              "fwl_slow_part": ("tab:red", "v", ":"), "fwl_step_scaled": ("tab:brown", "P", "-.")}
-    for ax, (panel, title) in zip(axes, (("position", "by position in the text (tokens)"),
-                                         ("frequency", "by frequency of the target in the training mix"),
-                                         ("repeat", "first occurrence vs repeat in the text"))):
-        for m, data in fig2.items():
-            names = list(data[panel])
-            colour, marker, ls = styles[m]
-            ax.plot(range(len(names)), [data[panel][n]["bits"] for n in names], color=colour, marker=marker,
-                    linestyle=ls, label=labels[m])
-            ax.set_xticks(range(len(names)), names, rotation=20)
-        ax.axhline(0, color="black", linewidth=0.8)
-        ax.set_title(title, fontsize=10)
-        ax.set_ylabel("NLL improvement over static (bits/token)")
-    fig.suptitle(f"SmolLM2-135M: where the FWL and dynamic evaluation gain ({texts}; above 0 = better than "
-                 "static)", fontsize=10)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))  # the bottom strip holds the legend, below every panel
-    handles, names = axes[0].get_legend_handles_labels()
-    fig.legend(handles, names, loc="lower center", ncol=len(names), fontsize=9, frameon=False)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 PART_SETTINGS = ("tokens", "val_tokens", "threads")  # what both halves must share, with --dynamic-from's content

@@ -24,12 +24,12 @@ Training (the recipe, ``fastweights fwl-head train`` with its defaults but ``--t
   chose 1e-4 for both, and the test-time-only head, taking 2.5x the FWL's steps in the same budget, was then
   better than static on those windows (+0.037 nats, its slow logits) and 4.4% worse on the scored texts.
 
-Rows per K, one thread, through ``fwl_comparators``' loop (each head on its own copy of the backbone, whose top
-blocks it replaces): ``static`` (checked against ``fwl_smollm2.json`` to 1e-4 relative), ``fwl`` and its slow part,
-``fwl_test_time_only`` (step size chosen on the tuning texts) and its slow part (= the top blocks and head
-fine-tuned without an FWL), ``dynamic_top_blocks`` (dynamic evaluation of the same K blocks and the final norm, lr
-chosen on the tuning texts as ``fwl_smollm2.py`` chooses it; K = 2 is its row and is cited, K = 4 run here).
-Cited from ``fwl_smollm2.json``: dynamic evaluation of all weights and low-rank, and its K = 0 rows.
+Rows per K, one thread, through the loop of ``fastweights.experiments.fwl_comparison`` (each head on its own copy of
+the backbone, whose top blocks it replaces): ``static`` (checked against ``fwl_smollm2.json`` to 1e-4 relative),
+``fwl`` and its slow part, ``fwl_test_time_only`` (step size chosen on the tuning texts) and its slow part (= the top
+blocks and head fine-tuned without an FWL), ``dynamic_top_blocks`` (dynamic evaluation of the same K blocks and the
+final norm, lr chosen on the tuning texts as ``fwl_smollm2.py`` chooses it; K = 2 is its row and is cited, K = 4 run
+here). Cited from ``fwl_smollm2.json``: dynamic evaluation of all weights and low-rank, and its K = 0 rows.
 
 Writes benchmarks/results/fwl_top_blocks.json. Missing optional packages or checkpoints: one line, exit 2.
 """
@@ -49,24 +49,25 @@ from fastweights.core.threads import use_threads
 from fastweights.hf.fwl_training import RECIPE
 from fastweights.evidence.result_files import RESULTS, write_result
 from fastweights.evidence.script_args import benchmark_threads_flag
-from fwl_comparators import (
+from fastweights.evidence.script_log import log
+
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
+from fastweights.core.errors import UserError
+from fastweights.experiments.fwl_comparison import (
     STATS,
     TOP_BLOCKS,
     cpu,
     fwl_rows,
     gain_split,
     head_loss_on,
+    load_texts,
     score_texts,
+    split_roles,
     static_evaluator,
     top_blocks_row,
     tune_test_time_step,
     tuning_hidden,
 )
-from fwl_smollm2 import load_texts, split_roles
-from smollm2_dynamic_eval import log
-
-from fastweights.cli.script_parser import ScriptParser, exit_status_of
-from fastweights.core.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
 KS = (2, 4)  # trainable top blocks

@@ -37,13 +37,10 @@ which were trained in this invocation).  Writes benchmarks/results/fwpkm_longdoc
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
 from pathlib import Path
-
-import torch
 
 from fastweights.evidence.result_files import write_result
 from fastweights.cli.script_parser import ScriptParser, exit_status_of
@@ -53,9 +50,7 @@ from fastweights.evidence.script_args import benchmark_threads_flag
 from fastweights.models.loading import load_checkpoint
 from fastweights.core.config import make_config
 from fastweights.data import load_corpus, split_corpus
-from fastweights.loops.evaluate import score_tokens
-from fastweights.experiments.addressing import windowed_addressing_stats
-from fastweights.models.memory_switches import memory_writes
+from fastweights.experiments.fwpkm_documents import EARLY, addressing, memory_layers, score_documents
 from fastweights.loops.train import train
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,7 +63,6 @@ VARIANTS = {
                                         'model.options.fwpkm.persistence="stream"']),
 }
 MAIN = ("fwpkm-addressing", "fwpkm-shared")  # the models that also get the frozen (D.2) pass
-EARLY = 2048  # characters: per-document positions before / after this are reported separately
 
 
 def run_config(name: str, a) -> tuple:
@@ -90,71 +84,9 @@ def same_config(out: Path, cfg) -> bool:
     return all(saved.get(sec) == want[sec] for sec in ("model", "data", "train"))
 
 
-def memory_layers(model) -> list:
-    return [m for m in model.modules() if type(m).__name__ == "FwPKM"]
-
-
-@torch.no_grad()
-def score_documents(model, tokenizer, docs, seq_len: int, frozen: bool, record: bool) -> dict:
-    """Stream each document from a fresh state, state carried within it; per-document NLL and reads."""
-    mems = memory_layers(model)
-    per_doc, reads = [], []
-    nll_early = n_early = nll_late = n_late = 0.0
-    with memory_writes(model, frozen=True if frozen else None):
-        for doc in docs:
-            text = doc.text
-            ids = torch.as_tensor(tokenizer.encode(text), dtype=torch.long)
-            for m in mems:
-                m.read_log, m.gate_log, m.record_reads = [], [], record
-            t0 = time.perf_counter()
-            res, _ = score_tokens(model, ids, seq_len, seq_len // 2, keep_token_losses=True)
-            dt = time.perf_counter() - t0
-            losses = torch.tensor(res.token_losses, dtype=torch.float64)
-            nll_early += float(losses[: EARLY - 1].sum())
-            n_early += min(len(losses), EARLY - 1)
-            nll_late += float(losses[EARLY - 1:].sum())
-            n_late += max(0, len(losses) - (EARLY - 1))
-            per_doc.append({"doc": doc.name, "tokens": res.tokens, "bits_per_char": res.loss / math.log(2),
-                            "seconds": round(dt, 2)})
-            if record:
-                reads.append([(torch.cat([e["indices"][0] for e in m.read_log], 0),
-                               torch.cat([g[0] for g in m.gate_log])) for m in mems])
-            for m in mems:
-                m.read_log, m.gate_log, m.record_reads = [], [], False
-    tokens = sum(d["tokens"] for d in per_doc)
-    nll = sum(d["bits_per_char"] * d["tokens"] for d in per_doc)
-    out = {"bits_per_char": nll / tokens, "tokens": tokens,
-           "bits_per_char_first_2048": nll_early / n_early / math.log(2),
-           "bits_per_char_after_2048": nll_late / n_late / math.log(2) if n_late else None,
-           "per_document": per_doc}
-    out["perplexity_per_char"] = 2 ** out["bits_per_char"]
-    return out, reads
-
-
-def addressing(reads, mems, window_factor: int = 1) -> dict:
-    """Collision / coverage / KLD per window of window_factor * N / (H k) tokens, pooled over documents."""
-    layers = []
-    for li, m in enumerate(mems):
-        n_slots = m.n_slots
-        window = window_factor * n_slots // (m.heads * m.k)
-        windows = []
-        gates = []
-        for doc_reads in reads:
-            idx, g = doc_reads[li]
-            windows += windowed_addressing_stats(idx, n_slots, window)["per_window"]
-            gates.append(g)
-        stats = {k: sum(w[k] for w in windows) / len(windows) for k in ("collision", "coverage", "kld")}
-        stats.update(windows=len(windows), window_tokens=window, n_slots=n_slots,
-                     gate_mean=float(torch.cat(gates).float().mean()))
-        layers.append(stats)
-    mean = {k: sum(s[k] for s in layers) / len(layers) for k in ("collision", "coverage", "kld")}
-    return {"mean_over_layers": mean, "layers": layers}
-
-
 def probe_specs(probes) -> list[dict]:
     """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     return [s for preset, overrides in VARIANTS.values() for s in probes.preset_probes(preset, overrides, ("carry",))]
-
 
 
 def main():

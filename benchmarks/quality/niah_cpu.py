@@ -23,61 +23,19 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
-import torch
-
 from fastweights.evidence.result_files import RESULTS, repo_relative, write_result
 from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
-
-DATA = "tinyshakespeare"  # the haystack: the text the preset's corpus niah-tinyshakespeare is built from
-
-
-def answer_digit_accuracy(ckpt: Path, chars: int = 40_000) -> dict:
-    """Did the model learn the skill it was trained for? Greedy next-character accuracy on the answer
-    digits of the questions in the held-out (test) span of its own training corpus, against the same
-    accuracy on the needles' digits, which nothing earlier predicts (chance level)."""
-    from fastweights.models.loading import load_checkpoint
-    from fastweights.data import load_corpus, split_corpus
-    from fastweights.tasks.niah import KEY_HEX, NEEDLE_TEMPLATE, VALUE_DIGITS  # (importing registers the corpora)
-
-    use_threads("benchmark", 1)
-    model, tok, cfg = load_checkpoint(ckpt)
-    model.eval()
-    docs = load_corpus(cfg.data.corpus)
-    text = "".join(d.text for d in split_corpus(docs, cfg.data.split, cfg.data.val_fraction,
-                                                   cfg.data.test_fraction)["test"])[:chars]
-    text = text[text.index("\n\n") + 2:]  # start at a record boundary
-    ids = torch.tensor(tok.encode(text))  # [N]
-    if ids.numel() != len(text):
-        raise SystemExit(f"error: {ckpt} does not use a character tokenizer (the answer digits need one token each)")
-    preds, state = [], None
-    with torch.no_grad():
-        for s in range(0, ids.numel(), cfg.train.seq_len):
-            out = model(ids[None, s : s + cfg.train.seq_len], state)
-            state = model.trim_state(out.state, cfg.train.seq_len)
-            preds.append(out.logits.argmax(-1)[0])
-    hit = torch.cat(preds)[:-1] == ids[1:]  # hit[j - 1]: was character j predicted from those before it?
-    needle = re.escape(NEEDLE_TEMPLATE).replace(r"\{key\}", f"(ID-[0-9a-f]{{{KEY_HEX}}})").replace(
-        r"\{value\}", f"(\\d{{{VALUE_DIGITS}}})")
-    hits = {"question": [0, 0], "needle": [0, 0]}
-    for m in re.finditer(needle, text):  # a key's first occurrence is its needle, later ones are questions
-        kind = "needle" if text.find(m.group(1)) == m.start(1) else "question"
-        hits[kind][0] += int(hit[m.start(2) - 1 : m.end(2) - 1].sum())
-        hits[kind][1] += m.end(2) - m.start(2)
-    return {"question_answer_digits": float(hits["question"][0] / hits["question"][1]),
-            "needle_digits_chance": float(hits["needle"][0] / hits["needle"][1]),
-            "questions": hits["question"][1] // VALUE_DIGITS, "chars": len(text)}
+from fastweights.tasks.niah_diagnostics import DATA, answer_digit_accuracy
 
 
 def probe_specs(probes) -> list[dict]:
     """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     return probes.preset_probes("niah-cpu") + [probes.probe("task", name="niah")]
-
 
 
 def main() -> int:
@@ -112,6 +70,7 @@ def main() -> int:
                              capture_output=True, text=True).stdout
         doc = json.loads(out)
         train = json.loads((ckpt / "summary.json").read_text())
+        use_threads("benchmark", 1)
         in_distribution = answer_digit_accuracy(ckpt)
         print(label, "in-distribution answer digits:", in_distribution, flush=True)
         by_iters = doc["summary"]["by_iters"]

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import shutil
 import subprocess
 import sys
@@ -38,6 +37,7 @@ from pathlib import Path
 
 from fastweights.core.threads import use_threads
 from fastweights.evidence.result_files import write_result
+from fastweights.evidence.timing import children_cpu_seconds
 from fastweights.cli.script_parser import ScriptParser, exit_status_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,11 +52,6 @@ def probe_specs(probes) -> list[dict]:
     """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     return ([s for overrides in VARIANTS.values() for s in probes.preset_probes(PRESET, overrides)]
             + [probes.probe("task", name="niah"), probes.probe("task", name="niah_multitoken")])
-
-
-def children_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
 
 
 def overrides(name: str, a) -> list[str]:
@@ -165,7 +160,7 @@ def main() -> int:
         print(f"error: unknown variant(s) {', '.join(bad)} (known: {', '.join(VARIANTS)})", file=sys.stderr)
         return 2
     lengths = [int(x) for x in a.lengths.split(",")]
-    t0, c0 = time.time(), children_cpu()
+    t0, c0 = time.time(), children_cpu_seconds()
     try:
         for name in names:
             train(name, a)
@@ -174,7 +169,7 @@ def main() -> int:
         return 2
     if a.train_only:
         return 0
-    train_cpu = children_cpu() - c0
+    train_cpu = children_cpu_seconds() - c0
     models = {name: evaluate(name, a, lengths, (1, 2, 3))
               for name in [*names, *(e for e, b in EVAL_ONLY.items() if b in names)]}
     result = {"what": "multi-token NIAH: exact match of the generated three-token answer by reads and context length; "

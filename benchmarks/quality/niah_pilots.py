@@ -8,74 +8,31 @@ budget); its config (the overrides) and how far it trained are read from the che
         "full attention, short_conv=8=runs/niah-cpu-attn" "SWA 128 + FwPKM@2, short_conv=8=runs/p-fwpkm-conv" ...
 
 Per pilot: held-out answer-digit accuracy against the needles' own digits (chance), from
-``niah_cpu.answer_digit_accuracy``. With FwPKM at layer 0 and a short convolution, the memory's input
-is a function of the last W characters only, so a question's query equals its needle's query; the
-probe reads a held-out needle text through that memory (writes every chunk, as in training) and
-records, at each question's answer position, the cosine of the value read against the needle's value
-target and against the other needles' targets (the first answer digit). The probe's needle text is built
-from ``--data`` (a registered corpus name, default ``tinyshakespeare``: the text of the preset's corpus
-``niah-tinyshakespeare``); the accuracy reads each checkpoint's own training corpus.
+``fastweights.tasks.niah_diagnostics.answer_digit_accuracy``. With FwPKM at layer 0 and a short convolution, the
+memory's input is a function of the last W characters only, so a question's query equals its needle's query; the probe
+reads a held-out needle text through that memory (writes every chunk, as in training) and records, at each question's
+answer position, the cosine of the value read against the needle's value target and against the other needles' targets
+(the first answer digit). The probe's needle text is built from ``--data`` (a registered corpus name, default
+``tinyshakespeare``: the text of the preset's corpus ``niah-tinyshakespeare``); the accuracy reads each checkpoint's
+own training corpus.
 
 Writes benchmarks/results/NAME.json.
 """
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
-
-import torch
-import torch.nn.functional as F
 
 from fastweights.evidence.result_files import write_result
 from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
-from niah_cpu import DATA, answer_digit_accuracy
-
-
-@torch.no_grad()
-def memory_value_probe(model, tok, chars: int = 4096, seed: int = 7, haystack: str = DATA) -> dict | None:
-    """Cosines of the layer-0 FwPKM read at each question against the needles' value targets (see above)."""
-    from fastweights.tasks.niah import Haystack, training_text
-
-    block = model.blocks[0]
-    if block.memory is None or block.short_conv is None:
-        return None
-    mem = block.memory
-    text = training_text(Haystack.load(haystack), chars, seed=seed)
-    ids = torch.tensor(tok.encode(text))[None]  # [1, T]
-    x = model.embed(ids)
-    x = x + block.short_conv(x)[0]
-    q, v, _ = mem.io.inputs(block.memory_norm(x))
-    q = q.view(1, ids.shape[1], mem.heads, mem.d_key)  # [1, T, H, d_k]
-    v_hat, _ = mem.memory(q, v, torch.ones_like(v[..., 0]))  # [1, T, d_v]; every loss weight 1
-    v_hat, v = v_hat[0], v[0]
-    first, rows = {}, []
-    for m in re.finditer(r"(ID-[0-9a-f]{4}) is (\d)", text):
-        key, pos = m.group(1), m.start(2)  # pos: the answer's first digit
-        if key not in first:
-            first[key] = pos
-            continue
-        read = v_hat[pos - 1]  # the query before the digit reads what the needle's digit was written with
-        cos = lambda j: float(F.cosine_similarity(read, v[j], dim=-1))  # noqa: E731
-        others = [cos(j) for k, j in first.items() if k != key]
-        rows.append({"gap": pos - first[key], "cos_target": round(cos(first[key]), 4),
-                     "max_cos_other_needles": round(max(others), 4) if others else None})
-    near = [r for r in rows if r["gap"] < 500 and r["max_cos_other_needles"] is not None]
-    return {"chars": chars, "seed": seed, "haystack": haystack, "questions": rows,
-            "gap_under_500": {"n": len(near),
-                              "cos_target_range": [min(r["cos_target"] for r in near), max(r["cos_target"] for r in near)],
-                              "max_cos_other_range": [min(r["max_cos_other_needles"] for r in near),
-                                                      max(r["max_cos_other_needles"] for r in near)],
-                              "target_beats_others": sum(r["cos_target"] > r["max_cos_other_needles"] for r in near)}
-            if near else None}
+from fastweights.tasks.niah_diagnostics import DATA, answer_digit_accuracy, memory_value_probe
 
 
 def probe_specs(probes) -> list[dict]:
     """The behaviour probes of the code this benchmark measures (see tools/probes.py)."""
     return probes.preset_probes("niah-cpu") + [probes.probe("task", name="niah")]
-
 
 
 def main() -> int:

@@ -29,7 +29,6 @@ benchmarks/results/niah_token.json and one heatmap per model (benchmarks/results
 from __future__ import annotations
 
 import json
-import resource
 import shutil
 import subprocess
 import sys
@@ -38,6 +37,7 @@ from pathlib import Path
 
 from fastweights.core.threads import use_threads
 from fastweights.evidence.result_files import RESULTS, write_result
+from fastweights.evidence.timing import children_cpu_seconds
 from fastweights.cli.script_parser import ScriptParser, exit_status_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,11 +76,6 @@ def _eval_settings(doc: dict) -> dict:
             "iters": o.get("iters"), "frozen_memory": bool(o.get("frozen_memory"))}
 
 
-def children_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
-
-
 def trained(out: Path, sets: list[str]) -> bool:
     meta = out / "niah_token_overrides.json"
     return (out / "model.safetensors").exists() and meta.exists() and json.loads(meta.read_text()) == sets
@@ -107,7 +102,7 @@ def evaluate(name: str, a) -> dict:
     prefix.parent.mkdir(parents=True, exist_ok=True)
     wanted = {"lengths": [int(x) for x in a.lengths.split(",")], "samples_per_cell": a.samples, "seed": a.seed,
               "iters": [int(x) for x in iters.split(",")], "frozen_memory": bool(extra)}
-    t0 = children_cpu()
+    t0 = children_cpu_seconds()
     done = prefix / "niah.json"  # task niah writes niah.json and niah.png into --out DIR
     if done.exists() and done.stat().st_mtime > (ckpt / "model.safetensors").stat().st_mtime and \
             _eval_settings(json.loads(done.read_text())) == wanted:
@@ -118,7 +113,7 @@ def evaluate(name: str, a) -> dict:
         fastweights("task", "niah", "--checkpoint", str(ckpt), "--lengths", a.lengths, "--iters", iters, "--samples",
                     str(a.samples), "--seed", str(a.seed), "--out", str(prefix), "--quiet", "--threads", "1",
                     "--device", "cpu", *extra)
-        prefix.with_suffix(".cpu").write_text(str(children_cpu() - t0))  # CPU seconds of that evaluation
+        prefix.with_suffix(".cpu").write_text(str(children_cpu_seconds() - t0))  # CPU seconds of that evaluation
     eval_cpu = float(prefix.with_suffix(".cpu").read_text())
     doc = json.loads(done.read_text())
     figures = RESULTS / "niah_token"

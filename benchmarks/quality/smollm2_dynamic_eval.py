@@ -59,6 +59,7 @@ from fastweights.evidence.result_files import write_result
 from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 from fastweights.evidence.script_args import benchmark_threads_flag
+from fastweights.evidence.script_log import log
 
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.grad_stats import collect_grad_stats
@@ -69,10 +70,6 @@ from fastweights.ops.nll import token_nll
 
 EMBED = "hf.model.embed_tokens.*"  # tied with the output matrix (lm_head) in SmolLM2
 MODEL = "SmolLM2-135M-Instruct (Q4_1 GGUF, de-quantised)"
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def cpu() -> float:

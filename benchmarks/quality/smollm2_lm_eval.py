@@ -47,22 +47,6 @@ def probe_specs(probes) -> list[dict]:
     return [probes.probe("hf_dynamic", rule="sgd")]
 
 
-def harness_run(model: str, model_args: dict, task_manager) -> dict:
-    """One lm-eval run of TASK: the metrics, each document's text and log-likelihood, CPU seconds."""
-    from lm_eval.evaluator import simple_evaluate
-
-    t0 = time.process_time()
-    out = simple_evaluate(model=model, model_args=model_args, tasks=[TASK], log_samples=True, bootstrap_iters=0,
-                          task_manager=task_manager)
-    cpu = time.process_time() - t0
-    samples = sorted(out["samples"][TASK], key=lambda s: s["doc_id"])
-    metrics = {k.split(",")[0]: v for k, v in out["results"][TASK].items() if k.endswith(",none")
-               and "stderr" not in k}
-    return {"metrics": metrics, "cpu_s": round(cpu, 1),
-            "documents": [{"name": s["doc"]["name"], "text": s["doc"]["text"],
-                           "loglikelihood": float(s["filtered_resps"][0])} for s in samples]}
-
-
 def main() -> int:
     ap = ScriptParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hf", default=MODEL, help="the Hugging Face model (default: %(default)s)")
@@ -73,6 +57,7 @@ def main() -> int:
     use_threads("benchmark", args.threads)
 
     from fastweights.harness import TASKS, register
+    from fastweights.harness.runs import harness_run
 
     register()
     from fastweights.hf.transformers_as_ours import smollm2_gguf
@@ -87,8 +72,8 @@ def main() -> int:
 
     tm = TaskManager(include_path=str(TASKS), include_defaults=False)
     common_args = {"hf": args.hf, "threads": args.threads, "device": "cpu"}
-    static = harness_run("fastweights", {**common_args, "segment_len": DYNAMIC["segment_len"]}, tm)
-    dynamic = harness_run("fastweights-dynamic", {**common_args, **DYNAMIC}, tm)
+    static = harness_run("fastweights", {**common_args, "segment_len": DYNAMIC["segment_len"]}, tm, TASK)
+    dynamic = harness_run("fastweights-dynamic", {**common_args, **DYNAMIC}, tm, TASK)
     texts = [d["text"] for d in static["documents"]]
     assert texts == [d["text"] for d in dynamic["documents"]]
 

@@ -32,23 +32,21 @@ Writes ``benchmarks/results/bench_delta_rule.json`` (or ``bench_delta_rule_cuda.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import importlib.metadata
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 from fastweights.evidence.result_files import write_result
 from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 from fastweights.evidence.script_args import benchmark_threads_flag
-from fastweights.evidence.timing import WALL_AND_CPU, call_seconds, samples, upper_median
+from fastweights.evidence.timing import WALL_AND_CPU, interleaved_samples, samples, upper_median
 import torch
 import torch.nn.functional as F
 
+from fastweights.experiments.fla_comparison import FLA_CHUNKS, FLA_FILES, fla_candidates, load_fla_cpu
 from fastweights.ops.delta_rule import delta_rule, delta_rule_recurrent, fla_available
+from fastweights.testing.memory_use import peak_rss_growth, saved_bytes
 
 
 def make_inputs(b, t, h, d, *, device="cpu", dtype=torch.float32, gated=False, seed=0):
@@ -86,46 +84,24 @@ def stats(times) -> dict:
             "cpu_min_s": cpus[0], "cpu_median_s": cpus[len(cpus) // 2], "all_wall_cpu_s": times}
 
 
-def saved_bytes(impl, t, d=64, h=4):
+def saved_bytes_of(impl, t, d=64, h=4):
+    """Bytes autograd saves for backward in one forward of ``impl`` at T = ``t`` (then the backward, outside)."""
     xs, _ = make_inputs(1, t, h, d)
-    seen = {}
-
-    def pack(x):
-        seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()  # each storage once
-        return x
-
     fn = delta_rule if impl == "chunked" else delta_rule_recurrent
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        o, _ = fn(*xs)
-    o.sum().backward()
-    return sum(seen.values())
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
+    out = []
+    nbytes = saved_bytes(lambda: out.append(fn(*xs)[0]))
+    out[0].sum().backward()
+    return nbytes
 
 
 def rss_child(impl, t, d, h=4):
-    """Run in a fresh process: peak RSS growth (bytes) around one forward+backward.
-
-    Uses the kernel's per-process high-water mark VmHWM, reset to the current RSS just before the run
-    (``/proc/self/clear_refs``). ru_maxrss is not usable here: Linux carries it across exec, so a child
-    of a big parent starts with the parent's peak.
-    """
+    """Run in a fresh process: peak RSS growth (bytes) around one forward+backward (``peak_rss_growth``)."""
     use_threads("benchmark", 1)
     fn = delta_rule if impl == "chunked" else delta_rule_recurrent
     warm, _ = make_inputs(1, 64, h, d)
     fwd_bwd(fn, warm, None)  # load kernels and allocator pools first
     xs, _ = make_inputs(1, t, h, d)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    base = _status_bytes("VmRSS")
-    fwd_bwd(fn, xs, None)
-    print(json.dumps({"peak_rss_growth_bytes": _status_bytes("VmHWM") - base}))
+    print(json.dumps({"peak_rss_growth_bytes": peak_rss_growth(lambda: fwd_bwd(fn, xs, None))}))
 
 
 def rss_growth(impl, t, d):
@@ -135,46 +111,6 @@ def rss_growth(impl, t, d):
 
 
 FLA_SEQ_LENS = (512, 1024, 2048)
-FLA_CHUNKS = (16, 32, 64)
-FLA_FILES = {"delta": "ops/delta_rule/naive.py", "gated": "ops/gated_delta_rule/naive.py"}
-
-
-def load_fla_cpu():
-    """fla's two pure-PyTorch chunked modules ``{"delta": module, "gated": module}`` and a description
-    ``{"version", "files"}`` (each file's sha256); or None and the reason they cannot be used."""
-    spec = importlib.util.find_spec("fla")  # finds the package without running its __init__ (which needs Triton)
-    if spec is None or not spec.submodule_search_locations:
-        return None, {"reason": "flash-linear-attention (fla-core) is not importable"}
-    root = Path(next(iter(spec.submodule_search_locations)))
-    mods = {}
-    for name, rel in FLA_FILES.items():
-        file_spec = importlib.util.spec_from_file_location(f"_fla_cpu_{name}", root / rel)
-        mod = importlib.util.module_from_spec(file_spec)
-        try:
-            file_spec.loader.exec_module(mod)
-        except Exception as e:  # noqa: BLE001  (a missing einops, a moved file: recorded, not fatal)
-            return None, {"reason": f"fla/{rel} does not load: {type(e).__name__}: {e}"}
-        mods[name] = mod
-    try:
-        version = importlib.metadata.version("fla-core")
-    except importlib.metadata.PackageNotFoundError:
-        version = "unknown"
-    files = {f"fla/{rel}": hashlib.sha256((root / rel).read_bytes()).hexdigest() for rel in FLA_FILES.values()}
-    return mods, {"version": version, "files": files}
-
-
-def fla_candidates(mods, gated):
-    """fla's CPU forms of the (gated) delta rule: ``name -> (fn(q, k, v, beta, g) -> o, wants [B, H, T, D])``."""
-    cands = {}
-    for c in FLA_CHUNKS:
-        if not gated:
-            cands[f"delta_rule_chunkwise_C{c}"] = (
-                lambda q, k, v, beta, g, c=c: mods["delta"].delta_rule_chunkwise(q, k, v, beta, chunk_size=c)[0],
-                True)
-        cands[f"naive_chunk_gated_delta_rule_C{c}"] = (
-            lambda q, k, v, beta, g, c=c: mods["gated"].naive_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=c)[0],
-            False)
-    return cands
 
 
 def vs_fla_cpu(args) -> dict:
@@ -218,12 +154,7 @@ def vs_fla_cpu(args) -> dict:
                     o = fn(*[x.detach() for x in inputs], ld.detach())
                 o = o.transpose(1, 2) if bhtd else o
                 agreement["fla_" + name] = ((o - ref).norm() / ref.norm()).item()
-            times = {name: [] for name in fns}
-            for f in fns.values():
-                f()  # warm-up
-            for _ in range(args.fla_repeat):
-                for name, f in fns.items():
-                    times[name].append(call_seconds(f, WALL_AND_CPU))
+            times = interleaved_samples(fns, args.fla_repeat)  # one warm-up call each, then round-robin
             st = {name: stats(v) for name, v in times.items()}
             fla_names = [n for n in st if n != "ours"]
             fastest = min(fla_names, key=lambda n: st[n]["cpu_median_s"])
@@ -284,9 +215,9 @@ def cpu_benchmark(args) -> dict:
 
     saved = {"chunked": {}, "per_step": {}}
     for tt in (512, 1024, 2048, 4096):
-        saved["chunked"][tt] = saved_bytes("chunked", tt)
+        saved["chunked"][tt] = saved_bytes_of("chunked", tt)
         if tt <= 2048:
-            saved["per_step"][tt] = saved_bytes("per_step", tt)
+            saved["per_step"][tt] = saved_bytes_of("per_step", tt)
     state_bytes_per_step = h * d * d * 4
     rss = {"by_T_at_D64": {"chunked": {}, "per_step": {}}, "by_D_at_T1024": {"chunked": {}, "per_step": {}}}
     if not args.skip_rss:

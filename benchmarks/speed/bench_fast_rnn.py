@@ -32,7 +32,7 @@ from fastweights.evidence.result_files import command_line, provenance
 from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 from fastweights.evidence.script_args import benchmark_threads_flag
-from fastweights.evidence.timing import WALL_AND_CPU, call_seconds
+from fastweights.evidence.timing import WALL_AND_CPU, call_seconds, interleaved_samples
 
 from fastweights.layers.fast_rnn import FastWeightRNN
 
@@ -142,18 +142,13 @@ def read_mode_sweep(B: int, H: int, ratios: list[float], rounds: int) -> list[di
     for ratio in ratios:
         T = max(1, int(round(ratio * H)))
         x = torch.randn(B, T, H)
-        samples = {"attention": [], "matrix": []}
 
         def run(mode):
             rnn.read_mode = mode
             rnn.zero_grad(set_to_none=True)
             rnn(x)[0].square().mean().backward()
 
-        for mode in samples:
-            run(mode)
-        for _ in range(rounds):
-            for mode in samples:
-                samples[mode].append(call_seconds(lambda: run(mode), WALL_AND_CPU))
+        samples = interleaved_samples({mode: (lambda m=mode: run(m)) for mode in ("attention", "matrix")}, rounds)
         res = {mode: summarise(s) for mode, s in samples.items()}
         rows.append(
             {
@@ -177,7 +172,6 @@ def generation_comparison(B: int, H: int, tokens: int, rounds: int) -> dict:
     torch.manual_seed(0)
     rnn = FastWeightRNN(H, H, lam=LAM, eta=ETA)
     x = torch.randn(B, tokens, H)
-    samples = {"attention": [], "matrix": [], "auto": []}
 
     def run(mode):
         rnn.read_mode = mode
@@ -185,11 +179,7 @@ def generation_comparison(B: int, H: int, tokens: int, rounds: int) -> dict:
         for t in range(tokens):
             _, state = rnn(x[:, t : t + 1], state)
 
-    for mode in samples:
-        run(mode)
-    for _ in range(rounds):
-        for mode in samples:
-            samples[mode].append(call_seconds(lambda: run(mode), WALL_AND_CPU))
+    samples = interleaved_samples({mode: (lambda m=mode: run(m)) for mode in ("attention", "matrix", "auto")}, rounds)
     res = {mode: summarise(s) for mode, s in samples.items()}
     for mode in res:
         res[mode]["cpu_ms_per_token_median"] = round(res[mode]["cpu_ms_median"] / tokens, 4)

@@ -28,6 +28,7 @@ not depend on them. The vocabulary size is ``--vocab``, by default the character
 from __future__ import annotations
 
 import sys
+from statistics import median
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -132,10 +133,6 @@ def main():
             models[key[1]].train(key[0] == "train")
             repeat = a.repeat if key[0] != "stream" else max(1, a.repeat // 2)
             times[key].append(timeit(f, warmup=1, repeat=repeat, clock=clock))
-
-    def median(v):
-        v = sorted(v)
-        return v[len(v) // 2] if len(v) % 2 else 0.5 * (v[len(v) // 2 - 1] + v[len(v) // 2])
 
     base = "backbone (linear head)"
     results = {}

@@ -26,7 +26,7 @@ from fastweights.evidence.result_files import write_result
 from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 from fastweights.evidence.script_args import benchmark_threads_flag
-from fastweights.evidence.timing import timeit
+from fastweights.evidence.timing import timeit, upper_median
 
 from fastweights.core.config import ModelConfig
 from fastweights.models.lm import LanguageModel
@@ -100,9 +100,9 @@ def main():
         ratios.append(times["backbone"][-1] / times["fwpkm"][-1])  # = tok/s(FwPKM) / tok/s(backbone)
         print(f"round {r + 1}/{a.rounds}: backbone {times['backbone'][-1]:.3f}s fwpkm {times['fwpkm'][-1]:.3f}s "
               f"ratio {ratios[-1]:.3f}", flush=True)
-    sec = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    sec = {k: upper_median(v) for k, v in times.items()}
     tokens = a.batch * a.seq_len
-    ratio = sorted(ratios)[len(ratios) // 2]
+    ratio = upper_median(ratios)
     res = {"config": vars(a),
            "parameters": {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()},
            "seconds_per_step_median": sec, "seconds_per_step_per_round": times,

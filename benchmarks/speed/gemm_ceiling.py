@@ -25,7 +25,7 @@ from fastweights.evidence.result_files import write_result
 from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 from fastweights.evidence.script_args import benchmark_threads_flag
-from fastweights.evidence.timing import bench_clock, op_shares, timeit
+from fastweights.evidence.timing import bench_clock, op_shares, timed_rounds, upper_median
 from fastweights.loops.schedule import make_optimizer
 from fastweights.models.lm import LanguageModel
 from fastweights.ops import linear as lin
@@ -105,15 +105,12 @@ def preset_table(rounds: int, repeat: int) -> list[dict]:
     for preset in PRESETS:
         steps = {route: preset_step(preset, route) for route in ("torch", "auto")}
         tokens = steps["torch"][1]
-        times = {route: [] for route in steps}
-        for _ in range(rounds):
-            for route, (step, _) in steps.items():
-                times[route].append(timeit(step, warmup=1, repeat=repeat, clock=clock))
-        sec = {route: sorted(v)[len(v) // 2] for route, v in times.items()}
+        times = timed_rounds({route: step for route, (step, _) in steps.items()}, rounds, repeat, clock)
+        sec = {route: upper_median(v) for route, v in times.items()}
         ratios = [a / b for a, b in zip(times["torch"], times["auto"])]
         row = {"preset": preset, "tokens_per_step": tokens, "seconds_per_step": sec,
                "tokens_per_s": {r: tokens / s for r, s in sec.items()},
-               "route_speedup_over_torch": sorted(ratios)[len(ratios) // 2], "route_speedup_per_round": ratios,
+               "route_speedup_over_torch": upper_median(ratios), "route_speedup_per_round": ratios,
                "gemm_share": {route: op_shares(step)["gemm"] for route, (step, _) in steps.items()}}
         rows.append(row)
         print(row)

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 from fastweights.evidence.result_files import write_result  # noqa: E402
 from fastweights.cli.script_parser import ScriptParser, exit_status_of  # noqa: E402
-from fastweights.evidence.timing import call_seconds  # noqa: E402
+from fastweights.evidence.timing import call_seconds, upper_median  # noqa: E402
 
 from fastweights.adapt.dynamic import DynamicEvaluator  # noqa: E402
 from fastweights.core.config import make_config  # noqa: E402
@@ -135,10 +135,9 @@ def main():
                     busy.kill()
                     busy.wait()
     os.sched_setaffinity(0, set(cpus))
-    median = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
-    seconds = {k: {w: {f"{t}_thread": median(v) for t, v in d.items()} for w, d in per.items()} for k, per in times.items()}
+    seconds = {k: {w: {f"{t}_thread": upper_median(v) for t, v in d.items()} for w, d in per.items()} for k, per in times.items()}
     ratio = {k: {w: d["2_thread"] / d["1_thread"] for w, d in per.items()} for k, per in seconds.items()}
-    chosen = {k: {w: (median(defaults[k]) if w in TRAINING else SCORING_THREADS) for w in work} for k in seconds}
+    chosen = {k: {w: (upper_median(defaults[k]) if w in TRAINING else SCORING_THREADS) for w in work} for k in seconds}
     default_over_best = {k: {w: seconds[k][w][f"{chosen[k][w]}_thread"] / min(seconds[k][w].values()) for w in work}
                          for k in seconds}
     res = {"config": vars(a) | {"preset": PRESET, "parameters": sum(p.numel() for p in model.parameters()),

@@ -36,6 +36,7 @@ from fastweights.core.threads import use_threads
 from fastweights.evidence.result_files import write_result
 from fastweights.evidence.script_args import benchmark_threads_flag
 from fastweights.evidence.timing import upper_median
+from fastweights.testing.memory_use import saved_by_part
 
 # name -> (return_logits, the plain forms swapped in: (module, name there, plain form in fastweights.ops.X or
 # fastweights.layers.X))
@@ -64,58 +65,6 @@ def probe_specs(probes) -> list[dict]:
     import dataclasses
 
     return probes.model_probes(dataclasses.asdict(config(32000)))
-
-
-def part_of(name: str, module, modules: dict) -> str | None:
-    """The label a module's saved tensors count under (a mixer's own modules apart from the ops it runs
-    inline), or None for a module that only contains labelled ones."""
-    if name == "embed" or name.endswith(("norm", "_norm")):
-        return "embedding" if name == "embed" else "norms"
-    if name.endswith(".mixer"):
-        return f"mixer:{type(module).__name__}"
-    parent, _, child = name.rpartition(".")
-    if parent.endswith(".mixer"):
-        return f"mixer:{type(modules[parent]).__name__}.{child}"
-    if name.endswith(".mlp"):
-        return "mlp"
-    return None
-
-
-def saved_by_part(model, step) -> dict:
-    """MB of the distinct storages autograd keeps during ``step()``, by :func:`part_of` of the innermost labelled
-    module running when each is saved ("loss and head" outside every one); parameters are not counted."""
-    import torch
-
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    stack, seen = ["loss and head"], {}
-    handles = []
-
-    def leave(module, args, output):  # returns None: the output stays the module's
-        stack.pop()
-
-    modules = dict(model.named_modules())
-    for name, module in modules.items():
-        label = part_of(name, module, modules)
-        if label:
-            handles.append(module.register_forward_pre_hook(lambda m, a, label=label: stack.append(label)))
-            handles.append(module.register_forward_hook(leave))
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params and ptr not in seen:
-            seen[ptr] = (stack[-1], t.untyped_storage().nbytes())
-        return t
-
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            step()
-    finally:
-        for h in handles:
-            h.remove()
-    out = {}
-    for label, nbytes in seen.values():
-        out[label] = out.get(label, 0.0) + nbytes / 2**20
-    return dict(sorted(out.items()))
 
 
 def child(variant: str, batch: int, seq_len: int, vocab: int) -> dict:

@@ -32,7 +32,7 @@ from fastweights.evidence.result_files import write_result
 from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 from fastweights.evidence.script_args import benchmark_threads_flag
-from fastweights.evidence.timing import bench_clock, op_shares, timeit
+from fastweights.evidence.timing import bench_clock, op_shares, timed_rounds, upper_median
 
 from fastweights.core.config import make_config
 from fastweights.loops.schedule import make_optimizer
@@ -127,17 +127,12 @@ def main():
     models["nanogpt"] = NanoGPT(a.vocab, demo.d_model, demo.n_layers, demo.n_heads, a.seq_len).to(dev)
     fns["nanogpt"] = step_fn(models["nanogpt"], torch.optim.AdamW(models["nanogpt"].parameters(), 1e-3), x, y, False)
     clock, clock_name = bench_clock(dev)
-    times = {k: [] for k in fns}
-    ratios = {k: [] for k in fns if k != "nanogpt"}
-    for _ in range(a.rounds):
-        for k, f in fns.items():
-            times[k].append(timeit(f, warmup=1, repeat=a.repeat, clock=clock))
-        for k in ratios:
-            ratios[k].append(times["nanogpt"][-1] / times[k][-1])
+    times = timed_rounds(fns, a.rounds, a.repeat, clock)
+    ratios = {k: [n / t for n, t in zip(times["nanogpt"], v)] for k, v in times.items() if k != "nanogpt"}
     os.environ.pop("FASTWEIGHTS_LINEAR", None)
-    sec = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    sec = {k: upper_median(v) for k, v in times.items()}
     tokens = a.batch * a.seq_len
-    ratio = {k: sorted(v)[len(v) // 2] for k, v in ratios.items()}
+    ratio = {k: upper_median(v) for k, v in ratios.items()}
     shares = {k: op_shares(f) for k, f in fns.items()}
     bound = sec["nanogpt"] / (sec["demo"] * (shares["demo"]["gemm"] + shares["demo"]["attention"]))
     res = {"config": vars(a), "clock": clock_name, "models": {k: list(v) for k, v in MODELS.items()},

@@ -16,6 +16,7 @@ from helpers import HANG_GUARD_S, ROOT, gpu_queue_dry_run, import_benchmark, run
 
 from fastweights.cli.script_parser import exit_status_of
 from fastweights.hf import fwl_training
+from fastweights.hf.fwl_online import PretrainedLogits, training_streams
 
 from fastweights.layers.fwl import slow_part
 
@@ -177,7 +178,7 @@ def test_the_slow_part_is_the_head_with_zero_step_sizes_restored_after(tiny_fwl,
 def test_the_static_row_is_the_backbones_own_logits(tiny_fwl, recipe):
     model, _ = tiny_fwl
     tokens = torch.randint(0, 500, (2, 30))
-    static = recipe.PretrainedLogits(model.backbone)
+    static = PretrainedLogits(model.backbone)
     first = static(tokens[:, :17])
     second = static(tokens[:, 17:], first.state)
     own = model.backbone(tokens).logits
@@ -201,7 +202,7 @@ def test_training_streams_are_consecutive_stretches_of_each_document(tiny_fwl, r
     _, tok = tiny_fwl
     from fastweights.data import load_corpus
 
-    it = recipe.training_streams(tok, 50, seed=0, streams_per_doc=2)
+    it = training_streams(tok, 50, seed=0, streams_per_doc=2)
     first = [next(it) for _ in range(6)]
     assert [s.split(":")[0] for _, s in first] == list(recipe.TRAINING_MIX) * 2  # the corpora in turn
     for i, (ids, source) in enumerate(first):
@@ -241,9 +242,11 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, says, recipe, capsys):
 
 
 def test_the_recipe_scores_the_texts_of_the_cpu_comparison(recipe):
-    """The GPU recipe's scored texts are fwl_smollm2.py's, so the two results compare text for text."""
-    cpu = import_benchmark("fwl_smollm2")
-    assert set(recipe.SCORED_TEXTS) == {spec.key for spec, _ in cpu.TEXTS if spec.role == "scored"}
+    """The GPU recipe's scored texts are fwl_smollm2.py's (fwl_comparison.TEXTS), so the two results compare text
+    for text."""
+    from fastweights.experiments.fwl_comparison import TEXTS
+
+    assert set(recipe.SCORED_TEXTS) == {spec.key for spec, _ in TEXTS if spec.role == "scored"}
 
 
 def test_the_online_schedule_warms_up_then_decays_over_whichever_limit_ends_the_run():

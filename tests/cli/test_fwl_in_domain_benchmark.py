@@ -1,46 +1,44 @@
-"""benchmarks/quality/fwl_in_domain.py's training folders (issue 50): other text of each scored text's author, cut
-into documents that never overlap, and never the scored excerpt itself (the scored document's excerpt region is
-cut out, and a folder holding a line of it is refused)."""
+"""benchmarks/quality/fwl_in_domain.py's training folders (issue 50; fastweights.experiments.in_domain_text):
+other text of each scored text's author, cut into documents that never overlap, and never the scored excerpt
+itself (the scored document's excerpt region is cut out, and a folder holding a line of it is refused)."""
 
 import pytest
 
 pytest.importorskip("transformers")
 
-from helpers import import_benchmark  # noqa: E402
-
 from fastweights.core.errors import UserError  # noqa: E402
-
-bench = import_benchmark("fwl_in_domain")
+from fastweights.experiments import in_domain_text as idt  # noqa: E402
+from fastweights.experiments.fwl_comparison import TEXTS  # noqa: E402
 
 
 def test_pieces_spread_over_the_text_end_at_paragraphs_and_never_overlap():
     text = "\n\n".join(f"paragraph {i} " + "word " * (i % 7 + 3) for i in range(3000))
-    docs = bench.pieces(text, n=10, size=2000)
+    docs = idt.pieces(text, n=10, size=2000)
     assert len(docs) == 10 and all(0 < len(d) <= 2000 for d in docs)
     starts = [text.index(d) for d in docs]
     assert starts == sorted(starts) and all(b >= a + len(d) for a, b, d in zip(starts, starts[1:], docs))
     assert all(d.startswith("paragraph") for d in docs) and starts[-1] > 0.8 * len(text)
     with pytest.raises(UserError):
-        bench.pieces("short text", n=10, size=2000)
+        idt.pieces("short text", n=10, size=2000)
 
 
 def test_a_source_holding_the_scored_text_leaves_its_excerpt_out():
-    spec = next(s for s, _ in bench.TEXTS if s.key == "don_quijote")
-    text = bench.source_text("don_quijote")
-    assert spec.marker not in text and len(text) > bench.PIECES * bench.PIECE_CHARS
-    assert bench.SOURCES["anna_karenina"][0] != next(s for s, _ in bench.TEXTS if s.key == "anna_karenina").document
+    spec = next(s for s, _ in TEXTS if s.key == "don_quijote")
+    text = idt.source_text("don_quijote")
+    assert spec.marker not in text and len(text) > idt.PIECES * idt.PIECE_CHARS
+    assert idt.SOURCES["anna_karenina"][0] != next(s for s, _ in TEXTS if s.key == "anna_karenina").document
 
 
 def test_a_training_folder_with_a_line_of_its_scored_excerpt_is_refused(tmp_path):
     from fastweights.data import load_corpus
 
-    for key in bench.SOURCES:
+    for key in idt.SOURCES:
         (tmp_path / "data" / key).mkdir(parents=True)
         (tmp_path / "data" / key / "00.txt").write_text("nothing of the scored texts\n")
-    bench.check_disjoint(tmp_path)
-    spec = next(s for s, _ in bench.TEXTS if s.key == "hamlet")
+    idt.check_disjoint(tmp_path)
+    spec = next(s for s, _ in TEXTS if s.key == "hamlet")
     doc = "\n".join(d.text for d in load_corpus(spec.document))
     line = next(ln for ln in doc[doc.find(spec.marker):].splitlines() if len(ln.strip()) >= 60)
     (tmp_path / "data" / "hamlet" / "01.txt").write_text("before\n" + line + "\nafter\n")
     with pytest.raises(UserError, match="hamlet"):
-        bench.check_disjoint(tmp_path)
+        idt.check_disjoint(tmp_path)

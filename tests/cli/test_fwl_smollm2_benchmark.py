@@ -1,7 +1,7 @@
-"""benchmarks/quality/fwl_smollm2.py and its rows (fwl_comparators.py) on a tiny offline Llama, in seconds: the
-texts are long enough and never training text, the slow-part block zeroes the FWL's fast effect whatever the
-step sizes' parameterisation and puts the head back, the static row is the model without a head, the gain
-split adds up, and every row has its throughput and its setting chosen on tuning text."""
+"""benchmarks/quality/fwl_smollm2.py and its rows (fastweights.experiments.fwl_comparison) on a tiny offline Llama, in
+seconds: the texts are long enough and never training text, the slow-part block zeroes the FWL's fast effect whatever
+the step sizes' parameterisation and puts the head back, the static row is the model without a head, the gain split
+adds up, and every row has its throughput and its setting chosen on tuning text."""
 
 import json
 import math
@@ -18,9 +18,9 @@ from fastweights.hf.fwl_head import PRETRAINED_FWL_DEFAULTS, HFCausalLMWithFWL  
 from fastweights.hf.fwl_training import HELD_OUT_NAMES, TRAINING_MIX  # noqa: E402
 from fastweights.layers.fwl import scaled_step_sizes, slow_part  # noqa: E402
 from fastweights.layers.fwl import FWLOptions  # noqa: E402
+import fastweights.experiments.fwl_comparison as fc  # noqa: E402
 
 sys.path.insert(0, str(benchmark_script("fwl_smollm2").parent))
-import fwl_comparators as fc  # noqa: E402
 import fwl_smollm2 as bench  # noqa: E402
 
 from fastweights.core.errors import UserError  # noqa: E402
@@ -62,16 +62,16 @@ def test_the_texts_are_long_enough_and_never_training_text(llama):
     from fastweights.data import load_corpus
 
     _, tok = llama
-    texts = bench.load_texts(tok, 4096, 4096)
+    texts = fc.load_texts(tok, 4096, 4096)
     roles = {k: info["role"] for k, (_, info) in texts.items()}
     scored = [k for k, r in roles.items() if r == "scored"]
     assert len([k for k in scored if texts[k][1]["english"]]) >= 3 and "don_quijote" in scored
     assert list(roles.values()).count("validation") >= 2 and list(roles.values()).count("statistics") == 1
     for k, (x, info) in texts.items():
-        assert x.numel() == {"statistics": bench.STATS_TOKENS}.get(info["role"], 4096) + 1, k
+        assert x.numel() == {"statistics": fc.STATS_TOKENS}.get(info["role"], 4096) + 1, k
     mix = "\n".join(d.text for corpus in TRAINING_MIX for d in load_corpus(corpus)
                     if not any(n in d.name.lower() for n in HELD_OUT_NAMES))
-    for spec, _ in bench.TEXTS:
+    for spec, _ in fc.TEXTS:
         if spec.role == "statistics":
             continue  # gradient statistics come from training-like text (the module docstring)
         assert any(n in spec.document.lower() for n in HELD_OUT_NAMES), spec
@@ -167,7 +167,7 @@ def test_every_row_has_its_throughput_and_the_summary_its_ratios(rows):
                 "fwl_test_time_only", "fwl_test_time_only_slow_part", "fwl_bias_only", "fwl_bias_only_slow_part",
                 "fwl_step_scaled"}
     assert set(out) == expected
-    results = bench.summarise(out, english={"a"})
+    results = fc.summarise(out, english={"a"})
     for row in expected:
         for k in scored:
             r = results[row]["per_text"][k]
@@ -240,11 +240,11 @@ def test_a_point_already_measured_is_not_run_again_by_the_lr_search():
 
 
 def test_the_top_blocks_linears_are_their_mlps_or_every_linear_map(llama):
-    """smollm2_fast_dynamic's two parts of the last K blocks, as low-rank adaptation matches them: the MLP
-    projections, or every linear map (attention's too), of those blocks only."""
+    """smollm2_fast_dynamic's two parts of the last K blocks (fwl_comparison.top_linears), as low-rank adaptation
+    matches them: the MLP projections, or every linear map (attention's too), of those blocks only."""
     from fastweights.adapt.lowrank import LowRankAdaptation
 
-    top = import_benchmark("smollm2_fast_dynamic")
+    top = fc
     lm, _ = llama
     mlp = LowRankAdaptation(lm, top.top_linears(lm, 1, "mlp"), rank=2).names
     every = LowRankAdaptation(lm, top.top_linears(lm, 1, "all"), rank=2).names
@@ -385,7 +385,7 @@ def test_each_head_is_tuned_on_its_own_backbones_hidden_states(llama, monkeypatc
 
 
 def test_a_point_that_diverged_or_does_not_beat_the_baseline_is_never_chosen(capsys):
-    """fwl_comparators.best_point (issue 49, scope 4): NaN, inf and a loss past the margin are never chosen, a loss
+    """fwl_comparison.best_point (issue 49, scope 4): NaN, inf and a loss past the margin are never chosen, a loss
     above the baseline only when it is the grid's own no-adaptation point, and a grid with nothing to choose is one
     UserError naming every point."""
     nan, inf = float("nan"), float("inf")

@@ -104,14 +104,15 @@ def test_scoring_without_heads_is_one_line_and_exit_2(tmp_path, capsys):
 
 
 def test_the_top_k_blocks_row_adapts_those_blocks_and_the_norm_only(tmp_path):
-    """fwl_comparators.top_blocks_row with K = 1 of the tiny Llama's 2 blocks: block 1 and the norm change,
+    """fwl_comparison.top_blocks_row with K = 1 of the tiny Llama's 2 blocks: block 1 and the norm change,
     nothing else does; its lr is the best of its search on the tuning texts."""
     import torch
     from helpers import tiny_llama_dir
 
+    import fastweights.experiments.fwl_comparison as comparison
     from fastweights.hf.transformers_as_ours import load_hf_model
 
-    fc = bench.top_blocks_row.__globals__
+    fc = vars(comparison)
     lm, _ = load_hf_model(str(tiny_llama_dir(tmp_path, max_positions=128)))
     lm = lm.double().eval()
     before = {n: p.detach().clone() for n, p in lm.named_parameters()}
@@ -130,7 +131,7 @@ def test_the_top_k_blocks_row_adapts_those_blocks_and_the_norm_only(tmp_path):
 
     fc["DynamicEvaluator"] = Spy
     try:
-        row, tuned = bench.top_blocks_row(lm, 1, {"rule": "rms", "lr_there": 1e-3}, scored, tuning, ids(300), 8,
+        row, tuned = comparison.top_blocks_row(lm, 1, {"rule": "rms", "lr_there": 1e-3}, scored, tuning, ids(300), 8,
                                           log=lambda _m: None)
     finally:
         fc["DynamicEvaluator"] = real

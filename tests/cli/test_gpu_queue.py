@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import GPU_QUEUE_FAIL, HANG_GUARD_S, ROOT, bad_input_exits, gpu_queue_dry_run, import_benchmark, run_script
 
+from fastweights.experiments.fla_comparison import BackendLog
 from fastweights.testing import fla_standin
 
 SCRIPT = ROOT / "benchmarks" / "gpu" / "gpu_queue.py"
@@ -122,7 +123,7 @@ def test_the_gradient_check_catches_a_wrong_kernel(gq, monkeypatch):
     monkeypatch.setattr(fla_standin, "WRONG_CHUNK64", True)  # fla issue 984: dk, dbeta wrong at chunk 64
     try:
         ctx = gq.Ctx(torch.device("cpu"), True, dict(gq.cs.TINY, kernel_lengths=gq.TINY_LENGTHS), True, False,
-                     gq.cs.BackendLog())
+                     BackendLog())
         wrong = gq.grad_check(ctx, False, None)
         assert wrong["wrong"] == ["dbeta", "dk"] and not wrong["right"] and wrong["rel_err"]["dk"] > 0.3
         right = gq.grad_check(ctx, False, 32)

@@ -8,7 +8,6 @@ A figure is captured as it is saved (``Figure.savefig``), so the check sees the 
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import matplotlib
@@ -22,11 +21,9 @@ from matplotlib.colors import to_hex, to_rgb  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
-from helpers import BENCHMARKS, benchmark_script
+from helpers import BENCHMARKS
 
-sys.path.insert(0, str(benchmark_script("leaderboard").parent))
-
-import leaderboard  # noqa: E402
+from fastweights.experiments import leaderboard  # the figure of benchmarks/quality/leaderboard.py's record
 
 RESULTS = BENCHMARKS / "results"
 

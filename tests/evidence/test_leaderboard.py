@@ -13,6 +13,8 @@ from fastweights.cli.script_parser import exit_status_of
 sys.path[:0] = [str(benchmark_script("leaderboard").parent), str(TOOLS)]
 
 import leaderboard  # noqa: E402
+from fastweights.evidence.row_provenance import measured_commits, measured_probes  # noqa: E402
+from fastweights.experiments.leaderboard import ABLATIONS, ENTRIES, top_entries  # noqa: E402
 import probes  # noqa: E402
 import report  # noqa: E402
 
@@ -33,15 +35,15 @@ def test_rows_from_two_commits_record_the_oldest_and_keep_every_rows_probes():
     a["probes"] = [{"kind": "model", "args": {"x": 1}, "summary": {"y": "exact aa"}}]
     b["probes"] = [{"kind": "model", "args": {"x": 2}, "summary": {"y": "exact bb"}}, a["probes"][0]]
     rows = {"attention": [a], "fast-rnn": [b]}
-    assert leaderboard.measured_commits(rows)["commit"] == old  # everything counts from the oldest run
-    assert leaderboard.measured_probes(rows) == [a["probes"][0], b["probes"][0]]  # each probe once
+    assert measured_commits(rows)["commit"] == old  # everything counts from the oldest run
+    assert measured_probes(rows) == [a["probes"][0], b["probes"][0]]  # each probe once
     del b["probes"]
     with pytest.raises(SystemExit, match="records no probes"):
-        leaderboard.measured_probes(rows)
+        measured_probes(rows)
 
 
 def test_each_entry_probes_its_own_model():
-    specs = {name: leaderboard.entry_probe_specs(probes, name) for name in leaderboard.ENTRIES}
+    specs = {name: leaderboard.entry_probe_specs(probes, name) for name in ENTRIES}
     assert specs["gdn"] != specs["attention"] and specs["fwl"] != specs["attention"]
     assert specs["fwl-carry"] == specs["fwl"]  # a training setting: the same model
     assert any(s["kind"] == "dynamic" for s in specs["dynamic-eval"])
@@ -126,7 +128,7 @@ def test_finished_rows_keep_committed_rows_unless_rerun_or_remeasured_differentl
     results, out = tmp_path / "results", tmp_path / "runs"
     results.mkdir()
     monkeypatch.setattr(leaderboard, "RESULTS", results)
-    att, lstm = leaderboard.ENTRIES["attention"], leaderboard.ENTRIES["lstm"]
+    att, lstm = ENTRIES["attention"], ENTRIES["lstm"]
     (results / "leaderboard.json").write_text(json.dumps({
         "table": [{"entry": "attention", "preset": att[1], "overrides": att[2]},
                   {"entry": "lstm", "preset": "an-older-preset", "overrides": lstm[2]}],
@@ -146,8 +148,8 @@ def test_results_rewritten_by_a_parallel_run_are_not_dirty_code():
     clean, results_only, code = (_row("lstm", 0, head, 2.0, 2.1) for _ in range(3))
     results_only["git"]["dirty_paths"] = ["benchmarks/results/leaderboard.json"]
     code["git"]["dirty_paths"] = ["src/fastweights/layers/lstm.py"]
-    assert not leaderboard.measured_commits({"lstm": [clean, results_only]})["dirty"]
-    git = leaderboard.measured_commits({"lstm": [clean, code]})
+    assert not measured_commits({"lstm": [clean, results_only]})["dirty"]
+    git = measured_commits({"lstm": [clean, code]})
     assert git["dirty"] and git["dirty_paths"] == ["src/fastweights/layers/lstm.py"]
 
 
@@ -185,6 +187,6 @@ def test_top_entries_rank_mechanisms_not_their_ablations():
         return {"seed": 0, "streamed": {"bits_per_char": bits}}
 
     rows = {"lstm": [row(2.0)], "fwl-lanes": [row(2.01)], "fwl": [row(2.02)], "swa": [row(2.03)], "gdn": [row(2.1)]}
-    assert leaderboard.top_entries(rows, 3) == ["lstm", "fwl", "swa"]
-    assert set(leaderboard.ABLATIONS) <= set(leaderboard.ENTRIES)
-    assert all(base in leaderboard.ENTRIES and base not in leaderboard.ABLATIONS for base in leaderboard.ABLATIONS.values())
+    assert top_entries(rows, 3) == ["lstm", "fwl", "swa"]
+    assert set(ABLATIONS) <= set(ENTRIES)
+    assert all(base in ENTRIES and base not in ABLATIONS for base in ABLATIONS.values())

@@ -117,7 +117,7 @@ def test_a_fastweights_command_records_the_checkout_it_runs_from(monkeypatch):
 def test_benchmark_scripts_import_without_sys_path_changes():
     tracked = subprocess.run(["git", "-C", str(ROOT), "ls-files", "benchmarks/*.py", "tools/*.py"], capture_output=True,
                              text=True).stdout.split()
-    scripts = [ROOT / p for p in tracked]
+    scripts = [ROOT / p for p in tracked if (ROOT / p).exists()]  # a deleted script awaits its commit
     assert len(scripts) > 20
     folders = {p.parent.relative_to(ROOT).as_posix() for p in scripts}
     assert folders == {"benchmarks/speed", "benchmarks/quality", "benchmarks/gpu", "tools"}, folders

@@ -119,3 +119,58 @@ def test_the_benchmark_clock_is_this_processs_cpu_time_on_one_thread_else_wall_t
     assert bench_clock("cuda") == (time.perf_counter, "wall")
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert bench_clock("cpu") == (time.perf_counter, "wall")
+
+
+class _Ticks:
+    """A clock that advances one second a reading: a call's seconds count the readings it makes."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        self.t += 1.0
+        return self.t
+
+
+def test_interleaved_samples_take_each_function_in_turn_after_its_warm_up():
+    from fastweights.evidence.timing import interleaved_samples
+
+    calls = []
+    clock = _Ticks()
+    fns = {"a": lambda: calls.append("a"), "b": lambda: (calls.append("b"), clock())}  # b reads the clock once
+    out = interleaved_samples(fns, rounds=3, clocks=(clock,), warmup=2)
+    assert calls == ["a", "b"] * 5  # two untimed rounds, then three timed, a and b alternating
+    assert out == {"a": [(1.0,)] * 3, "b": [(2.0,)] * 3}
+
+
+def test_timed_rounds_give_each_function_one_median_a_round():
+    from fastweights.evidence.timing import timed_rounds
+
+    clock, calls = _Ticks(), []
+    out = timed_rounds({"a": lambda: calls.append("a"), "b": lambda: (calls.append("b"), clock(), clock())},
+                       rounds=2, repeat=3, clock=clock)
+    assert calls == (["a"] * 4 + ["b"] * 4) * 2  # per round: a's warm-up and 3 timed calls, then b's
+    assert out == {"a": [1.0, 1.0], "b": [3.0, 3.0]}
+
+
+def test_step_timing_on_the_cpu_reports_the_median_every_call_and_the_warm_up():
+    import torch
+
+    from fastweights.evidence.timing import step_timing
+
+    calls = []
+    out = step_timing(lambda: calls.append(1), torch.device("cpu"), warmup=2, repeat=5)
+    assert len(calls) == 7 and len(out["seconds_all"]) == 5 and "peak_bytes" not in out
+    assert abs(out["seconds_median"] - sorted(out["seconds_all"])[2]) <= 1e-6  # the middle of five (rounded to 1e-6)
+    assert set(out) == {"seconds_median", "seconds_all", "warmup_seconds_total"}
+
+
+def test_the_cpu_seconds_of_ended_children_count_after_they_end():
+    import subprocess
+    import sys
+
+    from fastweights.evidence.timing import children_cpu_seconds
+
+    before = children_cpu_seconds()
+    subprocess.run([sys.executable, "-c", "sum(i * i for i in range(3_000_000))"], check=True)
+    assert children_cpu_seconds() - before > 0.05

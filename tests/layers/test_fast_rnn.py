@@ -17,7 +17,7 @@ from fastweights.layers.fast_rnn import (
 from fastweights.ops.fast_rnn import fast_rnn_attention, fast_rnn_reference, fold_history
 from fastweights.components import MIXERS, build_options, lookup
 from fastweights.ops.fast_rnn_kernel import step_kernel
-from helpers import BENCHMARKS, assert_lm_pieces_equal_one_call, in_pieces, tiny_lm
+from helpers import assert_lm_pieces_equal_one_call, in_pieces, tiny_lm
 
 BACKENDS = [
     "torch",
@@ -353,15 +353,12 @@ def test_kernel_backward_twice_with_retained_graph():
 
 
 def _read_over_input(eta: float) -> float:
-    """benchmarks/quality/fast_rnn_sweep.py's measure (mean |A_{t-1} h_t^(0)| over mean |W h_{t-1} + C x_t|, the two
-    terms one LayerNorm adds before the ReLU) in the shakespeare-char-fast-rnn preset's first layer at init."""
-    import sys
-
+    """fastweights.experiments.fast_rnn_read's measure, recorded by benchmarks/quality/fast_rnn_sweep.py (mean
+    |A_{t-1} h_t^(0)| over mean |W h_{t-1} + C x_t|, the two terms one LayerNorm adds before the ReLU) in the
+    shakespeare-char-fast-rnn preset's first layer at init."""
     from fastweights.core.config import make_config
+    from fastweights.experiments.fast_rnn_read import read_over_input
     from fastweights.models.lm import LanguageModel
-
-    sys.path.insert(0, str(BENCHMARKS / "quality"))
-    from fast_rnn_sweep import read_over_input
 
     cfg = make_config("shakespeare-char-fast-rnn", ["model.vocab_size=66", f"model.options.fast_rnn.eta={eta}"])
     torch.manual_seed(0)

@@ -9,6 +9,7 @@ other setting: wall seconds, with CUDA synchronised around each call.
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -44,6 +45,56 @@ def samples(fn, repeat: int, warmup: int = 0, clocks=(time.perf_counter,), sync=
     return [call_seconds(fn, clocks, sync) for _ in range(repeat)]
 
 
+def interleaved_samples(fns: dict, rounds: int, clocks=WALL_AND_CPU, warmup: int = 1) -> dict[str, list[tuple]]:
+    """``rounds`` timed calls of each of ``fns`` (name -> fn) taken in turn, so that every one sees the same load
+    of a shared machine, after ``warmup`` untimed calls of each: name -> :func:`call_seconds` of each call."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    out = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            out[name].append(call_seconds(fn, clocks))
+    return out
+
+
+def children_cpu_seconds() -> float:
+    """CPU seconds (user and system) of this process's children that have ended: what a script's ``fastweights``
+    subprocesses cost, read before and after them."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def device_sync(device) -> None:
+    """Wait for ``device``'s queued work (CUDA; nothing to wait for on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def step_timing(step, device, warmup: int, repeat: int) -> dict:
+    """Median wall seconds of ``step()`` on ``device`` after ``warmup`` calls, synchronised around each; every
+    timed call's seconds, the warm-up's (its calls and their queued work together), and on CUDA the peak memory
+    over all calls (what the GPU benchmarks record of each item)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def warm():  # the warm-up calls and their queued work, timed together
+        for _ in range(warmup):
+            step()
+        device_sync(device)
+
+    (first,) = call_seconds(warm)
+    times = [s for (s,) in samples(step, repeat, sync=lambda: device_sync(device))]
+    out = {"seconds_median": statistics.median(times), "seconds_all": [round(x, 6) for x in times],
+           "warmup_seconds_total": round(first, 3)}
+    if device.type == "cuda":
+        out["peak_bytes"] = torch.cuda.max_memory_allocated(device)
+    return out
+
+
 def upper_median(values) -> float:
     """The middle value of the sorted ``values`` (of an even count, the upper of the two middle ones)."""
     values = sorted(values)
@@ -58,6 +109,17 @@ def timeit(fn, warmup: int = 3, repeat: int = 10, clock=time.perf_counter) -> fl
     """
     sync = torch.cuda.synchronize if torch.cuda.is_available() else None
     return upper_median(s for (s,) in samples(fn, repeat, warmup, (clock,), sync))
+
+
+def timed_rounds(fns: dict, rounds: int, repeat: int, clock=time.perf_counter) -> dict[str, list[float]]:
+    """``rounds`` rounds in each of which every one of ``fns`` (name -> fn) is timed in turn by :func:`timeit` (one
+    warm-up call, the median of ``repeat``), so that a drifting load reaches them alike: name -> its median of each
+    round."""
+    out = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            out[name].append(timeit(fn, warmup=1, repeat=repeat, clock=clock))
+    return out
 
 
 #: op classes of a CPU step's profile (:func:`op_shares`): torch's GEMMs (and oneDNN's linear), and attention's

@@ -1,5 +1,7 @@
-"""The rows of the FWL-on-SmolLM2 comparison (``fwl_smollm2.py``): scoring through one evaluator loop, the FWL's
-gain split into its slow and fast parts, and the FWL paper's comparators, every setting chosen on tuning text.
+"""A Fast Weight Layer head on a pretrained model against dynamic evaluation of the same model: the texts, scoring
+through one evaluator loop, the FWL's gain split into its slow and fast parts, the FWL paper's comparators (every
+setting chosen on tuning text), and where each gains (Figure 2). The rows of ``benchmarks/quality/fwl_smollm2.py``,
+``fwl_in_domain.py``, ``fwl_top_blocks.py`` and ``smollm2_fast_dynamic.py``.
 
 Clark et al. 2022, "Meta-Learning Fast Weight Language Models" (arXiv 2212.02475), section 3 and Table 2;
 dynamic evaluation: Krause et al. 2019 (arXiv 1904.08378).
@@ -33,14 +35,20 @@ Comparators (scope 4), each with its learning rate (and rank) chosen on the tuni
 
 MS_g of the RMS rules: on the statistics text (neither scored nor tuned on), all weights but the excluded ones
 (the tied embedding), which covers the top-blocks subset; the low-rank A's their own per rank.
+
+The texts (:data:`TEXTS`): bundled excerpts (``fastweights.data.excerpts``), each with its role: scored, tuning
+(``validation``) or statistics.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections import Counter
+from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from fastweights.adapt.dynamic import DynamicEvaluator
@@ -48,7 +56,9 @@ from fastweights.adapt.lowrank import LowRankDynamicEvaluator, collect_lowrank_g
 from fastweights.adapt.tune import point_status
 from fastweights.adapt.grad_stats import collect_grad_stats
 from fastweights.core.errors import UserError
+from fastweights.data.excerpts import ExcerptSpec, bundled_excerpt, token_excerpt
 from fastweights.layers.fwl import scaled_step_sizes, slow_part
+from fastweights.loops.evaluate import SCORING_SEGMENT_LEN
 
 DYNAMIC_LR_FACTORS = (0.5, 1.0, 2.0)  # x the chosen setting's lr (smollm2_dynamic_eval.json, chosen on 2 x 1,024)
 TOP_BLOCKS = 2  # decoder blocks of the "few layers" row (plus the final norm)
@@ -60,10 +70,25 @@ LOWRANK_LR_FACTORS = (15.8, 31.6, 63.2)  # x the chosen lr (rank 16's best was 3
 LR_EXTENSIONS = 2  # grid points added past an edge that is best, at most
 STEP_SCALES = (0.0, 0.125, 0.25, 0.5, 1.0, 2.0)  # factors on the FWL's learned step sizes
 TEST_TIME_STEPS = (0.0, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2)  # the test-time-only head's global step size, x3 grid
+PARTS = {"mlp": "MLPs", "all": "every linear map"}  # what of the last blocks top_linears names: ".mlp.*" or ".*"
 STATS = {"batch_size": 4, "max_batches": 16, "context": 1024}  # MS_g: 16 batches of 4 x segment_len targets
+LN2 = math.log(2)
+#: (excerpt, English): the bundled excerpts (War and Peace scored here) and a statistics text of the training mix's corpora
+TEXTS = (
+    (bundled_excerpt("anna_karenina"), True),
+    (bundled_excerpt("hamlet"), True),
+    (bundled_excerpt("war_and_peace_ch2")._replace(role="scored"), True),
+    (bundled_excerpt("don_quijote"), False),
+    (bundled_excerpt("crime_and_punishment_part3"), True),
+    (bundled_excerpt("macbeth_act3"), True),
+    (ExcerptSpec("state_of_the_union_1946", "State of the Union 1946", "Truman, State of the Union address, 1946",
+                 "state-of-the-union:1946-Truman.txt", "", "statistics"), True),
+)
+STATS_TOKENS = STATS["batch_size"] * STATS["max_batches"] * SCORING_SEGMENT_LEN  # MS_g's targets, one segment a row
 
 
 def cpu() -> float:
+    """This process's CPU seconds (every row is timed on them, one thread)."""
     return time.process_time()
 
 
@@ -287,6 +312,29 @@ def search_lr(make: Callable[[float], DynamicEvaluator], tuning: list[torch.Tens
             "cpu_s": cpu() - c}
 
 
+def top_linears(lm, k: int, parts: str = "mlp") -> str:
+    """Glob patterns (comma-separated) of the linear maps of the last ``k`` decoder blocks of ``lm``: their MLP
+    projections (``parts="mlp"``) or all of them (``"all"``: attention too; low-rank adaptation takes only the
+    linear modules a pattern matches)."""
+    names = {id(m): n for n, m in lm.named_modules()}
+    blocks = list(lm.layers)
+    if not 1 <= k <= len(blocks):
+        raise UserError(f"top blocks must be in 1..{len(blocks)}, got {k}")
+    if parts not in PARTS:
+        raise UserError(f"parts must be one of {', '.join(PARTS)}, got {parts!r}")
+    return ",".join(f"{names[id(b)]}{'.mlp.*' if parts == 'mlp' else '.*'}" for b in blocks[len(blocks) - k:])
+
+
+def tuning_rate(ev: DynamicEvaluator, tuning: list[torch.Tensor]) -> tuple[float, float]:
+    """(tuning loss, predictions per process CPU-second) of ``ev`` over the tuning texts."""
+    c = cpu()
+    if ev.update_rule.lr:
+        loss = tuning_loss(ev, tuning)
+    else:  # the static pass
+        loss = static_tuning_loss(ev.model, tuning, ev.segment_len)
+    return loss, sum(t.numel() - 1 for t in tuning) / max(cpu() - c, 1e-9)
+
+
 def top_blocks_include(lm, k: int = TOP_BLOCKS) -> str:
     """Glob patterns (comma-separated) of the last ``k`` decoder blocks and the final norm of ``lm`` (an
     ``HFCausalLM``), as ``select_parameters`` names them."""
@@ -354,3 +402,131 @@ def dynamic_rows(lm, scored: dict, tuning: list[torch.Tensor], stats_ids: torch.
     for name in rows:
         log(f"{name}: " + ", ".join(f"{k} {r['perplexity']:.3f}" for k, r in rows[name].items()))
     return rows, tuned
+
+
+# ----------------------------------------------------------------------------- the texts and the summaries
+
+
+def load_texts(tok, tokens: int, val_tokens: int) -> dict:
+    """key -> (ids [n + 1], info) of every text of :data:`TEXTS`: ``tokens`` predictions per scored text,
+    ``val_tokens`` per tuning text, :data:`STATS_TOKENS` for the statistics text."""
+    sizes = {"scored": tokens, "validation": val_tokens, "statistics": STATS_TOKENS}
+    out = {}
+    for spec, english in TEXTS:
+        ids, info = token_excerpt(tok, spec, sizes[spec.role])
+        out[spec.key] = (ids, {**info, "english": english})
+    return out
+
+
+def split_roles(texts: dict) -> tuple[dict, list, torch.Tensor, set]:
+    """:func:`load_texts`' texts by role: (scored: key -> ids, the tuning texts' ids, the statistics text's ids, the
+    keys of the English scored texts)."""
+    by_role = lambda role: {k: ids for k, (ids, info) in texts.items() if info["role"] == role}  # noqa: E731
+    scored = by_role("scored")
+    (stats_ids,) = by_role("statistics").values()
+    return scored, list(by_role("validation").values()), stats_ids, {k for k in scored if texts[k][1]["english"]}
+
+
+def summarise(rows: dict, english: set[str]) -> dict:
+    """row -> {per_text: {text: perplexity, loss, CPU s, tokens per CPU-s, relative perplexity reduction and
+    throughput ratio against ``rows["static"]``}, the means of the two over the texts and over ``english``}."""
+    static = rows["static"]
+    results = {}
+    for row, per in rows.items():
+        per_text = {}
+        for k, r in per.items():
+            per_text[k] = {"perplexity": r["perplexity"], "loss_nats": r["loss_nats"], "cpu_s": r["cpu_s"],
+                           "tokens_per_cpu_s": r["tokens_per_cpu_s"],
+                           "relative_perplexity_reduction": 1 - r["perplexity"] / static[k]["perplexity"],
+                           "throughput_ratio_to_static": r["tokens_per_cpu_s"] / static[k]["tokens_per_cpu_s"]}
+        eng = [p for k, p in per_text.items() if k in english]
+        results[row] = {"per_text": per_text,
+                        "mean_relative_perplexity_reduction": float(np.mean(
+                            [p["relative_perplexity_reduction"] for p in per_text.values()])),
+                        "mean_relative_perplexity_reduction_english": float(np.mean(
+                            [p["relative_perplexity_reduction"] for p in eng])) if eng else None,
+                        "mean_throughput_ratio_to_static": float(np.mean(
+                            [p["throughput_ratio_to_static"] for p in per_text.values()]))}
+    return results
+
+
+# ----------------------------------------------------------------------------- where each row gains (Figure 2)
+
+
+def frequency_bins(ids: torch.Tensor, counts: Counter) -> list[str]:
+    """The bin of each token of ``ids`` by how often it occurs in the training mix (``counts``): unseen, 1-9, ...,
+    1000+."""
+    edges = [(0, 0, "unseen"), (1, 9, "1-9"), (10, 99, "10-99"), (100, 999, "100-999"), (1000, None, "1000+")]
+    out = []
+    for t in ids.tolist():
+        c = counts.get(t, 0)
+        out.append(next(name for lo, hi, name in edges if c >= lo and (hi is None or c <= hi)))
+    return out
+
+
+def figure2(per_text: dict, rows: dict, methods: list[str], counts: Counter) -> dict:
+    """NLL improvement over static (bits per token, positive = better) by position, by training-mix frequency
+    of the target token and for first occurrences vs repeats, pooled over the scored texts."""
+    out = {m: {"position": {}, "frequency": {}, "repeat": {}} for m in methods}
+    pos_edges = [0, 64, 256, 1024, 2048, 4096]
+    for m in methods:
+        gains, pos, freq, rep = [], [], [], []
+        for k, ids in per_text.items():
+            g = ((rows["static"][k]["losses"] - rows[m][k]["losses"]) / LN2).tolist()
+            targets = ids[1:]
+            seen, first = set(), []
+            for t in ids[:1].tolist():
+                seen.add(t)
+            for t in targets.tolist():
+                first.append(t not in seen)
+                seen.add(t)
+            gains += g
+            pos += list(range(len(g)))
+            freq += frequency_bins(targets, counts)
+            rep += ["first occurrence" if f else "repeat" for f in first]
+        gains_t = np.asarray(gains)
+        for a, b in zip(pos_edges, pos_edges[1:]):
+            sel = [(a <= p < b) for p in pos]
+            if any(sel):
+                out[m]["position"][f"{a}-{b}"] = {"bits": float(gains_t[sel].mean()), "tokens": int(sum(sel))}
+        for name in ("unseen", "1-9", "10-99", "100-999", "1000+"):
+            sel = [f == name for f in freq]
+            if any(sel):
+                out[m]["frequency"][name] = {"bits": float(gains_t[sel].mean()), "tokens": int(sum(sel))}
+        for name in ("first occurrence", "repeat"):
+            sel = [r == name for r in rep]
+            if any(sel):
+                out[m]["repeat"][name] = {"bits": float(gains_t[sel].mean()), "tokens": int(sum(sel))}
+    return out
+
+
+def plot(fig2: dict, labels: dict, path: Path, texts: str) -> None:
+    """Figure 2's three panels for the methods of ``fig2`` (their legend ``labels``), of the ``texts`` named."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    styles = {"dynamic": ("tab:blue", "o", "-"), "fwl": ("tab:orange", "s", "--"),
+              "fwl_test_time_only": ("tab:green", "^", ":"), "fwl_bias_only": ("tab:purple", "D", "-."),
+              "fwl_slow_part": ("tab:red", "v", ":"), "fwl_step_scaled": ("tab:brown", "P", "-.")}
+    for ax, (panel, title) in zip(axes, (("position", "by position in the text (tokens)"),
+                                         ("frequency", "by frequency of the target in the training mix"),
+                                         ("repeat", "first occurrence vs repeat in the text"))):
+        for m, data in fig2.items():
+            names = list(data[panel])
+            colour, marker, ls = styles[m]
+            ax.plot(range(len(names)), [data[panel][n]["bits"] for n in names], color=colour, marker=marker,
+                    linestyle=ls, label=labels[m])
+            ax.set_xticks(range(len(names)), names, rotation=20)
+        ax.axhline(0, color="black", linewidth=0.8)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel("NLL improvement over static (bits/token)")
+    fig.suptitle(f"SmolLM2-135M: where the FWL and dynamic evaluation gain ({texts}; above 0 = better than "
+                 "static)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))  # the bottom strip holds the legend, below every panel
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=len(names), fontsize=9, frameon=False)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
