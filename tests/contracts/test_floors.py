@@ -75,3 +75,15 @@ def test_an_import_from_a_higher_floor_is_caught(tmp_path):
     targets = list(imports(bad))
     assert targets == [("cli",), ("components",)]
     assert floor_of(("cli",)) > floor_of(("ops",))  # an ops module importing cli would be reported
+
+
+def test_the_benchmarks_stay_a_thin_layer_over_the_library():
+    """Issue 48: ``benchmarks/`` holds at most a quarter of the Python lines of ``src/`` and ``benchmarks/``
+    together; what scripts share lives in the library, beside the code it measures."""
+    root = Path(__file__).resolve().parents[2]
+
+    def lines(folder: str) -> int:
+        return sum(len(p.read_text().splitlines()) for p in (root / folder).rglob("*.py"))
+
+    bench, src = lines("benchmarks"), lines("src")
+    assert bench <= 0.25 * (bench + src), f"benchmarks/ is {bench / (bench + src):.1%} of the Python lines"
