@@ -2,6 +2,7 @@
 deltas (adapt.lowrank) and the neural cache on top of dynamic evaluation (adapt.dynamic_cache)."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -244,3 +245,19 @@ def test_an_unknown_cache_similarity_is_one_clear_error():
     with pytest.raises(UserError) as raised:
         DynamicNeuralCache(ev, similarity="euclid")
     assert str(raised.value) == f"cache similarity must be one of {', '.join(SIMILARITIES)}, got 'euclid'"
+
+
+def test_a_token_stream_is_one_row_of_ids():
+    """``as_token_stream``: [T] and [1, T] are one stream (int64); a batch of several rows, or a scalar, is refused
+    with its shape (a [2, T] batch read as one stream would score its rows as if they followed each other)."""
+    import torch
+
+    from fastweights.adapt.stream_state import as_token_stream
+
+    ids = torch.tensor([3, 1, 4, 1, 5], dtype=torch.int32)
+    for given in (ids, ids[None], ids.tolist()):
+        got = as_token_stream(given)
+        assert got.dtype == torch.int64 and got.tolist() == [3, 1, 4, 1, 5]
+    for bad, shape in ((torch.stack([ids, ids]), "(2, 5)"), (torch.tensor(7), "()"), (ids[None, None], "(1, 1, 5)")):
+        with pytest.raises(ValueError, match=rf"expected a 1-D token sequence, got shape {re.escape(shape)}"):
+            as_token_stream(bad)

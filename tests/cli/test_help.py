@@ -151,3 +151,24 @@ def test_train_help_lists_every_preset_with_its_description(tmp_path, monkeypatc
     assert described["bare"] == ""
     assert described["wrapped"] == "A sentence the comment wraps, on GPT-X"  # lines joined by a space; one "." cut
     assert "  mine " in dict(_parsers())["fastweights train"].format_help()
+
+
+def test_a_preset_that_cannot_be_read_is_listed_without_a_description(tmp_path, monkeypatch):
+    """The listing under ``train --help`` never fails on one unreadable preset: it is listed, described by ""."""
+    from pathlib import Path
+
+    from fastweights.core.config import preset_descriptions
+
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "locked.toml").write_text("# Locked preset.\n[train]\nmax_steps = 1\n")
+    monkeypatch.chdir(tmp_path)
+    read_text = Path.read_text
+
+    def refuse(self, *a, **k):
+        if self.name == "locked.toml":
+            raise PermissionError(13, "Permission denied", str(self))
+        return read_text(self, *a, **k)
+
+    monkeypatch.setattr(Path, "read_text", refuse)
+    described = preset_descriptions()
+    assert described["locked"] == "" and described["tiny"]  # the others keep theirs

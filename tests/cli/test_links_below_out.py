@@ -150,3 +150,22 @@ def test_encoding_names_the_token_cache_in_each_refusal(tmp_path, victim):
     (other / "data").write_text("a file where the cache folder goes\n")
     with pytest.raises(UserError, match=r"data is a file, not a folder; cannot write the token cache$"):
         encode_to_file(["some text"], tok, other / "data" / "train.bin", root=other)
+
+
+def test_the_tensorboard_writer_refuses_a_link_itself_when_the_first_check_is_passed(tmp_path, victim, monkeypatch,
+                                                                                      capsys):
+    """The writer of the TensorBoard events checks the folder again as it makes it (a link planted after the run's
+    first check, ``check_run_links``, which is skipped here to stage that race): one line naming what it refuses."""
+    pytest.importorskip("tensorboard")
+    from fastweights.checkpoints import run_dir
+    from fastweights.cli import main
+
+    monkeypatch.setattr(run_dir, "check_run_links", lambda *a, **k: None)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "tensorboard").symlink_to(victim)
+    assert main(["train", "--preset", "tiny", "--quiet", "--out", str(out), "--log", "tensorboard",
+                 "--set", "train.max_steps=6"]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: {out / 'tensorboard'} is a symbolic link; refusing to write "
+                                               "the TensorBoard events through it (remove the link)")
+    _unchanged(victim)

@@ -183,6 +183,7 @@ def test_json_text_writes_a_non_finite_number_as_null():
 
     text = json_text({"a": float("nan"), "b": [float("inf"), 1.5, (float("-inf"),)], "c": {"d": 2}}, indent=None)
     assert json.loads(text, parse_constant=_not_json) == {"a": None, "b": [None, 1.5, [None]], "c": {"d": 2}}
+    assert json_text({"a": [1.5]}) == '{\n  "a": [\n    1.5\n  ]\n}'  # by default indented for a reader, as results are
 
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])

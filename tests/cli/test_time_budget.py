@@ -357,3 +357,17 @@ def test_a_validation_is_estimated_at_the_time_it_took():
     assert sched.validation_estimate() == 0.25
     sched.record_validation(-1.0)  # a clock that went back: no time, never negative
     assert sched.validation_estimate() == 0.0
+
+
+def test_the_step_estimate_is_the_median_of_the_last_nine_steps_after_the_first():
+    """The pace a budget is planned with: the process's first step alone until there is another, then the median
+    of the last nine steps after it (a run that slows down is planned at its new pace within nine steps)."""
+    sched = Schedule(_cfg(max_steps=100), 100.0)
+    assert sched.step_estimate() is None
+    sched.record_step(30.0)  # the first step: allocation, compilation
+    assert sched.step_estimate() == 30.0 and sched.step_estimate(first=False) is None
+    for _ in range(20):
+        sched.record_step(1.0)
+    for _ in range(5):
+        sched.record_step(4.0)
+    assert sched.step_estimate() == 4.0  # five of the last nine are 4 s: an estimate over all 25 would say 1 s

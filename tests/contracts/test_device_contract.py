@@ -55,3 +55,24 @@ def test_bf16_autocast_trains_with_fp32_fast_weights(kind, name, raw):
     for where, leaf in state_leaves(state):
         if leaf.is_floating_point() and not ("" in allowed or where in allowed):
             assert leaf.dtype == torch.float32, f"{kind} {name}: state {where!r} is {leaf.dtype} under bf16 autocast"
+
+
+def test_the_contracts_build_each_variant_with_its_own_options():
+    """``build`` makes the component with the variant's options (not its defaults): two variants of one
+    component whose options differ build layers whose options differ the same way, in fp32."""
+    from fastweights import components as registry
+    from fastweights.testing.registry_cases import VARIANTS
+
+    checked = 0
+    for (kind, name), variants in VARIANTS.items():
+        entry = registry.lookup(registry.KINDS[kind], kind, name)
+        for raw in variants.values():
+            want = registry.build_options(entry, raw)
+            if not raw or want == registry.build_options(entry, {}):
+                continue  # the defaults: nothing to tell apart
+            layer = build(kind, name, raw)
+            if getattr(layer, "options", None) is not None:
+                assert layer.options == want, (kind, name, raw)
+                checked += 1
+            assert all(p.dtype == torch.float32 for p in layer.parameters())
+    assert checked >= 5

@@ -125,7 +125,9 @@ def _config(argv: list[str], tmp_path=None):
     original = EvaluatorConfig.__dict__["from_cli"]
     try:
         _device_auto_unless_given()
+        wrapped = EvaluatorConfig.__dict__["from_cli"]
         _device_auto_unless_given()  # wrapping twice is wrapping once
+        assert EvaluatorConfig.__dict__["from_cli"] is wrapped and wrapped is not original
         return EvaluatorConfig.from_cli(HarnessCLI()._parser.parse_args(["run", *argv]))
     finally:
         EvaluatorConfig.from_cli = original

@@ -112,6 +112,8 @@ def test_eval_generate_and_dynamic_eval_take_the_checkpoint(trained, tmp_path, c
     from transformers import AutoTokenizer
 
     assert AutoTokenizer.from_pretrained(export).padding_side == "left"  # as export-hf's (issue 49: it padded right)
+    written = (export / "tokenizer_config.json").read_text()  # rewritten as transformers writes it: indented
+    assert written == json.dumps(json.loads(written), indent=2)
     assert cli.main(["dynamic", "eval", "--hf", str(export), "--data", str(data), "--rule", "sgd", "--lr", "1e-3",
                      "--json", "--quiet"]) == 0
     again = json.loads(capsys.readouterr().out)
@@ -182,7 +184,8 @@ def test_a_link_planted_at_the_default_cache_is_refused(backbone_dir, tmp_path, 
     assert cli.main(["fwl-head", "train", "--hf", str(backbone_dir), "--out", str(tmp_path / "runs" / "fwl"),
                      "--windows", "6", "--minutes", "0.02", "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "link" in err and len(err.splitlines()) == 1
+    assert err == (f"error: {tmp_path / 'runs' / 'hidden-cache'} is a symbolic link; refusing to write the shared "
+                   "hidden-state cache through it (remove the link)")
     assert sorted(p.name for p in target.iterdir()) == ["hidden.npy"]
     assert (target / "hidden.npy").read_bytes() == b"someone else's"
 
@@ -193,6 +196,9 @@ def test_a_one_token_window_is_refused_before_any_cache_is_written(backbone_dir,
                      "--window", "1", "--windows", "6", "--minutes", "0.02", "--quiet"]) == 2
     assert "at least 2 tokens" in capsys.readouterr().err
     assert not (tmp_path / "runs" / "hidden-cache").exists()
+    # two tokens are the least a window can be: one prediction (the boundary is 2, not 3)
+    assert cli.main(["fwl-head", "train", "--hf", str(backbone_dir), "--out", str(tmp_path / "runs" / "fwl"),
+                     "--window", "2", "--windows", "6", "--max-steps", "1", "--quiet"]) == 0
 
 
 def test_a_second_run_on_the_same_out_is_refused_while_the_first_holds_it(backbone_dir, tmp_path, capsys):

@@ -168,6 +168,7 @@ def test_layers_under_autocast_hand_fla_bf16_features_and_keep_fp32_state(fla, k
     assert call["q"].shape == (2, 21, 2, want_k) and call["v"].shape == (2, 21, 2, want_v)
     assert call["initial_state"].dtype == torch.float32 and call["initial_state"].shape == (2, 2, want_k, want_v)
     assert call["l2norm"] == (kind == "gdn") and call["grad"]
+    assert call["output_final_state"] is True  # the layer carries its fast weights on: fla hands the state back
     assert (call["g"] is not None) == (kind != "fwp-delta")
     assert state["S"].dtype == torch.float32 and state["S"].shape == (2, 2, want_k, want_v)
     # the same layer on the PyTorch form (fp32 fast weights throughout) agrees to bf16 precision

@@ -259,3 +259,15 @@ def test_the_recorded_gpu_is_the_device_checked_not_the_current_one(monkeypatch)
     assert fla_selfcheck._device_name(torch.device("cuda", 1)) == "H200 sm_90"
     assert asked == [torch.device("cuda", 1)] * 2
     assert fla_selfcheck._device_name(torch.device("cpu")) == "cpu"
+
+
+def test_the_checks_problem_draws_the_delta_rules_beta_inside_zero_one():
+    """The self-check's random problem is one a layer would hand fla: beta (the write strength, a sigmoid's output in
+    every layer) strictly inside (0, 1), the gate's log decay g in (-0.1, 0], drawn the same on every call."""
+    from fastweights.ops.fla_selfcheck import _check_inputs
+
+    (q, k, v, beta), (g, h0, do, dht) = _check_inputs(torch.device("cpu"), 8, 4, torch.float32)
+    assert 0.05 <= beta.min() and beta.max() <= 0.95 and beta.std() > 0.2
+    assert -0.1 <= g.min() and g.max() <= 0
+    again = _check_inputs(torch.device("cpu"), 8, 4, torch.float32)
+    assert torch.equal(again[0][3], beta) and torch.equal(again[1][0], g)

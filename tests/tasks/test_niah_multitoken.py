@@ -193,3 +193,14 @@ def test_niah_command_picks_the_multitoken_format(tok, tmp_path, capsys):
     capsys.readouterr()
     assert cli.main([*argv, "--format", "token", "--overwrite"]) == 2  # a format the flag takes, not this model's
     assert "--format token needs a word-level model trained on that needle format" in capsys.readouterr().err
+
+
+def test_make_samples_draws_heldout_keys_unless_told_and_one_sample_per_length_or_cell(ev):
+    """``make_samples``: by default the evaluation's held-out keys (the same samples as ``keys="heldout"``),
+    ``samples`` per length, or per (length, depth) cell when depths are given."""
+    default = mt.make_samples(ev, [300, 400], samples=2, seed=3)
+    assert default == mt.make_samples(ev, [300, 400], samples=2, seed=3, keys="heldout")
+    assert default != mt.make_samples(ev, [300, 400], samples=2, seed=3, keys="train")
+    assert [s.length for s in default] == [300, 300, 400, 400]
+    cells = mt.make_samples(ev, [300], depths=[0.0, 1.0], samples=2, seed=3)
+    assert len(cells) == 4 and cells[0] == mt.make_sample(ev, 300, 0.0, 3, 0)
