@@ -174,3 +174,11 @@ def test_the_cpu_seconds_of_ended_children_count_after_they_end():
     before = children_cpu_seconds()
     subprocess.run([sys.executable, "-c", "sum(i * i for i in range(3_000_000))"], check=True)
     assert children_cpu_seconds() - before > 0.05
+
+
+def test_a_scripts_log_line_starts_with_the_time_of_day(capsys):
+    from fastweights.evidence.script_log import log
+
+    log("scored 4 texts")
+    out = capsys.readouterr().out
+    assert re.fullmatch(r"\[\d\d:\d\d:\d\d\] scored 4 texts\n", out), out
