@@ -1,0 +1,47 @@
+"""``testing.memory_use`` (what the memory benchmarks measure): the bytes autograd saves for backward, each storage
+once; the same by part of a model, parameters left out; a process's peak resident growth around a call."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastweights.testing.memory_use import part_of, peak_rss_growth, saved_bytes, saved_by_part
+from helpers import tiny_lm
+
+
+def test_saved_bytes_count_each_storage_once():
+    x = torch.randn(256, 64, requires_grad=True)  # 64 KiB
+
+    def step():
+        y = x * x  # saves x (twice: one storage)
+        return y.sum()
+
+    assert saved_bytes(step) == 256 * 64 * 4
+    w = torch.randn(64, 32, requires_grad=True)
+    assert saved_bytes(lambda: (x @ w).sum()) == (256 * 64 + 64 * 32) * 4  # matmul saves both operands
+    with torch.no_grad():
+        assert saved_bytes(lambda: (x * x).sum()) == 0
+
+
+def test_the_parts_of_a_model_and_their_saved_megabytes():
+    model = tiny_lm(11)
+    modules = dict(model.named_modules())
+    assert part_of("embed", modules["embed"], modules) == "embedding"
+    assert part_of("blocks.0.mixer", modules["blocks.0.mixer"], modules).startswith("mixer:")
+    assert part_of("blocks.0.mlp", modules["blocks.0.mlp"], modules) == "mlp"
+    assert part_of("blocks.0", modules["blocks.0"], modules) is None
+    tokens = torch.randint(0, 11, (2, 16))
+    parts = saved_by_part(model, lambda: model(tokens, targets=tokens).loss)
+    assert parts == dict(sorted(parts.items())) and {"mlp", "embedding"} <= set(parts)
+    assert any(k.startswith("mixer:") for k in parts) and all(v > 0 for v in parts.values())
+    total = saved_bytes(lambda: model(tokens, targets=tokens).loss) / 2**20
+    params = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    assert sum(parts.values()) <= total + 1e-9 and total - sum(parts.values()) <= params + 1e-9  # parameters apart
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux only: reads /proc/self/status")
+def test_peak_resident_growth_sees_a_large_allocation():
+    grew = peak_rss_growth(lambda: torch.ones(64 * 2**20 // 4).sum())  # 64 MiB touched, then freed
+    assert grew >= 48 * 2**20
+    assert peak_rss_growth(lambda: None) < 16 * 2**20
