@@ -55,10 +55,11 @@ from fastweights.cli.script_parser import ScriptParser
 from fastweights.evidence.timing import step_timing
 import torch
 
-from fastweights.experiments.fla_comparison import (BackendLog, err_text, fla_gdn_layer, fla_guard_bypassed, fla_info,
+from fastweights.experiments.fla_comparison import (BackendLog, fla_gdn_layer, fla_guard_bypassed, fla_info,
                                                     fla_model, fwpkm_layer_step, install_flash_attn_standin,
                                                     kernel_inputs, layer_step, our_config, our_op_step, raw_fla_step)
 from fastweights.layers.fwp import FastWeightProgrammer, FWPOptions
+from fastweights.testing.device_check import err_text
 from fastweights.layers.gdn import GatedDeltaNet, GDNOptions
 from fastweights.models.lm import LanguageModel
 

@@ -6,6 +6,7 @@ import torch
 
 from fastweights.experiments import fla_comparison as fc
 from fastweights.ops.delta_rule import delta_rule_recurrent
+from fastweights.testing.device_check import err_text
 
 
 def test_the_inputs_are_seeded_shaped_and_in_range():
@@ -33,10 +34,10 @@ def test_an_exception_is_one_line_naming_where_in_our_code_it_was_raised():
     try:
         fc.rel_norm(torch.ones(2), torch.ones(3))
     except RuntimeError as e:
-        text = fc.err_text(e)
+        text = err_text(e)
     assert text.startswith("RuntimeError: The size of tensor a (2) must match") and "\n" not in text
     assert text.endswith(")") and "(at fla_comparison.py:" in text
-    assert fc.err_text(ValueError()) == "ValueError: "
+    assert err_text(ValueError()) == "ValueError: "
 
 
 def test_our_hybrid_has_attention_every_nth_layer_and_the_memory_where_asked():

@@ -17,7 +17,6 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import logging
-import traceback
 from pathlib import Path
 
 import torch
@@ -27,13 +26,7 @@ from fastweights.core.config import ModelConfig
 from fastweights.layers.fwpkm import FwPKM, FwPKMOptions
 from fastweights.ops.delta_rule import delta_rule
 from fastweights.testing import fla_standin
-
-
-def err_text(e: BaseException) -> str:
-    """One line: the exception and where in our code or fla's it was raised."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if "fastweights" in f.filename or "fla" in f.filename]
-    where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:400] if str(e) else ''}{where}"
+from fastweights.testing.device_check import err_text
 
 
 def install_flash_attn_standin() -> str | None:

@@ -27,8 +27,8 @@ BF16_LOSS_TOL = 0.05  # bf16-autocast loss vs fp32 loss, relative, per step (as 
 
 
 def err_text(e: BaseException) -> str:
-    """One line: the exception and where in our code it was raised."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if "fastweights" in f.filename]
+    """One line: the exception and where in our code or fla's it was raised."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "fastweights" in f.filename or "fla" in f.filename]
     where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
     return f"{type(e).__name__}: {str(e).splitlines()[0][:400] if str(e) else ''}{where}"
 
