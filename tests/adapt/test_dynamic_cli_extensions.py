@@ -241,3 +241,17 @@ def test_settings_without_a_schedule_resolve_to_the_constant_one(char_checkpoint
     settings = replace(DynamicSettings(), rule="sgd", lr=0.5, lr_schedule=None)
     setup = resolve_setup(settings, model, tok, cfg, ckpt)
     assert setup.lr_schedule == "constant" and setup.schedule_name is None
+
+
+def test_building_an_evaluator_shows_the_statistics_progress_only_when_asked(tiny_run, capsys):
+    """``build_evaluator(progress=...)`` passes the flag on to the collection of gradient statistics it runs (the
+    longest part of a first RMS evaluation): a line with its total and rate when asked, silence otherwise."""
+    from fastweights.adapt.setup import DynamicSettings, build_evaluator
+    from fastweights.models.loading import load_checkpoint
+
+    model, tok, cfg = load_checkpoint(tiny_run)
+    settings = DynamicSettings(rule="rms", lr=1e-4, stats_batches=2, stats_batch_size=2)
+    build_evaluator(settings, model, tok, cfg, None, progress=False)
+    assert "gradient statistics (MS_g)" not in capsys.readouterr().err  # (the one line saying where they come from)
+    build_evaluator(settings, model, tok, cfg, None, progress=True)
+    assert "gradient statistics (MS_g)" in capsys.readouterr().err

@@ -261,3 +261,22 @@ def test_a_token_stream_is_one_row_of_ids():
     for bad, shape in ((torch.stack([ids, ids]), "(2, 5)"), (torch.tensor(7), "()"), (ids[None, None], "(1, 1, 5)")):
         with pytest.raises(ValueError, match=rf"expected a 1-D token sequence, got shape {re.escape(shape)}"):
             as_token_stream(bad)
+
+
+def test_gradient_statistics_of_a_tensor_the_loss_does_not_reach_are_zero():
+    """``accumulate_grad_stats``: a selected tensor no token's loss depends on (an unused embedding row's table,
+    a gate switched off) gets MS_g 0, not an error; the others their mean squared gradient over the batches."""
+    from fastweights.adapt.grad_stats import accumulate_grad_stats
+
+    torch.manual_seed(0)
+    emb, out, unused = torch.randn(7, 4, requires_grad=True), torch.randn(7, 4, requires_grad=True), \
+        torch.randn(3, requires_grad=True)
+
+    def forward(x, state):
+        return emb[x] @ out.T, state
+
+    tokens = torch.randint(0, 7, (41,))
+    stats = accumulate_grad_stats(forward, [emb, out, unused], ["emb", "out", "unused"], tokens, batch_size=2,
+                                  seq_len=5, context=None, max_batches=3)
+    assert torch.equal(stats.ms["unused"], torch.zeros(3)) and stats.batches == 3
+    assert stats.ms["out"].gt(0).any() and stats.ms["emb"].shape == (7, 4)

@@ -437,3 +437,29 @@ def test_a_user_error_anywhere_in_a_script_is_one_line_and_exit_2(capsys):
 
     assert exit_status_of(main) == 2 and capsys.readouterr().err == "error: nothing to choose\n"
     assert exit_status_of(lambda: 0) == 0
+
+
+def test_the_step_scale_falls_back_to_the_slow_part_when_no_scale_helps(monkeypatch):
+    """``tune_step_scale``: scale 0 (the head's slow part) is the baseline and may itself be chosen; when every other
+    scale is worse on the tuning texts it is the best, not the least bad of the others; a scale that helps wins."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from fastweights.experiments import fwl_comparison as fwc
+
+    now = {"scale": None}
+
+    @contextlib.contextmanager
+    def scaled(head, scale):
+        now["scale"] = scale
+        yield
+
+    monkeypatch.setattr(fwc, "scaled_step_sizes", scaled)
+    model = SimpleNamespace(head=SimpleNamespace(current_step_sizes=lambda: {"s": torch.tensor(0.5)}))
+    losses = {0.0: 3.0, 0.125: 3.01, 0.25: 3.02, 0.5: 3.05, 1.0: 3.1, 2.0: 3.4}
+    monkeypatch.setattr(fwc, "head_loss_on", lambda m, h: losses[now["scale"]])
+    got = fwc.tune_step_scale(model, None)
+    assert got["best"] == 0.0 and got["learned_step_sizes"] == {"s": 0.5} and set(got["grid_nats"]) == {
+        "0", "0.125", "0.25", "0.5", "1", "2"}
+    losses[0.5] = 2.9
+    assert fwc.tune_step_scale(model, None)["best"] == 0.5

@@ -169,3 +169,21 @@ def test_the_tensorboard_writer_refuses_a_link_itself_when_the_first_check_is_pa
     assert capsys.readouterr().err.strip() == (f"error: {out / 'tensorboard'} is a symbolic link; refusing to write "
                                                "the TensorBoard events through it (remove the link)")
     _unchanged(victim)
+
+
+def test_a_commands_result_file_planted_as_a_link_is_refused_before_any_work(tmp_path, victim):
+    """``output_prefix`` (every command writing DIR/STEM.json and .png): a link at either name is refused in one
+    line naming it, before the command's work, also with --overwrite (the rename would replace the link, and an
+    earlier check would have followed it)."""
+    from types import SimpleNamespace
+
+    from fastweights.cli.common import output_prefix
+
+    out = tmp_path / "out"
+    out.mkdir()
+    assert output_prefix(SimpleNamespace(out=str(out)), "adapt") == out / "adapt"
+    (out / "adapt.png").symlink_to(victim / "precious.txt")
+    with pytest.raises(UserError) as e:
+        output_prefix(SimpleNamespace(out=str(out), overwrite=True), "adapt")
+    assert str(e.value) == f"{out / 'adapt.png'} is a symbolic link; refusing to write the results through it (remove the link)"
+    _unchanged(victim)

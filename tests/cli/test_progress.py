@@ -111,6 +111,9 @@ def test_slow_work_shows_seconds_per_unit_and_a_labelled_loss():
     assert "loss 1.5 nats" in line and line.endswith("ETA 01:30")
     bar.loss_unit = ""  # a loss of unknown unit (a squared error) is not called nats
     assert "loss 1.5 |" in bar.line(bar.start + 10.0)
+    plain = Progress(20, "samples", desc="niah")  # no unit unless given
+    plain.n, plain.fields = 2, {"loss": 1.5}
+    assert "loss 1.5 |" in plain.line(plain.start + 10.0)
     bar.total, bar.approximate = 40, True
     assert "2/~40 samples" in bar.line(bar.start + 10.0)
 

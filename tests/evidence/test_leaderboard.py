@@ -36,6 +36,13 @@ def test_rows_from_two_commits_record_the_oldest_and_keep_every_rows_probes():
     b["probes"] = [{"kind": "model", "args": {"x": 2}, "summary": {"y": "exact bb"}}, a["probes"][0]]
     rows = {"attention": [a], "fast-rnn": [b]}
     assert measured_commits(rows)["commit"] == old  # everything counts from the oldest run
+    from fastweights.evidence.result_files import git_state
+
+    assert measured_commits(rows) == {"commit": old, "dirty": False, "dirty_paths": [],
+                                      "aggregated_at": git_state().get("commit")}
+    b["git"]["dirty_paths"] = ["benchmarks/results/leaderboard.json", "src/fastweights/x.py"]  # results: not code
+    assert measured_commits(rows)["dirty_paths"] == ["src/fastweights/x.py"] and measured_commits(rows)["dirty"]
+    del b["git"]["dirty_paths"]
     assert measured_probes(rows) == [a["probes"][0], b["probes"][0]]  # each probe once
     del b["probes"]
     with pytest.raises(SystemExit, match="records no probes"):

@@ -45,7 +45,8 @@ def test_our_hybrid_has_attention_every_nth_layer_and_the_memory_where_asked():
            "fwpkm": {"n_subkeys": 4, "d_key": 8, "d_value": 8, "topk": 2}, "fwpkm_layers": [1]}
     plain = fc.our_config(cfg, fwpkm=False)
     assert plain.layer_mixers == ["gdn", "attention", "gdn", "attention"] and plain.memory in ("", None)
-    assert plain.options["gdn"] == {"head_dim": 16} and (plain.d_model, plain.mlp_hidden) == (32, 64)
+    assert plain.options["gdn"] == {"head_dim": 16}
+    assert (plain.vocab_size, plain.d_model, plain.n_layers, plain.n_heads, plain.mlp_hidden) == (50, 32, 4, 2, 64)
     memory = fc.our_config(cfg, fwpkm=True)
     assert memory.memory == "fwpkm" and memory.memory_layers == [1] and memory.options["fwpkm"] == cfg["fwpkm"]
 
@@ -59,3 +60,52 @@ def test_our_side_of_the_kernel_comparison_is_the_delta_rule():
     assert len(grads) == 5 and all(gr is not None and gr.shape == x.shape for gr, x in zip(grads, [*xs, g]))
     o2, none = fc.run_impl("ours", None, xs, g, do, backward=False)
     assert none is None and torch.equal(o, o2)
+
+
+def _fake_fla(monkeypatch):
+    """Stand-ins for the fla modules the GPU scripts build their peers from, recording the arguments given."""
+    import sys
+    import types
+
+    seen = {}
+
+    def recorder(key):
+        return lambda *a, **k: seen.setdefault(key, k) and k
+
+    layers, models = types.ModuleType("fla.layers"), types.ModuleType("fla.models")
+    layers.GatedDeltaNet = recorder("layer")
+    models.GatedDeltaNetConfig, models.GatedDeltaNetForCausalLM = recorder("config"), lambda conf: ("model", conf)
+    fla = types.ModuleType("fla")
+    fla.__version__, fla.layers, fla.models = "0.0-standin", layers, models
+    monkeypatch.setitem(sys.modules, "fla", fla)
+    monkeypatch.setitem(sys.modules, "fla.layers", layers)
+    monkeypatch.setitem(sys.modules, "fla.models", models)
+    return seen
+
+
+CFG = {"vocab": 50, "d_model": 32, "n_layers": 4, "n_heads": 2, "head_dim": 16, "mlp": 64, "attn_every": 2,
+       "seq_len": 128}
+
+
+def test_fla_peers_are_built_at_our_shape(monkeypatch):
+    """fla's layer and model (on the GPU runs) get the width, heads, head size, MLP, vocabulary and attention layers
+    of the cfg our hybrid is built from (:func:`our_config`), checked here against stand-ins of fla's classes."""
+    seen = _fake_fla(monkeypatch)
+    fc.fla_gdn_layer(CFG)
+    assert seen["layer"] == {"hidden_size": 32, "expand_v": 1.0, "head_dim": 16, "num_heads": 2, "mode": "chunk",
+                             "use_short_conv": True, "layer_idx": 0}
+    kind, conf = fc.fla_model(CFG)
+    assert kind == "model" and conf == {
+        "hidden_size": 32, "num_hidden_layers": 4, "num_heads": 2, "head_dim": 16, "expand_v": 1.0,
+        "intermediate_size": 64, "vocab_size": 50, "tie_word_embeddings": True, "use_cache": False,
+        "max_position_embeddings": 128, "attn": {"layers": [1, 3], "num_heads": 2, "num_kv_heads": 2}}
+    ours = fc.our_config({**CFG, "fwpkm": {}, "fwpkm_layers": []}, fwpkm=False)
+    assert [i for i, m in enumerate(ours.layer_mixers) if m == "attention"] == conf["attn"]["layers"]
+
+
+def test_the_installed_versions_are_named_or_their_absence_said(monkeypatch):
+    _fake_fla(monkeypatch)
+    info = fc.fla_info()
+    assert info["fla"] == "0.0-standin" and "tilelang" in info  # None where TileLang is not installed
+    assert ("triton" in info) != ("triton_error" in info)
+    assert ("fast_weight_product_key_memory" in info) != ("lucidrains_error" in info)

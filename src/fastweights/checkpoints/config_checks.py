@@ -44,9 +44,7 @@ def validate_mechanism_options(m) -> None:
         for entry in entries:
             registry.build_options(entry, raw)  # unknown keys and wrong types fail, naming the key
         for key, value in raw.items():  # a NaN step size or decay would train into NaN, blamed on train.lr
-            bad = next((v for v in (value if isinstance(value, list) else [value])
-                        if isinstance(v, float) and not math.isfinite(v)), None)
-            if bad is not None:
+            if isinstance(value, float) and not math.isfinite(value):  # (no option takes a list)
                 raise UserError(f"model.options.{name}.{key}={value!r}: must be a finite number")
 
 
