@@ -109,3 +109,26 @@ def test_the_installed_versions_are_named_or_their_absence_said(monkeypatch):
     assert info["fla"] == "0.0-standin" and "tilelang" in info  # None where TileLang is not installed
     assert ("triton" in info) != ("triton_error" in info)
     assert ("fast_weight_product_key_memory" in info) != ("lucidrains_error" in info)
+
+
+def test_without_flash_attn_fla_attention_gets_an_sdpa_stand_in(monkeypatch):
+    """``install_flash_attn_standin``: fla's attention layer calls flash_attn's kernel ([B, T, H, D] in and out);
+    without the package a causal SDPA is set into ``fla.layers.attn`` and the run says so; sliding windows refused."""
+    import sys
+    import types
+
+    import pytest
+
+    _fake_fla(monkeypatch)
+    attn = types.ModuleType("fla.layers.attn")
+    monkeypatch.setitem(sys.modules, "fla.layers.attn", attn)
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # not installed
+    said = fc.install_flash_attn_standin()
+    assert said == ("flash_attn absent: fla's attention layers ran a stand-in flash_attn_func over "
+                    "F.scaled_dot_product_attention")
+    q, k, v = (torch.randn(1, 6, 2, 4) for _ in range(3))
+    want = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                            is_causal=True).transpose(1, 2)
+    assert torch.allclose(attn.flash_attn_func(q, k, v, causal=True), want)
+    with pytest.raises(NotImplementedError, match="no sliding window"):
+        attn.flash_attn_func(q, k, v, window_size=(2, 0))
