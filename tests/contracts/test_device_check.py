@@ -19,6 +19,7 @@ def test_the_cpu_against_itself_passes_every_first_variant(capsys):
     printed = capsys.readouterr().out.splitlines()
     assert len(printed) == len(rows) and all(line.startswith("  PASS ") for line in printed)
     summary = dc.component_summary(rows)  # the bf16 part not run: every row undecided
+    assert summary["tolerance"]["fp32_rel"] == dc.FP32_REL_TOL and summary["tolerance"]["bf16_loss_rel"] == dc.BF16_LOSS_TOL
     assert summary["checked"] == 0 and len(summary["skipped"]) == len(rows) and summary["variants"] == len(rows)
 
 

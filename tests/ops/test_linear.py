@@ -204,6 +204,10 @@ def test_under_no_grad_only_the_forward_kernel_counts_whatever_requires_grad(mon
         monkeypatch.setattr(lin, "kernels_for", lambda *a: ["onednn", "torch", "torch"])
         torch.testing.assert_close(lin.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
         assert calls == [torch.float32]
+    # with grad enabled but nothing requiring it (plain tensors, no bias): the same, the forward's kernel alone
+    x, w = x.detach(), w.detach()
+    torch.testing.assert_close(lin.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert calls == [torch.float32] * 2
 
 
 def test_tiny_calls_are_not_measured(monkeypatch):

@@ -148,3 +148,21 @@ def test_bf16_inputs_give_the_loss_in_the_plain_forms_dtype():
         torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
         empty = linear_cross_entropy(h[:0].clone().requires_grad_(grad), w, y[:0])  # no rows: nan, in fp32 too
         assert empty.dtype == torch.float32 and empty.isnan()
+
+
+def test_the_weight_gradient_of_bf16_inputs_is_formed_in_the_loss_dtype(monkeypatch):
+    """dL/dW is accumulated in the loss dtype (fp32 for bf16 inputs): its product gets h and W in fp32, so its
+    kernel is chosen for fp32 operands (a bf16 weight would send it to torch's bf16 path); dL/dh stays in h's."""
+    import fastweights.ops.linear_cross_entropy as lce
+
+    seen = []
+    real = lce.linear_grads
+    monkeypatch.setattr(lce, "linear_grads", lambda x, w, g, **kw: seen.append((kw, x.dtype, w.dtype, g.dtype))
+                        or real(x, w, g, **kw))
+    gen = torch.Generator().manual_seed(1)
+    h = torch.randn(12, 8, generator=gen).bfloat16().requires_grad_()
+    w = torch.randn(20, 8, generator=gen).bfloat16().requires_grad_()
+    lce.linear_cross_entropy(h, w, torch.randint(0, 20, (12,), generator=gen)).backward()
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert ({"need_x": False}, f32, f32, f32) in seen and ({"need_w": False}, bf16, bf16, bf16) in seen
+    assert w.grad.dtype == bf16 and h.grad.dtype == bf16
