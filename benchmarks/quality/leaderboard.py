@@ -45,6 +45,7 @@ from pathlib import Path
 
 from fastweights.evidence.result_files import RESULTS, git_state, repo_relative, write_result
 from fastweights.evidence.row_provenance import measured_commits, measured_probes
+from fastweights.evidence.script_log import log
 from fastweights.cli.script_parser import ScriptParser, exit_status_of
 from fastweights.core.threads import use_threads
 from fastweights.experiments.leaderboard import (DYNAMIC_BASE, ENTRIES, HELDOUT, SEQ_LEN, STRIDE, heldout_documents,
@@ -80,7 +81,7 @@ def train(name: str, seed: int, minutes: float, out: Path) -> dict:
            *(x for o in [f"data.corpus={TRAIN_CORPUS!r}", f"train.max_minutes={minutes}", "train.max_steps=1000000",
                          "train.threads=1", 'train.budget_clock="cpu"', f"train.seed={seed}", *overrides]
              for x in ("--set", o))]
-    print(f"[{time.strftime('%H:%M:%S')}] train {name} seed {seed} ({minutes:g} CPU-min)", flush=True)
+    log(f"train {name} seed {seed} ({minutes:g} CPU-min)")
     usage = child(cmd)
     summary = json.loads((run / "summary.json").read_text())
     if "interrupted_by" in summary:
@@ -132,7 +133,7 @@ def score(name: str, seed: int, out: Path, chars: int) -> dict:
         ev, extra["dynamic"] = dynamic_evaluator(model, run_dir(out, name, seed), base)
         modes = (("streamed", "carry", ev),)
     for label, mode, ev in modes:
-        print(f"[{time.strftime('%H:%M:%S')}] score {name} seed {seed}: {label}", flush=True)
+        log(f"score {name} seed {seed}: {label}")
         t = time.process_time()
         r = stream_eval(model, heldout_documents(tok, chars), mode, seq_len=SEQ_LEN, stride=STRIDE, bin_width=1024,
                         evaluator=ev).to_dict()
