@@ -287,10 +287,6 @@ def assert_lm_pieces_equal_one_call(model, tokens, cuts, atol=1e-10, rtol=0.0):
 # ----------------------------------------------------------------------------- operator inputs
 
 
-def rel_err(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
 def op_inputs(b, t, h, dk, dv, dtype=torch.float64, seed=0, unit_keys=False, positive=False):
     """Random (q, k, v, beta, log_decay, s0) for the linear-attention and delta-rule operators: q, v ~ N(0, 1),
     k ~ N(0, 1) / sqrt(dk) (L2-normalised rows with ``unit_keys``), q and k made non-negative with

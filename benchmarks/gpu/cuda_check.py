@@ -45,7 +45,8 @@ from fastweights.cli.script_parser import ScriptParser
 from fastweights.evidence.timing import timeit
 import torch
 
-from fastweights.experiments.fla_comparison import delta_inputs, rel_norm, run_impl
+from fastweights.core.compare import relative_error
+from fastweights.experiments.fla_comparison import delta_inputs, run_impl
 from fastweights.ops.fla_selfcheck import BF16_GRAD_TOL, BF16_OUT_TOL  # the tolerances of fla's gradient self-check
 from fastweights.testing.device_check import (FP32_REL_TOL, component_pass, component_rows, component_summary,
                                               err_text)
@@ -102,9 +103,9 @@ def delta_rule_timing(device: torch.device, deadline: float, tiny: bool, repeat:
                         try:
                             o, grads = run_impl(impl, fns, xs, log_decay, do, backward)
                             if backward:
-                                entry["grad_rel_err_vs_fp32"] = [rel_norm(a, r) for a, r in zip(grads, ref_g)]
+                                entry["grad_rel_err_vs_fp32"] = [relative_error(a, r) for a, r in zip(grads, ref_g)]
                             else:
-                                entry["output_rel_err_vs_fp32"] = rel_norm(o, ref_o)
+                                entry["output_rel_err_vs_fp32"] = relative_error(o, ref_o)
 
                             def call(_b=backward):
                                 with torch.set_grad_enabled(_b):
@@ -124,7 +125,7 @@ def delta_rule_timing(device: torch.device, deadline: float, tiny: bool, repeat:
                 if fns and "fwd_s" in row.get("fla", {}):
                     o_ours, _ = run_impl("ours", None, xs, log_decay, do, False)
                     o_fla, _ = run_impl("fla", fns, xs, log_decay, do, False)
-                    row["fla_vs_ours_output_rel_err"] = rel_norm(o_fla, o_ours)
+                    row["fla_vs_ours_output_rel_err"] = relative_error(o_fla, o_ours)
                     for mode in ("fwd_bwd", "fwd"):
                         if f"{mode}_s" in row["fla"] and f"{mode}_s" in row["ours"]:
                             row[f"ours_over_fla_{mode}"] = row["ours"][f"{mode}_s"] / row["fla"][f"{mode}_s"]

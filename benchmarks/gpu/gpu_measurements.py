@@ -18,7 +18,7 @@ import torch
 
 from fastweights.evidence.result_files import REPO, repo_relative
 from fastweights.evidence.timing import call_seconds, step_timing
-from fastweights.experiments.fla_comparison import rel_norm
+from fastweights.core.compare import relative_error
 from fastweights.layers.gdn import GatedDeltaNet, GDNOptions
 from fastweights.ops import fla_backend as fb
 from fastweights.ops import fla_selfcheck as fsc
@@ -110,8 +110,8 @@ def grad_check(ctx: Ctx, gated: bool, chunk: int | None, t_index: int = 1) -> di
         ref_o, ref_ht, ref_grads = run(ref_call, [x.float() for x in low] + extra)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
-    errs = {"o": rel_norm(o, ref_o), "final_state": rel_norm(ht, ref_ht)}
-    errs.update({f"d{n}": rel_norm(grads[n], ref_grads[n]) for n in names})
+    errs = {"o": relative_error(o, ref_o), "final_state": relative_error(ht, ref_ht)}
+    errs.update({f"d{n}": relative_error(grads[n], ref_grads[n]) for n in names})
     tol = {key: BF16_OUT_TOL if key in ("o", "final_state") else BF16_GRAD_TOL for key in errs}
     wrong = sorted(key for key in errs if not errs[key] <= tol[key])
 

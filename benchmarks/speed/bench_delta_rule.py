@@ -38,6 +38,7 @@ import sys
 
 from fastweights.evidence.result_files import write_result
 from fastweights.cli.script_parser import ScriptParser, exit_status_of
+from fastweights.core.compare import relative_error
 from fastweights.core.threads import use_threads
 from fastweights.evidence.script_args import benchmark_threads_flag
 from fastweights.evidence.timing import WALL_AND_CPU, interleaved_samples, samples, upper_median
@@ -153,7 +154,7 @@ def vs_fla_cpu(args) -> dict:
                 with torch.no_grad():
                     o = fn(*[x.detach() for x in inputs], ld.detach())
                 o = o.transpose(1, 2) if bhtd else o
-                agreement["fla_" + name] = ((o - ref).norm() / ref.norm()).item()
+                agreement["fla_" + name] = relative_error(o, ref)
             times = interleaved_samples(fns, args.fla_repeat)  # one warm-up call each, then round-robin
             st = {name: stats(v) for name, v in times.items()}
             fla_names = [n for n in st if n != "ours"]

@@ -10,7 +10,8 @@ from fastweights.core.errors import UserError
 from fastweights.ops.delta_rule import delta_rule, delta_rule_recurrent, select_backend
 from fastweights.ops.feature_maps import dpfp, sum_normalize
 from fastweights.ops.linear_attention import gated_rule_recurrent
-from helpers import op_inputs, rel_err
+from fastweights.core.compare import relative_error
+from helpers import op_inputs
 
 # The module, not the function of the same name that fastweights.ops re-exports.
 dr = importlib.import_module("fastweights.ops.delta_rule")
@@ -33,7 +34,7 @@ def test_chunked_equals_recurrent(dtype, chunk, t, gated, with_s0):
     o1, s1 = delta_rule(q, k, v, beta, chunk_size=chunk, **kw)
     o2, s2 = delta_rule_recurrent(q, k, v, beta, **kw)
     assert o1.dtype == dtype and s1.dtype == dtype
-    assert rel_err(o1, o2) < TOL[dtype] and rel_err(s1, s2) < TOL[dtype]
+    assert relative_error(o1, o2) < TOL[dtype] and relative_error(s1, s2) < TOL[dtype]
 
 
 @pytest.mark.parametrize("gated", [False, True])
@@ -51,7 +52,7 @@ def test_gradients_equal_recurrent(gated, chunk):
         return torch.autograd.grad((o * w_o).sum() + (s * w_s).sum(), wanted)
 
     for a, b in zip(grads(delta_rule, chunk_size=chunk), grads(delta_rule_recurrent)):
-        assert rel_err(a, b) < 1e-10
+        assert relative_error(a, b) < 1e-10
 
 
 def test_gradcheck_tiny():
@@ -77,7 +78,7 @@ def test_one_call_equals_pieces(gated):
         o, state = delta_rule(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], beta[:, lo:hi], initial_state=state,
                               output_final_state=True, log_decay=g[:, lo:hi] if gated else None, chunk_size=16)
         outs.append(o)
-    assert rel_err(torch.cat(outs, 1), full) < 1e-12 and rel_err(state, s_full) < 1e-12
+    assert relative_error(torch.cat(outs, 1), full) < 1e-12 and relative_error(state, s_full) < 1e-12
 
 
 def test_causality():
@@ -95,7 +96,7 @@ def test_causality():
 def test_beta_zero_leaves_state_unchanged():
     q, k, v, beta, _, s0 = make(t=19)
     _, s = delta_rule(q, k, v, torch.zeros_like(beta), initial_state=s0, output_final_state=True, chunk_size=8)
-    assert rel_err(s, s0) < 1e-14
+    assert relative_error(s, s0) < 1e-14
 
 
 def test_beta_one_with_orthonormal_keys_overwrites_exactly():
@@ -136,7 +137,7 @@ def test_zero_log_decay_equals_ungated():
     a, sa = delta_rule(q, k, v, beta, initial_state=s0, output_final_state=True, chunk_size=16)
     b, sb = delta_rule(q, k, v, beta, initial_state=s0, output_final_state=True, chunk_size=16,
                        log_decay=torch.zeros_like(beta))
-    assert rel_err(a, b) < 1e-13 and rel_err(sa, sb) < 1e-13
+    assert relative_error(a, b) < 1e-13 and relative_error(sa, sb) < 1e-13
 
 
 def test_backward_does_not_store_a_state_per_step():
@@ -180,7 +181,7 @@ def test_long_sequences_fp32_are_finite():
     o, s = delta_rule(q, k, v, beta, output_final_state=True)
     assert torch.isfinite(o).all() and torch.isfinite(s).all()
     o_ref, _ = delta_rule_recurrent(q.double(), k.double(), v.double(), beta.double())
-    assert rel_err(o, o_ref) < 1e-4
+    assert relative_error(o, o_ref) < 1e-4
     # (b) raw Gaussian keys of norm ~ 8, normalised inside the op
     big_q = torch.randn(1, t, 2, 64, generator=g) * 10
     big_k = torch.randn(1, t, 2, 64, generator=g) * 10
@@ -202,18 +203,18 @@ def test_bf16_inputs_and_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         o_auto, s_auto = delta_rule(q, k, v, beta, log_decay=g, output_final_state=True)
     assert o_auto.dtype == torch.float32 and s_auto.dtype == torch.float32
-    assert rel_err(o_auto, ref) < 1e-6  # bf16 matmuls would be ~1e-2 off
+    assert relative_error(o_auto, ref) < 1e-6  # bf16 matmuls would be ~1e-2 off
     o_bf, s_bf = delta_rule(q.bfloat16(), k.bfloat16(), v.bfloat16(), beta.bfloat16(), log_decay=g,
                             output_final_state=True)
     assert o_bf.dtype == torch.bfloat16 and s_bf.dtype == torch.float32
-    assert rel_err(o_bf, ref) < 3e-2
+    assert relative_error(o_bf, ref) < 3e-2
 
 
 def test_qk_l2norm_equals_prenormalised():
     q, k, v, beta, _, _ = make(t=20)
     a, _ = delta_rule(q * 3, k * 5, v, beta, qk_l2norm=True)
     b, _ = delta_rule(F.normalize(q, dim=-1), k, v, beta)
-    assert rel_err(a, b) < 1e-6  # eps inside the normalisation
+    assert relative_error(a, b) < 1e-6  # eps inside the normalisation
 
 
 # ----------------------------------------------------------------------------- backend dispatch
@@ -276,10 +277,10 @@ def test_compiled_form_equals_recurrent(gated, with_s0, monkeypatch):
     o1, s1 = run(delta_rule, leaves, chunk_size=16, backend="compiled")
     o2, s2 = run(delta_rule_recurrent, ref_leaves)
     assert len(dr._COMPILED) == 4  # the forward's two parallel parts and the backward's two
-    assert rel_err(o1, o2) < 1e-10 and rel_err(s1, s2) < 1e-10
+    assert relative_error(o1, o2) < 1e-10 and relative_error(s1, s2) < 1e-10
     for i, (a, b) in enumerate(zip(leaves, ref_leaves)):
         if b.grad is not None:
-            assert rel_err(a.grad, b.grad) < 1e-9, i
+            assert relative_error(a.grad, b.grad) < 1e-9, i
 
 
 def test_fla_adapter_maps_arguments(monkeypatch):

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from fastweights.ops.delta_rule import delta_rule, delta_rule_recurrent
-from helpers import op_inputs, rel_err
+from fastweights.core.compare import relative_error
+from helpers import op_inputs
 
 dr = importlib.import_module("fastweights.ops.delta_rule")
 dc = importlib.import_module("fastweights.ops.delta_rule_chunked")
@@ -41,10 +42,10 @@ def test_chunk_major_equals_recurrent_outputs_and_gradients(t, chunk, gated, wit
     ours = run(delta_rule, [x.clone().requires_grad_() for x in inputs], gated, with_s0, w_o, w_s,
                chunk_size=chunk, backend="torch")
     ref = run(delta_rule_recurrent, [x.clone().requires_grad_() for x in inputs], gated, with_s0, w_o, w_s)
-    assert rel_err(ours[0], ref[0]) < 1e-12 and rel_err(ours[1], ref[1]) < 1e-12
+    assert relative_error(ours[0], ref[0]) < 1e-12 and relative_error(ours[1], ref[1]) < 1e-12
     assert len(ours[2]) == len(ref[2])
     for i, (a, b) in enumerate(zip(ours[2], ref[2])):
-        assert rel_err(a, b) < 1e-10, i
+        assert relative_error(a, b) < 1e-10, i
 
 
 @pytest.mark.parametrize("gated", [False, True])
@@ -60,7 +61,7 @@ def test_one_output_used_equals_recurrent(gated, which):
         if b is None or not b.abs().max() > 0:  # q does not reach the final state
             assert a is None or a.abs().max() < 1e-12, i
         else:
-            assert rel_err(a, b) < 1e-10, i
+            assert relative_error(a, b) < 1e-10, i
 
 
 @pytest.mark.parametrize("gated", [False, True])
@@ -74,9 +75,9 @@ def test_chunk_major_equals_functional_form(gated):
         return _functional(q, k, v, beta, q.shape[-1] ** -0.5, initial_state, log_decay, chunk_size)
 
     other = run(functional, [x.clone().requires_grad_() for x in inputs], gated, True, w_o, w_s, chunk_size=16)
-    assert rel_err(ours[0], other[0]) < 1e-13 and rel_err(ours[1], other[1]) < 1e-13
+    assert relative_error(ours[0], other[0]) < 1e-13 and relative_error(ours[1], other[1]) < 1e-13
     for i, (a, b) in enumerate(zip(ours[2], other[2])):
-        assert rel_err(a, b) < 1e-11, i
+        assert relative_error(a, b) < 1e-11, i
 
 
 def _functional(q, k, v, beta, scale, initial_state, log_decay, chunk):
@@ -119,7 +120,7 @@ def test_final_state_changed_in_place_leaves_the_gradients_alone():
     ref_leaves = [x.clone().requires_grad_() for x in inputs]
     o2, _ = delta_rule_recurrent(*ref_leaves[:4], initial_state=ref_leaves[5])
     for a, b in zip(grads, torch.autograd.grad(o2.sum(), ref_leaves[:4])):
-        assert rel_err(a, b) < 1e-10
+        assert relative_error(a, b) < 1e-10
 
 
 def test_gradients_come_back_in_the_inputs_dtypes():
@@ -141,7 +142,7 @@ def test_a_single_input_requiring_grad(only):
         o, s = fn(*leaves[:4], log_decay=leaves[4], initial_state=leaves[5], output_final_state=True,
                   **({"chunk_size": 8} if fn is delta_rule else {}))
         out.append(torch.autograd.grad(o.sum() + s.sum(), leaves[only])[0])
-    assert rel_err(*out) < 1e-10
+    assert relative_error(*out) < 1e-10
 
 
 def test_saved_for_backward_is_below_the_functional_forms():

@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import ROOT
 
+from fastweights.core.compare import relative_error
 from fastweights.core.errors import UserError
 from fastweights.layers.fwp import FastWeightProgrammer, FWPOptions
 from fastweights.layers.gdn import GatedDeltaNet, GDNOptions
@@ -48,10 +49,6 @@ def fla(monkeypatch, tmp_path):
     yield calls
     monkeypatch.undo()
     fla_standin.uninstall()
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def inputs(b=2, t=19, h=2, dk=8, dv=4, seed=0):
@@ -79,7 +76,7 @@ def test_bf16_inputs_go_to_fla_with_its_dtypes_and_state_layout(fla, gated):
     assert s.dtype == torch.float32 and s.shape == (2, 2, 8, 4)  # [B, H, K, V], fp32 as fla keeps it
     ref_o, ref_s = delta_rule(*(x.to(BF16).float() for x in (q, k, v, beta)), initial_state=s0, output_final_state=True,
                               log_decay=g if gated else None, backend="torch")
-    assert rel_err(o, ref_o) < 1e-2 and rel_err(s, ref_s) < 1e-5
+    assert relative_error(o, ref_o) < 1e-2 and relative_error(s, ref_s) < 1e-5
 
 
 def test_fp32_goes_to_fla_under_autocast_only(fla):
@@ -175,9 +172,9 @@ def test_layers_under_autocast_hand_fla_bf16_features_and_keep_fp32_state(fla, k
     layer.options.backend = "torch"
     y_ref, state_ref, grads_ref = _train_step(layer, x, autocast=True)
     assert len(fla) == 1
-    assert rel_err(y, y_ref) < 3e-2 and rel_err(state["S"], state_ref["S"]) < 3e-2
+    assert relative_error(y, y_ref) < 3e-2 and relative_error(state["S"], state_ref["S"]) < 3e-2
     for name, g in grads.items():
-        assert rel_err(g, grads_ref[name]) < 0.1, name
+        assert relative_error(g, grads_ref[name]) < 0.1, name
 
 
 # ----------------------------------------------------------------------------- issue 42: Hopper's reported faults
@@ -259,7 +256,7 @@ def test_hopper_trains_the_delta_rule_at_flas_default_chunk(fla, monkeypatch, ca
     (line,) = [r for r in caplog.records if r.name == "fastweights.ops.delta_rule"]
     assert line.levelno == logging.INFO and "-> 'fla'" in line.getMessage()
     ref, _ = delta_rule(*(x.detach().float() for x in (q, k, v, beta)), initial_state=s0, backend="torch")
-    assert rel_err(o, ref) < 1e-2
+    assert relative_error(o, ref) < 1e-2
 
 
 @pytest.fixture

@@ -10,7 +10,8 @@ from fastweights.ops.linear_attention import (
     linear_attention,
     linear_attention_recurrent,
 )
-from helpers import op_inputs, rel_err
+from fastweights.core.compare import relative_error
+from helpers import op_inputs
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
 
@@ -30,7 +31,7 @@ def test_chunked_equals_recurrent(dtype, chunk, t, decay, with_s0):
     o1, s1 = linear_attention(q, k, v, chunk_size=chunk, **kw)
     o2, s2 = linear_attention_recurrent(q, k, v, **kw)
     assert o1.dtype == dtype
-    assert rel_err(o1, o2) < TOL[dtype] and rel_err(s1, s2) < TOL[dtype]
+    assert relative_error(o1, o2) < TOL[dtype] and relative_error(s1, s2) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -39,7 +40,7 @@ def test_normalized_equals_recurrent_and_streams(dtype):
     z0 = torch.rand(2, 2, 5, dtype=dtype)
     o1, _ = linear_attention(q, k, v, normalize=True, chunk_size=16, initial_normalizer=z0)
     o2, _ = linear_attention_recurrent(q, k, v, normalize=True, initial_normalizer=z0)
-    assert rel_err(o1, o2) < TOL[dtype]
+    assert relative_error(o1, o2) < TOL[dtype]
     # streaming: carry S and the normaliser z = z0 + sum of keys
     oa, sa = linear_attention(q[:, :20], k[:, :20], v[:, :20], normalize=True, output_final_state=True, chunk_size=8)
     za = k[:, :20].sum(1)
@@ -47,7 +48,7 @@ def test_normalized_equals_recurrent_and_streams(dtype):
         q[:, 20:], k[:, 20:], v[:, 20:], normalize=True, initial_state=sa, initial_normalizer=za, chunk_size=8
     )
     full, _ = linear_attention(q, k, v, normalize=True, chunk_size=8)
-    assert rel_err(torch.cat([oa, ob], 1), full) < TOL[dtype]
+    assert relative_error(torch.cat([oa, ob], 1), full) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -56,7 +57,7 @@ def test_gated_rule_equals_recurrent(dtype, chunk):
     q, k, v, beta, _, s0 = make(t=29, dtype=dtype)
     o1, s1 = gated_rule(q, k, v, beta, initial_state=s0, output_final_state=True, chunk_size=chunk)
     o2, s2 = gated_rule_recurrent(q, k, v, beta, initial_state=s0, output_final_state=True)
-    assert rel_err(o1, o2) < TOL[dtype] and rel_err(s1, s2) < TOL[dtype]
+    assert relative_error(o1, o2) < TOL[dtype] and relative_error(s1, s2) < TOL[dtype]
 
 
 def test_gated_rule_beta_one_overwrites_and_stays_finite():
@@ -66,7 +67,7 @@ def test_gated_rule_beta_one_overwrites_and_stays_finite():
     o, s = gated_rule(q, k, v, beta, initial_state=s0, output_final_state=True, chunk_size=4)
     # beta = 1 forgets everything: the final state is the last write
     last = k[:, -1].unsqueeze(-1) * v[:, -1].unsqueeze(-2)
-    assert rel_err(s, last) < 1e-10
+    assert relative_error(s, last) < 1e-10
     (o.sum() + s.sum()).backward()
     assert torch.isfinite(beta.grad).all()
 
@@ -86,7 +87,7 @@ def test_gradients_equal_recurrent(decay):
         return torch.autograd.grad((o * w_o).sum() + (s * w_s).sum(), wanted)
 
     for a, b in zip(grads(linear_attention, chunk_size=8), grads(linear_attention_recurrent)):
-        assert rel_err(a, b) < 1e-10
+        assert relative_error(a, b) < 1e-10
 
 
 def test_gradcheck_tiny():
@@ -113,7 +114,7 @@ def test_one_call_equals_pieces(decay):
             log_decay=g[:, lo:hi] if decay else None, chunk_size=16,
         )
         outs.append(o)
-    assert rel_err(torch.cat(outs, 1), full) < 1e-12 and rel_err(state, s_full) < 1e-12
+    assert relative_error(torch.cat(outs, 1), full) < 1e-12 and relative_error(state, s_full) < 1e-12
 
 
 def test_causality():
@@ -144,10 +145,10 @@ def test_bf16_and_autocast_compute_in_fp32():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         o_auto, s_auto = linear_attention(q, k, v, log_decay=g, output_final_state=True)
     assert o_auto.dtype == torch.float32 and s_auto.dtype == torch.float32
-    assert rel_err(o_auto, ref) < 1e-6  # bf16 matmuls would be ~1e-2 off
+    assert relative_error(o_auto, ref) < 1e-6  # bf16 matmuls would be ~1e-2 off
     o_bf, s_bf = linear_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), log_decay=g, output_final_state=True)
     assert o_bf.dtype == torch.bfloat16 and s_bf.dtype == torch.float32
-    assert rel_err(o_bf, ref) < 3e-2
+    assert relative_error(o_bf, ref) < 3e-2
 
 
 def test_empty_sequence_and_bad_shapes():

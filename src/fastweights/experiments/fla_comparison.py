@@ -287,12 +287,6 @@ def run_impl(impl, fns, xs, log_decay, do, backward: bool):
     return o, [x.grad for x in xs] + ([g.grad] if g is not None else [])
 
 
-def rel_norm(a, ref) -> float:
-    """||a - ref|| / ||ref||, in fp64."""
-    a, ref = a.detach().double(), ref.detach().double()
-    return ((a - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 # ----------------------------------------------------------------------------- fla's CPU forms
 
 

@@ -43,6 +43,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from fastweights.core.compare import relative_error
 from fastweights.core.errors import UserError
 from fastweights.core.files import merge_into_json_cache, user_cache_dir
 from fastweights.ops.delta_rule_chunked import delta_rule_chunk_major
@@ -109,11 +110,6 @@ def lift_fla_guard() -> bool:
     return before
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def _check_inputs(device, dk, dv, dtype):
     """The check's random problem, drawn from a private generator (the caller's random stream is not touched):
     the kernel inputs rounded to ``dtype`` and the fp32 ones (g, the initial state, do, dht)."""
@@ -159,8 +155,8 @@ def run_gated_backward_check(device: torch.device, dk: int, dv: int, dtype: torc
             o, ht, grads = run(fla_call, low + [g, h0])
             torch.backends.cuda.matmul.allow_tf32 = False
             ref_o, ref_ht, ref_grads = run(reference, [x.float() for x in low] + [g, h0])
-        errs = {"o": _rel(o, ref_o), "final_state": _rel(ht, ref_ht)}
-        errs.update({f"d{n}": _rel(grads[n], ref_grads[n]) for n in names})
+        errs = {"o": relative_error(o, ref_o), "final_state": relative_error(ht, ref_ht)}
+        errs.update({f"d{n}": relative_error(grads[n], ref_grads[n]) for n in names})
         tol = {key: BF16_OUT_TOL if key in ("o", "final_state") else BF16_GRAD_TOL for key in errs}
         wrong = sorted(key for key in errs if not errs[key] <= tol[key])  # a NaN is wrong
     finally:
