@@ -1,0 +1,239 @@
+"""fastweights.experiments.fwl_comparison's arithmetic, searches and bookkeeping, on numbers and stand-in evaluators
+(the benchmarks that use it run it end to end with tiny models in tests/cli; these hold each function to its
+docstring exactly)."""
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+
+from fastweights.core.errors import UserError
+from fastweights.experiments import fwl_comparison as fc
+
+
+def _score(ppl: float, tok_s: float = 100.0, cpu_s: float = 1.0) -> dict:
+    return {"perplexity": ppl, "loss_nats": math.log(ppl), "cpu_s": cpu_s, "tokens_per_cpu_s": tok_s}
+
+
+def test_gain_split_adds_the_slow_and_fast_parts_to_the_full_reduction_per_text_and_in_the_mean():
+    static = {"a": _score(20.0), "b": _score(40.0)}
+    full = {"a": _score(15.0), "b": _score(36.0)}
+    slow = {"a": _score(18.0), "b": _score(30.0)}  # on b the fast part hurts
+    out = fc.gain_split(static, full, slow)
+    a, b = out["per_text"]["a"], out["per_text"]["b"]
+    assert a == pytest.approx({"full_perplexity": 15.0, "slow_perplexity": 18.0, "static_perplexity": 20.0,
+                               "full_reduction": 0.25, "slow_reduction": 0.1, "fast_reduction": 0.15,
+                               "fast_nats_per_token": math.log(18 / 15)})
+    assert b["fast_reduction"] == pytest.approx(-0.15) and b["fast_nats_per_token"] == pytest.approx(math.log(30 / 36))
+    for p in (a, b):
+        assert p["slow_reduction"] + p["fast_reduction"] == pytest.approx(p["full_reduction"])
+    assert out["mean_full_reduction"] == pytest.approx((0.25 + 0.1) / 2)
+    assert out["mean_slow_reduction"] == pytest.approx((0.1 + 0.25) / 2)
+    assert out["mean_fast_reduction"] == pytest.approx(0.0)
+    assert out["mean_fast_nats_per_token"] == pytest.approx((math.log(18 / 15) + math.log(30 / 36)) / 2)
+    assert list(out) == ["per_text", "mean_full_reduction", "mean_slow_reduction", "mean_fast_reduction",
+                         "mean_fast_nats_per_token"]
+    # only full's texts: a static or slow row with more texts does not enter the means
+    assert fc.gain_split({**static, "c": _score(5.0)}, {"a": full["a"]}, slow)["mean_full_reduction"] == 0.25
+
+
+def test_best_point_is_the_lowest_point_below_the_baseline_and_never_a_diverged_one():
+    logged = []
+    best, status = fc.best_point({1e-3: 2.9, 2e-3: 2.8, 4e-3: 3.05, 8e-3: math.nan}, 3.0, "lr", log=logged.append)
+    assert best == 2e-3
+    assert status == {"0.001": "ok", "0.002": "ok", "0.004": "worse than static", "0.008": "diverged"}
+    assert logged == ["   lr 0.004: worse than static (3.0500 nats against 3.0000 without adaptation)",
+                      "   lr 0.008: diverged (nan nats against 3.0000 without adaptation)"]
+    # a grid's own no-adaptation point may be chosen (it equals the baseline), but is not logged
+    logged.clear()
+    best, _ = fc.best_point({0.0: 3.0, 1.0: 3.1}, 3.0, "step", allowed=(0.0,), log=logged.append)
+    assert best == 0.0 and logged == ["   step 1: worse than static (3.1000 nats against 3.0000 without adaptation)"]
+    # allowed but diverged: still never chosen
+    with pytest.raises(UserError) as e:
+        fc.best_point({0.0: math.inf, 1.0: 3.1}, 3.0, "step", allowed=(0.0,), log=logged.append)
+    assert str(e.value) == ("step: no point of the grid beats 3.0000 nats per token without adaptation on the "
+                            "tuning texts (0: inf, 1: 3.1000)")
+    # the lowest of the usable points, not the first
+    assert fc.best_point({3.0: 2.5, 1.0: 2.9, 2.0: 2.7}, 3.0, "x", log=logged.append)[0] == 3.0
+
+
+class _Result:
+    def __init__(self, nll: float, tokens: int):
+        self.nll, self.tokens = nll, tokens
+
+
+class _Evaluator:
+    """evaluate_documents of an lr whose tuning loss is ``curve(lr)`` nats per token."""
+    made: list = []
+
+    def __init__(self, lr: float, curve):
+        self.lr, self.curve = lr, curve
+        _Evaluator.made.append(lr)
+
+    def evaluate_documents(self, docs):
+        n = sum(d.numel() - 1 for d in docs)
+        return _Result(self.curve(self.lr) * n, n)
+
+
+def _search(curve, grid, static=3.0, known=None):
+    _Evaluator.made = []
+    logged = []
+    out = fc.search_lr(lambda lr: _Evaluator(lr, curve), [torch.zeros(11), torch.zeros(5)], grid, static,
+                       logged.append, "top 2 blocks", known=known)
+    return out, logged, list(_Evaluator.made)
+
+
+def test_search_lr_extends_the_grid_past_a_best_edge_by_its_own_ratio_at_most_twice():
+    # best at the large edge: x2 twice (LR_EXTENSIONS), still best at the edge
+    out, logged, made = _search(lambda lr: 3.0 - lr, [0.1, 0.2, 0.4])
+    assert made == [0.1, 0.2, 0.4, 0.8, 1.6] and fc.LR_EXTENSIONS == 2
+    assert out["best"] == 1.6 and out["best_at_edge"] is True
+    assert list(out["grid_nats"]) == ["0.1", "0.2", "0.4", "0.8", "1.6"]
+    assert logged[0] == "   top 2 blocks lr 0.1: tuning loss 2.9000"
+    # best at the small edge: / 3 (the grid's ratio), then a minimum inside: stop
+    out, _, made = _search(lambda lr: abs(math.log(lr / 0.1)), [0.3, 0.9, 2.7])
+    assert made == [0.3, 0.9, 2.7, 0.1, 0.0333] and out["best"] == 0.1 and out["best_at_edge"] is False
+    # a minimum inside the grid: nothing added
+    out, _, made = _search(lambda lr: abs(lr - 0.2), [0.1, 0.2, 0.4])
+    assert made == [0.1, 0.2, 0.4] and out["best"] == 0.2 and out["static_nats"] == 3.0
+    assert out["status"] == {"0.1": "ok", "0.2": "ok", "0.4": "ok"}
+    # a two-point grid extends by its own ratio (3), not the one-point default (2)
+    out, _, made = _search(lambda lr: 3.0 - lr, [0.1, 0.3])
+    assert made == [0.1, 0.3, 0.9, 2.7]
+
+
+def test_search_lr_reuses_known_points_and_rounds_lrs_to_three_digits():
+    out, _, made = _search(lambda lr: abs(lr - 0.2), [0.1, 0.2, 0.4], known={0.2000001: 0.5})
+    assert made == [0.1, 0.4, 0.05] and out["grid_nats"]["0.2"] == 0.5  # the known loss, not the curve's 0.0
+    assert out["best"] == 0.1  # 0.1 (0.1 nats) beats the known 0.5 and the extension's 0.05 (0.15)
+
+
+def test_search_lr_never_chooses_a_diverged_lr_and_refuses_a_grid_with_none_below_static():
+    out, logged, made = _search(lambda lr: math.inf if lr > 0.3 else 2.0 + lr, [0.1, 0.2, 0.4])
+    assert out["best"] == 0.025 and out["status"]["0.4"] == "diverged"
+    assert "   top 2 blocks lr 0.4: diverged (inf nats against 3.0000 without adaptation)" in logged
+    assert made == [0.1, 0.2, 0.4, 0.05, 0.025]  # finite best at the small edge: extended downwards
+    with pytest.raises(UserError, match="^top 2 blocks lr: no point of the grid beats 3.0000"):
+        _search(lambda lr: 3.5, [0.1, 0.2])
+    # every point non-finite: no extension, one line
+    with pytest.raises(UserError):
+        _search(lambda lr: math.nan, [0.1, 0.2])
+    assert _Evaluator.made == [0.1, 0.2]
+    # one-point grid: the ratio is 2
+    out, _, made = _search(lambda lr: 3.0 - lr, [0.1])
+    assert made == [0.1, 0.2, 0.4]
+
+
+def test_search_lr_reports_the_cpu_seconds_it_took(monkeypatch):
+    clock = iter([1000.0, 1003.5])
+    monkeypatch.setattr(fc, "cpu", lambda: next(clock))
+    assert _search(lambda lr: abs(lr - 0.2), [0.1, 0.2, 0.4])[0]["cpu_s"] == 3.5
+
+
+def test_search_lr_without_a_name_calls_its_points_lr():
+    logged = []
+    fc.search_lr(lambda lr: _Evaluator(lr, lambda x: abs(x - 0.2)), [torch.zeros(3)], [0.1, 0.2, 0.4], 3.0,
+                 logged.append)
+    assert logged[0] == "    lr 0.1: tuning loss 0.1000"
+    with pytest.raises(UserError, match="^lr: no point"):
+        fc.search_lr(lambda lr: _Evaluator(lr, lambda x: 4.0), [torch.zeros(3)], [0.1, 0.2, 0.4], 3.0, logged.append)
+
+
+def test_tuning_loss_is_nats_per_prediction_and_inf_when_the_evaluation_diverged():
+    docs = [torch.zeros(11), torch.zeros(5)]
+    assert fc.tuning_loss(_Evaluator(0.1, lambda lr: 2.5), docs) == pytest.approx(2.5)
+    assert fc.tuning_loss(_Evaluator(0.1, lambda lr: math.nan), docs) == math.inf
+
+
+class _Blocks(nn.Module):
+    def __init__(self, n: int):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList(nn.Module() for _ in range(n))
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+
+def test_top_linears_names_the_last_k_blocks_mlps_or_every_linear_map():
+    lm = _Blocks(4)
+    assert fc.top_linears(lm, 2) == "model.layers.2.mlp.*,model.layers.3.mlp.*"
+    assert fc.top_linears(lm, 1, "all") == "model.layers.3.*"
+    assert fc.top_linears(lm, 4, "all").split(",")[0] == "model.layers.0.*"
+    for k in (0, 5):
+        with pytest.raises(UserError, match=f"^top blocks must be in 1..4, got {k}$"):
+            fc.top_linears(lm, k)
+    with pytest.raises(UserError, match="^parts must be one of mlp, all, got 'attn'$"):
+        fc.top_linears(lm, 2, "attn")
+
+
+def test_split_roles_sorts_the_texts_by_role_and_names_the_english_scored_ones():
+    t = {k: torch.full((3,), i) for i, k in enumerate("abcde")}
+    texts = {"a": (t["a"], {"role": "scored", "english": True}), "b": (t["b"], {"role": "validation", "english": True}),
+             "c": (t["c"], {"role": "scored", "english": False}), "d": (t["d"], {"role": "statistics", "english": True}),
+             "e": (t["e"], {"role": "validation", "english": False})}
+    scored, tuning, stats, english = fc.split_roles(texts)
+    assert list(scored) == ["a", "c"] and scored["c"] is t["c"]
+    assert [x[0].item() for x in tuning] == [1, 4] and stats is t["d"] and english == {"a"}
+
+
+def test_summarise_measures_every_row_against_static_per_text_and_in_the_means():
+    rows = {"static": {"a": _score(20.0, 200.0), "b": _score(40.0, 100.0)},
+            "dyn": {"a": _score(15.0, 50.0, cpu_s=4.0), "b": _score(36.0, 50.0)}}
+    out = fc.summarise(rows, english={"b"})
+    assert out["static"]["mean_relative_perplexity_reduction"] == 0.0
+    assert out["static"]["mean_throughput_ratio_to_static"] == 1.0
+    d = out["dyn"]
+    assert d["per_text"]["a"] == pytest.approx({"perplexity": 15.0, "loss_nats": math.log(15), "cpu_s": 4.0,
+                                               "tokens_per_cpu_s": 50.0, "relative_perplexity_reduction": 0.25,
+                                               "throughput_ratio_to_static": 0.25})
+    assert d["mean_relative_perplexity_reduction"] == pytest.approx((0.25 + 0.1) / 2)
+    assert d["mean_relative_perplexity_reduction_english"] == pytest.approx(0.1)
+    assert d["mean_throughput_ratio_to_static"] == pytest.approx((0.25 + 0.5) / 2)
+    assert fc.summarise(rows, english=set())["dyn"]["mean_relative_perplexity_reduction_english"] is None
+
+
+def test_frequency_bins_put_each_count_in_its_decade():
+    counts = Counter({1: 1, 2: 9, 3: 10, 4: 99, 5: 100, 6: 999, 7: 1000, 8: 10**6})
+    assert fc.frequency_bins(torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8]), counts) == \
+        ["unseen", "1-9", "1-9", "10-99", "10-99", "100-999", "100-999", "1000+", "1000+"]
+
+
+def test_figure2_pools_the_gains_in_bits_by_position_frequency_and_first_occurrence():
+    # text t: ids 5 6 5 6 7 (predictions 6, 5, 6, 7); static loses 1 nat more than the row at every target but the
+    # second, where the row is worse by 2. Text u: ids 8 9 (one prediction, 9), 3 nats gained
+    t, u = torch.tensor([5, 6, 5, 6, 7]), torch.tensor([8, 9])
+    rows = {"static": {"t": {"losses": torch.tensor([2.0, 2.0, 2.0, 2.0], dtype=torch.float64)},
+                       "u": {"losses": torch.tensor([4.0], dtype=torch.float64)}},
+            "dyn": {"t": {"losses": torch.tensor([1.0, 4.0, 1.0, 1.0], dtype=torch.float64)},
+                    "u": {"losses": torch.tensor([1.0], dtype=torch.float64)}}}
+    out = fc.figure2({"t": t, "u": u}, rows, ["dyn"], Counter({5: 50, 6: 5000, 9: 3, 7: 500}))
+    g = [x / fc.LN2 for x in (1.0, -2.0, 1.0, 1.0, 3.0)]  # t's four gains, then u's
+    assert out["dyn"]["position"] == {"0-64": {"bits": pytest.approx(sum(g) / 5), "tokens": 5}}
+    assert out["dyn"]["frequency"] == {"1-9": {"bits": pytest.approx(g[4]), "tokens": 1},
+                                       "10-99": {"bits": pytest.approx(g[1]), "tokens": 1},
+                                       "100-999": {"bits": pytest.approx(g[3]), "tokens": 1},
+                                       "1000+": {"bits": pytest.approx((g[0] + g[2]) / 2), "tokens": 2}}
+    # a text's first id is context, not a target: t's target 5 is a repeat of it (6 is not: only the first id
+    # counts), its second 6 a repeat of its first; 7 and u's 9 are first occurrences
+    assert out["dyn"]["repeat"] == {"first occurrence": {"bits": pytest.approx((g[0] + g[3] + g[4]) / 3), "tokens": 3},
+                                    "repeat": {"bits": pytest.approx((g[1] + g[2]) / 2), "tokens": 2}}
+    assert list(out["dyn"]["frequency"]) == ["1-9", "10-99", "100-999", "1000+"]  # in order, empty bins left out
+    unseen = fc.figure2({"u": u}, rows, ["dyn"], Counter())["dyn"]["frequency"]
+    assert unseen == {"unseen": {"bits": pytest.approx(g[4]), "tokens": 1}}
+
+
+def test_figure2_position_bins_follow_the_token_index_across_the_edges():
+    n = 4097  # position 4096 is past the last edge: in no position bin
+    ids = torch.arange(n + 1)
+    gains = torch.arange(n, dtype=torch.float64)
+    rows = {"static": {"t": {"losses": gains * fc.LN2}}, "dyn": {"t": {"losses": torch.zeros(n, dtype=torch.float64)}}}
+    pos = fc.figure2({"t": ids}, rows, ["dyn"], Counter())["dyn"]["position"]
+    assert pos == {"0-64": {"bits": pytest.approx(31.5), "tokens": 64},
+                   "64-256": {"bits": pytest.approx(159.5), "tokens": 192},
+                   "256-1024": {"bits": pytest.approx(639.5), "tokens": 768},
+                   "1024-2048": {"bits": pytest.approx(1535.5), "tokens": 1024},
+                   "2048-4096": {"bits": pytest.approx(3071.5), "tokens": 2048}}
