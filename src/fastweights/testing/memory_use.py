@@ -43,7 +43,7 @@ def peak_rss_growth(fn) -> int:
 def part_of(name: str, module, modules: dict) -> str | None:
     """The label a module's saved tensors count under (a mixer's own modules apart from the ops it runs
     inline), or None for a module that only contains labelled ones."""
-    if name == "embed" or name.endswith(("norm", "_norm")):
+    if name == "embed" or name.endswith("norm"):
         return "embedding" if name == "embed" else "norms"
     if name.endswith(".mixer"):
         return f"mixer:{type(module).__name__}"
