@@ -182,3 +182,120 @@ def test_a_scripts_log_line_starts_with_the_time_of_day(capsys):
     log("scored 4 texts")
     out = capsys.readouterr().out
     assert re.fullmatch(r"\[\d\d:\d\d:\d\d\] scored 4 texts\n", out), out
+
+
+class _CudaStandIn:
+    """torch.cuda's calls that the timers make, recorded in order (a CUDA device stood in for on the CPU)."""
+
+    def __init__(self, monkeypatch, log):
+        import torch
+
+        for name in ("empty_cache", "reset_peak_memory_stats", "synchronize"):
+            monkeypatch.setattr(torch.cuda, name, lambda *a, name=name: log.append((name, *a)))
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: log.append(("peak", *a)) or 12345)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def test_step_timing_on_cuda_synchronises_each_call_and_reports_the_peak_memory(monkeypatch):
+    import types
+
+    from fastweights.evidence import timing
+
+    log = []
+    _CudaStandIn(monkeypatch, log)
+    seconds = iter([0.98765, 0.1234567, 0.2, 0.3000004])
+
+    def call_seconds(fn, clocks=None, sync=None):  # timing's own, with fixed durations
+        if sync is not None:
+            sync()
+        fn()
+        if sync is not None:
+            sync()
+        return (next(seconds),)
+
+    monkeypatch.setattr(timing, "call_seconds", call_seconds)
+    gpu = types.SimpleNamespace(type="cuda")
+    out = timing.step_timing(lambda: log.append("step"), gpu, warmup=2, repeat=3)
+    assert log == [("empty_cache",), ("reset_peak_memory_stats", gpu), "step", "step", ("synchronize", gpu),
+                   *[("synchronize", gpu), "step", ("synchronize", gpu)] * 3, ("peak", gpu)]
+    assert out == {"seconds_median": 0.2, "seconds_all": [0.123457, 0.2, 0.3], "warmup_seconds_total": 0.988,
+                   "peak_bytes": 12345}
+    assert list(out) == ["seconds_median", "seconds_all", "warmup_seconds_total", "peak_bytes"]
+
+
+def test_samples_and_timeit_synchronise_cuda_around_every_timed_call(monkeypatch):
+    from fastweights.evidence import timing
+
+    log = []
+    timing.samples(lambda: log.append("call"), 2, warmup=1, sync=lambda: log.append("sync"))
+    assert log == ["call"] + ["sync", "call", "sync"] * 2
+    log.clear()
+    _CudaStandIn(monkeypatch, log)
+    timing.timeit(lambda: log.append("call"), warmup=1, repeat=2)
+    assert log == ["call"] + [("synchronize",), "call", ("synchronize",)] * 2
+    log.clear()
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    timing.timeit(lambda: log.append("call"), warmup=0, repeat=2)
+    assert log == ["call", "call"]
+
+
+def test_op_shares_add_each_ops_own_time_into_its_class(monkeypatch):
+    import types
+
+    import torch
+
+    from fastweights.evidence import timing
+
+    events = [types.SimpleNamespace(key=k, self_cpu_time_total=t) for k, t in
+              (("aten::mm", 30.0), ("aten::addmm", 10.0), ("aten::mul", 20.0), ("aten::add", 20.0),
+               ("aten::_scaled_dot_product_flash_attention_for_cpu", 20.0))]
+    seen = {}
+
+    class Profile:
+        def __init__(self, **kwargs):
+            seen.update(kwargs)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def key_averages(self):
+            return events
+
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    steps = []
+    assert timing.op_shares(lambda: steps.append(1), steps=4) == {"gemm": 0.4, "attention": 0.2, "other": 0.4}
+    assert steps == [1] * 4 and seen == {"activities": [torch.profiler.ProfilerActivity.CPU]}
+    events.clear()  # a step with no ops: all shares 0, not a division by zero
+    assert timing.op_shares(lambda: None) == {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+
+
+def test_a_scripts_log_line_is_flushed_at_once(monkeypatch):
+    import io
+    import sys
+
+    from fastweights.evidence.script_log import log
+
+    class Out(io.StringIO):
+        flushes = 0
+
+        def flush(self):
+            Out.flushes += 1
+
+    monkeypatch.setattr(sys, "stdout", Out())
+    log("x")
+    assert Out.flushes == 1
+
+
+def test_the_cpu_seconds_of_children_are_their_user_and_system_time(monkeypatch):
+    import resource
+    import types
+
+    from fastweights.evidence.timing import children_cpu_seconds
+
+    asked = []
+    monkeypatch.setattr(resource, "getrusage", lambda who: asked.append(who) or types.SimpleNamespace(ru_utime=2.5,
+                                                                                                      ru_stime=0.75))
+    assert children_cpu_seconds() == 3.25 and asked == [resource.RUSAGE_CHILDREN]
