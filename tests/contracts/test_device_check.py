@@ -4,6 +4,7 @@ budget skips, and the summary counts verdicts over both parts."""
 
 import math
 
+import pytest
 import torch
 
 from fastweights.testing import device_check as dc
@@ -50,3 +51,84 @@ def test_rel_diff_is_the_largest_difference_over_the_largest_reference():
     assert dc.rel_diff(torch.tensor([1, 2]), torch.tensor([1, 2])) == (0.0, 0.0)  # integers: exactly
     assert dc.rel_diff(torch.tensor([1, 3]), torch.tensor([1, 2])) == (math.inf, math.inf)
     assert dc.rel_diff(torch.tensor([float("nan"), 1.0]), ref) == (math.inf, math.inf)
+
+
+class _Contract:
+    """device_contract's train, compute_dtype_state and state_leaves stood in for: the fp32 and bf16 runs'
+    losses, the bf16 run's last state and layer are chosen by the test; every call is recorded."""
+
+    def __init__(self, monkeypatch, fp32, bf16, state, params, allowed=()):
+        from torch import nn
+
+        self.calls, self.layer = [], nn.Module()
+        for i, p in enumerate(params):
+            self.layer.register_parameter(f"p{i}", nn.Parameter(p, requires_grad=False))
+        self.runs = {False: fp32, True: bf16}
+        monkeypatch.setattr(dc.contract, "train", self.train)
+        monkeypatch.setattr(dc.contract, "compute_dtype_state",
+                            lambda kind, name: self.calls.append(("allowed", kind, name)) or set(allowed))
+        monkeypatch.setattr(dc.contract, "state_leaves", lambda st: list(st.items()))
+        self.state = state
+
+    def train(self, kind, name, raw, bf16, device):
+        self.calls.append(("train", kind, name, raw, bf16, device))
+        return self.runs[bf16], (self.state if bf16 else None), (self.layer if bf16 else None)
+
+
+def test_bf16_training_passes_close_finite_losses_with_fp32_parameters_and_state_on_the_device(monkeypatch):
+    cpu = torch.device("cpu")
+    c = _Contract(monkeypatch, [2.0, 1.5, 1.0], [2.0, 1.54, 1.04], {"mem.S": torch.zeros(2), "idx": torch.zeros(2,
+                  dtype=torch.long), "mem.half": torch.zeros(2, dtype=torch.bfloat16)}, [torch.ones(2)],
+                  allowed={"mem.half"})
+    got = dc.bf16_training("mixer", "delta", {"raw": 1}, cpu)
+    assert got == {"losses_fp32": [2.0, 1.5, 1.0], "losses_bf16": [2.0, 1.54, 1.04],
+                   "max_rel_loss_diff": pytest.approx(0.04), "problems": [], "pass": True}
+    assert c.calls == [("train", "mixer", "delta", {"raw": 1}, False, cpu), ("train", "mixer", "delta", {"raw": 1}, True, cpu),
+                       ("allowed", "mixer", "delta")]
+
+
+def test_bf16_training_names_every_problem(monkeypatch):
+    cpu = torch.device("cpu")
+    state = {"mem.S": torch.zeros(2, dtype=torch.bfloat16), "ok": torch.zeros(2), "meta": torch.zeros(2, device="meta")}
+    _Contract(monkeypatch, [2.0, 1.0, 0.0], [2.0, math.nan, 0.1], state,
+              [torch.ones(2), torch.tensor([1.0, math.inf])])
+    got = dc.bf16_training("mixer", "delta", {}, cpu)
+    assert got["problems"] == ["non-finite bf16 loss [2.0, nan, 0.1]",
+                               "a parameter is not finite fp32 after the bf16 steps",
+                               "bf16 loss differs from fp32 by 1e+29 (relative)",  # a zero fp32 loss: / 1e-30
+                               "state 'mem.S' is torch.bfloat16 under bf16 autocast",
+                               "state 'meta' is on meta"]
+    assert got["pass"] is False and got["max_rel_loss_diff"] == pytest.approx(1e29)
+    # a bf16 parameter is a problem too; the whole state may keep the compute dtype when "" is allowed
+    _Contract(monkeypatch, [1.0], [1.06], {"mem.S": torch.zeros(2, dtype=torch.bfloat16)},
+              [torch.ones(2, dtype=torch.bfloat16)], allowed={""})
+    got = dc.bf16_training("mixer", "delta", {}, cpu)
+    assert got["problems"] == ["a parameter is not finite fp32 after the bf16 steps",
+                               "bf16 loss differs from fp32 by 0.06 (relative)"]
+    # exactly at the tolerance: passes
+    assert 1.0 / 20.0 == dc.BF16_LOSS_TOL
+    _Contract(monkeypatch, [20.0], [21.0], {}, [torch.ones(1)])
+    assert dc.bf16_training("mixer", "delta", {}, cpu)["pass"] is True
+
+
+def test_the_summary_counts_verdicts_over_both_parts_and_fla_calls_in_bf16_training():
+    rows = [{"component": "mixer", "variant": v, "fp32_cpu_vs_device": {"pass": a}, "bf16_training": b}
+            for v, a, b in (("delta", True, {"pass": True, "fla_calls": 3}), ("gated", True, {"pass": False}),
+                            ("sum", False, {"pass": True, "fla_calls": 2}), ("dpfp", True, {"pass": None}))]
+    rows.append({"component": "head", "variant": "fwl", "fp32_cpu_vs_device": {"pass": True}})  # bf16 not run
+    s = dc.component_summary(rows)
+    assert [r["pass"] for r in rows] == [True, False, False, None, None]
+    assert {k: s[k] for k in ("variants", "checked", "passed", "failed", "skipped", "fla_calls_in_bf16_training")} == {
+        "variants": 5, "checked": 3, "passed": 1, "failed": ["mixer gated", "mixer sum"],
+        "skipped": ["mixer dpfp", "head fwl"], "fla_calls_in_bf16_training": 5}
+    assert s["tolerance"] == {
+        "fp32_rel": 1e-4, "bf16_loss_rel": 0.05,
+        "rule": "fp32: every output, input gradient, carried state and parameter gradient within fp32_rel of the CPU's "
+                "(max |device - cpu| / max |cpu| per tensor), TF32 off; bf16: 3 Adam steps under autocast, finite, "
+                "each loss within bf16_loss_rel of fp32's, fp32 parameters, fast-weight state fp32 (activation "
+                "caches excepted, as in tests/contracts/test_device_contract.py)"}
+    from fastweights.testing import registry_cases as reg
+
+    assert s["shape"] == {"B": reg.B, "T": reg.T, "d_model": reg.D, "vocab": reg.V, "calls": 2}
+    assert s["rows"] is rows and list(s) == ["tolerance", "shape", "variants", "checked", "passed", "failed", "skipped",
+                                             "fla_calls_in_bf16_training", "rows"]
