@@ -126,3 +126,185 @@ def test_without_flash_attn_fla_attention_gets_an_sdpa_stand_in(monkeypatch):
     assert torch.allclose(attn.flash_attn_func(q, k, v, causal=True), want)
     with pytest.raises(NotImplementedError, match="no sliding window"):
         attn.flash_attn_func(q, k, v, window_size=(2, 0))
+
+
+def test_kernel_inputs_are_seeded_delta_rule_inputs_with_unit_keys():
+    q, k, v, beta, ld = fc.kernel_inputs(2, 5, 3, 4, 6, "cpu", seed=1)
+    assert [tuple(x.shape) for x in (q, k, v, beta, ld)] == [(2, 5, 3, 4), (2, 5, 3, 4), (2, 5, 3, 6), (2, 5, 3),
+                                                             (2, 5, 3)]
+    torch.testing.assert_close(k.norm(dim=-1), torch.ones(2, 5, 3))
+    assert 0.05 <= beta.min() and beta.max() <= 0.95 and -0.1 <= ld.min() and ld.max() <= 0
+    assert all(torch.equal(a, b) for a, b in zip(fc.kernel_inputs(2, 5, 3, 4, 6, "cpu", seed=1), (q, k, v, beta, ld)))
+    assert not torch.equal(fc.kernel_inputs(2, 5, 3, 4, 6, "cpu", seed=2)[0], q)
+    assert q.std() > 0.5 and v.std() > 0.5  # standard normal, not uniform
+
+
+def test_the_raw_fla_step_and_ours_run_fla_with_state_in_and_out(monkeypatch):
+    """On the fla stand-in (fla 0.6's call contract): the raw step calls fla's chunk kernel in bf16 with a zero
+    state in and the final state out (gated: with the L2 norm in the kernel and the fp32 gate); our op's step runs
+    the same rule through fla under bf16 autocast, with the gradients reaching every leaf."""
+    from fastweights.testing import fla_standin
+
+    calls = fla_standin.install(monkeypatch)
+    try:
+        xs = fc.kernel_inputs(1, 8, 2, 4, 4, "cpu")
+        for gated in (False, True):
+            calls.clear()
+            fc.raw_fla_step(gated, xs, torch.device("cpu"))()
+            (c,) = calls
+            assert c["rule"] == ("gated" if gated else "delta") and c["l2norm"] is gated and c["output_final_state"]
+            assert c["q"].dtype == c["k"].dtype == c["v"].dtype == c["beta"].dtype == torch.bfloat16 and c["grad"]
+            assert torch.equal(c["initial_state"], torch.zeros(1, 2, 4, 4))
+            assert (c["g"] is not None) is gated and (not gated or c["g"].dtype == torch.float32)
+            torch.testing.assert_close(c["q"].float(), xs[0], atol=0.02, rtol=0.02)
+            # the loss is the output's alone: the final state joins the graph with weight 0
+            q, k, v, beta = (c[n].detach().requires_grad_() for n in ("q", "k", "v", "beta"))
+            run = fla_standin.chunk_gated_delta_rule if gated else fla_standin.chunk_delta_rule
+            kw = {"g": c["g"].detach(), "use_qk_l2norm_in_kernel": True} if gated else {}
+            o, _ = run(q=q, k=k, v=v, beta=beta, initial_state=c["initial_state"], **kw)
+            o.float().square().mean().backward()
+            torch.testing.assert_close(c["q"].grad, q.grad)
+            torch.testing.assert_close(c["k"].grad, k.grad)  # the state depends on k, not q
+        for gated in (False, True):
+            for leaves in (torch.float32, torch.bfloat16):
+                calls.clear()
+                fc.our_op_step(gated, xs, "fla", torch.device("cpu"), leaves=leaves)()
+                (c,) = calls
+                assert c["rule"] == ("gated" if gated else "delta") and c["output_final_state"] and c["grad"]
+                assert c["q"].dtype == torch.bfloat16 and torch.equal(c["initial_state"], torch.zeros(1, 2, 4, 4))
+                assert c["l2norm"] is gated and (c["g"] is not None) is gated
+        assert not any(x.requires_grad for x in xs)  # the leaves are copies: the caller's inputs stay as they were
+    finally:
+        fla_standin.uninstall()
+
+
+def test_our_op_step_gives_every_leaf_a_gradient_on_the_torch_backend(monkeypatch):
+    seen = {}
+    real = fc.delta_rule
+
+    def spy(q, k, v, beta, **kw):
+        seen.update(kw, leaves=[q, k, v, beta], autocast=torch.is_autocast_enabled("cpu"))
+        return real(q, k, v, beta, **kw)
+
+    monkeypatch.setattr(fc, "delta_rule", spy)
+    xs = fc.kernel_inputs(1, 6, 2, 4, 4, "cpu")
+    fc.our_op_step(True, xs, "torch", torch.device("cpu"), leaves=torch.float64)()
+    assert seen["backend"] == "torch" and seen["qk_l2norm"] is True and seen["output_final_state"] is True
+    assert seen["autocast"] and torch.equal(seen["log_decay"].detach(), xs[4])
+    assert torch.equal(seen["initial_state"], torch.zeros(1, 2, 4, 4))
+    assert all(x.dtype == torch.float64 and x.grad is not None for x in seen["leaves"])
+    assert seen["log_decay"].grad is not None and seen["log_decay"].dtype == torch.float32
+    assert torch.equal(seen["leaves"][0].detach(), xs[0].double())
+    # the loss is the output's alone: the final state joins the graph with weight 0
+    leaves = [x.detach().requires_grad_() for x in seen["leaves"]]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o, _ = real(*leaves, log_decay=xs[4], initial_state=seen["initial_state"], backend="torch", qk_l2norm=True)
+    o.float().square().mean().backward()
+    torch.testing.assert_close(seen["leaves"][1].grad, leaves[1].grad)
+    fc.our_op_step(False, xs, "torch", torch.device("cpu"))()
+    assert seen["log_decay"] is None and seen["qk_l2norm"] is False and seen["leaves"][0].dtype == torch.float32
+
+
+def test_layer_step_runs_forward_and_backward_with_or_without_autocast():
+    seen = []
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            seen.append(torch.is_autocast_enabled("cpu"))
+            return (x * self.w, "state")
+
+    layer, x = Layer(), torch.full((2, 3), 2.0)
+    fc.layer_step(layer, x, torch.device("cpu"))()
+    torch.testing.assert_close(layer.w.grad, torch.full((3,), 8 / 3))  # d mean over 6 of (2w)^2 / dw_j = 2 x 8 w / 6
+    fc.layer_step(layer, x, torch.device("cpu"), autocast=False)()
+    assert seen == [True, False]
+    plain = torch.nn.Linear(3, 2)  # a layer returning a tensor: all of it is the output
+    rows = torch.arange(12.0).reshape(4, 3)
+    fc.layer_step(plain, rows, torch.device("cpu"), autocast=False)()
+    y = plain(rows)
+    torch.testing.assert_close(plain.bias.grad, 2 * y.detach().mean(0) / 2)
+
+
+def test_run_impl_calls_fla_with_its_own_argument_order():
+    seen = []
+
+    def delta(q, k, v, beta):
+        seen.append(("delta", q, k, v, beta))
+        return q * 2, None
+
+    def gated(q, k, v, g, beta):
+        seen.append(("gated", q, k, v, g, beta))
+        return q * 3 + g[..., None], None
+
+    xs, g, do = fc.delta_inputs(1, 4, 2, 3, "cpu", gated=True)
+    o, grads = fc.run_impl("fla", {"delta": delta, "gated": gated}, xs, None, do, backward=False)
+    assert grads is None and torch.equal(o, xs[0] * 2) and all(torch.equal(a, b) for a, b in zip(seen[0][1:], xs))
+    o, grads = fc.run_impl("fla", {"delta": delta, "gated": gated}, xs, g, do, backward=True)
+    assert seen[1][0] == "gated" and torch.equal(seen[1][4], g) and torch.equal(seen[1][5], xs[3])
+    assert all(torch.equal(seen[1][i], xs[i - 1]) for i in (1, 2, 3))
+    assert len(grads) == 5 and grads[1] is None and grads[0].dtype == torch.bfloat16
+    torch.testing.assert_close(grads[0].float(), 3 * do, atol=0.05, rtol=0.01)
+    torch.testing.assert_close(grads[4], do.sum(-1))  # d <q * 3 + g, do> / dg
+    assert not xs[0].requires_grad  # the caller's inputs are not made leaves
+    o, grads = fc.run_impl("fla", {"delta": delta, "gated": gated}, xs, None, do, backward=True)
+    assert len(grads) == 4  # no gate, no gate gradient
+
+
+def test_fla_candidates_name_each_chunk_size_and_call_fla_with_it():
+    import types
+
+    seen = []
+    mods = {"delta": types.SimpleNamespace(delta_rule_chunkwise=lambda q, k, v, beta, chunk_size: (
+                seen.append(("delta", q, k, v, beta, chunk_size)) or "o-delta", None)),
+            "gated": types.SimpleNamespace(naive_chunk_gated_delta_rule=lambda q, k, v, g, beta, chunk_size: (
+                seen.append(("gated", q, k, v, g, beta, chunk_size)) or "o-gated", None))}
+    plain = fc.fla_candidates(mods, gated=False)
+    assert list(plain) == [f"{n}_C{c}" for c in (16, 32, 64) for n in ("delta_rule_chunkwise", "naive_chunk_gated_delta_rule")]
+    assert plain["delta_rule_chunkwise_C32"][0]("q", "k", "v", "b", "g") == "o-delta"
+    assert seen[-1] == ("delta", "q", "k", "v", "b", 32)
+    assert plain["naive_chunk_gated_delta_rule_C64"][0]("q", "k", "v", "b", "g") == "o-gated"
+    assert seen[-1] == ("gated", "q", "k", "v", "g", "b", 64)
+    gated = fc.fla_candidates(mods, gated=True)
+    assert list(gated) == [f"naive_chunk_gated_delta_rule_C{c}" for c in (16, 32, 64)]
+    assert [wants for _, wants in plain.values()] == [True, False] * 3
+    assert all(wants is False for _, wants in gated.values())
+    gated["naive_chunk_gated_delta_rule_C16"][0]("q", "k", "v", "b", "g")
+    assert seen[-1][-1] == 16
+
+
+def test_load_fla_cpu_reads_fla_s_two_naive_files_or_says_why_not(monkeypatch, tmp_path):
+    import hashlib
+    import importlib.metadata
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert fc.load_fla_cpu() == (None, {"reason": "flash-linear-attention (fla-core) is not importable"})
+    root = tmp_path / "fla"
+    for rel, body in (("ops/delta_rule/naive.py", "def delta_rule_chunkwise():\n    return 1\n"),
+                      ("ops/gated_delta_rule/naive.py", "def naive_chunk_gated_delta_rule():\n    return 2\n")):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(body)
+    spec = importlib.machinery.ModuleSpec("fla", None, is_package=True)
+    spec.submodule_search_locations = [str(root)]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec if name == "fla" else None)
+
+    def no_dist(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", no_dist)
+    mods, info = fc.load_fla_cpu()
+    assert mods["delta"].delta_rule_chunkwise() == 1 and mods["gated"].naive_chunk_gated_delta_rule() == 2
+    assert info == {"version": "unknown", "files": {
+        f"fla/{rel}": hashlib.sha256((root / rel).read_bytes()).hexdigest()
+        for rel in ("ops/delta_rule/naive.py", "ops/gated_delta_rule/naive.py")}}
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.6.1" if name == "fla-core" else "?")
+    assert fc.load_fla_cpu()[1]["version"] == "0.6.1"
+    (root / "ops/gated_delta_rule/naive.py").write_text("import no_such_module_here\n")
+    assert fc.load_fla_cpu() == (None, {"reason": "fla/ops/gated_delta_rule/naive.py does not load: "
+                                                  "ModuleNotFoundError: No module named 'no_such_module_here'"})
+    spec.submodule_search_locations = []
+    assert fc.load_fla_cpu()[0] is None
