@@ -308,3 +308,139 @@ def test_load_fla_cpu_reads_fla_s_two_naive_files_or_says_why_not(monkeypatch, t
                                                   "ModuleNotFoundError: No module named 'no_such_module_here'"})
     spec.submodule_search_locations = []
     assert fc.load_fla_cpu()[0] is None
+
+
+FWPKM_CFG = {"d_model": 16, "seq_len": 12, "fwpkm": {"heads": 2, "chunk_size": 4, "n_subkeys": 3, "d_key": 8,
+                                                    "d_value": 16, "topk": 2}}
+
+
+def test_the_fwpkm_layer_step_builds_ours_or_lucidrains_at_the_same_options(monkeypatch):
+    import sys
+    import types
+
+    from fastweights.layers.fwpkm import FwPKM, FwPKMOptions
+
+    step, n = fc.fwpkm_layer_step("ours", FWPKM_CFG, 2, torch.device("cpu"))
+    torch.manual_seed(0)
+    want = FwPKM(16, FwPKMOptions(**FWPKM_CFG["fwpkm"]))
+    assert n == sum(p.numel() for p in want.parameters())
+    layer = step.__closure__  # the step's layer and input: run it, every parameter gets a gradient
+    step()
+    built = [c.cell_contents for c in layer if isinstance(c.cell_contents, torch.nn.Module)][0]
+    x = [c.cell_contents for c in layer if isinstance(c.cell_contents, torch.Tensor)][0]
+    assert isinstance(built, FwPKM) and all(torch.equal(a, b) for a, b in zip(built.state_dict().values(),
+                                                                              want.state_dict().values()))
+    assert x.shape == (2, 12, 16) and x.grad is not None
+    assert torch.equal(x.detach(), torch.randn(2, 12, 16, generator=torch.Generator().manual_seed(3)))
+    seen = {}
+
+    class Lucid(torch.nn.Module):
+        def __init__(self, dim, **kw):
+            super().__init__()
+            seen.update(kw, dim=dim)
+            self.w = torch.nn.Parameter(torch.ones(7))
+
+        def forward(self, x):
+            seen["autocast"] = torch.is_autocast_enabled("cpu")
+            return x * self.w.sum()
+
+    monkeypatch.setitem(sys.modules, "fast_weight_product_key_memory", types.SimpleNamespace(fwPKM=Lucid))
+    step, n = fc.fwpkm_layer_step("lucidrains", FWPKM_CFG, 2, torch.device("cpu"))
+    step()
+    assert n == 7 and seen == {"dim": 16, "heads": 2, "chunk_size": 4, "num_memories": 9, "dim_queries_keys": 8,
+                               "dim_values": 16, "topk": 2, "learning_rate": 1.0, "autocast": False}
+
+
+def test_fla_info_names_each_version_or_the_import_error(monkeypatch):
+    import importlib.metadata
+    import sys
+    import types
+
+    versions = {"tilelang": "0.1.5", "fast-weight-product-key-memory": "0.0.9"}
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: versions[name])
+    monkeypatch.setitem(sys.modules, "fla", types.SimpleNamespace(__version__="0.6.1"))
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__="3.6.0"))
+    monkeypatch.setitem(sys.modules, "fast_weight_product_key_memory", types.ModuleType("fast_weight_product_key_memory"))
+    assert fc.fla_info() == {"fla": "0.6.1", "triton": "3.6.0", "tilelang": "0.1.5", "fast_weight_product_key_memory": "0.0.9"}
+    monkeypatch.setitem(sys.modules, "fla", types.SimpleNamespace())  # no __version__
+    assert fc.fla_info()["fla"] == "?"
+    for name in ("fla", "triton", "fast_weight_product_key_memory"):
+        monkeypatch.setitem(sys.modules, name, None)  # not importable
+    versions.clear()
+    info = fc.fla_info()
+    assert list(info) == ["fla_error", "triton_error", "tilelang", "lucidrains_error"] and info["tilelang"] is None
+    assert info["fla_error"].startswith("ModuleNotFoundError: import of fla halted; None in sys.modules")
+    assert info["triton_error"].startswith("ModuleNotFoundError: import of triton halted")
+    assert info["lucidrains_error"].startswith("ModuleNotFoundError: import of fast_weight_product_key_memory halted")
+
+
+def test_every_attn_every_th_layer_is_attention_in_ours_and_in_fla_s(monkeypatch):
+    cfg = {**CFG, "n_layers": 6, "attn_every": 3}
+    ours = fc.our_config(cfg, fwpkm=False)
+    assert ours.layer_mixers == ["gdn", "gdn", "attention"] * 2
+    assert ours.options == {"gdn": {"head_dim": 16}, "attention": {"head_dim": 16}}
+    _fake_fla(monkeypatch)
+    assert fc.fla_model(cfg)[1]["attn"]["layers"] == [2, 5]
+
+
+def test_the_fla_stand_in_outside_pytest_is_installed_and_undone(monkeypatch):
+    import sys
+
+    from fastweights.testing import fla_standin
+
+    made = []
+
+    class Patcher(fc._Patcher):
+        def __init__(self):
+            super().__init__()
+            made.append(self)
+
+    monkeypatch.setattr(fc, "_Patcher", Patcher)
+    before = sys.modules.get("fla")
+    said = fc.install_fla_standin()
+    try:
+        assert said == ("fla absent: the stand-in fastweights.testing.fla_standin (fla 0.6's call contract, our "
+                        "per-step reference in fp32) ran in its place; fla's layers and models are absent from it")
+        assert sys.modules["fla"].__version__ == fla_standin.VERSION
+    finally:
+        for undo, key, value in reversed(made[0].undo_list):
+            undo(key, value)
+        fla_standin.uninstall()
+    assert sys.modules.get("fla") is before
+
+
+def test_the_patcher_undoes_what_it_set():
+    import types
+
+    p, d, o = fc._Patcher(), {"a": 1}, types.SimpleNamespace(x=1)
+    p.setitem(d, "a", 2)
+    p.setitem(d, "b", 3)
+    p.setattr(o, "x", 5)
+    assert d == {"a": 2, "b": 3} and o.x == 5
+    for undo, key, value in reversed(p.undo_list):
+        undo(key, value)
+    assert d == {"a": 1} and o.x == 1
+
+
+def test_the_flash_attn_stand_in_is_causal_by_default_and_says_why_fla_is_missing(monkeypatch):
+    import sys
+    import types
+
+    import pytest
+
+    _fake_fla(monkeypatch)
+    attn = types.ModuleType("fla.layers.attn")
+    monkeypatch.setitem(sys.modules, "fla.layers.attn", attn)
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    fc.install_flash_attn_standin()
+    q, k, v = (torch.randn(1, 5, 2, 4) for _ in range(3))
+    causal = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                              is_causal=True).transpose(1, 2)
+    torch.testing.assert_close(attn.flash_attn_func(q, k, v), causal)
+    with pytest.raises(NotImplementedError) as e:
+        attn.flash_attn_func(q, k, v, window_size=(4, 0))
+    assert str(e.value) == "stand-in flash_attn_func: no sliding window"
+    monkeypatch.setitem(sys.modules, "fla.layers.attn", None)
+    said = fc.install_flash_attn_standin()
+    assert said.startswith("fla's attention layer not importable: ModuleNotFoundError: import of fla.layers.attn "
+                           "halted; None in sys.modules (at fla_comparison.py:")
