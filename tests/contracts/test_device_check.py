@@ -132,3 +132,77 @@ def test_the_summary_counts_verdicts_over_both_parts_and_fla_calls_in_bf16_train
     assert s["shape"] == {"B": reg.B, "T": reg.T, "d_model": reg.D, "vocab": reg.V, "calls": 2}
     assert s["rows"] is rows and list(s) == ["tolerance", "shape", "variants", "checked", "passed", "failed", "skipped",
                                              "fla_calls_in_bf16_training", "rows"]
+
+
+def _two_calls_standin(monkeypatch, ref, got):
+    """compare_devices' two runs stood in for: the CPU's tensors ``ref``, the device's ``got``."""
+    from torch import nn
+
+    built = []
+    monkeypatch.setattr(dc.contract, "build", lambda kind, name, raw: built.append((kind, name, raw)) or nn.Linear(2, 2))
+    runs = iter([ref, got])
+    devices = []
+
+    def two_calls(layer, kind, x, tokens, weights, device):
+        devices.append((device.type, layer, kind, x, tokens, weights((2, 3))))
+        return next(runs)
+
+    monkeypatch.setattr(dc, "two_calls", two_calls)
+    return devices, built
+
+
+def test_compare_devices_takes_the_worst_difference_of_each_kind_and_names_what_is_missing(monkeypatch):
+    t = torch.tensor
+    ref = {"output_1": t([1.0, 2.0]), "output_2": t([4.0, -4.0]), "input_grad_1": t([2.0, 2.0]),
+           "input_grad_2": t([1.0, 1.0]), "state[S]": t([10.0, 10.0]), "param_grad[w]": t([1.0, 1.0]),
+           "param_grad[v]": t([2.0])}
+    got = {"output_1": t([1.0, 2.5]), "output_2": t([4.0, -4.0]), "input_grad_1": t([2.0, 1.0]),
+           "input_grad_2": t([1.0, 1.0]), "state[S]": t([10.0, 11.0]), "param_grad[w]": t([1.0, 1.25]),
+           "state": t([0.0])}
+    calls, built = _two_calls_standin(monkeypatch, ref, got)
+    out = dc.compare_devices("mixer", "delta", {"raw": 1}, torch.device("cpu"))
+    assert built == [("mixer", "delta", {"raw": 1})] and [c[0] for c in calls] == ["cpu", "cpu"]
+    (_, cpu_layer, kind, x, tokens, w), (_, dev_layer, kind2, x2, tokens2, w2) = calls
+    assert kind == kind2 == "mixer" and dev_layer is not cpu_layer and dev_layer.weight is not cpu_layer.weight
+    assert torch.equal(dev_layer.weight, cpu_layer.weight)  # a deep copy of the CPU's layer
+    g = torch.Generator().manual_seed(2)  # seeded inputs, the same on both devices
+    want_x = [torch.randn(dc.reg.B, dc.reg.T, dc.reg.D, generator=g) for _ in range(2)]
+    want_tokens = [torch.randint(0, dc.reg.V, (dc.reg.B, dc.reg.T), generator=g) for _ in range(2)]
+    gw = torch.Generator().manual_seed(3)
+    want_w = (torch.randn((2, 3), generator=gw), torch.randn((2, 3), generator=gw))
+    for xs, ts, ws in ((x, tokens, w), (x2, tokens2, w2)):
+        assert all(torch.equal(a, b) for a, b in zip(xs + ts + list(ws), want_x + want_tokens + list(want_w)))
+    assert out == {"max_abs_diff_outputs": 0.5, "max_rel_diff_outputs": 0.25, "max_abs_diff_input_grads": 1.0,
+                   "max_rel_diff_input_grads": 0.5, "max_rel_diff_state": 0.1, "max_rel_diff_param_grads": 0.25,
+                   "worst": {"tensor": "input_grad_1", "abs": 1.0, "rel": 0.5}, "tensors_compared": 6,
+                   "problems": ["param_grad[v] only on cpu", "state only on cpu"], "pass": False}
+
+
+def test_compare_devices_passes_within_the_tolerance_and_names_a_tensor_on_the_wrong_device(monkeypatch):
+    t = torch.tensor
+    ref = {"output_1": t([1.0, -2.0]), "input_grad_1": t([1.0])}
+    _two_calls_standin(monkeypatch, ref, {"output_1": t([1.0, -2.0]), "input_grad_1": t([1.0])})
+    same = dc.compare_devices("mixer", "delta", {}, torch.device("cpu"))
+    assert same["pass"] is True and same["problems"] == [] and same["worst"] == {"tensor": "input_grad_1", "abs": 0.0,
+                                                                                "rel": 0.0}
+    assert (same["max_rel_diff_state"], same["max_rel_diff_param_grads"]) == (0.0, 0.0)  # none compared: 0
+    _two_calls_standin(monkeypatch, ref, {"output_1": t([1.0, -2.0 - 1e-4]), "input_grad_1": t([1.0])})
+    near = dc.compare_devices("mixer", "delta", {}, torch.device("cpu"))
+    assert near["pass"] is True and near["worst"]["tensor"] == "output_1"  # 0.5e-4 relative: within 1e-4
+    _two_calls_standin(monkeypatch, ref, {"output_1": t([1.0, -2.0 - 3e-4]), "input_grad_1": t([1.0])})
+    assert dc.compare_devices("mixer", "delta", {}, torch.device("cpu"))["pass"] is False  # 1.5e-4: beyond
+    assert 1.0 / 10000.0 == dc.FP32_REL_TOL
+    _two_calls_standin(monkeypatch, {"output_1": t([10000.0])}, {"output_1": t([10001.0])})
+    assert dc.compare_devices("mixer", "delta", {}, torch.device("cpu"))["pass"] is True  # exactly at it
+    _two_calls_standin(monkeypatch, ref, dict(ref))
+    elsewhere = dc.compare_devices("mixer", "delta", {}, torch.device("meta"))  # the device's tensors came back on the cpu
+    assert elsewhere["problems"] == ["input_grad_1 is on cpu, not meta", "output_1 is on cpu, not meta"]
+    assert elsewhere["pass"] is False
+    _two_calls_standin(monkeypatch, {"output_1": t([1.0]), "a": t([1.0])}, {"output_1": t([1.0]), "b": t([1.0])})
+    missing = dc.compare_devices("mixer", "delta", {}, torch.device("meta"))
+    assert missing["problems"] == ["a only on cpu", "b only on meta", "output_1 is on cpu, not meta"]
+    _two_calls_standin(monkeypatch, {}, {})
+    empty = dc.compare_devices("mixer", "delta", {}, torch.device("cpu"))
+    assert empty["worst"] == {"tensor": None, "abs": 0.0, "rel": 0.0} and empty["tensors_compared"] == 0
+    assert [empty[k] for k in ("max_abs_diff_outputs", "max_rel_diff_outputs", "max_abs_diff_input_grads",
+                               "max_rel_diff_input_grads")] == [0.0] * 4
