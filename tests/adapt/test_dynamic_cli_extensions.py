@@ -187,6 +187,8 @@ def test_eps_reaches_the_update_rule_through_the_settings(char_checkpoint, extra
     model, tok, cfg, ckpt = load_model_and_tokenizer(char_checkpoint, device="cpu")
     ev, _ = build_evaluator(settings, model, tok, cfg, ckpt)
     assert ev.update_rule.eps == 0.125 and ev.metadata()["eps"] == 0.125
+    ev, info = build_evaluator(settings, model, tok, cfg, ckpt, lr=0.03, decay=0.0625)  # given here: they win
+    assert (ev.update_rule.lr, ev.update_rule.decay) == (0.03, 0.0625)
 
 
 def test_a_lowrank_rank_beyond_the_models_dimensions_is_refused_before_allocating(char_checkpoint, capsys):

@@ -301,3 +301,4 @@ def test_a_score_far_worse_than_uniform_is_not_reported(run, tmp_path, capsys):
     assert main(["eval", "--checkpoint", str(loud), "--quiet", "--data", str(f)]) == 2
     err = capsys.readouterr().err.strip()
     assert "a uniform guess" in err and "not a result" in err and len(err.splitlines()) == 1
+    assert err.startswith("error: eval: ") and " nats/token is " in err

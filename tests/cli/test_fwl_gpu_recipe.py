@@ -211,6 +211,14 @@ def test_training_streams_are_consecutive_stretches_of_each_document(tiny_fwl, r
         whole = torch.as_tensor(tok.encode(doc.text[:2 * 50 * 8]))
         k = i // len(recipe.TRAINING_MIX)  # the first and then the second stretch of the same document
         assert first[i % 3][1] == source and torch.equal(ids, whole[k * 50:(k + 1) * 50]), source
+    # streams_per_doc 0: every stretch of each document, the whole text tokenized
+    every = training_streams(tok, 50, seed=0, corpora=recipe.TRAINING_MIX[:1])
+    ids, source = next(every)
+    corpus, doc_name = source.split(":", 1)
+    (doc,) = [d for d in load_corpus(corpus) if d.name == doc_name]
+    whole = torch.as_tensor(tok.encode(doc.text))
+    stretches = [ids] + [next(every)[0] for _ in range(len(whole) // 50 - 1)]
+    assert len(whole) // 50 > 2 and torch.equal(torch.cat(stretches), whole[:len(stretches) * 50])
 
 
 @pytest.mark.parametrize("args, says", [

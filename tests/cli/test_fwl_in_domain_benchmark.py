@@ -26,6 +26,12 @@ def test_a_source_holding_the_scored_text_leaves_its_excerpt_out():
     spec = next(s for s, _ in TEXTS if s.key == "don_quijote")
     text = idt.source_text("don_quijote")
     assert spec.marker not in text and len(text) > idt.PIECES * idt.PIECE_CHARS
+    # a source of several documents: each stripped, joined by a blank line
+    from fastweights.data import load_corpus
+
+    docs = [d for d in load_corpus(idt.SOURCES["hamlet"][0]) if d.n_chars]
+    plays = idt.source_text("hamlet")
+    assert len(docs) > 2 and plays.startswith(docs[0].text.strip() + "\n\n" + docs[1].text.strip() + "\n\n")
     assert idt.SOURCES["anna_karenina"][0] != next(s for s, _ in TEXTS if s.key == "anna_karenina").document
 
 

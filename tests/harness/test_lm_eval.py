@@ -386,3 +386,33 @@ def test_a_preset_gives_the_dynamic_models_defaults_and_a_model_argument_wins(ch
         FastweightsDynamic(checkpoint=str(checkpoint), preset="large")
     with pytest.raises(UserError, match="unknown model argument"):
         FastweightsStatic(checkpoint=str(checkpoint), preset="small")
+
+
+def test_a_harness_run_keeps_each_documents_loglikelihood_in_document_order(monkeypatch):
+    """``harness.runs.harness_run`` on a stand-in of lm-eval's simple_evaluate: the task's metrics of the "none"
+    filter without their standard errors, and each logged document's text and log-likelihood sorted by doc id."""
+    import sys
+    import types
+
+    from fastweights.harness.runs import harness_run
+
+    asked = {}
+
+    def simple_evaluate(**kw):
+        asked.update(kw)
+        return {"results": {"wiki": {"word_perplexity,none": 31.5, "word_perplexity_stderr,none": "N/A",
+                                     "bits_per_byte,none": 0.9, "bits_per_byte,other": 2.0, "alias": "wiki"}},
+                "samples": {"wiki": [{"doc_id": 1, "doc": {"name": "b", "text": "B"}, "filtered_resps": ["-7.5"]},
+                                     {"doc_id": 0, "doc": {"name": "a", "text": "A"}, "filtered_resps": [-3.25]}]}}
+
+    evaluator = types.ModuleType("lm_eval.evaluator")
+    evaluator.simple_evaluate = simple_evaluate
+    monkeypatch.setitem(sys.modules, "lm_eval", types.ModuleType("lm_eval"))
+    monkeypatch.setitem(sys.modules, "lm_eval.evaluator", evaluator)
+    out = harness_run("fastweights", {"pretrained": "x"}, "tasks", "wiki")
+    assert asked == {"model": "fastweights", "model_args": {"pretrained": "x"}, "tasks": ["wiki"], "log_samples": True,
+                     "bootstrap_iters": 0, "task_manager": "tasks"}
+    assert out["metrics"] == {"word_perplexity": 31.5, "bits_per_byte": 0.9}
+    assert out["documents"] == [{"name": "a", "text": "A", "loglikelihood": -3.25},
+                                {"name": "b", "text": "B", "loglikelihood": -7.5}]
+    assert 0 <= out["cpu_s"] < 60 and list(out) == ["metrics", "cpu_s", "documents"]

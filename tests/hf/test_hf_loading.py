@@ -93,12 +93,14 @@ def test_a_deep_config_is_built_at_one_and_two_layers_only(monkeypatch):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     built, real = [], AutoModelForCausalLM.from_config
+    kwargs = []
     monkeypatch.setattr(AutoModelForCausalLM, "from_config",
-                        lambda cfg, **k: built.append(cfg.num_hidden_layers) or real(cfg, **k))
+                        lambda cfg, **k: built.append(cfg.num_hidden_layers) or kwargs.append(k) or real(cfg, **k))
     cfg = LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=70,
                       num_attention_heads=2, num_key_value_heads=1)
     tao._meta_parameters(cfg)
     assert built == [1, 2] and cfg.num_hidden_layers == 70  # the caller's config is left as it was
+    assert kwargs == [{"trust_remote_code": False}] * 2  # a config never runs a repository's own code
 
 
 def test_a_device_named_by_a_string_is_checked_against_that_devices_memory(monkeypatch):
@@ -160,3 +162,13 @@ def test_the_bytes_counted_follow_the_configs_dtype_written_as_a_string_or_absen
     config = SimpleNamespace() if dtype is None else SimpleNamespace(dtype=dtype)
     assert tao.check_fits(config, "m") == 1000 * size
     assert tao.check_fits(config, "m", dtype=torch.float64) == 8000  # the caller's dtype wins
+
+
+def test_the_tiny_llama_directory_is_the_shape_the_tests_assume(tmp_path):
+    from fastweights.testing.tiny_models import tiny_llama_dir
+
+    cfg = json.loads((tiny_llama_dir(tmp_path / "tiny", max_positions=96, n_layers=3) / "config.json").read_text())
+    assert {k: cfg[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                                "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings")} == {
+        "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "max_position_embeddings": 96, "tie_word_embeddings": True}

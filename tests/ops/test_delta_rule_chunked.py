@@ -161,3 +161,20 @@ def test_saved_for_backward_is_below_the_functional_forms():
         o, _ = delta_rule(*xs, chunk_size=chunk, backend="torch")
     o.sum().backward()
     assert sum(seen.values()) <= t * (5 * d + chunk + 1) * 4 + (t // chunk + 1) * d * d * 4
+
+
+def test_every_causal_mask_is_built_on_the_inputs_device(monkeypatch):
+    """On the CPU a mask built on the default device works by accident; on CUDA it would be a CPU tensor multiplied
+    into GPU ones. The chunked forward and backward ask for each mask on the inputs' device (a stand-in records)."""
+    from fastweights.ops import delta_rule_chunked as drc
+
+    asked = []
+    real = drc.causal_mask
+    monkeypatch.setattr(drc, "causal_mask", lambda c, device, dtype, strict=False: asked.append((device, strict))
+                        or real(c, device, dtype, strict))
+    q, k, v, beta, log_decay, s0 = op_inputs(1, 40, 2, 8, 8, dtype=torch.float32, unit_keys=True)
+    for gated in (True, False):  # the diagonal-kept mask serves the ungated rule only
+        leaves = [x.detach().requires_grad_() for x in (q, k, v, beta, log_decay)]
+        o, _ = delta_rule(*leaves[:4], log_decay=leaves[4] if gated else None, backend="torch")
+        o.sum().backward()
+    assert {s for _, s in asked} == {False, True} and all(d == torch.device("cpu") for d, _ in asked), asked

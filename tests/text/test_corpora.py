@@ -352,6 +352,8 @@ def test_bundled_excerpts_name_their_texts_by_corpus():
     # any CORPUS:DOCUMENT of the registry, with or without a marker (\n written as \\n); a bundled one in another role
     (row,) = parse_excerpts("shakespeare-heldout:macbeth_gut.txt@ACT II.\\n", "scored")
     assert row.document == "shakespeare-heldout:macbeth_gut.txt" and row.marker == "ACT II.\n"
+    assert row.title == "shakespeare-heldout:macbeth_gut.txt from 'ACT II.'"
+    assert parse_excerpts("user:notes.txt", "scored")[0].title == "user:notes.txt"  # no marker: the document alone
     assert parse_excerpts("tinyshakespeare", "scored")[0][:2] == ("tinyshakespeare", "tinyshakespeare")
     # a file name with no letter or digit still gets a key (the results' JSON is keyed by it)
     assert parse_excerpts("user:--.txt", "scored")[0].key == "text"

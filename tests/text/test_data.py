@@ -400,3 +400,13 @@ def test_the_hubs_reachability_is_asked_with_a_timeout(monkeypatch):
     monkeypatch.setattr(socket, "create_connection", lambda address, **kw: calls.append(kw) or socket.socket())
     assert corpus_mod._hub_unreachable() is None
     assert calls and 0 < calls[0].get("timeout", 0) <= 30, calls
+
+
+def test_a_split_fraction_of_one_is_refused():
+    from fastweights.data.corpus import Document
+
+    docs = [Document("a", "text " * 100)]
+    for val, test, label in ((1.0, 0.0, "val_fraction"), (0.0, 1.0, "test_fraction")):
+        with pytest.raises(UserError) as e:
+            split_corpus(docs, "span", val, test)
+        assert str(e.value) == f"{label} must be in [0, 1), got 1.0"
