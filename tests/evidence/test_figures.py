@@ -19,6 +19,7 @@ matplotlib.use("Agg")
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.colors import to_hex, to_rgb  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
 from helpers import BENCHMARKS
@@ -254,3 +255,87 @@ def test_readme_shows_the_leaderboard_figure_below_its_table():
     board_end = readme.index("<!-- leaderboard:end -->")
     image = readme.find("](benchmarks/results/leaderboard.png)")
     assert image > board_end and readme[board_end:image].count("\n") <= 3 and readme.rfind("![", 0, image) > board_end
+
+
+def _board_record():
+    """A leaderboard record of three rows: the baseline, a better row without a state norm, and one that collapses
+    when streamed; curves in nats at three positions (one gap)."""
+    ln2 = math.log(2)
+
+    def row(cum, win, norm=None):
+        streamed = {"curve": {"bin_width": 256, "position": [256, 512, 768], "cumulative": [c * ln2 for c in cum],
+                              "windowed": [None if w is None else w * ln2 for w in win]}}
+        if norm is not None:
+            streamed["state_norm"] = {"position": [256, 512, 768], "max": norm}
+        return [{"streamed": streamed}]
+
+    table = [{"entry": "fwp-gated-delta", "rank": 1, "streamed_bits_per_char": 1.9, "windows_bits_per_char": 1.95,
+              "streamed_minus_windows_bits": -0.05},
+             {"entry": "attention", "rank": 2, "streamed_bits_per_char": 2.0, "windows_bits_per_char": 2.0,
+              "streamed_minus_windows_bits": 0.0},
+             {"entry": "fwp-sum", "rank": 3, "streamed_bits_per_char": 4.5, "windows_bits_per_char": 2.25,
+              "streamed_minus_windows_bits": 2.25}]
+    rows = {"fwp-gated-delta": row([2.5, 2.2, 1.9], [2.4, None, 1.7], norm=[1.0, 2.0, None]),
+            "attention": row([2.6, 2.3, 2.0], [2.5, 2.1, 1.8]),
+            "fwp-sum": row([3.0, 4.0, 4.5], [3.0, 5.0, 6.0], norm=[10.0, 100.0, 1000.0])}
+    return {"table": table, "rows": rows}
+
+
+def test_the_leaderboard_figure_draws_each_rows_curves_in_bits_in_its_panel():
+    rec = _board_record()
+    fig = leaderboard.leaderboard_figure(rec)
+    cum, rel, collapsed, norm = fig.axes
+    styles = leaderboard.row_styles(["fwp-gated-delta", "attention", "fwp-sum"])
+
+    def lines(ax):
+        return {ln.get_label(): (list(ln.get_xdata()), [round(float(y), 9) for y in ln.get_ydata()], ln.get_color(),
+                                 ln.get_linestyle()) for ln in ax.get_lines() if ln.get_label() != "_child0"}
+
+    got = lines(cum)
+    assert set(got) == {"fwp-gated-delta", "attention"}  # the collapsed row is in its own panel
+    assert got["fwp-gated-delta"][:2] == ([256, 512, 768], [2.5, 2.2, 1.9])
+    assert got["attention"][2] == styles["attention"]["color"]
+    got = lines(rel)  # windowed minus attention's, where both have a value
+    assert got["fwp-gated-delta"][:2] == ([256, 768], [round(2.4 - 2.5, 9), round(1.7 - 1.8, 9)])
+    assert got["attention"][:2] == ([256, 512, 768], [0.0, 0.0, 0.0])
+    got = lines(collapsed)
+    assert got["fwp-sum"][:2] == ([256, 512, 768], [3.0, 5.0, 6.0]) and got["fwp-sum"][2] == styles["fwp-sum"]["color"]
+    assert got["_attention, for scale"][1] == [2.5, 2.1, 1.8] and got["_attention, for scale"][2] == "#aaaaaa"
+    got = lines(norm)
+    assert set(got) == {"fwp-gated-delta", "fwp-sum"} and got["fwp-gated-delta"][:2] == ([256, 512], [1.0, 2.0])
+    assert norm.get_yscale() == "log" and norm.get_title() == "no state norm recorded for attention"
+    assert cum.get_ylabel() == "bits/char, cumulative\n(from the document's start)"
+    assert cum.get_title() == ("held-out Shakespeare plays, streamed with the state carried: loss by position (seed 0 "
+                               "of each row)")
+    assert rel.get_ylabel() == "bits/char in 256 characters\nminus attention's (< 0: better)"
+    assert collapsed.get_title() == (
+        "rows that collapse when streamed (more than 1 bit/char above their windows score), in their own panel so "
+        "that the others stay readable\nfwp-sum 4.500 streamed vs 2.250 in windows (grey: attention, for scale)")
+    assert collapsed.get_ylabel() == "bits/char in 256 characters" and norm.get_ylabel() == "carried state's norm\n(largest layer)"
+    assert norm.get_xlabel() == "position in the document (characters)"
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["1. fwp-gated-delta  1.900", "2. attention  2.000",
+                                                          "3. fwp-sum  4.500 (own panel)"]
+    assert [(h.get_color(), h.get_linestyle()) for h in legend.legend_handles] == [
+        (styles[e]["color"], Line2D([], [], ls=styles[e]["ls"]).get_linestyle()) for e in styles]
+    assert legend.get_title().get_text() == "rank. row  streamed bits/char\n(mean over seeds; README table)"
+    heights = [ax.get_position().height for ax in fig.axes]
+    assert heights[0] > heights[1] > heights[2] and abs(heights[1] - heights[3]) < 1e-9  # 1.25 : 1 : 0.75 : 1
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def test_without_the_baseline_the_figure_draws_windowed_losses_and_no_collapse_or_norm_panel():
+    rec = _board_record()
+    rec["table"] = rec["table"][:1]
+    rec["rows"] = {"fwp-gated-delta": rec["rows"]["fwp-gated-delta"]}
+    del rec["rows"]["fwp-gated-delta"][0]["streamed"]["state_norm"]
+    fig = leaderboard.leaderboard_figure(rec)
+    cum, win = fig.axes
+    (line,) = win.get_lines()
+    assert list(line.get_xdata()) == [256, 768] and [round(float(y), 9) for y in line.get_ydata()] == [2.4, 1.7]
+    assert win.get_ylabel() == "bits/char in 256 characters" and win.get_xlabel() == "position in the document (characters)"
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
