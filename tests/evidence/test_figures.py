@@ -321,6 +321,31 @@ def test_the_leaderboard_figure_draws_each_rows_curves_in_bits_in_its_panel():
     assert legend.get_title().get_text() == "rank. row  streamed bits/char\n(mean over seeds; README table)"
     heights = [ax.get_position().height for ax in fig.axes]
     assert heights[0] > heights[1] > heights[2] and abs(heights[1] - heights[3]) < 1e-9  # 1.25 : 1 : 0.75 : 1
+    rows = [ln for ax in (cum, rel, collapsed, norm) for ln in ax.get_lines() if not ln.get_label().startswith("_")]
+    assert {ln.get_linewidth() for ln in rows} == {1.6}
+    grey = next(ln for ln in collapsed.get_lines() if ln.get_label() == "_attention, for scale")
+    assert grey.get_linewidth() == 1.0
+    (zero,) = [ln for ln in rel.get_lines() if ln.get_label().startswith("_child")]
+    assert list(zero.get_ydata()) == [0.0, 0.0] and (zero.get_color(), zero.get_linewidth(), zero.get_zorder()) == (
+        "#999999", 0.8, 0)
+    assert (cum.title.get_fontsize(), collapsed.title.get_fontsize(), norm.title.get_fontsize()) == (11, 9, 8.5)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def test_rows_past_the_collapse_margin_share_their_panel_and_say_so_without_a_baseline():
+    rec = _board_record()
+    rec["table"][0]["streamed_minus_windows_bits"] = leaderboard.COLLAPSE_BITS  # exactly at the margin: stays
+    rec["table"][1] = {**rec["table"][1], "entry": "fwp-delta", "streamed_bits_per_char": 3.5,
+                       "windows_bits_per_char": 2.0, "streamed_minus_windows_bits": 1.5}
+    rec["rows"]["fwp-delta"] = rec["rows"].pop("attention")
+    fig = leaderboard.leaderboard_figure(rec)
+    cum, win, collapsed, norm = fig.axes
+    assert [ln.get_label() for ln in cum.get_lines()] == ["fwp-gated-delta"]
+    assert sorted(ln.get_label() for ln in collapsed.get_lines()) == ["fwp-delta", "fwp-sum"]  # no grey baseline
+    assert collapsed.get_title().endswith("\nfwp-delta 3.500 streamed vs 2.000 in windows; fwp-sum 4.500 streamed vs "
+                                          "2.250 in windows")
     import matplotlib.pyplot as plt
 
     plt.close(fig)
@@ -338,4 +363,13 @@ def test_without_the_baseline_the_figure_draws_windowed_losses_and_no_collapse_o
     assert win.get_ylabel() == "bits/char in 256 characters" and win.get_xlabel() == "position in the document (characters)"
     import matplotlib.pyplot as plt
 
+    plt.close(fig)
+
+
+def test_a_record_without_rows_draws_empty_panels():
+    import matplotlib.pyplot as plt
+
+    fig = leaderboard.leaderboard_figure({"table": [], "rows": {}})
+    cum, win = fig.axes
+    assert not cum.get_lines() and win.get_ylabel() == "bits/char in 0 characters"
     plt.close(fig)

@@ -212,9 +212,9 @@ def leaderboard_figure(rec: dict):
     axes = dict(zip(panels, axes[:, 0]))
     bw = next(iter(curve.values()))["bin_width"] if curve else 0
 
-    def draw(ax, t, ys_of, **extra):
+    def draw(ax, t, ys_of):
         xs, ys = _xy(curve[t["entry"]]["position"], ys_of(t["entry"]))
-        ax.plot(xs, ys, lw=1.6, label=t["entry"], **styles[t["entry"]], **extra)
+        ax.plot(xs, ys, lw=1.6, label=t["entry"], **styles[t["entry"]])
 
     for t in main:
         draw(axes["cumulative"], t, lambda e: _bits(curve[e]["cumulative"]))
