@@ -16,6 +16,9 @@ def test_a_model_without_memories_gets_a_note_beside_its_zeros(tiny_run, tmp_pat
     out = capsys.readouterr().out
     res = json.loads((tmp_path / "plain" / "adapt.json").read_text())
     assert "note: the model has no fast memory and --dynamic is not set" in out and "--dynamic RULE" in res["note"]
+    assert res["note"] == ("the model has no fast memory and --dynamic is not set: with --eval-state memory nothing "
+                           "read in a stage reaches the scores, so every change is 0 (add --dynamic RULE, or "
+                           "--eval-state all)")
     assert len(res["delta"]) == 3 and all(v == 0.0 for row in res["delta"] for v in row)
     assert main([*base, "--out", str(tmp_path / "dyn"), "--dynamic", "sgd", "--lr", "1e-3"]) == 0
     assert "note:" not in capsys.readouterr().out

@@ -359,6 +359,21 @@ def test_a_validation_is_estimated_at_the_time_it_took():
     assert sched.validation_estimate() == 0.0
 
 
+def test_an_unmeasured_validation_is_estimated_from_the_step_time():
+    """Before any validation: val_batches forward passes of a micro-batch, at FORWARD_SHARE of a step's time, per
+    optimizer step's micro-batches (one without gradient accumulation)."""
+    from fastweights.loops.schedule import FORWARD_SHARE
+
+    tc = _cfg(warmup_steps=5, max_steps=100)
+    for accum in (1, 4):
+        tc = tc.__class__(**{**tc.__dict__, "grad_accum": accum})
+        sched = Schedule(tc, 60.0, val_batches=8, micro_rows=tc.batch_size)
+        sched.record_step(2.0)
+        sched.record_step(2.0)
+        step = sched.step_estimate()
+        assert step > 0 and sched.validation_estimate() == pytest.approx(8 * step / accum * FORWARD_SHARE)
+
+
 def test_the_step_estimate_is_the_median_of_the_last_nine_steps_after_the_first():
     """The pace a budget is planned with: the process's first step alone until there is another, then the median
     of the last nine steps after it (a run that slows down is planned at its new pace within nine steps)."""

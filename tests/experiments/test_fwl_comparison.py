@@ -237,3 +237,28 @@ def test_figure2_position_bins_follow_the_token_index_across_the_edges():
                    "256-1024": {"bits": pytest.approx(639.5), "tokens": 768},
                    "1024-2048": {"bits": pytest.approx(1535.5), "tokens": 1024},
                    "2048-4096": {"bits": pytest.approx(3071.5), "tokens": 2048}}
+
+
+def test_the_figure_2_plot_draws_each_methods_gains_in_its_three_panels(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    closed = []
+    monkeypatch.setattr(plt, "close", closed.append)
+    fig2 = {"dynamic": {"position": {"0-64": {"bits": 0.5}, "64-256": {"bits": 0.25}},
+                        "frequency": {"unseen": {"bits": -0.5}}, "repeat": {"repeat": {"bits": 1.0}}},
+            "fwl": {"position": {"0-64": {"bits": 0.125}}, "frequency": {"1-9": {"bits": 2.0}},
+                    "repeat": {"first occurrence": {"bits": -1.0}, "repeat": {"bits": 0.75}}}}
+    fc.plot(fig2, {"dynamic": "dynamic evaluation", "fwl": "FWL"}, tmp_path / "f.png", "4 texts")
+    (fig,) = closed
+    assert (tmp_path / "f.png").stat().st_size > 0
+    axes = fig.axes
+    assert [ax.get_title() for ax in axes] == ["by position in the text (tokens)",
+                                               "by frequency of the target in the training mix",
+                                               "first occurrence vs repeat in the text"]
+    data = [{ln.get_label(): list(ln.get_ydata()) for ln in ax.get_lines() if not ln.get_label().startswith("_")}
+            for ax in axes]
+    assert data == [{"dynamic evaluation": [0.5, 0.25], "FWL": [0.125]}, {"dynamic evaluation": [-0.5], "FWL": [2.0]},
+                    {"dynamic evaluation": [1.0], "FWL": [-1.0, 0.75]}]
+    assert [t.get_text() for t in axes[2].get_xticklabels()] == ["first occurrence", "repeat"]
+    assert fig._suptitle.get_text().startswith("SmolLM2-135M: where the FWL and dynamic evaluation gain (4 texts;")
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["dynamic evaluation", "FWL"]

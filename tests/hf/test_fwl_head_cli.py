@@ -256,7 +256,7 @@ def test_train_says_what_it_trains_on_and_uses_one_long_file_beyond_its_first_wi
                      "--window", "256", "--windows", "6", "--doc-windows", "2", "--max-steps", "1"]) == 0
     err = capsys.readouterr().err
     assert "training text: 6 windows of 256 tokens (1,536 tokens, the last 4 held out) in 3 streams of at most 2 " \
-           "windows from 1 document(s)" in err
+           f"windows from 1 document(s) of {data}" in err
     assert f"other work keeps 2.0 of this machine's 2 cores busy: the budget of {RECIPE.budget_cpu_s / 60:,.1f} " \
            "CPU-minutes" in err
     summary = json.loads((out / "training.json").read_text())

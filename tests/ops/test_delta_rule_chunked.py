@@ -178,3 +178,25 @@ def test_every_causal_mask_is_built_on_the_inputs_device(monkeypatch):
         o, _ = delta_rule(*leaves[:4], log_decay=leaves[4] if gated else None, backend="torch")
         o.sum().backward()
     assert {s for _, s in asked} == {False, True} and all(d == torch.device("cpu") for d, _ in asked), asked
+
+
+def test_the_gate_gradient_is_computed_only_when_asked_for(monkeypatch):
+    """need_dg: a gated call whose log decays need no gradient skips the gate's backward work (its d_g is None)."""
+    from fastweights.ops import delta_rule_chunked as drc
+
+    got = []
+    real = drc._backward
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        got.append(out[4])
+        return out
+
+    monkeypatch.setattr(drc, "_backward", spy)
+    q, k, v, beta, log_decay, _ = op_inputs(1, 40, 2, 8, 8, dtype=torch.float32, unit_keys=True)
+    for wants in (False, True):
+        leaves = [x.detach().requires_grad_() for x in (q, k, v, beta)]
+        g = log_decay.detach().requires_grad_(wants)
+        o, _ = delta_rule(*leaves, log_decay=g, backend="torch")
+        o.sum().backward()
+        assert (got[-1] is None) is (not wants) and (g.grad is not None) is wants

@@ -394,3 +394,5 @@ def test_the_stand_in_names_each_broken_part_of_flas_input_contract():
     q16 = q.to(BF16)
     with pytest.raises(fla_standin.Contract, match=r"^k is torch\.float32, q is torch\.bfloat16$"):
         fla_standin._check(q16, q, q16, torch.rand(1, 4, 2).to(BF16), None, None)
+    with pytest.raises(fla_standin.Contract, match=r"^beta is torch\.float32, q is torch\.bfloat16$"):
+        fla_standin._check(q16, q16, q16, torch.rand(1, 4, 2), None, None)

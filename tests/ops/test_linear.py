@@ -287,6 +287,7 @@ def test_the_choice_is_measured_once_and_kept_per_machine_and_thread_count(monke
 def test_a_stored_choice_is_what_a_second_process_computes_with(monkeypatch):
     """The kernels a run used are the ones its resume uses: a stored choice is followed, not re-measured."""
     key = lin.shape_key(256, 128, 96, False)
+    assert lin.shape_key(256, 128, 96, True) == key + "T" and not key.endswith("T") and key.endswith("x128x96")
     lin._store_choice(lin._machine_key(), key, ["onednn", "onednn", "torch"])
     monkeypatch.setattr(lin, "measure", lambda *a, **k: pytest.fail("measured"))
     assert lin.kernels_for(256, 128, 96, False) == ["onednn", "onednn", "torch"]

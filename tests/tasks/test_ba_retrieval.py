@@ -123,8 +123,10 @@ def test_cli_prints_the_reports_errors_in_percent(tmp_path, capsys):
     argv = ["ba-retrieval", "--model", "lstm", "--hidden", "8", "--steps", "20", "--eval-every", "10",
             "--train-size", "500", "--val-size", "100", "--test-size", "100", "--out", str(out)]
     assert _cli(argv) == 0
-    last = capsys.readouterr().out.strip().splitlines()[-1]
+    lines = capsys.readouterr().out.strip().splitlines()
+    last = lines[-1]
     report = json.loads((out / "ba_retrieval.json").read_text())
+    assert len(lines) > 1 and "None" not in lines[:-1]  # the progress lines are the run's own
     assert last.startswith(f"test error {100 * report['test_error']:.2f}% (best val error "
                            f"{100 * report['val_error']:.2f}% at step {report['best_step']}; 20 steps, "), last
 

@@ -366,6 +366,8 @@ def test_failed_encode_leaves_nothing(tmp_path):
 def test_cached_stream_reuses_and_rekeys(tmp_path, monkeypatch):
     docs = [Document("a", "hello there"), Document("b", "general kenobi")]
     first = cached_stream(docs, ByteTokenizer(), tmp_path, "train")
+    deep = cached_stream(docs, ByteTokenizer(), tmp_path / "a" / "b", "train")  # a folder not there yet: made
+    assert deep.path.parent == tmp_path / "a" / "b" and deep.path.is_file()
     assert first.path.name.startswith("train-") and len(first) == len("hello there") + len("general kenobi")
 
     def must_not_encode(*args, **kwargs):
