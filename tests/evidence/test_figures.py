@@ -329,6 +329,10 @@ def test_the_leaderboard_figure_draws_each_rows_curves_in_bits_in_its_panel():
     assert list(zero.get_ydata()) == [0.0, 0.0] and (zero.get_color(), zero.get_linewidth(), zero.get_zorder()) == (
         "#999999", 0.8, 0)
     assert (cum.title.get_fontsize(), collapsed.title.get_fontsize(), norm.title.get_fontsize()) == (11, 9, 8.5)
+    assert all(ax.xaxis.get_gridlines()[0].get_alpha() == 0.3 for ax in fig.axes)
+    assert {h.get_linewidth() for h in legend.legend_handles} == {1.8}
+    assert legend.get_texts()[0].get_fontsize() == 9 and legend.get_title().get_fontsize() == 8.5
+    assert legend._loc == 2 and not legend.get_frame_on()  # upper left, no frame
     import matplotlib.pyplot as plt
 
     plt.close(fig)
@@ -340,8 +344,10 @@ def test_rows_past_the_collapse_margin_share_their_panel_and_say_so_without_a_ba
     rec["table"][1] = {**rec["table"][1], "entry": "fwp-delta", "streamed_bits_per_char": 3.5,
                        "windows_bits_per_char": 2.0, "streamed_minus_windows_bits": 1.5}
     rec["rows"]["fwp-delta"] = rec["rows"].pop("attention")
+    del rec["rows"]["fwp-gated-delta"][0]["streamed"]["state_norm"]
     fig = leaderboard.leaderboard_figure(rec)
     cum, win, collapsed, norm = fig.axes
+    assert norm.get_title() == "no state norm recorded for fwp-gated-delta, fwp-delta"
     assert [ln.get_label() for ln in cum.get_lines()] == ["fwp-gated-delta"]
     assert sorted(ln.get_label() for ln in collapsed.get_lines()) == ["fwp-delta", "fwp-sum"]  # no grey baseline
     assert collapsed.get_title().endswith("\nfwp-delta 3.500 streamed vs 2.000 in windows; fwp-sum 4.500 streamed vs "
