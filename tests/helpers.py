@@ -63,6 +63,23 @@ HANG_GUARD_S = 600
 
 
 @contextlib.contextmanager
+def registry_restored():
+    """The component registry (mixers, heads, memories) as it is on entry, built-ins loaded first, restored on exit:
+    a test or a docs block may register components without leaking them into later tests in the process."""
+    from fastweights import components
+
+    components.load_providers()  # a first lazy load inside the block would otherwise be undone with it
+    tables = (components.MIXERS, components.HEADS, components.MEMORIES)
+    saved = [dict(t) for t in tables]
+    try:
+        yield
+    finally:
+        for table, before in zip(tables, saved):
+            table.clear()
+            table.update(before)
+
+
+@contextlib.contextmanager
 def signal_at_step(metrics: Path, step: int, signum: int = signal.SIGINT):
     """While the block runs, send ``signum`` to this process once the training run logging to ``metrics`` (its
     ``metrics.jsonl``) has logged step ``step`` or later: the trainer then saves and stops at that step."""

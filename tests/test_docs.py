@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from fastweights.cli import build_parser
-from helpers import benchmark_flags
+from helpers import benchmark_flags, registry_restored
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -81,17 +81,10 @@ def test_python_block_runs(page, index, code, tmp_path, monkeypatch):
     if re.search(r"^\s*(from|import) transformers\b", code, re.M) and importlib.util.find_spec("transformers") is None:
         pytest.skip("needs the [hf] extra (transformers)")
     monkeypatch.chdir(tmp_path)  # snippets write runs/..., hf/... relative to the working directory
-    from fastweights import components
-
     # a block that registers a component (docs/architecture.md's running_mean) leaves the registry as it found it:
     # later tests in this process list the available mixers (an ATEN_CPU_CAPABILITY=default CI run met the leak)
-    saved = [dict(t) for t in (components.MIXERS, components.HEADS, components.MEMORIES)]
-    try:
+    with registry_restored():
         exec(compile(code, f"docs/{page} python block {index}", "exec"), {"__name__": "__docs__"})
-    finally:
-        for table, before in zip((components.MIXERS, components.HEADS, components.MEMORIES), saved):
-            table.clear()
-            table.update(before)
 
 
 def _fastweights_argv(words: list[str]) -> list[str] | None:

@@ -21,7 +21,7 @@ import fastweights.layers
 from fastweights import components
 from fastweights.core.config import ModelConfig
 from fastweights.models.lm import LanguageModel
-from helpers import PACKAGE, ROOT
+from helpers import PACKAGE, ROOT, registry_restored
 
 TESTS = ROOT / "tests"
 
@@ -59,16 +59,12 @@ class ToyRunningMean(nn.Module):
 @pytest.fixture
 def layers_dir(tmp_path):
     """A directory on ``fastweights.layers.__path__``: a module written there is a module of the package."""
-    components.load_providers()  # the built-in components, registered before the snapshot below
     paths = fastweights.layers.__path__
     paths.append(str(tmp_path))
-    tables = {id(t): dict(t) for t in (components.MIXERS, components.HEADS, components.MEMORIES)}
     modules = set(sys.modules)
-    yield tmp_path
+    with registry_restored():  # the built-ins loaded first, the toy components gone after
+        yield tmp_path
     paths.remove(str(tmp_path))
-    for t in (components.MIXERS, components.HEADS, components.MEMORIES):
-        t.clear()
-        t.update(tables[id(t)])
     for name in set(sys.modules) - modules:
         if name.startswith("fastweights.layers."):
             del sys.modules[name]

@@ -206,3 +206,24 @@ def test_compare_devices_passes_within_the_tolerance_and_names_a_tensor_on_the_w
     assert empty["worst"] == {"tensor": None, "abs": 0.0, "rel": 0.0} and empty["tensors_compared"] == 0
     assert [empty[k] for k in ("max_abs_diff_outputs", "max_rel_diff_outputs", "max_abs_diff_input_grads",
                                "max_rel_diff_input_grads")] == [0.0] * 4
+
+
+def test_err_text_names_a_frame_only_inside_our_package_or_flas(tmp_path):
+    """A path that merely contains "fastweights" or "fla" (a clone in ~/fastweights, a user's flask app, a mutation
+    tool's copy of the tests) is not our code: the line names the last frame inside the package itself."""
+    import importlib.util
+
+    src = tmp_path / "fastweights-clone" / "flask_app.py"
+    src.parent.mkdir()
+    src.write_text("def boom():\n    raise ValueError('outside')\n")
+    spec = importlib.util.spec_from_file_location("flask_app_for_err_text", src)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    try:
+        mod.boom()
+    except ValueError as e:
+        assert dc.err_text(e) == "ValueError: outside"
+    try:
+        dc.rel_diff(torch.ones(2), None)  # raised inside the package, called from here
+    except AttributeError as e:
+        assert "(at device_check.py:" in dc.err_text(e)

@@ -17,7 +17,7 @@ from fastweights.core.config import ModelConfig, make_config
 from fastweights.core.errors import UserError
 from fastweights.models.size import estimate_ram, state_floats
 from fastweights.models.lm import LanguageModel
-from helpers import component_fields, variant_cases
+from helpers import component_fields, registry_restored, variant_cases
 
 V, ROWS, T = 11, 3, 24
 CASES = list(variant_cases())
@@ -82,10 +82,9 @@ class _HostSync(nn.Module):
 
 @pytest.fixture
 def unmeasurable():
-    registry.load_providers()
-    registry.register_mixer("test_unmeasurable")(_HostSync)
-    yield "test_unmeasurable"
-    del registry.MIXERS["test_unmeasurable"]
+    with registry_restored():
+        registry.register_mixer("test_unmeasurable")(_HostSync)
+        yield "test_unmeasurable"
 
 
 def test_a_state_that_cannot_be_measured_is_an_error_not_zero(unmeasurable):

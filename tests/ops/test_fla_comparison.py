@@ -320,15 +320,17 @@ def test_the_fwpkm_layer_step_builds_ours_or_lucidrains_at_the_same_options(monk
 
     from fastweights.layers.fwpkm import FwPKM, FwPKMOptions
 
+    asked = []  # what fwpkm_layer_step hands layer_step: the layer, its input, autocast
+    real = fc.layer_step
+    monkeypatch.setattr(fc, "layer_step", lambda layer, x, device, autocast=True: asked.append((layer, x, autocast))
+                        or real(layer, x, device, autocast))
     step, n = fc.fwpkm_layer_step("ours", FWPKM_CFG, 2, torch.device("cpu"))
     torch.manual_seed(0)
     want = FwPKM(16, FwPKMOptions(**FWPKM_CFG["fwpkm"]))
     assert n == sum(p.numel() for p in want.parameters())
-    layer = step.__closure__  # the step's layer and input: run it, every parameter gets a gradient
     step()
-    built = [c.cell_contents for c in layer if isinstance(c.cell_contents, torch.nn.Module)][0]
-    x = [c.cell_contents for c in layer if isinstance(c.cell_contents, torch.Tensor)][0]
-    assert isinstance(built, FwPKM) and all(torch.equal(a, b) for a, b in zip(built.state_dict().values(),
+    ((built, x, autocast),) = asked
+    assert autocast is False and isinstance(built, FwPKM) and all(torch.equal(a, b) for a, b in zip(built.state_dict().values(),
                                                                               want.state_dict().values()))
     assert x.shape == (2, 12, 16) and x.grad is not None
     assert torch.equal(x.detach(), torch.randn(2, 12, 16, generator=torch.Generator().manual_seed(3)))

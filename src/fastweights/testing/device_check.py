@@ -26,9 +26,27 @@ FP32_REL_TOL = 1e-4  # CPU vs CUDA, fp32 (TF32 off): max |cuda - cpu| / max |cpu
 BF16_LOSS_TOL = 0.05  # bf16-autocast loss vs fp32 loss, relative, per step (as tests/contracts/test_device_contract.py)
 
 
+def _package_roots() -> list[Path]:
+    """The folders of our package and of fla's, where fla is installed (found without importing it)."""
+    import importlib.util
+    import sys
+
+    import fastweights
+
+    if "fla" in sys.modules:  # imported (or stood in for: a stand-in module has no __path__, and lives in ours)
+        fla = getattr(sys.modules["fla"], "__path__", None) or []
+    else:
+        spec = importlib.util.find_spec("fla")
+        fla = (spec.submodule_search_locations or []) if spec else []
+    return [Path(p).resolve() for p in [Path(fastweights.__file__).parent, *fla]]
+
+
 def err_text(e: BaseException) -> str:
-    """One line: the exception and where in our code or fla's it was raised."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if "fastweights" in f.filename or "fla" in f.filename]
+    """One line: the exception and where in our code or fla's it was raised (the last frame inside either package:
+    a path that merely contains "fastweights" or "fla", a test's or a user's, does not count)."""
+    roots = _package_roots()
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if any(Path(f.filename).resolve().is_relative_to(r) for r in roots)]
     where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
     return f"{type(e).__name__}: {str(e).splitlines()[0][:400] if str(e) else ''}{where}"
 
