@@ -37,6 +37,15 @@ def one_thread():
     torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def recorded_lines_counted_from_zero():
+    """helpers.assert_recorded_line keys each line by how many the test checked before: the count starts at 0 for
+    every run of a test, also when one process runs it twice (mutmut's clean and stats runs, a rerun plugin)."""
+    import helpers
+
+    helpers._RECORDED_LINE_CALLS.clear()
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
     """One trained run of the ``tiny`` preset (20 steps), shared by the command-line tests: read it, or copy
