@@ -302,3 +302,21 @@ def test_a_score_far_worse_than_uniform_is_not_reported(run, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "a uniform guess" in err and "not a result" in err and len(err.splitlines()) == 1
     assert err.startswith("error: eval: ") and " nats/token is " in err
+
+
+def test_a_non_finite_mechanism_option_is_one_line_naming_it():
+    """A NaN or infinite step size would train into NaN and be blamed on train.lr: refused where the options are
+    checked, naming the option (a finite one of the same kind passes)."""
+    from fastweights.checkpoints.config_checks import validate_mechanism_options
+    from fastweights.core.config import ModelConfig
+    from fastweights.core.errors import UserError
+
+    def cfg(eta):
+        return ModelConfig(vocab_size=11, d_model=8, n_layers=1, n_heads=2, mixer="fast_rnn",
+                           options={"fast_rnn": {"eta": eta}})
+
+    validate_mechanism_options(cfg(0.5))
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(UserError) as e:
+            validate_mechanism_options(cfg(bad))
+        assert str(e.value) == f"model.options.fast_rnn.eta={bad!r}: must be a finite number"

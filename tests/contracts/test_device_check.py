@@ -227,3 +227,25 @@ def test_err_text_names_a_frame_only_inside_our_package_or_flas(tmp_path):
         dc.rel_diff(torch.ones(2), None)  # raised inside the package, called from here
     except AttributeError as e:
         assert "(at device_check.py:" in dc.err_text(e)
+
+
+def test_err_text_names_a_frame_inside_flas_package_imported_or_not(tmp_path, monkeypatch):
+    import importlib.util
+    import sys
+
+    pkg = tmp_path / "site" / "fla"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "kernel.py").write_text("def boom():\n    raise RuntimeError('in fla')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(sys.modules, "fla", raising=False)
+    spec = importlib.util.spec_from_file_location("fla_kernel_for_err_text", pkg / "kernel.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for imported in (False, True):  # fla found on the path without importing it, then imported
+        if imported:
+            import fla  # noqa: F401
+        try:
+            mod.boom()
+        except RuntimeError as e:
+            assert dc.err_text(e) == "RuntimeError: in fla (at kernel.py:2)", imported
