@@ -264,15 +264,19 @@ def test_train_says_what_it_trains_on_and_uses_one_long_file_beyond_its_first_wi
     assert summary["doc_windows"] == 2  # the --doc-windows given, recorded
 
 
-def test_an_interrupt_while_caching_says_how_much_of_the_cache_is_kept(backbone_dir, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("cached", [6, 0])
+def test_an_interrupt_while_caching_says_how_much_of_the_cache_is_kept(backbone_dir, tmp_path, monkeypatch, capsys,
+                                                                       cached):
     """Ctrl-C while the hidden states are cached: one line saying how many windows the cache holds (the same command
-    continues it) and that nothing was trained."""
+    continues it) and that nothing was trained; 0 when it came before the cache's metadata was written (mutation
+    caught, issue 49 seed 13: that count made 1)."""
     from fastweights.hf import fwl_training
 
     real = fwl_training.cache_hidden_states
 
     def cache_then_interrupt(*args, **kwargs):
-        real(*args, **kwargs)
+        if cached:
+            real(*args, **kwargs)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(fwl_training, "cache_hidden_states", cache_then_interrupt)
@@ -280,8 +284,8 @@ def test_an_interrupt_while_caching_says_how_much_of_the_cache_is_kept(backbone_
     assert cli.main(["fwl-head", "train", "--hf", str(backbone_dir), "--out", str(out), "--windows", "6", "--window",
                      "256", "--quiet"]) == 130
     err = stderr_text(capsys)
-    assert (f"interrupted by SIGINT while caching hidden states: {tmp_path / 'runs' / 'hidden-cache'} holds 6 of 6 "
-            "windows and nothing was trained") in err
+    assert (f"interrupted by SIGINT while caching hidden states: {tmp_path / 'runs' / 'hidden-cache'} holds {cached} "
+            "of 6 windows and nothing was trained") in err
 
 
 def test_the_progress_counts_each_cpu_second_of_training_once(backbone_dir, tmp_path, monkeypatch):

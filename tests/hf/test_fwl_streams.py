@@ -359,7 +359,8 @@ def test_a_float64_head_trains_on_the_float32_cache_in_its_own_precision(llama_d
 def test_resume_refuses_a_document_order_outside_this_caches_documents(llama_dir, tmp_path, monkeypatch):
     """The saved permutation of the training documents must name documents of this cache: an index past the last
     one (a state made for a cache with more documents) is refused in one line, not an IndexError mid-training.
-    Mutation caught (issue 49, seed 8): the range check's two bounds joined by ``or``."""
+    Mutation caught (issue 49, seed 8): the range check's two bounds joined by ``or``. An order within range,
+    document 0 included, resumes."""
     import fastweights.hf.fwl_head as fwl_head
 
     build_cache(acting_model(llama_dir), tmp_path / "c", windows(6), [2, 2, 2])
@@ -374,6 +375,15 @@ def test_resume_refuses_a_document_order_outside_this_caches_documents(llama_dir
         monkeypatch.setattr(fwl_head, "load_fwl_head", saved_with)
         with pytest.raises(UserError, match="its streams and document order do not fit this cache of 6 training"):
             train_head(acting_model(llama_dir), tmp_path / "c", tmp_path / "run", "tiny", max_steps=2, **kw)
+    # an order that still holds document 0 (a permutation part-way through) fits: the run goes on from it
+    # (mutation caught, issue 49 seed 13: the lower bound raised to 1)
+    def saved_with_document_0(*a, **k):
+        loaded, tok, ts = real(*a, **k)
+        return loaded, tok, {**ts, "order": torch.tensor([2, 0])}
+
+    monkeypatch.setattr(fwl_head, "load_fwl_head", saved_with_document_0)
+    summary = train_head(acting_model(llama_dir), tmp_path / "c", tmp_path / "run", "tiny", max_steps=2, **kw)
+    assert summary["steps"] == 2
 
 
 def test_resume_refuses_a_head_trained_with_other_options(llama_dir, tmp_path):

@@ -159,6 +159,9 @@ def test_the_route_is_taken_exactly_where_it_applies(monkeypatch):
     lin.linear(x.bfloat16(), w.bfloat16(), b.bfloat16())  # bf16
     lin.linear(x.T.contiguous().T, w, b)  # an input that is not contiguous
     lin.linear(x, torch.randn(16, 64)[:, ::2], None)  # a weight with no unit stride
+    for other in (b.double(), b.half()):  # a bias the kernels cannot take beside an x and weight they can
+        with pytest.raises(RuntimeError, match="dtype"):  # F.linear's own error (oneDNN's would be another)
+            lin.linear(x, w, other)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         lin.linear(x, w, b)
     torch.func.vmap(lambda xx: lin.linear(xx, w, b))(x.view(2, 4, 32))
