@@ -118,12 +118,7 @@ def cmd_eval(args) -> int:
         texts = _eval_texts(args, cfg)
         _warn_unknown(tokenizer, texts, "the evaluation text")
         result = evaluate_documents(model, tokenizer, texts, seq_len, args.stride, progress=not args.quiet)
-    if result.tokens == 0:
-        raise UserError("nothing to score: the evaluation text has fewer than two tokens")
-    metrics = result.metrics(tokenizer.name)
-    refuse_non_finite(metrics, "the model's scores overflow on this text")
-    refuse_worse_than_uniform(metrics["loss_nats"], vocab_size_of(tokenizer), "eval")
-    metrics.update(checkpoint=str(args.checkpoint), data=args.data or f"{cfg.data.corpus}:{args.split}")
+    metrics = _checked_metrics(result, tokenizer, args.checkpoint, args.data or f"{cfg.data.corpus}:{args.split}")
     if args.json:
         print(json.dumps(metrics, indent=2))
     else:
@@ -156,18 +151,24 @@ def _eval_pretrained_with_head(args) -> int:
     result = EvalResult(0.0, 0, chars)
     for x in ids:
         result.add(ev.static(x, keep_token_losses=False))
-    if result.tokens == 0:
-        raise UserError("nothing to score: the evaluation text has fewer than two tokens")
-    metrics = result.metrics(tokenizer.name)
-    refuse_non_finite(metrics, "the model's scores overflow on this text")
-    refuse_worse_than_uniform(metrics["loss_nats"], vocab_size_of(tokenizer), "eval")
-    metrics.update(checkpoint=str(args.checkpoint), data=args.data)
+    metrics = _checked_metrics(result, tokenizer, args.checkpoint, args.data)
     if args.json:
         print(json.dumps(metrics, indent=2))
     else:
         print(f"{args.data}: perplexity {metrics['perplexity']:.4f}, bits_per_char {metrics['bits_per_char']:.4f} "
               f"({metrics['tokens']} tokens, loss {metrics['loss_nats']:.4f} nats)")
     return 0
+
+
+def _checked_metrics(result, tokenizer, checkpoint, data: str) -> dict:
+    """``eval``'s metrics of a scored text, with the checkpoint and data named; one line (a ``UserError``) for a text
+    with nothing to score, scores that overflow, or a model worse than a uniform guess."""
+    if result.tokens == 0:
+        raise UserError("nothing to score: the evaluation text has fewer than two tokens")
+    metrics = result.metrics(tokenizer.name)
+    refuse_non_finite(metrics, "the model's scores overflow on this text")
+    refuse_worse_than_uniform(metrics["loss_nats"], vocab_size_of(tokenizer), "eval")
+    return {**metrics, "checkpoint": str(checkpoint), "data": data}
 
 
 def _warn_unknown(tokenizer, texts, what: str) -> None:
