@@ -165,19 +165,42 @@ def test_saved_for_backward_is_below_the_functional_forms():
 
 def test_every_causal_mask_is_built_on_the_inputs_device(monkeypatch):
     """On the CPU a mask built on the default device works by accident; on CUDA it would be a CPU tensor multiplied
-    into GPU ones. The chunked forward and backward ask for each mask on the inputs' device (a stand-in records)."""
+    into GPU ones. The chunked forward and backward ask for each mask, and the identity L^{-1} is solved against, on
+    the inputs' device (stand-ins record; the meta device does not check this op's devices)."""
     from fastweights.ops import delta_rule_chunked as drc
 
-    asked = []
-    real = drc.causal_mask
-    monkeypatch.setattr(drc, "causal_mask", lambda c, device, dtype, strict=False: asked.append((device, strict))
+    asked, eyes = [], []
+    real, real_eye = drc.causal_mask, torch.eye
+    monkeypatch.setattr(drc, "causal_mask", lambda c, device, dtype, strict=False: asked.append((device, dtype, strict))
                         or real(c, device, dtype, strict))
-    q, k, v, beta, log_decay, s0 = op_inputs(1, 40, 2, 8, 8, dtype=torch.float32, unit_keys=True)
+    monkeypatch.setattr(torch, "eye", lambda c, **kw: eyes.append(kw) or real_eye(c, **kw))  # L's identity too
+    q, k, v, beta, log_decay, s0 = op_inputs(1, 40, 2, 8, 8, dtype=torch.float64, unit_keys=True)
     for gated in (True, False):  # the diagonal-kept mask serves the ungated rule only
         leaves = [x.detach().requires_grad_() for x in (q, k, v, beta, log_decay)]
         o, _ = delta_rule(*leaves[:4], log_decay=leaves[4] if gated else None, backend="torch")
         o.sum().backward()
-    assert {s for _, s in asked} == {False, True} and all(d == torch.device("cpu") for d, _ in asked), asked
+    # ... and in the compute dtype (fp64 here; a mask of the default dtype is fp32: mutations caught)
+    assert {s for *_, s in asked} == {False, True}, asked
+    assert all(d == torch.device("cpu") and dt == torch.float64 for d, dt, _ in asked), asked
+    assert eyes and all(kw == {"dtype": torch.float64, "device": torch.device("cpu")} for kw in eyes), eyes
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_forward_and_backward_stay_on_the_inputs_device(gated):
+    """The meta device stands in for CUDA: a tensor made on the default device (an identity or mask without
+    ``device=``) meets the inputs in an op and fails there, as a CPU tensor would among GPU ones. Outputs and
+    gradients keep the inputs' device and the compute dtype."""
+    from fastweights.ops.delta_rule_chunked import delta_rule_chunk_major
+
+    def leaf(*shape):
+        return torch.empty(*shape, device="meta", dtype=torch.float64, requires_grad=True)
+
+    q, k, v, beta, g, s0 = leaf(1, 40, 2, 8), leaf(1, 40, 2, 8), leaf(1, 40, 2, 8), leaf(1, 40, 2), leaf(1, 40, 2), \
+        leaf(1, 2, 8, 8)
+    o, s = delta_rule_chunk_major(q, k, v, beta, 0.5, s0, g if gated else None, 16)
+    (o.sum() + s.sum()).backward()
+    for t in (o, s, q.grad, k.grad, v.grad, beta.grad, s0.grad, *([g.grad] if gated else [])):
+        assert t.device.type == "meta" and t.dtype == torch.float64
 
 
 def test_the_gate_gradient_is_computed_only_when_asked_for(monkeypatch):

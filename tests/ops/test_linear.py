@@ -6,6 +6,7 @@ and thread count in the cache file (a second process computes with the same kern
 
 import json
 import platform
+import re
 import types
 
 import pytest
@@ -189,6 +190,11 @@ def test_a_call_whose_products_are_all_torchs_is_F_linear_itself(monkeypatch):
     # the input grad alone on oneDNN: an input that needs no gradient does not need the Function either
     monkeypatch.setattr(lin, "kernels_for", lambda *a: ["torch", "onednn", "torch"])
     lin.linear(x.detach(), w, b)
+    # ... and an input that needs one does, its weight frozen (mutation caught: the weight's kernel read for x's)
+    used = []
+    monkeypatch.setattr(lin._Linear, "apply", lambda x2, w2, b2, k: used.append(k) or torch.zeros(len(x2), len(w2)))
+    lin.linear(x, w.detach(), b.detach())
+    assert used == [("torch", "onednn", "torch")]
 
 
 @needs_onednn
@@ -198,12 +204,12 @@ def test_under_no_grad_only_the_forward_kernel_counts_whatever_requires_grad(mon
     itself where the forward is torch's (the backward products' oneDNN choice is irrelevant), oneDNN's kernel
     directly where it is oneDNN's. Mutation caught: ``wants_grad`` ignoring ``torch.is_grad_enabled()`` (issue 49)."""
     monkeypatch.setattr(lin._Linear, "apply", lambda *a: pytest.fail("the Function was used under no_grad"))
-    calls = _spy(monkeypatch)
+    calls, torch_calls = _spy(monkeypatch), _spy(monkeypatch, "torch")  # F.linear itself is neither
     x, w, b = _leaves((64, 32), 48)
     with torch.no_grad():
         monkeypatch.setattr(lin, "kernels_for", lambda *a: ["torch", "onednn", "onednn"])
         torch.testing.assert_close(lin.linear(x, w, b), F.linear(x, w, b))
-        assert calls == []
+        assert calls == [] and torch_calls == []  # (mutation caught: the weight's kernel counted under no_grad)
         monkeypatch.setattr(lin, "kernels_for", lambda *a: ["onednn", "torch", "torch"])
         torch.testing.assert_close(lin.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
         assert calls == [torch.float32]
@@ -213,9 +219,42 @@ def test_under_no_grad_only_the_forward_kernel_counts_whatever_requires_grad(mon
     assert calls == [torch.float32] * 2
 
 
+def test_a_call_is_classed_by_its_rows_and_its_weights_layout(monkeypatch):
+    """``call_kernels`` asks for the kernels of ``x``'s rows (1-D x: one row) and the weight's layout: row-major
+    (a row slice of one too) is not transposed, the transpose of a row-major matrix (a column slice too) is, other
+    strides and a 1-D weight are ``F.linear``'s (mutations caught: the layouts swapped, the layout or the route
+    not handed on, a 1-D x refused)."""
+    asked = []
+    monkeypatch.setattr(lin, "kernels_for", lambda *a: asked.append(a) or ["onednn"] * 3)
+    x = torch.randn(6, 8)
+    for w, transposed in ((torch.randn(4, 8), False), (torch.randn(5, 8)[1:], False),
+                          (torch.randn(8, 4).T, True), (torch.randn(8, 6)[:, 1:5].T, True)):
+        assert lin.call_kernels(x, w) == ["onednn"] * 3 and asked.pop() == (6, 8, 4, transposed, "auto")
+    assert lin.call_kernels(x[0], torch.randn(4, 8)) == ["onednn"] * 3 and asked.pop() == (1, 8, 4, False, "auto")
+    assert lin.call_kernels(x, torch.randn(4, 16)[:, ::2]) is None and not asked  # no unit stride
+    monkeypatch.setenv("FASTWEIGHTS_LINEAR", "onednn")
+    lin.call_kernels(x, torch.randn(4, 8))
+    assert asked.pop()[-1] == "onednn"
+
+
 def test_tiny_calls_are_not_measured(monkeypatch):
     monkeypatch.setattr(lin, "measure", lambda *a, **k: pytest.fail("measured"))
     assert lin.kernels_for(4, 8, 8, False) == ["torch"] * 3
+
+
+@needs_onednn
+def test_a_call_of_MIN_WORK_is_measured_and_the_choice_logged(monkeypatch, caplog):
+    """The work bound is ``m k n < MIN_WORK`` (a call of exactly MIN_WORK is measured: mutation caught, ``<=``);
+    the forced route names each of the three products; a measured choice is logged at INFO with its shape class
+    and the kernel per product."""
+    assert lin.kernels_for(4, 8, 8, False, route="onednn") == ["onednn"] * 3
+    times = {p: {"torch": 2.0, "onednn": 1.0} for p in lin.PRODUCTS}
+    monkeypatch.setattr(lin, "measure", lambda *a, **k: times)
+    monkeypatch.setattr(lin, "_store_choice", lambda *a: None)
+    with caplog.at_level("INFO", logger=lin.__name__):
+        assert lin.kernels_for(4, 8, lin.MIN_WORK // 32, False) == ["onednn"] * 3
+    assert caplog.messages == [f"linear 4x8x{lin.MIN_WORK // 32}: {{'forward': 'onednn', 'input_grad': 'onednn', "
+                               "'weight_grad': 'onednn'} (measured on this machine)"]
 
 
 def test_the_choice_takes_oneDNN_only_where_it_is_clearly_faster():
@@ -225,6 +264,8 @@ def test_the_choice_takes_oneDNN_only_where_it_is_clearly_faster():
     t["weight_grad"].update(onednn=0.4, onednn_transposed=0.3)  # the fastest of three, clearly ahead of torch's
     t["forward"]["onednn_transposed"] = t["input_grad"]["onednn_transposed"] = float("inf")
     assert lin.choose(t) == ["onednn", "torch", "onednn_transposed"]
+    # torch's taking exactly MARGIN times as long is "clearly" enough (mutation caught: ``>``)
+    assert lin.choose({p: {"torch": lin.MARGIN * 0.5, "onednn": 0.5} for p in lin.PRODUCTS}) == ["onednn"] * 3
 
 
 def test_the_transposed_form_hands_oneDNN_the_operands_swapped(monkeypatch):
@@ -286,6 +327,13 @@ def test_the_choice_is_measured_once_and_kept_per_machine_and_thread_count(monke
     assert len(measured) == 3
 
 
+def test_a_calls_rows_are_classed_by_the_power_of_two_at_or_above_them():
+    """A scoring loop's ragged last segment (M = 3 or 5 rows) shares a class with the full segments above it, and a
+    full power of two is its own class (mutations caught: ``m - 2``, a floor of 1 making M = 1 a class of 2)."""
+    assert [lin._rows_class(m) for m in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
+    assert lin.shape_key(3, 8, 16, False) == "4x8x16"
+
+
 @needs_onednn
 def test_a_stored_choice_is_what_a_second_process_computes_with(monkeypatch):
     """The kernels a run used are the ones its resume uses: a stored choice is followed, not re-measured."""
@@ -297,7 +345,7 @@ def test_a_stored_choice_is_what_a_second_process_computes_with(monkeypatch):
 
 
 @needs_onednn
-def test_a_broken_or_unwritable_cache_measures_again_and_still_computes(tmp_path, monkeypatch):
+def test_a_broken_or_unwritable_cache_measures_again_and_still_computes(tmp_path, monkeypatch, caplog):
     path = lin._cache_path()
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
@@ -311,7 +359,22 @@ def test_a_broken_or_unwritable_cache_measures_again_and_still_computes(tmp_path
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))  # a file where the folder should be
     monkeypatch.setattr(lin, "_CHOICES", {})
     x, w, b = (t.detach() for t in _leaves((256, 128), 96))
-    torch.testing.assert_close(lin.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    with caplog.at_level("DEBUG", logger=lin.__name__):
+        torch.testing.assert_close(lin.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    # why nothing was stored, for a user who turns on debug logging: the message and the OS's error
+    [record] = [r for r in caplog.records if "not stored" in r.getMessage()]
+    assert re.fullmatch(r"linear kernel choices not stored \(\[Errno \d+\] .+\)", record.getMessage())
+
+
+def test_a_kernels_time_is_the_best_of_its_calls_within_the_budget():
+    """One warm-up call, then at least 3 timed calls, more while the budget lasts, at most ``most`` (mutation
+    caught: the time spent starting at 1 s, which left every kernel timed on 3 calls)."""
+    calls = []
+    assert lin._best_time(lambda: calls.append(1), budget_s=0.02, most=20) < 0.01
+    assert len(calls) == 21
+    calls.clear()
+    lin._best_time(lambda: calls.append(1), budget_s=0.0, most=20)
+    assert len(calls) == 4
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64") or not torch.backends.mkldnn.is_available(),
@@ -355,6 +418,8 @@ def test_Linear_is_nn_Linear_with_the_same_state_dict():
     assert ours.state_dict().keys() == theirs.state_dict().keys()
     for k in theirs.state_dict():
         torch.testing.assert_close(ours.state_dict()[k], theirs.state_dict()[k], rtol=0, atol=0)
+    x = torch.randn(3, 12)
+    torch.testing.assert_close(ours(x), theirs(x))  # the bias added (mutation caught: forward without it)
 
 
 @needs_onednn
