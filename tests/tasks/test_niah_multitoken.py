@@ -3,6 +3,7 @@ values never in a training needle, distinct needles absent from the haystack, ge
 token, the forced-answer memory probe, and the `niah` command on it."""
 
 import json
+import types
 
 import pytest
 import torch
@@ -54,6 +55,11 @@ def test_reserved_tokens_are_single_tokens_and_the_format_is_recognised(tok):
         ids = tok.encode(t)
         assert len(ids) == 1 and ids[0] != tok.unk_id
     assert not mt.is_multitoken_format(build_tokenizer("word", "just some words\n"))
+    # only a word tokenizer: another kind holding the same words (or none) is not this format (mutations caught:
+    # the two conditions joined by ``and``, a tokenizer without ``words`` raising, every other kind accepted)
+    assert not mt.is_multitoken_format(build_tokenizer("char", "abc\n"))
+    assert not mt.is_multitoken_format(types.SimpleNamespace(name="bpe", words=list(tok.words)))
+    assert not mt.is_multitoken_format(types.SimpleNamespace(name="word")) and not mt.is_multitoken_format(object())
 
 
 def test_heldout_keys_and_values_never_occur_in_training_needles(text):
@@ -104,6 +110,37 @@ def test_eval_samples_hold_distinct_heldout_needles_absent_from_the_haystack(ev)
         mt.make_sample(ev, 20, 0.5)
     with pytest.raises(UserError):
         mt.make_sample(ev, 600, 0.5, keys="other")
+
+
+def test_make_samples_bounds_are_said_in_one_line_each(ev):
+    """The accepted ranges, at their edges: 1 to 64 needles, a depth in [0, 1], a context with room for at least
+    one haystack token beside the needles (each needle is 1 + KEY_LEN + VALUE_LEN tokens); outside them, one
+    UserError saying what was given (mutations caught: each bound moved by one, each message dropped)."""
+    per = 1 + mt.KEY_LEN + mt.VALUE_LEN
+    for n in (1, 64):
+        assert len(mt.make_sample(ev, per * n + 1, 0.5, n_needles=n).needles) == n
+    for depth in (0.0, 1.0):
+        assert mt.make_sample(ev, 600, depth).needles[0].depth is not None
+    cases = [(dict(n_needles=0), "n_needles must be in [1, 64], got 0"),
+             (dict(n_needles=65), "n_needles must be in [1, 64], got 65"),
+             (dict(depth=1.5), "needle depth must be in [0, 1], got 1.5"),
+             (dict(depth=-0.1), "needle depth must be in [0, 1], got -0.1"),
+             (dict(length=per * 5), f"context length {per * 5} is too short for 5 needles"),
+             (dict(keys="other"), "keys must be 'heldout' or 'train', got 'other'")]
+    for kwargs, message in cases:
+        with pytest.raises(UserError) as e:
+            mt.make_sample(ev, **{"length": 600, "depth": 0.5, **kwargs})
+        assert str(e.value) == message
+
+
+def test_a_sample_is_drawn_from_every_part_of_its_description(ev):
+    """Seed, length, depth, index and the key set each give another sample; the same ones the same sample (the
+    random stream is seeded by all five: mutations caught, a part left out of the seed)."""
+    base = dict(length=600, depth=0.5, seed=1, index=2, keys="heldout")
+    s = mt.make_sample(ev, **base)
+    for change in (dict(seed=2), dict(length=601), dict(depth=0.25), dict(index=3), dict(keys="train")):
+        other = mt.make_sample(ev, **{**base, **change})
+        assert [n.key for n in other.needles] != [n.key for n in s.needles], change
 
 
 def test_needle_values_are_distinct_even_from_a_small_value_set(ev, monkeypatch):
@@ -204,3 +241,5 @@ def test_make_samples_draws_heldout_keys_unless_told_and_one_sample_per_length_o
     assert [s.length for s in default] == [300, 300, 400, 400]
     cells = mt.make_samples(ev, [300], depths=[0.0, 1.0], samples=2, seed=3)
     assert len(cells) == 4 and cells[0] == mt.make_sample(ev, 300, 0.0, 3, 0)
+    assert cells[1] == mt.make_sample(ev, 300, 0.0, 3, 1) != cells[0]  # the samples of a cell differ (their index)
+    assert cells[0].seed == "niah-multitoken:3:300:0:0:heldout"  # the sample names what it was drawn from

@@ -87,11 +87,11 @@ def current_umask() -> int:
             for line in f:
                 if line.startswith("Umask:"):
                     return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):  # pragma: no cover - no procfs
+    except (OSError, ValueError, IndexError):  # no procfs (not Linux): set and restore below
         pass
-    mask = os.umask(0o077)  # pragma: no cover
-    os.umask(mask)  # pragma: no cover
-    return mask  # pragma: no cover
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
 
 
 def umask_mode(folder: bool = False) -> int:
@@ -290,7 +290,7 @@ def write_into(directory: Path, write, what: str = "") -> list[str]:
         for rel in files:
             src = staging / rel
             if src.is_symlink() or not src.is_file():
-                raise RuntimeError(f"writer produced a non-regular file {rel}")  # pragma: no cover
+                raise RuntimeError(f"writer produced a non-regular file {rel}")
             give_umask_mode(src)  # save_pretrained's weights are 0600 (safetensors): moved in with the umask's mode
             dst = directory / rel
             refuse_links(directory, dst, what or str(rel))
