@@ -12,7 +12,9 @@ the one-line bug it catches (``tests/mutants/issue51_bar.json``).
 import importlib
 import json
 import logging
+import re
 import sys
+import types
 
 import pytest
 import torch
@@ -27,6 +29,8 @@ dr = importlib.import_module("fastweights.ops.delta_rule")
 sc = importlib.import_module("fastweights.ops.fla_selfcheck")
 BF16 = torch.bfloat16
 T = 19  # the training call's length (the check's is sc.CHECK_SHAPE["T"])
+# the sums of the check's problem (q, k, v, beta, g, h0, do, dht) for K=8, V=4: see the test that reads them
+PINNED_PROBLEM_SUMS = [320.19, -72.04, -39.72, 505.3, -51.99, -2.73, 32.66, 8.98]
 
 
 @pytest.fixture
@@ -264,3 +268,123 @@ def test_the_checks_problem_draws_the_delta_rules_beta_inside_zero_one():
     assert -0.1 <= g.min() and g.max() <= 0
     again = _check_inputs(torch.device("cpu"), 8, 4, torch.float32)
     assert torch.equal(again[0][3], beta) and torch.equal(again[1][0], g)
+
+
+# ------------------------------------------------------------------ the check's parts, one by one (issue 49: every
+# mutant of this module run against this file; the survivors named below were killed by these tests)
+
+
+def test_triton_version_text_reads_the_triton_module(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__="3.6.0"))
+    assert sc.triton_version_text() == "3.6.0"
+
+
+def test_the_cache_key_names_every_field_in_order(hopper):
+    key = sc.check_key(torch.device("cpu"), 8, 4, BF16)
+    assert key == (f"device=cpu|torch={torch.__version__}|triton=3.6.0|fla={sys.modules['fla'].__version__}|K=8|V=4"
+                   "|dtype=bfloat16")
+
+
+def test_the_guard_is_lifted_returning_its_value_before_and_a_missing_flag_is_said(hopper, monkeypatch):
+    flags = sys.modules[fla_standin.GUARD_MODULE]
+    flags.TRITON_ABOVE_3_7_1 = False
+    assert sc.lift_fla_guard() is False and flags.TRITON_ABOVE_3_7_1 is True
+    assert sc.lift_fla_guard() is True
+    monkeypatch.delattr(flags, "TRITON_ABOVE_3_7_1")
+    with pytest.raises(RuntimeError) as e:
+        sc.lift_fla_guard()
+    assert str(e.value) == ("fla.ops.common.chunk_o has no TRITON_ABOVE_3_7_1: not the guard of fla 0.6 this check "
+                            "lifts")
+
+
+def test_the_checks_problem_has_its_shapes_devices_dtypes_and_values():
+    """The kernel inputs in the dtype checked, the fp32 ones (g, h0, do, dht) too, all on the device checked (the
+    meta device stands in for a GPU); shapes from CHECK_SHAPE; the initial state about 0.1 in size. The problem is
+    pinned by its sums: a verdict cached on one machine was computed on exactly this problem, and the cache key does
+    not name it (change CACHE_FILE with the problem)."""
+    b, t, h = sc.CHECK_SHAPE["B"], sc.CHECK_SHAPE["T"], sc.CHECK_SHAPE["H"]
+    (q, k, v, beta), (g, h0, do, dht) = sc._check_inputs(torch.device("meta"), 8, 4, BF16)
+    shapes = [(b, t, h, 8), (b, t, h, 8), (b, t, h, 4), (b, t, h), (b, t, h), (b, h, 8, 4), (b, t, h, 4), (b, h, 8, 4)]
+    assert [tuple(x.shape) for x in (q, k, v, beta, g, h0, do, dht)] == shapes
+    assert all(x.device.type == "meta" for x in (q, k, v, beta, g, h0, do, dht))
+    assert [x.dtype for x in (q, k, v, beta, g, h0, do, dht)] == [BF16] * 4 + [torch.float32] * 4
+    (q, k, v, beta), (g, h0, do, dht) = sc._check_inputs(torch.device("cpu"), 8, 4, torch.float32)
+    assert 0.08 < h0.std() < 0.13
+    sums = [round(float(x.double().sum()), 2) for x in (q, k, v, beta, g, h0, do, dht)]
+    assert sums == pytest.approx(PINNED_PROBLEM_SUMS, abs=0.02), sums
+
+
+def test_the_check_runs_on_its_device_and_computes_the_reference_without_tf32(hopper, monkeypatch):
+    """The problem is drawn for the device checked, the fp32 reference runs with TF32 off (TF32's 10-bit products
+    would make the reference itself the error) and the setting is restored after."""
+    asked, tf32 = [], []
+    real_inputs, real_reference = sc._check_inputs, sc.delta_rule_chunk_major
+    monkeypatch.setattr(sc, "_check_inputs", lambda device, *a: asked.append(device) or real_inputs(device, *a))
+    monkeypatch.setattr(sc, "delta_rule_chunk_major",
+                        lambda *a: tf32.append(torch.backends.cuda.matmul.allow_tf32) or real_reference(*a))
+    before = torch.backends.cuda.matmul.allow_tf32  # a property of torch's: set and restored by hand
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        sc.run_gated_backward_check(torch.device("cpu"), 8, 4, BF16)
+        assert asked == [torch.device("cpu")] and tf32 == [False] and torch.backends.cuda.matmul.allow_tf32 is True
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def test_the_verdict_names_its_shape_tolerances_worst_error_and_time(hopper, monkeypatch):
+    """Each error is compared with its own tolerance (outputs BF16_OUT_TOL, gradients BF16_GRAD_TOL, an error equal
+    to its tolerance passes, a NaN fails); the worst is the largest error over its tolerance, a NaN before any;
+    errors are kept to 6 decimals and the seconds to 2 (the errors come from a stand-in here)."""
+    keys = ["o", "final_state", "dq", "dk", "dv", "dbeta", "dg", "dh0"]
+    for errors, worst, wrong in (([0.019, 0.02, 0.03, 0.0123456789, 0, 0, 0, 0.045], "final_state", []),
+                                 ([0.001, 0, 0, 0.06, 0, float("nan"), 0, 0], "dbeta", ["dbeta", "dk"])):
+        values = iter(errors)
+        monkeypatch.setattr(sc, "relative_error", lambda a, b: next(values))
+        verdict = sc.run_gated_backward_check(torch.device("cpu"), 8, 4, BF16)
+        assert verdict["tolerance"] == {k: sc.BF16_OUT_TOL if k in ("o", "final_state") else sc.BF16_GRAD_TOL
+                                        for k in keys}
+        assert verdict["worst"] == worst and verdict["wrong"] == wrong and verdict["passed"] is (not wrong)
+        assert verdict["shape"] == {"B": 2, "T": 256, "H": 2, "K": 8, "V": 4}
+        assert 0 <= verdict["seconds"] < 600 and verdict["seconds"] == round(verdict["seconds"], 2)
+    assert verdict["rel_err"]["dk"] == 0.06
+    monkeypatch.setattr(sc, "relative_error", lambda a, b: 0.0123456789)
+    clock = iter([10.0, 10.123456])  # the check's start and end on a stand-in clock
+    monkeypatch.setattr(sc.time, "perf_counter", lambda: next(clock))
+    verdict = sc.run_gated_backward_check(torch.device("cpu"), 8, 4, BF16)
+    assert verdict["rel_err"]["o"] == 0.012346 and verdict["seconds"] == 0.12
+
+
+def test_the_check_leaves_the_guard_as_it_found_it_whatever_it_was(hopper):
+    flags = sys.modules[fla_standin.GUARD_MODULE]
+    for before in (False, True):
+        flags.TRITON_ABOVE_3_7_1 = before
+        sc.run_gated_backward_check(torch.device("cpu"), 8, 4, BF16)
+        assert flags.TRITON_ABOVE_3_7_1 is before
+
+
+def test_an_unwritable_verdict_cache_is_said_at_debug_level(hopper, monkeypatch, tmp_path, caplog):
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    with caplog.at_level(logging.DEBUG, logger=sc.logger.name):
+        sc._store_verdict("key", {"passed": True})
+    assert re.fullmatch(r"fla gated-backward verdict not stored \(\[Errno \d+\] .+\)", caplog.messages[-1])
+
+
+def test_the_decision_is_logged_once_per_device_at_warning_unless_forced_safe(hopper, checks, caplog, monkeypatch):
+    """A decision taken by the check (or forced to fla) is a WARNING naming the device and where the verdict came
+    from; a forced safe path is INFO; each (mode, device, K, V, dtype) is decided and logged once."""
+    with caplog.at_level(logging.INFO, logger="fastweights.ops.delta_rule"):
+        assert sc.fla_gated_backward_allowed(torch.device("cpu"), 8, 4, BF16)
+        assert sc.fla_gated_backward_allowed(torch.device("cpu"), 8, 4, BF16)
+        assert sc.fla_gated_backward_allowed(torch.device("meta"), 8, 4, BF16) is False  # another device: decided
+    first, second = caplog.records
+    assert first.levelno == logging.WARNING
+    assert "TAKEN for K=8 V=4 bfloat16 on cpu: the check on this device (" in first.getMessage()
+    assert "not taken (the compiled form) for K=8 V=4 bfloat16 on meta" in second.getMessage()
+    caplog.clear()
+    monkeypatch.setenv(sc.MODE_ENV, "safe")
+    with caplog.at_level(logging.INFO, logger="fastweights.ops.delta_rule"):
+        assert not sc.fla_gated_backward_allowed(torch.device("cpu"), 8, 4, BF16)
+    (record,) = caplog.records
+    assert record.levelno == logging.INFO and record.getMessage().endswith(f"on cpu: {sc.MODE_ENV}=safe")
