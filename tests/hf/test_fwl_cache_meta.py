@@ -54,3 +54,163 @@ def test_a_missing_description_says_so(tmp_path):
         read_meta(tmp_path)
     assert str(e.value).startswith(f"hidden-state cache {tmp_path}: {CACHE_META} is unreadable ([Errno 2] No such "
                                    f"file or directory: '{tmp_path / CACHE_META}'); delete {tmp_path}")
+
+
+def test_a_cache_with_nothing_cached_yet_is_read():
+    """done = 0 (an interruption before the first eight windows were flushed) is a cache to continue."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        _write(Path(d), {**GOOD, "done": 0, "static_nats": []})
+        assert read_meta(Path(d))["done"] == 0
+
+
+# ------------------------------------------------------------------ the cache's arrays (load_cache, open_hidden)
+
+
+def _cache(tmp_path, windows=3, window=4, d=8, dtype="float16"):
+    """A complete cache written by hand: tokens, hidden states, and the description that names them."""
+    import numpy as np
+
+    from fastweights.hf.fwl_cache import _digest
+
+    tokens = np.arange(windows * window, dtype=np.int64).reshape(windows, window)
+    hidden = np.lib.format.open_memmap(tmp_path / "hidden.npy", mode="w+", dtype=dtype, shape=(windows, window, d))
+    hidden[:] = np.linspace(-1, 1, windows * window * d).reshape(windows, window, d)
+    hidden.flush()
+    np.save(tmp_path / "tokens.npy", tokens)
+    meta = {**GOOD, "tokens_sha": _digest(tokens), "dtype": dtype, "windows": windows, "window": window, "d_model": d,
+            "done": windows, "doc_windows": [windows], "static_nats": [3.0] * windows}
+    _write(tmp_path, meta)
+    return tokens, meta
+
+
+def _refused(directory) -> str:
+    from fastweights.hf.fwl_cache import load_cache
+
+    with pytest.raises(UserError) as e:
+        load_cache(directory)
+    return str(e.value)
+
+
+def test_a_complete_cache_loads_memory_mapped_read_only(tmp_path):
+    import numpy as np
+
+    from fastweights.hf.fwl_cache import load_cache, open_hidden
+
+    tokens, meta = _cache(tmp_path)
+    hidden, got_tokens, got_meta = load_cache(str(tmp_path))
+    assert isinstance(hidden, np.memmap) and hidden.shape == (3, 4, 8) and hidden.dtype == np.float16
+    assert not hidden.flags.writeable and np.array_equal(got_tokens, tokens) and got_meta == meta
+    assert float(hidden[2, 3, 7]) == 1.0
+    writable = open_hidden(tmp_path, meta, mode="r+")
+    assert writable.flags.writeable  # the cache's writer opens it so
+
+
+def test_each_broken_part_of_a_cache_is_one_line_naming_it(tmp_path):
+    import numpy as np
+
+    assert _refused(tmp_path) == f"hidden-state cache {tmp_path} holds no {CACHE_META}: not a cache"
+    tokens, meta = _cache(tmp_path)
+    _write(tmp_path, {**meta, "done": 2, "static_nats": [3.0, 3.0]})
+    assert _refused(tmp_path) == f"hidden-state cache {tmp_path} is incomplete (2 of 3 windows)"
+    _write(tmp_path, meta)
+    rebuild = f"; delete {tmp_path} to rebuild it"
+    # dtype, shape, content, and the same bytes in another shape (the digest alone would pass it)
+    for bad in (tokens.astype(np.int32), tokens[:2], tokens + 1, tokens.reshape(4, 3)):
+        np.save(tmp_path / "tokens.npy", bad)
+        assert _refused(tmp_path) == (f"hidden-state cache {tmp_path}: tokens.npy is not the tokens its {CACHE_META} "
+                                      f"was made for{rebuild}")
+    (tmp_path / "tokens.npy").write_bytes(b"\x93NUMPY")  # truncated
+    assert _refused(tmp_path).startswith(f"hidden-state cache {tmp_path}: tokens.npy is unreadable (")
+    np.save(tmp_path / "tokens.npy", tokens)
+    np.save(tmp_path / "hidden.npy", np.zeros((3, 4, 8), np.float32))  # another dtype
+    assert _refused(tmp_path) == (f"hidden-state cache {tmp_path}: hidden.npy is not the cache its {CACHE_META} "
+                                  "describes (it holds float32 (3, 4, 8), the metadata says float16 (3, 4, 8))"
+                                  + rebuild)
+    np.save(tmp_path / "hidden.npy", np.zeros((3, 4, 7), np.float16))  # another shape
+    assert "it holds float16 (3, 4, 7), the metadata says float16 (3, 4, 8)" in _refused(tmp_path)
+    (tmp_path / "hidden.npy").write_bytes(b"")  # empty: numpy's own words, or the error's name
+    assert _refused(tmp_path).startswith(f"hidden-state cache {tmp_path}: hidden.npy is not the cache its "
+                                         f"{CACHE_META} describes (")
+    assert "\n" not in _refused(tmp_path)
+
+
+def test_a_window_of_nan_is_named_and_only_the_windows_asked_for_are_read(tmp_path):
+    import numpy as np
+
+    from fastweights.hf.fwl_cache import open_hidden
+
+    _, meta = _cache(tmp_path)
+    hidden = np.load(tmp_path / "hidden.npy", mmap_mode="r+")
+    hidden[1, 2, 3] = np.nan
+    hidden.flush()
+    assert _refused(tmp_path) == (f"hidden-state cache {tmp_path}: window 1 of hidden.npy holds NaN or infinite "
+                                  f"values (the file is corrupt); delete {tmp_path} to rebuild it")
+    assert open_hidden(tmp_path, meta, check_finite_upto=1).shape == (3, 4, 8)  # window 1 not checked
+    assert open_hidden(tmp_path, meta).shape == (3, 4, 8)  # none checked by default
+
+
+def test_the_backbones_digest_covers_every_weight():
+    import types
+
+    import torch
+
+    from fastweights.hf.fwl_cache import backbone_digest
+    from fastweights.hf.fwl_head import tensors_digest
+
+    net = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 2))
+    backbone = types.SimpleNamespace(hf=net)
+    digest = backbone_digest(backbone)
+    assert digest == tensors_digest(sorted(net.state_dict().items())) and len(digest) == 64
+    with torch.no_grad():
+        net[0].bias[1] += 1e-3  # any weight, not only the output layer
+    assert backbone_digest(backbone) != digest
+
+
+class _Payload:
+    """Unpickling this runs code: it writes the file it names."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (str(self.path), "w"))
+
+
+def test_a_planted_pickle_in_the_tokens_is_refused_without_running(tmp_path):
+    """tokens.npy replaced by an object array whose element unpickles into code: refused as unreadable, and the
+    code never ran (numpy's allow_pickle stays off)."""
+    import numpy as np
+
+    _cache(tmp_path)
+    planted = np.empty(1, dtype=object)
+    planted[0] = _Payload(tmp_path / "ran")
+    np.save(tmp_path / "tokens.npy", planted, allow_pickle=True)
+    assert "tokens.npy is unreadable (" in _refused(tmp_path)
+    assert not (tmp_path / "ran").exists()
+
+
+def test_an_unreadable_file_is_named_with_the_first_line_of_the_error_or_its_kind(tmp_path, monkeypatch):
+    import numpy as np
+
+    from fastweights.hf import fwl_cache
+
+    _, meta = _cache(tmp_path)
+    real = np.load
+
+    def failing(path, *a, **k):
+        if str(path).endswith("tokens.npy"):
+            raise ValueError("first line\nsecond line")
+        if str(path).endswith("hidden.npy"):
+            raise OSError()  # no words at all
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(fwl_cache.np, "load", failing)
+    assert _refused(tmp_path) == (f"hidden-state cache {tmp_path}: tokens.npy is unreadable (first line); delete "
+                                  f"{tmp_path} to rebuild it")
+    with pytest.raises(UserError) as e:
+        fwl_cache.open_hidden(tmp_path, meta)
+    assert str(e.value) == (f"hidden-state cache {tmp_path}: hidden.npy is not the cache its {CACHE_META} describes "
+                            f"(OSError); delete {tmp_path} to rebuild it")
