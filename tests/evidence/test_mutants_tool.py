@@ -1,10 +1,15 @@
 """tools/mutants.py (``make mutants``): which lines a change touched, where each mutmut mutant sits
 in the file at HEAD, and which survivors the accepted list covers. The mutmut run itself is the tool's own
-job (minutes); these are its pure parts, on made-up inputs."""
+job (minutes); these are its pure parts, on made-up inputs. tools/module_mutants.py: one small module's run."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 from helpers import import_benchmark
+
+REPO = Path(__file__).resolve().parents[2]
 
 mutants = import_benchmark("mutants")
 
@@ -225,3 +230,24 @@ def test_a_whole_run_copies_every_folder_and_file_the_tests_read_beside_src_and_
     tracked = {n for n in named if (ROOT / n).exists()} - {"src", "tests", "pyproject.toml"}
     copied = set(mutants.mutmut_settings(["src/fastweights/core/config.py"], ["tests/cli"])["also_copy"])
     assert tracked and tracked <= copied, sorted(tracked - copied)
+
+
+def test_the_module_runner_kills_what_its_tests_catch_and_lists_the_rest(tmp_path):
+    """``tools/module_mutants.py`` on core/compare.py against a deliberately weak test (relative_error of equal
+    tensors is 0): a mutant that makes it non-zero is killed, one it cannot see survives, the JSON says which, and
+    the exit status is 1 (the module and the checkout are left as they were)."""
+    weak = tmp_path / "test_weak.py"
+    weak.write_text("import torch\n\nfrom fastweights.core.compare import relative_error\n\n\n"
+                    "def test_equal():\n    assert relative_error(torch.ones(2), torch.ones(2)) == 0\n")
+    before = (REPO / "src/fastweights/core/compare.py").read_text()
+    r = subprocess.run([sys.executable, str(REPO / "tools/module_mutants.py"), "src/fastweights/core/compare.py",
+                        "--tests", str(weak), "--out", str(tmp_path / "m.json")], capture_output=True, text=True,
+                       cwd=tmp_path)
+    assert r.returncode == 1, r.stderr
+    data = json.loads((tmp_path / "m.json").read_text())
+    statuses = {row["mutated"]: row["status"] for row in data["not_killed"]}
+    assert "return float((a - ref).norm() / ref.norm().clamp_min(1.0))" in statuses  # |0| / 1 is still 0
+    assert "return float((a + ref).norm() / ref.norm().clamp_min(1e-30))" not in statuses  # 2 / 1.41: killed
+    assert set(statuses.values()) == {"survived"} and data["counts"]["killed"] >= 1
+    assert data["mutants"] == sum(data["counts"].values())
+    assert (REPO / "src/fastweights/core/compare.py").read_text() == before
