@@ -108,6 +108,10 @@ def _run_tests(tests: list[str], timeout_s: int):
         signal.signal(signal.SIGALRM, previous)
 
 
+def _untracked() -> set[str]:
+    return set(git("ls-files", "--others", "--exclude-standard").splitlines())
+
+
 def statuses(file: str, rows: list[dict], tests: list[str], timeout_s: int = 60, report=print) -> dict[str, str]:
     """Each mutant's status (killed, survived, timeout, not applied, error) against ``tests``, in this process.
     Raises SystemExit when the tests fail on the module as it is."""
@@ -117,6 +121,7 @@ def statuses(file: str, rows: list[dict], tests: list[str], timeout_s: int = 60,
     snapshot = dict(module.__dict__)
     if _run_tests(tests, timeout_s) != 0:
         raise SystemExit(f"error: {', '.join(tests)} fail on {file} as it is: nothing to measure")
+    before = _untracked()
     result = {}
     for r in rows:
         text = patched(source, r["edits"]) if r["edits"] else None
@@ -135,6 +140,9 @@ def statuses(file: str, rows: list[dict], tests: list[str], timeout_s: int = 60,
                 namespace[k] = v
             module.__dict__.clear()
             module.__dict__.update(snapshot)
+        for stray in sorted(_untracked() - before):  # a mutant's write into the checkout (a path made None): removed
+            (REPO / stray).unlink(missing_ok=True)
+            report(f"removed {stray}, which the mutant below wrote into the checkout")
         result[r["name"]] = status
         report(f"{status:>10}  {file}:{r['line']}  {r['mutated']}", flush=True)
     return result

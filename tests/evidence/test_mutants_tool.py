@@ -251,3 +251,23 @@ def test_the_module_runner_kills_what_its_tests_catch_and_lists_the_rest(tmp_pat
     assert set(statuses.values()) == {"survived"} and data["counts"]["killed"] >= 1
     assert data["mutants"] == sum(data["counts"].values())
     assert (REPO / "src/fastweights/core/compare.py").read_text() == before
+
+
+def test_a_file_a_mutant_writes_into_the_checkout_is_removed_and_said():
+    """A mutant whose code writes a file where the tests run (a path turned into None became a file named 'None'
+    in the checkout, and a commit took it in): removed after that mutant's run, and the removal reported."""
+    line = (REPO / "src/fastweights/core/compare.py").read_text().splitlines()
+    at = next(i for i, text in enumerate(line, 1) if text.strip().startswith("return float((a - ref).norm()"))
+    original = line[at - 1]
+    mutated = original.replace("return ", 'return open("stray-module-mutants.txt", "w").close() or ', 1)
+    rows = [{"name": "stray", "line": at, "original": original.strip(), "mutated": mutated.strip(),
+             "edits": [[at, original, mutated]]}]
+    code = ("import sys; sys.path.insert(0, 'tools'); sys.path.insert(0, 'tests'); import module_mutants as m; "
+            f"print(m.statuses('src/fastweights/core/compare.py', {rows!r}, ['tests/core/test_compare.py']))")
+    try:
+        r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert "removed stray-module-mutants.txt" in r.stdout and "{'stray': 'survived'}" in r.stdout
+        assert not (REPO / "stray-module-mutants.txt").exists()
+    finally:
+        (REPO / "stray-module-mutants.txt").unlink(missing_ok=True)
