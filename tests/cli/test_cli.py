@@ -38,6 +38,7 @@ def test_eval_on_a_file(trained, tmp_path, capsys):
     assert main(["eval", "--checkpoint", str(trained), "--data", str(f), "--json", "--quiet"]) == 0
     m = json.loads(capsys.readouterr().out)
     assert m["tokens"] == len(f.read_text()) - 1
+    assert m["checkpoint"] == str(trained) and m["data"] == str(f)  # what was scored, named (seed-14 draw)
 
 
 def test_generate_streams_text(trained, capsys):

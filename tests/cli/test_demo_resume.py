@@ -28,8 +28,10 @@ def tiny_demo(monkeypatch):
     score, dynamic = loops_evaluate.evaluate_documents, adapt_evaluate.demo_dynamic
     monkeypatch.setattr(loops_evaluate, "evaluate_documents",
                         lambda model, tok, texts, *a, **k: score(model, tok, [t[:2000] for t in texts], *a, **k))
+    asked = []  # what the demo asks of its dynamic evaluation (read less here)
     monkeypatch.setattr(adapt_evaluate, "demo_dynamic",
-                        lambda out, **k: dynamic(out, tune_chars=400, test_chars=800, stats_batches=3))
+                        lambda out, **k: asked.append(k) or dynamic(out, tune_chars=400, test_chars=800, stats_batches=3))
+    return asked
 
 
 def _demo(out) -> int:
@@ -63,6 +65,10 @@ def test_an_interrupted_demo_continues_to_the_same_demo_json(tiny_demo, tmp_path
     assert sorted(a) == ["dynamic_eval", "loss_curve", "parameters", "test_bits_per_char", "timed_steps_per_s",
                          "train_seconds", "train_steps", "train_threads", "val_bits_per_char"]
     assert a["loss_curve"] == str(straight / "loss_curve.png") and (straight / "loss_curve.png").is_file()
+    assert (straight / "demo.json").read_text().startswith('{\n  "')  # indented for the reader
+    # the demo's own dynamic evaluation (3,000 tuning and 10,000 test characters, MS_g from 30 batches), asked the
+    # same by the straight and the continued run (seed-14 mutation draw: the 30 left to the function's default)
+    assert tiny_demo == [{"tune_chars": 3000, "test_chars": 10000, "stats_batches": 30}] * 2
     logged = [[json.loads(line)["step"] for line in (d / "metrics.jsonl").read_text().splitlines()]
               for d in (straight, stopped)]
     assert logged[0] == logged[1], f"interrupt at step {at}"  # each step logged once, as in the straight run

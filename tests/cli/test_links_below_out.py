@@ -187,3 +187,18 @@ def test_a_commands_result_file_planted_as_a_link_is_refused_before_any_work(tmp
         output_prefix(SimpleNamespace(out=str(out), overwrite=True), "adapt")
     assert str(e.value) == f"{out / 'adapt.png'} is a symbolic link; refusing to write the results through it (remove the link)"
     _unchanged(victim)
+
+
+def test_a_pending_checkpoint_folder_planted_as_a_link_is_refused_by_name(tmp_path, victim):
+    """``.ckpt-next`` (a committed save waiting to be swapped in: its files are moved out of it) as a link to another
+    folder: refused in one line saying it is a checkpoint being written through the link, nothing moved."""
+    from fastweights.checkpoints.format import PENDING, finish_pending
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / PENDING).symlink_to(victim)
+    with pytest.raises(UserError) as e:
+        finish_pending(run)
+    assert str(e.value) == (f"{run / PENDING} is a symbolic link; refusing to write a checkpoint through it (remove "
+                            "the link)")
+    _unchanged(victim)

@@ -93,6 +93,12 @@ def test_the_code_hash_changes_with_the_code_and_not_with_results(tmp_path):
     (tmp_path / "benchmarks" / "results" / "r.json").write_text("{}")  # a result written: no code changed
     (tmp_path / "README.md").write_text("notes\n")
     assert git_state(tmp_path)["code"] == clean["code"]
+    (tmp_path / ".gitignore").write_text("*.pyc\n")
+    git("add", ".gitignore")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "ignore")
+    clean = git_state(tmp_path)
+    (tmp_path / "src" / "m.cpython-311.pyc").write_bytes(b"\0")  # an ignored file among the code: not code
+    assert git_state(tmp_path)["code"] == clean["code"]
     (tmp_path / "src" / "new.py").write_text("y = 2\n")  # an untracked module
     assert git_state(tmp_path)["code"] != clean["code"]
     (tmp_path / "src" / "new.py").unlink()
