@@ -308,3 +308,18 @@ def test_the_best_entries_by_their_best_seed_leave_the_ablations_out():
     assert str(e.value) == f"{len(lb.ROW_COLOURS) + 1} rows but {len(lb.ROW_COLOURS)} distinct colours: add colours to ROW_COLOURS"
     assert lb._bits([math.log(2), None, 2 * math.log(2)]) == [pytest.approx(1.0), None, pytest.approx(2.0)]
     assert lb._xy([1, 2, 3, 4], [0.5, None, 0.0, None]) == ([1, 3], [0.5, 0.0])
+
+
+def test_the_heldout_documents_are_each_plays_first_characters():
+    """The leaderboard scores the first ``chars`` characters of each held-out play, encoded (the text sliced, not
+    dropped: seed-14 mutation draw)."""
+    from fastweights.data import build_tokenizer, load_corpus
+    from fastweights.experiments.leaderboard import HELDOUT, heldout_documents
+
+    tok = build_tokenizer("byte", "")
+    docs = heldout_documents(tok, 300)
+    for (name, blocks), play in zip(docs, HELDOUT):
+        ids = [int(i) for block in blocks for i in block]
+        want = load_corpus(f"shakespeare-heldout:{play}")[0]
+        assert name == want.name and ids == [int(i) for i in tok.encode(want.text[:300])]
+    assert len(list(docs)) == len(HELDOUT)

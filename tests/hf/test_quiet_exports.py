@@ -165,3 +165,15 @@ def test_the_exports_say_how_to_load_them(exports):
         remote = cfg["auto_map"]["AutoModelForCausalLM"].split(".")[0]
         text = (exports[kind] / f"{remote}.py").read_text()
         assert f"import fastweights.hf.{module}" in text and "trust_remote_code=True" in text
+
+
+def test_the_auto_map_names_the_config_and_the_causal_lm_class():
+    """What ``from_pretrained(DIR, trust_remote_code=True)`` reads in config.json (seed-14 mutation draw: the
+    causal LM's key misspelt still loaded here, through the model type the config's import registers)."""
+    from fastweights.hf.export import remote_code
+    from fastweights.hf.ours_as_transformers import FastWeightsConfig, FastWeightsForCausalLM
+
+    auto_map, source = remote_code("ours_as_transformers", FastWeightsConfig, FastWeightsForCausalLM)
+    assert auto_map == {"AutoConfig": "ours_as_transformers.FastWeightsConfig",
+                        "AutoModelForCausalLM": "ours_as_transformers.FastWeightsForCausalLM"}
+    assert "from fastweights.hf.ours_as_transformers import FastWeightsConfig, FastWeightsForCausalLM" in source
