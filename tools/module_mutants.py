@@ -119,7 +119,10 @@ def statuses(file: str, rows: list[dict], tests: list[str], timeout_s: int = 60,
                                      .removesuffix(".__init__"))
     source = (REPO / file).read_text()
     snapshot = dict(module.__dict__)
-    if _run_tests(tests, timeout_s) != 0:
+    clean = _run_tests(tests, timeout_s)
+    if clean == "timeout":
+        raise SystemExit(f"error: {', '.join(tests)} take longer than --timeout {timeout_s} s on {file} as it is")
+    if clean != 0:
         raise SystemExit(f"error: {', '.join(tests)} fail on {file} as it is: nothing to measure")
     before = _untracked()
     result = {}

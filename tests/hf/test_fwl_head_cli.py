@@ -293,11 +293,11 @@ def test_the_progress_counts_each_cpu_second_of_training_once(backbone_dir, tmp_
     training CPU time (a count that grew by the time so far at every step showed ETAs far too short)."""
     from fastweights.hf import fwl_training
 
-    counted = []
+    counted, made = [], []
 
     class Recorder:
         def __init__(self, *args, **kwargs):
-            pass
+            made.append((args, kwargs))
 
         def update(self, n, **kwargs):
             counted.append(n)
@@ -312,3 +312,5 @@ def test_the_progress_counts_each_cpu_second_of_training_once(backbone_dir, tmp_
     history = json.loads((out / "training.json").read_text())["history"]
     assert len(counted) == len(history) >= 2 and all(n > 0 for n in counted)
     assert sum(counted) == pytest.approx(history[-1]["cpu_s"], abs=0.011)
+    ((args, kwargs),) = made
+    assert args[1:] == ("CPU-sec",) and kwargs["desc"] == "train fwl head"  # named as the docs show it
