@@ -249,3 +249,28 @@ def test_err_text_names_a_frame_inside_flas_package_imported_or_not(tmp_path, mo
             mod.boom()
         except RuntimeError as e:
             assert dc.err_text(e) == "RuntimeError: in fla (at kernel.py:2)", imported
+
+
+def test_a_parts_problems_are_printed_joined_and_fla_calls_counted(monkeypatch, capsys):
+    """A part that returns problems (not an error): its row's line lists them joined by '; '. The fla counter counts
+    every call and every refusal, and starts again after each row (seed-14 mutation draw: a count set to 1)."""
+    rows = dc.component_rows(tiny=True)[:1]
+    monkeypatch.setitem(dc.PARTS, "bf16_training", lambda *a: {"pass": False, "problems": ["loss NaN", "no grad"]})
+    dc.component_pass(rows, "bf16_training", torch.device("cpu"), deadline=math.inf)
+    assert capsys.readouterr().out.rstrip().endswith(": loss NaN; no grad")
+    outcomes = iter([None, None, ValueError("refused"), None])
+
+    def inner(*a, **k):
+        outcome = next(outcomes)
+        if outcome is not None:
+            raise outcome
+        return "out"
+
+    monkeypatch.setattr(dc.dr, "_delta_rule_fla", inner)  # the module fla's calls go through
+    counter = dc.FlaCounter()
+    assert counter() == "out" and counter() == "out"
+    with pytest.raises(ValueError):
+        counter()
+    assert counter.take() == {"fla_calls": 2, "fla_refused": 1}
+    counter()
+    assert counter.take() == {"fla_calls": 1, "fla_refused": 0}

@@ -276,3 +276,13 @@ def test_niah_command_writes_json_and_png(hay, tok, tmp_path, capsys):
         assert set(doc["summary"]["by_iters"]) == {"1", "2"} and doc["command"].startswith("fastweights")
         assert cli.main([*argv[:-3], "--depths", "2"]) == 2  # a user error: one line, exit status 2
         assert "error:" in capsys.readouterr().err
+
+
+def test_run_niah_picks_the_format_itself_by_default(tok, hay):
+    """A library call without ``fmt``: "auto", which for a character-level model is the character format (seed-14
+    mutation draw: the command line always passes --format, so the default was never used)."""
+    from fastweights.tasks.niah_run import run_niah
+
+    run = run_niah(tiny_lm(tok.vocab_size), tok, "tinyshakespeare", [300], "uniform", samples=1, seed=0,
+                   opts=NiahOptions())
+    assert run.format == "char" and len(run.samples) == 1 and len(run.records) == 1
