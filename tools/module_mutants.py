@@ -31,11 +31,9 @@ import tomllib
 import types
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mutants import ACCEPTED, GENERATE, REPO, accepted_reason, git, mutant_lines, patched  # the script's folder
 
-from mutants import ACCEPTED, GENERATE, REPO, accepted_reason, git, mutant_lines, patched  # noqa: E402
-
-from fastweights.cli.script_parser import ScriptParser, exit_status_of  # noqa: E402
+from fastweights.cli.script_parser import ScriptParser, exit_status_of
 
 
 def generate(file: str) -> list[dict]:
@@ -165,7 +163,6 @@ def main(argv: list[str] | None = None) -> int:
     if missing := [t for t in tests if not (REPO / t.split("::")[0]).exists()]:
         ap.error(f"--tests {missing[0]}: no such test file or folder")
     os.chdir(REPO)
-    sys.path.insert(0, str(REPO / "tests"))
     started = time.time()
     rows = [r for r in generate(args.file) if not args.only or any(o in r["name"] for o in args.only)]
     print(f"{len(rows)} mutants of {args.file}; tests: {', '.join(tests)}", flush=True)
