@@ -186,3 +186,56 @@ def test_the_blas_version_is_the_builds_line_without_its_list_dash(monkeypatch):
     monkeypatch.setattr(torch.__config__, "show", lambda: config)
     assert blas() == ("mkl (Intel(R) oneAPI Math Kernel Library Version 2024.2-Product Build 20240605 for Intel(R) 64 "
                       "architecture applications)")
+
+
+@pytest.mark.parametrize("config, want", [
+    ("PyTorch built with:\n  - OpenBLAS 0.3.27 SKYLAKEX\n  - BLAS_INFO=open, LAPACK_INFO=open,\n",
+     "open (OpenBLAS 0.3.27 SKYLAKEX)"),  # an OpenBLAS target name: only the dash and spaces are stripped
+    ("PyTorch built with:\n  - BLAS_INFO=accelerate,\n", "accelerate"),  # no version line: the name alone
+    ("PyTorch built with:\n  - nothing about BLAS\n", "unknown"),
+], ids=["openblas", "no-version", "no-blas"])
+def test_the_blas_of_other_builds(monkeypatch, config, want):
+    import torch
+
+    from fastweights.evidence.provenance import blas
+
+    monkeypatch.setattr(torch.__config__, "show", lambda: config)
+    assert blas() == want
+
+
+def test_the_command_line_is_this_processs_unless_given(monkeypatch):
+    """Without ``argv``: sys.argv, its script made relative; a first word that is no file (``-c``) and a flag whose
+    value is no path are kept as they are; a flag's value is what follows its first '=' (a path may hold '=')."""
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "tools" / "report.py"), "--check"])
+    assert command_line(ROOT, program="python") == "python tools/report.py --check"
+    assert command_line(ROOT, ["-c", f"--set=a={ROOT}/x"], program="python") == f"python -c --set=a={ROOT}/x"
+    assert command_line(ROOT, [f"--out={ROOT}/runs/a=b"], program="python") == "python --out=runs/a=b"
+    assert command_line(ROOT, [], program="python") == "python"
+
+
+def test_the_machine_record_on_stand_ins(monkeypatch):
+    """Every field under its name, from its source: the processor's name, else the architecture; the first of the
+    load averages; the GPU's name when CUDA is there; no load average where the system has none."""
+    import os
+    import platform
+
+    import torch
+
+    from fastweights.evidence import provenance as pv
+
+    monkeypatch.setattr(platform, "python_version", lambda: "3.99.0")
+    monkeypatch.setattr(platform, "processor", lambda: "")  # many Linux builds report nothing here
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(os, "cpu_count", lambda: 7)
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.5, 2.5, 3.5))
+    monkeypatch.setattr(pv, "blas", lambda: "mkl (v)")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "H200")
+    assert pv.machine() == {"python": "3.99.0", "torch": torch.__version__, "cpu": "x86_64",
+                            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "blas": "mkl (v)", "cores": 7,
+                            "torch_threads": torch.get_num_threads(), "load_average_1m": 1.5, "gpu": "H200"}
+    monkeypatch.setattr(platform, "processor", lambda: "AMD EPYC")
+    monkeypatch.delattr(os, "getloadavg")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    record = pv.machine()
+    assert record["cpu"] == "AMD EPYC" and record["load_average_1m"] is None and "gpu" not in record

@@ -107,7 +107,13 @@ def test_a_call_is_recorded_and_computes_the_reference(fla, rule):
     torch.testing.assert_close(final, want_final, rtol=0, atol=0)
     fla.clear()
     sys.modules["fla.ops.delta_rule"].chunk_delta_rule(q=q, k=k, v=v, beta=beta)  # fla's defaults
-    assert fla[0]["chunk_size"] == 64 and fla[0]["l2norm"] is False and fla[0]["scale"] is None
+    sys.modules["fla.ops.gated_delta_rule"].chunk_gated_delta_rule(q=q, k=k, v=v, beta=beta, g=g)
+    for call in fla:
+        assert call["chunk_size"] == 64 and call["l2norm"] is False and call["scale"] is None
+        assert call["initial_state"] is None and call["output_final_state"] is False
+    for chunk in (16, 32):  # the other two sizes fla takes
+        sys.modules["fla.ops.delta_rule"].chunk_delta_rule(q=q, k=k, v=v, beta=beta, chunk_size=chunk)
+    assert [c["chunk_size"] for c in fla[2:]] == [16, 32]
 
 
 def test_the_recorded_grad_flag_is_whether_a_gradient_will_flow(fla):
