@@ -239,3 +239,37 @@ def test_the_machine_record_on_stand_ins(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     record = pv.machine()
     assert record["cpu"] == "AMD EPYC" and record["load_average_1m"] is None and "gpu" not in record
+
+
+def test_dirty_paths_and_the_code_hash_follow_every_kind_of_change(tmp_path):
+    """dirty: a tracked change (staged or not), not an untracked file, each path named; the code hash: a staged
+    change counts, two different binary changes differ, a tracked file outside the code (README) does not;
+    outside a checkout: no commit, no dirty flag."""
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], capture_output=True, check=True)
+
+    git("init", "-q")
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "m.py").write_text("x = 1\n")
+    (tmp_path / "src" / "w.bin").write_bytes(b"\0\1\2")
+    (tmp_path / "README.md").write_text("notes\n")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    clean = git_state(tmp_path)
+    assert clean["dirty"] is False and clean["dirty_paths"] == []
+    (tmp_path / "src" / "untracked.txt").write_text("u\n")
+    assert git_state(tmp_path)["dirty"] is False  # untracked files do not make the tree dirty
+    (tmp_path / "src" / "untracked.txt").unlink()
+    (tmp_path / "README.md").write_text("more notes\n")
+    readme = git_state(tmp_path)
+    assert readme["dirty"] is True and readme["dirty_paths"] == ["README.md"] and readme["code"] == clean["code"]
+    (tmp_path / "src" / "m.py").write_text("x = 2\n")
+    git("add", "src/m.py")  # staged: still a difference from the commit
+    staged = git_state(tmp_path)
+    assert staged["code"] != clean["code"] and sorted(staged["dirty_paths"]) == ["README.md", "src/m.py"]
+    codes = []
+    for content in (b"\0\1\3", b"\0\1\4"):
+        (tmp_path / "src" / "w.bin").write_bytes(content)
+        codes.append(git_state(tmp_path)["code"])
+    assert codes[0] != codes[1]  # two binary changes: two code hashes
+    assert git_state(tmp_path / "src" / "nowhere") == {"commit": None, "dirty": None}
