@@ -219,16 +219,21 @@ def _run(kind: str, argv: list[str]) -> int:
     _log_to_this_stderr()
     if kind == "cli":
         return main(argv)
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+
     from fastweights.harness.__main__ import main as harness_main
 
-    saved = sys.argv[:]
+    saved, from_cli = sys.argv[:], EvaluatorConfig.__dict__["from_cli"]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("always")
             warnings.showwarning = lambda message, *a, **k: print(f"warning: {message}", file=sys.stderr)
             return harness_main(argv)
     finally:
-        sys.argv = saved
+        # the harness's entry point wraps lm-eval's config reader for the process it runs in: put it back, or a
+        # later test in this worker finds it wrapped already (tests/harness/test_command_line.py failed so when
+        # xdist's loadfile scheduling put the two files in one worker, in this order)
+        sys.argv, EvaluatorConfig.from_cli = saved, from_cli
 
 
 @pytest.mark.parametrize("build, code, needle", CASES, ids=[c[0].__name__ for c in CASES])
