@@ -202,3 +202,19 @@ def test_a_pending_checkpoint_folder_planted_as_a_link_is_refused_by_name(tmp_pa
     assert str(e.value) == (f"{run / PENDING} is a symbolic link; refusing to write a checkpoint through it (remove "
                             "the link)")
     _unchanged(victim)
+
+
+def test_the_token_cache_writer_checks_the_links_again_itself(tmp_path, victim, monkeypatch):
+    """``cached_stream`` hands the folder the user named to the writer, which checks again just before it writes
+    (a link planted after the first check: here the first check stood in for by a no-op). Seed-15 mutation draw:
+    the root not handed on."""
+    from fastweights.data import streams
+    from fastweights.data.tokenizers import ByteTokenizer
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "data").symlink_to(victim)
+    monkeypatch.setattr(streams, "refuse_links", lambda *a: None)  # cached_stream's own check, passed
+    with pytest.raises(UserError, match="is a symbolic link; refusing to write the token cache"):
+        streams.cached_stream(["some text"], ByteTokenizer(), out / "data", "train", root=out)
+    _unchanged(victim)

@@ -284,3 +284,13 @@ def test_a_count_that_is_not_positive_is_the_default(requested, monkeypatch):
         assert use_threads("scoring", requested) == SCORING_THREADS == torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("value, count", [("3", 3), (" 2 ", 2), ("0", None), ("", None), ("four", None), ("-1", None)])
+def test_omp_num_threads_counts_only_as_a_positive_integer(monkeypatch, value, count):
+    """torch ignores OMP_NUM_THREADS=0 and anything that is not a positive integer, so the library does too
+    (seed-15 mutation draw: 0 taken as a count)."""
+    from fastweights.core.threads import _omp_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", value)
+    assert _omp_threads() == count
