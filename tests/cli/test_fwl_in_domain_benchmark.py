@@ -48,3 +48,16 @@ def test_a_training_folder_with_a_line_of_its_scored_excerpt_is_refused(tmp_path
     (tmp_path / "data" / "hamlet" / "01.txt").write_text("before\n" + line + "\nafter\n")
     with pytest.raises(UserError, match="hamlet"):
         idt.check_disjoint(tmp_path)
+
+
+def test_a_source_that_opens_with_the_scored_excerpt_leaves_it_out(monkeypatch):
+    """The excerpt's marker at the very start of its source (position 0) is found, not refused (seed-15 mutation
+    draw: ``at <= 0``)."""
+    import fastweights.data as data
+    from fastweights.data.corpus import Document
+
+    spec = next(s for s, _ in TEXTS if s.key == "don_quijote")
+    body = spec.marker + " " + "x" * idt.EXCLUDE_CHARS + " the rest of the source"
+    monkeypatch.setattr(data, "load_corpus", lambda name: [Document(name, body)])
+    text = idt.source_text("don_quijote")
+    assert spec.marker not in text and text.endswith("the rest of the source")

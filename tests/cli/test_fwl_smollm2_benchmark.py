@@ -120,6 +120,9 @@ def test_scaled_step_sizes_nest_and_scale(llama):
     assert all(math.isclose(float(a.detach()), 0.2, rel_tol=1e-6) for a in head.current_step_sizes().values())
 
 
+DYNAMIC_LOG: list[str] = []  # what dynamic_rows said while the rows were made
+
+
 @pytest.fixture(scope="module")
 def rows(llama, monkeypatch_module):
     """Every row of the benchmark on the tiny Llama: 2 scored texts of 40 predictions, 2 tuning texts of 24."""
@@ -135,7 +138,7 @@ def rows(llama, monkeypatch_module):
              "fwl_test_time_only": head_on(lm, test_time_only=True),
              "fwl_bias_only": head_on(lm, bias_only=True, step_size_init=0.2)}
     out = {"static": fc.score_texts(fc.static_evaluator(lm, L), scored)}
-    dyn, tuned = fc.dynamic_rows(lm, scored, tuning, stats_ids, chosen, L, log=lambda _m: None)
+    dyn, tuned = fc.dynamic_rows(lm, scored, tuning, stats_ids, chosen, L, log=DYNAMIC_LOG.append)
     out.update(dyn)
     fwl, fwl_tuned = fc.fwl_rows(heads, scored, tuning, L, log=lambda _m: None)
     out.update(fwl)
@@ -159,6 +162,13 @@ def test_the_static_row_is_the_model_without_a_head(llama, rows):
         torch.testing.assert_close(out["static"][k]["losses"], want, rtol=0, atol=1e-9)
         identity = fc.score(fc.static_evaluator(head_on(lm, acting=False), L), x)
         torch.testing.assert_close(identity["losses"], want, rtol=0, atol=1e-9)
+
+
+def test_each_lr_search_of_the_dynamic_rows_is_named_in_the_log(rows):
+    """The full dynamic evaluation's search says its name on each lr it tries (seed-15 mutation draw: the name
+    misspelt), as the other rows' searches do theirs."""
+    full = [line for line in DYNAMIC_LOG if line.lstrip().startswith("dynamic lr ")]
+    assert len(full) >= 2 and all(": tuning loss " in line for line in full)
 
 
 def test_every_row_has_its_throughput_and_the_summary_its_ratios(rows):

@@ -261,4 +261,6 @@ def test_the_figure_2_plot_draws_each_methods_gains_in_its_three_panels(tmp_path
                     {"dynamic evaluation": [1.0], "FWL": [-1.0, 0.75]}]
     assert [t.get_text() for t in axes[2].get_xticklabels()] == ["first occurrence", "repeat"]
     assert fig._suptitle.get_text().startswith("SmolLM2-135M: where the FWL and dynamic evaluation gain (4 texts;")
+    # sizes that keep the long title, the panel titles and the one-row legend inside a 3-panel figure
+    assert fig._suptitle.get_fontsize() == 10 and all(ax.title.get_fontsize() == 10 for ax in axes)
     assert [t.get_text() for t in fig.legends[0].get_texts()] == ["dynamic evaluation", "FWL"]
