@@ -5,6 +5,7 @@ adds up, and every row has its throughput and its setting chosen on tuning text.
 
 import json
 import math
+import re
 import sys
 
 import pytest
@@ -120,7 +121,7 @@ def test_scaled_step_sizes_nest_and_scale(llama):
     assert all(math.isclose(float(a.detach()), 0.2, rel_tol=1e-6) for a in head.current_step_sizes().values())
 
 
-DYNAMIC_LOG: list[str] = []  # what dynamic_rows said while the rows were made
+DYNAMIC_LOG: list[str] = []  # what dynamic_rows and fwl_rows said while the rows were made
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +141,7 @@ def rows(llama, monkeypatch_module):
     out = {"static": fc.score_texts(fc.static_evaluator(lm, L), scored)}
     dyn, tuned = fc.dynamic_rows(lm, scored, tuning, stats_ids, chosen, L, log=DYNAMIC_LOG.append)
     out.update(dyn)
-    fwl, fwl_tuned = fc.fwl_rows(heads, scored, tuning, L, log=lambda _m: None)
+    fwl, fwl_tuned = fc.fwl_rows(heads, scored, tuning, L, log=DYNAMIC_LOG.append)
     out.update(fwl)
     return out, {**tuned, **fwl_tuned}, scored, heads
 
@@ -169,6 +170,9 @@ def test_each_lr_search_of_the_dynamic_rows_is_named_in_the_log(rows):
     misspelt), as the other rows' searches do theirs."""
     full = [line for line in DYNAMIC_LOG if line.lstrip().startswith("dynamic lr ")]
     assert len(full) >= 2 and all(": tuning loss " in line for line in full)
+    # each head's line: every text's perplexity with its slow part's, the texts separated by ", "
+    (fwl,) = [line for line in DYNAMIC_LOG if line.startswith("fwl: ")]
+    assert re.fullmatch(r"fwl: a [0-9.]+ \(slow part [0-9.]+\), b [0-9.]+ \(slow part [0-9.]+\)", fwl), fwl
 
 
 def test_every_row_has_its_throughput_and_the_summary_its_ratios(rows):

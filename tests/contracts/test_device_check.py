@@ -19,6 +19,9 @@ def test_the_cpu_against_itself_passes_every_first_variant(capsys):
     assert all(r["fp32_cpu_vs_device"]["worst"]["rel"] == 0.0 for r in rows if "worst" in r["fp32_cpu_vs_device"])
     printed = capsys.readouterr().out.splitlines()
     assert len(printed) == len(rows) and all(line.startswith("  PASS ") for line in printed)
+    compared = [(r, line) for r, line in zip(rows, printed) if "worst" in r["fp32_cpu_vs_device"]]
+    assert compared and all(f": max rel diff 0.00e+00 ({r['fp32_cpu_vs_device']['worst']['tensor']})" in line
+                            for r, line in compared)  # the worst tensor named on its row's line
     summary = dc.component_summary(rows)  # the bf16 part not run: every row undecided
     assert summary["tolerance"]["fp32_rel"] == dc.FP32_REL_TOL and summary["tolerance"]["bf16_loss_rel"] == dc.BF16_LOSS_TOL
     assert summary["checked"] == 0 and len(summary["skipped"]) == len(rows) and summary["variants"] == len(rows)

@@ -286,3 +286,16 @@ def test_run_niah_picks_the_format_itself_by_default(tok, hay):
     run = run_niah(tiny_lm(tok.vocab_size), tok, "tinyshakespeare", [300], "uniform", samples=1, seed=0,
                    opts=NiahOptions())
     assert run.format == "char" and len(run.samples) == 1 and len(run.records) == 1
+
+
+def test_run_niah_hands_its_progress_flag_to_the_evaluation(tok, monkeypatch):
+    """The samples' progress bar is the one the caller asked for (seed-15 mutation draw: the flag dropped)."""
+    from fastweights.tasks import niah_run
+
+    asked = []
+    monkeypatch.setattr(niah_run, "evaluate_niah", lambda *a, progress=False: asked.append(progress) or [])
+    monkeypatch.setattr(niah_run, "summarize", lambda *a: {})
+    for progress in (True, False):
+        niah_run.run_niah(tiny_lm(tok.vocab_size), tok, "tinyshakespeare", [300], "uniform", samples=1, seed=0,
+                          opts=NiahOptions(), fmt="char", progress=progress)
+    assert asked == [True, False]
