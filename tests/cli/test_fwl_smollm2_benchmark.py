@@ -170,6 +170,10 @@ def test_each_lr_search_of_the_dynamic_rows_is_named_in_the_log(rows):
     misspelt), as the other rows' searches do theirs."""
     full = [line for line in DYNAMIC_LOG if line.lstrip().startswith("dynamic lr ")]
     assert len(full) >= 2 and all(": tuning loss " in line for line in full)
+    ranks = [line.split()[1] for line in DYNAMIC_LOG if line.lstrip().startswith("low-rank ") and " lr " in line]
+    # the lr search at the middle rank names it on each lr it tries (its grid and any extension), the others once
+    # (seed-16 draw: the search named None)
+    assert ranks.count("4") >= len(fc.LOWRANK_LR_FACTORS) and ranks.count("2") == ranks.count("8") == 1, ranks
     # each head's line: every text's perplexity with its slow part's, the texts separated by ", "
     (fwl,) = [line for line in DYNAMIC_LOG if line.startswith("fwl: ")]
     assert re.fullmatch(r"fwl: a [0-9.]+ \(slow part [0-9.]+\), b [0-9.]+ \(slow part [0-9.]+\)", fwl), fwl

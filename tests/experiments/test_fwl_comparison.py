@@ -263,4 +263,5 @@ def test_the_figure_2_plot_draws_each_methods_gains_in_its_three_panels(tmp_path
     assert fig._suptitle.get_text().startswith("SmolLM2-135M: where the FWL and dynamic evaluation gain (4 texts;")
     # sizes that keep the long title, the panel titles and the one-row legend inside a 3-panel figure
     assert fig._suptitle.get_fontsize() == 10 and all(ax.title.get_fontsize() == 10 for ax in axes)
+    assert tuple(fig.get_size_inches()) == (14, 4.2)  # three panels in a row, the legend below them
     assert [t.get_text() for t in fig.legends[0].get_texts()] == ["dynamic evaluation", "FWL"]

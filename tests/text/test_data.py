@@ -412,3 +412,15 @@ def test_a_split_fraction_of_one_is_refused():
         with pytest.raises(UserError) as e:
             split_corpus(docs, "span", val, test)
         assert str(e.value) == f"{label} must be in [0, 1), got 1.0"
+
+
+def test_a_document_named_with_an_undecodable_byte_still_has_its_rank():
+    """A file name that is not UTF-8 reaches Python with a lone surrogate (os.fsdecode): the document split still
+    hashes it (seed-16 mutation draw: the error handler's name misspelt, a LookupError on such a name only)."""
+    import hashlib
+
+    from fastweights.data.corpus import Document
+    from fastweights.data.splits import _name_rank_key
+
+    name = "caf\udce9.txt"
+    assert _name_rank_key(Document(name, "text")) == (hashlib.sha256(b"caf\xed\xb3\xa9.txt").digest(), name)
