@@ -230,3 +230,17 @@ def test_no_import_cycles():
     assert set(cycles) <= set(KNOWN_CYCLES), f"import cycles: {[sorted(c) for c in cycles if c not in KNOWN_CYCLES]}"
     assert set(KNOWN_CYCLES) <= set(cycles), "a known cycle is gone: remove it from KNOWN_CYCLES"
 
+
+
+def test_the_mechanisms_a_model_uses_are_its_mixers_head_and_memory():
+    """What a checkpoint's mechanism check looks up: every mixer, a head other than the plain linear one, and a
+    memory placed in at least one layer (seed-16 mutation draw: the memory's name left out)."""
+    import types
+
+    from fastweights.checkpoints.config_checks import used_mechanisms
+
+    model = types.SimpleNamespace(layer_mixers=None, mixer="attention", head="linear", memory="fwpkm",
+                                  memory_layers=[1])
+    assert used_mechanisms(model) == {"attention", "fwpkm"}
+    model.layer_mixers, model.head, model.memory_layers = ["attention", "fwp"], "fwl", []
+    assert used_mechanisms(model) == {"attention", "fwp", "fwl"}  # a memory in no layer is not used
