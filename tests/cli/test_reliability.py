@@ -393,3 +393,22 @@ def test_overwrite_never_clears_a_users_files(tmp_path, capsys):
                  "--overwrite"]) == 0
     assert (run / "tensorboard" / "notes.txt").read_text() == "mine"
     assert not old & {p.name for p in (run / "tensorboard").rglob("events.out.tfevents.*")}
+
+
+def test_overwrite_removes_only_the_runs_event_files_from_tensorboard(tmp_path):
+    """``--overwrite``'s clean-up of tensorboard/: the run's event files go, a folder of the user's that happens to
+    carry an event file's name stays with what it holds, as does a link named so (seed-16 mutation draw: ``or``)."""
+    from fastweights.checkpoints.run_dir import remove_run
+
+    board = tmp_path / "run" / "tensorboard"
+    (board / "sub").mkdir(parents=True)
+    (board / "events.out.tfevents.1").write_text("ours")
+    (board / "sub" / "events.out.tfevents.2").write_text("ours")
+    (board / "events.out.tfevents.folder").mkdir()
+    (board / "events.out.tfevents.folder" / "notes.txt").write_text("the user's")
+    (tmp_path / "elsewhere.txt").write_text("the user's")
+    (board / "events.out.tfevents.link").symlink_to(tmp_path / "elsewhere.txt")
+    remove_run(tmp_path / "run")
+    left = sorted(str(p.relative_to(board)) for p in board.rglob("*"))
+    assert left == ["events.out.tfevents.folder", "events.out.tfevents.folder/notes.txt", "events.out.tfevents.link"]
+    assert (tmp_path / "elsewhere.txt").read_text() == "the user's"

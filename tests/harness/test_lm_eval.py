@@ -199,6 +199,8 @@ def test_static_model_arguments_are_checked_as_the_command_line_checks_them(chec
     ({"stats_batch_size": 0}, "stats_batch_size=0 (--batch-size of dynamic stats of the command line): must be >= 1"),
     ({"stats_batches": -1}, "stats_batches=-1 (--max-batches of dynamic stats of the command line): must be >= 0"),
     ({"stats_seq_len": -1}, "stats_seq_len=-1 (--segment-len of dynamic stats of the command line): must be >= "),
+    ({"no_tuned": "maybe"}, "model argument no_tuned=maybe must be true or false"),  # seed-16 mutation draw
+    ({"bos": "2"}, "model argument bos=2 must be true or false"),
 ])
 def test_dynamic_model_arguments_are_checked_as_the_command_line_checks_them(checkpoint, args, needle):
     from fastweights.core.errors import UserError

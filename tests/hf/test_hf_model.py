@@ -371,3 +371,30 @@ def test_a_model_directory_of_integer_weights_is_refused(tmp_path, capsys):
     from fastweights.hf.transformers_as_ours import _refuse_integer_weights
 
     _refuse_integer_weights(d)  # a quantised model's integers are its design
+
+
+def test_a_link_planted_after_the_exports_first_check_is_refused_by_its_writer(tmp_path, monkeypatch):
+    """``export-hf --force`` checks the directory's entries first, then loads the checkpoint, then writes: a link
+    planted in between (here while the checkpoint loads) is refused by the writer itself, naming the export
+    (seed-16 mutation draw: the writer not told what it writes)."""
+    import fastweights.models.loading as loading
+    from fastweights.core.errors import UserError
+    from fastweights.hf.export import export_hf
+
+    ck, _, _ = _checkpoint(tmp_path, "char", seed=3)
+    out, victim = tmp_path / "exp", tmp_path / "victim.json"
+    out.mkdir()
+    victim.write_text("{}")
+    real = loading.load_checkpoint
+
+    def load_then_plant(*a, **k):
+        loaded = real(*a, **k)
+        (out / "config.json").symlink_to(victim)
+        return loaded
+
+    monkeypatch.setattr(loading, "load_checkpoint", load_then_plant)
+    with pytest.raises(UserError) as e:
+        export_hf(ck, out, force=True)
+    assert str(e.value) == (f"{out / 'config.json'} is a symbolic link; refusing to write the export through it "
+                            "(remove the link)")
+    assert victim.read_text() == "{}" and sorted(p.name for p in out.iterdir()) == ["config.json"]
