@@ -8,8 +8,8 @@ What it does: mutmut 3 writes every mutant of the module at HEAD (``tools/mutant
 worktree; the checkout is never touched). Then, for each mutant in turn, the module's source with that mutant's
 lines replaced is executed in the module's own namespace (the names other loaded ``fastweights`` modules imported
 from it are pointed at the new objects, and put back after), the test modules are dropped from ``sys.modules``, and
-``pytest.main(["-x", ...tests])`` runs under an alarm: a failure kills the mutant. About a second a mutant where
-``tools/mutants.py`` spends a process and an import per mutant.
+``pytest.main(["-x", ...tests])`` runs under an alarm: a failure kills the mutant. No process is started and
+nothing is imported again per mutant, where ``tools/mutants.py`` starts a process for each.
 
 What it cannot see, so a survivor here is a lead, not a verdict: tests that run the module in a subprocess (the
 command line's own process), tests outside ``--tests``, and code run once at import that guards itself
@@ -20,40 +20,32 @@ reported as accepted with its reason. Exit status 1 when an unaccepted survivor 
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 import types
 from pathlib import Path
 
-from mutants import ACCEPTED, GENERATE, REPO, accepted_reason, git, mutant_lines, patched  # the script's folder
+from mutants import REPO, generate_in, git, mutant_lines, patched, tally  # the script's folder
 
 from fastweights.cli.script_parser import ScriptParser, exit_status_of
 
 
-def generate(file: str) -> list[dict]:
-    """Every mutant mutmut writes for ``file`` (``src/...py``) at HEAD: ``{name, line, original, mutated, edits}``
-    in the order of the lines."""
+def generate(file: str) -> tuple[dict, dict]:
+    """Every mutant mutmut writes for ``file`` (``src/...py``) at HEAD: ``tools/mutants.py``'s ``where`` (name ->
+    file, line, original line, mutated line) and ``edits`` (name -> the lines it changes)."""
     with tempfile.TemporaryDirectory(prefix="fastweights-module-mutants-") as tmp:
         tree = Path(tmp) / "tree"
         git("worktree", "add", "--detach", str(tree), "HEAD")
         try:
-            with open(tree / "pyproject.toml", "a") as f:
-                f.write(f'\n[tool.mutmut]\nsource_paths = ["src/"]\nonly_mutate = {json.dumps([file])}\n')
-            subprocess.run([sys.executable, "-c", GENERATE], cwd=tree, check=True, capture_output=True,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+            generate_in(tree, {"source_paths": ["src/"], "only_mutate": [file]})
             edits: dict = {}
-            where = mutant_lines(tree, [file], edits)
+            return mutant_lines(tree, [file], edits), edits
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, capture_output=True)
-    rows = [{"name": name, "line": line, "original": original, "mutated": mutated, "edits": edits.get(name)}
-            for name, (_, line, original, mutated) in where.items()]
-    return sorted(rows, key=lambda r: (r["line"], r["name"]))
 
 
 class _Alarm(Exception):
@@ -110,7 +102,8 @@ def _untracked() -> set[str]:
     return set(git("ls-files", "--others", "--exclude-standard").splitlines())
 
 
-def statuses(file: str, rows: list[dict], tests: list[str], timeout_s: int = 60, report=print) -> dict[str, str]:
+def statuses(file: str, names: list[str], where: dict, edits: dict, tests: list[str], timeout_s: int = 60,
+             report=print) -> dict[str, str]:
     """Each mutant's status (killed, survived, timeout, not applied, error) against ``tests``, in this process.
     Raises SystemExit when the tests fail on the module as it is."""
     module = importlib.import_module(file.removeprefix("src/").removesuffix(".py").replace("/", ".")
@@ -124,8 +117,8 @@ def statuses(file: str, rows: list[dict], tests: list[str], timeout_s: int = 60,
         raise SystemExit(f"error: {', '.join(tests)} fail on {file} as it is: nothing to measure")
     before = _untracked()
     result = {}
-    for r in rows:
-        text = patched(source, r["edits"]) if r["edits"] else None
+    for name in names:
+        text = patched(source, edits[name]) if edits.get(name) else None
         status, undo = "not applied", []
         if text is not None:
             module.__dict__.clear()
@@ -135,8 +128,8 @@ def statuses(file: str, rows: list[dict], tests: list[str], timeout_s: int = 60,
                 undo = _rebind(module, snapshot, module.__dict__)
                 code = _run_tests(tests, timeout_s)
                 status = {0: "survived", 1: "killed", 5: "no tests"}.get(code, code if code == "timeout" else "error")
-            except Exception as e:  # the mutant breaks the module's own execution: a test importing it would fail
-                status = f"killed ({type(e).__name__} at import)"
+            except Exception:  # the mutant breaks the module's own execution: a test importing it would fail
+                status = "killed"
             for namespace, k, v in undo:
                 namespace[k] = v
             module.__dict__.clear()
@@ -144,8 +137,8 @@ def statuses(file: str, rows: list[dict], tests: list[str], timeout_s: int = 60,
         for stray in sorted(_untracked() - before):  # a mutant's write into the checkout (a path made None): removed
             (REPO / stray).unlink(missing_ok=True)
             report(f"removed {stray}, which the mutant below wrote into the checkout")
-        result[r["name"]] = status
-        report(f"{status:>10}  {file}:{r['line']}  {r['mutated']}", flush=True)
+        result[name] = status
+        report(f"{status:>10}  {file}:{where[name][1]}  {where[name][3]}", flush=True)
     return result
 
 
@@ -164,27 +157,17 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--tests {missing[0]}: no such test file or folder")
     os.chdir(REPO)
     started = time.time()
-    rows = [r for r in generate(args.file) if not args.only or any(o in r["name"] for o in args.only)]
-    print(f"{len(rows)} mutants of {args.file}; tests: {', '.join(tests)}", flush=True)
-    found = statuses(args.file, rows, tests, args.timeout)
-    entries = tomllib.loads(ACCEPTED.read_text()).get("accepted", []) if ACCEPTED.is_file() else []
-    counts: dict[str, int] = {}
-    not_killed = []
-    for r in rows:
-        status = found[r["name"]]
-        reason = accepted_reason(entries, r["name"], r["mutated"]) if status == "survived" else None
-        status = "accepted" if reason else ("killed" if status.startswith("killed") else status)
-        counts[status] = counts.get(status, 0) + 1
-        if status != "killed":
-            not_killed.append({"mutant": r["name"], "line": r["line"], "original": r["original"],
-                               "mutated": r["mutated"], "status": status, **({"reason": reason} if reason else {})})
-    print(", ".join(f"{v} {k}" for k, v in sorted(counts.items())) + f" of {len(rows)} mutants")
+    where, edits = generate(args.file)
+    names = sorted((n for n in where if not args.only or any(o in n for o in args.only)), key=lambda n: where[n][1])
+    print(f"{len(names)} mutants of {args.file}; tests: {', '.join(tests)}", flush=True)
+    not_killed, counts = tally(names, where, statuses(args.file, names, where, edits, tests, args.timeout))
+    print(", ".join(f"{v} {k}" for k, v in sorted(counts.items())) + f" of {len(names)} mutants")
     if args.out:
         from fastweights.evidence.provenance import provenance
         from fastweights.evidence.result_files import write_json
 
         write_json(Path(args.out), {**provenance(REPO, sys.argv), "file": args.file, "tests": tests,
-                                    "mutants": len(rows), "counts": counts, "elapsed_s": time.time() - started,
+                                    "mutants": len(names), "counts": counts, "elapsed_s": time.time() - started,
                                     "not_killed": not_killed})
     return 1 if counts.get("survived") else 0
 

@@ -210,6 +210,15 @@ def mutmut_settings(files: list[str], tests: list[str]) -> dict:
             "also_copy": ["benchmarks", "tools", "docs", "README.md", "Makefile", *package_data()]}
 
 
+def generate_in(tree: Path, settings: dict) -> None:
+    """mutmut's mutants written into ``tree/mutants``: ``settings`` appended as the tree's ``[tool.mutmut]``, then
+    mutmut's generation step (:data:`GENERATE`), on one thread."""
+    with open(tree / "pyproject.toml", "a") as f:
+        f.write("\n[tool.mutmut]\n" + "\n".join(f"{k} = {json.dumps(v)}" for k, v in settings.items()) + "\n")
+    subprocess.run([sys.executable, "-c", GENERATE], cwd=tree, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                   check=True, capture_output=True)
+
+
 def package_data() -> list[str]:
     """The package's files that are not Python (presets, corpora, ...): mutmut copies only the .py files of src/."""
     return sorted({str(Path(p)) for p in git("ls-files", "src").splitlines() if not p.endswith(".py")})
@@ -361,6 +370,23 @@ def accepted_reason(entries: list[dict], name: str, mutated: str) -> str | None:
     return None
 
 
+def tally(names: list[str], where: dict, statuses: dict) -> tuple[list[dict], dict[str, int]]:
+    """The mutants ``names`` not killed, each with its file, line, original and mutated line and status (a survivor
+    an entry of the accepted list matches: "accepted" with the entry's reason), and the count of each status."""
+    entries = tomllib.loads(ACCEPTED.read_text()).get("accepted", []) if ACCEPTED.is_file() else []
+    rows, counts = [], {}
+    for name in names:
+        f, line, original, mutated = where[name]
+        status = statuses.get(name, "not checked")
+        reason = accepted_reason(entries, name, mutated) if status == "survived" else None
+        status = "accepted" if reason else status
+        counts[status] = counts.get(status, 0) + 1
+        if status != "killed":
+            rows.append({"mutant": name, "file": f, "line": line, "original": original, "mutated": mutated,
+                         "status": status, **({"reason": reason} if reason else {})})
+    return rows, counts
+
+
 def wilson(p: float, n: int, z: float = 1.96) -> list[float]:
     """The Wilson score interval of a proportion ``p`` measured on ``n`` trials (95% for z = 1.96)."""
     if n == 0:
@@ -406,11 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         git("worktree", "add", "--detach", str(tmp / "tree"), "HEAD")
         tree = tmp / "tree"
-        with open(tree / "pyproject.toml", "a") as f:
-            f.write("\n[tool.mutmut]\n" + "\n".join(f"{k} = {json.dumps(v)}"
-                                                    for k, v in mutmut_settings(files, tests).items()) + "\n")
+        generate_in(tree, mutmut_settings(files, tests))
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        subprocess.run([sys.executable, "-c", GENERATE], cwd=tree, env=env, check=True, capture_output=True)
         edits: dict = {}
         where = mutant_lines(tree, files, edits)
         chosen = sorted(n for n, (f, line, _, _) in where.items() if line in lines_by_file[f])
@@ -447,17 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         for worktree in sorted(tmp.glob("tree*")):
             subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=REPO, capture_output=True)
         shutil.rmtree(tmp, ignore_errors=True)
-    entries = tomllib.loads(ACCEPTED.read_text()).get("accepted", []) if ACCEPTED.is_file() else []
-    rows, counts = [], {}
-    for name in chosen:
-        f, line, original, mutated = where[name]
-        status = statuses.get(name, "not checked")
-        reason = accepted_reason(entries, name, mutated) if status == "survived" else None
-        status = "accepted" if reason else status
-        counts[status] = counts.get(status, 0) + 1
-        if status not in ("killed",):
-            rows.append({"mutant": name, "file": f, "line": line, "original": original, "mutated": mutated,
-                         "status": status, **({"reason": reason} if reason else {})})
+    rows, counts = tally(chosen, where, statuses)
     judged = sum(v for k, v in counts.items() if k not in ("accepted", "no tests", "not applied"))
     score = counts.get("killed", 0) / judged if judged else 1.0
     summary = {"base": base, "files": {f: len(lines_by_file[f]) for f in files}, "tests": tests,

@@ -260,10 +260,11 @@ def test_a_file_a_mutant_writes_into_the_checkout_is_removed_and_said():
     at = next(i for i, text in enumerate(line, 1) if text.strip().startswith("return float((a - ref).norm()"))
     original = line[at - 1]
     mutated = original.replace("return ", 'return open("stray-module-mutants.txt", "w").close() or ', 1)
-    rows = [{"name": "stray", "line": at, "original": original.strip(), "mutated": mutated.strip(),
-             "edits": [[at, original, mutated]]}]
+    where = {"stray": ("src/fastweights/core/compare.py", at, original.strip(), mutated.strip())}
+    edits = {"stray": [(at, original, mutated)]}
     code = ("import sys; sys.path.insert(0, 'tools'); sys.path.insert(0, 'tests'); import module_mutants as m; "
-            f"print(m.statuses('src/fastweights/core/compare.py', {rows!r}, ['tests/core/test_compare.py']))")
+            f"print(m.statuses('src/fastweights/core/compare.py', ['stray'], {where!r}, {edits!r}, "
+            "['tests/core/test_compare.py']))")
     try:
         r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
         assert r.returncode == 0, r.stderr

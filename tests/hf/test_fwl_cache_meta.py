@@ -3,6 +3,7 @@ with it and what to do: every check of ``fwl_cache.read_meta``, each corruption'
 
 import json
 
+import numpy as np
 import pytest
 
 from fastweights.core.errors import UserError
@@ -56,14 +57,10 @@ def test_a_missing_description_says_so(tmp_path):
                                    f"file or directory: '{tmp_path / CACHE_META}'); delete {tmp_path}")
 
 
-def test_a_cache_with_nothing_cached_yet_is_read():
+def test_a_cache_with_nothing_cached_yet_is_read(tmp_path):
     """done = 0 (an interruption before the first eight windows were flushed) is a cache to continue."""
-    import tempfile
-    from pathlib import Path
-
-    with tempfile.TemporaryDirectory() as d:
-        _write(Path(d), {**GOOD, "done": 0, "static_nats": []})
-        assert read_meta(Path(d))["done"] == 0
+    _write(tmp_path, {**GOOD, "done": 0, "static_nats": []})
+    assert read_meta(tmp_path)["done"] == 0
 
 
 # ------------------------------------------------------------------ the cache's arrays (load_cache, open_hidden)
@@ -71,8 +68,6 @@ def test_a_cache_with_nothing_cached_yet_is_read():
 
 def _cache(tmp_path, windows=3, window=4, d=8, dtype="float16"):
     """A complete cache written by hand: tokens, hidden states, and the description that names them."""
-    import numpy as np
-
     from fastweights.hf.fwl_cache import _digest
 
     tokens = np.arange(windows * window, dtype=np.int64).reshape(windows, window)
@@ -95,8 +90,6 @@ def _refused(directory) -> str:
 
 
 def test_a_complete_cache_loads_memory_mapped_read_only(tmp_path):
-    import numpy as np
-
     from fastweights.hf.fwl_cache import load_cache, open_hidden
 
     tokens, meta = _cache(tmp_path)
@@ -109,8 +102,6 @@ def test_a_complete_cache_loads_memory_mapped_read_only(tmp_path):
 
 
 def test_each_broken_part_of_a_cache_is_one_line_naming_it(tmp_path):
-    import numpy as np
-
     assert _refused(tmp_path) == f"hidden-state cache {tmp_path} holds no {CACHE_META}: not a cache"
     tokens, meta = _cache(tmp_path)
     _write(tmp_path, {**meta, "done": 2, "static_nats": [3.0, 3.0]})
@@ -138,8 +129,6 @@ def test_each_broken_part_of_a_cache_is_one_line_naming_it(tmp_path):
 
 
 def test_a_window_of_nan_is_named_and_only_the_windows_asked_for_are_read(tmp_path):
-    import numpy as np
-
     from fastweights.hf.fwl_cache import open_hidden
 
     _, meta = _cache(tmp_path)
@@ -182,8 +171,6 @@ class _Payload:
 def test_a_planted_pickle_in_the_tokens_is_refused_without_running(tmp_path):
     """tokens.npy replaced by an object array whose element unpickles into code: refused as unreadable, and the
     code never ran (numpy's allow_pickle stays off)."""
-    import numpy as np
-
     _cache(tmp_path)
     planted = np.empty(1, dtype=object)
     planted[0] = _Payload(tmp_path / "ran")
@@ -193,8 +180,6 @@ def test_a_planted_pickle_in_the_tokens_is_refused_without_running(tmp_path):
 
 
 def test_an_unreadable_file_is_named_with_the_first_line_of_the_error_or_its_kind(tmp_path, monkeypatch):
-    import numpy as np
-
     from fastweights.hf import fwl_cache
 
     _, meta = _cache(tmp_path)
