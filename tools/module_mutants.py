@@ -2,7 +2,7 @@
 module found at once, between the sampled draws of ``tools/mutants.py`` (which stay the measure).
 
     python tools/module_mutants.py src/fastweights/ops/linear.py --tests tests/ops/test_linear.py
-    python tools/module_mutants.py src/fastweights/loops/schedule.py --tests tests/loops --only Schedule --out s.json
+    python tools/module_mutants.py src/fastweights/loops/schedule.py --tests tests/loops --only minutes --out s.json
 
 What it does: mutmut 3 writes every mutant of the module at HEAD (``tools/mutants.py``'s generation, in a temporary
 worktree; the checkout is never touched). Then, for each mutant in turn, the module's source with that mutant's
@@ -46,6 +46,9 @@ def generate(file: str) -> tuple[dict, dict]:
             return mutant_lines(tree, [file], edits), edits
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, capture_output=True)
+
+
+TIMEOUT_S = 60  # seconds the tests may take on one mutant (--timeout)
 
 
 class _Alarm(Exception):
@@ -102,7 +105,7 @@ def _untracked() -> set[str]:
     return set(git("ls-files", "--others", "--exclude-standard").splitlines())
 
 
-def statuses(file: str, names: list[str], where: dict, edits: dict, tests: list[str], timeout_s: int = 60,
+def statuses(file: str, names: list[str], where: dict, edits: dict, tests: list[str], timeout_s: int = TIMEOUT_S,
              report=print) -> dict[str, str]:
     """Each mutant's status (killed, survived, timeout, not applied, error) against ``tests``, in this process.
     Raises SystemExit when the tests fail on the module as it is."""
@@ -147,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("file", help="the module, src/fastweights/....py")
     ap.add_argument("--tests", required=True, help="test files or folders, comma-separated (its unit tests)")
     ap.add_argument("--only", nargs="*", default=[], help="only mutants whose name holds one of these (a function)")
-    ap.add_argument("--timeout", type=int, default=60, help="seconds the tests may take on one mutant")
+    ap.add_argument("--timeout", type=int, default=TIMEOUT_S, help="seconds the tests may take on one mutant")
     ap.add_argument("--out", help="write the JSON here (default: the summary is printed only)")
     args = ap.parse_args(argv)
     if not (args.file.startswith("src/fastweights/") and args.file.endswith(".py") and (REPO / args.file).is_file()):
@@ -155,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     tests = args.tests.split(",")
     if missing := [t for t in tests if not (REPO / t.split("::")[0]).exists()]:
         ap.error(f"--tests {missing[0]}: no such test file or folder")
+    out = Path(args.out).resolve() if args.out else None  # the user's folder, before the chdir below
     os.chdir(REPO)
     started = time.time()
     where, edits = generate(args.file)
@@ -162,11 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(names)} mutants of {args.file}; tests: {', '.join(tests)}", flush=True)
     not_killed, counts = tally(names, where, statuses(args.file, names, where, edits, tests, args.timeout))
     print(", ".join(f"{v} {k}" for k, v in sorted(counts.items())) + f" of {len(names)} mutants")
-    if args.out:
+    if out:
         from fastweights.evidence.provenance import provenance
         from fastweights.evidence.result_files import write_json
 
-        write_json(Path(args.out), {**provenance(REPO, sys.argv), "file": args.file, "tests": tests,
+        write_json(out, {**provenance(REPO, sys.argv), "file": args.file, "tests": tests,
                                     "mutants": len(names), "counts": counts, "elapsed_s": time.time() - started,
                                     "not_killed": not_killed})
     return 1 if counts.get("survived") else 0

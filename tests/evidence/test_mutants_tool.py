@@ -241,9 +241,9 @@ def test_the_module_runner_kills_what_its_tests_catch_and_lists_the_rest(tmp_pat
                     "def test_equal():\n    assert relative_error(torch.ones(2), torch.ones(2)) == 0\n")
     before = (REPO / "src/fastweights/core/compare.py").read_text()
     r = subprocess.run([sys.executable, str(REPO / "tools/module_mutants.py"), "src/fastweights/core/compare.py",
-                        "--tests", str(weak), "--out", str(tmp_path / "m.json")], capture_output=True, text=True,
-                       cwd=tmp_path)
+                        "--tests", str(weak), "--out", "m.json"], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 1, r.stderr
+    assert not (REPO / "m.json").exists()  # a relative --out is the caller's folder's, not the checkout's
     data = json.loads((tmp_path / "m.json").read_text())
     statuses = {row["mutated"]: row["status"] for row in data["not_killed"]}
     assert "return float((a - ref).norm() / ref.norm().clamp_min(1.0))" in statuses  # |0| / 1 is still 0
