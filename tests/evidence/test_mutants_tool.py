@@ -272,3 +272,27 @@ def test_a_file_a_mutant_writes_into_the_checkout_is_removed_and_said():
         assert not (REPO / "stray-module-mutants.txt").exists()
     finally:
         (REPO / "stray-module-mutants.txt").unlink(missing_ok=True)
+
+
+def test_the_module_runner_reaches_names_imported_elsewhere_and_puts_them_back(tmp_path):
+    """A test that calls the mutated function through another module's import (fla_selfcheck's relative_error)
+    sees the mutant, and sees the original again once that mutant's run is over: the first mutant (always 1.0)
+    is killed, the second (an equivalent clamp) survives, and the other module holds the original at the end."""
+    check = tmp_path / "test_through_import.py"
+    check.write_text("import torch\n\nfrom fastweights.ops import fla_selfcheck\n\n\n"
+                     "def test_equal():\n    assert fla_selfcheck.relative_error(torch.ones(2), torch.ones(2)) == 0\n")
+    lines = (REPO / "src/fastweights/core/compare.py").read_text().splitlines()
+    at = next(i for i, text in enumerate(lines, 1) if text.strip().startswith("return float((a - ref).norm()"))
+    original = lines[at - 1]
+    mutated = {"always_one": original.replace("return float(", "return 1.0 + 0 * float(", 1),
+               "clamp": original.replace("1e-30", "1e-31")}
+    where = {k: ("src/fastweights/core/compare.py", at, original.strip(), m.strip()) for k, m in mutated.items()}
+    edits = {k: [(at, original, m)] for k, m in mutated.items()}
+    code = ("import sys; sys.path.insert(0, 'tools'); sys.path.insert(0, 'tests'); import module_mutants as m; "
+            f"print(m.statuses('src/fastweights/core/compare.py', ['always_one', 'clamp'], {where!r}, {edits!r}, "
+            f"[{str(check)!r}]));"
+            "from fastweights.ops import fla_selfcheck; from fastweights.core import compare; "
+            "print(fla_selfcheck.relative_error is compare.relative_error)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-2:] == ["{'always_one': 'killed', 'clamp': 'survived'}", "True"], r.stdout
