@@ -366,15 +366,21 @@ def test_a_broken_or_unwritable_cache_measures_again_and_still_computes(tmp_path
     assert re.fullmatch(r"linear kernel choices not stored \(\[Errno \d+\] .+\)", record.getMessage())
 
 
-def test_a_kernels_time_is_the_best_of_its_calls_within_the_budget():
+def test_a_kernels_time_is_the_best_of_its_calls_within_the_budget(monkeypatch):
     """One warm-up call, then at least 3 timed calls, more while the budget lasts, at most ``most`` (mutation
-    caught: the time spent starting at 1 s, which left every kernel timed on 3 calls)."""
+    caught: the time spent starting at 1 s, which left every kernel timed on 3 calls). On a stand-in clock where
+    every call takes 1 ms, so that a busy machine's pause cannot end the loop early."""
+    clock = iter(range(10**6))
+    monkeypatch.setattr(lin.time, "perf_counter", lambda: next(clock) * 1e-3)  # each reading 1 ms after the last
     calls = []
-    assert lin._best_time(lambda: calls.append(1), budget_s=0.02, most=20) < 0.01
-    assert len(calls) == 21
+    assert lin._best_time(lambda: calls.append(1), budget_s=0.0105, most=20) == pytest.approx(1e-3)
+    assert len(calls) == 1 + 11  # the warm-up, then calls until 11 ms are spent
+    calls.clear()
+    lin._best_time(lambda: calls.append(1), budget_s=1.0, most=20)
+    assert len(calls) == 1 + 20  # at most ``most``
     calls.clear()
     lin._best_time(lambda: calls.append(1), budget_s=0.0, most=20)
-    assert len(calls) == 4
+    assert len(calls) == 1 + 3  # at least 3
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64") or not torch.backends.mkldnn.is_available(),
