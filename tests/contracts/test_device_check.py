@@ -277,3 +277,20 @@ def test_a_parts_problems_are_printed_joined_and_fla_calls_counted(monkeypatch, 
     assert counter.take() == {"fla_calls": 2, "fla_refused": 1}
     counter()
     assert counter.take() == {"fla_calls": 1, "fla_refused": 0}
+
+
+def test_the_package_roots_without_fla_or_with_a_stand_in(monkeypatch):
+    """Where fla is neither installed nor imported, and where a stand-in module (no __path__, no spec: the CPU
+    tests' fla) is in sys.modules, the roots are our package's folder alone, without an error."""
+    import importlib.util
+    import sys
+    import types
+    from pathlib import Path
+
+    ours = [Path(dc.__file__).resolve().parents[1]]
+    monkeypatch.delitem(sys.modules, "fla", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)  # not installed
+    assert dc._package_roots() == ours
+    monkeypatch.undo()
+    monkeypatch.setitem(sys.modules, "fla", types.ModuleType("fla"))
+    assert dc._package_roots() == ours
