@@ -304,6 +304,26 @@ def test_a_score_far_worse_than_uniform_is_not_reported(run, tmp_path, capsys):
     assert err.startswith("error: eval: ") and " nats/token is " in err
 
 
+def test_scores_that_overflow_are_one_line_not_a_result(run, tmp_path, capsys, monkeypatch):
+    """Scores that are not finite (a model whose activations overflow mid-text; stood in for here, as weights
+    holding NaN are refused at load and huge ones saturate to a uniform guess): one line, exit 2, no result."""
+    import fastweights.loops.evaluate as loops_evaluate
+
+    f = tmp_path / "doc.txt"
+    f.write_text("First Citizen: speak, speak.\n" * 4)
+    real = loops_evaluate.evaluate_documents
+
+    def overflowing(*a, **k):
+        result = real(*a, **k)
+        result.nll = float("inf")
+        return result
+
+    monkeypatch.setattr(loops_evaluate, "evaluate_documents", overflowing)
+    assert main(["eval", "--checkpoint", str(run), "--quiet", "--data", str(f), "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and "the model's scores overflow on this text" in err, err
+
+
 def test_a_non_finite_mechanism_option_is_one_line_naming_it():
     """A NaN or infinite step size would train into NaN and be blamed on train.lr: refused where the options are
     checked, naming the option (a finite one of the same kind passes)."""

@@ -39,6 +39,12 @@ def test_eval_on_a_file(trained, tmp_path, capsys):
     m = json.loads(capsys.readouterr().out)
     assert m["tokens"] == len(f.read_text()) - 1
     assert m["checkpoint"] == str(trained) and m["data"] == str(f)  # what was scored, named (seed-14 draw)
+    f.write_text("ab")  # one prediction: scored
+    assert main(["eval", "--checkpoint", str(trained), "--data", str(f), "--json", "--quiet"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == 1
+    f.write_text("a")  # none: one line, exit 2
+    assert main(["eval", "--checkpoint", str(trained), "--data", str(f), "--json", "--quiet"]) == 2
+    assert capsys.readouterr().err.strip() == "error: nothing to score: the evaluation text has fewer than two tokens"
 
 
 def test_generate_streams_text(trained, capsys):
@@ -221,3 +227,17 @@ def test_nothing_outside_cli_imports_it_or_argparse():
             found += [f"{rel}: {n}" for n in names
                       if n == "argparse" or n.startswith("fastweights.cli") or n.endswith("SimpleNamespace")]
     assert not found, found
+
+
+def test_eval_metrics_are_named_by_the_tokenizers_unit():
+    """A byte-level model's score is in bits per byte (no characters counted, as from a prepared split), a char
+    model's in bits per char; both name the checkpoint and data (the tokenizer's name decides the key)."""
+    import types
+
+    from fastweights.cli.eval import _checked_metrics
+    from fastweights.loops.evaluate import EvalResult
+
+    for name, key in (("byte", "bits_per_byte"), ("char", "bits_per_char")):
+        m = _checked_metrics(EvalResult(8 * math.log(2), 4), types.SimpleNamespace(name=name, vocab_size=256),
+                             "ck", "d")
+        assert m[key] == pytest.approx(2.0) and (m["checkpoint"], m["data"]) == ("ck", "d")

@@ -94,6 +94,7 @@ def test_eval_generate_and_dynamic_eval_take_the_checkpoint(trained, tmp_path, c
     assert cli.main(["eval", "--checkpoint", str(trained), "--data", str(data), "--json", "--quiet"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["perplexity"] == pytest.approx(math.exp(want.loss), rel=1e-9)
+    assert got["checkpoint"] == str(trained) and got["data"] == str(data)  # what was scored, named
     assert cli.main(["generate", "--checkpoint", str(trained), "--prompt", "Happy families", "--max-tokens", "6",
                      "--temperature", "0"]) == 0
     text = capsys.readouterr().out
