@@ -171,6 +171,28 @@ def test_the_tensorboard_writer_refuses_a_link_itself_when_the_first_check_is_pa
     _unchanged(victim)
 
 
+def test_a_summary_planted_as_a_link_during_the_run_is_refused(tmp_path, victim, monkeypatch, capsys):
+    """summary.json is written below --out refusing links itself: a link planted during the run (here by the
+    checkpoint writer, after the run's first check) gives one line, and the file the link names is untouched."""
+    from fastweights.cli import main
+    from fastweights.loops import train
+
+    out = tmp_path / "out"
+    save_model = train.save_model
+
+    def save_and_plant(*args, **kwargs):
+        save_model(*args, **kwargs)
+        if not (out / "summary.json").is_symlink():
+            (out / "summary.json").symlink_to(victim / "precious.txt")
+
+    monkeypatch.setattr(train, "save_model", save_and_plant)
+    assert main(["train", "--preset", "tiny", "--quiet", "--out", str(out), "--set", "train.max_steps=2",
+                 "--set", "train.warmup_steps=0"]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: {out / 'summary.json'} is a symbolic link; refusing to "
+                                               "write the run summary through it (remove the link)")
+    _unchanged(victim)
+
+
 def test_a_commands_result_file_planted_as_a_link_is_refused_before_any_work(tmp_path, victim):
     """``output_prefix`` (every command writing DIR/STEM.json and .png): a link at either name is refused in one
     line naming it, before the command's work, also with --overwrite (the rename would replace the link, and an

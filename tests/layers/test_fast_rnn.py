@@ -384,3 +384,30 @@ def test_decay_weights_below_the_normal_range_are_zero():
         exact = 0.5 * 0.5 ** torch.arange(1999, -1, -1, dtype=torch.float64)
         kept = exact >= tiny
         assert torch.equal(rev[kept].double(), exact[kept].to(dtype).double())
+
+
+def test_read_over_input_is_the_mean_over_every_step_after_the_first():
+    # the measure against a closed form written apart from its loop: A_{t-1} = sum_{s<t} eta lam^(t-1-s) h_s h_s^T,
+    # the read |A_{t-1} relu(LN(b_t))| and the input |b_t|, b_t = C x_t + c + W h_{t-1}, averaged over t = 1..T-1
+    from fastweights.experiments.fast_rnn_read import read_over_input
+    from fastweights.layers.fast_rnn import FastWeightRNN
+
+    torch.manual_seed(0)
+    rnn = FastWeightRNN(3, 5, lam=0.8, eta=0.7).double()
+    with torch.no_grad():
+        rnn.W.copy_(0.3 * torch.randn(5, 5, dtype=torch.float64))
+        rnn.ln.weight.copy_(1 + 0.2 * torch.randn(5, dtype=torch.float64))
+        rnn.ln.bias.copy_(0.3 * torch.randn(5, dtype=torch.float64))
+    x = torch.randn(1, 7, 3, dtype=torch.float64)
+    with torch.no_grad():
+        u, h = rnn.in_proj(x)[0], rnn(x)[0][0]
+        T = h.shape[0]
+        t, s = torch.arange(T)[:, None], torch.arange(T)[None, :]
+        decay = torch.where(s < t, 0.7 * 0.8 ** (t - 1 - s).clamp(min=0).double(), torch.zeros((), dtype=torch.float64))
+        A = torch.einsum("ts,si,sj->tij", decay, h, h)[1:]  # A_{t-1} for t = 1..T-1
+        b = u[1:] + h[:-1] @ rnn.W.T
+        h0 = torch.relu(torch.nn.functional.layer_norm(b, (5,), rnn.ln.weight, rnn.ln.bias))
+        reads = torch.einsum("tij,tj->ti", A, h0).norm(dim=-1)
+    expected = float(reads.mean() / b.norm(dim=-1).mean())
+    (ratio,) = read_over_input(rnn, x)
+    assert ratio == pytest.approx(expected, rel=1e-12)

@@ -508,7 +508,7 @@ def _train(cfg, out_dir, resume, progress, fsdp, overwrite, force_ram, dist, dev
         summary["interrupted_by"] = signal.Signals(signum).name
     if dist.main:
         atomic_write(out_dir / "summary.json", lambda p: p.write_text(json_text(summary) + "\n"),  # NaN: null
-                     root=out_dir)
+                     root=out_dir, what="the run summary")
         plot_loss_curve(log_path, out_dir / "loss_curve.png", root=out_dir)
     if signum is not None:
         import signal
