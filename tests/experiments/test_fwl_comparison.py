@@ -3,6 +3,7 @@
 docstring exactly)."""
 
 import math
+import time
 from collections import Counter
 
 import pytest
@@ -265,3 +266,26 @@ def test_the_figure_2_plot_draws_each_methods_gains_in_its_three_panels(tmp_path
     assert fig._suptitle.get_fontsize() == 10 and all(ax.title.get_fontsize() == 10 for ax in axes)
     assert tuple(fig.get_size_inches()) == (14, 4.2)  # three panels in a row, the legend below them
     assert [t.get_text() for t in fig.legends[0].get_texts()] == ["dynamic evaluation", "FWL"]
+
+
+def test_a_static_row_scores_within_the_models_context_in_segments_and_is_timed_on_this_process(monkeypatch):
+    pytest.importorskip("transformers")
+    import helpers
+    from fastweights.adapt.dynamic import DynamicEvaluator
+    from fastweights.hf.transformers_as_ours import HFCausalLM
+
+    lm = HFCausalLM(helpers.tiny_gpt2(50, 32, 1))  # learned positions: nothing past 32 can be scored at once
+    ids = torch.randint(0, 50, (80,), generator=torch.Generator().manual_seed(0))
+    ev = fc.static_evaluator(lm, 8)
+    monkeypatch.setattr(ev, "evaluate", None)  # a static row never takes the updating loop (no backward is timed)
+    before = time.process_time()
+    out = fc.score(ev, ids)
+    took = time.process_time() - before
+    reference = DynamicEvaluator(lm, rule="sgd", lr=0.0, segment_len=8, context=32).static(ids).token_losses
+    torch.testing.assert_close(out["losses"], torch.tensor(reference, dtype=torch.float64), rtol=0, atol=0)
+    with torch.no_grad():  # within the context the scores are one forward pass's
+        logits = lm.hf(input_ids=ids[None, :32]).logits[0, :-1]
+    torch.testing.assert_close(out["losses"][:31], -torch.log_softmax(logits, -1).gather(-1, ids[1:32, None])[:, 0])
+    assert out["loss_nats"] == pytest.approx(out["losses"].mean().item())
+    assert out["perplexity"] == pytest.approx(math.exp(out["loss_nats"]))
+    assert 0 < out["cpu_s"] <= took and out["tokens_per_cpu_s"] == pytest.approx(79 / out["cpu_s"])

@@ -102,9 +102,9 @@ def score(ev: DynamicEvaluator, ids: torch.Tensor) -> dict:
     perplexity, and the process CPU seconds and tokens per CPU-second of the loop."""
     c = cpu()
     if ev.update_rule.lr == 0.0:
-        r = ev.static(ids, keep_token_losses=True)
+        r = ev.static(ids)  # each keeps the per-token losses by default
     else:
-        r, _ = ev.evaluate(ids, keep_token_losses=True)
+        r, _ = ev.evaluate(ids)
     seconds = max(cpu() - c, 1e-9)
     losses = torch.tensor(r.token_losses, dtype=torch.float64)
     return {"losses": losses, "cpu_s": seconds, "loss_nats": losses.mean().item(),
