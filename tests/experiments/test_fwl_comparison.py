@@ -2,8 +2,8 @@
 (the benchmarks that use it run it end to end with tiny models in tests/cli; these hold each function to its
 docstring exactly)."""
 
+import itertools
 import math
-import time
 from collections import Counter
 
 import pytest
@@ -278,9 +278,8 @@ def test_a_static_row_scores_within_the_models_context_in_segments_and_is_timed_
     ids = torch.randint(0, 50, (80,), generator=torch.Generator().manual_seed(0))
     ev = fc.static_evaluator(lm, 8)
     monkeypatch.setattr(ev, "evaluate", None)  # a static row never takes the updating loop (no backward is timed)
-    before = time.process_time()
+    monkeypatch.setattr(fc, "cpu", (5.0 + 0.25 * i for i in itertools.count()).__next__)  # 0.25 s between readings
     out = fc.score(ev, ids)
-    took = time.process_time() - before
     reference = DynamicEvaluator(lm, rule="sgd", lr=0.0, segment_len=8, context=32).static(ids).token_losses
     torch.testing.assert_close(out["losses"], torch.tensor(reference, dtype=torch.float64), rtol=0, atol=0)
     with torch.no_grad():  # within the context the scores are one forward pass's
@@ -288,4 +287,109 @@ def test_a_static_row_scores_within_the_models_context_in_segments_and_is_timed_
     torch.testing.assert_close(out["losses"][:31], -torch.log_softmax(logits, -1).gather(-1, ids[1:32, None])[:, 0])
     assert out["loss_nats"] == pytest.approx(out["losses"].mean().item())
     assert out["perplexity"] == pytest.approx(math.exp(out["loss_nats"]))
-    assert 0 < out["cpu_s"] <= took and out["tokens_per_cpu_s"] == pytest.approx(79 / out["cpu_s"])
+    assert out["cpu_s"] == 0.25 and out["tokens_per_cpu_s"] == 79 / 0.25
+    assert fc.score_texts(ev, {"b": ids[:20], "a": ids}).keys() == {"b", "a"}
+
+
+def test_an_updating_row_scores_each_text_from_the_models_own_weights(monkeypatch):
+    from fastweights.adapt.dynamic import DynamicEvaluator
+
+    lm = _tiny_lm()
+    ids = _texts(30, 20)
+
+    def make():
+        return DynamicEvaluator(lm, rule="sgd", lr=0.5, segment_len=8, context=32)
+
+    out = fc.score_texts(make(), {"b": ids[0], "a": ids[1]})
+    assert list(out) == ["b", "a"]
+    for name, t in zip(("b", "a"), ids):  # each text as a fresh evaluator scores it: no update carried over
+        expected = torch.tensor(make().evaluate(t)[0].token_losses, dtype=torch.float64)
+        torch.testing.assert_close(out[name]["losses"], expected, rtol=0, atol=0)
+    static = fc.score(fc.static_evaluator(lm, 8), ids[0])["loss_nats"]
+    assert out["b"]["loss_nats"] != pytest.approx(static, rel=1e-6)
+
+
+def _tiny_lm():
+    pytest.importorskip("transformers")
+    import helpers
+    from fastweights.hf.transformers_as_ours import HFCausalLM
+
+    return HFCausalLM(helpers.tiny_gpt2(50, 32, 1))
+
+
+def _texts(*lengths):
+    return [torch.randint(0, 50, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]
+
+
+def _forward_nll(lm, ids) -> float:
+    """Sum of -log p(ids[1:]) in one forward pass (ids within the model's 32 positions)."""
+    with torch.no_grad():
+        logits = lm.hf(input_ids=ids[None, :-1]).logits[0]
+    return -torch.log_softmax(logits, -1).gather(-1, ids[1:, None]).sum().item()
+
+
+def test_the_static_tuning_loss_is_nats_per_prediction_over_every_text_each_its_own_document():
+    lm, tuning = _tiny_lm(), _texts(20, 9, 31)
+    expected = sum(_forward_nll(lm, t) for t in tuning) / (19 + 8 + 30)  # per prediction, not a mean of means
+    assert fc.static_tuning_loss(lm, tuning, 8) == pytest.approx(expected, rel=1e-9)
+
+
+def test_the_tuning_loss_restarts_the_weights_for_each_text():
+    from fastweights.adapt.dynamic import DynamicEvaluator
+
+    lm, tuning = _tiny_lm(), _texts(20, 9, 31)
+
+    def make():
+        return DynamicEvaluator(lm, rule="sgd", lr=0.5, segment_len=8, context=32)
+
+    each = [make().evaluate(t)[0] for t in tuning]  # a fresh evaluator (and weights) per text
+    expected = sum(r.nll for r in each) / sum(r.tokens for r in each)
+    assert fc.tuning_loss(make(), tuning) == pytest.approx(expected, rel=1e-9)
+    assert expected != pytest.approx(fc.static_tuning_loss(lm, tuning, 8), rel=1e-6)  # the updates act
+
+
+def test_tuning_rate_takes_the_static_pass_at_lr_zero_and_counts_predictions_per_cpu_second(monkeypatch):
+    from fastweights.adapt.dynamic import DynamicEvaluator
+
+    lm, tuning = _tiny_lm(), _texts(20, 9, 31)
+    for lr, loss in ((0.0, fc.static_tuning_loss(lm, tuning, 8)),
+                     (0.5, fc.tuning_loss(DynamicEvaluator(lm, rule="sgd", lr=0.5, segment_len=8, context=32),
+                                          tuning))):
+        ev = DynamicEvaluator(lm, rule="sgd", lr=lr, segment_len=8, context=32)
+        monkeypatch.setattr(fc, "cpu", iter([10.0, 10.5]).__next__)  # the CPU clock at the start and the end
+        got, rate = fc.tuning_rate(ev, tuning)
+        assert got == pytest.approx(loss, rel=1e-9)
+        assert rate == 57 / 0.5  # 19 + 8 + 30 predictions
+
+
+def test_a_tuning_loss_that_diverged_is_infinite():
+    class Diverged:
+        def __init__(self, nll):
+            self.nll = nll
+
+        def evaluate_documents(self, docs):
+            return type("R", (), {"nll": self.nll, "tokens": 10})()
+
+    assert fc.tuning_loss(Diverged(float("nan")), []) == math.inf
+    assert fc.tuning_loss(Diverged(float("inf")), []) == math.inf
+    assert fc.tuning_loss(Diverged(25.0), []) == 2.5
+
+
+def test_head_loss_in_pieces_carries_the_heads_state_and_equals_one_call():
+    class RunningHead(nn.Module):  # logits depend on every earlier position through the carried state
+        def __init__(self):
+            super().__init__()
+            self.out = nn.Linear(4, 7).double()
+
+        def forward(self, h, ids, state):
+            run = h.cumsum(1) + (0 if state is None else state)
+            return self.out(run), run[:, -1:]
+
+    torch.manual_seed(0)
+    model = type("M", (), {"head": RunningHead()})()
+    texts = [(torch.randn(1, n, 4, dtype=torch.float64), torch.randint(0, 7, (n,))) for n in (11, 6)]
+    with torch.no_grad():
+        nll = sum(torch.nn.functional.cross_entropy(model.head(h[:, :-1], ids[None, :-1], None)[0][0], ids[1:],
+                                                    reduction="sum").item() for h, ids in texts)
+        for piece in (1, 3, 512):
+            assert fc.head_loss_on(model, texts, piece) == pytest.approx(nll / 15, rel=1e-12)
