@@ -393,3 +393,47 @@ def test_head_loss_in_pieces_carries_the_heads_state_and_equals_one_call():
                                                     reduction="sum").item() for h, ids in texts)
         for piece in (1, 3, 512):
             assert fc.head_loss_on(model, texts, piece) == pytest.approx(nll / 15, rel=1e-12)
+
+
+def test_the_figure_2_plot_tells_its_six_methods_apart_and_keeps_the_legend_below_the_panels(tmp_path, monkeypatch):
+    # what a reader needs: each method its own colour and marker (the same in every panel), readable tick labels,
+    # the zero line (above it: better than static), the y unit, one legend row below all three panels, 110 dpi
+    import matplotlib.image
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgba
+
+    closed = []
+    monkeypatch.setattr(plt, "close", closed.append)
+    methods = ["dynamic", "fwl", "fwl_test_time_only", "fwl_bias_only", "fwl_slow_part", "fwl_step_scaled"]
+    panel = {"a": {"bits": 0.5}, "b": {"bits": -0.25}}
+    fc.plot({m: {"position": panel, "frequency": panel, "repeat": panel} for m in methods},
+            {m: m.upper() for m in methods}, tmp_path / "f.png", "4 texts")
+    (fig,) = closed
+    assert matplotlib.image.imread(tmp_path / "f.png").shape[:2] == (462, 1540)  # 14 x 4.2 inches at 110 dpi
+    styles = []
+    for ax in fig.axes:
+        lines = [ln for ln in ax.get_lines() if not ln.get_label().startswith("_")]
+        assert [ln.get_label() for ln in lines] == [m.upper() for m in methods]
+        assert all(list(ln.get_xdata()) == [0, 1] for ln in lines)
+        styles.append([(to_rgba(ln.get_color()), ln.get_marker(), ln.get_linestyle()) for ln in lines])
+        assert [t.get_rotation() for t in ax.get_xticklabels()] == [20, 20]
+        assert ax.get_ylabel() == "NLL improvement over static (bits/token)"
+        zero = [ln for ln in ax.get_lines() if ln.get_label().startswith("_")]
+        assert len(zero) == 1 and list(zero[0].get_ydata()) == [0, 0] and to_rgba(zero[0].get_color()) == (0, 0, 0, 1)
+    assert styles[0] == styles[1] == styles[2]
+    colours, markers, dashes = zip(*styles[0])
+    assert len(set(colours)) == len(set(markers)) == 6 and "None" not in markers
+    assert dashes[0] == "-" and "-" not in dashes[1:]  # the FWL variants dashed or dotted, dynamic evaluation solid
+    (legend,) = fig.legends
+    assert legend._ncols == 6 and not legend.get_frame_on() and legend._loc == 8  # 8: lower center
+    assert [(to_rgba(h.get_color()), h.get_marker()) for h in legend.legend_handles] == [st[:2] for st in styles[0]]
+    assert fig._suptitle.get_text() == ("SmolLM2-135M: where the FWL and dynamic evaluation gain (4 texts; above 0 = "
+                                        "better than static)")
+    fig.canvas.draw()
+    to_figure = fig.transFigure.inverted()
+    legend_top = legend.get_window_extent().transformed(to_figure).y1
+    boxes = [ax.get_tightbbox().transformed(to_figure) for ax in fig.axes]  # each panel with its labels and title
+    assert all(b.y0 > legend_top for b in boxes)  # the tick labels clear the legend
+    assert all(0 <= b.x0 and b.x1 <= 1 and b.y1 <= 1 for b in boxes)  # nothing cut off at the edges
+    assert len({ax.get_position().y0 for ax in fig.axes}) == 1  # one row of panels, left to right
+    assert [ax.get_position().x0 for ax in fig.axes] == sorted(ax.get_position().x0 for ax in fig.axes)
