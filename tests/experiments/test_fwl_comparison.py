@@ -437,3 +437,88 @@ def test_the_figure_2_plot_tells_its_six_methods_apart_and_keeps_the_legend_belo
     assert all(0 <= b.x0 and b.x1 <= 1 and b.y1 <= 1 for b in boxes)  # nothing cut off at the edges
     assert len({ax.get_position().y0 for ax in fig.axes}) == 1  # one row of panels, left to right
     assert [ax.get_position().x0 for ax in fig.axes] == sorted(ax.get_position().x0 for ax in fig.axes)
+
+
+class _StepHead:
+    """A stand-in FWL head whose tuning loss is ``curve(step)`` at its test-time step size (or step scale)."""
+
+    def __init__(self):
+        self.options = type("O", (), {"test_time_step_size": None})()
+        self.scale = 1.0
+
+    def current_step_sizes(self):
+        return {"lr": torch.tensor(0.25 * self.scale)}
+
+
+def _step_model(monkeypatch, curve, attr="test_time_step_size"):
+    model = type("M", (), {"head": _StepHead()})()
+    tried = []
+
+    def loss(m, hidden_and_ids):
+        assert m is model and hidden_and_ids == "hidden"
+        step = m.head.options.test_time_step_size if attr == "test_time_step_size" else m.head.scale
+        tried.append(step)
+        assert len(tried) < 20, "the search never stops"
+        return curve(step)
+
+    monkeypatch.setattr(fc, "head_loss_on", loss)
+    return model, tried
+
+
+def test_the_test_time_step_is_the_lowest_loss_of_the_grid_and_step_zero_and_is_set_on_the_head(monkeypatch):
+    model, tried = _step_model(monkeypatch, lambda s: 2.0 + (s - 0.3) ** 2)
+    out = fc.tune_test_time_step(model, "hidden", grid=[1.0, 0.3, 0.1])
+    assert tried == [0.0, 0.1, 0.3, 1.0] and out["best"] == 0.3 and model.head.options.test_time_step_size == 0.3
+    assert out["grid_nats"] == {"0": 2.09, "0.1": pytest.approx(2.04), "0.3": 2.0, "1": pytest.approx(2.49)}
+    assert list(out["grid_nats"]) == ["0", "0.1", "0.3", "1"]
+    assert out["status"] == {"0": "worse than static", "0.1": "ok", "0.3": "ok", "1": "diverged"}  # 19% above
+
+
+def test_the_test_time_step_grid_grows_threefold_while_its_largest_step_is_best_up_to_ten(monkeypatch):
+    model, tried = _step_model(monkeypatch, lambda s: 5.0 - min(s, 100) / 100 if s < 50 else math.inf)
+    assert fc.tune_test_time_step(model, "hidden", grid=[1 / 3])["best"] == pytest.approx(27.0)  # past 10: no more
+    assert tried == pytest.approx([0.0, 1 / 3, 1.0, 3.0, 9.0, 27.0])
+    model, tried = _step_model(monkeypatch, lambda s: 5.0 - s / 100)
+    assert fc.tune_test_time_step(model, "hidden", grid=[10.0])["best"] == 10.0 and tried == [0.0, 10.0]  # 10: no more
+    model, tried = _step_model(monkeypatch, lambda s: 5.0 - s / 100 if s < 5 else math.nan)
+    out = fc.tune_test_time_step(model, "hidden", grid=[0.5, 1.5])  # 4.5 is the last finite one: 13.5 diverged
+    assert tried == [0.0, 0.5, 1.5, 4.5, 13.5] and out["best"] == 4.5 and out["status"]["13.5"] == "diverged"
+
+
+def test_a_test_time_step_search_whose_baseline_diverged_names_itself(monkeypatch):
+    model, tried = _step_model(monkeypatch, lambda s: math.nan)
+    with pytest.raises(UserError, match=r"^test-time step: no point of the grid beats nan"):
+        fc.tune_test_time_step(model, "hidden", grid=[1.0])
+    assert tried == [0.0, 1.0]  # nothing finite: the grid is not extended
+
+
+def test_step_zero_is_chosen_when_every_test_time_step_or_scale_is_worse(monkeypatch):
+    import contextlib
+
+    model, _ = _step_model(monkeypatch, lambda s: 2.0 + s / 100)  # within the margin: worse, not diverged
+    assert fc.tune_test_time_step(model, "hidden", grid=[0.5, 1.0])["best"] == 0.0
+    assert model.head.options.test_time_step_size == 0.0
+    monkeypatch.setattr(fc, "scaled_step_sizes", lambda head, scale: contextlib.nullcontext())
+    model, _ = _step_model(monkeypatch, lambda s: 2.0, attr="scale")
+    assert fc.tune_step_scale(model, "hidden", grid=[0.5, 1.0])["best"] == 0.0
+
+
+def test_the_step_scale_is_chosen_against_scale_zero_and_left_unset(monkeypatch):
+    import contextlib
+
+    @contextlib.contextmanager
+    def scaled(head, scale):
+        old, head.scale = head.scale, scale
+        yield
+        head.scale = old
+
+    monkeypatch.setattr(fc, "scaled_step_sizes", scaled)
+    model, tried = _step_model(monkeypatch, lambda s: {0.0: 3.0, 0.5: 2.5, 1.0: 2.8, 2.0: 3.05}[s], attr="scale")
+    out = fc.tune_step_scale(model, "hidden", grid=[2.0, 0.5, 1.0])
+    assert tried == [0.0, 0.5, 1.0, 2.0] and out["best"] == 0.5 and model.head.scale == 1.0  # restored
+    assert out["grid_nats"] == {"0": 3.0, "0.5": 2.5, "1": 2.8, "2": 3.05}
+    assert out["status"] == {"0": "worse than static", "0.5": "ok", "1": "ok", "2": "worse than static"}
+    assert out["learned_step_sizes"] == {"lr": 0.25}
+    model, _ = _step_model(monkeypatch, lambda s: math.nan, attr="scale")
+    with pytest.raises(UserError, match=r"^step scale: no point of the grid beats nan"):
+        fc.tune_step_scale(model, "hidden", grid=[1.0])
