@@ -55,7 +55,11 @@ class _Alarm(Exception):
     pass
 
 
+_alarms = []  # the timeouts that fired: raised inside a test, pytest reports the alarm as that test's failure
+
+
 def _on_alarm(*_):
+    _alarms.append(True)
     raise _Alarm()
 
 
@@ -87,12 +91,14 @@ def _run_tests(tests: list[str], timeout_s: int):
                  and (getattr(m, "__file__", None) or "").startswith(tuple(roots))]:
         del sys.modules[name]  # collected again: each run imports the module as it is now
     previous = signal.signal(signal.SIGALRM, _on_alarm)
+    _alarms.clear()
     signal.alarm(timeout_s)
     out, err = sys.stdout, sys.stderr
     try:
         with open(os.devnull, "w") as null:
             sys.stdout = sys.stderr = null
-            return pytest.main(["-x", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:randomly", *tests])
+            code = pytest.main(["-x", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:randomly", *tests])
+        return "timeout" if _alarms else code  # a mutant that never ends is a timeout, not a kill
     except _Alarm:
         return "timeout"
     finally:

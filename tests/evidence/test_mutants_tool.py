@@ -296,3 +296,20 @@ def test_the_module_runner_reaches_names_imported_elsewhere_and_puts_them_back(t
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-2:] == ["{'always_one': 'killed', 'clamp': 'survived'}", "True"], r.stdout
+
+
+def test_a_mutant_that_never_ends_is_a_timeout_not_a_kill():
+    """The alarm that ends a mutant's run fires inside a test, where pytest would report it as that test's
+    failure: a mutant looping forever is a timeout (the draw's subprocess runner says the same), never killed."""
+    lines = (REPO / "src/fastweights/core/compare.py").read_text().splitlines()
+    at = next(i for i, text in enumerate(lines, 1) if text.strip().startswith("return float((a - ref).norm()"))
+    original = lines[at - 1]
+    mutated = original.replace("return ", "while True:\n        pass\n    return ", 1)
+    where = {"loop": ("src/fastweights/core/compare.py", at, original.strip(), "while True: pass")}
+    edits = {"loop": [(at, original, mutated)]}
+    code = ("import sys; sys.path.insert(0, 'tools'); sys.path.insert(0, 'tests'); import module_mutants as m; "
+            f"print(m.statuses('src/fastweights/core/compare.py', ['loop'], {where!r}, {edits!r}, "
+            "['tests/core/test_compare.py'], timeout_s=3))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "{'loop': 'timeout'}", r.stdout
