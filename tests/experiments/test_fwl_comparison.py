@@ -522,3 +522,165 @@ def test_the_step_scale_is_chosen_against_scale_zero_and_left_unset(monkeypatch)
     model, _ = _step_model(monkeypatch, lambda s: math.nan, attr="scale")
     with pytest.raises(UserError, match=r"^step scale: no point of the grid beats nan"):
         fc.tune_step_scale(model, "hidden", grid=[1.0])
+
+
+class _Recorded:
+    """A stand-in evaluator class: each instance holds the arguments it was made with."""
+
+    def __init__(self, model, **kwargs):
+        self.model, self.kwargs = model, kwargs
+
+
+@pytest.mark.parametrize("rule", ["rms_global", "sgd"])
+def test_the_dynamic_rows_hand_each_evaluator_the_chosen_setting_and_record_what_they_chose(monkeypatch, rule):
+    # the wiring of dynamic_rows, on stand-ins for the evaluators, the statistics and the searches, each checking
+    # that it is handed this model and these texts
+    lm = type("LM", (), {"default_context": 1024})()
+    stats_ids, scored, tuning, log = torch.arange(5), {"t": torch.arange(3)}, [torch.arange(4)], []
+    say = log.append
+    clock = itertools.count(100.0, 1.0)
+    monkeypatch.setattr(fc, "cpu", lambda: float(next(clock)))
+    calls = []
+
+    def stats(model, ids, **kw):
+        assert model is lm and ids is stats_ids
+        calls.append(("stats", kw))
+        return "MS_g"
+
+    def lowrank_stats(model, ids, rank, **kw):
+        assert model is lm and ids is stats_ids
+        calls.append(("lowrank stats", rank, kw))
+        return f"MS_g {rank}"
+
+    class Recorded:
+        def __init__(self, model, **kwargs):
+            assert model is lm
+            self.kwargs = kwargs
+
+    def search(make, texts, grid, static, log_to, name):
+        assert texts is tuning and log_to is say
+        made[name] = make(0.5).kwargs
+        calls.append(("search", name, grid, static))
+        return {"best": 0.5, "grid_nats": {"0.5": 2.5}}
+
+    def tuning_loss(ev, texts):
+        assert texts is tuning and ev.kwargs["lr"] == 0.5
+        return {8: 2.4, 32: 2.7}[ev.kwargs["rank"]]
+
+    def top_blocks_row(model, *args):
+        assert model is lm
+        calls.append(("top", *args))
+        return {"t": {"perplexity": 9.0}}, {"k": 2}
+
+    def score_texts(ev, texts):
+        assert texts is scored
+        return {"t": {"perplexity": 10.0, "made": ev.kwargs}}
+
+    made = {}
+    monkeypatch.setattr(fc, "collect_grad_stats", stats)
+    monkeypatch.setattr(fc, "collect_lowrank_grad_stats", lowrank_stats)
+    monkeypatch.setattr(fc, "DynamicEvaluator", type("Full", (Recorded,), {}))
+    monkeypatch.setattr(fc, "LowRankDynamicEvaluator", type("LowRank", (Recorded,), {}))
+    monkeypatch.setattr(fc, "static_tuning_loss", lambda model, texts, L: calls.append(("static", L)) or 3.0)
+    monkeypatch.setattr(fc, "search_lr", search)
+    monkeypatch.setattr(fc, "tuning_loss", tuning_loss)
+    monkeypatch.setattr(fc, "top_blocks_row", top_blocks_row)
+    monkeypatch.setattr(fc, "score_texts", score_texts)
+    chosen = {"rule": rule, "lr": 0.01, "include": "blocks.*", "exclude": "embed*"}
+    rows, tuned = fc.dynamic_rows(lm, scored, tuning, stats_ids, chosen, 64, say)
+
+    rms = rule.startswith("rms")
+    stats_kw = {"seq_len": 64, **fc.STATS}
+    want_full = {"rule": rule, "lr": 0.5, "segment_len": 64, "context": 1024, "include": "blocks.*",
+                 "exclude": "embed*", "grad_stats": "MS_g" if rms else None}
+    assert made["dynamic"] == want_full and rows["dynamic"]["t"]["made"] == want_full
+    assert tuned["dynamic"] == {"rule": rule, "include": "blocks.*", "exclude": "embed*",
+                                "ms_g_cpu_s": 1.0, "lr_search": {"best": 0.5, "grid_nats": {"0.5": 2.5}}, "lr": 0.5}
+    assert rows["dynamic_top_blocks"] == {"t": {"perplexity": 9.0}} and tuned["dynamic_top_blocks"] == {"k": 2}
+    assert ("top", fc.TOP_BLOCKS, {"rule": rule, "lr_there": 0.01}, scored, tuning, "MS_g" if rms else None, 64,
+            say, 3.0) in calls
+    assert ("search", "dynamic", [0.01 * f for f in fc.DYNAMIC_LR_FACTORS], 3.0) in calls
+    assert ("search", "low-rank 16", [0.01 * f for f in fc.LOWRANK_LR_FACTORS], 3.0) in calls  # the middle rank
+    lowrank = {"rule": rule, "lr": 0.5, "segment_len": 64, "context": 1024, "rank": 16,
+               "grad_stats": "MS_g 16" if rms else None}
+    assert made["low-rank 16"] == lowrank
+    assert rows["dynamic_lowrank"]["t"]["made"] == {**lowrank, "rank": 8, "grad_stats": "MS_g 8" if rms else None}
+    assert tuned["dynamic_lowrank"] == {"rule": rule, "rank": 8, "lr": 0.5,
+                                        "lr_search": {"best": 0.5, "grid_nats": {"0.5": 2.5}}, "lr_search_rank": 16,
+                                        "rank_nats": {"8": 2.4, "16": 2.5, "32": 2.7},
+                                        "ms_g_cpu_s": {"8": 1.0, "16": 1.0, "32": 1.0}}
+    want_stats = [("stats", {"exclude": "embed*", **stats_kw})] if rms else []
+    want_stats += [("lowrank stats", r, stats_kw) for r in (16, 8, 32)] if rms else []
+    assert [c for c in calls if c[0] in ("stats", "lowrank stats")] == want_stats  # each rank's statistics once
+    assert ("static", 64) in calls and sum(c[0] == "static" for c in calls) == 1
+    assert log == ["   low-rank 8 lr 0.5: tuning loss 2.4000", "   low-rank 32 lr 0.5: tuning loss 2.7000",
+                   "dynamic: t 10.000", "dynamic_top_blocks: t 9.000", "dynamic_lowrank: t 10.000"]
+
+
+def test_a_low_rank_rank_search_with_no_rank_below_static_names_itself(monkeypatch):
+    monkeypatch.setattr(fc, "static_tuning_loss", lambda *a: 2.0)
+    monkeypatch.setattr(fc, "search_lr", lambda make, *a: {"best": 0.5, "grid_nats": {"0.5": 2.5}})
+    monkeypatch.setattr(fc, "tuning_loss", lambda ev, texts: 2.1)
+    monkeypatch.setattr(fc, "LowRankDynamicEvaluator", lambda *a, **k: None)
+    monkeypatch.setattr(fc, "top_blocks_row", lambda *a: ({}, {}))
+    monkeypatch.setattr(fc, "score_texts", lambda ev, texts: {})
+    monkeypatch.setattr(fc, "DynamicEvaluator", lambda *a, **k: None)
+    lm = type("LM", (), {"default_context": 1024})()
+    with pytest.raises(UserError, match=r"^low-rank rank: no point of the grid beats 2\.0000"):
+        fc.dynamic_rows(lm, {}, [], None, {"rule": "sgd", "lr": 0.01, "include": None, "exclude": None}, 64,
+                        lambda *_: None)
+
+
+def test_top_blocks_include_names_the_last_blocks_and_the_final_norm_of_llama_and_gpt2():
+    pytest.importorskip("transformers")
+    import helpers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fastweights.hf.transformers_as_ours import HFCausalLM
+
+    gpt2 = HFCausalLM(helpers.tiny_gpt2(50, 32, 3))  # its final norm is ln_f
+    assert fc.top_blocks_include(gpt2, 2) == "hf.transformer.h.1.*,hf.transformer.h.2.*,hf.transformer.ln_f.*"
+    torch.manual_seed(0)
+    llama = HFCausalLM(LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64,
+                                                    num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+                                                    max_position_embeddings=32)))  # its final norm is norm
+    assert fc.top_blocks_include(llama, 1) == "hf.model.layers.2.*,hf.model.norm.*"
+    for k in (0, 4):
+        with pytest.raises(UserError, match=rf"^top blocks must be in 1\.\.3, got {k}$"):
+            fc.top_blocks_include(gpt2, k)
+    del gpt2.hf.transformer.ln_f
+    with pytest.raises(UserError, match=r"^GPT2Model: no final norm \(norm or ln_f\) found$"):
+        fc.top_blocks_include(gpt2, 1)
+
+
+def test_the_fwl_rows_read_each_backbones_tuning_states_once_and_score_each_head_and_its_slow_part(monkeypatch):
+    import contextlib
+
+    hidden_calls, parts = [], []
+    monkeypatch.setattr(fc, "tuning_hidden", lambda backbone, tuning: hidden_calls.append(backbone) or [backbone])
+    monkeypatch.setattr(fc, "tune_test_time_step", lambda model, hidden: {"best": 0.5, "hidden": hidden})
+    monkeypatch.setattr(fc, "tune_step_scale", lambda model, hidden: {"best": 2.0, "hidden": hidden})
+    monkeypatch.setattr(fc, "static_evaluator", lambda model, L: (model, L))
+
+    @contextlib.contextmanager
+    def part(name, head):
+        parts.append(name)
+        yield
+        parts.pop()
+
+    monkeypatch.setattr(fc, "slow_part", lambda head: part("slow", head))
+    monkeypatch.setattr(fc, "scaled_step_sizes", lambda head, scale: part(f"x{scale:g}", head))
+    monkeypatch.setattr(fc, "score_texts", lambda ev, scored: {"t": {"perplexity": 1.0, "ev": ev, "as": list(parts)}})
+    shared, own = object(), object()
+    heads = {"fwl": type("H", (), {"backbone": shared, "head": "fwl head"})(),
+             "fwl_test_time_only": type("H", (), {"backbone": shared, "head": "tto head"})(),
+             "fwl_bias_only": type("H", (), {"backbone": own, "head": "bias head"})()}
+    rows, tuned = fc.fwl_rows(heads, {"t": None}, ["tuning"], 64, log=lambda *_: None)
+    assert hidden_calls == [shared]  # one pass for the backbone two heads share; none for a head not tuned
+    assert tuned["fwl_test_time_only"] == {"best": 0.5, "hidden": [shared]} and tuned["fwl_step_scale"]["best"] == 2.0
+    assert sorted(rows) == ["fwl", "fwl_bias_only", "fwl_bias_only_slow_part", "fwl_slow_part", "fwl_step_scaled",
+                            "fwl_test_time_only", "fwl_test_time_only_slow_part"]
+    for row, model in heads.items():
+        assert rows[row]["t"]["ev"] == (model, 64) and rows[row]["t"]["as"] == []
+        assert rows[f"{row}_slow_part"]["t"]["as"] == ["slow"]
+    assert rows["fwl_step_scaled"]["t"]["ev"] == (heads["fwl"], 64) and rows["fwl_step_scaled"]["t"]["as"] == ["x2"]

@@ -396,3 +396,33 @@ def test_the_stand_in_names_each_broken_part_of_flas_input_contract():
         fla_standin._check(q16, q, q16, torch.rand(1, 4, 2).to(BF16), None, None)
     with pytest.raises(fla_standin.Contract, match=r"^beta is torch\.float32, q is torch\.bfloat16$"):
         fla_standin._check(q16, q16, q16, torch.rand(1, 4, 2), None, None)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("auto", "compiled", "cuda", BF16, True, True),
+     "delta_rule: backend='auto' -> 'compiled' for cuda bfloat16 gated, training (fla refuses the gated backward on "
+     "this GPU (Hopper, 3.4 <= Triton < 3.7.1, no TileLang) and its gradient self-check did not lift that (the line "
+     "before says why): the chunkwise form compiled with torch.compile)"),
+    (("auto", "torch", "cpu", torch.float32, False, False),
+     "delta_rule: backend='auto' -> 'torch' for cpu float32 ungated, no grad (the chunkwise PyTorch form: fla not "
+     "importable (or too old), not on CUDA, or fp32 outside autocast)"),
+    (("fla", "fla", "cuda", torch.float16, False, True),
+     "delta_rule: backend='fla' -> 'fla' for cuda float16 ungated, training (as requested)"),
+])
+def test_the_choice_line_names_the_request_the_choice_the_call_and_why(monkeypatch, caplog, args, message):
+    monkeypatch.setattr(fb, "_logged", set())
+    with caplog.at_level(logging.INFO, logger=fb.logger.name):
+        fb.log_choice_once(*args)
+    (record,) = [r for r in caplog.records if r.name == fb.logger.name]
+    assert record.getMessage() == message
+
+
+def test_a_chunk_size_reaches_flas_kernel_only_when_given(monkeypatch):
+    seen = []
+    monkeypatch.setattr(fb, "_fla_functions", lambda: (_kernel_that_records(seen), _kernel_that_records(seen)))
+    q, k, v, beta, g, s0 = inputs()
+    fb.fla_delta_rule(q, k, v, beta, 0.5, s0, True, None, False)
+    fb.fla_delta_rule(q, k, v, beta, 0.5, s0, True, g, True, chunk_size=32)
+    assert "chunk_size" not in seen[0] and seen[1]["chunk_size"] == 32  # fla's own default where none is given
+    assert seen[0]["scale"] == 0.5 and seen[0]["output_final_state"] and not seen[0]["use_qk_l2norm_in_kernel"]
+    assert seen[1]["use_qk_l2norm_in_kernel"] and seen[1]["g"].dtype == torch.float32
