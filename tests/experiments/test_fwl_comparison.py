@@ -581,7 +581,8 @@ def test_the_dynamic_rows_hand_each_evaluator_the_chosen_setting_and_record_what
     monkeypatch.setattr(fc, "collect_lowrank_grad_stats", lowrank_stats)
     monkeypatch.setattr(fc, "DynamicEvaluator", type("Full", (Recorded,), {}))
     monkeypatch.setattr(fc, "LowRankDynamicEvaluator", type("LowRank", (Recorded,), {}))
-    monkeypatch.setattr(fc, "static_tuning_loss", lambda model, texts, L: calls.append(("static", L)) or 3.0)
+    monkeypatch.setattr(fc, "static_tuning_loss",
+                        lambda model, texts, L: calls.append(("static", model is lm and texts is tuning, L)) or 3.0)
     monkeypatch.setattr(fc, "search_lr", search)
     monkeypatch.setattr(fc, "tuning_loss", tuning_loss)
     monkeypatch.setattr(fc, "top_blocks_row", top_blocks_row)
@@ -612,7 +613,7 @@ def test_the_dynamic_rows_hand_each_evaluator_the_chosen_setting_and_record_what
     want_stats = [("stats", {"exclude": "embed*", **stats_kw})] if rms else []
     want_stats += [("lowrank stats", r, stats_kw) for r in (16, 8, 32)] if rms else []
     assert [c for c in calls if c[0] in ("stats", "lowrank stats")] == want_stats  # each rank's statistics once
-    assert ("static", 64) in calls and sum(c[0] == "static" for c in calls) == 1
+    assert [c for c in calls if c[0] == "static"] == [("static", True, 64)]
     assert log == ["   low-rank 8 lr 0.5: tuning loss 2.4000", "   low-rank 32 lr 0.5: tuning loss 2.7000",
                    "dynamic: t 10.000", "dynamic_top_blocks: t 9.000", "dynamic_lowrank: t 10.000"]
 
@@ -645,6 +646,7 @@ def test_top_blocks_include_names_the_last_blocks_and_the_final_norm_of_llama_an
                                                     num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
                                                     max_position_embeddings=32)))  # its final norm is norm
     assert fc.top_blocks_include(llama, 1) == "hf.model.layers.2.*,hf.model.norm.*"
+    assert fc.top_blocks_include(gpt2, 3).startswith("hf.transformer.h.0.*,")  # every block
     for k in (0, 4):
         with pytest.raises(UserError, match=rf"^top blocks must be in 1\.\.3, got {k}$"):
             fc.top_blocks_include(gpt2, k)
@@ -656,31 +658,53 @@ def test_top_blocks_include_names_the_last_blocks_and_the_final_norm_of_llama_an
 def test_the_fwl_rows_read_each_backbones_tuning_states_once_and_score_each_head_and_its_slow_part(monkeypatch):
     import contextlib
 
-    hidden_calls, parts = [], []
-    monkeypatch.setattr(fc, "tuning_hidden", lambda backbone, tuning: hidden_calls.append(backbone) or [backbone])
-    monkeypatch.setattr(fc, "tune_test_time_step", lambda model, hidden: {"best": 0.5, "hidden": hidden})
-    monkeypatch.setattr(fc, "tune_step_scale", lambda model, hidden: {"best": 2.0, "hidden": hidden})
-    monkeypatch.setattr(fc, "static_evaluator", lambda model, L: (model, L))
-
-    @contextlib.contextmanager
-    def part(name, head):
-        parts.append(name)
-        yield
-        parts.pop()
-
-    monkeypatch.setattr(fc, "slow_part", lambda head: part("slow", head))
-    monkeypatch.setattr(fc, "scaled_step_sizes", lambda head, scale: part(f"x{scale:g}", head))
-    monkeypatch.setattr(fc, "score_texts", lambda ev, scored: {"t": {"perplexity": 1.0, "ev": ev, "as": list(parts)}})
-    shared, own = object(), object()
+    shared, own, tuning, scored, log = object(), object(), ["tuning"], {"t": None, "u": None}, []
     heads = {"fwl": type("H", (), {"backbone": shared, "head": "fwl head"})(),
              "fwl_test_time_only": type("H", (), {"backbone": shared, "head": "tto head"})(),
              "fwl_bias_only": type("H", (), {"backbone": own, "head": "bias head"})()}
-    rows, tuned = fc.fwl_rows(heads, {"t": None}, ["tuning"], 64, log=lambda *_: None)
+    hidden_calls, parts = [], []
+
+    def tuning_hidden(backbone, texts):
+        assert texts is tuning
+        hidden_calls.append(backbone)
+        return [backbone]
+
+    def tune(best):
+        def tuned(model, hidden):
+            assert model in heads.values() and hidden == [model.backbone]
+            return {"best": best, "head": model.head}
+        return tuned
+
+    @contextlib.contextmanager
+    def part(name, head):
+        assert head in ("fwl head", "tto head", "bias head")
+        parts.append(f"{name} {head}")
+        yield
+        parts.pop()
+
+    def score_texts(ev, texts):
+        assert texts is scored and ev[0] in heads.values()
+        return {k: {"perplexity": 1.0 + len(parts), "ev": ev, "as": list(parts)} for k in texts}
+
+    monkeypatch.setattr(fc, "tuning_hidden", tuning_hidden)
+    monkeypatch.setattr(fc, "tune_test_time_step", tune(0.5))
+    monkeypatch.setattr(fc, "tune_step_scale", tune(2.0))
+    monkeypatch.setattr(fc, "static_evaluator", lambda model, L: (model, L))
+    monkeypatch.setattr(fc, "slow_part", lambda head: part("slow", head))
+    monkeypatch.setattr(fc, "scaled_step_sizes", lambda head, scale: part(f"x{scale:g}", head))
+    monkeypatch.setattr(fc, "score_texts", score_texts)
+    rows, tuned = fc.fwl_rows(heads, scored, tuning, 64, log=log.append)
     assert hidden_calls == [shared]  # one pass for the backbone two heads share; none for a head not tuned
-    assert tuned["fwl_test_time_only"] == {"best": 0.5, "hidden": [shared]} and tuned["fwl_step_scale"]["best"] == 2.0
+    assert tuned == {"fwl_test_time_only": {"best": 0.5, "head": "tto head"},
+                     "fwl_step_scale": {"best": 2.0, "head": "fwl head"}}
     assert sorted(rows) == ["fwl", "fwl_bias_only", "fwl_bias_only_slow_part", "fwl_slow_part", "fwl_step_scaled",
                             "fwl_test_time_only", "fwl_test_time_only_slow_part"]
     for row, model in heads.items():
         assert rows[row]["t"]["ev"] == (model, 64) and rows[row]["t"]["as"] == []
-        assert rows[f"{row}_slow_part"]["t"]["as"] == ["slow"]
-    assert rows["fwl_step_scaled"]["t"]["ev"] == (heads["fwl"], 64) and rows["fwl_step_scaled"]["t"]["as"] == ["x2"]
+        assert rows[f"{row}_slow_part"]["t"]["ev"] == (model, 64)
+        assert rows[f"{row}_slow_part"]["t"]["as"] == [f"slow {model.head}"]
+    assert rows["fwl_step_scaled"]["t"]["ev"] == (heads["fwl"], 64)
+    assert rows["fwl_step_scaled"]["t"]["as"] == ["x2 fwl head"]
+    both = "t 1.000 (slow part 2.000), u 1.000 (slow part 2.000)"
+    assert log == ["test-time-only step size: 0.5", f"fwl: {both}", f"fwl_test_time_only: {both}",
+                   f"fwl_bias_only: {both}", "FWL step-size scale chosen on tuning text: 2"]
