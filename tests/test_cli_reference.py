@@ -36,3 +36,15 @@ def test_check_says_when_the_page_is_stale(tmp_path, monkeypatch, capsys):
     assert stale.read_text() == cli_reference.render()
     with pytest.raises(SystemExit):
         cli_reference.main(["--nope"])
+
+
+def test_every_group_of_flags_has_a_title_in_its_commands_help():
+    # a group's title is its heading in --help (the page lists flags only): a group without one runs its flags
+    # into the section above
+    from fastweights.cli import build_parser
+
+    for words, parser in cli_reference._commands(build_parser(), []):
+        text = parser.format_help()
+        for group in parser._action_groups:
+            if group._group_actions:
+                assert isinstance(group.title, str) and group.title and f"\n{group.title}:\n" in text, (words, group)

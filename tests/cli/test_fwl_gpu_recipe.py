@@ -280,3 +280,13 @@ def test_the_online_trainer_steps_the_recipes_adamw_without_weight_decay(tiny_fw
     assert out["steps"] == 1 and len(made) == 1
     assert [g["name"] for g in made[0].param_groups] == ["head", "fast", "blocks"]
     assert all(g["weight_decay"] == 0.0 for g in made[0].param_groups)
+
+
+def test_the_online_trainer_counts_the_tokens_of_every_step(tiny_fwl):
+    """tokens (and tokens/s) add every step's batch x window predictions, not the last step's alone."""
+    model, _ = tiny_fwl
+    streams = iter([(torch.randint(0, 500, (17,)), "doc")] * 6)
+    out = fwl_training.train_head_online(model, streams, batch=2, window=16, windows_per_stream=1, budget_s=math.inf,
+                                         lr=0.0, step_lr=0.0, block_lr=0.0, max_steps=3)
+    assert out["steps"] == 3 and out["tokens"] == 3 * 2 * 16
+    assert out["tokens_per_s"] == pytest.approx(out["tokens"] / out["seconds"])

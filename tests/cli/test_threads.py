@@ -294,3 +294,23 @@ def test_omp_num_threads_counts_only_as_a_positive_integer(monkeypatch, value, c
 
     monkeypatch.setenv("OMP_NUM_THREADS", value)
     assert _omp_threads() == count
+
+
+def test_the_demo_trains_on_the_threads_it_is_given(tmp_path, monkeypatch, capsys):
+    """--threads reaches the demo's run settings and its line (not the training default, which is one thread on a
+    2-core machine)."""
+    seen = []
+
+    def stop(out, cfg):
+        seen.append(cfg.train.threads)
+        raise _Stop
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(demo, "demo_run_step", stop)
+    before = torch.get_num_threads()
+    try:
+        with pytest.raises(_Stop):
+            demo.run_demo(tmp_path / "run", steps=10, threads=3)
+    finally:
+        torch.set_num_threads(before)  # the demo set this process's count
+    assert seen == [3]

@@ -166,3 +166,12 @@ def test_the_weight_gradient_of_bf16_inputs_is_formed_in_the_loss_dtype(monkeypa
     f32, bf16 = torch.float32, torch.bfloat16
     assert ({"need_x": False}, f32, f32, f32) in seen and ({"need_w": False}, bf16, bf16, bf16) in seen
     assert w.grad.dtype == bf16 and h.grad.dtype == bf16
+
+
+def test_the_reference_leaves_out_the_targets_it_is_told_to_ignore():
+    torch.manual_seed(0)
+    h, w = torch.randn(9, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    targets = torch.tensor([3, 1, 3, 0, 5, 3, 2, 4, 1])
+    kept = targets != 3
+    expected = torch.nn.functional.cross_entropy(h[kept] @ w.T, targets[kept])
+    torch.testing.assert_close(linear_cross_entropy_reference(h, w, targets, ignore_index=3), expected)
