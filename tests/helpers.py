@@ -357,6 +357,16 @@ def tiny_gpt2(vocab_size: int, positions: int, layers: int = 2, dtype: torch.dty
     return GPT2LMHeadModel(cfg).to(dtype).eval()
 
 
+def tiny_llama(vocab_size: int, positions: int, layers: int = 2, dtype: torch.dtype = torch.float64):
+    """A randomly initialised Llama (32 wide, 2 heads, 1 KV head, rotary; seed 0) in eval mode: no download."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=positions)
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
 def stderr_text(capsys) -> str:
     """What a command printed on stderr, stripped; never a traceback."""
     err = capsys.readouterr().err.strip()
@@ -405,6 +415,17 @@ def gpt2_tokenizer(directory: Path):
     for name in ("vocab.json", "merges.txt"):
         (directory / name).write_bytes(gzip.decompress((assets / f"{name}.gz").read_bytes()))
     return GPT2Tokenizer(str(directory / "vocab.json"), str(directory / "merges.txt"))
+
+
+def tiny_gpt2_dir(directory: Path, name: str = "m", positions: int = 64):
+    """(model, tokenizer, directory / name): a tiny random GPT-2 (1 block, 16 wide; seed 0) with the gpt2 tokenizer,
+    not yet saved (``model.save_pretrained(d); tok.save_pretrained(d)`` after any edit). No downloads."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tok = gpt2_tokenizer(directory)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=len(tok), n_positions=positions))
+    return model, tok, directory / name
 
 
 def tiny_llama_dir(directory: Path, max_positions: int = 2048, n_layers: int = 2) -> Path:

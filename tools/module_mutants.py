@@ -29,7 +29,8 @@ import time
 import types
 from pathlib import Path
 
-from mutants import REPO, generate_in, git, mutant_lines, patched, tally  # the script's folder
+from mutants import (REPO, accepted_entries, accepted_reason, generate_in, git, mutant_lines,  # the script's folder
+                     patched, tally)
 
 from fastweights.cli.script_parser import ScriptParser, exit_status_of
 
@@ -125,6 +126,7 @@ def statuses(file: str, names: list[str], where: dict, edits: dict, tests: list[
     if clean != 0:
         raise SystemExit(f"error: {', '.join(tests)} fail on {file} as it is: nothing to measure")
     before = _untracked()
+    entries = accepted_entries()
     result = {}
     for name in names:
         text = patched(source, edits[name]) if edits.get(name) else None
@@ -147,7 +149,8 @@ def statuses(file: str, names: list[str], where: dict, edits: dict, tests: list[
             (REPO / stray).unlink(missing_ok=True)
             report(f"removed {stray}, which the mutant below wrote into the checkout")
         result[name] = status
-        report(f"{status:>10}  {file}:{where[name][1]}  {where[name][3]}", flush=True)
+        shown = "accepted" if status == "survived" and accepted_reason(entries, name, where[name][3]) else status
+        report(f"{shown:>10}  {file}:{where[name][1]}  {where[name][3]}", flush=True)
     return result
 
 
@@ -176,9 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         from fastweights.evidence.provenance import provenance
         from fastweights.evidence.result_files import write_json
 
-        write_json(out, {**provenance(REPO, sys.argv), "file": args.file, "tests": tests,
-                                    "mutants": len(names), "counts": counts, "elapsed_s": time.time() - started,
-                                    "not_killed": not_killed})
+        write_json(out, {**provenance(REPO, sys.argv), "file": args.file, "tests": tests, "mutants": len(names),
+                         "counts": counts, "elapsed_s": time.time() - started, "not_killed": not_killed})
     return 1 if counts.get("survived") else 0
 
 

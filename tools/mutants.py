@@ -370,10 +370,15 @@ def accepted_reason(entries: list[dict], name: str, mutated: str) -> str | None:
     return None
 
 
+def accepted_entries() -> list[dict]:
+    """The entries of the accepted list (:data:`ACCEPTED`; none when it is missing)."""
+    return tomllib.loads(ACCEPTED.read_text()).get("accepted", []) if ACCEPTED.is_file() else []
+
+
 def tally(names: list[str], where: dict, statuses: dict) -> tuple[list[dict], dict[str, int]]:
     """The mutants ``names`` not killed, each with its file, line, original and mutated line and status (a survivor
     an entry of the accepted list matches: "accepted" with the entry's reason), and the count of each status."""
-    entries = tomllib.loads(ACCEPTED.read_text()).get("accepted", []) if ACCEPTED.is_file() else []
+    entries = accepted_entries()
     rows, counts = [], {}
     for name in names:
         f, line, original, mutated = where[name]

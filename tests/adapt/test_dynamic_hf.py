@@ -110,15 +110,9 @@ def test_sparse_and_cache_on_a_transformers_model():
 
 
 def test_load_hf_model_from_a_local_directory(tmp_path):
-    from helpers import gpt2_tokenizer
-
-    tok = gpt2_tokenizer(tmp_path)
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=len(tok), n_positions=64))
-    model.save_pretrained(tmp_path / "m")
-    tok.save_pretrained(tmp_path / "m")
+    model, tok, d = helpers.tiny_gpt2_dir(tmp_path)
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
     lm, t = load_hf_model(str(tmp_path / "m"))
     text = "Hello world, hello again."
     assert t.decode(t.encode(text)) == text and t.vocab_size == len(tok)

@@ -296,9 +296,9 @@ def test_omp_num_threads_counts_only_as_a_positive_integer(monkeypatch, value, c
     assert _omp_threads() == count
 
 
-def test_the_demo_trains_on_the_threads_it_is_given(tmp_path, monkeypatch, capsys):
-    """--threads reaches the demo's run settings and its line (not the training default, which is one thread on a
-    2-core machine)."""
+def test_the_demo_trains_on_the_threads_it_is_given(tmp_path, monkeypatch):
+    """--threads reaches the demo's run settings (not the training default, which is one thread on a 2-core
+    machine)."""
     seen = []
 
     def stop(out, cfg):

@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 from fastweights.cli import main
-from helpers import gpt2_tokenizer, resign_manifest, tiny_training_run
+from helpers import resign_manifest, tiny_gpt2_dir, tiny_training_run
 
 SHORT = ["--preset", "tiny", "--quiet", "--set", "train.max_steps=4", "--set", "train.eval_every=0"]
 
@@ -63,17 +63,6 @@ def test_atomic_write_replaces_a_planted_temporary_link(tmp_path):
 # ----------------------------------------------------------------------------- Hugging Face model directories
 
 
-def _gpt2_dir(tmp_path, name="m", **save):
-    """A tiny random GPT-2 directory with the gpt2 tokenizer (no downloads)."""
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    tok = gpt2_tokenizer(tmp_path)
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=len(tok), n_positions=64))
-    return model, tok, tmp_path / name
-
-
 def _hf_eval(directory, doc, capsys, *extra):
     rc = main(["dynamic", "eval", "--hf", str(directory), "--data", str(doc), "--rule", "sgd", "--lr", "1e-3",
                "--segment-len", "8", "--quiet", *extra])
@@ -95,7 +84,7 @@ def doc(tmp_path):
 
 def test_hf_pickled_weights_refused_in_one_line(tmp_path, doc, capsys):
     pytest.importorskip("transformers")
-    model, tok, d = _gpt2_dir(tmp_path)
+    model, tok, d = tiny_gpt2_dir(tmp_path)
     import torch
 
     model.save_pretrained(d)
@@ -112,7 +101,7 @@ def test_hf_non_finite_weights_refused(tmp_path, doc, capsys):
     pytest.importorskip("transformers")
     import torch
 
-    model, tok, d = _gpt2_dir(tmp_path)
+    model, tok, d = tiny_gpt2_dir(tmp_path)
     with torch.no_grad():
         model.transformer.h[0].mlp.c_fc.weight[0, 0] = float("nan")
     model.save_pretrained(d)
@@ -125,7 +114,7 @@ def test_hf_remote_code_never_runs(tmp_path, doc, capsys):
     """A directory whose config.json names its own Python (auto_map): refused, the module never imported,
     no question asked (stdin is not read: pytest would fail a read)."""
     pytest.importorskip("transformers")
-    model, tok, d = _gpt2_dir(tmp_path)
+    model, tok, d = tiny_gpt2_dir(tmp_path)
     model.save_pretrained(d)
     tok.save_pretrained(d)
     marker = tmp_path / "code-ran"

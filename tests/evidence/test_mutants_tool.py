@@ -313,3 +313,27 @@ def test_a_mutant_that_never_ends_is_a_timeout_not_a_kill():
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "{'loop': 'timeout'}", r.stdout
+
+
+def test_a_survivor_on_the_accepted_list_is_reported_as_accepted_on_its_line(tmp_path):
+    """The per-mutant line says ``accepted`` for a survivor an entry of the accepted list matches (the status it
+    returns stays ``survived``: the tally gives the reason), ``survived`` for one no entry matches."""
+    accepted = tmp_path / "accepted.toml"
+    accepted.write_text('[[accepted]]\nmutant = "fastweights.core.compare.x_relative_error__mutmut_*"\n'
+                        'line_matches = "1e-31"\nreason = "equivalent"\n')
+    lines = (REPO / "src/fastweights/core/compare.py").read_text().splitlines()
+    at = next(i for i, text in enumerate(lines, 1) if text.strip().startswith("return float((a - ref).norm()"))
+    original = lines[at - 1]
+    names = {"fastweights.core.compare.x_relative_error__mutmut_1": original.replace("1e-30", "1e-31"),
+             "fastweights.core.compare.x_relative_error__mutmut_2": original.replace("1e-30", "1e-29")}
+    where = {k: ("src/fastweights/core/compare.py", at, original.strip(), m.strip()) for k, m in names.items()}
+    edits = {k: [(at, original, m)] for k, m in names.items()}
+    code = ("import sys; from pathlib import Path; sys.path.insert(0, 'tools'); sys.path.insert(0, 'tests'); "
+            f"import mutants; mutants.ACCEPTED = Path({str(accepted)!r}); import module_mutants as m; "
+            f"print(m.statuses('src/fastweights/core/compare.py', {list(names)!r}, {where!r}, {edits!r}, "
+            "['tests/core/test_compare.py']))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    shown = [line.split()[0] for line in r.stdout.strip().splitlines()[:2]]
+    assert shown == ["accepted", "survived"], r.stdout
+    assert r.stdout.strip().splitlines()[-1] == str({k: "survived" for k in names})

@@ -269,12 +269,9 @@ def test_the_figure_2_plot_draws_each_methods_gains_in_its_three_panels(tmp_path
 
 
 def test_a_static_row_scores_within_the_models_context_in_segments_and_is_timed_on_this_process(monkeypatch):
-    pytest.importorskip("transformers")
-    import helpers
     from fastweights.adapt.dynamic import DynamicEvaluator
-    from fastweights.hf.transformers_as_ours import HFCausalLM
 
-    lm = HFCausalLM(helpers.tiny_gpt2(50, 32, 1))  # learned positions: nothing past 32 can be scored at once
+    lm = _tiny_lm()  # learned positions: nothing past 32 can be scored at once
     ids = torch.randint(0, 50, (80,), generator=torch.Generator().manual_seed(0))
     ev = fc.static_evaluator(lm, 8)
     monkeypatch.setattr(ev, "evaluate", None)  # a static row never takes the updating loop (no backward is timed)
@@ -291,7 +288,7 @@ def test_a_static_row_scores_within_the_models_context_in_segments_and_is_timed_
     assert fc.score_texts(ev, {"b": ids[:20], "a": ids}).keys() == {"b", "a"}
 
 
-def test_an_updating_row_scores_each_text_from_the_models_own_weights(monkeypatch):
+def test_an_updating_row_scores_each_text_from_the_models_own_weights():
     from fastweights.adapt.dynamic import DynamicEvaluator
 
     lm = _tiny_lm()
@@ -442,16 +439,11 @@ def test_the_figure_2_plot_tells_its_six_methods_apart_and_keeps_the_legend_belo
 def test_top_blocks_include_names_the_last_blocks_and_the_final_norm_of_llama_and_gpt2():
     pytest.importorskip("transformers")
     import helpers
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from fastweights.hf.transformers_as_ours import HFCausalLM
 
     gpt2 = HFCausalLM(helpers.tiny_gpt2(50, 32, 3))  # its final norm is ln_f
     assert fc.top_blocks_include(gpt2, 2) == "hf.transformer.h.1.*,hf.transformer.h.2.*,hf.transformer.ln_f.*"
-    torch.manual_seed(0)
-    llama = HFCausalLM(LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64,
-                                                    num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
-                                                    max_position_embeddings=32)))  # its final norm is norm
+    llama = HFCausalLM(helpers.tiny_llama(50, 32, 3))  # its final norm is norm
     assert fc.top_blocks_include(llama, 1) == "hf.model.layers.2.*,hf.model.norm.*"
     assert fc.top_blocks_include(gpt2, 3).startswith("hf.transformer.h.0.*,")  # every block
     for k in (0, 4):

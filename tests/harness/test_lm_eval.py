@@ -423,12 +423,8 @@ def test_a_harness_run_keeps_each_documents_loglikelihood_in_document_order(monk
 def test_sinks_reach_a_hugging_face_model_loaded_on_its_device(tmp_path):
     # sinks= is handed to the load that scores (the device's), not only to the CPU probe that finds a bad source
     pytest.importorskip("transformers")
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    tok = helpers.gpt2_tokenizer(tmp_path)
-    torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=len(tok), n_positions=256)).save_pretrained(
-        tmp_path / "m")
-    tok.save_pretrained(tmp_path / "m")
-    assert FastweightsStatic(hf=str(tmp_path / "m"), device="cpu", sinks=2).model.sinks == 2
-    assert FastweightsStatic(hf=str(tmp_path / "m"), device="cpu").model.sinks == 4  # the default when not given
+    model, tok, d = helpers.tiny_gpt2_dir(tmp_path, positions=256)
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    assert FastweightsStatic(hf=str(d), device="cpu", sinks=2).model.sinks == 2
+    assert FastweightsStatic(hf=str(d), device="cpu").model.sinks == 4  # the default when not given

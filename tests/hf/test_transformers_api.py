@@ -17,12 +17,7 @@ V = 50
 
 
 def llama(positions=256, layers=2):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=positions)
-    return LlamaForCausalLM(cfg).to(torch.float64).eval()
+    return helpers.tiny_llama(V, positions, layers)
 
 
 def gpt2(positions=64):
