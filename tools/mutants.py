@@ -227,8 +227,10 @@ def package_data() -> list[str]:
 def mutant_lines(tmp: Path, files: list[str], edits: dict | None = None) -> dict[str, tuple[str, int, str, str]]:
     """mutant name -> (file, line at HEAD, the original line, the mutated line), from mutmut's generated files
     (each function's copies ``x_f__mutmut_N`` beside its ``x_f__mutmut_orig``, their spans in ``.spans``).
-    ``edits``, when given, receives per mutant every line it changes: [(line at HEAD, generated original line,
-    generated mutated line)], or None when mutmut's copy has another number of lines."""
+    ``edits``, when given, receives per mutant the lines it changes as one span: [(first line at HEAD, the
+    generated original lines, the generated mutated lines)], each side its lines joined by newlines (a statement
+    over several lines that a mutant replaces by one, ``x = None``, changes their number), the function's name on
+    a mutated ``def`` line (a default argument) the file's, not mutmut's."""
     result = {}
     for f in files:
         generated = tmp / "mutants" / f
@@ -242,6 +244,8 @@ def mutant_lines(tmp: Path, files: list[str], edits: dict | None = None) -> dict
         for orig_name, (a0, b0) in spans.items():
             if not orig_name.endswith("__mutmut_orig"):
                 continue
+            # mutmut names a function's copies x_f__mutmut_*, a method's xǁClassǁf__mutmut_*: the file says f
+            source_name = re.sub(r"^x(?:ǁ[^ǁ]*ǁ|_)", "", orig_name.removesuffix("__mutmut_orig"))
             orig = lines[a0 - 1:b0]
             body = [i for i, text in enumerate(orig) if text.strip()]  # where the function's text sits in the source
             at = _find_block(source, [orig[i] for i in body[1:]])  # the def line's name differs: match below it
@@ -254,11 +258,16 @@ def mutant_lines(tmp: Path, files: list[str], edits: dict | None = None) -> dict
                 if k is None or at is None:
                     continue
                 line = at + (k - body[1]) + 1  # 1-based, in the file at HEAD
-                result[f"{module}.{name}"] = (f, line, orig[k].strip(), lines[a - 1 + k].strip())
-                if edits is not None:  # every changed line, for applying the mutant as a patch (None: lines differ)
-                    edits[f"{module}.{name}"] = None if len(orig) != len(mutant) else [
-                        (at + (i - body[1]) + 1, x, lines[a - 1 + i]) for i, (x, y) in enumerate(zip(orig, mutant))
-                        if x != y]
+                named = [text.replace(orig_name, source_name) for text in (orig[k], mutant[k])]
+                result[f"{module}.{name}"] = (f, line, named[0].strip(), named[1].strip())
+                if edits is not None:  # the changed span, for applying the mutant as a patch
+                    same_tail = 0  # lines equal at both ends are not the mutant's
+                    while same_tail < min(len(orig), len(mutant)) - k - 1 and orig[-1 - same_tail] == mutant[-1 - same_tail]:
+                        same_tail += 1
+                    old, new = (
+                        "\n".join(text.replace(orig_name, source_name) for text in side[k:len(side) - same_tail])
+                        for side in (orig, mutant))
+                    edits[f"{module}.{name}"] = [(line, old, new)]
     return result
 
 
@@ -283,16 +292,18 @@ def _find_block(source: list[str], block: list[str]) -> int | None:
 
 
 def patched(source: str, edits: list[tuple[int, str, str]]) -> str | None:
-    """``source`` with a mutant's ``edits`` applied (each line re-indented by the offset between mutmut's copy and
-    the file: a method's copy sits at module level), or None when a line is not the one mutmut mutated."""
+    """``source`` with a mutant's ``edits`` applied, each (first line, original lines, mutated lines; lines joined
+    by newlines) re-indented by the offset between mutmut's copy and the file (a method's copy sits at module
+    level), edits of several lines last in the list; None when a line is not the one mutmut mutated."""
     lines = source.split("\n")
     for line, original, mutated in edits:
-        if not 1 <= line <= len(lines) or lines[line - 1].strip() != original.strip():
+        old, new = original.split("\n"), mutated.split("\n")
+        here = lines[line - 1:line - 1 + len(old)] if line >= 1 else []
+        if len(here) != len(old) or any(h.strip() != o.strip() for h, o in zip(here, old)):
             return None
-        here = lines[line - 1]
-        shift = (len(here) - len(here.lstrip())) - (len(original) - len(original.lstrip()))
-        indent = len(mutated) - len(mutated.lstrip()) + shift
-        lines[line - 1] = " " * max(indent, 0) + mutated.lstrip()
+        shift = (len(here[0]) - len(here[0].lstrip())) - (len(old[0]) - len(old[0].lstrip()))
+        lines[line - 1:line - 1 + len(old)] = [
+            " " * max(len(m) - len(m.lstrip()) + shift, 0) + m.lstrip() if m.strip() else m for m in new]
     return "\n".join(lines)
 
 

@@ -39,6 +39,37 @@ def test_each_mutant_is_placed_on_its_line_of_the_source(tmp_path):
                      "pkg.mod.x_f__mutmut_2": ("src/pkg/mod.py", 8, "return b * 2", "return b / 2")}
 
 
+def test_a_default_argument_or_a_statement_over_several_lines_is_applied_as_mutmut_wrote_it(tmp_path):
+    """Two kinds of mutant each draw counted as 'not applied' (2-5 of 100, outside the score): a mutated default
+    argument sits on the ``def`` line, where mutmut's copy has its own name (a method's: ``xǁClassǁf``), and a
+    statement over several lines replaced by one (``x = None``) changes the number of lines."""
+    source = ["class A:", "    def f(self, a, b=2):", "        c = g(a,", "              b)", "        return c", "",
+              "def h(a, scale=1.0):", "    return a * scale", ""]
+    generated = ["class A:", "    def xǁAǁf__mutmut_orig(self, a, b=2):", "        c = g(a,", "              b)",
+                 "        return c", "", "    def xǁAǁf__mutmut_1(self, a, b=3):", "        c = g(a,", "              b)",
+                 "        return c", "", "    def xǁAǁf__mutmut_2(self, a, b=2):", "        c = None", "        return c",
+                 "", "def x_h__mutmut_orig(a, scale=1.0):", "    return a * scale", "",
+                 "def x_h__mutmut_1(a, scale=2.0):", "    return a * scale", ""]
+    (tmp_path / "src" / "pkg").mkdir(parents=True)
+    (tmp_path / "src" / "pkg" / "mod.py").write_text("\n".join(source))
+    out = tmp_path / "mutants" / "src" / "pkg"
+    out.mkdir(parents=True)
+    (out / "mod.py").write_text("\n".join(generated))
+    spans = {"xǁAǁf__mutmut_orig": [2, 5], "xǁAǁf__mutmut_1": [7, 10], "xǁAǁf__mutmut_2": [12, 14],
+             "x_h__mutmut_orig": [16, 17], "x_h__mutmut_1": [19, 20]}
+    (out / "mod.py.spans").write_text(json.dumps({"version": 1, "spans": spans}))
+    edits: dict = {}
+    where = mutants.mutant_lines(tmp_path, ["src/pkg/mod.py"], edits)
+    assert where == {"pkg.mod.xǁAǁf__mutmut_1": ("src/pkg/mod.py", 2, "def f(self, a, b=2):", "def f(self, a, b=3):"),
+                     "pkg.mod.xǁAǁf__mutmut_2": ("src/pkg/mod.py", 3, "c = g(a,", "c = None"),
+                     "pkg.mod.x_h__mutmut_1": ("src/pkg/mod.py", 7, "def h(a, scale=1.0):", "def h(a, scale=2.0):")}
+    text = "\n".join(source)
+    applied = {name.split(".")[-1]: mutants.patched(text, e) for name, e in edits.items()}
+    assert applied["xǁAǁf__mutmut_1"] == text.replace("def f(self, a, b=2):", "def f(self, a, b=3):")
+    assert applied["xǁAǁf__mutmut_2"] == text.replace("c = g(a,\n              b)", "c = None")
+    assert applied["x_h__mutmut_1"] == text.replace("scale=1.0", "scale=2.0")
+
+
 def test_changed_lines_are_the_lines_the_change_added_or_modified(monkeypatch):
     diff = "\n".join(["diff --git a/src/p/a.py b/src/p/a.py", "--- a/src/p/a.py", "+++ b/src/p/a.py",
                       "@@ -3,0 +4,2 @@", "+x", "+y", "@@ -10 +12 @@", "-old", "+new", "@@ -20,2 +21,0 @@",
@@ -92,7 +123,7 @@ def test_a_sampled_mutant_is_killed_by_a_failing_test_and_the_file_is_restored(t
     assert module.read_text() == "def f(a):\n    return a + 1\n"
     assert run([(2, "    return a + 1", "    return 1 + a")]) == "survived"  # an equivalent mutant
     assert run([(2, "    return a + 2", "    return a - 1")]) == "not applied"
-    assert run(None) == "not applied"  # mutmut's copy had another number of lines
+    assert run(None) == "not applied"  # no placed lines
     assert mutants.run_patched(tmp_path, "src/pkg/mod.py", [(2, "    return a + 1", "    return a - 1")], [], 120) \
         == "no tests"
 
