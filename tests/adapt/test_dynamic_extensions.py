@@ -277,6 +277,6 @@ def test_gradient_statistics_of_a_tensor_the_loss_does_not_reach_are_zero():
 
     tokens = torch.randint(0, 7, (41,))
     stats = accumulate_grad_stats(forward, [emb, out, unused], ["emb", "out", "unused"], tokens, batch_size=2,
-                                  seq_len=5, context=None, max_batches=3)
+                                  seq_len=5, context=None, max_batches=3, progress=False)
     assert torch.equal(stats.ms["unused"], torch.zeros(3)) and stats.batches == 3
     assert stats.ms["out"].gt(0).any() and stats.ms["emb"].shape == (7, 4)

@@ -163,3 +163,12 @@ def test_the_statistics_context_is_given_else_the_models_at_most_1024_for_a_hugg
     assert stats_context(0, hf, None) == 1024 and stats_context(0, SimpleNamespace(default_context=512), None) == 512
     assert stats_context(0, None, ours) == 256 and stats_context(300, hf, None) == 300
     assert stats_context(0, SimpleNamespace(), None) == 1024  # a model that names no context of its own
+
+
+def test_a_context_the_command_works_out_is_the_settings_context():
+    """``continual`` and ``eval --stream`` pass the context they use (the checkpoint's, not a flag): it wins over
+    ``--context``. Mutation caught (seed 18): the given context ignored, the flag's value taken."""
+    args = parse_command_line([*EVAL, "--context", "64"])
+    assert dynamic_settings(args).context == 64
+    assert dynamic_settings(args, context=128).context == 128
+    assert dynamic_settings(args, context=0).context == 0  # zero given is zero (no bound), not the flag's 64

@@ -20,6 +20,8 @@ def test_pieces_spread_over_the_text_end_at_paragraphs_and_never_overlap():
     assert all(d.startswith("paragraph") for d in docs) and starts[-1] > 0.8 * len(text)
     with pytest.raises(UserError):
         idt.pieces("short text", n=10, size=2000)
+    # no paragraph end inside a piece's reach: the piece is its full size (seed 18: `a - size` gave empty pieces)
+    assert [len(d) for d in idt.pieces("word " * 2000, n=3, size=500)] == [499, 499, 499]
 
 
 def test_a_source_holding_the_scored_text_leaves_its_excerpt_out():

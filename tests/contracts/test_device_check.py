@@ -294,3 +294,23 @@ def test_the_package_roots_without_fla_or_with_a_stand_in(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setitem(sys.modules, "fla", types.ModuleType("fla"))
     assert dc._package_roots() == ours
+
+
+def test_two_calls_differentiates_the_fixed_weighted_sum_of_both_outputs():
+    """The backward is of sum(y1 * w1) + sum(y2 * w2): the second input's gradient is linear in w2 (seed 18:
+    `y2 / w2` survived, as both devices ran the same wrong sum)."""
+    (kind, name), variants = next(iter(dc.reg.VARIANTS.items()))
+    raw = next(iter(variants.values()))  # the first variant's options
+    g = torch.Generator().manual_seed(0)
+    x = [torch.randn(dc.reg.B, dc.reg.T, dc.reg.D, generator=g) for _ in range(2)]
+    tokens = [torch.randint(0, dc.reg.V, (dc.reg.B, dc.reg.T), generator=g) for _ in range(2)]
+    cpu = torch.device("cpu")
+
+    def grads(scale):
+        layer = dc.contract.build(kind, name, raw)
+        w = lambda shape: (torch.ones(shape), scale * torch.ones(shape))  # noqa: E731
+        return dc.two_calls(layer, kind, x, tokens, w, cpu)["input_grad_2"]
+
+    one, three = grads(1.0), grads(3.0)
+    assert one.abs().max() > 0
+    torch.testing.assert_close(three, 3 * one, rtol=1e-5, atol=1e-6)

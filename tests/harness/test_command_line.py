@@ -241,3 +241,18 @@ def test_lm_evals_disable_tqdm_turns_the_progress_line_off(capsys, tmp_path):
     assert "loglikelihood_rolling" not in capsys.readouterr().err
     lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, ("abc abc",), 0)])
     assert "fastweights: loglikelihood_rolling, 1 document(s) | 6/6 tok |" in capsys.readouterr().err
+
+
+def test_the_threads_model_argument_sets_torchs_threads(tmp_path, monkeypatch):
+    """``threads=`` reaches the scoring's thread count (seed 18: `use_threads("scoring", None)` survived, every
+    harness run on the default)."""
+    from fastweights.harness.models import FastweightsStatic
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    try:
+        FastweightsStatic(checkpoint=str(helpers.untrained_char_checkpoint(tmp_path, "abc " * 50)), device="cpu",
+                          threads=2)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

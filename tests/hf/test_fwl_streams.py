@@ -5,6 +5,7 @@ static model's loss on the same windows; and a hidden-state cache rebuilt when a
 test names the one-line bug it catches (shown failing on that mutant when written)."""
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -394,5 +395,28 @@ def test_resume_refuses_a_head_trained_with_other_options(llama_dir, tmp_path):
     train_head(acting_model(llama_dir), tmp_path / "c", tmp_path / "run", "tiny", max_steps=1, **kw)
     other = acting_model(llama_dir)
     other.head.options = dataclasses.replace(other.head.options, segment_len=4)
-    with pytest.raises(UserError, match="holds a head with other options or trainable blocks"):
+    with pytest.raises(UserError, match=re.escape(
+            "holds a head with other options or trainable blocks (another --variant or --trainable-blocks?); choose "
+            "another --out, or the settings it was trained with")):
         train_head(other, tmp_path / "c", tmp_path / "run", "tiny", max_steps=2, **kw)
+
+
+def test_a_resumed_runs_eta_is_bounded_by_the_budget_it_has_left(llama_dir, tmp_path, monkeypatch):
+    """The progress bar's time limit is the budget less the CPU seconds the run had spent (seed 18: `+ used_cpu`
+    survived, a resumed run's ETA allowed past its budget)."""
+    from fastweights.core.progress import Progress
+    from fastweights.hf import fwl_training
+
+    limits = []
+
+    def recording(*args, **kw):
+        limits.append((kw["time_limit"], kw["initial"]))
+        return Progress(*args, **kw)
+
+    monkeypatch.setattr(fwl_training, "Progress", recording)
+    build_cache(acting_model(llama_dir), tmp_path / "c", windows(3), [3])
+    kw = dict(budget_cpu_s=1e6, batch_size=1, progress=False, val_windows=0)
+    train_head(acting_model(llama_dir), tmp_path / "c", tmp_path / "run", "tiny", max_steps=1, **kw)
+    train_head(acting_model(llama_dir), tmp_path / "c", tmp_path / "run", "tiny", max_steps=2, **kw)
+    (first, none), (second, used) = limits
+    assert none == 0 and first == 1e6 and used > 0 and second == 1e6 - used

@@ -62,6 +62,16 @@ def test_one_long_file_gives_runs_of_consecutive_windows_until_the_windows_are_f
     assert training_windows(Chars(), 100, str(tmp_path), doc_windows=4).doc_windows == [4, 3]  # no limit: one run
 
 
+def test_text_with_no_document_of_a_window_is_one_line_naming_it(tmp_path):
+    """Seed 18: the message replaced by None survived."""
+    from fastweights.core.errors import UserError
+
+    (tmp_path / "a.txt").write_text("short")
+    with pytest.raises(UserError, match=r"^the training text \(%s\) holds no document of 100 tokens or more$"
+                       % tmp_path):
+        training_windows(Chars(), 100, str(tmp_path), doc_windows=4)
+
+
 def test_a_long_files_later_runs_are_tokenized_once(tmp_path):
     """The runs after the first read the ids one encoding made for all of them (not the growing prefix once per
     run, quadratic in a long file)."""

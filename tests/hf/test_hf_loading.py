@@ -127,6 +127,30 @@ def test_a_config_that_builds_no_model_is_one_line(llama_dir, tmp_path):
     assert "\n" not in str(e.value) and str(e.value).startswith(f"cannot load Hugging Face model {str(d)!r}: ")
 
 
+def test_a_gguf_files_extra_tensors_are_its_loaders_and_not_refused(llama_dir, tmp_path, monkeypatch):
+    """A GGUF file's loader maps tensor names itself (a Llama 3 GGUF stores ``rope_freqs``): a stored tensor that
+    belongs to no parameter is not refused there, as it is for a directory (seed 18: the GGUF exception dropped
+    survived; the shipped SmolLM2 GGUF has none). transformers' loader stood in for: the tiny model with such a
+    report."""
+    import transformers
+
+    real_model, real_tok = transformers.AutoModelForCausalLM.from_pretrained, transformers.AutoTokenizer.from_pretrained
+    seen = []
+
+    def model_from(source, **kw):
+        seen.append(kw.get("gguf_file"))
+        model, info = real_model(str(llama_dir), output_loading_info=True)
+        return model, {**info, "unexpected_keys": ["rope_freqs.weight"]}
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", model_from)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda source, **kw: real_tok(str(llama_dir)))
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    model, _ = tao.load_hf_model(str(tmp_path / "m.gguf"))
+    assert isinstance(model, tao.HFCausalLM) and seen == ["m.gguf"]
+    with pytest.raises(UserError, match=r"1 stored tensor\(s\) belong to no parameter of the model \(rope_freqs"):
+        tao.load_hf_model(str(llama_dir))  # a directory's stored tensors must be the model's
+
+
 def test_a_config_the_meta_build_refuses_is_one_line_naming_it(monkeypatch):
     """Mutation caught (issue 49, seed 7): check_fits' refusal of a config that builds no model lost its message."""
     from types import SimpleNamespace

@@ -66,6 +66,8 @@ CASES = {
     "all fast, segments, state-like start": dict(fast=BLOCK_FAST, segment_len=4, start=2, residual=False),
     "slow biases, no segments": dict(fast=("U", "W", "ln_weight", "ln_bias"), segment_len=0, start=0, residual=False),
     "LayerNorm only": dict(fast=("ln_weight", "ln_bias"), segment_len=3, start=1, residual=False),
+    # the first layer slow: the fast pass starts from the slow pass's o (seed 18: SlowPass without o survived)
+    "second layer only": dict(fast=("W", "b"), segment_len=3, start=1, residual=False),
     "residual (pretrained), segments": dict(fast=BLOCK_FAST, segment_len=5, start=3, residual=True),
     "block and c fast (c needs the logits)": dict(fast=(*BLOCK_FAST, "c"), segment_len=4, start=0, residual=False),
 }

@@ -99,8 +99,8 @@ class GradStats:
 
 
 def accumulate_grad_stats(forward: Callable, leaves: list[torch.Tensor], names: list[str], train_tokens,
-                          batch_size: int, seq_len: int, context: int | None, max_batches: int | None,
-                          model=None, progress: bool = False) -> GradStats:
+                          batch_size: int, seq_len: int, context: int | None, max_batches: int | None, *,
+                          model: torch.nn.Module | None = None, progress: bool) -> GradStats:
     """MS_g for ``leaves`` from training text (the generic loop behind :func:`collect_grad_stats`).
 
     ``train_tokens`` ([N]) is cut into ``batch_size`` contiguous streams (``dynamiceval.py``'s

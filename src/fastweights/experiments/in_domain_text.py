@@ -63,7 +63,8 @@ def check_disjoint(runs: Path) -> None:
 
     for key in SOURCES:
         spec = next(s for s, _ in TEXTS if s.key == key)
-        doc = "\n\n".join(d.text for d in load_corpus(spec.document))
+        (document,) = load_corpus(spec.document)  # an excerpt names one document (data.excerpts.token_excerpt)
+        doc = document.text
         at = doc.find(spec.marker)
         lines = [ln for ln in doc[at:at + 20_000].splitlines() if len(ln.strip()) >= 60]
         for f in sorted((runs / "data" / key).glob("*.txt")):

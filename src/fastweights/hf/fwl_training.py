@@ -298,7 +298,7 @@ def train_head(model, cache_dir: str | Path, out_dir: str | Path, backbone_name:
             optimizer.load_state_dict(ts["optimizer"])
             step, used_cpu, history = ts["step"], float(ts["cpu_s"]), list(ts["history"])
             gen.set_state(ts["rng"])
-            order, streams = ts["order"].to(torch.long), list(ts["streams"])
+            order, streams = ts["order"], list(ts["streams"])  # int64, as saved (safetensors keeps the dtype)
             fits = len(streams) == batch_size and all(
                 s is None or 0 <= s["next"] <= s["end"] <= n_train for s in streams) and (
                 not order.numel() or (order.min() >= 0 and order.max() < len(docs)))
@@ -349,7 +349,7 @@ def train_head(model, cache_dir: str | Path, out_dir: str | Path, backbone_name:
             step += 1
             now = time.process_time()
             ref = float(np.mean([static[i] for i in idx]))
-            history.append({"step": step, "cpu_s": round(now - start, 2), "loss_nats": loss.item(),
+            history.append({"step": step, "cpu_s": now - start, "loss_nats": loss.item(),
                             "static_nats": ref, "gain_nats": ref - loss.item(), "windows": idx})
             bar.update(now - start - used_cpu, gain_nats=ref - loss.item())
             used_cpu = now - start
@@ -564,7 +564,7 @@ def train_head_online(model, streams, *, batch: int, window: int, windows_per_st
             step += 1
             tokens_seen += out.logits.shape[0] * out.logits.shape[1]
             now = clock()
-            history.append([step, round(now - start, 3), j, loss.item(), scale])
+            history.append([step, now - start, j, loss.item(), scale])
             if log is not None and (now - last_log >= 15 or step == 1):
                 log(f"train: step {step}, window {j + 1}/{windows_per_stream}, loss {loss.item():.4f} nats, "
                     f"{tokens_seen / max(now - start, 1e-9):,.0f} tok/s, {now - start:.0f}/{budget_s:.0f} s")
