@@ -71,7 +71,7 @@ def main() -> int:
         doc = json.loads(out)
         train = json.loads((ckpt / "summary.json").read_text())
         use_threads("benchmark", 1)
-        in_distribution = answer_digit_accuracy(ckpt)
+        in_distribution = answer_digit_accuracy(ckpt, chars=40_000)  # the first 40k characters of the held-out span
         print(label, "in-distribution answer digits:", in_distribution, flush=True)
         by_iters = doc["summary"]["by_iters"]
         results[label] = {

@@ -373,6 +373,17 @@ def test_a_model_directory_of_integer_weights_is_refused(tmp_path, capsys):
     _refuse_integer_weights(d)  # a quantised model's integers are its design
 
 
+def test_a_safetensors_header_length_past_any_real_header_is_not_read(tmp_path):
+    """The integer-weights check reads only headers: a file whose first 8 bytes give a header of 2^64 - 1 bytes
+    (damaged or hostile) is left to transformers to report, not read into memory (seed 18: the size guard
+    `or True` survived; reading it raises OverflowError, a traceback)."""
+    from fastweights.hf.transformers_as_ours import _refuse_integer_weights
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes((2**64 - 1).to_bytes(8, "little") + b"{}")
+    _refuse_integer_weights(tmp_path)
+
+
 def test_a_link_planted_after_the_exports_first_check_is_refused_by_its_writer(tmp_path, monkeypatch):
     """``export-hf --force`` checks the directory's entries first, then loads the checkpoint, then writes: a link
     planted in between (here while the checkpoint loads) is refused by the writer itself, naming the export

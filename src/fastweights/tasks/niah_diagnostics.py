@@ -16,10 +16,10 @@ import torch.nn.functional as F
 DATA = "tinyshakespeare"  # the haystack: the text the preset's corpus niah-tinyshakespeare is built from
 
 
-def answer_digit_accuracy(ckpt: Path, chars: int = 40_000) -> dict:
+def answer_digit_accuracy(ckpt: Path, chars: int) -> dict:
     """Did the model learn the skill it was trained for? Greedy next-character accuracy on the answer
-    digits of the questions in the held-out (test) span of its own training corpus, against the same
-    accuracy on the needles' digits, which nothing earlier predicts (chance level)."""
+    digits of the questions in the first ``chars`` characters of the held-out (test) span of its own training
+    corpus, against the same accuracy on the needles' digits, which nothing earlier predicts (chance level)."""
     from fastweights.models.loading import load_checkpoint
     from fastweights.data import load_corpus, split_corpus
     from fastweights.tasks.niah import KEY_HEX, NEEDLE_TEMPLATE, VALUE_DIGITS  # (importing registers the corpora)
