@@ -332,7 +332,9 @@ def test_the_leaderboard_figure_draws_each_rows_curves_in_bits_in_its_panel():
     assert all(ax.xaxis.get_gridlines()[0].get_alpha() == 0.3 for ax in fig.axes)
     assert {h.get_linewidth() for h in legend.legend_handles} == {1.8}
     assert legend.get_texts()[0].get_fontsize() == 9 and legend.get_title().get_fontsize() == 8.5
-    assert legend._loc == 2 and not legend.get_frame_on()  # upper left, no frame
+    fig.canvas.draw()  # where the legend is drawn: its upper left corner at its anchor (0.76, 0.985), no frame
+    box = legend.get_window_extent().transformed(fig.transFigure.inverted())
+    assert abs(box.x0 - 0.76) < 0.02 and abs(box.y1 - 0.985) < 0.02 and not legend.get_frame_on()
     import matplotlib.pyplot as plt
 
     plt.close(fig)
