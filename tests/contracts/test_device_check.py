@@ -314,3 +314,35 @@ def test_two_calls_differentiates_the_fixed_weighted_sum_of_both_outputs():
     one, three = grads(1.0), grads(3.0)
     assert one.abs().max() > 0
     torch.testing.assert_close(three, 3 * one, rtol=1e-5, atol=1e-6)
+
+
+class _WithAuxLoss(torch.nn.Module):
+    """A stand-in part with an outer training loss (``components.AuxLoss``): y = x * w, aux_loss = 5 |w|^2. No
+    registered part has one yet; a user's registered part may."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(dc.reg.D))
+        self.aux_loss = None
+
+    def forward(self, x, state=None):
+        self.aux_loss = 5 * self.w.square().sum()
+        return x * self.w, None
+
+
+def test_the_device_checks_add_a_parts_auxiliary_loss():
+    """two_calls differentiates the part's aux_loss with the weighted sum, and the training check adds it to each
+    step's loss (seed 18: `getattr(layer, "AUX_LOSS", None)` survived, as no registered part sets one)."""
+    g = torch.Generator().manual_seed(0)
+    x = [torch.randn(dc.reg.B, dc.reg.T, dc.reg.D, generator=g) for _ in range(2)]
+    tokens = [torch.zeros(dc.reg.B, dc.reg.T, dtype=torch.long) for _ in range(2)]
+    out = dc.two_calls(_WithAuxLoss(), "mixer", x, tokens, lambda shape: (torch.ones(shape), torch.ones(shape)),
+                       torch.device("cpu"))
+    want = (x[0] + x[1]).sum((0, 1)) + 10  # d/dw of sum(x1 w) + sum(x2 w) + 5 |w|^2 at w = 1
+    torch.testing.assert_close(out["param_grad[w]"], want)
+
+
+def test_the_training_check_adds_a_parts_auxiliary_loss(monkeypatch):
+    monkeypatch.setattr(dc.contract, "build", lambda kind, name, raw: _WithAuxLoss())
+    losses, _, _ = dc.contract.train("mixer", "stand-in", {}, bf16=False)
+    assert losses[0] == 5 * dc.reg.D  # y = x at w = 1: the reconstruction loss is 0, the aux loss 5 |w|^2

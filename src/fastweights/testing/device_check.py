@@ -78,7 +78,10 @@ def two_calls(layer, kind, x, tokens, weights, device):
     y2, s2 = contract.call(layer, kind, x2, t2, s1)
     w1, w2 = weights(y1.shape)
     loss = (y1.float() * w1.to(device)).sum() + (y2.float() * w2.to(device)).sum()
-    loss.backward()  # no registered layer adds an outer loss (every aux_loss is None)
+    aux = getattr(layer, "aux_loss", None)
+    if isinstance(aux, torch.Tensor) and aux.requires_grad:
+        loss = loss + aux
+    loss.backward()
     out = {"output_1": y1, "output_2": y2, "input_grad_1": x1.grad, "input_grad_2": x2.grad}
     for where, leaf in contract.state_leaves(s2):
         out[f"state[{where}]" if where else "state"] = leaf

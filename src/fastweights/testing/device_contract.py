@@ -47,7 +47,10 @@ def train(kind, name, raw, bf16: bool, device: torch.device = torch.device("cpu"
             if kind == "head":
                 loss = F.cross_entropy(y.float().flatten(0, 1), tokens.flatten())
             else:
-                loss = (y.float() - x).pow(2).mean()  # no registered layer adds an outer loss (every aux_loss is None)
+                loss = (y.float() - x).pow(2).mean()
+            aux = getattr(layer, "aux_loss", None)
+            if aux is not None:
+                loss = loss + aux
         opt.zero_grad()
         loss.backward()
         opt.step()
