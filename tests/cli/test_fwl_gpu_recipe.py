@@ -5,6 +5,7 @@ state across windows exactly as one long call does and never lets a window see l
 is the head with zero step sizes, restored after; the static row is the backbone's own logits; the training
 streams are consecutive stretches of documents that are never scored; bad input is one line with exit 2."""
 
+import contextlib
 import json
 import math
 import re
@@ -290,3 +291,46 @@ def test_the_online_trainer_counts_the_tokens_of_every_step(tiny_fwl):
                                          lr=0.0, step_lr=0.0, block_lr=0.0, max_steps=3)
     assert out["steps"] == 3 and out["tokens"] == 3 * 2 * 16
     assert out["tokens_per_s"] == pytest.approx(out["tokens"] / out["seconds"])
+
+
+def test_the_online_trainer_stops_when_its_clock_reaches_the_budget(tiny_fwl, monkeypatch):
+    """With no step limit (the default) the run ends at the first step where ``clock`` has advanced by ``budget_s``
+    since the start: a stand-in clock at 1,000 s plus 10 s per optimizer step, a budget of 30 s: 3 steps.
+    Mutations caught (module run of 2026-11-30): a default step limit of 1; the clock added to the start; the
+    budget reached only when passed."""
+    model, _ = tiny_fwl
+    done = [0]
+    real = fwl_training.optimizer_step
+
+    def counting(*a, **k):
+        done[0] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(fwl_training, "optimizer_step", counting)
+    ids = torch.randint(0, 500, (17,))
+    streams = iter([(ids, "c1:a"), (ids, "c2:b")] * 10)
+    out = fwl_training.train_head_online(model, streams, batch=2, window=16, windows_per_stream=1, budget_s=30.0,
+                                         clock=lambda: 1000.0 + 10.0 * done[0], lr=0.0, step_lr=0.0, block_lr=0.0)
+    assert out["steps"] == 3
+    # what it trained on: every stream taken, by document and by corpus (the sources not counted survived too)
+    assert (out["streams"], out["documents"], out["corpora"]) == (6, ["c1:a", "c2:b"], {"c1": 3, "c2": 3})
+
+
+def test_the_online_trainer_decays_over_its_steps_and_runs_each_window_under_amp(tiny_fwl):
+    """With a step limit and an unbounded budget the rates decay over the steps (each history row's factor is
+    ``online_lr_scale`` at that step with ``max_steps``), and every window runs under the ``amp`` context given.
+    Mutations caught (module run of 2026-11-30): the step limit not passed to the schedule; ``amp`` not passed on."""
+    model, _ = tiny_fwl
+    entered = []
+
+    def amp():
+        entered.append(1)
+        return contextlib.nullcontext()
+
+    streams = iter([(torch.randint(0, 500, (17,)), "c:doc")] * 8)
+    out = fwl_training.train_head_online(model, streams, batch=2, window=16, windows_per_stream=1, budget_s=math.inf,
+                                         amp=amp, lr=0.0, step_lr=0.0, block_lr=0.0, max_steps=4, warmup_steps=1,
+                                         final_lr_fraction=0.1)
+    want = [fwl_training.online_lr_scale(i, 0.0, math.inf, 4, 1, 0.1) for i in range(4)]
+    assert [row[4] for row in out["history"]] == pytest.approx(want) and want[-1] < want[0]
+    assert len(entered) == 4  # one window per step
