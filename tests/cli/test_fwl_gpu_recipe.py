@@ -295,23 +295,31 @@ def test_the_online_trainer_counts_the_tokens_of_every_step(tiny_fwl):
 
 def test_the_online_trainer_stops_when_its_clock_reaches_the_budget(tiny_fwl, monkeypatch):
     """With no step limit (the default) the run ends at the first step where ``clock`` has advanced by ``budget_s``
-    since the start: a stand-in clock at 1,000 s plus 10 s per optimizer step, a budget of 30 s: 3 steps.
-    Mutations caught (module run of 2026-11-30): a default step limit of 1; the clock added to the start; the
-    budget reached only when passed."""
-    model, _ = tiny_fwl
-    done = [0]
+    since the start: a stand-in clock at 1,000 s plus 10 s per optimizer step, a budget of 30 s: 3 steps, each
+    group's rate its base rate times ``online_lr_scale`` at the seconds spent. Mutations caught (module run of
+    2026-11-30): a default step limit of 1; the clock added to the start; the budget reached only when passed; the
+    rates not set, or divided by the factor; the step's index not passed on."""
+    import copy
+
+    model = copy.deepcopy(tiny_fwl[0])  # trained here: the shared model stays as it was
+    done, rates, steps = [0], [], []
     real = fwl_training.optimizer_step
 
-    def counting(*a, **k):
+    def counting(loss, optimizer, params, step):
+        rates.append({g["name"]: g["lr"] / g["base_lr"] for g in optimizer.param_groups})
+        steps.append(step)
         done[0] += 1
-        return real(*a, **k)
+        return real(loss, optimizer, params, step)
 
     monkeypatch.setattr(fwl_training, "optimizer_step", counting)
     ids = torch.randint(0, 500, (17,))
     streams = iter([(ids, "c1:a"), (ids, "c2:b")] * 10)
     out = fwl_training.train_head_online(model, streams, batch=2, window=16, windows_per_stream=1, budget_s=30.0,
-                                         clock=lambda: 1000.0 + 10.0 * done[0], lr=0.0, step_lr=0.0, block_lr=0.0)
-    assert out["steps"] == 3
+                                         clock=lambda: 1000.0 + 10.0 * done[0], lr=1e-3, step_lr=1e-3, block_lr=1e-3,
+                                         warmup_steps=1, final_lr_fraction=0.1)
+    assert out["steps"] == 3 and steps == [0, 1, 2]
+    want = [fwl_training.online_lr_scale(i, 10.0 * i, 30.0, 0, 1, 0.1) for i in range(3)]
+    assert [sorted(set(r.values())) for r in rates] == [[pytest.approx(w)] for w in want] and want[2] < want[0]
     # what it trained on: every stream taken, by document and by corpus (the sources not counted survived too)
     assert (out["streams"], out["documents"], out["corpora"]) == (6, ["c1:a", "c2:b"], {"c1": 3, "c2": 3})
 
