@@ -293,8 +293,9 @@ def _find_block(source: list[str], block: list[str]) -> int | None:
 
 def patched(source: str, edits: list[tuple[int, str, str]]) -> str | None:
     """``source`` with a mutant's ``edits`` applied, each (first line, original lines, mutated lines; lines joined
-    by newlines) re-indented by the offset between mutmut's copy and the file (a method's copy sits at module
-    level), edits of several lines last in the list; None when a line is not the one mutmut mutated."""
+    by newlines) re-indented by the offset between mutmut's copy and the file's lines; None when a line is not the
+    one mutmut mutated. An edit that changes the number of lines moves the lines below it: :func:`mutant_lines`
+    gives each mutant one span."""
     lines = source.split("\n")
     for line, original, mutated in edits:
         old, new = original.split("\n"), mutated.split("\n")

@@ -63,8 +63,6 @@ def test_busy_cores_counts_iowait_as_idle(monkeypatch):
 @pytest.mark.parametrize("omp, set_threads, want", [(None, 0, 2), ("1", 0, 1), (None, 3, 3), ("1", 3, 3)])
 def test_train_takes_idle_cores_unless_told(tmp_path, monkeypatch, omp, set_threads, want):
     monkeypatch.setattr(threads_module, "training_threads", lambda: 2)
-    # a benchmark's default told apart from scoring's (both 1 as shipped; seed 18: `work != "benchmark"` survived)
-    monkeypatch.setattr(threads_module, "BENCHMARK_THREADS", 3)
     if omp is None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     else:

@@ -284,20 +284,37 @@ def test_the_module_runner_kills_what_its_tests_catch_and_lists_the_rest(tmp_pat
     assert (REPO / "src/fastweights/core/compare.py").read_text() == before
 
 
+COMPARE = "src/fastweights/core/compare.py"  # the module the module-runner tests mutate
+
+
+def _return_line() -> tuple[int, str]:
+    """(line number, text) of core/compare.py's ``relative_error`` return: the line the tests below mutate."""
+    lines = (REPO / COMPARE).read_text().splitlines()
+    at = next(i for i, text in enumerate(lines, 1) if text.strip().startswith("return float((a - ref).norm()"))
+    return at, lines[at - 1]
+
+
+def _statuses_in_a_process(mutated: dict[str, str], tests: list[str], prelude: str = "", after: str = "",
+                           **options) -> subprocess.CompletedProcess:
+    """``module_mutants.statuses`` with compare.py's return line replaced by each of ``mutated`` (name -> the
+    line), run in a fresh process in the checkout (``prelude`` before it, ``after`` after it)."""
+    at, original = _return_line()
+    where = {k: (COMPARE, at, original.strip(), m.strip()) for k, m in mutated.items()}
+    edits = {k: [(at, original, m)] for k, m in mutated.items()}
+    given = "".join(f", {k}={v!r}" for k, v in options.items())
+    code = ("import sys; from pathlib import Path; sys.path.insert(0, 'tools'); sys.path.insert(0, 'tests'); "
+            f"{prelude}import module_mutants as m; "
+            f"print(m.statuses({COMPARE!r}, {list(mutated)!r}, {where!r}, {edits!r}, {tests!r}{given}));{after}")
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+
+
 def test_a_file_a_mutant_writes_into_the_checkout_is_removed_and_said():
     """A mutant whose code writes a file where the tests run (a path turned into None became a file named 'None'
     in the checkout, and a commit took it in): removed after that mutant's run, and the removal reported."""
-    line = (REPO / "src/fastweights/core/compare.py").read_text().splitlines()
-    at = next(i for i, text in enumerate(line, 1) if text.strip().startswith("return float((a - ref).norm()"))
-    original = line[at - 1]
+    _, original = _return_line()
     mutated = original.replace("return ", 'return open("stray-module-mutants.txt", "w").close() or ', 1)
-    where = {"stray": ("src/fastweights/core/compare.py", at, original.strip(), mutated.strip())}
-    edits = {"stray": [(at, original, mutated)]}
-    code = ("import sys; sys.path.insert(0, 'tools'); sys.path.insert(0, 'tests'); import module_mutants as m; "
-            f"print(m.statuses('src/fastweights/core/compare.py', ['stray'], {where!r}, {edits!r}, "
-            "['tests/core/test_compare.py']))")
     try:
-        r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+        r = _statuses_in_a_process({"stray": mutated}, ["tests/core/test_compare.py"])
         assert r.returncode == 0, r.stderr
         assert "removed stray-module-mutants.txt" in r.stdout and "{'stray': 'survived'}" in r.stdout
         assert not (REPO / "stray-module-mutants.txt").exists()
@@ -312,19 +329,12 @@ def test_the_module_runner_reaches_names_imported_elsewhere_and_puts_them_back(t
     check = tmp_path / "test_through_import.py"
     check.write_text("import torch\n\nfrom fastweights.ops import fla_selfcheck\n\n\n"
                      "def test_equal():\n    assert fla_selfcheck.relative_error(torch.ones(2), torch.ones(2)) == 0\n")
-    lines = (REPO / "src/fastweights/core/compare.py").read_text().splitlines()
-    at = next(i for i, text in enumerate(lines, 1) if text.strip().startswith("return float((a - ref).norm()"))
-    original = lines[at - 1]
+    _, original = _return_line()
     mutated = {"always_one": original.replace("return float(", "return 1.0 + 0 * float(", 1),
                "clamp": original.replace("1e-30", "1e-31")}
-    where = {k: ("src/fastweights/core/compare.py", at, original.strip(), m.strip()) for k, m in mutated.items()}
-    edits = {k: [(at, original, m)] for k, m in mutated.items()}
-    code = ("import sys; sys.path.insert(0, 'tools'); sys.path.insert(0, 'tests'); import module_mutants as m; "
-            f"print(m.statuses('src/fastweights/core/compare.py', ['always_one', 'clamp'], {where!r}, {edits!r}, "
-            f"[{str(check)!r}]));"
-            "from fastweights.ops import fla_selfcheck; from fastweights.core import compare; "
-            "print(fla_selfcheck.relative_error is compare.relative_error)")
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    r = _statuses_in_a_process(mutated, [str(check)], after=(
+        "from fastweights.ops import fla_selfcheck; from fastweights.core import compare; "
+        "print(fla_selfcheck.relative_error is compare.relative_error)"))
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-2:] == ["{'always_one': 'killed', 'clamp': 'survived'}", "True"], r.stdout
 
@@ -332,16 +342,9 @@ def test_the_module_runner_reaches_names_imported_elsewhere_and_puts_them_back(t
 def test_a_mutant_that_never_ends_is_a_timeout_not_a_kill():
     """The alarm that ends a mutant's run fires inside a test, where pytest would report it as that test's
     failure: a mutant looping forever is a timeout (the draw's subprocess runner says the same), never killed."""
-    lines = (REPO / "src/fastweights/core/compare.py").read_text().splitlines()
-    at = next(i for i, text in enumerate(lines, 1) if text.strip().startswith("return float((a - ref).norm()"))
-    original = lines[at - 1]
+    _, original = _return_line()
     mutated = original.replace("return ", "while True:\n        pass\n    return ", 1)
-    where = {"loop": ("src/fastweights/core/compare.py", at, original.strip(), "while True: pass")}
-    edits = {"loop": [(at, original, mutated)]}
-    code = ("import sys; sys.path.insert(0, 'tools'); sys.path.insert(0, 'tests'); import module_mutants as m; "
-            f"print(m.statuses('src/fastweights/core/compare.py', ['loop'], {where!r}, {edits!r}, "
-            "['tests/core/test_compare.py'], timeout_s=3))")
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    r = _statuses_in_a_process({"loop": mutated}, ["tests/core/test_compare.py"], timeout_s=3)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "{'loop': 'timeout'}", r.stdout
 
@@ -352,18 +355,11 @@ def test_a_survivor_on_the_accepted_list_is_reported_as_accepted_on_its_line(tmp
     accepted = tmp_path / "accepted.toml"
     accepted.write_text('[[accepted]]\nmutant = "fastweights.core.compare.x_relative_error__mutmut_*"\n'
                         'line_matches = "1e-31"\nreason = "equivalent"\n')
-    lines = (REPO / "src/fastweights/core/compare.py").read_text().splitlines()
-    at = next(i for i, text in enumerate(lines, 1) if text.strip().startswith("return float((a - ref).norm()"))
-    original = lines[at - 1]
+    _, original = _return_line()
     names = {"fastweights.core.compare.x_relative_error__mutmut_1": original.replace("1e-30", "1e-31"),
              "fastweights.core.compare.x_relative_error__mutmut_2": original.replace("1e-30", "1e-29")}
-    where = {k: ("src/fastweights/core/compare.py", at, original.strip(), m.strip()) for k, m in names.items()}
-    edits = {k: [(at, original, m)] for k, m in names.items()}
-    code = ("import sys; from pathlib import Path; sys.path.insert(0, 'tools'); sys.path.insert(0, 'tests'); "
-            f"import mutants; mutants.ACCEPTED = Path({str(accepted)!r}); import module_mutants as m; "
-            f"print(m.statuses('src/fastweights/core/compare.py', {list(names)!r}, {where!r}, {edits!r}, "
-            "['tests/core/test_compare.py']))")
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    r = _statuses_in_a_process(names, ["tests/core/test_compare.py"],
+                               prelude=f"import mutants; mutants.ACCEPTED = Path({str(accepted)!r}); ")
     assert r.returncode == 0, r.stderr
     shown = [line.split()[0] for line in r.stdout.strip().splitlines()[:2]]
     assert shown == ["accepted", "survived"], r.stdout

@@ -87,11 +87,16 @@ def parse_excerpts(value: str, role: str) -> list[ExcerptSpec]:
     return rows
 
 
+def excerpt_document(spec: ExcerptSpec) -> str:
+    """The text of the one document ``spec`` names (``CORPUS:DOCUMENT``), whole."""
+    (doc,) = load_corpus(spec.document)
+    return doc.text
+
+
 def token_excerpt(tok, spec: ExcerptSpec, predictions: int) -> tuple[torch.Tensor, dict]:
     """``predictions`` + 1 token ids (``[predictions + 1]`` int64) of ``spec``'s document from its marker, cut by
     ``tok`` (anything with ``encode`` and ``decode``), and where they come from (``info``)."""
-    (doc,) = load_corpus(spec.document)
-    text = doc.text
+    text = excerpt_document(spec)
     start = text.find(spec.marker) if spec.marker else 0
     if start < 0:
         raise UserError(f"{spec.document}: start marker {spec.marker!r} not found")

@@ -59,12 +59,11 @@ def pieces(text: str, n: int = PIECES, size: int = PIECE_CHARS) -> list[str]:
 
 def check_disjoint(runs: Path) -> None:
     """UserError when a training folder holds a line of 60+ characters of its own scored excerpt."""
-    from fastweights.data import load_corpus
+    from fastweights.data.excerpts import excerpt_document
 
     for key in SOURCES:
         spec = next(s for s, _ in TEXTS if s.key == key)
-        (document,) = load_corpus(spec.document)  # an excerpt names one document (data.excerpts.token_excerpt)
-        doc = document.text
+        doc = excerpt_document(spec)
         at = doc.find(spec.marker)
         lines = [ln for ln in doc[at:at + 20_000].splitlines() if len(ln.strip()) >= 60]
         for f in sorted((runs / "data" / key).glob("*.txt")):
